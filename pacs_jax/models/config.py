@@ -1,0 +1,177 @@
+"""Qwen model configuration: read from / written to a Hugging Face config.json, plus presets.
+
+One dataclass covers Qwen2, Qwen2.5 (model_type "qwen2": q/k/v biases) and Qwen3 (model_type
+"qwen3": per-head RMSNorm on q and k, explicit head_dim, no biases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenConfig:
+    """Architecture of a Qwen decoder plus the dtypes and remat policy used to run it."""
+
+    model_type: str = "qwen2"
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = True  # q/k/v biases (always on for qwen2)
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = 151643
+    eos_token_id: int | tuple[int, ...] | None = 151643
+    # How to run it (not part of the HF architecture):
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators
+    remat: str = "none"  # one of REMAT_POLICIES
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not supported; expected one of "
+                             f"{SUPPORTED_MODEL_TYPES}")
+        if isinstance(self.eos_token_id, list):  # keep the config hashable (a static jit argument)
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        for field in ("param_dtype", "dtype"):
+            if getattr(self, field) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{field}={getattr(self, field)!r}: expected float32, bfloat16 or float16")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    def replace(self, **changes) -> QwenConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json", **overrides) -> QwenConfig:
+        """Build from the dict of an HF config.json; ``source`` names it in error messages."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} is not supported "
+                             f"(expected one of {SUPPORTED_MODEL_TYPES})")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+        if hf.get("use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {missing}")
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf_file(cls, path: str | pathlib.Path, **overrides) -> QwenConfig:
+        path = pathlib.Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from e
+        return cls.from_hf_dict(hf, source=str(path), **overrides)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF config.json dict (transformers' Qwen2Config / Qwen3Config fields)."""
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        out = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "use_sliding_window": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
+        }
+        if self.model_type == "qwen3":
+            out["attention_bias"] = self.attention_bias
+        return out
+
+
+def _preset(model_type, vocab, hidden, inter, layers, heads, kv, tie, max_pos, head_dim=None,
+            eos=151643):
+    return QwenConfig(model_type=model_type, vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, head_dim=head_dim, rope_theta=1_000_000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=tie, attention_bias=model_type == "qwen2",
+                      max_position_embeddings=max_pos, bos_token_id=151643, eos_token_id=eos)
+
+
+# Values from the published config.json files of the base models on the Hugging Face hub.
+PRESETS: dict[str, QwenConfig] = {
+    "Qwen2.5-0.5B": _preset("qwen2", 151936, 896, 4864, 24, 14, 2, True, 32768),
+    "Qwen2.5-1.5B": _preset("qwen2", 151936, 1536, 8960, 28, 12, 2, True, 131072),
+    "Qwen2.5-3B": _preset("qwen2", 151936, 2048, 11008, 36, 16, 2, True, 32768),
+    "Qwen2.5-7B": _preset("qwen2", 152064, 3584, 18944, 28, 28, 4, False, 131072),
+    "Qwen3-0.6B": _preset("qwen3", 151936, 1024, 3072, 28, 16, 8, True, 40960, 128, 151645),
+    "Qwen3-1.7B": _preset("qwen3", 151936, 2048, 6144, 28, 16, 8, True, 40960, 128, 151645),
+    "Qwen3-4B": _preset("qwen3", 151936, 2560, 9728, 36, 32, 8, True, 40960, 128, 151645),
+    "Qwen3-8B": _preset("qwen3", 151936, 4096, 12288, 36, 32, 8, False, 40960, 128, 151645),
+}
+
+
+def preset(name: str, **overrides) -> QwenConfig:
+    """A named preset (see PRESETS), with dtype / remat overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"model preset {name!r} is unknown; known: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

@@ -1,0 +1,127 @@
+"""Building Qwen models: random init, loading HF or Orbax weights straight into sharded arrays.
+
+Parameters are created tensor by tensor with ``jax.make_array_from_callback``: each device takes its
+slice of the one host copy of the tensor being loaded, so no second full copy of the model is ever
+held on a host.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.hf_weights import HFWeightReader, read_param, weight_map, write_hf_dir
+from pacs_jax.models.qwen import Qwen
+from pacs_jax.sharding import MUST_DIVIDE, MeshRules
+
+
+
+def check_mesh(cfg: QwenConfig, mesh: Mesh) -> None:
+    """Raise a ValueError naming the config field when the tensor axis does not divide it."""
+    tensor = mesh.shape["tensor"]
+    sizes = {"heads": cfg.num_attention_heads, "mlp": cfg.intermediate_size}
+    for logical, size in sizes.items():
+        if size % tensor:
+            raise ValueError(f"{MUST_DIVIDE[logical]}={size} is not divisible by mesh.tensor={tensor}")
+
+
+def abstract_model(cfg: QwenConfig, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of ``Qwen(cfg)`` without allocating; values carry shardings."""
+    rules = None
+    if mesh is not None:
+        check_mesh(cfg, mesh)
+        rules = MeshRules(mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), rules=rules)))
+    if rules is not None:
+        state = jax.tree.map(
+            lambda v: v.replace(value=jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rules.sharding(v.logical_axes, v.shape))),
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, state
+
+
+def dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def param_shardings(state: nnx.State) -> nnx.State:
+    """The NamedSharding of every parameter of an (abstract or real) state."""
+    return jax.tree.map(lambda v: v.get_value().sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def build_from_arrays(cfg: QwenConfig, mesh: Mesh | None,
+                      load: Callable[[str, jax.ShapeDtypeStruct], np.ndarray], *, progress: str | None = None) -> Qwen:
+    """A model whose parameters come from ``load(dotted_path, abstract) -> host array``, one at a time."""
+    graphdef, state = abstract_model(cfg, mesh)
+    device = None if mesh is not None else jax.devices()[0]
+    items = []
+    flat = list(nnx.to_flat_state(state))
+    for path, var in tqdm(flat, desc=progress, disable=progress is None, leave=False):
+        abstract = var.get_value()
+        host = load(dotted(path), abstract)
+        if mesh is None:
+            array = jax.device_put(host, device)
+        else:
+            array = jax.make_array_from_callback(host.shape, abstract.sharding, lambda idx, h=host: h[idx])
+        items.append((path, var.replace(value=array)))
+        del host
+    return nnx.merge(graphdef, nnx.from_flat_state(items))
+
+
+def init_random(cfg: QwenConfig, mesh: Mesh | None = None, seed: int = 0) -> Qwen:
+    """A randomly initialised model (normal(0, 0.02) weights), created directly in its sharding."""
+    graphdef, abstract = abstract_model(cfg, mesh)
+    rules = None if mesh is None else MeshRules(mesh)
+    out_shardings = None if mesh is None else param_shardings(abstract)
+    state = jax.jit(lambda: nnx.state(Qwen(cfg, rngs=nnx.Rngs(seed), rules=rules)), out_shardings=out_shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def _hf_param_dtype(hf_dir: pathlib.Path) -> str:
+    hf = json.loads((hf_dir / "config.json").read_text())
+    return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+
+
+def load_hf(hf_dir: str | pathlib.Path, mesh: Mesh | None = None, *, dtype: str = "float32",
+            param_dtype: str | None = "float32", remat: str = "none", progress: bool = True) -> Qwen:
+    """Load an HF directory (config.json + safetensors) into a (sharded) model.
+
+    ``param_dtype=None`` keeps the dtype the checkpoint declares (config.json "dtype").
+    """
+    hf_dir = pathlib.Path(hf_dir)
+    param_dtype = param_dtype or _hf_param_dtype(hf_dir)
+    cfg = QwenConfig.from_hf_file(hf_dir, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    reader = HFWeightReader(hf_dir)
+    mapping = weight_map(cfg)
+    return build_from_arrays(
+        cfg, mesh, lambda path, abstract: read_param(reader, path, mapping[path], abstract.shape, abstract.dtype),
+        progress=f"loading {hf_dir.name}" if progress else None)
+
+
+def host_params(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
+    """(dotted path, host numpy array) for each parameter, one at a time (gathered if sharded)."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        if jax.process_count() > 1 and not value.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            value = multihost_utils.process_allgather(value, tiled=True)
+        yield dotted(path), np.asarray(jax.device_get(value))
+
+
+def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetensors",
+              max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | pathlib.Path | None = None,
+              overwrite: bool = False) -> pathlib.Path:
+    """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved)."""
+    cfg = model.cfg
+    mapping = weight_map(cfg)
+    tensors = ((mapping[path].hf_name, np.ascontiguousarray(mapping[path].to_hf(array)))
+               for path, array in host_params(model))
+    return write_hf_dir(out_dir, cfg, tensors, fmt=fmt, max_shard_bytes=max_shard_bytes,
+                        tokenizer_dir=tokenizer_dir, overwrite=overwrite)

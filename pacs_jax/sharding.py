@@ -1,0 +1,124 @@
+"""Device mesh, logical axis rules and sharding helpers (MaxText style).
+
+Every parameter carries *logical* axis names (``embed``, ``mlp``, ``heads``, ...). One table,
+``LOGICAL_RULES``, maps them to the mesh axes ``("data", "fsdp", "tensor")``; changing a layout is
+editing that table. Activations are constrained with logical names too (``batch``, ``act_heads``).
+
+Mesh axis types: we build meshes with ``AxisType.Auto`` on purpose (GSPMD propagation, the MaxText
+default). JAX 0.10's ``jax.make_mesh`` would otherwise give Explicit axes, under which every op needs
+its output sharding spelled out.
+
+Divisibility: a logical axis whose size the mesh axes do not divide is replicated instead, except
+for the axes in ``MUST_DIVIDE`` (query heads, MLP width), where a silent replication would waste a
+factor of the tensor axis in memory; those raise. This is how K/V projections with fewer KV heads
+than the tensor axis (Qwen2.5-7B: 4 KV heads on tensor=8) end up replicated, as in vLLM and MaxText.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes (a tuple shards over their product; () replicates).
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    # parameters
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    # activations
+    "batch": ("data", "fsdp"),
+    "length": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "cache_length": (),
+}
+
+# Logical axes that must be divisible by their mesh axes (otherwise: a clear error).
+MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size"}
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh with Auto axis types; one size may be -1 (fills the rest).
+
+    Raises ValueError naming ``mesh.<axis>`` when the sizes do not fit the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    unknown = [k for k, v in sizes.items() if v == -1]
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh.{name}={size}: sizes must be positive or -1")
+    if len(unknown) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {unknown}")
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if unknown:
+        if len(devices) % known:
+            raise ValueError(
+                f"mesh.{unknown[0]}=-1: {len(devices)} devices are not divisible by the other axes ({known})")
+        sizes[unknown[0]] = len(devices) // known
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"mesh (data, fsdp, tensor)={shape} needs {math.prod(shape)} devices, "
+                         f"{len(devices)} are available")
+    if devices == list(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+    """A mesh plus the logical rules table: turns logical axis names into shardings."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = tuple(LOGICAL_RULES.items())  # hashable table
+
+    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+        """PartitionSpec for an array of ``shape`` whose dims carry ``logical_axes``.
+
+        A dim whose size its mesh axes do not divide is replicated (or raises for MUST_DIVIDE axes);
+        a mesh axis is used at most once per array.
+        """
+        if len(logical_axes) != len(shape):
+            raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+        table = dict(self.rules)
+        used: set[str] = set()
+        out = []
+        for name, size in zip(logical_axes, shape):
+            axes = tuple(a for a in table.get(name, ()) if a not in used) if name else ()
+            ways = math.prod(self.mesh.shape[a] for a in axes)
+            if axes and size % ways:
+                if name in MUST_DIVIDE:
+                    raise ValueError(
+                        f"{MUST_DIVIDE[name]}: size {size} is not divisible by mesh axes {axes} "
+                        f"(size {ways}); choose a mesh whose tensor axis divides it")
+                axes = ()
+            axes = tuple(a for a in axes if self.mesh.shape[a] > 1)
+            used.update(axes)
+            out.append(axes[0] if len(axes) == 1 else (axes or None))
+        return PartitionSpec(*out)
+
+    def sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes, shape))
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+        """``with_sharding_constraint`` by logical names (activations at layer boundaries)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes, x.shape))
+
+
+def constrain(x: jax.Array, rules: MeshRules | None, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Constrain ``x`` when a mesh is in use; a no-op on a single device (``rules is None``)."""
+    return x if rules is None else rules.constrain(x, logical_axes)
