@@ -1,0 +1,158 @@
+"""Fused, chunked per-token log-probabilities (and entropies) from final hidden states.
+
+Shapes: B batch, T tokens, D hidden, V vocabulary, C chunk length (tokens per sequence per step).
+
+The full logits ``hidden @ lm_head`` are [B, T, V]: 10 GB in float32 for one 16k-token sequence of a
+Qwen vocabulary. Here they never exist. A loop walks the T axis in chunks of C tokens; each step
+builds the [B, C, V] logits of its chunk, reduces them to a log-sum-exp, the target's logit and
+(optionally) the entropy, and drops them. The backward pass (a ``jax.custom_vjp``) keeps only the
+[B, T] log-sum-exp (and entropy) from the forward pass and walks the chunks again: it recomputes a
+chunk's logits, forms d loss / d logits for that chunk, and turns it into the chunk's slice of
+d hidden and a contribution to d lm_head (accumulated in float32).
+
+Sharding: the chunk loop runs along T, so the batch axis keeps its ("data", "fsdp") sharding and
+the vocabulary axis of ``lm_head`` its "tensor" sharding; the per-chunk reductions over V become
+all-reduces that GSPMD inserts. The target logit is picked with a compare-and-sum over V (not a
+gather) for the same reason: a gather on a vocab-sharded array would all-gather it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
+                   temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+    """log softmax(hidden @ lm_head / temperature)[targets], without a [B, T, V] array.
+
+    hidden [B, T, D] (any float dtype), lm_head [D, V], targets [B, T] int -> log-probs [B, T] float32.
+    Differentiable w.r.t. hidden and lm_head (gradients come back in their dtypes).
+    """
+    _check(hidden, lm_head, targets, temperature, chunk_size)
+    logp, _ = _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), False)
+    return logp
+
+
+def token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
+                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+                               ) -> tuple[jax.Array, jax.Array]:
+    """Like ``token_logprobs``, plus the entropy of each token's distribution.
+
+    Returns (log-probs [B, T] float32, entropy [B, T] float32); both are differentiable.
+    """
+    _check(hidden, lm_head, targets, temperature, chunk_size)
+    return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True)
+
+
+def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:
+    """Shape and argument checks, on static facts only (works on tracers)."""
+    if hidden.ndim != 3:
+        raise ValueError(f"hidden must be [B, T, D], got shape {hidden.shape}")
+    if lm_head.ndim != 2 or lm_head.shape[0] != hidden.shape[2]:
+        raise ValueError(f"lm_head must be [D, V] with D={hidden.shape[2]} (hidden's last dim), "
+                         f"got shape {lm_head.shape}")
+    if targets.shape != hidden.shape[:2]:
+        raise ValueError(f"targets must be [B, T]={hidden.shape[:2]} like hidden, got {targets.shape}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _chunk_logits(h: jax.Array, w: jax.Array, temperature: float) -> jax.Array:
+    """h [B, C, D], w [D, V] -> logits / temperature [B, C, V] float32 (one chunk only)."""
+    z = jnp.einsum("bcd,dv->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return z / temperature
+
+
+def _target_logit(z: jax.Array, y: jax.Array) -> jax.Array:
+    """z [B, C, V], y [B, C] -> z[b, c, y[b, c]] [B, C] via compare-and-sum (sharding-friendly)."""
+    vocab = jax.lax.broadcasted_iota(y.dtype, z.shape, 2)
+    return jnp.sum(jnp.where(vocab == y[..., None], z, 0.0), axis=-1)
+
+
+def _pad_to_chunks(hidden, targets, chunk):
+    """Pad T up to a multiple of the chunk length; returns (hidden, targets, number of chunks)."""
+    T = hidden.shape[1]
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    return hidden, targets, n
+
+
+def _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
+    """Returns (logp [B, T], entropy [B, T] or None, lse [B, T]) all float32."""
+    B, T, _ = hidden.shape
+    C = min(chunk_size, T)
+    h_all, y_all, n = _pad_to_chunks(hidden, targets, C)
+
+    def step(i, acc):
+        h = jax.lax.dynamic_slice_in_dim(h_all, i * C, C, axis=1)
+        y = jax.lax.dynamic_slice_in_dim(y_all, i * C, C, axis=1)
+        z = _chunk_logits(h, lm_head, temperature)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        out = {"logp": _target_logit(z, y) - lse, "lse": lse}
+        if with_entropy:
+            out["ent"] = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+        return {k: jax.lax.dynamic_update_slice_in_dim(acc[k], v, i * C, axis=1) for k, v in out.items()}
+
+    names = ("logp", "lse", "ent") if with_entropy else ("logp", "lse")
+    acc = jax.lax.fori_loop(0, n, step, {k: jnp.zeros((B, n * C), jnp.float32) for k in names})
+    return acc["logp"][:, :T], (acc["ent"][:, :T] if with_entropy else None), acc["lse"][:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
+    logp, ent, _ = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
+    return logp, ent
+
+
+def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
+    logp, ent, lse = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
+    return (logp, ent), (hidden, lm_head, targets, lse, ent)
+
+
+def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
+    """d logp_t / d z_k = [k = y_t] - p_k;  d H_t / d z_k = -p_k (z_k - sum_j p_j z_j)."""
+    hidden, lm_head, targets, lse, ent = residuals
+    g_logp, g_ent = cotangents
+    B, T, D = hidden.shape
+    C = min(chunk_size, T)
+    h_all, y_all, n = _pad_to_chunks(hidden, targets, C)
+    pad = ((0, 0), (0, n * C - T))
+    g_logp, lse = jnp.pad(g_logp, pad), jnp.pad(lse, pad)
+    if with_entropy:
+        g_ent, ent = jnp.pad(g_ent, pad), jnp.pad(ent, pad)
+
+    def step(i, acc):
+        d_hidden, d_head = acc
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * C, C, axis=1)  # noqa: E731
+        h, y = sl(h_all), sl(y_all)
+        z = _chunk_logits(h, lm_head, temperature)
+        p = jnp.exp(z - sl(lse)[..., None])
+        vocab = jax.lax.broadcasted_iota(y.dtype, z.shape, 2)
+        dz = sl(g_logp)[..., None] * ((vocab == y[..., None]).astype(jnp.float32) - p)
+        if with_entropy:
+            mean_z = sl(lse) - sl(ent)  # sum_j p_j z_j
+            dz = dz - sl(g_ent)[..., None] * p * (z - mean_z[..., None])
+        dz = (dz / temperature).astype(h.dtype)  # d loss / d (h @ w), in the compute dtype
+        d_h = jnp.einsum("bcv,dv->bcd", dz, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * C, axis=1)
+        d_head = d_head + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
+        return d_hidden, d_head
+
+    init = (jnp.zeros((B, n * C, D), hidden.dtype), jnp.zeros(lm_head.shape, jnp.float32))
+    d_hidden, d_head = jax.lax.fori_loop(0, n, step, init)
+    return d_hidden[:, :T], d_head.astype(lm_head.dtype), None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
