@@ -1,0 +1,185 @@
+"""GRPO / RLOO / Dr.GRPO (dual-clip PPO objective, every aggregation, KL) vs float64 NumPy."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pacs_jax import rl
+
+
+# ---------------------------------------------------------------- float64 NumPy reference
+
+def ref_advantages(rewards, n, estimator):
+    y = np.asarray(rewards, np.float64)
+    adv = np.zeros_like(y)
+    for start in range(0, len(y), n):
+        g = y[start:start + n]
+        for k in range(n):
+            if estimator == "grpo":
+                std = np.sqrt(np.sum((g - g.mean()) ** 2) / (n - 1))
+                adv[start + k] = (g[k] - g.mean()) / (std + 1e-6)
+            elif estimator == "rloo":
+                adv[start + k] = g[k] - (g.sum() - g[k]) / (n - 1)
+            else:  # drgrpo
+                adv[start + k] = g[k] - g.mean()
+    return adv
+
+
+def ref_token_loss(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, c=3.0):
+    """Dual-clip PPO token losses, one token at a time."""
+    out = np.zeros(logp.shape)
+    for i, t in itertools.product(range(logp.shape[0]), range(logp.shape[1])):
+        ratio = np.exp(float(logp[i, t]) - float(old_logp[i, t]))
+        a = adv[i]
+        loss = max(-a * ratio, -a * min(max(ratio, 1 - eps_low), 1 + eps_high))
+        if a < 0:
+            loss = min(loss, -a * c)
+        out[i, t] = loss
+    return out
+
+
+def ref_aggregate(loss, mask, mode, norm_length=None):
+    mask = np.asarray(mask, np.float64)
+    B, T = loss.shape
+    if mode == "token-mean":
+        return (loss * mask).sum() / mask.sum()
+    if mode == "seq-mean-token-mean":
+        return np.mean([(loss[i] * mask[i]).sum() / mask[i].sum() for i in range(B)])
+    if mode == "seq-mean-token-sum":
+        return np.mean([(loss[i] * mask[i]).sum() for i in range(B)])
+    return np.mean([(loss[i] * mask[i]).sum() for i in range(B)]) / (norm_length or T)
+
+
+def ref_kl(logp, ref_logp, kind):
+    logp, ref_logp = np.asarray(logp, np.float64), np.asarray(ref_logp, np.float64)
+    if kind == "k1":
+        return logp - ref_logp
+    d = np.clip(ref_logp - logp, -20, 20)
+    return np.clip(np.exp(d) - d - 1, -10, 10)
+
+
+ESTIMATOR = {"grpo": "grpo", "rloo": "rloo", "drgrpo": "drgrpo"}
+
+
+def ref_objective(name, logp, old_logp, mask, rewards, n, *, loss_agg_mode, ref_logp=None, kl_coef=0.0,
+                  kl_type="low_var_kl", norm_length=None):
+    adv = ref_advantages(rewards, n, ESTIMATOR[name])
+    loss = ref_aggregate(ref_token_loss(logp, old_logp, adv), mask, loss_agg_mode, norm_length)
+    if kl_coef:
+        loss += kl_coef * ref_aggregate(ref_kl(logp, ref_logp, kl_type), mask, loss_agg_mode, norm_length)
+    return loss
+
+
+def make_batch(seed, n, groups=3, T=9, spread=0.6):
+    """Ratios spread wide enough to hit both PPO clips and the dual clip; ragged masks; group 0
+    all correct (zero advantages), real-valued rewards elsewhere."""
+    rs = np.random.RandomState(seed)
+    B = n * groups
+    logp = -rs.exponential(1.0, (B, T)).astype(np.float32)
+    old_logp = (logp + spread * rs.randn(B, T)).astype(np.float32)
+    old_logp[::2, 0] = logp[::2, 0] - 1.5  # ratio e^1.5 > 3 on live tokens: the dual clip's territory
+    ref_logp = (logp + 0.5 * rs.randn(B, T)).astype(np.float32)
+    lengths = rs.randint(1, T + 1, B)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+    rewards = rs.randint(0, 2, B).astype(np.float32)
+    rewards[:n] = 1.0
+    rewards[-1] = 0.25  # non-binary rewards are fine for policy gradients
+    return logp, old_logp, mask, rewards, ref_logp
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_objectives_match_numpy_for_every_aggregation(n):
+    logp, old_logp, mask, rewards, ref_logp = make_batch(seed=n, n=n)
+    # the batch exercises both clip branches and the dual clip
+    adv = ref_advantages(rewards, n, "grpo")[:, None]
+    ratio = np.exp(logp.astype(np.float64) - old_logp)
+    live = mask > 0
+    assert ((ratio > 1.2) & live).any() and ((ratio < 0.8) & live).any() and ((adv < 0) & (ratio > 3) & live).any()
+    for name, mode in itertools.product(("grpo", "rloo", "drgrpo"), rl.LOSS_AGG_MODES):
+        got, _ = rl.get_objective(name, loss_agg_mode=mode)(*map(jnp.asarray, (logp, old_logp, mask, rewards)), n)
+        want = ref_objective(name, logp, old_logp, mask, rewards, n, loss_agg_mode=mode)
+        np.testing.assert_allclose(float(got), want, rtol=2e-5, atol=1e-6, err_msg=f"{name} {mode}")
+
+
+def test_defaults_and_norm_length():
+    n = 4
+    logp, old_logp, mask, rewards, _ = make_batch(seed=11, n=n)
+    args = [jnp.asarray(a) for a in (logp, old_logp, mask, rewards)]
+    for fn, name, mode in ((rl.grpo_loss, "grpo", "seq-mean-token-sum-norm"), (rl.rloo_loss, "rloo", "token-mean"),
+                           (rl.drgrpo_loss, "drgrpo", "seq-mean-token-sum-norm")):
+        want = ref_objective(name, logp, old_logp, mask, rewards, n, loss_agg_mode=mode)
+        np.testing.assert_allclose(float(fn(*args, n)[0]), want, rtol=2e-5, err_msg=name)
+    got, _ = rl.drgrpo_loss(*args, n, norm_length=4096)
+    want = ref_objective("drgrpo", logp, old_logp, mask, rewards, n, loss_agg_mode="seq-mean-token-sum-norm",
+                         norm_length=4096)
+    np.testing.assert_allclose(float(got), want, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "low_var_kl"])
+def test_kl_penalty_matches_numpy(kl_type):
+    n = 4
+    logp, old_logp, mask, rewards, ref_logp = make_batch(seed=4, n=n)
+    got, metrics = rl.grpo_loss(*map(jnp.asarray, (logp, old_logp, mask, rewards)), n, loss_agg_mode="token-mean",
+                                ref_logp=jnp.asarray(ref_logp), kl_coef=0.05, kl_type=kl_type)
+    want = ref_objective("grpo", logp, old_logp, mask, rewards, n, loss_agg_mode="token-mean", ref_logp=ref_logp,
+                         kl_coef=0.05, kl_type=kl_type)
+    np.testing.assert_allclose(float(got), want, rtol=2e-5, atol=1e-6)
+    kl = ref_kl(logp, ref_logp, kl_type)
+    np.testing.assert_allclose(float(metrics["pg/kl_ref"]), (kl * mask).sum() / mask.sum(), rtol=1e-5)
+    extreme = rl.kl_penalty(jnp.asarray([0.0, -60.0]), jnp.asarray([-60.0, 0.0]), kl_type)
+    assert np.isfinite(np.asarray(extreme)).all()
+
+
+def test_gradient_wrt_token_logprobs_is_clipped_ratio_times_advantage():
+    # token-mean: d L / d logp_it = -A_i ratio_it m_it / sum(m) on unclipped tokens, 0 on clipped ones.
+    n = 4
+    logp, old_logp, mask, rewards, _ = make_batch(seed=7, n=n)
+    grad = jax.grad(lambda lp: rl.grpo_loss(lp, jnp.asarray(old_logp), jnp.asarray(mask), jnp.asarray(rewards), n,
+                                            loss_agg_mode="token-mean")[0])(jnp.asarray(logp))
+    adv = ref_advantages(rewards, n, "grpo")
+    ratio = np.exp(logp.astype(np.float64) - old_logp)
+    want = np.zeros(logp.shape)
+    for i, t in itertools.product(range(logp.shape[0]), range(logp.shape[1])):
+        a, r = adv[i], ratio[i, t]
+        active = (a > 0 and r < 1.2) or (a < 0 and 0.8 < r < 3.0)  # the unclipped branch is the max
+        want[i, t] = -a * r * mask[i, t] / mask.sum() if active else 0.0
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-7)
+    assert (want == 0).sum() > (mask == 0).sum()  # some live tokens were clipped
+
+
+def test_micro_batch_totals_add_up_for_every_aggregation():
+    n = 2
+    logp, old_logp, mask, rewards, _ = (jnp.asarray(a) for a in make_batch(seed=8, n=n, groups=4))
+    totals = rl.BatchTotals(num_sequences=len(rewards), num_tokens=jnp.sum(mask))
+    for mode in rl.LOSS_AGG_MODES:
+        full, _ = rl.grpo_loss(logp, old_logp, mask, rewards, n, loss_agg_mode=mode)
+        halves = [rl.grpo_loss(logp[s:s + 4], old_logp[s:s + 4], mask[s:s + 4], rewards[s:s + 4], n,
+                               loss_agg_mode=mode, totals=totals)[0] for s in (0, 4)]
+        np.testing.assert_allclose(float(sum(halves)), float(full), rtol=1e-6, err_msg=mode)
+
+
+def test_bad_input_raises():
+    z = np.zeros((4, 3), np.float32)
+    m = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="group_size=1"):
+        rl.rloo_loss(z, z, m, np.ones(4, np.float32), 1)
+    with pytest.raises(ValueError, match="group_size=1"):
+        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 1)
+    rl.drgrpo_loss(z, z, m, np.ones(4, np.float32), 1)  # mean-centring is defined for n = 1
+    with pytest.raises(ValueError, match="not divisible by group_size=3"):
+        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 3)
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        rl.grpo_loss(z, z, m, np.array([1, np.nan, 0, 1], np.float32), 2)
+    with pytest.raises(ValueError, match="ref_logp must have logp's shape"):
+        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, ref_logp=np.zeros((4, 2), np.float32), kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
+        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, kl_coef=0.1)
+    with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
+        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="kl_type='k9'"):
+        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, ref_logp=z, kl_coef=0.1, kl_type="k9")
+    with pytest.raises(ValueError, match="has no option"):
+        rl.get_objective("grpo", beta=1.0)
