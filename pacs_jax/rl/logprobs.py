@@ -102,7 +102,8 @@ def _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
         lse = jax.nn.logsumexp(z, axis=-1)
         out = {"logp": _target_logit(z, y) - lse, "lse": lse}
         if with_entropy:
-            out["ent"] = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+            logp_all = z - lse[..., None]  # -sum p log p, not lse - sum p z: no cancellation
+            out["ent"] = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
         return {k: jax.lax.dynamic_update_slice_in_dim(acc[k], v, i * C, axis=1) for k, v in out.items()}
 
     names = ("logp", "lse", "ent") if with_entropy else ("logp", "lse")
@@ -122,7 +123,7 @@ def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
 
 
 def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
-    """d logp_t / d z_k = [k = y_t] - p_k;  d H_t / d z_k = -p_k (z_k - sum_j p_j z_j)."""
+    """d logp_t / d z_k = [k = y_t] - p_k;  d H_t / d z_k = -p_k (log p_k + H_t)."""
     hidden, lm_head, targets, lse, ent = residuals
     g_logp, g_ent = cotangents
     B, T, D = hidden.shape
@@ -138,12 +139,12 @@ def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * C, C, axis=1)  # noqa: E731
         h, y = sl(h_all), sl(y_all)
         z = _chunk_logits(h, lm_head, temperature)
-        p = jnp.exp(z - sl(lse)[..., None])
+        logp_all = z - sl(lse)[..., None]
+        p = jnp.exp(logp_all)
         vocab = jax.lax.broadcasted_iota(y.dtype, z.shape, 2)
         dz = sl(g_logp)[..., None] * ((vocab == y[..., None]).astype(jnp.float32) - p)
         if with_entropy:
-            mean_z = sl(lse) - sl(ent)  # sum_j p_j z_j
-            dz = dz - sl(g_ent)[..., None] * p * (z - mean_z[..., None])
+            dz = dz - sl(g_ent)[..., None] * p * (logp_all + sl(ent)[..., None])
         dz = (dz / temperature).astype(h.dtype)  # d loss / d (h @ w), in the compute dtype
         d_h = jnp.einsum("bcv,dv->bcd", dz, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
         d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * C, axis=1)
