@@ -139,10 +139,11 @@ def _save_bin(shard: dict[str, np.ndarray], path: pathlib.Path) -> None:
         raise ImportError("--format bin needs PyTorch (pip install torch)") from e
     out = {}
     for name, array in shard.items():
+        array = np.require(array, requirements=["C", "W"])  # torch wants writable memory (copies if not)
         if array.dtype.name == "bfloat16":
             out[name] = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
         else:
-            out[name] = torch.from_numpy(np.ascontiguousarray(array))
+            out[name] = torch.from_numpy(array)
     torch.save(out, path)
 
 

@@ -117,11 +117,12 @@ def host_params(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
 
 def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetensors",
               max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | pathlib.Path | None = None,
-              overwrite: bool = False) -> pathlib.Path:
+              overwrite: bool = False, progress: bool = False) -> pathlib.Path:
     """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved)."""
     cfg = model.cfg
     mapping = weight_map(cfg)
-    tensors = ((mapping[path].hf_name, np.ascontiguousarray(mapping[path].to_hf(array)))
-               for path, array in host_params(model))
+    params = tqdm(host_params(model), total=len(mapping), desc=f"exporting to {pathlib.Path(out_dir).name}",
+                  disable=not progress, leave=False)
+    tensors = ((mapping[path].hf_name, np.ascontiguousarray(mapping[path].to_hf(array))) for path, array in params)
     return write_hf_dir(out_dir, cfg, tensors, fmt=fmt, max_shard_bytes=max_shard_bytes,
                         tokenizer_dir=tokenizer_dir, overwrite=overwrite)
