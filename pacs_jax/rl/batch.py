@@ -30,8 +30,8 @@ class BatchTotals(NamedTuple):
 
 
 def _concrete(x) -> np.ndarray | None:
-    """x as a NumPy array when its values are known now (not a tracer), else None."""
-    if isinstance(x, jax.core.Tracer):
+    """x as a NumPy array when its values are known now (a NumPy or JAX array, not a tracer), else None."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, (np.ndarray, jax.Array)):
         return None
     return np.asarray(x)
 

@@ -25,6 +25,9 @@ OBJECTIVES: dict[str, Objective] = {
     "drgrpo": drgrpo_loss,
 }
 
+# Objectives whose rewards are class labels in {0, 1}; the others take any finite reward.
+BINARY_REWARD_OBJECTIVES = frozenset({"pacs"})
+
 _BATCH_ARGS = {"logp", "old_logp", "response_mask", "rewards", "group_size", "ref_logp", "totals"}
 
 

@@ -1,0 +1,164 @@
+"""Loss and gradient over the model parameters for one mini-batch of whole prompt groups.
+
+Batch layout (the verl layout; L = P + R):
+  input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
+  attention_mask  [B, L]         1 on real tokens (prompt and response)
+  response_mask   [B, R]         1 on the response tokens the loss sees
+  old_logp        [B, R] float   log pi_old of the response tokens (see ``make_logprobs_fn``)
+  rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
+  ref_logp        [B, R] float   optional: reference-policy log-probs for a KL penalty
+The hidden state at position P - 1 + t predicts response token t, so the response log-probs are
+the fused log-probs (pacs_jax.rl.logprobs) of hidden[:, P-1:L-1] against input_ids[:, P:].
+
+Gradient accumulation: the mini-batch is split into ``num_micro_batches`` micro-batches of whole
+groups; a ``lax.scan`` runs forward + backward on one micro-batch at a time and sums the gradients.
+Micro-batch k holds groups k, k + K, k + 2K, ... (K = num_micro_batches), so when the batch axis
+is sharded over ("data", "fsdp") every micro-batch is spread over all devices. Each micro-batch
+loss is normalised by the totals of the whole mini-batch (``BatchTotals``), so the accumulated
+loss and gradient equal those of the whole mini-batch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax.rl.batch import BatchTotals, check_batch
+from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
+from pacs_jax.rl.objectives import BINARY_REWARD_OBJECTIVES, get_objective
+from pacs_jax.sharding import MeshRules, constrain
+
+Batch = Mapping[str, jax.Array]
+REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")
+
+
+def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
+                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+    """log pi(response token t | everything before it): input_ids, attention_mask [B, P + R] -> [B, R] float32."""
+    prompt_length = input_ids.shape[1] - response_length
+    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True)  # [B, L, D]
+    return token_logprobs(hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:],
+                          temperature=temperature, chunk_size=chunk_size)
+
+
+def _check_update_batch(batch: Batch, group_size: int, num_micro_batches: int, binary_rewards: bool) -> None:
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"batch is missing {missing}; it needs {list(REQUIRED_KEYS)} (+ optional ref_logp)")
+    B, L = batch["input_ids"].shape
+    B_r, R = batch["response_mask"].shape
+    if batch["attention_mask"].shape != (B, L):
+        raise ValueError(f"batch['attention_mask'] must be [B, L]={(B, L)} like input_ids, "
+                         f"got {batch['attention_mask'].shape}")
+    if B_r != B or not 0 < R < L:
+        raise ValueError(f"batch['response_mask'] must be [B, R] with B={B} and 0 < R < L={L}, got {(B_r, R)}")
+    if num_micro_batches < 1 or B % (num_micro_batches * group_size):
+        raise ValueError(f"num_micro_batches={num_micro_batches}: a batch of {B} responses in groups of "
+                         f"{group_size} cannot be split into that many micro-batches of whole groups")
+    # Values: only the rewards (a [B] host check); the per-token arrays are checked by shape.
+    abstract = jax.ShapeDtypeStruct((B, R), jnp.float32)
+    check_batch(abstract, batch["old_logp"], abstract, batch["rewards"], group_size, min_group_size=1,
+                binary_rewards=binary_rewards, ref_logp=batch.get("ref_logp"))
+
+
+def _split_micro_batches(x: jax.Array, unit: int, num_micro_batches: int) -> jax.Array:
+    """[B, ...] -> [K, B / K, ...] by blocks of ``unit`` rows: micro-batch k holds blocks k, k + K, ..."""
+    K = num_micro_batches
+    blocks = x.reshape(x.shape[0] // (unit * K), K, unit, *x.shape[1:])
+    return jnp.moveaxis(blocks, 1, 0).reshape(K, x.shape[0] // K, *x.shape[1:])
+
+
+def _merge_micro_batches(x: jax.Array, unit: int) -> jax.Array:
+    """Inverse of ``_split_micro_batches``: [K, B / K, ...] -> [B, ...]."""
+    K, rows = x.shape[:2]
+    blocks = x.reshape(K, rows // unit, unit, *x.shape[2:])
+    return jnp.moveaxis(blocks, 0, 1).reshape(K * rows, *x.shape[2:])
+
+
+def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
+                     objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
+                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     rules: MeshRules | None = None) -> Callable[[nnx.State, Batch], tuple]:
+    """The pure (un-jitted) ``(params, batch) -> (loss, metrics, grads)``, to compose into a train step.
+
+    graphdef/params: ``nnx.split(model)`` of a model whose state is all parameters. objective: a name
+    in pacs_jax.rl.OBJECTIVES, with ``objective_options`` bound. grads: same structure as params, in
+    float32. metrics: the objective's metrics averaged over micro-batches (means are exact; a
+    "_std" metric is the mean of the micro-batch stds). rules: shard micro-batches over the mesh.
+    """
+    fn = get_objective(objective, **(objective_options or {}))
+    K = num_micro_batches
+
+    def micro_loss(params, micro, totals):
+        model = nnx.merge(graphdef, params)
+        R = micro["response_mask"].shape[1]
+        logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature=temperature,
+                                 chunk_size=chunk_size)
+        return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size,
+                  ref_logp=micro.get("ref_logp"), totals=totals)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def loss_and_grad(params: nnx.State, batch: Batch):
+        batch = dict(batch)
+        totals = BatchTotals(num_sequences=batch["rewards"].shape[0],
+                             num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
+        micro = {k: _split_micro_batches(v, group_size, K) for k, v in batch.items()}
+        micro = {k: constrain(v, rules, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
+
+        def step(acc, mb):
+            loss_sum, grad_sum = acc
+            (loss, metrics), grads = grad_fn(params, mb, totals)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            return (loss_sum + loss, grad_sum), metrics
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (loss, grads), metrics = jax.lax.scan(step, (jnp.zeros((), jnp.float32), zeros), micro)
+        return loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads
+
+    return loss_and_grad
+
+
+def make_loss_and_grad(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
+                       objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
+                       temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                       rules: MeshRules | None = None) -> Callable[[nnx.State, Batch], tuple]:
+    """Jitted ``loss_and_grad(params, batch) -> (loss, metrics, grads)`` (see ``loss_and_grad_fn``).
+
+    The batch is validated before the jitted call (keys, shapes, whole groups per micro-batch,
+    reward values when they are concrete) and raises ValueError naming the offending entry.
+    """
+    jitted = jax.jit(loss_and_grad_fn(graphdef, objective, group_size=group_size,
+                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
+                                      temperature=temperature, chunk_size=chunk_size, rules=rules))
+    binary = objective in BINARY_REWARD_OBJECTIVES
+
+    def loss_and_grad(params: nnx.State, batch: Batch):
+        _check_update_batch(batch, group_size, num_micro_batches, binary)
+        return jitted(params, batch)
+
+    return loss_and_grad
+
+
+def make_logprobs_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 1, temperature: float = 1.0,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[nnx.State, jax.Array, jax.Array, int], jax.Array]:
+    """Jitted ``(params, input_ids, attention_mask, response_length) -> [B, R]`` response log-probs, no
+    gradient: pi_old right after rollout (DESIGN.md section 3). Runs ``num_micro_batches`` forward passes
+    of B / K rows each (``lax.map``) to bound activation memory."""
+
+    def logprobs(params, input_ids, attention_mask, response_length):
+        model = nnx.merge(graphdef, params)
+        B = input_ids.shape[0]
+        if B % num_micro_batches:
+            raise ValueError(f"num_micro_batches={num_micro_batches} does not divide the batch of {B} rows")
+        split = lambda x: _split_micro_batches(x, 1, num_micro_batches)  # noqa: E731
+        out = jax.lax.map(lambda ids_mask: response_logprobs(model, *ids_mask, response_length,
+                                                             temperature=temperature, chunk_size=chunk_size),
+                          (split(input_ids), split(attention_mask)))
+        return jax.lax.stop_gradient(_merge_micro_batches(out, 1))
+
+    return jax.jit(logprobs, static_argnums=3)

@@ -1,0 +1,155 @@
+"""The jitted loss-and-gradient over a tiny Qwen: response log-prob alignment, finite differences,
+micro-batch accumulation, sharded meshes, bad batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pacs_jax import models, rl, sharding
+
+CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=4)
+N, PROMPT, RESPONSE = 4, 5, 6  # group size, prompt and response lengths
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(graphdef, params) of a one-layer Qwen with random weights."""
+    return nnx.split(models.init_random(CFG, seed=0))
+
+
+@pytest.fixture(scope="module")
+def pacs_update(tiny):
+    """The jitted PACS loss-and-gradient with two micro-batches, shared by several tests."""
+    return rl.make_loss_and_grad(tiny[0], "pacs", group_size=N, num_micro_batches=2, chunk_size=4,
+                                 objective_options=dict(beta=2.0))
+
+
+def make_batch(groups, seed=0):
+    """Left-padded prompts then right-padded responses (ragged), perturbed old log-probs, rewards with
+    one unbalanced group, one all-correct group, one all-wrong group, ..."""
+    rs = np.random.RandomState(seed)
+    B, L = N * groups, PROMPT + RESPONSE
+    input_ids = rs.randint(0, CFG.vocab_size, (B, L)).astype(np.int32)
+    attention_mask = np.zeros((B, L), np.int32)
+    for i in range(B):
+        attention_mask[i, PROMPT - rs.randint(1, PROMPT + 1):PROMPT] = 1
+        attention_mask[i, PROMPT:PROMPT + rs.randint(1, RESPONSE + 1)] = 1
+    patterns = ([1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0])
+    rewards = np.concatenate([patterns[g % 4] for g in range(groups)]).astype(np.float32)
+    return dict(input_ids=input_ids, attention_mask=attention_mask,
+                response_mask=attention_mask[:, PROMPT:].astype(np.float32),
+                old_logp=(-4.2 + 0.3 * rs.randn(B, RESPONSE)).astype(np.float32), rewards=rewards)
+
+
+def test_response_logprobs_align_with_the_models_full_logits(tiny):
+    graphdef, params = tiny
+    batch = make_batch(groups=4)
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    got = rl.make_logprobs_fn(graphdef, num_micro_batches=2, chunk_size=4)(params, ids, mask, RESPONSE)
+    full_logits = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, attention_mask=mask))
+    logits = np.asarray(full_logits(params), np.float64)
+    want = np.zeros((len(logits), RESPONSE))
+    for i in range(len(logits)):
+        for t in range(RESPONSE):  # the logits at position P - 1 + t predict response token t
+            z = logits[i, PROMPT - 1 + t]
+            want[i, t] = z[batch["input_ids"][i, PROMPT + t]] - np.log(np.exp(z - z.max()).sum()) - z.max()
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def _flat(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+FD_BLOCKS = ("embedding", "o_kernel", "v_kernel", "down_kernel", "final_norm")  # blocks with sizeable gradients
+
+
+def test_finite_differences_through_the_jitted_update(tiny, pacs_update):
+    _, params = tiny
+    batch = make_batch(groups=4, seed=1)
+    _, _, grads = pacs_update(params, batch)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [np.asarray(x) for _, x in paths_leaves]
+    paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+    grad_leaves = _flat(grads)
+    rs = np.random.RandomState(0)
+    eps = 1e-2
+    # one random direction over all parameters, then one inside each of a few parameter blocks
+    for block in (None,) + FD_BLOCKS:
+        direction = [rs.randn(*x.shape).astype(np.float32) * (block is None or block in path)
+                     for x, path in zip(leaves, paths)]
+        norm = np.sqrt(sum(float((d ** 2).sum()) for d in direction))
+        direction = [d / norm for d in direction]
+        shifted = lambda s: jax.tree.unflatten(treedef, [x + s * eps * d for x, d in zip(leaves, direction)])  # noqa: E731
+        fd = (float(pacs_update(shifted(1), batch)[0]) - float(pacs_update(shifted(-1), batch)[0])) / (2 * eps)
+        analytic = sum(float((g * d).sum()) for g, d in zip(grad_leaves, direction))
+        # |analytic| <= scale (a unit direction); fp32 rounding of the loss adds ~1e-7 / eps
+        scale = np.sqrt(sum(float(((g * (d != 0)) ** 2).sum()) for g, d in zip(grad_leaves, direction)))
+        assert scale > 1e-2, block
+        assert abs(fd - analytic) <= 1e-2 * scale + 1e-5, (block, fd, analytic, scale)
+
+
+@pytest.mark.parametrize("objective, options", [
+    ("pacs", dict(beta=2.0)),
+    ("grpo", dict(loss_agg_mode="token-mean", kl_coef=0.1)),  # token-mean needs the mini-batch token count
+])
+def test_micro_batch_accumulation_equals_the_whole_batch(tiny, pacs_update, objective, options):
+    graphdef, params = tiny
+    batch = make_batch(groups=4, seed=2)
+    if "kl_coef" in options:
+        batch["ref_logp"] = batch["old_logp"] + 0.2
+    whole = rl.make_loss_and_grad(graphdef, objective, group_size=N, objective_options=options, chunk_size=4)
+    split = pacs_update if objective == "pacs" else rl.make_loss_and_grad(
+        graphdef, objective, group_size=N, objective_options=options, chunk_size=4, num_micro_batches=2)
+    loss1, metrics1, grads1 = whole(params, batch)
+    loss2, metrics2, grads2 = split(params, batch)
+    np.testing.assert_allclose(float(loss2), float(loss1), rtol=1e-5)
+    for a, b in zip(_flat(grads2), _flat(grads1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    for key in metrics1:
+        if key.endswith("_mean") or key.endswith("accuracy"):
+            np.testing.assert_allclose(float(metrics2[key]), float(metrics1[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 1, 8)])
+def test_sharded_update_equals_single_device(tiny, pacs_update, mesh_shape):
+    _, params = tiny
+    batch = make_batch(groups=4, seed=3)
+    want_loss, _, want_grads = pacs_update(params, batch)
+
+    mesh = sharding.make_mesh(*mesh_shape)
+    mesh_graphdef, abstract = models.abstract_model(CFG, mesh)
+    mesh_params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    mesh_batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
+    loss_and_grad = rl.make_loss_and_grad(mesh_graphdef, "pacs", group_size=N, num_micro_batches=2, chunk_size=4,
+                                          objective_options=dict(beta=2.0), rules=sharding.MeshRules(mesh))
+    loss, _, grads = loss_and_grad(mesh_params, mesh_batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for a, b in zip(_flat(grads), _flat(want_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_batches_raise_before_the_jitted_call(tiny, pacs_update):
+    graphdef, params = tiny
+    loss_and_grad = pacs_update
+    good = make_batch(groups=2)
+    cases = [
+        ({k: v for k, v in good.items() if k != "old_logp"}, "missing \\['old_logp'\\]"),
+        (dict(good, rewards=np.where(good["rewards"] > 0, 0.5, 0.0).astype(np.float32)), "rewards must be 0 or 1"),
+        (dict(good, attention_mask=good["attention_mask"][:, 1:]), "attention_mask"),
+        (dict(good, old_logp=good["old_logp"][:, 1:]), "old_logp must have"),
+        (dict(good, response_mask=good["response_mask"][:4]), "response_mask"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(ValueError, match=message):
+            loss_and_grad(params, batch)
+    with pytest.raises(ValueError, match="num_micro_batches=4"):
+        rl.make_loss_and_grad(graphdef, "pacs", group_size=N, num_micro_batches=4)(params, good)
+    with pytest.raises(ValueError, match="group_size=1"):
+        rl.make_loss_and_grad(graphdef, "pacs", group_size=1)(params, good)
+    with pytest.raises(ValueError, match="objective='sft'"):
+        rl.make_loss_and_grad(graphdef, "sft", group_size=N)
