@@ -30,12 +30,14 @@ ARCHS: dict[str, dict] = {
 }
 
 
-def random_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+def random_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **overrides) -> transformers.PreTrainedModel:
     """A transformers Qwen2/Qwen3ForCausalLM with every parameter random (biases and norms too).
 
     HF initialises biases to 0 and norm scales to 1, which would hide a mis-mapped bias or norm.
+    ``overrides`` change fields of the ARCHS entry.
     """
-    config = transformers.AutoConfig.for_model(**ARCHS[arch])
+    config = transformers.AutoConfig.for_model(**{**ARCHS[arch], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     generator = torch.Generator().manual_seed(seed)
@@ -47,14 +49,15 @@ def random_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32
 
 
 def save_random_hf_model(arch: str, directory: pathlib.Path, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         **save_kwargs) -> transformers.PreTrainedModel:
+                         max_shard_size: str | None = None, **overrides) -> transformers.PreTrainedModel:
     """``random_hf_model`` written with ``save_pretrained`` to ``directory``; returns the model."""
-    model = random_hf_model(arch, seed, dtype)
-    model.save_pretrained(directory, **save_kwargs)
+    model = random_hf_model(arch, seed, dtype, **overrides)
+    model.save_pretrained(directory, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     return model
 
 
-def padded_batch(vocab_size: int, lengths: list[int], total: int, side: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def padded_batch(vocab_size: int, lengths: list[int], total: int, side: str,
+                 seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [B, total] int32, mask [B, total] int32): rows of the given lengths, padded on ``side``.
 
     Pad slots hold random token ids too, so a model that leaks pads into real positions is caught.

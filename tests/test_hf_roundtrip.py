@@ -174,6 +174,7 @@ def test_failed_overwrite_keeps_the_old_export(roundtrips, tmp_path):
     empty_tokenizer = tmp_path / "empty"
     empty_tokenizer.mkdir()
     with pytest.raises(FileNotFoundError):
-        export_hf.main(["--checkpoint", str(ckpt), "--out", str(out), "--tokenizer", str(empty_tokenizer), "--overwrite"])
+        export_hf.main(["--checkpoint", str(ckpt), "--out", str(out), "--tokenizer", str(empty_tokenizer),
+                        "--overwrite"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model"]

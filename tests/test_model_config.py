@@ -62,9 +62,10 @@ def test_transformers_reads_our_config_as_the_published_one(name):
     for field in ARCH_FIELDS:
         assert getattr(from_published, field) == ours[field], field
         assert getattr(from_ours, field) == getattr(from_published, field), field
-    head_dim = getattr(from_published, "head_dim", None) or from_published.hidden_size // from_published.num_attention_heads
-    assert ours["head_dim"] == head_dim
-    assert from_ours.use_sliding_window is False and getattr(from_ours, "attention_bias", False) == ours.get("attention_bias", False)
+    default_head_dim = from_published.hidden_size // from_published.num_attention_heads
+    assert ours["head_dim"] == (getattr(from_published, "head_dim", None) or default_head_dim)
+    assert from_ours.use_sliding_window is False
+    assert getattr(from_ours, "attention_bias", False) == getattr(from_published, "attention_bias", False)
 
 
 @pytest.mark.parametrize("name", list(MODEL_CARD_PARAMS))
@@ -98,5 +99,6 @@ def test_qwen_tokenizer_renders_and_encodes_a_chat_prompt(qwen_tokenizer_dir):
     assert ids[0] == im_start and ids[-3] == im_start
     assert tokenizer.convert_ids_to_tokens([im_start, im_end]) == ["<|im_start|>", "<|im_end|>"]
     assert tokenizer.decode(ids) == text
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "system\nPlease reason step by step.\nuser\nWhat is 2+3?\nassistant\n"
+    assert (tokenizer.decode(ids, skip_special_tokens=True)
+            == "system\nPlease reason step by step.\nuser\nWhat is 2+3?\nassistant\n")
     assert max(ids) < preset("Qwen2.5-0.5B").vocab_size  # fits the model's embedding

@@ -108,13 +108,14 @@ def read_param(reader: HFWeightReader, path: str, tmap: TensorMap, expected_shap
                dtype=None) -> np.ndarray:
     """One of our parameters from the HF files, checked against ``expected_shape``."""
     hf = reader.read(tmap.hf_name)
+    source = reader.files[tmap.hf_name]
     try:
         value = tmap.to_ours(hf)
     except ValueError as e:
-        raise ValueError(f"{reader.dir}: tensor {tmap.hf_name!r} has shape {hf.shape}, which does not "
+        raise ValueError(f"{source}: tensor {tmap.hf_name!r} has shape {hf.shape}, which does not "
                          f"fit parameter {path} of shape {expected_shape}") from e
     if value.shape != tuple(expected_shape):
-        raise ValueError(f"{reader.dir}: tensor {tmap.hf_name!r} has shape {hf.shape}; parameter {path} "
+        raise ValueError(f"{source}: tensor {tmap.hf_name!r} has shape {hf.shape}; parameter {path} "
                          f"needs {expected_shape} (ours) from the config")
     return np.ascontiguousarray(value if dtype is None else value.astype(dtype))
 
