@@ -1,0 +1,18 @@
+"""KV-cache sampling over the mesh: one prefill per prompt, n samples each, one jitted decode loop.
+
+    out = sampling.generate(model, prompts, max_new_tokens=256, n=8, temperature=1.0)
+    out.tokens[i * n + j]          # sample j of prompt i (stop id included), with out.logprobs, out.finish_reason
+
+    # the trainer, on padded arrays (see buckets.py for the bucketing):
+    graphdef, state = nnx.split(model)
+    arrays = sampling.rollout(graphdef, state, prompt_tokens, prompt_mask, SamplingParams(...), key)
+"""
+
+from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
+from pacs_jax.sampling.engine import PAD_ID, RolloutArrays, compile_count, rollout
+from pacs_jax.sampling.generation import GenerateOutput, generate
+from pacs_jax.sampling.params import SamplingParams
+from pacs_jax.sampling.rules import restrict_to_top, select_tokens
+
+__all__ = ["generate", "GenerateOutput", "SamplingParams", "rollout", "RolloutArrays", "compile_count",
+           "PAD_ID", "bucket_batch", "bucket_length", "left_pad", "restrict_to_top", "select_tokens"]

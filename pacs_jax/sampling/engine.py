@@ -1,0 +1,169 @@
+"""The rollout program: one prefill per prompt, then n samples per prompt decoded in one jitted loop.
+
+Shapes: P prompts (padded), T prompt length (padded, left-padded), n samples per prompt, B = P * n
+decode rows, N = max_new_tokens, S = T + N cache slots, V vocabulary.
+
+    prefill  [P, T] prompt tokens -> K/V [P, T] per layer + next-token logits [P, V] (last position only)
+    expand   K/V repeated n times along the batch (row i*n + j is sample j of prompt i) into a
+             zeroed [B, S] cache: the prompt is processed once, not n times
+    decode   lax.while_loop: feed the last token at slot T + j - 1, sample token j, until every row
+             has hit a stop id or N tokens; the cache is a loop carry, updated in place
+
+The whole rollout is one ``jax.jit`` of a pure function of (params state, arrays); the model is
+``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
+reuse one compilation. The KV cache is allocated inside the program and never leaves it, so there is
+no outside buffer to donate: XLA updates the loop-carried cache in place and frees it on return (a
+rollout does not hold accelerator memory between calls, which the training update needs).
+Parameters are cast to the compute dtype once, before the loop, not in every decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax.models.qwen import KVCache, positions_from_mask
+from pacs_jax.sampling.params import SamplingParams
+from pacs_jax.sampling.rules import select_tokens
+from pacs_jax.sharding import constrain
+
+PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
+
+_TRACE_COUNT = 0
+
+
+def compile_count() -> int:
+    """How many times the rollout program has been traced (= compiled) in this process."""
+    return _TRACE_COUNT
+
+
+class RolloutArrays(NamedTuple):
+    """Device arrays of one rollout; rows i*n .. i*n+n-1 are the samples of prompt i.
+
+    tokens:        [B, N] int32, generated ids (stop id included), PAD_ID after the end
+    logprobs:      [B, N] float32, log_softmax(logits / T) of each generated token (T = 1 if greedy), 0 after the end
+    response_mask: [B, N] int32, 1 on generated tokens
+    lengths:       [B] int32, generated tokens per row (stop id included)
+    stopped:       [B] bool, True if the row ended at a stop id ("stop"), False at the budget ("length")
+    prefill_tokens: [] int32, real prompt tokens run through the prefill forward pass (once per prompt)
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    response_mask: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    prefill_tokens: jax.Array
+
+
+def _cast_floats(state: nnx.State, dtype) -> nnx.State:
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+
+
+def _expand_cache(cache: KVCache, n: int, new_slots: int, rules) -> KVCache:
+    """[P, T, K, Dh] per layer -> [P*n, T + new_slots, K, Dh]: each prompt's K/V copied to its n rows."""
+
+    def expand(x):
+        x = jnp.repeat(x, n, axis=0) if n > 1 else x
+        x = jnp.pad(x, ((0, 0), (0, new_slots), (0, 0), (0, 0)))
+        return constrain(x, rules, ("batch", "cache_length", "act_kv_heads", None))
+
+    return KVCache(tuple(map(expand, cache.k)), tuple(map(expand, cache.v)))
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("n", "max_new_tokens", "greedy", "top_k", "use_top_p"))
+def _rollout_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+                     prompt_mask: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                     stop_ids: jax.Array, *, n: int, max_new_tokens: int, greedy: bool, top_k: int,
+                     use_top_p: bool) -> RolloutArrays:
+    global _TRACE_COUNT
+    _TRACE_COUNT += 1
+    cfg = nnx.merge(graphdef, state).cfg
+    model = nnx.merge(graphdef, _cast_floats(state, jnp.dtype(cfg.dtype)))
+    rules = model.rules
+    select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
+                               top_k=top_k, use_top_p=use_top_p)
+    P, T = prompt_tokens.shape
+    B, N = P * n, max_new_tokens
+
+    # Prefill. All-padding rows (batch padding) get one visible slot so their attention is defined;
+    # they start finished and never hold up the early exit.
+    prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), rules, ("batch", "length"))
+    real = constrain(prompt_mask.astype(bool), rules, ("batch", "length"))
+    padding_row = ~jnp.any(real, axis=-1)  # [P]
+    real = real.at[:, -1].set(real[:, -1] | padding_row)
+    prefill_tokens = jnp.sum(real & ~padding_row[:, None], dtype=jnp.int32)
+    hidden, cache = model.forward(prompt_tokens, positions_from_mask(real), real,
+                                  model.init_cache(P, T), 0)
+    first_logits = model.logits(hidden[:, -1:])[:, 0]  # [P, V]: only the last position is needed
+
+    # The n samples of prompt i are rows i*n .. i*n+n-1.
+    repeat = lambda x: jnp.repeat(x, n, axis=0) if n > 1 else x
+    cache = _expand_cache(cache, n, N, rules)
+    kv_valid = jnp.concatenate([repeat(real), jnp.ones((B, N), bool)], axis=1)  # [B, S]
+    kv_valid = constrain(kv_valid, rules, ("batch", "cache_length"))
+    prompt_lengths = repeat(jnp.sum(real, axis=-1, dtype=jnp.int32))  # [B]
+    inactive = repeat(padding_row)
+
+    def is_stop(tokens):
+        return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+
+    first, first_logp = select(repeat(first_logits), jax.random.fold_in(key, 0))
+    tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(jnp.where(inactive, PAD_ID, first))
+    logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(inactive, 0.0, first_logp))
+    tokens = constrain(tokens, rules, ("batch", None))
+    logprobs = constrain(logprobs, rules, ("batch", None))
+    stopped = ~inactive & is_stop(first)
+    done = inactive | stopped
+    lengths = jnp.where(inactive, 0, 1).astype(jnp.int32)
+
+    def keep_going(carry):
+        step, _, _, _, done, _, _ = carry
+        return (step < N) & ~jnp.all(done)
+
+    def decode_step(carry):
+        step, cache, tokens, logprobs, done, lengths, stopped = carry
+        previous = jax.lax.dynamic_index_in_dim(tokens, step - 1, axis=1, keepdims=True)  # [B, 1]
+        positions = (prompt_lengths + step - 1)[:, None]
+        hidden, cache = model.forward(previous, positions, kv_valid, cache, T + step - 1)
+        token, logp = select(model.logits(hidden)[:, 0], jax.random.fold_in(key, step))
+        active = ~done
+        token = jnp.where(active, token, PAD_ID)
+        logp = jnp.where(active, logp, 0.0)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
+        logprobs = jax.lax.dynamic_update_slice(logprobs, logp[:, None], (0, step))
+        hit = active & is_stop(token)
+        return (step + 1, cache, tokens, logprobs, done | hit, lengths + active.astype(jnp.int32),
+                stopped | hit)
+
+    carry = (jnp.int32(1), cache, tokens, logprobs, done, lengths, stopped)
+    _, _, tokens, logprobs, _, lengths, stopped = jax.lax.while_loop(keep_going, decode_step, carry)
+    response_mask = (jnp.arange(N)[None, :] < lengths[:, None]).astype(jnp.int32)
+    return RolloutArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens)
+
+
+def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+            params: SamplingParams, key: jax.Array) -> RolloutArrays:
+    """The jitted rollout on padded arrays (what the trainer calls).
+
+    graphdef, state: ``nnx.split(model)`` (split once, reuse across calls).
+    prompt_tokens, prompt_mask: [P, T] left-padded prompts, mask 1 on real tokens; an all-zero mask
+    row is batch padding (its samples come back empty). Bucket P and T (see buckets.py) to bound
+    the number of compilations. key: a JAX PRNG key for this call.
+    Returns RolloutArrays with B = P * n rows grouped by prompt.
+    """
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} "
+                         "must both be [P, T]")
+    if prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
+        raise ValueError(f"prompt_tokens: empty shape {prompt_tokens.shape}")
+    return _rollout_program(
+        graphdef, state, prompt_tokens, prompt_mask, key, jnp.float32(params.temperature or 1.0),
+        jnp.float32(params.top_p), jnp.asarray(params.stop_token_ids, jnp.int32).reshape(-1),
+        n=params.n, max_new_tokens=params.max_new_tokens, greedy=params.greedy, top_k=params.top_k,
+        use_top_p=params.top_p < 1.0)

@@ -1,0 +1,105 @@
+"""``generate``: token-id lists in, n samples per prompt out (grouped by prompt)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from pacs_jax.models.qwen import Qwen
+from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
+from pacs_jax.sampling.engine import rollout
+from pacs_jax.sampling.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """Samples grouped by prompt: entries i*n .. i*n+n-1 belong to prompt i.
+
+    tokens: generated ids per sample, the stop id included when one was hit.
+    logprobs: matching log_softmax(logits / T) per token (T = 1 for greedy), float.
+    finish_reason: "stop" (hit a stop id) or "length" (used max_new_tokens).
+    prefill_tokens: prompt tokens run through the prefill (sum of prompt lengths: once per prompt).
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reason: list[str]
+    prefill_tokens: int
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts: expected a non-empty list of token-id lists")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise ValueError(f"prompts[{i}]: expected a list of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        for j, token in enumerate(prompt):
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}]={token!r}: not a token id in [0, {vocab_size})")
+        out.append([int(t) for t in prompt])
+    return out
+
+
+def _batch_shards(model: Qwen) -> int:
+    if model.rules is None:
+        return 1
+    return math.prod(model.rules.mesh.shape[a] for a in ("data", "fsdp"))
+
+
+def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int = 1,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             stop_token_ids: Sequence[int] | int | None = None, seed: int = 0, *,
+             length_multiple: int = 64, max_cache_length: int | None = None) -> GenerateOutput:
+    """Sample ``n`` continuations of each prompt (token-id lists) with a KV cache.
+
+    temperature 0 is greedy; stop_token_ids None means the model's eos_token_id(s), () means none.
+    Prompts are left-padded to a multiple of ``length_multiple`` and their count to a power of two
+    (bounded compilations; see buckets.py). ``max_cache_length`` (default: the model's
+    max_position_embeddings) bounds prompt length + max_new_tokens.
+    """
+    cfg = model.cfg
+    if stop_token_ids is None:
+        eos = cfg.eos_token_id
+        stop_token_ids = () if eos is None else eos
+    params = SamplingParams(max_new_tokens=max_new_tokens, n=n, temperature=temperature, top_p=top_p,
+                            top_k=top_k, stop_token_ids=stop_token_ids)
+    params.check_vocab(cfg.vocab_size)
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(f"seed={seed!r}: must be an integer")
+    if not isinstance(length_multiple, numbers.Integral) or length_multiple < 1:
+        raise ValueError(f"length_multiple={length_multiple!r}: must be an integer >= 1")
+    cache_limit = cfg.max_position_embeddings if max_cache_length is None else max_cache_length
+    prompts = _check_prompts(prompts, cfg.vocab_size)
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > cache_limit:
+            raise ValueError(f"prompts[{i}] has {len(prompt)} tokens: with max_new_tokens={max_new_tokens} "
+                             f"it exceeds the cache length {cache_limit} (max_cache_length)")
+
+    longest = max(len(p) for p in prompts)
+    length = bucket_length(longest, length_multiple, cache_limit - max_new_tokens)
+    batch = bucket_batch(len(prompts), n, _batch_shards(model))
+    tokens, mask = left_pad(prompts, batch, length)
+    if model.rules is not None:
+        sharding = model.rules.sharding(("batch", "length"), tokens.shape)
+        tokens, mask = jax.device_put(tokens, sharding), jax.device_put(mask, sharding)
+    graphdef, state = nnx.split(model)
+    out = rollout(graphdef, state, tokens, mask, params, jax.random.key(seed))
+
+    rows = len(prompts) * n
+    host = jax.device_get((out.tokens[:rows], out.logprobs[:rows], out.lengths[:rows],
+                           out.stopped[:rows], out.prefill_tokens))
+    out_tokens, out_logprobs, lengths, stopped, prefill_tokens = host
+    return GenerateOutput(
+        tokens=[out_tokens[r, :lengths[r]].tolist() for r in range(rows)],
+        logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in range(rows)],
+        finish_reason=["stop" if stopped[r] else "length" for r in range(rows)],
+        prefill_tokens=int(prefill_tokens))

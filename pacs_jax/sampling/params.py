@@ -1,0 +1,65 @@
+"""Sampling parameters of one rollout call, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: budget, samples per prompt, and the rules that pick each token.
+
+    max_new_tokens: generated tokens per sample (>= 1), the stop token included.
+    n: samples per prompt (>= 1); they share the prompt's prefill.
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_p: nucleus mass in (0, 1]; 1 disables it. top_k: 0 disables it. Both are ignored when greedy.
+    stop_token_ids: a sample ends at the first of these (kept in its output).
+    """
+
+    max_new_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n={self.n!r}: must be an integer >= 1")
+        if not isinstance(self.temperature, numbers.Real) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0")
+        if not isinstance(self.top_p, numbers.Real) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
+        stops = self.stop_token_ids
+        if isinstance(stops, numbers.Integral):
+            stops = (stops,)
+        stops = tuple(stops)
+        for i, token in enumerate(stops):
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"stop_token_ids[{i}]={token!r}: must be a non-negative integer")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise a ValueError naming the field when a token id or top_k does not fit the vocabulary."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k={self.top_k}: larger than the vocabulary ({vocab_size})")
+        for i, token in enumerate(self.stop_token_ids):
+            if token >= vocab_size:
+                raise ValueError(f"stop_token_ids[{i}]={token}: outside the vocabulary ({vocab_size})")
