@@ -110,26 +110,44 @@ def test_gradient_memory_is_an_eighth_of_naive_and_no_btv_buffer():
     assert max(_shapes_in_hlo(forward.as_text())) < B * T * V
 
 
+def _collectives_by_computation(hlo_text):
+    """{computation name: [(op, element count), ...]} for the cross-device reductions in an HLO module."""
+    out = {}
+    for block in re.split(r"\n(?=\S)", hlo_text):
+        name = block.split(" ", 2)[1] if block.startswith("ENTRY") else block.split(" ", 1)[0]
+        for dims, op in re.findall(r"\w+\[(\d+(?:,\d+)*)\]\S* (all-reduce|reduce-scatter)\(", block):
+            out.setdefault(name, []).append((op, int(np.prod([int(d) for d in dims.split(",")]))))
+    return out
+
+
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 1, 8)])
 def test_sharded_equals_single_device(mesh_shape):
-    hidden, lm_head, targets, a, b = inputs(B=8, T=20, D=16, V=64, seed=1)
+    hidden, lm_head, targets, a, b = inputs(B=8, T=20, D=16, V=512, seed=1)
+    mesh = sharding.make_mesh(*mesh_shape)
+    rules = sharding.MeshRules(mesh)
 
-    def loss_and_grads(h, w, y):
+    def loss_and_grads(h, w, y, rules=None):
         def loss(h, w):
-            logp, ent = rl.token_logprobs_and_entropy(h, w, y, temperature=0.8, chunk_size=8)
+            logp, ent = rl.token_logprobs_and_entropy(h, w, y, temperature=0.8, chunk_size=4, rules=rules)
             return jnp.sum(a * logp) + jnp.sum(b * ent)
         return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
 
     want = jax.jit(loss_and_grads)(hidden, lm_head, targets)
-    mesh = sharding.make_mesh(*mesh_shape)
     batch = NamedSharding(mesh, P(("data", "fsdp")))
-    args = (jax.device_put(hidden, batch), jax.device_put(lm_head, NamedSharding(mesh, P(None, "tensor"))),
+    args = (jax.device_put(hidden, batch), jax.device_put(lm_head, NamedSharding(mesh, P("fsdp", "tensor"))),
             jax.device_put(targets, batch))
-    got = jax.jit(loss_and_grads)(*args)
+    sharded = jax.jit(lambda h, w, y: loss_and_grads(h, w, y, rules))
+    got = sharded(*args)
     assert got[1][1].sharding.num_devices == 8
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
     for g, w_ in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w_), atol=1e-5, rtol=1e-5)
+    # The [D, V]-sized lm_head gradient is reduced across devices once, outside the chunk loop (inside
+    # it, only [B, C]- and [B, C, D]-sized reductions over the vocab shards, all smaller than D * V / 8).
+    head_size = lm_head.size // mesh.shape["tensor"]
+    for name, ops in _collectives_by_computation(sharded.lower(*args).compile().as_text()).items():
+        if not name.startswith("%main"):
+            assert all(size < head_size for _, size in ops), (name, ops)
 
 
 def test_bad_arguments_raise():

@@ -1,6 +1,8 @@
 """The jitted loss-and-gradient over a tiny Qwen: response log-prob alignment, finite differences,
 micro-batch accumulation, sharded meshes, bad batches."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +155,18 @@ def test_bad_batches_raise_before_the_jitted_call(tiny, pacs_update):
         rl.make_loss_and_grad(graphdef, "pacs", group_size=1)(params, good)
     with pytest.raises(ValueError, match="objective='sft'"):
         rl.make_loss_and_grad(graphdef, "sft", group_size=N)
+
+
+def test_compiled_update_holds_no_batch_by_length_by_vocab_buffer():
+    # A wide vocabulary makes B * L * V far larger than any legitimate buffer (the embedding is V * D).
+    cfg = CFG.replace(vocab_size=32768)
+    B, R, L = 8, 48, 64
+    graphdef, abstract = models.abstract_model(cfg)
+    specs = dict(input_ids=jax.ShapeDtypeStruct((B, L), jnp.int32), attention_mask=jax.ShapeDtypeStruct((B, L), jnp.int32),
+                 response_mask=jax.ShapeDtypeStruct((B, R), jnp.float32),
+                 old_logp=jax.ShapeDtypeStruct((B, R), jnp.float32), rewards=jax.ShapeDtypeStruct((B,), jnp.float32))
+    fn = rl.loss_and_grad_fn(graphdef, "pacs", group_size=N, num_micro_batches=2, chunk_size=16)
+    hlo = jax.jit(fn).lower(abstract, specs).compile().as_text()
+    sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"\[(\d+(?:,\d+)*)\]", hlo)]
+    assert max(sizes) < (B // 2) * R * cfg.vocab_size  # not even one micro-batch's logits
+    assert max(sizes) >= cfg.vocab_size * cfg.hidden_size  # the scan does see the embedding-sized buffers

@@ -13,40 +13,49 @@ d hidden and a contribution to d lm_head (accumulated in float32).
 Sharding: the chunk loop runs along T, so the batch axis keeps its ("data", "fsdp") sharding and
 the vocabulary axis of ``lm_head`` its "tensor" sharding; the per-chunk reductions over V become
 all-reduces that GSPMD inserts. The target logit is picked with a compare-and-sum over V (not a
-gather) for the same reason: a gather on a vocab-sharded array would all-gather it.
+gather) for the same reason: a gather on a vocab-sharded array would all-gather it. With ``rules``
+(a mesh), the d lm_head accumulator keeps one partial sum per batch shard, [S, D, V] with S sharded
+like the batch, so the loop does no cross-device reduction of the [D, V] gradient: it is summed
+over the S shards once, after the loop (otherwise GSPMD all-reduces it in every chunk).
 """
 
 from __future__ import annotations
 
 import functools
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from pacs_jax.sharding import MeshRules, constrain
 
 DEFAULT_CHUNK_SIZE = 512
 
 
-def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                   temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, rules: MeshRules | None = None) -> jax.Array:
     """log softmax(hidden @ lm_head / temperature)[targets], without a [B, T, V] array.
 
     hidden [B, T, D] (any float dtype), lm_head [D, V], targets [B, T] int -> log-probs [B, T] float32.
-    Differentiable w.r.t. hidden and lm_head (gradients come back in their dtypes).
+    Differentiable w.r.t. hidden and lm_head (gradients come back in their dtypes). chunk_size: tokens
+    per sequence per loop step (each step holds [B, chunk_size, V] float32 logits). rules: the mesh
+    the arrays are sharded over, if any (see the module docstring).
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
-    logp, _ = _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), False)
+    logp, _ = _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), False, rules)
     return logp
 
 
 def token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
-                               ) -> tuple[jax.Array, jax.Array]:
+                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                               rules: MeshRules | None = None) -> tuple[jax.Array, jax.Array]:
     """Like ``token_logprobs``, plus the entropy of each token's distribution.
 
     Returns (log-probs [B, T] float32, entropy [B, T] float32); both are differentiable.
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
-    return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True)
+    return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True, rules)
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:
@@ -111,23 +120,32 @@ def _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
     return acc["logp"][:, :T], (acc["ent"][:, :T] if with_entropy else None), acc["lse"][:, :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
+def _batch_shards(batch: int, rules: MeshRules | None) -> int:
+    """How many devices the batch axis is split over (1 without a mesh or when they do not divide it)."""
+    if rules is None:
+        return 1
+    shards = math.prod(rules.mesh.shape[a] for a in dict(rules.rules).get("batch", ()))
+    return shards if batch % shards == 0 else 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(hidden, lm_head, targets, temperature, chunk_size, with_entropy, rules):
     logp, ent, _ = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
     return logp, ent
 
 
-def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
+def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy, rules):
     logp, ent, lse = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
     return (logp, ent), (hidden, lm_head, targets, lse, ent)
 
 
-def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
+def _fused_bwd(temperature, chunk_size, with_entropy, rules, residuals, cotangents):
     """d logp_t / d z_k = [k = y_t] - p_k;  d H_t / d z_k = -p_k (log p_k + H_t)."""
     hidden, lm_head, targets, lse, ent = residuals
     g_logp, g_ent = cotangents
     B, T, D = hidden.shape
     C = min(chunk_size, T)
+    S = _batch_shards(B, rules)
     h_all, y_all, n = _pad_to_chunks(hidden, targets, C)
     pad = ((0, 0), (0, n * C - T))
     g_logp, lse = jnp.pad(g_logp, pad), jnp.pad(lse, pad)
@@ -148,12 +166,13 @@ def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
         dz = (dz / temperature).astype(h.dtype)  # d loss / d (h @ w), in the compute dtype
         d_h = jnp.einsum("bcv,dv->bcd", dz, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
         d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h.astype(d_hidden.dtype), i * C, axis=1)
-        d_head = d_head + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
-        return d_hidden, d_head
+        per_shard = jnp.einsum("sbcd,sbcv->sdv", h.reshape(S, B // S, C, D), dz.reshape(S, B // S, C, -1),
+                               preferred_element_type=jnp.float32)
+        return d_hidden, d_head + per_shard
 
-    init = (jnp.zeros((B, n * C, D), hidden.dtype), jnp.zeros(lm_head.shape, jnp.float32))
-    d_hidden, d_head = jax.lax.fori_loop(0, n, step, init)
-    return d_hidden[:, :T], d_head.astype(lm_head.dtype), None
+    d_head = constrain(jnp.zeros((S, *lm_head.shape), jnp.float32), rules, ("batch", None, "vocab"))
+    d_hidden, d_head = jax.lax.fori_loop(0, n, step, (jnp.zeros((B, n * C, D), hidden.dtype), d_head))
+    return d_hidden[:, :T], jnp.sum(d_head, axis=0).astype(lm_head.dtype), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -37,12 +37,13 @@ REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp", "re
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
-                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      rules: MeshRules | None = None) -> jax.Array:
     """log pi(response token t | everything before it): input_ids, attention_mask [B, P + R] -> [B, R] float32."""
     prompt_length = input_ids.shape[1] - response_length
     hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True)  # [B, L, D]
     return token_logprobs(hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:],
-                          temperature=temperature, chunk_size=chunk_size)
+                          temperature=temperature, chunk_size=chunk_size, rules=rules)
 
 
 def _check_update_batch(batch: Batch, group_size: int, num_micro_batches: int, binary_rewards: bool) -> None:
@@ -97,7 +98,7 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         model = nnx.merge(graphdef, params)
         R = micro["response_mask"].shape[1]
         logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature=temperature,
-                                 chunk_size=chunk_size)
+                                 chunk_size=chunk_size, rules=rules)
         return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size,
                   ref_logp=micro.get("ref_logp"), totals=totals)
 
