@@ -16,6 +16,13 @@ LENGTHS = [12, 7, 3, 10]  # different lengths in one batch of T = 12
 T = 12
 
 
+@nnx.jit(static_argnames="return_hidden")
+def run(model, tokens, mask=None, return_hidden=False):
+    """The model's __call__, jitted (one compilation per model config and shape, not one per op)."""
+    return model(jnp.asarray(tokens), attention_mask=None if mask is None else jnp.asarray(mask),
+                 return_hidden=return_hidden)
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """{arch: (directory, transformers model)} saved with save_pretrained."""
@@ -43,7 +50,7 @@ def test_configs_exercise_the_hard_cases(fp32_models):
 def test_logits_match_transformers(hf_models, fp32_models, arch, side):
     _, hf_model = hf_models[arch]
     tokens, mask = padded_batch(ARCHS[arch]["vocab_size"], LENGTHS, T, side, seed=1)
-    logits = np.asarray(fp32_models[arch](jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
+    logits = np.asarray(run(fp32_models[arch], tokens, mask))
     assert logits.shape == (len(LENGTHS), T, ARCHS[arch]["vocab_size"]) and logits.dtype == np.float32
     assert np.isfinite(logits).all()  # pad positions too: a NaN there would poison masked losses
     assert max_rel_err(logits, hf_logits(hf_model, tokens, mask), mask) <= 1e-4
@@ -54,9 +61,9 @@ def test_padding_does_not_change_real_positions(fp32_models, arch):
     """A row alone and unpadded gives the same logits as inside a left-padded batch."""
     model = fp32_models[arch]
     tokens, mask = padded_batch(ARCHS[arch]["vocab_size"], LENGTHS, T, "left", seed=2)
-    batch_logits = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
+    batch_logits = np.asarray(run(model, tokens, mask))
     row, n = 2, LENGTHS[2]
-    alone = np.asarray(model(jnp.asarray(tokens[row:row + 1, T - n:])))
+    alone = np.asarray(run(model, tokens[row:row + 1, T - n:]))
     np.testing.assert_allclose(batch_logits[row, T - n:], alone[0], rtol=1e-5, atol=1e-5)
 
 
@@ -67,9 +74,10 @@ def test_bf16_compute(hf_models, arch):
     model = models.from_pretrained(path, dtype="bfloat16")
     assert model.embedding[...].dtype == jnp.float32  # master weights stay fp32
     tokens, mask = padded_batch(ARCHS[arch]["vocab_size"], LENGTHS, T, "left", seed=3)
-    hidden = model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask), return_hidden=True)
+    hidden = nnx.eval_shape(lambda m: m(jnp.asarray(tokens), attention_mask=jnp.asarray(mask), return_hidden=True),
+                            model)
     assert hidden.dtype == jnp.bfloat16
-    logits = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
+    logits = np.asarray(run(model, tokens, mask))
     assert logits.dtype == np.float32 and np.isfinite(logits).all()
     err = max_rel_err(logits, hf_logits(hf_model, tokens, mask), mask)
     assert 1e-5 < err <= 5e-2  # really bf16 (not fp32), and still close
@@ -79,13 +87,13 @@ def test_bf16_compute(hf_models, arch):
 def test_hidden_times_lm_head_equals_logits(fp32_models, arch):
     model = fp32_models[arch]
     tokens, mask = padded_batch(ARCHS[arch]["vocab_size"], LENGTHS, T, "left", seed=4)
-    hidden = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask), return_hidden=True), np.float64)
+    hidden = np.asarray(run(model, tokens, mask, return_hidden=True), np.float64)
     assert hidden.shape == (len(LENGTHS), T, ARCHS[arch]["hidden_size"])
     kernel = np.asarray(model.lm_head_kernel(), np.float64)  # [D, V]
     expected_kernel = (np.asarray(model.embedding[...]).T if model.cfg.tie_word_embeddings
                        else np.asarray(model.lm_head[...]))
     np.testing.assert_array_equal(kernel, expected_kernel)
-    logits = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
+    logits = np.asarray(run(model, tokens, mask))
     np.testing.assert_allclose(logits, hidden @ kernel, rtol=1e-5, atol=1e-5)
 
 

@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         torch_s, torch_logits = torch_forward(model, tokens, args.repeats)
         ours = np.asarray(logits)
         rel = float(np.abs(ours - torch_logits).max() / np.abs(torch_logits).max())
-        rows += [("transformers forward", f"{torch_s * 1e3:.0f} ms", f"same weights and tokens; max rel logit diff {rel:.1e}"),
+        rows += [("transformers forward", f"{torch_s * 1e3:.0f} ms",
+                  f"same weights and tokens; max rel logit diff {rel:.1e}"),
                  ("transformers FLOP rate", f"{flops / torch_s / 1e9:.1f} GFLOP/s", ""),
                  ("ours / transformers speed", f"{torch_s / ours_s:.2f}x", "> 1: ours is faster")]
         result.update(torch_s=torch_s, speedup_vs_torch=torch_s / ours_s)
