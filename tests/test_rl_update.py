@@ -141,6 +141,7 @@ def test_bad_batches_raise_before_the_jitted_call(tiny, pacs_update):
     good = make_batch(groups=2)
     cases = [
         ({k: v for k, v in good.items() if k != "old_logp"}, "missing \\['old_logp'\\]"),
+        (dict(good, ref_log_prob=good["old_logp"]), "unknown keys \\['ref_log_prob'\\]"),
         (dict(good, rewards=np.where(good["rewards"] > 0, 0.5, 0.0).astype(np.float32)), "rewards must be 0 or 1"),
         (dict(good, attention_mask=good["attention_mask"][:, 1:]), "attention_mask"),
         (dict(good, old_logp=good["old_logp"][:, 1:]), "old_logp must have"),

@@ -34,6 +34,7 @@ from pacs_jax.sharding import MeshRules, constrain
 
 Batch = Mapping[str, jax.Array]
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")
+OPTIONAL_KEYS = ("ref_logp",)
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
@@ -48,8 +49,10 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
 
 def _check_update_batch(batch: Batch, group_size: int, num_micro_batches: int, binary_rewards: bool) -> None:
     missing = [k for k in REQUIRED_KEYS if k not in batch]
-    if missing:
-        raise ValueError(f"batch is missing {missing}; it needs {list(REQUIRED_KEYS)} (+ optional ref_logp)")
+    unknown = sorted(set(batch) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+    if missing or unknown:
+        raise ValueError(f"batch is missing {missing} / has unknown keys {unknown}; it takes "
+                         f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
     B, L = batch["input_ids"].shape
     B_r, R = batch["response_mask"].shape
     if batch["attention_mask"].shape != (B, L):
@@ -57,13 +60,13 @@ def _check_update_batch(batch: Batch, group_size: int, num_micro_batches: int, b
                          f"got {batch['attention_mask'].shape}")
     if B_r != B or not 0 < R < L:
         raise ValueError(f"batch['response_mask'] must be [B, R] with B={B} and 0 < R < L={L}, got {(B_r, R)}")
-    if num_micro_batches < 1 or B % (num_micro_batches * group_size):
-        raise ValueError(f"num_micro_batches={num_micro_batches}: a batch of {B} responses in groups of "
-                         f"{group_size} cannot be split into that many micro-batches of whole groups")
     # Values: only the rewards (a [B] host check); the per-token arrays are checked by shape.
     abstract = jax.ShapeDtypeStruct((B, R), jnp.float32)
     check_batch(abstract, batch["old_logp"], abstract, batch["rewards"], group_size, min_group_size=1,
                 binary_rewards=binary_rewards, ref_logp=batch.get("ref_logp"))
+    if num_micro_batches < 1 or B % (num_micro_batches * group_size):
+        raise ValueError(f"num_micro_batches={num_micro_batches}: a batch of {B} responses in groups of "
+                         f"{group_size} cannot be split into that many micro-batches of whole groups")
 
 
 def _split_micro_batches(x: jax.Array, unit: int, num_micro_batches: int) -> jax.Array:
