@@ -1,0 +1,16 @@
+"""Verifiable rewards: math answer equivalence (math-verify) and GSM8K numbers, batch-scored in a worker pool.
+
+    score = rewards.math_reward(response, ground_truth)        # 1.0 / 0.0, never raises, bounded time
+    score = rewards.gsm8k_reward(response, ground_truth)
+    with rewards.RewardPool(item_timeout=5.0) as pool:
+        scores, statuses, metrics = pool.score(responses, ground_truths, reward="math", deadline=60.0)
+"""
+
+from pacs_jax.rewards.gsm8k import gsm8k_reward, judge_gsm8k
+from pacs_jax.rewards.math import judge_math
+from pacs_jax.rewards.pool import RewardPool, ScoredBatch, math_reward
+from pacs_jax.rewards.verdict import STATUSES, Verdict
+from pacs_jax.rewards.worker import REWARDS
+
+__all__ = ["math_reward", "gsm8k_reward", "judge_math", "judge_gsm8k", "RewardPool", "ScoredBatch", "REWARDS",
+           "STATUSES", "Verdict"]

@@ -1,0 +1,118 @@
+"""Math answer checking: is the response's final answer mathematically equivalent to the gold one?
+
+The engine is math-verify (Hugging Face): the gold answer is wrapped as ``\\boxed{gold}``, both
+sides are parsed (LaTeX and plain expressions, boxed answer first) and compared for equivalence
+(symbolic, numeric with 6-decimal float rounding, sets, intervals, relations). On top of it:
+
+- only the text after the last ``</think>`` is read (answers tried while thinking do not count);
+- ``\\text{(051)}``-style boxed numbers (AIME solutions write them) are read as numbers;
+- hostile or runaway output is refused before sympy sees it (status REJECTED, score 0): bracket
+  nesting deeper than ``MAX_NESTING`` (math-verify's LaTeX parser is exponential in the depth of
+  bare ``{...}`` groups: depth 12 takes 3 s, 16 takes 12 s, 20 takes 8 minutes)
+  and numbers of more than ``MAX_DIGITS`` digits (``9^{9^{9^{9}}}``; exact sympy arithmetic on them
+  never returns).
+
+Model output is never executed: math-verify parses LaTeX with its own grammar and plain
+expressions with sympy's tokenizer (no ``eval`` of raw text). ``judge_math`` has no time bound of its
+own: math-verify's signal-based timeouts are switched off (they only work on a main thread and
+cannot interrupt C code); run it through ``rewards.pool``, whose worker processes are killed when an
+item overruns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+
+import sympy
+from math_verify import parse, verify
+from sympy.matrices import MatrixBase
+
+from pacs_jax.rewards.verdict import BAD_GOLD, ERROR, NO_ANSWER, OK, REJECTED, Verdict, answer_region
+
+MAX_NESTING = 12       # brackets open at once in the answer region (real solutions: <= 7)
+MAX_DIGITS = 100_000   # decimal digits of any number the answer denotes (10000! has 35,660)
+
+# math-verify logs the whole input (model output, up to megabytes) at WARNING on parse failures and
+# warns once that its timeouts are off; we count those events in the pool's metrics instead.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+_BRACKET = re.compile(r"[{(\[\]})]")
+_OPENERS = frozenset("{([")
+_TEXT_NUMBER = re.compile(r"\\text\{\s*\(?\s*(-?\d+(?:\.\d+)?)\s*\)?\s*\}")
+
+
+def judge_math(response: str, ground_truth: str) -> Verdict:
+    """Score ``response`` against ``ground_truth`` (LaTeX, e.g. ``\\frac{14}{3}``); never raises."""
+    try:
+        gold = _parse_gold(str(ground_truth))
+        if not gold:
+            return Verdict(0.0, BAD_GOLD)
+        region = _TEXT_NUMBER.sub(r"\1", answer_region(response))
+        if nesting_depth(region, stop_above=MAX_NESTING) > MAX_NESTING:
+            return Verdict(0.0, REJECTED)
+        pred = parse(region, parsing_timeout=None)
+        if not pred:
+            return Verdict(0.0, NO_ANSWER)
+        if any(_log10_bound(p) > MAX_DIGITS for p in pred if not isinstance(p, str)):
+            return Verdict(0.0, REJECTED)
+        return Verdict(1.0 if verify(list(gold), pred, timeout_seconds=None) else 0.0, OK)
+    except Exception:  # math-verify catches its own errors; this is the last line of defence
+        return Verdict(0.0, ERROR)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(ground_truth: str) -> tuple:
+    """Parsed ``\\boxed{ground_truth}``; empty when unparseable or too costly (cached: n responses share it)."""
+    boxed = "\\boxed{" + ground_truth + "}"
+    if nesting_depth(boxed, stop_above=MAX_NESTING) > MAX_NESTING:
+        return ()
+    gold = tuple(parse(boxed, parsing_timeout=None))
+    if any(_log10_bound(g) > MAX_DIGITS for g in gold if not isinstance(g, str)):
+        return ()
+    return gold
+
+
+def nesting_depth(text: str, stop_above: int) -> int:
+    """Largest number of brackets open at once in ``text`` (all kinds pooled); stops early once above."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(text):
+        if match.group() in _OPENERS:
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > stop_above:
+                    break
+        elif depth:
+            depth -= 1
+    return deepest
+
+
+def _log10_bound(expr: sympy.Basic | MatrixBase) -> float:
+    """Rough upper bound of log10 |value| of the numbers ``expr`` denotes (inf: astronomically large).
+
+    Symbols and functions count as 1; only integers, rationals, powers, factorials and their sums
+    and products can make it large. Used to refuse answers that exact arithmetic cannot finish.
+    """
+    if isinstance(expr, MatrixBase):
+        return max((_log10_bound(e) for e in expr), default=0.0)
+    if isinstance(expr, sympy.Integer):
+        return math.log10(abs(int(expr))) if expr != 0 else 0.0
+    if isinstance(expr, sympy.Rational):
+        return max(math.log10(abs(int(expr.p))), math.log10(int(expr.q)))
+    if isinstance(expr, sympy.Pow):
+        base, exponent = _log10_bound(expr.base), _log10_bound(expr.exp)
+        if exponent > 300:  # |exponent| > 1e300
+            return math.inf
+        return max(base, 0.0) * 10.0 ** exponent
+    if isinstance(expr, sympy.factorial):
+        n = _log10_bound(expr.args[0])
+        return math.inf if n > 300 else 10.0 ** n * max(n, 1.0)
+    parts = [_log10_bound(a) for a in expr.args]
+    if isinstance(expr, sympy.Mul):
+        return sum(parts)
+    if isinstance(expr, sympy.Add):
+        return max(parts, default=0.0) + math.log10(max(len(parts), 1))
+    return max(parts, default=0.0)

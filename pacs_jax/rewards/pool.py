@@ -1,0 +1,257 @@
+"""Scoring thousands of responses at once in a persistent pool of worker processes.
+
+Each worker (``rewards/worker.py``, a fresh Python process that imports no JAX) checks one item
+at a time; the parent keeps the clock. An item that overruns its time limit (a hung sympy call,
+which no signal can interrupt inside C code) scores 0 and its worker is killed and replaced; a
+worker that dies scores its item 0 and is replaced; when the batch deadline passes, every item not
+yet checked scores 0. All of these are counted in the returned metrics.
+
+    with RewardPool(item_timeout=5.0) as pool:
+        scores, statuses, metrics = pool.score(responses, ground_truths, reward="math", deadline=60.0)
+    # scores [N] float32 in {0, 1}; metrics {"mean_score", "timeouts", "parse_failures", ...}
+
+``math_reward(response, ground_truth)`` checks a single pair through a shared one-worker pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import Counter, deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from typing import NamedTuple
+
+import numpy as np
+
+from pacs_jax.rewards import verdict
+from pacs_jax.rewards.worker import READY, REWARDS
+
+_PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+_MAX_FAILED_STARTS = 3
+_WORKER_ENTRY = "import sys; from pacs_jax.rewards.worker import main; main(sys.argv)"
+_log = logging.getLogger(__name__)
+
+
+class ScoredBatch(NamedTuple):
+    scores: np.ndarray        # [N] float32, 1.0 or 0.0
+    statuses: list[str]       # [N] one of verdict.STATUSES
+    metrics: dict[str, float]
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    process: subprocess.Popen
+    inbox: Connection         # parent -> worker
+    outbox: Connection        # worker -> parent
+    spawned_at: float
+    ready: bool = False
+    item: int | None = None   # index of the item being checked
+    item_started: float = 0.0
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.inbox.close()
+        self.outbox.close()
+
+
+class RewardPool:
+    """Persistent reward workers with a per-item time limit (see the module docstring).
+
+    Args:
+      num_workers: worker processes (default: CPU count, at most 32).
+      item_timeout: seconds one item may take before its worker is killed (default 5).
+      start_timeout: seconds a new worker may take to become ready before ``score`` raises.
+      memory_limit_bytes: address-space limit of each worker (RLIMIT_AS), None for no limit.
+    """
+
+    def __init__(self, num_workers: int | None = None, item_timeout: float = 5.0, *,
+                 start_timeout: float = 120.0, memory_limit_bytes: int | None = 8 << 30):
+        if item_timeout <= 0:
+            raise ValueError(f"item_timeout must be > 0, got {item_timeout}")
+        if num_workers is not None and num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers or max(1, min(os.cpu_count() or 1, 32))
+        self.item_timeout = item_timeout
+        self.start_timeout = start_timeout
+        self.memory_limit_bytes = memory_limit_bytes
+        self._restarts = 0
+        self._failed_starts = 0
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+        self._workers.extend(self._spawn() for _ in range(self.num_workers))
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop all workers (idempotent)."""
+        self._finalizer()
+
+    def score(self, responses: Sequence[str], ground_truths: Sequence[str], reward: str | Sequence[str] = "math",
+              *, deadline: float | None = None) -> ScoredBatch:
+        """Score ``responses[i]`` against ``ground_truths[i]`` with reward function ``reward`` (or ``reward[i]``).
+
+        deadline: seconds from now after which unchecked items score 0 (status DEADLINE); the call
+        returns shortly after it whatever the items do.
+        """
+        if not self._workers:
+            raise RuntimeError("RewardPool is closed")
+        n = len(responses)
+        if len(ground_truths) != n:
+            raise ValueError(f"{n} responses but {len(ground_truths)} ground truths")
+        rewards = [reward] * n if isinstance(reward, str) else list(reward)
+        if len(rewards) != n:
+            raise ValueError(f"{n} responses but {len(rewards)} reward names")
+        unknown = sorted(set(rewards) - set(REWARDS))
+        if unknown:
+            raise ValueError(f"unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+
+        start = time.monotonic()
+        end = start + deadline if deadline is not None else float("inf")
+        restarts_before = self._restarts
+        scores = np.zeros(n, np.float32)
+        statuses = [verdict.DEADLINE] * n  # overwritten as items are checked
+        pending = deque(range(n))
+
+        def record(index: int, score: float, status: str) -> None:
+            scores[index], statuses[index] = score, status
+
+        while (pending or self._busy()) and time.monotonic() < end:
+            for worker in self._workers:
+                if worker.ready and worker.item is None and pending:
+                    index = pending.popleft()
+                    try:
+                        worker.inbox.send((index, rewards[index], responses[index], ground_truths[index]))
+                    except OSError:  # died while idle: retry the item on its replacement
+                        pending.appendleft(index)
+                        self._replace(worker)
+                        continue
+                    worker.item, worker.item_started = index, time.monotonic()
+            for event in self._collect(end):
+                record(*event)
+            now = time.monotonic()
+            for worker in self._workers:
+                if worker.item is not None and now - worker.item_started >= self.item_timeout:
+                    record(worker.item, 0.0, verdict.TIMEOUT)
+                    self._replace(worker)
+                elif not worker.ready and now - worker.spawned_at >= self.start_timeout:
+                    raise RuntimeError(f"reward worker not ready after {self.start_timeout:.0f} s")
+
+        for worker in self._workers:  # deadline passed: abandon the items still being checked
+            if worker.item is not None:
+                self._replace(worker)
+        return ScoredBatch(scores, statuses, _metrics(scores, statuses, self._restarts - restarts_before,
+                                                      time.monotonic() - start))
+
+    def _busy(self) -> bool:
+        return any(worker.item is not None for worker in self._workers)
+
+    def _collect(self, end: float) -> list[tuple[int, float, str]]:
+        """Block until a worker reports or the next time limit falls due; return finished items."""
+        wake = end
+        for worker in self._workers:
+            if worker.item is not None:
+                wake = min(wake, worker.item_started + self.item_timeout)
+            elif not worker.ready:
+                wake = min(wake, worker.spawned_at + self.start_timeout)
+        by_outbox = {worker.outbox: worker for worker in self._workers}
+        finished = []
+        for outbox in wait(list(by_outbox), timeout=max(0.0, wake - time.monotonic())):
+            worker = by_outbox[outbox]
+            try:
+                message = outbox.recv()
+            except (EOFError, OSError):  # the worker died (e.g. a C stack overflow in sympy)
+                if worker.item is not None:
+                    finished.append((worker.item, 0.0, verdict.CRASH))
+                elif not worker.ready:
+                    self._failed_starts += 1
+                    if self._failed_starts >= _MAX_FAILED_STARTS:
+                        raise RuntimeError(f"{self._failed_starts} reward workers died while starting; "
+                                           "see their traceback on stderr")
+                self._replace(worker)
+                continue
+            if message == READY:
+                worker.ready = True
+                self._failed_starts = 0
+            else:
+                finished.append(message)
+                worker.item = None
+        return finished
+
+    def _spawn(self) -> _Worker:
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-c", _WORKER_ENTRY, str(to_worker_r), str(from_worker_w),
+                   str(self.memory_limit_bytes or 0)]
+        try:
+            process = subprocess.Popen(command, pass_fds=(to_worker_r, from_worker_w), env=env,
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        finally:
+            os.close(to_worker_r)
+            os.close(from_worker_w)
+        return _Worker(process, Connection(to_worker_w, readable=False), Connection(from_worker_r, writable=False),
+                       time.monotonic())
+
+    def _replace(self, worker: _Worker) -> None:
+        """Kill ``worker`` (whatever it is doing) and put a fresh one in its slot."""
+        worker.stop()
+        self._workers[self._workers.index(worker)] = self._spawn()
+        self._restarts += 1
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
+    workers.clear()
+
+
+def _metrics(scores: np.ndarray, statuses: list[str], restarts: int, seconds: float) -> dict[str, float]:
+    """Batch summary: mean score, how many items ended in each failure mode, worker restarts, wall time."""
+    counts = Counter(statuses)
+    return {
+        "count": float(len(statuses)),
+        "mean_score": float(scores.mean()) if len(statuses) else 0.0,
+        "timeouts": float(counts[verdict.TIMEOUT]),
+        "deadline_misses": float(counts[verdict.DEADLINE]),
+        "parse_failures": float(counts[verdict.NO_ANSWER] + counts[verdict.BAD_GOLD]),
+        "rejected": float(counts[verdict.REJECTED]),
+        "errors": float(counts[verdict.ERROR] + counts[verdict.CRASH]),
+        "worker_restarts": float(restarts),
+        "seconds": seconds,
+    }
+
+
+_shared_pool: RewardPool | None = None
+_shared_lock = threading.Lock()
+
+
+def math_reward(response: str, ground_truth: str, timeout: float = 5.0) -> float:
+    """1.0 if ``response``'s final answer is equivalent to ``ground_truth``, else 0.0.
+
+    Never raises and returns within about ``timeout`` seconds (plus the first call's worker start,
+    about a second): the check runs in a shared one-worker RewardPool whose worker is killed and
+    replaced on overrun.
+    """
+    global _shared_pool
+    try:
+        with _shared_lock:
+            if _shared_pool is None:
+                _shared_pool = RewardPool(num_workers=1, item_timeout=timeout)
+            _shared_pool.item_timeout = timeout
+            return float(_shared_pool.score([response], [ground_truth], "math").scores[0])
+    except Exception:  # e.g. no process could be started: score 0 rather than crash the caller
+        _log.exception("math_reward failed; scoring 0")
+        return 0.0

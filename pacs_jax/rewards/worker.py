@@ -1,0 +1,48 @@
+"""A reward worker process, started by ``rewards.pool`` as ``main([_, READ_FD, WRITE_FD, MEMORY_LIMIT_BYTES])``.
+
+It reads ``(index, reward, response, ground_truth)`` messages from READ_FD
+and answers ``(index, score, status)`` on WRITE_FD, one item at a time, until it reads None or the
+pipe closes. It imports no JAX and runs nothing from the model's output; the pool kills it when an
+item overruns, so nothing here keeps time.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from pacs_jax.rewards.gsm8k import judge_gsm8k
+from pacs_jax.rewards.math import judge_math
+from pacs_jax.rewards.verdict import Verdict
+
+REWARDS: dict[str, Callable[[str, str], Verdict]] = {"math": judge_math, "gsm8k": judge_gsm8k}
+READY = "ready"
+
+
+def serve(inbox: Connection, outbox: Connection) -> None:
+    """Answer messages from ``inbox`` on ``outbox`` until None or end of file."""
+    outbox.send(READY)
+    while True:
+        try:
+            message = inbox.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        index, reward, response, ground_truth = message
+        score, status = REWARDS[reward](response, ground_truth)
+        outbox.send((index, score, status))
+
+
+def main(argv: list[str]) -> None:
+    """argv: [program, READ_FD, WRITE_FD, MEMORY_LIMIT_BYTES (0: none)]."""
+    read_fd, write_fd = int(argv[1]), int(argv[2])
+    memory_limit = int(argv[3])
+    if memory_limit:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C; we exit when its pipe closes
+    serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
+
