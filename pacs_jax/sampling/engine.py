@@ -11,7 +11,8 @@ decode rows, N = max_new_tokens, S = T + N cache slots, V vocabulary.
 
 The whole rollout is one ``jax.jit`` of a pure function of (params state, arrays); the model is
 ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
-reuse one compilation. The KV cache is allocated inside the program and never leaves it, so there is
+reuse one compilation. Static: shapes, n, max_new_tokens, top_k. Traced: temperature (0 = greedy),
+top_p, the seed's key and the stop ids, so greedy evaluation and sampled training share a program. The KV cache is allocated inside the program and never leaves it, so there is
 no outside buffer to donate: XLA updates the loop-carried cache in place and frees it on return (a
 rollout does not hold accelerator memory between calls, which the training update needs).
 Parameters are cast to the compute dtype once, before the loop, not in every decode step.
@@ -24,14 +25,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pacs_jax.models.qwen import KVCache, positions_from_mask
+from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.params import SamplingParams
 from pacs_jax.sampling.rules import select_tokens
 from pacs_jax.sharding import constrain
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
+STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this, so changing them rarely recompiles
 
 _TRACE_COUNT = 0
 
@@ -76,18 +80,16 @@ def _expand_cache(cache: KVCache, n: int, new_slots: int, rules) -> KVCache:
 
 
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("n", "max_new_tokens", "greedy", "top_k", "use_top_p"))
+                   static_argnames=("n", "max_new_tokens", "top_k"))
 def _rollout_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                      prompt_mask: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                     stop_ids: jax.Array, *, n: int, max_new_tokens: int, greedy: bool, top_k: int,
-                     use_top_p: bool) -> RolloutArrays:
+                     stop_ids: jax.Array, *, n: int, max_new_tokens: int, top_k: int) -> RolloutArrays:
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     cfg = nnx.merge(graphdef, state).cfg
     model = nnx.merge(graphdef, _cast_floats(state, jnp.dtype(cfg.dtype)))
     rules = model.rules
-    select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
-                               top_k=top_k, use_top_p=use_top_p)
+    select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     P, T = prompt_tokens.shape
     B, N = P * n, max_new_tokens
 
@@ -162,8 +164,10 @@ def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, 
                          "must both be [P, T]")
     if prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
         raise ValueError(f"prompt_tokens: empty shape {prompt_tokens.shape}")
+    stops = params.stop_token_ids
+    stop_ids = np.full(round_up(max(len(stops), 1), STOP_ID_SLOTS), -1, np.int32)  # -1 never matches
+    stop_ids[:len(stops)] = stops
     return _rollout_program(
-        graphdef, state, prompt_tokens, prompt_mask, key, jnp.float32(params.temperature or 1.0),
-        jnp.float32(params.top_p), jnp.asarray(params.stop_token_ids, jnp.int32).reshape(-1),
-        n=params.n, max_new_tokens=params.max_new_tokens, greedy=params.greedy, top_k=params.top_k,
-        use_top_p=params.top_p < 1.0)
+        graphdef, state, prompt_tokens, prompt_mask, key, jnp.float32(params.temperature),
+        jnp.float32(params.top_p), jnp.asarray(stop_ids), n=params.n, max_new_tokens=params.max_new_tokens,
+        top_k=params.top_k)

@@ -52,10 +52,6 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def check_vocab(self, vocab_size: int) -> None:
         """Raise a ValueError naming the field when a token id or top_k does not fit the vocabulary."""
         if self.top_k > vocab_size:

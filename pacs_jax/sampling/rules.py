@@ -33,19 +33,25 @@ def restrict_to_top(scaled: jax.Array, top_k: int, top_p: jax.Array | None) -> j
 
 
 def select_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
-                  greedy: bool, top_k: int, use_top_p: bool) -> tuple[jax.Array, jax.Array]:
+                  top_k: int) -> tuple[jax.Array, jax.Array]:
     """Pick one token per row: logits [B, V] float32 -> (tokens [B] int32, log-probs [B] float32).
 
-    ``greedy``, ``top_k`` and ``use_top_p`` are static (they change the program); ``temperature``
-    and ``top_p`` are traced scalars, so changing their values does not recompile.
+    ``temperature`` (0 = greedy) and ``top_p`` (1 = off) are traced scalars that choose a branch at
+    run time (``lax.cond``: only the taken branch runs), so greedy evaluation and sampled training
+    rollouts share one compiled program. ``top_k`` is static (it is a shape).
     """
     logits = logits.astype(jnp.float32)
-    if greedy:
+
+    def greedy():
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-    else:
+        return tokens, jax.nn.log_softmax(logits, axis=-1)
+
+    def sample():
         scaled = logits / temperature
-        log_probs = jax.nn.log_softmax(scaled, axis=-1)
-        allowed = restrict_to_top(scaled, top_k, top_p if use_top_p else None)
+        allowed = jax.lax.cond(top_p < 1.0, lambda: restrict_to_top(scaled, top_k, top_p),
+                               lambda: restrict_to_top(scaled, top_k, None))
         tokens = jax.random.categorical(key, allowed, axis=-1).astype(jnp.int32)
+        return tokens, jax.nn.log_softmax(scaled, axis=-1)
+
+    tokens, log_probs = jax.lax.cond(temperature > 0.0, sample, greedy)
     return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
