@@ -5,7 +5,7 @@ sides are parsed (LaTeX and plain expressions, boxed answer first) and compared 
 (symbolic, numeric with 6-decimal float rounding, sets, intervals, relations). On top of it:
 
 - only the text after the last ``</think>`` is read (answers tried while thinking do not count);
-- ``\\text{(051)}``-style boxed numbers (AIME solutions write them) are read as numbers;
+- ``\\textbf{(051)}``-style boxed numbers (AIME solutions write them) are read as numbers;
 - hostile or runaway output is refused before sympy sees it (status REJECTED, score 0): bracket
   nesting deeper than ``MAX_NESTING`` (math-verify's LaTeX parser is exponential in the depth of
   bare ``{...}`` groups: depth 12 takes 3 s, 16 takes 12 s, 20 takes 8 minutes)
@@ -41,7 +41,7 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _BRACKET = re.compile(r"[{(\[\]})]")
 _OPENERS = frozenset("{([")
-_TEXT_NUMBER = re.compile(r"\\text\{\s*\(?\s*(-?\d+(?:\.\d+)?)\s*\)?\s*\}")
+_TEXT_NUMBER = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{\s*\(?\s*(-?\d+(?:\.\d+)?)\s*\)?\s*\}")
 
 
 def judge_math(response: str, ground_truth: str) -> Verdict:

@@ -1,0 +1,177 @@
+"""Math and GSM8K rewards against math-verify's own verdicts and the real datasets' answers."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from math_verify import parse, verify
+
+from pacs_jax import rewards
+from pacs_jax.rewards import verdict
+from pacs_jax.rewards.math import MAX_NESTING, nesting_depth
+
+_INTEGER = re.compile(r"-?\d+")
+_FRACTION = re.compile(r"\\frac\{(-?\d+)\}\{(\d+)\}")
+
+
+def _math_verify_verdict(response: str, gold: str) -> float:
+    """The reference: math-verify's own verdict on the gold answer wrapped as \\boxed{gold}."""
+    return float(verify(parse("\\boxed{" + gold + "}"), parse(response)))
+
+
+def _category(gold: str) -> str:
+    if _INTEGER.fullmatch(gold):
+        return "integer"
+    if _FRACTION.fullmatch(gold):
+        return "fraction"
+    if re.fullmatch(r"[\[(].*,.*[\])]", gold):
+        return "interval"
+    if "\\text" in gold:
+        return "text"
+    inner = gold[2:-2] if gold.startswith("\\{") and gold.endswith("\\}") else gold
+    if re.fullmatch(r"[^()\[\]{}!]*,[^()\[\]{}!]*", inner) and not re.fullmatch(r"\d{1,3}(,\d{3})+", inner):
+        return "set"
+    return "expression"
+
+
+def _rewrite(gold: str, category: str) -> str:
+    """An equivalent way to write ``gold``: decimal for a fraction, \\dfrac, spacing, units, reordering."""
+    if category == "integer":
+        return f"{gold}\\text{{ units}}"
+    if category == "fraction":
+        numerator, denominator = map(int, _FRACTION.fullmatch(gold).groups())
+        return f"{numerator / denominator:.9f}"
+    if category == "interval":
+        return "\\left" + gold[0] + " " + gold[1:-1].replace(",", " , ") + " \\right" + gold[-1]
+    if category == "set":  # "a, b" or "\\{a, b\\}": the same elements in reverse order
+        braced = gold.startswith("\\{")
+        elements = ", ".join(reversed([part.strip() for part in (gold[2:-2] if braced else gold).split(",")]))
+        return "\\{" + elements + "\\}" if braced else elements
+    if category == "text":
+        without = re.sub(r"\\text\{[A-Za-z ]*\}", "", gold).strip()  # drop units ...
+        return without if without not in ("", gold) else re.sub(r"\\text\{([^{}]*)\}", r"\1", gold)  # ... or unwrap
+    if "\\frac" in gold:
+        return gold.replace("\\frac", "\\dfrac")
+    spaced = re.sub(r"\s*([+\-=])\s*", r" \1 ", gold).replace("{", " {").strip()
+    return spaced if spaced != gold else f"\\; {gold} \\;"
+
+
+def _wrong(gold: str, category: str, other: str) -> str:
+    if category == "integer":
+        return str(int(gold) + 1)
+    return other if other != gold else gold + "+1"
+
+
+@pytest.fixture(scope="module")
+def golds(shared_data) -> list[str]:
+    """About 230 real gold answers: up to 25 of each kind from MATH (MATH-500, then the DeepScaleR MATH
+    subset), plus AIME 2024/2025 and AMC23."""
+    math = [json.loads(line)["answer"] for line in open(shared_data / "math_500" / "test.jsonl")]
+    math += [row["answer"] for row in json.load(open(shared_data / "deepscaler_subset" / "math.json")) if row["answer"]]
+    picked, per_category = [], {}
+    for gold in math:
+        category = _category(gold)
+        if per_category.get(category, 0) < 25:
+            per_category[category] = per_category.get(category, 0) + 1
+            picked.append(gold)
+    for name in ("aime_2024", "aime_2025", "amc23"):
+        picked += [str(int(float(json.loads(line)["answer"]))) for line in open(shared_data / name / "test.jsonl")]
+    return picked
+
+
+def test_math_reward_agrees_with_math_verify(golds):
+    pairs = []  # (kind, response, gold)
+    for i, gold in enumerate(golds):
+        category = _category(gold)
+        pairs.append(("correct", f"Let me work through it.\nTherefore, the final answer is $\\boxed{{{gold}}}$.", gold))
+        pairs.append(("rewrite", f"So we get $\\boxed{{{_rewrite(gold, category)}}}$.", gold))
+        wrong = _wrong(gold, category, golds[(i + 7) % len(golds)])
+        pairs.append(("wrong", f"I conclude the answer is $\\boxed{{{wrong}}}$.", gold))
+    ours = [rewards.math_reward(response, gold) for _, response, gold in pairs]
+    reference = [_math_verify_verdict(response, gold) for _, response, gold in pairs]
+
+    assert len(pairs) >= 300
+    disagreements = [(p, o, r) for p, o, r in zip(pairs, ours, reference) if o != r]
+    assert len(disagreements) <= 0.01 * len(pairs), disagreements
+    by_kind = {kind: [o for (k, _, _), o in zip(pairs, ours) if k == kind] for kind in ("correct", "rewrite", "wrong")}
+    assert sum(by_kind["correct"]) >= 0.97 * len(by_kind["correct"])
+    assert sum(by_kind["rewrite"]) >= 0.85 * len(by_kind["rewrite"])
+    assert sum(by_kind["wrong"]) <= 0.03 * len(by_kind["wrong"])
+
+
+def test_answers_tried_while_thinking_do_not_count():
+    response = "<think>Maybe it is $\\boxed{5}$? No, I made an error.</think>\nThe answer is 3."
+    assert _math_verify_verdict(response, "5") == 1.0  # math-verify alone reads the boxed guess
+    assert rewards.judge_math(response, "5") == (0.0, verdict.OK)
+    assert rewards.judge_math(response, "3") == (1.0, verdict.OK)
+    assert rewards.judge_math("<think>unfinished \\boxed{5}", "5").score == 1.0  # no </think>: all text
+
+
+def test_text_wrapped_aime_numbers(shared_data):
+    """AIME solutions box answers as \\textbf{(051)}: math-verify reads '051' as a symbol, we as 51."""
+    solutions = [row for row in json.load(open(shared_data / "deepscaler_subset" / "aime.json"))
+                 if re.search(r"\\boxed\{\\textbf\{\(\d+\) ?\}\}", row["solution"] or "")]
+    leading_zero = [row for row in solutions if re.search(r"\\textbf\{\(0", row["solution"])]
+    assert len(solutions) >= 3 and len(leading_zero) >= 2
+    for row in leading_zero:
+        assert _math_verify_verdict(row["solution"], row["answer"]) == 0.0
+    for row in solutions:
+        assert rewards.judge_math(row["solution"], row["answer"]) == (1.0, verdict.OK)
+        assert rewards.judge_math(row["solution"], str(int(row["answer"]) + 1)).score == 0.0
+
+
+def test_guards_leave_real_answers_alone(shared_data):
+    solutions = [json.loads(line)["solution"] for line in open(shared_data / "math_500" / "test.jsonl")]
+    assert max(nesting_depth(s, stop_above=MAX_NESTING) for s in solutions) <= MAX_NESTING
+    assert rewards.judge_math("\\boxed{10000!}", "10000!") == (1.0, verdict.OK)  # 35,660 digits: allowed
+    assert rewards.judge_math("\\boxed{2^{10}}", "1024") == (1.0, verdict.OK)
+    assert rewards.judge_math("\\boxed{" + "{" * (MAX_NESTING + 1) + "1" + "}" * (MAX_NESTING + 1) + "}", "1") == (
+        0.0, verdict.REJECTED)
+
+
+def test_math_statuses():
+    assert rewards.judge_math("I give up.", "3") == (0.0, verdict.NO_ANSWER)
+    assert rewards.judge_math("\\boxed{3}", "") == (0.0, verdict.BAD_GOLD)
+    assert rewards.judge_math(None, "3") == (0.0, verdict.ERROR)  # type: ignore[arg-type]
+    assert rewards.math_reward(12345, "3") == 0.0  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_test(shared_data) -> list[tuple[str, str]]:
+    """(reference solution ending in '#### N', N) for the 1319 GSM8K test problems."""
+    rows = [json.loads(line) for line in open(shared_data / "gsm8k" / "test.jsonl")]
+    return [(row["answer"], row["answer"].rpartition("####")[2].strip()) for row in rows]
+
+
+def test_gsm8k_reward_on_reference_solutions(gsm8k_test):
+    assert len(gsm8k_test) == 1319
+    assert all(rewards.gsm8k_reward(solution, gold) == 1.0 for solution, gold in gsm8k_test)
+    for solution, gold in gsm8k_test[:200]:
+        head = solution.rpartition("####")[0]
+        assert rewards.gsm8k_reward(head + f"#### {int(gold.replace(',', '')) + 1}", gold) == 0.0
+        assert rewards.gsm8k_reward(head.replace("<<", "").replace(">>", "") + f" The answer is $\\boxed{{{gold}}}$.",
+                                    gold) == 1.0
+
+
+@pytest.mark.parametrize("response, gold, expected", [
+    ("So she makes $1,600 in total.", "1600", 1.0),
+    ("So she makes 1600 dollars.", "1,600", 1.0),
+    ("The total is \\boxed{18.00}.", "18", 1.0),
+    ("The total is \\boxed{\\$18} and 5 more words", "18", 1.0),       # boxed wins over later numbers
+    ("It drops to -3 degrees.", "-3", 1.0),
+    ("Pages 10-12 are missing, so 12", "-12", 0.0),                     # a dash between numbers is no sign
+    ("<think>maybe 18</think> The answer is 17.", "18", 0.0),
+    ("#### 18\nI hope 17 is not right", "18", 1.0),
+    ("no numbers here", "18", 0.0),
+    ("9" * 200, "9", 0.0),
+])
+def test_gsm8k_cases(response, gold, expected):
+    assert rewards.gsm8k_reward(response, gold) == expected
+
+
+def test_gsm8k_statuses():
+    assert rewards.judge_gsm8k("42", "forty-two") == (0.0, verdict.BAD_GOLD)
+    assert rewards.judge_gsm8k("nothing", "42") == (0.0, verdict.NO_ANSWER)
+    assert rewards.judge_gsm8k("9" * 200, "42") == (0.0, verdict.REJECTED)
