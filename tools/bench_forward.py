@@ -8,7 +8,8 @@ Random weights (the FLOP count does not depend on them). Prints one table:
   - our jitted forward (tokens [B, T] -> logits [B, T, V]): time, FLOPs (analytic, and XLA's own
     count), FLOP/s and its fraction of the matmul rate,
   - transformers (PyTorch CPU) on the same weights and tokens: time, and our speed-up over it.
-Times are the best of --repeats runs after one warm-up (compilation) run.
+Times are the best of --repeats rounds after one warm-up (compilation) run; within a round the
+runs take turns, so that load from other processes hits them alike.
 """
 
 from __future__ import annotations
@@ -34,29 +35,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="B (default: 4)")
     parser.add_argument("--seq", type=int, default=256, help="T (default: 256)")
     parser.add_argument("--matmul_size", type=int, default=2048, help="N of the reference matmul (default: 2048)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (default: 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default: 3)")
     parser.add_argument("--no_torch", action="store_true", help="skip the transformers comparison")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
-def best_time(run: Callable[[], object], repeats: int, desc: str) -> tuple[float, object]:
-    """(best wall time over ``repeats`` runs after one warm-up, the last result)."""
-    result = run()  # warm-up: compilation, allocation
-    times = []
-    for _ in tqdm(range(repeats), desc=desc, leave=False):
-        start = time.perf_counter()
-        result = run()
-        times.append(time.perf_counter() - start)
-    return min(times), result
+def interleaved_best_times(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time of each runner over ``repeats`` rounds, after one warm-up (compilation) run each.
+
+    The runners take turns within each round, so that load from other processes on a shared machine
+    hits all of them alike (the numbers are compared as ratios).
+    """
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in tqdm(range(repeats), desc="timing rounds", leave=False):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def matmul_rate(n: int, repeats: int) -> float:
-    """Measured fp32 FLOP/s of one jitted [n, n] @ [n, n] matmul."""
+def jax_matmul(n: int) -> Callable[[], object]:
+    """A runner for one jitted fp32 [n, n] @ [n, n] matmul (2 n^3 FLOPs)."""
     a, b = (jax.random.normal(k, (n, n), jnp.float32) for k in jax.random.split(jax.random.key(0)))
     matmul = jax.jit(jnp.matmul)
-    seconds, _ = best_time(lambda: matmul(a, b).block_until_ready(), repeats, f"matmul {n}")
-    return 2 * n**3 / seconds
+    return lambda: matmul(a, b).block_until_ready()
 
 
 def forward_flops(cfg: models.QwenConfig, batch: int, seq: int) -> int:
@@ -80,8 +86,12 @@ def xla_flops(compiled) -> float | None:
     return (analysis or {}).get("flops")
 
 
-def torch_forward(model: models.Qwen, tokens: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
-    """(best time, logits) of transformers' forward on the same weights (exported through export_hf)."""
+def torch_runners(model: models.Qwen, tokens: np.ndarray, n: int) -> dict:
+    """transformers on the same weights: {"forward", "matmul" ([n, n] @ [n, n]): runners,
+    "logits": getter of the last forward's logits, "threads": torch's thread count}.
+
+    The weights go through models.export_hf into a temporary HF directory.
+    """
     import torch
     import transformers
 
@@ -89,48 +99,63 @@ def torch_forward(model: models.Qwen, tokens: np.ndarray, repeats: int) -> tuple
         directory = models.export_hf(model, f"{tmp}/hf", progress=True)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     input_ids = torch.from_numpy(tokens.astype(np.int64))
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = {}
 
-    def run():
+    def forward():
         with torch.no_grad():
-            return hf_model(input_ids=input_ids).logits
+            out["logits"] = hf_model(input_ids=input_ids).logits
 
-    seconds, logits = best_time(run, repeats, "transformers forward")
-    return seconds, logits.numpy()
+    return {"forward": forward, "matmul": lambda: a @ b, "logits": lambda: out["logits"].numpy(),
+            "threads": torch.get_num_threads()}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     cfg = models.preset(args.preset, dtype="float32", param_dtype="float32")
-    peak = matmul_rate(args.matmul_size, args.repeats)
-
+    n = args.matmul_size
     model = models.init_random(cfg, seed=args.seed)
     graphdef, state = nnx.split(model)
     tokens = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (args.batch, args.seq)).astype(np.int32)
-    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
-    compiled = forward.lower(state, jnp.asarray(tokens)).compile()
     device_tokens = jnp.asarray(tokens)
-    ours_s, logits = best_time(lambda: compiled(state, device_tokens).block_until_ready(), args.repeats, "our forward")
+    compiled = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)).lower(state, device_tokens).compile()
+    ours = {}
+
+    def our_forward():
+        ours["logits"] = compiled(state, device_tokens).block_until_ready()
+
+    runs = {"jax matmul": jax_matmul(n), "ours": our_forward}
+    if not args.no_torch:
+        reference = torch_runners(model, tokens, n)
+        runs.update({"torch matmul": reference["matmul"], "transformers": reference["forward"]})
+    best = interleaved_best_times(runs, args.repeats)
+
     flops = forward_flops(cfg, args.batch, args.seq)
     counted = xla_flops(compiled)
-
-    rows = [("fp32 matmul rate", f"{peak / 1e9:.1f} GFLOP/s", f"[{args.matmul_size}]x[{args.matmul_size}] on "
-             f"{jax.devices()[0].device_kind} ({jax.device_count()} device(s))"),
-            ("forward", f"{ours_s * 1e3:.0f} ms", f"{args.preset} shape, B={args.batch}, T={args.seq}, fp32"),
+    peak = 2 * n**3 / best["jax matmul"]
+    rate = flops / best["ours"]
+    rows = [("fp32 matmul rate (XLA)", f"{peak / 1e9:.1f} GFLOP/s",
+             f"[{n}]x[{n}] on {jax.devices()[0].device_kind} ({jax.device_count()} device(s))"),
+            ("forward", f"{best['ours'] * 1e3:.0f} ms", f"{args.preset} shape, B={args.batch}, T={args.seq}, fp32"),
             ("forward FLOPs", f"{flops / 1e12:.3f} TFLOP",
              "analytic" + (f"; XLA counts {counted / 1e12:.3f} TFLOP" if counted else "")),
-            ("forward FLOP rate", f"{flops / ours_s / 1e9:.1f} GFLOP/s", ""),
-            ("fraction of matmul rate", f"{flops / ours_s / peak:.1%}", "")]
-    result = {"matmul_flops_per_s": peak, "forward_s": ours_s, "forward_flops": flops,
-              "fraction_of_matmul_rate": flops / ours_s / peak}
+            ("forward FLOP rate", f"{rate / 1e9:.1f} GFLOP/s", ""),
+            ("fraction of matmul rate", f"{rate / peak:.1%}", "forward FLOP/s / XLA matmul FLOP/s")]
+    result = {"matmul_flops_per_s": peak, "forward_s": best["ours"], "forward_flops": flops,
+              "fraction_of_matmul_rate": rate / peak}
     if not args.no_torch:
-        torch_s, torch_logits = torch_forward(model, tokens, args.repeats)
-        ours = np.asarray(logits)
-        rel = float(np.abs(ours - torch_logits).max() / np.abs(torch_logits).max())
-        rows += [("transformers forward", f"{torch_s * 1e3:.0f} ms",
+        torch_peak = 2 * n**3 / best["torch matmul"]
+        ref = reference["logits"]()
+        rel = float(np.abs(np.asarray(ours["logits"]) - ref).max() / np.abs(ref).max())
+        rows += [("fp32 matmul rate (torch)", f"{torch_peak / 1e9:.1f} GFLOP/s",
+                  f"[{n}]x[{n}], {reference['threads']} threads"),
+                 ("transformers forward", f"{best['transformers'] * 1e3:.0f} ms",
                   f"same weights and tokens; max rel logit diff {rel:.1e}"),
-                 ("transformers FLOP rate", f"{flops / torch_s / 1e9:.1f} GFLOP/s", ""),
-                 ("ours / transformers speed", f"{torch_s / ours_s:.2f}x", "> 1: ours is faster")]
-        result.update(torch_s=torch_s, speedup_vs_torch=torch_s / ours_s)
+                 ("transformers FLOP rate", f"{flops / best['transformers'] / 1e9:.1f} GFLOP/s",
+                  f"{flops / best['transformers'] / torch_peak:.1%} of torch's matmul rate"),
+                 ("ours / transformers speed", f"{best['transformers'] / best['ours']:.2f}x", "> 1: ours is faster")]
+        result.update(torch_s=best["transformers"], torch_matmul_flops_per_s=torch_peak,
+                      speedup_vs_torch=best["transformers"] / best["ours"])
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>16}  {note}")
