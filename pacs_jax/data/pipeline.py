@@ -1,0 +1,91 @@
+"""The training prompt stream: a grain pipeline of prompt batches.
+
+    examples, counts = prepare_examples(["../shared/data/deepscaler_subset"], tokenizer, max_prompt_length=512)
+    batches = prompt_iterator(examples, PipelineConfig(batch_size=1024, seed=0, num_epochs=1))
+    batch = next(batches)            # this process's list of PromptExample (whole prompts)
+    state = batches.get_state()      # JSON-able; prompt_iterator(..., state=state) resumes exactly
+
+Order: every epoch is a fresh deterministic shuffle of all examples (grain reseeds by epoch), cut
+into global batches of ``batch_size`` whole prompts (an epoch's remainder is dropped, so every
+process sees the same number of batches); process p of P takes slice p of each global batch, so
+processes get disjoint shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+
+from pacs_jax.data.prompts import PromptExample, build_prompts
+from pacs_jax.data.readers import load_problems
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    batch_size: int              # prompts per step over all processes
+    seed: int = 0                # shuffle seed, 0 <= seed < 2**32
+    shuffle: bool = True
+    num_epochs: int | None = 1   # None: repeat forever
+
+
+def prepare_examples(specs: Sequence[str], tokenizer, max_prompt_length: int, on_error: str = "raise",
+                     format: str = "auto") -> tuple[list[PromptExample], dict[str, int]]:
+    """Read every source (see readers.load_problems) and build prompts; returns (examples, counts).
+
+    counts: rows (problems read), skipped (malformed rows, on_error="skip"), dropped_overlong.
+    """
+    problems, skipped = [], 0
+    for spec in specs:
+        read, stats = load_problems(spec, format=format, on_error=on_error)
+        problems += read
+        skipped += stats.skipped
+    examples, dropped = build_prompts(problems, tokenizer, max_prompt_length)
+    return examples, {"rows": len(problems), "skipped": skipped, "dropped_overlong": dropped}
+
+
+def prompt_batches(examples: Sequence[PromptExample], config: PipelineConfig, *, process_index: int | None = None,
+                   process_count: int | None = None) -> grain.MapDataset:
+    """A grain MapDataset whose elements are this process's batches: lists of batch_size // process_count examples.
+
+    process_index / process_count default to jax.process_index() / jax.process_count().
+    """
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index, process_count = jax.process_index(), jax.process_count()
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+    if config.batch_size < 1 or config.batch_size % process_count:
+        raise ValueError(f"batch_size={config.batch_size}: must be a positive multiple of the "
+                         f"{process_count} processes")
+    if len(examples) < config.batch_size:
+        raise ValueError(f"{len(examples)} prompts do not fill one batch of batch_size={config.batch_size}")
+    if config.num_epochs is not None and config.num_epochs < 1:
+        raise ValueError(f"num_epochs={config.num_epochs}: must be >= 1 or None (forever)")
+    if not 0 <= config.seed < 2**32:
+        raise ValueError(f"seed={config.seed}: must be in [0, 2**32)")
+    local = config.batch_size // process_count
+    dataset = grain.MapDataset.source(list(examples))
+    if config.shuffle:
+        dataset = dataset.shuffle(seed=config.seed)
+    dataset = dataset.batch(config.batch_size, drop_remainder=True,
+                            batch_fn=functools.partial(_process_slice, process_index * local, local))
+    return dataset.repeat(config.num_epochs)
+
+
+def prompt_iterator(examples: Sequence[PromptExample], config: PipelineConfig, *, process_index: int | None = None,
+                    process_count: int | None = None, state: dict[str, Any] | None = None) -> grain.DatasetIterator:
+    """Iterator over ``prompt_batches``; ``state`` (from ``get_state()``) resumes where that iterator was."""
+    iterator = iter(prompt_batches(examples, config, process_index=process_index,
+                                   process_count=process_count).to_iter_dataset())
+    if state is not None:
+        iterator.set_state(state)
+    return iterator
+
+
+def _process_slice(start: int, size: int, global_batch: Sequence[PromptExample]) -> list[PromptExample]:
+    return list(global_batch[start:start + size])
