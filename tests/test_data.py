@@ -1,0 +1,266 @@
+"""Dataset readers on the real data, malformed input, chat-template prompts, the grain pipeline."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pacs_jax import data
+from pacs_jax.data import DataError, PipelineConfig, Problem, PromptExample
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("spec, rows, spot_checks", [
+    ("math_500/test.jsonl", 500, {0: "\\left( 3, \\frac{\\pi}{2} \\right)", 1: "p - q", 2: "\\frac{14}{3}"}),
+    ("aime_2024/test.jsonl", 30, {0: "204", 1: "113"}),
+    ("aime_2025/test.jsonl", 30, {0: "70", 1: "588"}),          # stored as integers
+    ("amc23/test.jsonl", 40, {0: "27", 3: "3159"}),             # stored as floats (27.0)
+    ("gsm8k/test.jsonl", 1319, {0: "18", 1: "3", 2: "70000"}),  # the text after ####
+])
+def test_real_datasets_load_with_their_row_counts(shared_data, spec, rows, spot_checks):
+    problems, stats = data.load_problems(shared_data / spec)
+    assert len(problems) == rows and stats.rows == rows and stats.skipped == 0
+    assert problems[0].data_source == spec.split("/")[0]
+    for index, answer in spot_checks.items():
+        assert problems[index].ground_truth == answer
+        assert problems[index].index == index
+
+
+def test_first_problems_are_the_right_ones(shared_data):
+    gsm8k, _ = data.load_problems(shared_data / "gsm8k" / "test.jsonl")
+    assert gsm8k[0].problem.startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert gsm8k[0].extra["answer"].endswith("#### 18")  # the worked answer is kept
+    amc, _ = data.load_problems(shared_data / "amc23" / "test.jsonl")
+    assert amc[0].problem.startswith("Cities $A$ and $B$ are $45$ miles apart.") and amc[0].extra["url"]
+    aime, _ = data.load_problems(shared_data / "aime_2024" / "test.jsonl")
+    assert aime[0].problem.startswith("Every morning Aya goes for a $9$-kilometer-long walk")
+
+
+def test_gsm8k_thousands_separators_are_removed(shared_data):
+    problems, _ = data.load_problems(shared_data / "gsm8k" / "train.jsonl")
+    assert len(problems) == 7473
+    raw = [json.loads(line)["answer"].rpartition("####")[2].strip() for line in open(shared_data / "gsm8k" / "train.jsonl")]
+    with_commas = [i for i, answer in enumerate(raw) if "," in answer]
+    assert len(with_commas) > 50
+    for i in with_commas:
+        assert problems[i].ground_truth == raw[i].replace(",", "")
+
+
+def test_deepscaler_subset(shared_data):
+    """8449 rows; four of them (math.json) have a null or empty answer: an error, or counted skips."""
+    with pytest.raises(DataError, match=r"deepscaler_subset/math\.json:5318: field 'answer' must be a string or "
+                                        r"a number, got null"):
+        data.load_problems(shared_data / "deepscaler_subset")
+    problems, stats = data.load_problems(shared_data / "deepscaler_subset", on_error="skip")
+    assert stats.rows + stats.skipped == 8449 and stats.skipped == 4 and len(problems) == 8445
+    assert {p.data_source for p in problems} == {"deepscaler"}
+    aime, _ = data.load_problems(shared_data / "deepscaler_subset" / "aime.json")
+    assert len(aime) == 975 and aime[0].ground_truth == "60" and aime[0].problem.startswith("Let $x$, $y$ and $z$")
+    assert aime[0].extra["year"] == 1983
+
+
+def _write_jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    good = json.dumps({"problem": "1+1?", "answer": "2"})
+    cases = {
+        "bad_json": ('{"problem": "1+1?", "answer": ', r"bad_json\.jsonl:2: invalid JSON"),
+        "missing": (json.dumps({"problem": "1+1?"}), r"missing\.jsonl:2: missing field 'answer'"),
+        "list_answer": (json.dumps({"problem": "1+1?", "answer": ["2"]}),
+                        r"list_answer\.jsonl:2: field 'answer' must be a string or a number, got list"),
+        "bool_answer": (json.dumps({"problem": "1+1?", "answer": True}), r"bool_answer\.jsonl:2: .* got bool"),
+        "empty_problem": (json.dumps({"problem": " ", "answer": "2"}),
+                          r"empty_problem\.jsonl:2: field 'problem' must be a non-empty string"),
+        "not_object": ("[1, 2]", r"not_object\.jsonl:2: expected a JSON object, got list"),
+    }
+    for name, (bad_line, message) in cases.items():
+        path = _write_jsonl(tmp_path / f"{name}.jsonl", [good, bad_line, good])
+        with pytest.raises(DataError, match=message):
+            data.load_problems(path, format="math_500")
+        problems, stats = data.load_problems(path, format="math_500", on_error="skip")
+        assert [p.index for p in problems] == [0, 2] and stats.skipped == 1
+        assert stats.first_errors[0].startswith(f"{path}:2: ")
+
+
+def test_malformed_json_list_and_parquet(tmp_path):
+    listing = tmp_path / "items.json"
+    listing.write_text('[\n  {"problem": "a", "answer": "1"},\n  {"problem": "b"},\n  {"problem": "c", "answer": "3"}\n]')
+    with pytest.raises(DataError, match=r"items\.json:3: missing field 'answer'"):
+        data.load_problems(listing, format="deepscaler")
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n  {"problem": "a", "answer": "1"},\n  {"problem": "b", "answer": }\n]')
+    with pytest.raises(DataError, match=r"broken\.json:3: invalid JSON"):
+        data.load_problems(broken, format="deepscaler")
+    table = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"problem": ["a", "b"], "answer": ["1", None]}), table)
+    with pytest.raises(DataError, match=r"rows\.parquet: row 2: field 'answer' must be a string or a number, got null"):
+        data.load_problems(table, format="math_500")
+    problems, stats = data.load_problems(table, format="math_500", on_error="skip")
+    assert [p.ground_truth for p in problems] == ["1"] and stats.skipped == 1
+
+
+def test_field_mapping_alternatives(tmp_path):
+    (tmp_path / "aime_2024").mkdir()
+    aime = _write_jsonl(tmp_path / "aime_2024" / "test.jsonl",
+                        [json.dumps({"ID": "2024-I-1", "Problem": "Find x.", "Answer": 204})])
+    [problem], _ = data.load_problems(aime)
+    assert (problem.data_source, problem.problem, problem.ground_truth, problem.extra) == (
+        "aime_2024", "Find x.", "204", {"ID": "2024-I-1"})
+    amc = _write_jsonl(tmp_path / "amc.jsonl", [json.dumps({"question": "Q?", "problem": "P?", "answer": 0.25})])
+    [problem], _ = data.load_problems(amc, format="amc23")
+    assert (problem.problem, problem.ground_truth, problem.extra) == ("Q?", "0.25", {"problem": "P?"})
+    with pytest.raises(DataError, match="cannot tell the dataset format"):
+        data.load_problems(amc)
+    with pytest.raises(ValueError, match="format='nope'"):
+        data.load_problems(amc, format="nope")
+
+
+def test_our_jsonl_round_trips(tmp_path, shared_data):
+    problems, _ = data.load_problems(shared_data / "amc23" / "test.jsonl")
+    path = _write_jsonl(tmp_path / "mine.jsonl", [json.dumps(p.to_json()) for p in problems])
+    again, _ = data.load_problems(path)  # format "pacs" recognised by its fields
+    assert again == problems
+
+
+def test_prepare_data_tool(tmp_path, shared_data):
+    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
+    out = tmp_path / "out.jsonl"
+    failed = subprocess.run(tool + ["--input", str(shared_data / "deepscaler_subset"), "--output", str(out)],
+                            capture_output=True, text=True)
+    assert failed.returncode != 0 and "math.json:5318: field 'answer'" in failed.stderr and not out.exists()
+    done = subprocess.run(tool + ["--input", str(shared_data / "deepscaler_subset"), "--output", str(out),
+                                  "--allow_skips"], capture_output=True, text=True, check=True)
+    assert "8445 problems written, 4 malformed rows skipped" in done.stdout
+    problems, _ = data.load_problems(out)
+    assert len(problems) == 8445 and problems[0].data_source == "deepscaler" and problems[0].ground_truth == "60"
+    again = subprocess.run(tool + ["--input", str(shared_data / "amc23" / "test.jsonl"), "--output", str(out)],
+                           capture_output=True, text=True)
+    assert again.returncode != 0 and "exists (pass --overwrite" in again.stderr
+
+
+def test_tfds_source_without_the_extra():
+    try:
+        import tensorflow_datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pacs_jax\[tfds\]"):
+            data.load_problems("tfds:gsm8k:test")
+    else:
+        pytest.skip("tensorflow_datasets is installed: test_tfds_gsm8k covers the source")
+
+
+def test_tfds_gsm8k():
+    tfds = pytest.importorskip("tensorflow_datasets", reason="the optional 'tfds' extra is not installed")
+    try:
+        tfds.builder("gsm8k").download_and_prepare()
+    except Exception as error:  # offline and not prepared before
+        pytest.skip(f"TFDS gsm8k is not available here: {error}")
+    problems, stats = data.load_problems("tfds:gsm8k:test")
+    assert len(problems) == 1319 and problems[0].ground_truth == "18" and problems[0].data_source == "gsm8k"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen_tokenizer_dir):
+    return data.load_tokenizer(qwen_tokenizer_dir)
+
+
+def test_prompts_use_the_chat_template_and_instruction(tokenizer, shared_data):
+    problems, _ = data.load_problems(shared_data / "math_500" / "test.jsonl")
+    expected = ("<|im_start|>user\n" + problems[0].problem
+                + " Please reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n"
+                + "<|im_start|>assistant\n")
+    assert data.render_prompt(tokenizer, problems[0].problem) == expected
+    examples, dropped = data.build_prompts(problems, tokenizer, max_prompt_length=10_000)
+    assert dropped == 0 and [e.problem for e in examples] == problems
+    assert tokenizer.decode(list(examples[0].prompt_ids)) == expected
+    assert examples[0].prompt_ids[:3] == (151644, 872, 198)  # <|im_start|> "user" "\n"
+
+
+def test_overlong_prompts_are_dropped_and_counted(tokenizer, shared_data):
+    problems, _ = data.load_problems(shared_data / "aime_2024" / "test.jsonl")
+    lengths = [len(tokenizer.encode(data.render_prompt(tokenizer, p.problem))) for p in problems]
+    limit = sorted(lengths)[len(lengths) // 2]
+    examples, dropped = data.build_prompts(problems, tokenizer, max_prompt_length=limit)
+    assert dropped == sum(length > limit for length in lengths) > 0
+    assert [e.problem for e in examples] == [p for p, length in zip(problems, lengths) if length <= limit]
+    assert all(len(e.prompt_ids) <= limit for e in examples)
+
+
+def _examples(count: int) -> list[PromptExample]:
+    return [PromptExample((i, i + 1), Problem("toy", f"q{i}", str(i), i)) for i in range(count)]
+
+
+def _ids(batch) -> list[int]:
+    return [example.problem.index for example in batch]
+
+
+def test_shuffle_is_deterministic_by_seed_and_reshuffled_each_epoch():
+    examples = _examples(50)
+    config = PipelineConfig(batch_size=8, seed=3, num_epochs=2)
+    first = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=0, process_count=1)]
+    again = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=0, process_count=1)]
+    other = [_ids(b) for b in data.prompt_iterator(examples, PipelineConfig(8, seed=4, num_epochs=2),
+                                                   process_index=0, process_count=1)]
+    assert first == again and first != other
+    assert len(first) == 2 * (50 // 8) and all(len(b) == 8 for b in first)
+    epoch_1, epoch_2 = sum(first[:6], []), sum(first[6:], [])
+    assert len(set(epoch_1)) == 48 and len(set(epoch_2)) == 48  # each epoch: distinct prompts, remainder dropped
+    assert epoch_1 != epoch_2
+    unshuffled = data.prompt_iterator(examples, PipelineConfig(8, shuffle=False), process_index=0, process_count=1)
+    assert _ids(next(unshuffled)) == list(range(8))
+
+
+def test_two_processes_get_disjoint_shards_of_the_same_batches():
+    examples = _examples(40)
+    config = PipelineConfig(batch_size=8, seed=0, num_epochs=1)
+    whole = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=0, process_count=1)]
+    shards = [[_ids(b) for b in data.prompt_iterator(examples, config, process_index=p, process_count=2)]
+              for p in range(2)]
+    assert len(shards[0]) == len(shards[1]) == len(whole) == 5
+    for step, batch in enumerate(whole):
+        assert len(shards[0][step]) == len(shards[1][step]) == 4
+        assert not set(shards[0][step]) & set(shards[1][step])
+        assert shards[0][step] + shards[1][step] == batch
+
+
+def test_restored_iterator_state_continues_with_the_same_batches():
+    examples = _examples(30)
+    config = PipelineConfig(batch_size=4, seed=7, num_epochs=3)
+    iterator = data.prompt_iterator(examples, config, process_index=1, process_count=2)
+    for _ in range(9):  # into the second epoch
+        next(iterator)
+    state = json.loads(json.dumps(iterator.get_state()))  # as a checkpoint would store it
+    rest = [_ids(b) for b in iterator]
+    resumed = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=1, process_count=2, state=state)]
+    assert resumed == rest and len(rest) == 3 * (30 // 4) - 9
+
+
+def test_pipeline_argument_errors():
+    examples = _examples(10)
+    with pytest.raises(ValueError, match="batch_size=6: must be a positive multiple of the 4 processes"):
+        data.prompt_batches(examples, PipelineConfig(6), process_index=0, process_count=4)
+    with pytest.raises(ValueError, match="10 prompts do not fill one batch of batch_size=16"):
+        data.prompt_batches(examples, PipelineConfig(16), process_index=0, process_count=1)
+    with pytest.raises(ValueError, match="process_index=2"):
+        data.prompt_batches(examples, PipelineConfig(4), process_index=2, process_count=2)
+    with pytest.raises(ValueError, match="num_epochs=0"):
+        data.prompt_batches(examples, PipelineConfig(4, num_epochs=0), process_index=0, process_count=1)
+
+
+def test_prepare_examples_counts(tokenizer, shared_data, tmp_path):
+    examples, counts = data.prepare_examples([str(shared_data / "amc23" / "test.jsonl"),
+                                              str(shared_data / "aime_2025" / "test.jsonl")], tokenizer,
+                                             max_prompt_length=10_000)
+    assert counts == {"rows": 70, "skipped": 0, "dropped_overlong": 0} and len(examples) == 70
+    batch = next(data.prompt_iterator(examples, PipelineConfig(batch_size=14, seed=1), process_index=0,
+                                      process_count=1))
+    assert len(batch) == 14 and {e.problem.data_source for e in examples} == {"amc23", "aime_2025"}
