@@ -46,7 +46,8 @@ def test_first_problems_are_the_right_ones(shared_data):
 def test_gsm8k_thousands_separators_are_removed(shared_data):
     problems, _ = data.load_problems(shared_data / "gsm8k" / "train.jsonl")
     assert len(problems) == 7473
-    raw = [json.loads(line)["answer"].rpartition("####")[2].strip() for line in open(shared_data / "gsm8k" / "train.jsonl")]
+    lines = (shared_data / "gsm8k" / "train.jsonl").read_text().splitlines()
+    raw = [json.loads(line)["answer"].rpartition("####")[2].strip() for line in lines]
     with_commas = [i for i, answer in enumerate(raw) if "," in answer]
     assert len(with_commas) > 50
     for i in with_commas:
@@ -94,7 +95,8 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 
 def test_malformed_json_list_and_parquet(tmp_path):
     listing = tmp_path / "items.json"
-    listing.write_text('[\n  {"problem": "a", "answer": "1"},\n  {"problem": "b"},\n  {"problem": "c", "answer": "3"}\n]')
+    listing.write_text('[\n  {"problem": "a", "answer": "1"},\n  {"problem": "b"},\n'
+                       '  {"problem": "c", "answer": "3"}\n]')
     with pytest.raises(DataError, match=r"items\.json:3: missing field 'answer'"):
         data.load_problems(listing, format="deepscaler")
     broken = tmp_path / "broken.json"

@@ -32,7 +32,8 @@ def solved_problems(data: pathlib.Path) -> list[tuple[str, str]]:
             row = json.loads(line)
             pairs.append((row["solution"], row["answer"]))
     with open(data / "deepscaler_subset" / "aime.json") as f:
-        pairs += [(row["solution"], row["answer"]) for row in json.load(f) if row.get("solution") and "\\boxed" in row["solution"]]
+        pairs += [(row["solution"], row["answer"]) for row in json.load(f)
+                  if row.get("solution") and "\\boxed" in row["solution"]]
     return pairs
 
 
@@ -80,7 +81,8 @@ def main() -> None:
           f"{'items/s':>7} {'worker CPU s':>12} {'parent CPU s':>12} {'mean':>5} {'timeouts':>8} {'parse fail':>10} "
           f"{'rejected':>8} {'errors':>6}")
     print(f"{len(responses):>9} {mean_chars:>10.0f} {pool.num_workers:>7} {os.cpu_count():>4} {started:>7.1f} "
-          f"{metrics['seconds']:>7.1f} {len(responses) / metrics['seconds']:>7.0f} {worker_cpu:>12.1f} {parent_cpu:>12.1f} "
+          f"{metrics['seconds']:>7.1f} {len(responses) / metrics['seconds']:>7.0f} {worker_cpu:>12.1f} "
+          f"{parent_cpu:>12.1f} "
           f"{metrics['mean_score']:>5.3f} "
           f"{metrics['timeouts']:>8.0f} {metrics['parse_failures']:>10.0f} {metrics['rejected']:>8.0f} "
           f"{metrics['errors']:>6.0f}")

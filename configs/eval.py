@@ -1,0 +1,39 @@
+"""Evaluation: ``python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=DIR``.
+
+Defaults follow the paper's evaluation (temperature 0.6, top_p 0.95, up to 4096 new tokens) on
+MATH-500, AIME 2024, AIME 2025 and AMC23. Override any field, e.g.
+``--config.sets=math_500,gsm8k --config.n=64 --config.max_problems=20``.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.data_dir = "../shared/data"          # set_files are relative to it (absolute paths and tfds:NAME also work)
+    c.sets = "math_500,aime_2024,aime_2025,amc23"
+    c.set_files = ml_collections.ConfigDict(dict(
+        math_500="math_500/test.jsonl",
+        aime_2024="aime_2024/test.jsonl",
+        aime_2025="aime_2025/test.jsonl",
+        amc23="amc23/test.jsonl",
+        gsm8k="gsm8k/test.jsonl",
+    ))
+    c.max_problems = 0                     # > 0: only the first max_problems of each set
+    c.n = 16                               # samples per problem; pass@k for k = 1, 2, 4, ... <= n
+    c.temperature = 0.6
+    c.top_p = 0.95
+    c.top_k = 0
+    c.max_new_tokens = 4096
+    c.max_prompt_length = 2048             # longer prompts are not evaluated (and reported)
+    c.stop_token_ids = ()                  # (): the tokenizer's eos token and the model's eos ids
+    c.seed = 0
+    c.batch_size = 32                      # prompts per generate call (batch_size * n sequences)
+    c.dtype = "bfloat16"                   # compute dtype; "float32" on CPU for exactness
+    c.use_mesh = True                      # False: single device, no mesh
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.tokenizer = ""                       # "": the checkpoint folder's tokenizer files
+    c.output_dir = ""                      # "": <checkpoint>/eval
+    c.reward = ml_collections.ConfigDict(dict(workers=0, item_timeout=5.0))  # workers 0: CPU count
+    c.progress = True
+    return c

@@ -1,0 +1,87 @@
+"""``python -m pacs_jax.evaluate`` end to end: a random tiny Qwen2 (transformers) on 20 MATH-500 problems."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+from math_verify import parse, verify
+
+from pacs_jax.rewards import STATUSES
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+N, PROBLEMS, NEW_TOKENS = 4, 20, 8
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_dir(tmp_path_factory, qwen_tokenizer_dir) -> pathlib.Path:
+    """A random-weight Qwen2 whose vocabulary covers the real tokenizer, with the tokenizer files beside it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                      max_position_embeddings=1024, eos_token_id=151645, bos_token_id=151643)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    for name in os.listdir(qwen_tokenizer_dir):
+        shutil.copy(qwen_tokenizer_dir / name, path / name)
+    return path
+
+
+def test_evaluate_cli_writes_both_files(tiny_qwen_dir, shared_data, tmp_path):
+    out = tmp_path / "eval"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: fast on 2 cores
+    result = subprocess.run(
+        [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
+         f"--checkpoint={tiny_qwen_dir}", "--config.sets=math_500", f"--config.max_problems={PROBLEMS}",
+         f"--config.n={N}", f"--config.max_new_tokens={NEW_TOKENS}", "--config.temperature=1.0",
+         "--config.top_p=1.0",  # top_p < 1 sorts the 152k-token vocabulary per step: slow on CPU
+         "--config.dtype=float32", f"--config.data_dir={shared_data}", f"--config.output_dir={out}",
+         "--config.batch_size=20", "--config.reward.workers=1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{PROBLEMS}/{PROBLEMS}" in result.stderr  # the progress bar reached the end
+
+    rows = [json.loads(line) for line in (out / "eval_rollout.jsonl").read_text().splitlines()]
+    truth = [json.loads(line) for line in (shared_data / "math_500" / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == PROBLEMS
+    for row, original in zip(rows, truth):
+        assert row["data_source"] == "math_500"
+        assert (row["problem"], row["ground_truth"]) == (original["problem"], original["answer"])
+        assert row["extra"]["unique_id"] == original["unique_id"]
+        assert len(row["samples"]) == N
+        for sample in row["samples"]:
+            assert set(sample) == {"response", "score", "status", "finish_reason", "num_tokens"}
+            assert isinstance(sample["response"], str) and sample["status"] in STATUSES
+            assert sample["finish_reason"] in ("stop", "length") and 1 <= sample["num_tokens"] <= NEW_TOKENS
+            reference = float(verify(parse("\\boxed{" + row["ground_truth"] + "}"), parse(sample["response"])))
+            assert sample["score"] == reference
+        assert row["num_correct"] == sum(s["score"] for s in row["samples"])
+    assert len({s["response"] for row in rows for s in row["samples"]}) > PROBLEMS  # sampled, not one repeated text
+
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    assert list(metrics) == ["math_500"]
+    assert set(metrics["math_500"]) == {"pass@1", "pass@2", "pass@4", f"mean@{N}"}
+    for k in (1, 2, 4):
+        expected = sum(1 - math.comb(N - r["num_correct"], k) / math.comb(N, k) for r in rows) / PROBLEMS
+        assert metrics["math_500"][f"pass@{k}"] == pytest.approx(expected, abs=1e-12)
+    assert metrics["math_500"][f"mean@{N}"] == pytest.approx(sum(r["num_correct"] for r in rows) / (N * PROBLEMS))
+    assert (out / "pass_at_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
+
+
+def test_bad_config_names_the_field(tiny_qwen_dir, shared_data, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
+         f"--checkpoint={tiny_qwen_dir}", "--config.sets=math_501", f"--config.data_dir={shared_data}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "evaluation set 'math_501' has no entry in config.set_files" in result.stderr
