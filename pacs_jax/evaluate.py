@@ -54,7 +54,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def k_values(n: int) -> list[int]:
     """1, 2, 4, ... up to n."""
-    return [2**i for i in range(int(math.log2(n)) + 1)]
+    return [2**i for i in range(n.bit_length())]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +224,12 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     checkpoint = pathlib.Path(checkpoint)
     output_dir = pathlib.Path(config.output_dir or checkpoint / "eval")
     eval_sets = load_eval_sets(config.sets, dict(config.set_files), config.data_dir, config.max_problems)
+    tokenizer_dir = pathlib.Path(config.tokenizer or checkpoint)
+    if not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise ValueError(f"{tokenizer_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
     mesh = make_mesh(**config.mesh) if config.use_mesh else None
     model = models.from_pretrained(checkpoint, dtype=config.dtype, mesh=mesh)
-    tokenizer = load_tokenizer(config.tokenizer or checkpoint)
+    tokenizer = load_tokenizer(tokenizer_dir)
     with RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
         rows, metrics = evaluate_sets(
             model, tokenizer, eval_sets, n=config.n, temperature=config.temperature, top_p=config.top_p,

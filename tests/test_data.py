@@ -129,9 +129,13 @@ def test_field_mapping_alternatives(tmp_path):
 
 def test_our_jsonl_round_trips(tmp_path, shared_data):
     problems, _ = data.load_problems(shared_data / "amc23" / "test.jsonl")
-    path = _write_jsonl(tmp_path / "mine.jsonl", [json.dumps(p.to_json()) for p in problems])
-    again, _ = data.load_problems(path)  # format "pacs" recognised by its fields
+    # Named like a native format, but the rows are ours: recognised by their fields.
+    path = _write_jsonl(tmp_path / "amc23_prepared.jsonl", [json.dumps(p.to_json()) for p in problems])
+    again, _ = data.load_problems(path)
     assert again == problems
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [json.dumps({**problems[0].to_json(), "index": "7"})])
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: field 'index' must be an integer"):
+        data.load_problems(bad)
 
 
 def test_prepare_data_tool(tmp_path, shared_data):

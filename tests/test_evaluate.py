@@ -85,3 +85,18 @@ def test_bad_config_names_the_field(tiny_qwen_dir, shared_data, tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "evaluation set 'math_501' has no entry in config.set_files" in result.stderr
+
+
+def test_checkpoint_without_tokenizer_files(tmp_path, shared_data):
+    import importlib.util
+
+    from pacs_jax import evaluate
+
+    spec = importlib.util.spec_from_file_location("eval_config", REPO / "configs" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.data_dir = str(shared_data)
+    config.sets = "amc23"
+    with pytest.raises(ValueError, match="no tokenizer files .* pass --config.tokenizer=DIR"):
+        evaluate.run(config, tmp_path)

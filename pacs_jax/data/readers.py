@@ -117,17 +117,18 @@ def convert_rows(rows: Iterable[tuple[str, Any]], format: str, data_source: str,
 
 
 def _resolve_format(path: pathlib.Path, first_file: pathlib.Path, format: str) -> str:
+    """``format``, or (auto) "pacs" when the rows are ours, else the known format the path is named after."""
     if format != "auto":
         if format not in FORMATS:
             raise ValueError(f"format={format!r}: expected 'auto' or one of {sorted(FORMATS)}")
         return format
-    for name in (path.name, path.parent.name, path.stem):
-        for known in FORMATS:
-            if name == known or name.startswith(known + "_"):
-                return known
     where, row = next(_rows(first_file), (str(first_file), {}))
     if isinstance(row, dict) and "ground_truth" in row and "problem" in row:
         return "pacs"
+    for name in (path.name, path.parent.name):
+        for known in FORMATS:
+            if name == known or name.startswith(known + "_"):
+                return known
     raise DataError(f"{path}: cannot tell the dataset format from its name or fields; "
                     f"pass format= one of {sorted(FORMATS)}")
 
@@ -218,7 +219,10 @@ def _to_problem(row: Any, fields: FieldMap, format: str, data_source: str, index
         extra = row.get("extra", {})
         if not isinstance(extra, dict):
             raise DataError(f"{where}: field 'extra' must be an object, got {_describe(extra)}")
-        return Problem(source, problem, answer.strip(), int(row.get("index", index)), dict(extra))
+        position = row.get("index", index)
+        if not isinstance(position, int) or isinstance(position, bool):
+            raise DataError(f"{where}: field 'index' must be an integer, got {_describe(position)}")
+        return Problem(source, problem, answer.strip(), position, dict(extra))
     used = {problem_key} if fields.answer_after else {problem_key, answer_key}  # gsm8k keeps its worked answer
     extra = {k: v for k, v in row.items() if k not in used}
     return Problem(data_source, problem, answer.strip(), index, extra)
