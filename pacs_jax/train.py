@@ -1,0 +1,54 @@
+"""python -m pacs_jax.train --config=configs/FILE.py[:ARG] --config.a.b=VALUE --workdir=DIR
+
+With no flags it runs the embedded CPU demo (configs/default.py). The whole config is validated
+before anything compiles; a restarted run resumes from its workdir's checkpoints by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", _DEFAULT_CONFIG, "ml_collections config file, optionally FILE.py:ARG (e.g. configs/pacs.py:qwen25_7b).",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, exports). "
+                                                "Default: the config's workdir field.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import jax  # after flag parsing, so --help is fast
+
+    from pacs_jax.training.config_check import validate_config
+
+    config = _CONFIG.value
+    workdir = pathlib.Path(_WORKDIR.value or config.workdir)
+    mesh = validate_config(config)
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    if config.demo.enabled:
+        from pacs_jax.demo.run import run_demo
+
+        summary = run_demo(config, workdir, mesh)
+    else:
+        from pacs_jax.training.real_run import run_training
+
+        summary = run_training(config, workdir, mesh)
+    if jax.process_index() == 0:
+        print(json.dumps(summary, indent=2))
+
+
+def cli() -> None:
+    app.run(main, argv=sys.argv)
+
+
+if __name__ == "__main__":
+    cli()

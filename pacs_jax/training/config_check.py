@@ -1,0 +1,100 @@
+"""Validate a training config before anything compiles; every error names its field.
+
+Unknown keys are refused by ml_collections itself (configs are locked; ``--config.train.stepz=1``
+fails naming the key); this module checks values and how they fit together.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from pacs_jax.models.config import REMAT_POLICIES, SUPPORTED_MODEL_TYPES
+from pacs_jax.rewards import REWARDS
+from pacs_jax.rl import OBJECTIVES, get_objective
+from pacs_jax.sharding import make_mesh
+from pacs_jax.training.optim import SCHEDULES
+
+GROUP_OBJECTIVES = ("pacs", "rloo", "grpo", "drgrpo")  # need n >= 2 responses per prompt
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message starts with the field's dotted name."""
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{field}: {message}")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
+    """Check ``config``; return the mesh it asks for (None for a single device)."""
+    tc, rc, oc = config.train, config.rollout, config.optim
+    for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
+        _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
+    for field in ("checkpoint_every", "keep_checkpoints", "eval_every"):
+        _require(isinstance(tc[field], int) and tc[field] >= 0, f"train.{field}", f"must be an integer >= 0, got {tc[field]!r}")
+
+    _require(config.algorithm.objective in OBJECTIVES, "algorithm.objective",
+             f"{config.algorithm.objective!r} is not one of {sorted(OBJECTIVES)}")
+    try:
+        get_objective(config.algorithm.objective, **dict(config.algorithm.options))
+    except ValueError as e:
+        raise ConfigError(f"config.algorithm.options: {e}") from e
+    _require(isinstance(rc.n, int) and rc.n >= 1, "rollout.n", f"must be an integer >= 1, got {rc.n!r}")
+    if config.algorithm.objective in GROUP_OBJECTIVES:
+        _require(rc.n >= 2, "rollout.n", f"{config.algorithm.objective} compares the responses of a prompt "
+                                         f"and needs n >= 2, got {rc.n}")
+    _require(rc.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}")
+    _require(rc.temperature > 0, "rollout.temperature", f"RL samples need temperature > 0, got {rc.temperature}")
+    _require(0 < rc.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rc.top_p}")
+
+    _require(tc.prompts_per_step % tc.mini_batches == 0, "train.mini_batches",
+             f"{tc.mini_batches} does not divide train.prompts_per_step={tc.prompts_per_step} "
+             "(mini-batches hold whole prompt groups)")
+    per_mini = tc.prompts_per_step // tc.mini_batches
+    _require(per_mini % tc.micro_batches == 0, "train.micro_batches",
+             f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
+
+    _require(oc.lr > 0, "optim.lr", f"must be > 0, got {oc.lr}")
+    _require(oc.schedule in SCHEDULES, "optim.schedule", f"{oc.schedule!r} is not one of {SCHEDULES}")
+    _require(oc.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = none), got {oc.grad_clip}")
+    _require(config.reward.name in REWARDS, "reward.name", f"{config.reward.name!r} is not one of {sorted(REWARDS)}")
+    _require(config.reward.item_timeout > 0, "reward.item_timeout", "must be > 0")
+
+    m = config.model
+    _require(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
+    for field in ("dtype", "param_dtype"):
+        _require(m[field] in ("float32", "bfloat16", "float16"), f"model.{field}", f"{m[field]!r} is not a float dtype")
+    if m.path:
+        _require(pathlib.Path(m.path).exists(), "model.path", f"{m.path} does not exist")
+    elif not config.demo.enabled:
+        _require(bool(m.get("preset", "")), "model.path", "set model.path (HF dir or checkpoint) or model.preset")
+    if "model_type" in m:
+        _require(m.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
+                 f"{m.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+
+    if not config.demo.enabled:
+        files = list(config.data.train_files)
+        _require(bool(files), "data.train_files", "no training files given")
+        for i, f in enumerate(files):
+            path = f.split(":", 1)[-1] if ":" in f and not pathlib.Path(f).exists() else f
+            _require(pathlib.Path(path).exists(), f"data.train_files[{i}]", f"{path} does not exist")
+        _require(bool(config.data.tokenizer) and pathlib.Path(config.data.tokenizer).is_dir(), "data.tokenizer",
+                 f"tokenizer directory {config.data.tokenizer!r} does not exist")
+
+    mc = config.mesh
+    try:
+        mesh = make_mesh(mc.data, mc.fsdp, mc.tensor)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from e
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = tc.prompts_per_step * rc.n // tc.mini_batches // tc.micro_batches
+    _require(rows % batch_shards == 0, "train.prompts_per_step",
+             f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
+             f"is not divisible by the mesh's data x fsdp = {batch_shards}")
+    return None if math.prod(mesh.devices.shape) == 1 and jax.device_count() == 1 else mesh

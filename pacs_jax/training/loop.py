@@ -1,0 +1,155 @@
+"""The RL training loop (DESIGN.md section 3), shared by the demo and the real configs.
+
+    for step in steps:
+        prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
+        -> `train.mini_batches` optimizer steps on mini-batches of whole groups  training/update_step.py
+        -> metrics; checkpoint every k steps and on SIGTERM                   training/checkpoints.py
+
+The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
+every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from pacs_jax import sampling
+from pacs_jax.models import Qwen
+from pacs_jax.rewards import RewardPool
+from pacs_jax.training.checkpoints import TrainCheckpointer
+from pacs_jax.training.metrics import MetricsLogger
+from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.update_step import make_update_step
+
+
+class PromptSource(Protocol):
+    """Batches of prompts with a JSON-able iterator state (saved in every checkpoint)."""
+
+    def next_batch(self) -> PromptBatch: ...
+
+    def get_state(self) -> dict: ...
+
+    def set_state(self, state: dict) -> None: ...
+
+
+@dataclasses.dataclass
+class TrainResult:
+    model: Qwen
+    history: list[dict]
+    stopped_by_signal: bool
+    final_step: int
+
+
+class _StopFlag:
+    """Turns SIGTERM (preemption) into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no signal handling
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.raised = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _mean_metrics(per_minibatch: Sequence[dict]) -> dict[str, float]:
+    host = jax.device_get(list(per_minibatch))
+    out = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
+    out["skipped"] = float(np.sum([m["skipped"] for m in host]))
+    return out
+
+
+def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, model: Qwen, prompts: PromptSource, *,
+             decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
+             on_step: Callable[[int, Qwen, dict], None] | None = None) -> TrainResult:
+    """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
+
+    decode: generated ids -> text for the reward. on_step(step, model, metrics): called after each
+    step (periodic evaluation hooks in here). Returns the trained model and the per-step metrics.
+    """
+    workdir = pathlib.Path(workdir)
+    tc, rc = config.train, config.rollout
+    rules = model.rules
+    graphdef, params = nnx.split(model)
+    total_updates = tc.steps * tc.mini_batches
+    optimizer, lr_schedule = make_optimizer(
+        config.optim.lr, b1=config.optim.b1, b2=config.optim.b2, weight_decay=config.optim.weight_decay,
+        schedule=config.optim.schedule, total_steps=total_updates, warmup_steps=config.optim.warmup_steps,
+        grad_clip=config.optim.grad_clip)
+    opt_state = jax.jit(optimizer.init)(params)
+
+    checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
+                                     keep=tc.keep_checkpoints)
+    start = checkpointer.latest_step() or 0
+    if start:
+        params, opt_state, meta = checkpointer.restore(start, params, opt_state)
+        prompts.set_state(meta["data_state"])
+
+    sampling_params = sampling.SamplingParams(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
+                                              top_p=rc.top_p, top_k=rc.top_k,
+                                              stop_token_ids=tuple(stop_token_ids))
+    options = dict(config.algorithm.options)
+    update = make_update_step(graphdef, optimizer, config.algorithm.objective, group_size=rc.n,
+                              objective_options=options, num_micro_batches=tc.micro_batches, rules=rules)
+    logger = MetricsLogger(workdir, tc.steps, start)
+    history: list[dict] = []
+    base_key = jax.random.key(config.seed)
+    stopped = False
+    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool, _StopFlag() as stop:
+        collector = RolloutCollector(graphdef, rules, sampling_params, decode=decode, reward_pool=pool,
+                                     reward_name=config.reward.name,
+                                     prompt_length_multiple=config.data.prompt_length_multiple,
+                                     max_prompt_length=config.data.max_prompt_length,
+                                     reward_deadline=config.reward.deadline)
+        step = start
+        for step in range(start + 1, tc.steps + 1):
+            t_step = time.perf_counter()
+            rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step))
+            t0 = time.perf_counter()
+            rows = rollout.rewards.shape[0] // tc.mini_batches
+            per_minibatch = []
+            for k in range(tc.mini_batches):
+                mini = {name: value[k * rows:(k + 1) * rows] for name, value in rollout.batch.items()}
+                params, opt_state, m = update(params, opt_state, mini)
+                per_minibatch.append(m)
+            update_metrics = _mean_metrics(per_minibatch)
+            time_update = time.perf_counter() - t0
+            wall = time.perf_counter() - t_step
+            metrics = {**rollout.metrics, **update_metrics, "time_update": time_update, "time_step": wall,
+                       "lr": float(lr_schedule(step * tc.mini_batches)),
+                       "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
+                       "compilations": float(sampling.compile_count() + update._cache_size())}
+            history.append({"step": step, **metrics})
+            logger.log(step, metrics)
+            meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
+            checkpointer.save(step, params, opt_state, meta, force=stop.raised or step == tc.steps)
+            if on_step is not None:
+                on_step(step, nnx.merge(graphdef, params), metrics)
+            if stop.raised:
+                logger.write(f"SIGTERM: checkpoint of step {step} written, exiting")
+                stopped = True
+                break
+    checkpointer.close()
+    logger.close()
+    return TrainResult(nnx.merge(graphdef, params), history, stopped, step)

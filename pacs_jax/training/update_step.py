@@ -1,0 +1,48 @@
+"""The jitted optimizer step: loss and gradient of one mini-batch, AdamW update, non-finite skip.
+
+No gradient clipping for PACS (DESIGN.md section 6): a non-finite gradient norm skips the update
+(parameters and optimizer state unchanged) and is reported in the metrics as ``skipped = 1``.
+Parameters and optimizer state are donated: the update happens in place on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from pacs_jax.rl import loss_and_grad_fn
+from pacs_jax.sharding import MeshRules
+
+
+def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: str, *,
+                     group_size: int, objective_options: Mapping[str, Any] | None = None,
+                     num_micro_batches: int = 1, temperature: float = 1.0, chunk_size: int | None = None,
+                     rules: MeshRules | None = None) -> Callable:
+    """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)`` for one mini-batch.
+
+    batch: the update batch of pacs_jax.rl.update (input_ids [B, L], attention_mask [B, L],
+    response_mask [B, R], old_logp [B, R], rewards [B]) holding whole groups of ``group_size``.
+    metrics: the objective's metrics plus loss, grad_norm and skipped (0/1), as scalars.
+    """
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
+                                     objective_options=objective_options, num_micro_batches=num_micro_batches,
+                                     temperature=temperature, rules=rules, **extra)
+
+    def step(params, opt_state, batch):
+        loss, metrics, grads = loss_and_grad(params, batch)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1.0 - finite.astype(jnp.float32))
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
