@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict(dict(
         path="",                  # HF dir or pacs_jax checkpoint; empty: random init of the fields below
+        preset="",                # real runs without a path: a models.PRESETS name at random init
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
         tie_word_embeddings=True, vocab_size=0,  # 0: the tokenizer's vocabulary size
@@ -63,12 +64,17 @@ def get_config() -> ml_collections.ConfigDict:
         log_every=1,
         checkpoint_every=20,
         keep_checkpoints=3,
-        eval_every=0,             # 0: evaluate only before and after training
     ))
 
     c.reward = ml_collections.ConfigDict(dict(name="math", item_timeout=5.0, workers=2, deadline=120.0))
 
+    # Periodic pass@k evaluation of real runs (the demo measures its own held-out set).
     c.eval = ml_collections.ConfigDict(dict(
-        sets=(), n=4, temperature=0.6, top_p=0.95, max_new_tokens=4096, max_problems=0,
+        sets="",                  # e.g. "math_500,aime_2024"; "" = none
+        set_files=ml_collections.ConfigDict(dict(
+            math_500="math_500/test.jsonl", aime_2024="aime_2024/test.jsonl", aime_2025="aime_2025/test.jsonl",
+            amc23="amc23/test.jsonl", gsm8k="gsm8k/test.jsonl")),
+        data_dir="../shared/data", every=0, n=4, temperature=0.6, top_p=0.95, max_new_tokens=4096,
+        max_problems=0, batch_size=32,
     ))
     return c

@@ -114,7 +114,7 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
         kept, _ = build_prompts(eval_set.problems, tokenizer, max_prompt_length)
         examples += kept
         rewards_of += [eval_set.reward] * len(kept)
-    stops = tuple(stop_token_ids) or _default_stop_ids(model, tokenizer)
+    stops = tuple(stop_token_ids) or default_stop_ids(model, tokenizer)
 
     pool = reward_pool or RewardPool()
     rows = []
@@ -161,7 +161,7 @@ def _row(problem: Problem, texts: Sequence[str], scores: np.ndarray, statuses: S
     return {**problem.to_json(), "num_correct": int(sum(s["score"] == 1.0 for s in samples)), "samples": samples}
 
 
-def _default_stop_ids(model, tokenizer) -> tuple[int, ...]:
+def default_stop_ids(model, tokenizer) -> tuple[int, ...]:
     eos = model.cfg.eos_token_id
     ids = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
     if tokenizer.eos_token_id is not None:

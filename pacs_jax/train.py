@@ -10,7 +10,7 @@ import json
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py")
@@ -24,6 +24,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
     import jax  # after flag parsing, so --help is fast
 
     from pacs_jax.training.config_check import validate_config

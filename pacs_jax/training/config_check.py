@@ -13,7 +13,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from pacs_jax.models.config import REMAT_POLICIES, SUPPORTED_MODEL_TYPES
+from pacs_jax.models.config import PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARDS
 from pacs_jax.rl import OBJECTIVES, get_objective
 from pacs_jax.sharding import make_mesh
@@ -36,8 +36,17 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     tc, rc, oc = config.train, config.rollout, config.optim
     for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
         _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
-    for field in ("checkpoint_every", "keep_checkpoints", "eval_every"):
+    for field in ("checkpoint_every", "keep_checkpoints"):
         _require(isinstance(tc[field], int) and tc[field] >= 0, f"train.{field}", f"must be an integer >= 0, got {tc[field]!r}")
+    _require(isinstance(config.eval.every, int) and config.eval.every >= 0, "eval.every",
+             f"must be an integer >= 0, got {config.eval.every!r}")
+    if config.eval.sets:
+        for name in (n.strip() for n in config.eval.sets.split(",") if n.strip()):
+            _require(name in config.eval.set_files, "eval.sets", f"{name!r} has no entry in eval.set_files")
+            spec = config.eval.set_files[name]
+            if not spec.startswith("tfds:"):
+                path = pathlib.Path(config.eval.data_dir) / spec
+                _require(path.exists(), f"eval.set_files.{name}", f"{path} does not exist")
 
     _require(config.algorithm.objective in OBJECTIVES, "algorithm.objective",
              f"{config.algorithm.objective!r} is not one of {sorted(OBJECTIVES)}")
@@ -73,7 +82,8 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     if m.path:
         _require(pathlib.Path(m.path).exists(), "model.path", f"{m.path} does not exist")
     elif not config.demo.enabled:
-        _require(bool(m.get("preset", "")), "model.path", "set model.path (HF dir or checkpoint) or model.preset")
+        _require(m.preset in PRESETS, "model.preset",
+                 f"{m.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint)")
     if "model_type" in m:
         _require(m.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
                  f"{m.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")

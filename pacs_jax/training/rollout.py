@@ -85,9 +85,12 @@ class RolloutCollector:
         self.old_logprobs = make_old_logprobs_fn(graphdef, rules, chunk_size)
 
     def _put(self, x: np.ndarray) -> jax.Array:
+        """This process's rows -> a global array sharded over the batch axes."""
         if self.rules is None:
             return jnp.asarray(x)
-        return jax.device_put(x, self.rules.sharding(("batch",) + (None,) * (x.ndim - 1), x.shape))
+        global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+        sharding = self.rules.sharding(("batch",) + (None,) * (x.ndim - 1), global_shape)
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array) -> Rollout:
         n = self.params.n
@@ -130,6 +133,8 @@ class RolloutCollector:
             "clip_ratio": float(1.0 - stopped.mean()),
             "entropy": entropy_mean,
             "generated_tokens": float(lengths.sum()),
+            # identifies the sampled tokens (resume tests compare it across runs)
+            "sampled_tokens_checksum": float(np.sum(gen.astype(np.int64) * (1 + np.arange(gen.size).reshape(gen.shape)) % 1_000_003)),
             **{f"reward_{k}": float(v) for k, v in scored.metrics.items()},
             **times,
         }

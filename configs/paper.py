@@ -1,0 +1,92 @@
+"""The PACS paper's setups (arXiv 2509.02522; DESIGN.md section 6) as ml_collections configs.
+
+    python -m pacs_jax.train --config=configs/paper.py:MODEL,ALGO --config.model.path=HF_DIR \\
+        --config.data.train_files=DATA.json --config.data.tokenizer=HF_DIR --workdir=DIR
+
+MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b
+ALGO:  pacs_beta1 | pacs_beta2 | pacs_beta1_noweight | pacs_beta2_noweight | grpo
+
+Batching of the paper: 1024 prompts x 8 responses per step, 4 optimizer steps of 256 prompts,
+300 steps; prompts <= 512 tokens, responses <= 4096; rollout temperature 1.0, top_p 1.0;
+AdamW lr 1e-6 constant, betas (0.9, 0.999), weight decay 0.01. PACS: no clipping, no KL;
+GRPO (verl defaults): PPO-clip 0.2 with dual clip 3, seq-mean-token-sum-norm, grad clip 1.0.
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+
+
+def _default_config() -> ml_collections.ConfigDict:
+    """configs/default.py's get_config(), loaded by path (config files are not a package)."""
+    spec = importlib.util.spec_from_file_location("_pacs_default_config", pathlib.Path(__file__).with_name("default.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+# preset name, mesh (data, fsdp, tensor) for one v5p-64-class slice, micro-batches per mini-batch
+MODELS = {
+    "qwen25_3b": ("Qwen2.5-3B", (-1, 8, 1), 8),
+    "qwen25_7b": ("Qwen2.5-7B", (-1, 8, 4), 16),
+    "qwen3_4b": ("Qwen3-4B", (-1, 8, 1), 8),
+    "qwen3_8b": ("Qwen3-8B", (-1, 8, 4), 16),
+}
+
+ALGORITHMS = {
+    "pacs_beta1": ("pacs", dict(beta=1.0, use_weight=True)),
+    "pacs_beta2": ("pacs", dict(beta=2.0, use_weight=True)),
+    "pacs_beta1_noweight": ("pacs", dict(beta=1.0, use_weight=False)),
+    "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False)),
+    "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                          clip_ratio_c=3.0)),
+}
+
+
+def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
+    model_name, _, algo_name = arg.partition(",")
+    if model_name not in MODELS:
+        raise ValueError(f"config arg model {model_name!r}: expected one of {sorted(MODELS)}")
+    algo_name = algo_name or "pacs_beta1"
+    if algo_name not in ALGORITHMS:
+        raise ValueError(f"config arg algorithm {algo_name!r}: expected one of {sorted(ALGORITHMS)}")
+    preset, (data, fsdp, tensor), micro_batches = MODELS[model_name]
+    objective, options = ALGORITHMS[algo_name]
+
+    c = _default_config()
+    c.workdir = f"workdir/{model_name}_{algo_name}"
+    c.demo.enabled = False
+    c.model.preset = preset
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.remat = "dots_with_no_batch_dims_saveable"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
+    c.data.train_files = ("../shared/data/deepscaler_subset/math.json", "../shared/data/deepscaler_subset/aime.json")
+    c.data.allow_skips = True
+    c.data.max_prompt_length = 512
+    c.data.prompt_length_multiple = 64
+    c.rollout.n = 8
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.max_new_tokens = 4096
+    c.algorithm.objective = objective
+    c.algorithm.options = ml_collections.ConfigDict(
+        dict(options, **({"weight_mode": "question", "reward_method": "1", "adv_estimator": "rloo"}
+                         if objective == "pacs" else {})))
+    c.optim.lr = 1e-6
+    c.optim.schedule = "constant"
+    c.optim.grad_clip = 1.0 if objective == "grpo" else 0.0
+    c.train.steps = 300
+    c.train.prompts_per_step = 1024
+    c.train.mini_batches = 4
+    c.train.micro_batches = micro_batches
+    c.train.checkpoint_every = 20
+    c.train.keep_checkpoints = 3
+    c.reward.workers = 0
+    c.eval.sets = "math_500,aime_2024,aime_2025,amc23"
+    c.eval.every = 50
+    c.eval.n = 16
+    c.eval.temperature = 0.6
+    c.eval.top_p = 0.95
+    c.eval.max_new_tokens = 4096
+    return c

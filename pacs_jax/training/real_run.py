@@ -1,0 +1,83 @@
+"""Training on real math data with a Hugging Face tokenizer (every config but the demo).
+
+model (HF dir / checkpoint, or a preset at random init) -> grain prompt pipeline over
+data.train_files -> rl_train with periodic evaluation (pass@k on config.eval.sets) -> HF export.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from pacs_jax import data, evaluate, models
+from pacs_jax.training.loop import rl_train
+from pacs_jax.training.rollout import PromptBatch
+
+
+class GrainPromptSource:
+    """Adapts the grain prompt iterator (pacs_jax.data.pipeline) to the trainer's PromptSource."""
+
+    def __init__(self, examples: list[data.PromptExample], batch_size: int, seed: int):
+        self.examples = examples
+        self.config = data.PipelineConfig(batch_size=batch_size, seed=seed, num_epochs=None)
+        self.iterator = data.prompt_iterator(examples, self.config)
+
+    def next_batch(self) -> PromptBatch:
+        batch = next(self.iterator)
+        return PromptBatch([list(e.prompt_ids) for e in batch], [e.problem.ground_truth for e in batch],
+                           [e.problem.data_source for e in batch])
+
+    def get_state(self) -> dict:
+        return self.iterator.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.iterator = data.prompt_iterator(self.examples, self.config, state=state)
+
+
+def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None) -> models.Qwen:
+    m = config.model
+    if m.path:
+        return models.from_pretrained(m.path, dtype=m.dtype, mesh=mesh, param_dtype=m.param_dtype, remat=m.remat)
+    cfg = models.preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    return models.init_random(cfg, mesh, seed=config.seed)
+
+
+def run_training(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mesh: Mesh | None) -> dict:
+    """Train per ``config``; returns {"final_step", "eval": last eval metrics, "hf_export": path}."""
+    workdir = pathlib.Path(workdir)
+    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    model = build_model(config, mesh)
+    examples, counts = data.prepare_examples(list(config.data.train_files), tokenizer, config.data.max_prompt_length,
+                                             on_error="skip" if config.data.allow_skips else "raise")
+    if jax.process_index() == 0:
+        print(f"training prompts: {len(examples)} ({counts})", flush=True)
+    prompts = GrainPromptSource(examples, config.train.prompts_per_step, config.data.shuffle_seed)
+    ec = config.eval
+    eval_sets = evaluate.load_eval_sets(ec.sets, dict(ec.set_files), ec.data_dir, ec.max_problems) if ec.sets else []
+    last_eval: dict = {}
+
+    def run_eval(step: int, current: models.Qwen) -> None:
+        rows, metrics = evaluate.evaluate_sets(
+            current, tokenizer, eval_sets, n=ec.n, temperature=ec.temperature, top_p=ec.top_p,
+            max_new_tokens=ec.max_new_tokens, seed=config.seed, batch_size=ec.batch_size, progress=True)
+        if jax.process_index() == 0:
+            evaluate.write_outputs(workdir / "eval" / f"step_{step}", rows, metrics)
+        last_eval.clear()
+        last_eval.update(metrics)
+
+    def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
+        if eval_sets and ec.every and step % ec.every == 0:
+            run_eval(step, current)
+
+    stop_ids = evaluate.default_stop_ids(model, tokenizer)
+    result = rl_train(config, workdir, model, prompts, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                      stop_token_ids=stop_ids, on_step=on_step)
+    if result.stopped_by_signal:
+        return {"stopped_at_step": result.final_step}
+    if eval_sets and not (ec.every and result.final_step % ec.every == 0):
+        run_eval(result.final_step, result.model)
+    export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=config.data.tokenizer, overwrite=True)
+    return {"final_step": result.final_step, "eval": last_eval, "hf_export": str(export)}
