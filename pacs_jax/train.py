@@ -19,6 +19,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, exports). "
                                                 "Default: the config's workdir field.")
+_MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() first (TPU pods, multi-node GPU).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (auto-detected on TPU).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (auto-detected on TPU).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (auto-detected on TPU).")
 
 
 def main(argv: list[str]) -> None:
@@ -26,6 +30,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
     import jax  # after flag parsing, so --help is fast
+
+    if _MULTIHOST.value:
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
 
     from pacs_jax.training.config_check import validate_config
 
