@@ -111,3 +111,10 @@ def test_restrict_to_top_keeps_the_reference_set(top_k, top_p):
             before = np.cumsum(probs) - probs
             allowed = allowed[before < top_p]
         assert set(np.nonzero(kept[row])[0].tolist()) == set(allowed.tolist()), f"row {row}"
+
+
+def test_first_argmax_is_numpy_argmax_with_ties():
+    x = np.asarray(jax.random.randint(jax.random.key(0), (64, 300), 0, 7), np.float32)  # many ties
+    x[3] = -np.inf
+    got = np.asarray(jax.jit(sampling.first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

@@ -12,7 +12,8 @@ from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
 from pacs_jax.sampling.engine import PAD_ID, RolloutArrays, compile_count, rollout
 from pacs_jax.sampling.generation import GenerateOutput, generate
 from pacs_jax.sampling.params import SamplingParams
-from pacs_jax.sampling.rules import restrict_to_top, select_tokens
+from pacs_jax.sampling.rules import first_argmax, restrict_to_top, select_tokens
 
 __all__ = ["generate", "GenerateOutput", "SamplingParams", "rollout", "RolloutArrays", "compile_count",
-           "PAD_ID", "bucket_batch", "bucket_length", "left_pad", "restrict_to_top", "select_tokens"]
+           "PAD_ID", "bucket_batch", "bucket_length", "left_pad", "first_argmax", "restrict_to_top",
+           "select_tokens"]
