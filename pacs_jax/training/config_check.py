@@ -15,11 +15,16 @@ from jax.sharding import Mesh
 
 from pacs_jax.models.config import PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARDS
-from pacs_jax.rl import OBJECTIVES, get_objective
+from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, OBJECTIVES, get_objective
+from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES
 from pacs_jax.sharding import make_mesh
 from pacs_jax.training.optim import SCHEDULES
 
 GROUP_OBJECTIVES = ("pacs", "rloo", "grpo", "drgrpo")  # need n >= 2 responses per prompt
+# Objective options with a fixed set of values (the objectives check them only when traced).
+OPTION_CHOICES = {"weight_mode": WEIGHT_MODES, "reward_method": REWARD_METHODS,
+                  "adv_estimator": tuple(ADVANTAGE_ESTIMATORS), "loss_agg_mode": LOSS_AGG_MODES,
+                  "kl_type": tuple(KL_ESTIMATORS)}
 
 
 class ConfigError(ValueError):
@@ -54,6 +59,10 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
         get_objective(config.algorithm.objective, **dict(config.algorithm.options))
     except ValueError as e:
         raise ConfigError(f"config.algorithm.options: {e}") from e
+    for name, value in config.algorithm.options.items():
+        if name in OPTION_CHOICES:
+            _require(str(value) in OPTION_CHOICES[name], f"algorithm.options.{name}",
+                     f"{value!r} is not one of {OPTION_CHOICES[name]}")
     _require(isinstance(rc.n, int) and rc.n >= 1, "rollout.n", f"must be an integer >= 1, got {rc.n!r}")
     if config.algorithm.objective in GROUP_OBJECTIVES:
         _require(rc.n >= 2, "rollout.n", f"{config.algorithm.objective} compares the responses of a prompt "

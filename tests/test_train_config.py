@@ -1,0 +1,209 @@
+"""Training configs: bad values fail before anything compiles with an error naming the field (in
+process and through the CLI), and every paper setup of configs/paper.py has DESIGN.md section 6's
+hyper-parameters and validates."""
+
+import importlib.util
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from pacs_jax.training.config_check import ConfigError, validate_config
+from train_helpers import REPO, train_env
+
+COMPILE_EVENTS: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *args, **kwargs: COMPILE_EVENTS.append(event) if event.startswith("/jax/core/compile/") else None)
+
+
+def load_config(file: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """configs/<file>'s get_config(arg), as config_flags loads it, unlocked for editing."""
+    spec = importlib.util.spec_from_file_location(f"_test_config_{file}", REPO / "configs" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)
+
+
+def _set(config: ml_collections.ConfigDict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for name in parents:
+        node = node[name]
+    node[leaf] = value
+
+
+def test_default_config_validates_and_returns_the_mesh_it_asks_for():
+    mesh = validate_config(load_config("default.py"))
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}  # data=-1 fills the 8 test devices
+
+
+# (field overrides on the demo config, the field the error must name)
+BAD_DEMO = {
+    "n_1_pacs": ({"rollout.n": 1}, "rollout.n"),
+    "n_1_grpo": ({"rollout.n": 1, "algorithm.objective": "grpo",
+                  "algorithm.options": ml_collections.ConfigDict()}, "rollout.n"),
+    "batch_vs_mesh": ({"mesh.data": 8, "train.prompts_per_step": 3, "rollout.n": 2, "train.mini_batches": 1},
+                      "train.prompts_per_step"),
+    "micro_batch_vs_mesh": ({"mesh.data": 4, "mesh.fsdp": 2, "train.prompts_per_step": 8, "rollout.n": 4,
+                             "train.mini_batches": 2, "train.micro_batches": 4}, "train.prompts_per_step"),
+    "mini_batches_split_groups": ({"train.mini_batches": 3}, "train.mini_batches"),
+    "micro_batches_split_groups": ({"train.micro_batches": 3}, "train.micro_batches"),
+    "unknown_objective": ({"algorithm.objective": "pacz"}, "algorithm.objective"),
+    "bad_objective_option": ({"algorithm.options.weight_mode": "sometimes"}, "algorithm.options.weight_mode"),
+    "unknown_objective_option": ({"algorithm.options.betta": 1.0}, "algorithm.options"),
+    "mesh_not_fitting_devices": ({"mesh.data": 16}, "mesh"),
+    "mesh_axis_not_dividing": ({"mesh.tensor": 3}, "mesh"),
+    "mesh_zero": ({"mesh.fsdp": 0}, "mesh.fsdp"),
+    "zero_steps": ({"train.steps": 0}, "train.steps"),
+    "greedy_rollout": ({"rollout.temperature": 0.0}, "rollout.temperature"),
+    "top_p": ({"rollout.top_p": 1.5}, "rollout.top_p"),
+    "schedule": ({"optim.schedule": "cosin"}, "optim.schedule"),
+    "negative_lr": ({"optim.lr": -1e-6}, "optim.lr"),
+    "reward": ({"reward.name": "maths"}, "reward.name"),
+    "remat": ({"model.remat": "most"}, "model.remat"),
+    "dtype": ({"model.dtype": "int8"}, "model.dtype"),
+    "eval_set": ({"eval.sets": "math_501"}, "eval.sets"),
+    "model_path": ({"model.path": "/nonexistent/model"}, "model.path"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DEMO))
+def test_bad_demo_config_names_the_field_before_compiling(case):
+    overrides, field = BAD_DEMO[case]
+    config = load_config("default.py")
+    for dotted, value in overrides.items():
+        _set(config, dotted, value)
+    before = len(COMPILE_EVENTS)
+    with pytest.raises(ConfigError) as error:
+        validate_config(config)
+    assert str(error.value).startswith(f"config.{field}"), str(error.value)
+    assert len(COMPILE_EVENTS) == before  # nothing was traced or compiled
+    jax.jit(lambda x: x + 1)(jnp.float32(len(case)))  # ... which this listener would have seen
+    assert len(COMPILE_EVENTS) > before
+
+
+@pytest.fixture
+def in_repo(monkeypatch, shared_data):
+    """Run from the repository root, where the paper configs' ../shared/data paths point."""
+    monkeypatch.chdir(REPO)
+    return shared_data
+
+
+def _paper(model: str, algo: str, tokenizer) -> ml_collections.ConfigDict:
+    config = load_config("paper.py", f"{model},{algo}")
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2  # the paper's slice, shrunk to 8 devices
+    config.data.tokenizer = str(tokenizer)
+    return config
+
+
+@pytest.mark.parametrize("field, value, index", [("data.train_files", ("../shared/data/nonexistent.json",), 0),
+                                                 ("data.train_files", ("../shared/data/deepscaler_subset/math.json",
+                                                                       "../shared/data/no_such_dir/aime.json"), 1)])
+def test_missing_dataset_path_names_the_entry(in_repo, qwen_tokenizer_dir, field, value, index):
+    config = _paper("qwen3_4b", "pacs_beta1", qwen_tokenizer_dir)
+    _set(config, field, value)
+    with pytest.raises(ConfigError, match=rf"^config\.data\.train_files\[{index}\]: .*{value[index].split('/')[-1]}"):
+        validate_config(config)
+
+
+def test_missing_tokenizer_and_unknown_preset_name_their_fields(in_repo, qwen_tokenizer_dir):
+    config = _paper("qwen3_4b", "grpo", qwen_tokenizer_dir)
+    config.data.tokenizer = "/nonexistent/tokenizer"
+    with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer: "):
+        validate_config(config)
+    config = _paper("qwen3_4b", "grpo", qwen_tokenizer_dir)
+    config.model.preset = "Qwen9-1T"
+    with pytest.raises(ConfigError, match=r"^config\.model\.preset: 'Qwen9-1T'"):
+        validate_config(config)
+
+
+# DESIGN.md section 6 (the paper's setup), written out here rather than read from the code.
+PAPER_MODELS = {"qwen25_3b": "Qwen2.5-3B", "qwen25_7b": "Qwen2.5-7B", "qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B"}
+PAPER_ALGOS = {
+    "pacs_beta1": ("pacs", dict(beta=1.0, use_weight=True, weight_mode="question", reward_method="1",
+                                adv_estimator="rloo")),
+    "pacs_beta2": ("pacs", dict(beta=2.0, use_weight=True, weight_mode="question", reward_method="1",
+                                adv_estimator="rloo")),
+    "pacs_beta1_noweight": ("pacs", dict(beta=1.0, use_weight=False, weight_mode="question", reward_method="1",
+                                         adv_estimator="rloo")),
+    "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False, weight_mode="question", reward_method="1",
+                                         adv_estimator="rloo")),
+    "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                          clip_ratio_c=3.0)),
+}
+
+
+@pytest.mark.parametrize("algo", sorted(PAPER_ALGOS))
+@pytest.mark.parametrize("model", sorted(PAPER_MODELS))
+def test_paper_config_has_section_6_values_and_validates(in_repo, qwen_tokenizer_dir, model, algo):
+    config = _paper(model, algo, qwen_tokenizer_dir)
+    objective, options = PAPER_ALGOS[algo]
+    assert config.demo.enabled is False
+    assert config.model.preset == PAPER_MODELS[model] and config.model.path == ""
+    assert config.model.param_dtype == "float32"  # fp32 master weights
+    assert config.algorithm.objective == objective
+    assert dict(config.algorithm.options) == options
+    assert (config.optim.lr, config.optim.schedule, config.optim.warmup_steps) == (1e-6, "constant", 0)
+    assert (config.optim.b1, config.optim.b2, config.optim.weight_decay) == (0.9, 0.999, 0.01)
+    assert config.optim.grad_clip == (1.0 if objective == "grpo" else 0.0)
+    assert (config.train.prompts_per_step, config.train.mini_batches, config.train.steps) == (1024, 4, 300)
+    assert (config.rollout.n, config.rollout.temperature, config.rollout.top_p, config.rollout.top_k) == (8, 1.0, 1.0, 0)
+    assert (config.rollout.max_new_tokens, config.data.max_prompt_length) == (4096, 512)
+    assert (config.eval.temperature, config.eval.top_p, config.eval.max_new_tokens) == (0.6, 0.95, 4096)
+    assert config.reward.name == "math"
+
+    mesh = validate_config(config)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_paper_config_refuses_unknown_names():
+    with pytest.raises(ValueError, match="qwen9"):
+        load_config("paper.py", "qwen9,pacs_beta1")
+    with pytest.raises(ValueError, match="pacs_beta3"):
+        load_config("paper.py", "qwen3_4b,pacs_beta3")
+
+
+# Through the CLI: (flags, env with the 8 test devices?, text the error must show)
+BAD_CLI = {
+    "unknown_key": (("--config.train.stepz=1",), False, ("stepz", 'Did you mean "steps"')),
+    "n_1": (("--config.rollout.n=1",), False, ("config.rollout.n: pacs", "n >= 2")),
+    "batch_vs_mesh": (("--config.train.prompts_per_step=3", "--config.rollout.n=2", "--config.train.mini_batches=1"),
+                      True, ("config.train.prompts_per_step:", "data x fsdp = 8")),
+    "missing_dataset": (("--config=configs/paper.py:qwen3_4b,pacs_beta1",
+                         "--config.data.train_files=('../shared/data/nonexistent.json',)"), False,
+                        ("config.data.train_files[0]:", "nonexistent.json does not exist")),
+    "unknown_objective": (("--config.algorithm.objective=pacz",), False, ("config.algorithm.objective: 'pacz'",)),
+}
+
+
+@pytest.mark.slow
+def test_bad_configs_fail_in_the_cli_before_compiling(tmp_path):
+    """All CLI cases at once (each is a Python start-up); JAX logs every compilation to stderr."""
+    processes = {}
+    for case, (flags, eight_devices, _) in {**BAD_CLI, "control": (
+            ("--config.demo.warmstart_seq_len=8",), False, ())}.items():
+        env = train_env()
+        if eight_devices:
+            env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+        env["JAX_LOG_COMPILES"] = "1"
+        processes[case] = subprocess.Popen(
+            [sys.executable, "-m", "pacs_jax.train", f"--workdir={tmp_path / case}", *flags], cwd=REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for case, process in processes.items():
+        stdout, stderr = process.communicate(timeout=300)
+        results[case] = (process.returncode, stderr)
+
+    # the control passes validation, compiles the model's initialisation, then fails in the warm-start
+    # (its sequence length is too short for the problems): proof that compilations would show
+    code, stderr = results.pop("control")
+    assert code != 0 and "Compiling" in stderr, stderr[-3000:]
+    for case, (code, stderr) in results.items():
+        assert code != 0, case
+        for text in BAD_CLI[case][2]:
+            assert text in stderr, f"{case}: {text!r} not in\n{stderr[-3000:]}"
+        assert "Compiling" not in stderr, case
+        assert not (tmp_path / case).exists(), f"{case}: the workdir was created"

@@ -1,0 +1,53 @@
+"""Preemption: SIGTERM in the middle of the RL phase makes the trainer finish its step, write a
+checkpoint of it (even with periodic checkpoints off) and exit 0 without running the other steps.
+
+The signal goes to the trainer's whole process group, reward workers included, as a preempted
+machine's init system or a cluster scheduler sends it."""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from train_helpers import (FAST_DEMO_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
+                           start_train, train_env, wait_for)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 50  # far more than run before the signal
+
+
+def test_sigterm_mid_step_writes_a_checkpoint_and_exits_0(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sigterm") / "run"
+    process = start_train(workdir, *FAST_DEMO_FLAGS, f"--config.train.steps={STEPS}",
+                          "--config.train.checkpoint_every=0",  # only the SIGTERM checkpoint
+                          env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run", new_session=True)
+    wait_for(lambda: len(metrics_rows(workdir)) >= 1, process, "the first RL step")
+    time.sleep(0.3)  # let step 2 begin (a step takes seconds here), so that the signal lands inside it
+    os.killpg(process.pid, signal.SIGTERM)
+    code = finish(process)
+    output = logs(workdir, "run")
+    assert code == 0, output
+
+    rows = metrics_rows(workdir)
+    last = rows[-1]["step"]
+    assert [row["step"] for row in rows] == list(range(1, last + 1))
+    assert 1 <= last < STEPS  # the step under way was finished, the rest were not run
+    assert checkpoint_steps(workdir) == [last]
+    step_dir = workdir / "checkpoints" / str(last)
+    assert (step_dir / "params").is_dir() and (step_dir / "opt_state").is_dir()
+    meta = ocp.CheckpointManager(workdir / "checkpoints", item_names=("meta",)).restore(
+        last, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    assert meta["step"] == last
+    assert meta["data_state"] == {"epoch": 0, "position": 8 * last}  # 8 prompts per step, 64 per epoch
+    params = ocp.StandardCheckpointer().restore(step_dir / "params")
+    assert params and all(np.isfinite(np.asarray(v)).all() for v in params.values())
+
+    assert f"SIGTERM: checkpoint of step {last} written" in output
+    stdout = (workdir.parent / "run.out").read_text()  # the summary JSON printed last
+    assert json.loads(stdout[stdout.index("{"):]) == {"stopped_at_step": last}
+    assert not (workdir / "summary.json").exists()  # stopped: no final evaluation or export

@@ -1,0 +1,106 @@
+"""Running ``python -m pacs_jax.train`` as a subprocess in the trainer tests (resume, signals, config).
+
+The subprocess runs on one CPU device: the 8-device XLA flag of conftest.py is removed from its
+environment. Runs of one pytest session share a JAX compilation cache, so only the first run pays
+for compiling the demo's programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# The demo shrunk to seconds: a few warm-start steps, 8 prompts x 8 responses per step in 2 mini-batches.
+FAST_DEMO_FLAGS = (
+    "--config.demo.warmstart_steps=5",
+    "--config.demo.train_problems=64",
+    "--config.demo.held_out_problems=8",
+    "--config.demo.eval_samples=1",
+    "--config.train.prompts_per_step=8",
+    "--config.train.mini_batches=2",
+    "--config.reward.workers=1",
+)
+
+
+def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
+    """The environment of a trainer subprocess: CPU, one device, optionally a shared compilation cache."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return env
+
+
+def compile_cache_dir(tmp_path_factory) -> pathlib.Path:
+    """One compilation cache directory for every trainer subprocess of this pytest session."""
+    return tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+
+
+def start_train(workdir: pathlib.Path, *flags: str, env: dict[str, str], log_name: str,
+                new_session: bool = False) -> subprocess.Popen:
+    """Start ``python -m pacs_jax.train --workdir=workdir *flags``; stdout/stderr go to workdir.parent/log_name.{out,err}.
+
+    new_session: run it in a process group of its own (with its reward workers), for group signals.
+    """
+    logs = workdir.parent
+    logs.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "pacs_jax.train", f"--workdir={workdir}", *flags], cwd=REPO, env=env,
+                            stdout=open(logs / f"{log_name}.out", "w"), stderr=open(logs / f"{log_name}.err", "w"), start_new_session=new_session)
+
+
+def finish(process: subprocess.Popen, timeout: float = 600) -> int:
+    """Wait for ``process`` (killing it after ``timeout`` seconds) and return its exit code."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+
+
+def logs(workdir: pathlib.Path, log_name: str) -> str:
+    """stdout then stderr of the run started with ``log_name``."""
+    return "".join((workdir.parent / f"{log_name}.{s}").read_text() for s in ("out", "err"))
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 600, poll: float = 0.02) -> None:
+    """Poll ``condition()`` until true; fail if ``process`` exits first or ``timeout`` passes."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the trainer exited with {process.returncode} before {what}")
+        if time.monotonic() > end:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def metrics_rows(workdir: pathlib.Path) -> list[dict]:
+    """The complete rows of ``workdir/metrics.jsonl`` in file order (a partly written last line is left out)."""
+    path = workdir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines(keepends=True):
+        if line.endswith("\n"):
+            rows.append(json.loads(line))
+    return rows
+
+
+def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    """Steps of the finished checkpoints under ``workdir/checkpoints`` (Orbax renames a step's
+    temporary directory to ``<step>`` once it is complete)."""
+    root = workdir / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
