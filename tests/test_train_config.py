@@ -150,7 +150,8 @@ def test_paper_config_has_section_6_values_and_validates(in_repo, qwen_tokenizer
     assert (config.optim.b1, config.optim.b2, config.optim.weight_decay) == (0.9, 0.999, 0.01)
     assert config.optim.grad_clip == (1.0 if objective == "grpo" else 0.0)
     assert (config.train.prompts_per_step, config.train.mini_batches, config.train.steps) == (1024, 4, 300)
-    assert (config.rollout.n, config.rollout.temperature, config.rollout.top_p, config.rollout.top_k) == (8, 1.0, 1.0, 0)
+    rollout = config.rollout
+    assert (rollout.n, rollout.temperature, rollout.top_p, rollout.top_k) == (8, 1.0, 1.0, 0)
     assert (config.rollout.max_new_tokens, config.data.max_prompt_length) == (4096, 512)
     assert (config.eval.temperature, config.eval.top_p, config.eval.max_new_tokens) == (0.6, 0.95, 4096)
     assert config.reward.name == "math"

@@ -16,8 +16,10 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# The demo shrunk to seconds: a few warm-start steps, 8 prompts x 8 responses per step in 2 mini-batches.
+# The demo shrunk to seconds: one layer, a few warm-start steps, 8 prompts x 8 responses per step in
+# 2 mini-batches.
 FAST_DEMO_FLAGS = (
+    "--config.model.num_hidden_layers=1",
     "--config.demo.warmstart_steps=5",
     "--config.demo.train_problems=64",
     "--config.demo.held_out_problems=8",
@@ -49,14 +51,15 @@ def compile_cache_dir(tmp_path_factory) -> pathlib.Path:
 
 def start_train(workdir: pathlib.Path, *flags: str, env: dict[str, str], log_name: str,
                 new_session: bool = False) -> subprocess.Popen:
-    """Start ``python -m pacs_jax.train --workdir=workdir *flags``; stdout/stderr go to workdir.parent/log_name.{out,err}.
+    """Start ``python -m pacs_jax.train --workdir=workdir *flags``; its stdout and stderr go to
+    ``workdir.parent / f"{log_name}.out"`` and ``.err``.
 
     new_session: run it in a process group of its own (with its reward workers), for group signals.
     """
-    logs = workdir.parent
-    logs.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "pacs_jax.train", f"--workdir={workdir}", *flags], cwd=REPO, env=env,
-                            stdout=open(logs / f"{log_name}.out", "w"), stderr=open(logs / f"{log_name}.err", "w"), start_new_session=new_session)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    with open(workdir.parent / f"{log_name}.out", "w") as out, open(workdir.parent / f"{log_name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "pacs_jax.train", f"--workdir={workdir}", *flags], cwd=REPO,
+                                env=env, stdout=out, stderr=err, start_new_session=new_session)
 
 
 def finish(process: subprocess.Popen, timeout: float = 600) -> int:
