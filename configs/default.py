@@ -19,11 +19,11 @@ def get_config() -> ml_collections.ConfigDict:
         train_problems=1000,      # RL and warm-start prompts (disjoint from the held-out ones)
         held_out_problems=200,
         max_operand=30,
-        warmstart_steps=650,      # short supervised phase: the format and a first grip on the sums
+        warmstart_steps=1000,     # supervised phase: the format and a first grip on the sums (~1/3 right)
         warmstart_batch_size=32,
         warmstart_lr=1e-3,
         warmstart_seq_len=72,
-        eval_samples=4,           # held-out accuracy = mean reward of this many samples at rollout temperature
+        eval_samples=8,           # held-out accuracy = mean reward of this many samples at rollout temperature
     ))
 
     c.model = ml_collections.ConfigDict(dict(
@@ -53,11 +53,11 @@ def get_config() -> ml_collections.ConfigDict:
     ))
 
     c.optim = ml_collections.ConfigDict(dict(
-        lr=1e-4, b1=0.9, b2=0.999, weight_decay=0.01, schedule="constant", warmup_steps=0, grad_clip=0.0,
+        lr=3e-4, b1=0.9, b2=0.999, weight_decay=0.01, schedule="constant", warmup_steps=0, grad_clip=0.0,
     ))
 
     c.train = ml_collections.ConfigDict(dict(
-        steps=60,
+        steps=200,
         prompts_per_step=32,
         mini_batches=4,           # optimizer steps per training step (mini-batches of whole groups)
         micro_batches=1,          # gradient accumulation inside a mini-batch

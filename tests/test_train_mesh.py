@@ -24,7 +24,7 @@ MICRO_BATCHES = 2       # 4 rows per micro-batch: one per data x fsdp shard
 MAX_NEW_TOKENS = 8
 # rewards per group, both labels in every group (balanced and unbalanced) so every PACS weight is used
 REWARDS = np.array([1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1, 0, 1], np.float32)
-LR = 1e-4  # the demo's; with far larger steps Adam turns float noise in near-zero gradients into
+LR = 1e-4  # a small step, as in RL; with far larger steps Adam turns float noise in near-zero gradients into
 # visible parameter differences (sign flips of g / sqrt(g^2)), which is not what this test is about
 OPTIONS = dict(beta=1.0, use_weight=True, weight_mode="question", reward_method="1", adv_estimator="rloo")
 

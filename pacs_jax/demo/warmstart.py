@@ -29,7 +29,7 @@ def sft_arrays(problems: list[Problem], tokenizer: CharTokenizer, length: int) -
         response = tokenizer.encode(p.solution) + [tokenizer.eos_id]
         seq = prompt + response
         if len(seq) > length:
-            raise ValueError(f"demo.max_len={length} is shorter than a problem ({len(seq)} tokens)")
+            raise ValueError(f"demo.warmstart_seq_len={length} is shorter than a problem ({len(seq)} tokens)")
         tokens[i, :len(seq)] = seq
         attention[i, :len(seq)] = 1
         loss_mask[i, len(prompt) - 1:len(seq) - 1] = 1.0

@@ -43,6 +43,9 @@ def main(argv: list[str]) -> None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C; we exit when its pipe closes
+    # The parent owns Ctrl-C and preemption (SIGTERM to the process group): it finishes the step,
+    # checkpoints and closes our pipe, which is when we exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
 
