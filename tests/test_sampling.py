@@ -160,6 +160,20 @@ def test_stop_ids_match_transformers_and_pad_after(hf, prompts, reference):
     assert all(t[-1] in stops for t, r in zip(out.tokens, reasons) if r == "stop")
 
 
+def test_right_padded_arrays_give_the_same_greedy_tokens(hf, prompts, reference):
+    """The trainer's entry on arrays: right padding (gaps in the cache) decodes like left padding."""
+    ref_tokens, _ = reference["qwen2"]
+    tokens = np.zeros((8, 64), np.int32)
+    mask = np.zeros((8, 64), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)], mask[row, :len(prompt)] = prompt, 1
+    graphdef, state = nnx.split(load(hf, "qwen2", "1dev"))
+    params = sampling.SamplingParams(max_new_tokens=NEW_TOKENS)
+    arrays = jax.device_get(sampling.rollout(graphdef, state, tokens, mask, params, jax.random.key(0)))
+    np.testing.assert_array_equal(arrays.tokens[:len(prompts)], ref_tokens)
+    assert int(arrays.prefill_tokens) == sum(map(len, prompts))
+
+
 # ------------------------------------------------------------------------------------ n samples, log-probs
 def test_n_samples_share_one_prefill(hf, prompts, reference):
     model = load(hf, "qwen2", "1dev")

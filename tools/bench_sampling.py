@@ -1,16 +1,22 @@
 """Sampler throughput vs Hugging Face ``transformers`` generate, on the same random weights, one process.
 
     python tools/bench_sampling.py [--preset Qwen2.5-0.5B] [--batch 32] [--prompt 64] [--new 64]
-                                   [--dtypes float32,bfloat16] [--repeats 2]
+                                   [--dtypes float32,bfloat16] [--probe 8] [--rounds 3]
 
 Greedy decoding of ``batch`` random prompts of ``prompt`` tokens, exactly ``new`` new tokens each (no
-stop id). For each dtype and each side the best of ``repeats`` warm runs is timed (our first call
-compiles and is not timed). Prints new tokens/s per (side, dtype), the ratio of each side's best,
-and our decode step's achieved FLOP rate as a fraction of the machine's measured float32 matmul rate.
+stop id), both sides on the same weights (random, exported with models.export_hf).
 
-Our decode-step time is (t(new tokens) - t(1 token)) / (new - 1): the prefill and first token cancel.
-Decode-step FLOPs: 2 * batch * (matmul parameters, lm_head included) + attention
-(4 * batch * cache slots * heads * head_dim per layer).
+1. Probe: each side generates ``probe`` tokens in each dtype (after a warm-up; our first call
+   compiles and is not timed); the faster dtype is that side's best.
+2. Main: ``rounds`` rounds, each timing our generate of ``new`` tokens, of 1 token, and transformers'
+   generate of ``new`` tokens, interleaved so that load from other processes hits both sides alike;
+   the best time of each is kept.
+
+Prints tokens/s (new tokens / wall time, prefill included) per side, their ratio, and our decode
+step's achieved FLOP rate as a fraction of the machine's measured float32 matmul rate. Our decode
+step time is (t(new tokens) - t(1 token)) / (new - 1): prefill and first token cancel. Decode-step
+FLOPs: 2 * batch * (matmul parameters, lm_head included) + attention (4 * batch * cache slots *
+heads * head_dim per layer).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import pathlib
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,20 +38,19 @@ from pacs_jax import models, sampling
 from pacs_jax.sampling.buckets import round_up
 
 
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def matmul_rate(size: int = 4096, repeats: int = 5) -> float:
-    """Measured float32 FLOP/s of one big jnp matmul on the default device."""
+    """Measured float32 FLOP/s of one big jnp matmul on the default device (best of ``repeats``)."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
     mm = jax.jit(jnp.matmul)
     mm(a, b).block_until_ready()
-    best = min(_timed(lambda: mm(a, b).block_until_ready()) for _ in range(repeats))
-    return 2 * size**3 / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return 2 * size**3 / min(_timed(lambda: mm(a, b).block_until_ready()) for _ in range(repeats))
 
 
 def decode_step_flops(cfg: models.QwenConfig, batch: int, cache_slots: int) -> float:
@@ -56,38 +62,33 @@ def decode_step_flops(cfg: models.QwenConfig, batch: int, cache_slots: int) -> f
     return 2.0 * batch * matmul_params + batch * attention
 
 
-def ours(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]], new: int, repeats: int) -> tuple[float, float]:
-    """(best seconds for ``new`` tokens, best seconds for 1 token) of sampling.generate."""
+def ours(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]]) -> Callable[[int], None]:
+    """A function generating ``tokens`` new tokens per prompt with sampling.generate."""
     model = models.from_pretrained(hf_dir, dtype=dtype, param_dtype=dtype)
 
-    def run(tokens):
-        return sampling.generate(model, prompts, max_new_tokens=tokens, stop_token_ids=())
-
-    times = {}
-    for tokens in (new, 1):
-        out = run(tokens)  # compiles
+    def run(tokens: int) -> None:
+        out = sampling.generate(model, prompts, max_new_tokens=tokens, stop_token_ids=())
         assert all(len(t) == tokens for t in out.tokens), "a row stopped early"
-        times[tokens] = min(_timed(lambda: run(tokens)) for _ in range(repeats))
-    return times[new], times[1]
+
+    return run
 
 
-def theirs(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]], new: int, repeats: int) -> tuple[float, None]:
-    """(best seconds for ``new`` tokens, None) of transformers generate (its step time is not needed)."""
+def theirs(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]]) -> Callable[[int], None]:
+    """A function generating ``tokens`` new tokens per prompt with transformers generate."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
-    def run(tokens):
+    def run(tokens: int) -> None:
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens,
+                                 min_new_tokens=tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert out.shape[1] == ids.shape[1] + tokens
-        return out
 
-    run(2)  # warm-up
-    best = min(_timed(lambda: run(new)) for _ in range(repeats))
-    del model
-    return best, None
+    return run
+
+
+SIDES = {"ours": ours, "transformers": theirs}
 
 
 def main():
@@ -97,11 +98,11 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--sides", default="ours,transformers")
+    parser.add_argument("--probe", type=int, default=8, help="new tokens of the dtype probe")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if args.new < 2:
-        parser.error("--new must be >= 2")
+    if args.new < 2 or args.probe < 1 or args.rounds < 1:
+        parser.error("need --new >= 2, --probe >= 1, --rounds >= 1")
 
     cfg = models.preset(args.preset, eos_token_id=None)
     rng = np.random.default_rng(0)
@@ -112,30 +113,43 @@ def main():
     peak = matmul_rate()
     print(f"measured float32 matmul rate: {peak / 1e9:.1f} GFLOP/s")
 
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = pathlib.Path(tmp) / "model"
         models.export_hf(models.init_random(cfg, seed=0), hf_dir)
-        for side in args.sides.split(","):
-            for dtype in args.dtypes.split(","):
-                fn = ours if side == "ours" else theirs
-                full, first = fn(hf_dir, dtype, prompts, args.new, args.repeats)
-                rows.append((side, dtype, full, first))
 
-    cache_slots = round_up(args.prompt, 64) + args.new
-    flops = decode_step_flops(cfg, args.batch, cache_slots)
-    print(f"\n{'side':<13}{'dtype':<10}{'total s':>9}{'tokens/s':>10}{'step ms':>9}{'step GFLOP/s':>14}{'of peak':>9}")
-    best: dict[str, float] = {}
-    for side, dtype, full, first in rows:
-        tokens_per_s = args.batch * args.new / full
-        best[side] = max(best.get(side, 0.0), tokens_per_s)
-        line = f"{side:<13}{dtype:<10}{full:>9.2f}{tokens_per_s:>10.1f}"
-        if first is not None:
-            step = (full - first) / (args.new - 1)
-            line += f"{step * 1e3:>9.1f}{flops / step / 1e9:>14.1f}{flops / step / peak:>9.1%}"
-        print(line)
-    if len(best) == 2:
-        print(f"\nratio ours / transformers (each at its best dtype): {best['ours'] / best['transformers']:.2f}")
+        print(f"\nprobe: seconds for {args.probe} new tokens")
+        best_dtype, runners = {}, {}
+        for side, make in SIDES.items():
+            probe = {}
+            for dtype in args.dtypes.split(","):
+                run = make(hf_dir, dtype, prompts)
+                run(args.probe)  # compile / warm up
+                probe[dtype] = _timed(lambda: run(args.probe))
+                print(f"  {side:<13}{dtype:<10}{probe[dtype]:8.2f}")
+                if probe[dtype] == min(probe.values()):
+                    best_dtype[side], runners[side] = dtype, run
+                del run
+            runners[side](args.new)  # warm up (and compile) the main shapes
+        runners["ours"](1)
+
+        times = {"ours": [], "ours_1": [], "transformers": []}
+        for _ in range(args.rounds):
+            times["ours"].append(_timed(lambda: runners["ours"](args.new)))
+            times["ours_1"].append(_timed(lambda: runners["ours"](1)))
+            times["transformers"].append(_timed(lambda: runners["transformers"](args.new)))
+
+    best = {k: min(v) for k, v in times.items()}
+    step = (best["ours"] - best["ours_1"]) / (args.new - 1)
+    flops = decode_step_flops(cfg, args.batch, round_up(args.prompt, 64) + args.new)
+    print(f"\nmain: best of {args.rounds} interleaved rounds, {args.new} new tokens")
+    print(f"{'side':<13}{'dtype':<10}{'seconds':>9}{'tokens/s':>10}")
+    rates = {}
+    for side in SIDES:
+        rates[side] = args.batch * args.new / best[side]
+        print(f"{side:<13}{best_dtype[side]:<10}{best[side]:>9.2f}{rates[side]:>10.1f}")
+    print(f"\nratio ours / transformers: {rates['ours'] / rates['transformers']:.2f}")
+    print(f"our decode step: {step * 1e3:.1f} ms, {flops / 1e9:.1f} GFLOP -> {flops / step / 1e9:.1f} GFLOP/s "
+          f"= {flops / step / peak:.1%} of the measured matmul rate")
 
 
 if __name__ == "__main__":

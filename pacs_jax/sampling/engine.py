@@ -102,7 +102,9 @@ def _rollout_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: ja
     prefill_tokens = jnp.sum(real & ~padding_row[:, None], dtype=jnp.int32)
     hidden, cache = model.forward(prompt_tokens, positions_from_mask(real), real,
                                   model.init_cache(P, T), 0)
-    first_logits = model.logits(hidden[:, -1:])[:, 0]  # [P, V]: only the last position is needed
+    last = jnp.max(jnp.where(real, jnp.arange(T), 0), axis=-1)  # [P]: T - 1 when left-padded
+    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [P, 1, D]
+    first_logits = model.logits(last_hidden)[:, 0]  # [P, V]: only the last real position is needed
 
     # The n samples of prompt i are rows i*n .. i*n+n-1.
     repeat = lambda x: jnp.repeat(x, n, axis=0) if n > 1 else x
@@ -154,8 +156,9 @@ def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, 
     """The jitted rollout on padded arrays (what the trainer calls).
 
     graphdef, state: ``nnx.split(model)`` (split once, reuse across calls).
-    prompt_tokens, prompt_mask: [P, T] left-padded prompts, mask 1 on real tokens; an all-zero mask
-    row is batch padding (its samples come back empty). Bucket P and T (see buckets.py) to bound
+    prompt_tokens, prompt_mask: [P, T] prompts, mask 1 on real tokens (left padding, as buckets.left_pad
+    makes, wastes no attention; right padding works too); an all-zero mask row is batch padding
+    (its samples come back empty). Bucket P and T (see buckets.py) to bound
     the number of compilations. key: a JAX PRNG key for this call.
     Returns RolloutArrays with B = P * n rows grouped by prompt.
     """
