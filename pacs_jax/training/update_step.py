@@ -36,7 +36,7 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
 
     def step(params, opt_state, batch):
         loss, metrics, grads = loss_and_grad(params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
