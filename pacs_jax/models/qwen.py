@@ -91,7 +91,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs)
 
     def _project(self, x, kernel, bias_name):
-        out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(x.dtype))
+        out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(x.dtype),
+                         preferred_element_type=jnp.float32).astype(x.dtype)
         if self.cfg.attention_bias:
             out = out + getattr(self, bias_name)[...].astype(x.dtype)
         return out
@@ -121,8 +122,14 @@ class Attention(nnx.Module):
         out = jax.nn.dot_product_attention(
             q, k.astype(q.dtype), v.astype(q.dtype), mask=visible[:, None, :, :],
             scale=cfg.head_dim ** -0.5)  # [B, T, H, Dh]
-        out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype))
+        out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype),
+                         preferred_element_type=jnp.float32).astype(x.dtype)
         return out, ((k, v) if cache_kv is not None else None)
+
+
+def _matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x @ kernel accumulated and returned in float32 (bf16 x bf16 -> f32 is also the fast CPU path)."""
+    return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
 
 
 class MLP(nnx.Module):
@@ -136,10 +143,10 @@ class MLP(nnx.Module):
         self.down_kernel = _param(rngs, (F, D), ("mlp", "embed"), pd)
 
     def __call__(self, x):
-        gate = x @ self.gate_kernel[...].astype(x.dtype)
-        up = x @ self.up_kernel[...].astype(x.dtype)
-        h = constrain(jax.nn.silu(gate) * up, self.rules, ("batch", "length", "act_mlp"))
-        return h @ self.down_kernel[...].astype(x.dtype)
+        gate = _matmul_f32(x, self.gate_kernel[...].astype(x.dtype))
+        up = _matmul_f32(x, self.up_kernel[...].astype(x.dtype))
+        h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), self.rules, ("batch", "length", "act_mlp"))
+        return _matmul_f32(h, self.down_kernel[...].astype(x.dtype)).astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
