@@ -5,7 +5,7 @@
 
 Runs training/update_step.make_update_step (fused log-probs, PACS loss, gradient, AdamW, in place)
 on a random model and a synthetic mini-batch of whole groups. The FLOP rate counts useful work,
-3 x the forward's matmul FLOPs (the MFU convention: recomputation in the fused log-probs' backward
+3 x the forward's matmul FLOPs, LM head on the response tokens only (the MFU convention: recomputation in the fused log-probs' backward
 is not credited); XLA's own count of the compiled step is printed beside it, but it counts a
 while-loop body once, so it undercounts the chunked log-prob loop. Prints the step time, FLOP/s and its fraction of a jitted fp32 matmul measured in the
 same process; the runs take turns (tools/bench_forward.py) so machine load hits both alike.
@@ -70,7 +70,9 @@ def main(argv=None) -> dict[str, float]:
 
     times = interleaved_best_times({"matmul": jax_matmul(args.matmul_size), "update": run_step}, args.repeats)
     matmul_rate = 2 * args.matmul_size ** 3 / times["matmul"]
-    analytic = 3 * forward_flops(cfg, args.prompts * args.n, args.prompt_len + args.response_len)
+    B = args.prompts * args.n
+    prompt_head = 2 * B * args.prompt_len * cfg.hidden_size * cfg.vocab_size  # the LM head runs on responses only
+    analytic = 3 * (forward_flops(cfg, B, args.prompt_len + args.response_len) - prompt_head)
     rate = analytic / times["update"]
     rows = {
         "fp32 matmul rate (GFLOP/s)": matmul_rate / 1e9,
