@@ -1,21 +1,20 @@
 """Sampler throughput vs Hugging Face ``transformers`` generate, on the same random weights, one process.
 
     python tools/bench_sampling.py [--preset Qwen2.5-0.5B] [--batch 32] [--prompt 64] [--new 64]
-                                   [--dtypes float32,bfloat16] [--probe 8] [--rounds 3]
+                                   [--dtypes float32,bfloat16] [--rounds 3]
 
 Greedy decoding of ``batch`` random prompts of ``prompt`` tokens, exactly ``new`` new tokens each (no
 stop id), both sides on the same weights (random, exported with models.export_hf).
 
-1. Probe: each side generates ``probe`` tokens in each dtype (after a warm-up; our first call
-   compiles and is not timed); the faster dtype is that side's best.
-2. Main: ``rounds`` rounds, each timing our generate of ``new`` tokens, of 1 token, and transformers'
-   generate of ``new`` tokens, interleaved so that load from other processes hits both sides alike;
-   the best time of each is kept.
+Every (side, dtype) is warmed up (our first calls compile and are not timed), then ``rounds``
+rounds each time every (side, dtype) at ``new`` tokens (ours also at 1 token), interleaved so that
+load from other processes hits all alike; the best time of each is kept, and each side is judged
+at its best dtype.
 
 Prints tokens/s (new tokens / wall time, prefill included) per side, their ratio, and our decode
-step's achieved FLOP rate as a fraction of the machine's measured matmul rate (a 4096^3 jnp matmul,
-float32 and our dtype, measured in each round; the best is kept). Our decode
-step time is (t(new tokens) - t(1 token)) / (new - 1): prefill and first token cancel. Decode-step
+step's achieved FLOP rate as a fraction of the machine's measured matmul rate (a 4096^3 jnp matmul
+per dtype, float32 accumulation, measured in each round; the best is kept). Our decode step time
+is (t(new tokens) - t(1 token)) / (new - 1): prefill and first token cancel. Decode-step
 FLOPs: 2 * batch * (matmul parameters, lm_head included) + attention (4 * batch * cache slots *
 heads * head_dim per layer).
 """
@@ -99,11 +98,11 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--probe", type=int, default=8, help="new tokens of the dtype probe")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if args.new < 2 or args.probe < 1 or args.rounds < 1:
-        parser.error("need --new >= 2, --probe >= 1, --rounds >= 1")
+    if args.new < 2 or args.rounds < 1:
+        parser.error("need --new >= 2 and --rounds >= 1")
+    dtypes = args.dtypes.split(",")
 
     cfg = models.preset(args.preset, eos_token_id=None)
     rng = np.random.default_rng(0)
@@ -112,48 +111,40 @@ def main():
           f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus), "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
+    configs = [(side, dtype) for side in SIDES for dtype in dtypes]
+    times: dict[tuple[str, str, int], list[float]] = {}
+    peak = {dtype: 0.0 for dtype in ["float32", *dtypes]}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = pathlib.Path(tmp) / "model"
         models.export_hf(models.init_random(cfg, seed=0), hf_dir)
-
-        print(f"\nprobe: seconds for {args.probe} new tokens")
-        best_dtype, runners = {}, {}
-        for side, make in SIDES.items():
-            probe = {}
-            for dtype in args.dtypes.split(","):
-                run = make(hf_dir, dtype, prompts)
-                run(args.probe)  # compile / warm up
-                probe[dtype] = _timed(lambda: run(args.probe))
-                print(f"  {side:<13}{dtype:<10}{probe[dtype]:8.2f}")
-                if probe[dtype] == min(probe.values()):
-                    best_dtype[side], runners[side] = dtype, run
-                del run
-            runners[side](args.new)  # warm up (and compile) the main shapes
-        runners["ours"](1)
-
-        times = {"ours": [], "ours_1": [], "transformers": []}
-        peak = {"float32": 0.0, best_dtype["ours"]: 0.0}
+        runners = {(side, dtype): SIDES[side](hf_dir, dtype, prompts) for side, dtype in configs}
+        for (side, _), run in runners.items():  # compile / warm up
+            for tokens in ((args.new, 1) if side == "ours" else (2,)):
+                run(tokens)
         for _ in range(args.rounds):
             for dtype in peak:  # measured between the runs, best kept: the same load as the runs
                 peak[dtype] = max(peak[dtype], matmul_rate(dtype))
-            times["ours"].append(_timed(lambda: runners["ours"](args.new)))
-            times["ours_1"].append(_timed(lambda: runners["ours"](1)))
-            times["transformers"].append(_timed(lambda: runners["transformers"](args.new)))
+            for (side, dtype), run in runners.items():
+                for tokens in ((args.new, 1) if side == "ours" else (args.new,)):
+                    times.setdefault((side, dtype, tokens), []).append(_timed(lambda: run(tokens)))
 
-    best = {k: min(v) for k, v in times.items()}
-    step = (best["ours"] - best["ours_1"]) / (args.new - 1)
-    flops = decode_step_flops(cfg, args.batch, round_up(args.prompt, 64) + args.new)
-    print(f"\nmain: best of {args.rounds} interleaved rounds, {args.new} new tokens")
+    best = {key: min(v) for key, v in times.items()}
+    print(f"\nbest of {args.rounds} interleaved rounds, {args.new} new tokens")
     print(f"{'side':<13}{'dtype':<10}{'seconds':>9}{'tokens/s':>10}")
-    rates = {}
-    for side in SIDES:
-        rates[side] = args.batch * args.new / best[side]
-        print(f"{side:<13}{best_dtype[side]:<10}{best[side]:>9.2f}{rates[side]:>10.1f}")
-    print(f"\nratio ours / transformers: {rates['ours'] / rates['transformers']:.2f}")
-    print(f"our decode step: {step * 1e3:.1f} ms, {flops / 1e9:.1f} GFLOP -> {flops / step / 1e9:.1f} GFLOP/s")
-    for dtype, rate in peak.items():
-        print(f"  = {flops / step / rate:.1%} of the measured {dtype} matmul rate ({rate / 1e9:.1f} GFLOP/s, "
-              f"4096^3, float32 accumulation)")
+    rates: dict[str, tuple[float, str]] = {}
+    for side, dtype in configs:
+        rate = args.batch * args.new / best[side, dtype, args.new]
+        print(f"{side:<13}{dtype:<10}{best[side, dtype, args.new]:>9.2f}{rate:>10.1f}")
+        rates[side] = max(rates.get(side, (0.0, "")), (rate, dtype))
+    print(f"\nratio ours ({rates['ours'][1]}) / transformers ({rates['transformers'][1]}), each at its best dtype: "
+          f"{rates['ours'][0] / rates['transformers'][0]:.2f}")
+    flops = decode_step_flops(cfg, args.batch, round_up(args.prompt, 64) + args.new)
+    print(f"\nour decode step ({flops / 1e9:.1f} GFLOP), vs the measured 4096^3 matmul rates "
+          + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in peak.items()) + " (float32 accumulation):")
+    for dtype in dtypes:
+        step = (best["ours", dtype, args.new] - best["ours", dtype, 1]) / (args.new - 1)
+        fractions = ", ".join(f"{flops / step / rate:.0%} of {d}" for d, rate in peak.items())
+        print(f"  {dtype:<10}{step * 1e3:7.1f} ms {flops / step / 1e9:7.1f} GFLOP/s = {fractions}")
 
 
 if __name__ == "__main__":
