@@ -37,7 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
         attention_block_size=512,
     ))
 
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.mesh = ml_collections.ConfigDict(dict(
+        data=-1, fsdp=1, tensor=1,
+        device_order=(),          # positions in jax.devices() in mesh order; () = jax.make_mesh's topology-aware order
+    ))
 
     c.data = ml_collections.ConfigDict(dict(
         train_files=(), tokenizer="", max_prompt_length=64,

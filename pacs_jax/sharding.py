@@ -52,10 +52,15 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size"}
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None,
+              device_order: Sequence[int] = ()) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh with Auto axis types; one size may be -1 (fills the rest).
 
-    Raises ValueError naming ``mesh.<axis>`` when the sizes do not fit the device count.
+    devices: the devices to use (default: all, in the topology-aware order of ``jax.make_mesh``).
+    device_order: positions in ``devices`` (process by process, as ``jax.devices()`` lists them) in
+    mesh order (row-major over data, fsdp, tensor) instead, e.g. to put one process's devices at
+    several places along the batch axes. Raises ValueError naming
+    ``mesh.<field>`` when the sizes do not fit the devices or the mesh cannot be built on them.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
@@ -75,8 +80,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
     if math.prod(shape) != len(devices):
         raise ValueError(f"mesh (data, fsdp, tensor)={shape} needs {math.prod(shape)} devices, "
                          f"{len(devices)} are available")
-    if devices == list(jax.devices()):
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    if device_order:
+        if sorted(device_order) != list(range(len(devices))):
+            raise ValueError(f"mesh.device_order={tuple(device_order)}: must list each of the positions "
+                             f"0..{len(devices) - 1} of the devices once")
+        devices = [devices[i] for i in device_order]
+    elif devices == list(jax.devices()):
+        try:
+            return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+        except (NotImplementedError, ValueError, AssertionError) as e:
+            raise ValueError(
+                f"mesh.data / mesh.fsdp / mesh.tensor = {shape}: no mesh of that shape fits the "
+                f"{len(devices)} devices ({devices[0].device_kind}, {jax.process_count()} processes) in their "
+                f"physical topology ({type(e).__name__}: {e}); choose sizes that follow the slice's topology, "
+                f"e.g. tensor within a host") from e
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 

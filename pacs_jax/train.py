@@ -7,11 +7,17 @@ before anything compiles; a restarted run resumes from its workdir's checkpoints
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
 
 _DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -20,10 +26,21 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, exports). "
                                                 "Default: the config's workdir field.")
-_MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() first (TPU pods, multi-node GPU).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (auto-detected on TPU).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (auto-detected on TPU).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (auto-detected on TPU).")
+_MULTIHOST = flags.DEFINE_bool(
+    "multihost", False, "Start JAX's multi-process runtime with the cluster it detects (Cloud TPU pods, SLURM). "
+                        "Implied by --coordinator.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", os.environ.get("JAX_COORDINATOR_ADDRESS"),
+    "host:port of process 0 for a multi-process run without auto-detection (GPU nodes, local runs); "
+    "port + 1 must be free too (start-up barrier). Default: $JAX_COORDINATOR_ADDRESS.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", _env_int("JAX_NUM_PROCESSES"),
+                                      "Number of processes, with --coordinator. Default: $JAX_NUM_PROCESSES.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", _env_int("JAX_PROCESS_ID"),
+                                   "This process's index in [0, num_processes), with --coordinator. "
+                                   "Default: $JAX_PROCESS_ID.")
+_STARTUP_TIMEOUT = flags.DEFINE_float("startup_timeout", 300.0,
+                                      "Seconds to wait for every process to start before exiting with an "
+                                      "error naming the missing ones.")
 
 
 def main(argv: list[str]) -> None:
@@ -32,8 +49,18 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
     import jax  # after flag parsing, so --help is fast
 
-    if _MULTIHOST.value:
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    from pacs_jax import distributed
+
+    if _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
+        try:
+            distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                   timeout_s=_STARTUP_TIMEOUT.value)
+        except ValueError as e:
+            raise app.UsageError(f"--coordinator / --num_processes / --process_id: {e}") from None
+        except distributed.StartupError as e:
+            sys.exit(f"error: process {_PROCESS_ID.value}: {e}")
+    elif _MULTIHOST.value:
+        distributed.initialize()
 
     from pacs_jax.training.config_check import ConfigError, validate_config
 

@@ -212,54 +212,38 @@ def _ids(batch) -> list[int]:
 def test_shuffle_is_deterministic_by_seed_and_reshuffled_each_epoch():
     examples = _examples(50)
     config = PipelineConfig(batch_size=8, seed=3, num_epochs=2)
-    first = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=0, process_count=1)]
-    again = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=0, process_count=1)]
-    other = [_ids(b) for b in data.prompt_iterator(examples, PipelineConfig(8, seed=4, num_epochs=2),
-                                                   process_index=0, process_count=1)]
+    first = [_ids(b) for b in data.prompt_iterator(examples, config)]
+    again = [_ids(b) for b in data.prompt_iterator(examples, config)]
+    other = [_ids(b) for b in data.prompt_iterator(examples, PipelineConfig(8, seed=4, num_epochs=2))]
     assert first == again and first != other
     assert len(first) == 2 * (50 // 8) and all(len(b) == 8 for b in first)
     epoch_1, epoch_2 = sum(first[:6], []), sum(first[6:], [])
     assert len(set(epoch_1)) == 48 and len(set(epoch_2)) == 48  # each epoch: distinct prompts, remainder dropped
     assert epoch_1 != epoch_2
-    unshuffled = data.prompt_iterator(examples, PipelineConfig(8, shuffle=False), process_index=0, process_count=1)
+    unshuffled = data.prompt_iterator(examples, PipelineConfig(8, shuffle=False))
     assert _ids(next(unshuffled)) == list(range(8))
-
-
-def test_two_processes_get_disjoint_shards_of_the_same_batches():
-    examples = _examples(40)
-    config = PipelineConfig(batch_size=8, seed=0, num_epochs=1)
-    whole = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=0, process_count=1)]
-    shards = [[_ids(b) for b in data.prompt_iterator(examples, config, process_index=p, process_count=2)]
-              for p in range(2)]
-    assert len(shards[0]) == len(shards[1]) == len(whole) == 5
-    for step, batch in enumerate(whole):
-        assert len(shards[0][step]) == len(shards[1][step]) == 4
-        assert not set(shards[0][step]) & set(shards[1][step])
-        assert shards[0][step] + shards[1][step] == batch
 
 
 def test_restored_iterator_state_continues_with_the_same_batches():
     examples = _examples(30)
     config = PipelineConfig(batch_size=4, seed=7, num_epochs=3)
-    iterator = data.prompt_iterator(examples, config, process_index=1, process_count=2)
+    iterator = data.prompt_iterator(examples, config)
     for _ in range(9):  # into the second epoch
         next(iterator)
     state = json.loads(json.dumps(iterator.get_state()))  # as a checkpoint would store it
     rest = [_ids(b) for b in iterator]
-    resumed = [_ids(b) for b in data.prompt_iterator(examples, config, process_index=1, process_count=2, state=state)]
+    resumed = [_ids(b) for b in data.prompt_iterator(examples, config, state=state)]
     assert resumed == rest and len(rest) == 3 * (30 // 4) - 9
 
 
 def test_pipeline_argument_errors():
     examples = _examples(10)
-    with pytest.raises(ValueError, match="batch_size=6: must be a positive multiple of the 4 processes"):
-        data.prompt_batches(examples, PipelineConfig(6), process_index=0, process_count=4)
+    with pytest.raises(ValueError, match="batch_size=0: must be positive"):
+        data.prompt_batches(examples, PipelineConfig(0))
     with pytest.raises(ValueError, match="10 prompts do not fill one batch of batch_size=16"):
-        data.prompt_batches(examples, PipelineConfig(16), process_index=0, process_count=1)
-    with pytest.raises(ValueError, match="process_index=2"):
-        data.prompt_batches(examples, PipelineConfig(4), process_index=2, process_count=2)
+        data.prompt_batches(examples, PipelineConfig(16))
     with pytest.raises(ValueError, match="num_epochs=0"):
-        data.prompt_batches(examples, PipelineConfig(4, num_epochs=0), process_index=0, process_count=1)
+        data.prompt_batches(examples, PipelineConfig(4, num_epochs=0))
 
 
 def test_prepare_examples_counts(tokenizer, shared_data, tmp_path):
@@ -267,6 +251,5 @@ def test_prepare_examples_counts(tokenizer, shared_data, tmp_path):
                                               str(shared_data / "aime_2025" / "test.jsonl")], tokenizer,
                                              max_prompt_length=10_000)
     assert counts == {"rows": 70, "skipped": 0, "dropped_overlong": 0} and len(examples) == 70
-    batch = next(data.prompt_iterator(examples, PipelineConfig(batch_size=14, seed=1), process_index=0,
-                                      process_count=1))
+    batch = next(data.prompt_iterator(examples, PipelineConfig(batch_size=14, seed=1)))
     assert len(batch) == 14 and {e.problem.data_source for e in examples} == {"amc23", "aime_2025"}

@@ -2,19 +2,19 @@
 
     examples, counts = prepare_examples(["data/deepscaler_subset"], tokenizer, max_prompt_length=512)
     batches = prompt_iterator(examples, PipelineConfig(batch_size=1024, seed=0, num_epochs=1))
-    batch = next(batches)            # this process's list of PromptExample (whole prompts)
+    batch = next(batches)            # the step's list of PromptExample (the same on every process)
     state = batches.get_state()      # JSON-able; prompt_iterator(..., state=state) resumes exactly
 
 Order: every epoch is a fresh deterministic shuffle of all examples (grain reseeds by epoch), cut
-into global batches of ``batch_size`` whole prompts (an epoch's remainder is dropped, so every
-process sees the same number of batches); process p of P takes slice p of each global batch, so
-processes get disjoint shards.
+into global batches of ``batch_size`` whole prompts (an epoch's remainder is dropped). Every process
+iterates the same global batches; which rows a process places on its devices is decided by the
+batch sharding (training/rollout.py, pacs_jax.distributed.put_rows), not here: on a real mesh the
+device order, not the process order, decides which rows a process holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,45 +47,27 @@ def prepare_examples(specs: Sequence[str], tokenizer, max_prompt_length: int, on
     return examples, {"rows": len(problems), "skipped": skipped, "dropped_overlong": dropped}
 
 
-def prompt_batches(examples: Sequence[PromptExample], config: PipelineConfig, *, process_index: int | None = None,
-                   process_count: int | None = None) -> grain.MapDataset:
-    """A grain MapDataset whose elements are this process's batches: lists of batch_size // process_count examples.
-
-    process_index / process_count default to jax.process_index() / jax.process_count().
-    """
-    if process_index is None or process_count is None:
-        import jax
-
-        process_index, process_count = jax.process_index(), jax.process_count()
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
-    if config.batch_size < 1 or config.batch_size % process_count:
-        raise ValueError(f"batch_size={config.batch_size}: must be a positive multiple of the "
-                         f"{process_count} processes")
+def prompt_batches(examples: Sequence[PromptExample], config: PipelineConfig) -> grain.MapDataset:
+    """A grain MapDataset whose elements are the global batches: lists of ``batch_size`` examples."""
+    if config.batch_size < 1:
+        raise ValueError(f"batch_size={config.batch_size}: must be positive")
     if len(examples) < config.batch_size:
         raise ValueError(f"{len(examples)} prompts do not fill one batch of batch_size={config.batch_size}")
     if config.num_epochs is not None and config.num_epochs < 1:
         raise ValueError(f"num_epochs={config.num_epochs}: must be >= 1 or None (forever)")
     if not 0 <= config.seed < 2**32:
         raise ValueError(f"seed={config.seed}: must be in [0, 2**32)")
-    local = config.batch_size // process_count
     dataset = grain.MapDataset.source(list(examples))
     if config.shuffle:
         dataset = dataset.shuffle(seed=config.seed)
-    dataset = dataset.batch(config.batch_size, drop_remainder=True,
-                            batch_fn=functools.partial(_process_slice, process_index * local, local))
+    dataset = dataset.batch(config.batch_size, drop_remainder=True, batch_fn=list)
     return dataset.repeat(config.num_epochs)
 
 
-def prompt_iterator(examples: Sequence[PromptExample], config: PipelineConfig, *, process_index: int | None = None,
-                    process_count: int | None = None, state: dict[str, Any] | None = None) -> grain.DatasetIterator:
+def prompt_iterator(examples: Sequence[PromptExample], config: PipelineConfig, *,
+                    state: dict[str, Any] | None = None) -> grain.DatasetIterator:
     """Iterator over ``prompt_batches``; ``state`` (from ``get_state()``) resumes where that iterator was."""
-    iterator = iter(prompt_batches(examples, config, process_index=process_index,
-                                   process_count=process_count).to_iter_dataset())
+    iterator = iter(prompt_batches(examples, config).to_iter_dataset())
     if state is not None:
         iterator.set_state(state)
     return iterator
-
-
-def _process_slice(start: int, size: int, global_batch: Sequence[PromptExample]) -> list[PromptExample]:
-    return list(global_batch[start:start + size])

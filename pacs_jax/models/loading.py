@@ -134,11 +134,17 @@ def host_params(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
 def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetensors",
               max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | pathlib.Path | None = None,
               overwrite: bool = False, progress: bool = False) -> pathlib.Path:
-    """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved)."""
+    """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved).
+
+    Multi-process: every process must call it (each tensor is gathered); process 0 writes."""
     cfg = model.cfg
     mapping = weight_map(cfg)
     params = tqdm(host_params(model), total=len(mapping), desc=f"exporting to {pathlib.Path(out_dir).name}",
                   disable=not progress, leave=False)
     tensors = ((name, np.ascontiguousarray(hf)) for path, array in params for name, hf in mapping[path].hf_tensors(array))
+    if jax.process_index() != 0:  # every process takes part in gathering each tensor; process 0 writes
+        for _ in tensors:
+            pass
+        return pathlib.Path(out_dir)
     return write_hf_dir(out_dir, cfg, tensors, fmt=fmt, max_shard_bytes=max_shard_bytes,
                         tokenizer_dir=tokenizer_dir, overwrite=overwrite)

@@ -8,9 +8,9 @@
 
 from pacs_jax.rewards.gsm8k import gsm8k_reward, judge_gsm8k
 from pacs_jax.rewards.math import judge_math
-from pacs_jax.rewards.pool import RewardPool, ScoredBatch, math_reward
+from pacs_jax.rewards.pool import RewardPool, ScoredBatch, math_reward, score_metrics
 from pacs_jax.rewards.verdict import STATUSES, Verdict
 from pacs_jax.rewards.worker import REWARDS
 
 __all__ = ["math_reward", "gsm8k_reward", "judge_math", "judge_gsm8k", "RewardPool", "ScoredBatch", "REWARDS",
-           "STATUSES", "Verdict"]
+           "STATUSES", "Verdict", "score_metrics"]

@@ -152,8 +152,8 @@ class RewardPool:
         for worker in self._workers:  # deadline passed: abandon the items still being checked
             if worker.item is not None:
                 self._replace(worker)
-        return ScoredBatch(scores, statuses, _metrics(scores, statuses, self._restarts - restarts_before,
-                                                      time.monotonic() - start))
+        return ScoredBatch(scores, statuses, score_metrics(scores, statuses, restarts=self._restarts - restarts_before,
+                                                           seconds=time.monotonic() - start))
 
     def _busy(self) -> bool:
         return any(worker.item is not None for worker in self._workers)
@@ -218,7 +218,7 @@ def _stop_all(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-def _metrics(scores: np.ndarray, statuses: list[str], restarts: int, seconds: float) -> dict[str, float]:
+def score_metrics(scores: np.ndarray, statuses: Sequence[str], *, restarts: int, seconds: float) -> dict[str, float]:
     """Batch summary: mean score, how many items ended in each failure mode, worker restarts, wall time."""
     counts = Counter(statuses)
     return {

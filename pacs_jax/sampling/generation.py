@@ -1,4 +1,7 @@
-"""``generate``: token-id lists in, n samples per prompt out (grouped by prompt)."""
+"""``generate``: token-id lists in, n samples per prompt out (grouped by prompt).
+
+Multi-process: every process calls it with the same prompts and gets every sample back.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pacs_jax.distributed import put_rows, to_host
 from pacs_jax.models.qwen import Qwen
 from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
 from pacs_jax.sampling.engine import rollout
@@ -90,14 +94,14 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     tokens, mask = left_pad(prompts, batch, length)
     if model.rules is not None:
         sharding = model.rules.sharding(("batch", "length"), tokens.shape)
-        tokens, mask = jax.device_put(tokens, sharding), jax.device_put(mask, sharding)
+        tokens, mask = put_rows(tokens, sharding), put_rows(mask, sharding)
     graphdef, state = nnx.split(model)
     out = rollout(graphdef, state, tokens, mask, params, jax.random.key(seed))
 
     rows = len(prompts) * n
-    host = jax.device_get((out.tokens[:rows], out.logprobs[:rows], out.lengths[:rows],
-                           out.stopped[:rows], out.prefill_tokens))
-    out_tokens, out_logprobs, lengths, stopped, prefill_tokens = host
+    # every process gets every sample (a collective when the rows span processes)
+    out_tokens, out_logprobs, lengths, stopped, prefill_tokens = (
+        to_host(x) for x in (out.tokens, out.logprobs, out.lengths, out.stopped, out.prefill_tokens))
     return GenerateOutput(
         tokens=[out_tokens[r, :lengths[r]].tolist() for r in range(rows)],
         logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in range(rows)],

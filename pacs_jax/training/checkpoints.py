@@ -46,6 +46,11 @@ class TrainCheckpointer:
         if jax.process_index() == 0:
             write_model_config(self.directory, model_config)
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption was signalled (multi-process: JAX's preemption sync point, so that
+        every process answers True at the same step; every process must call it every step)."""
+        return self.manager.reached_preemption(step)
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 

@@ -135,7 +135,7 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
 
     mc = config.mesh
     try:
-        mesh = make_mesh(mc.data, mc.fsdp, mc.tensor)
+        mesh = make_mesh(mc.data, mc.fsdp, mc.tensor, device_order=tuple(mc.device_order))
     except ValueError as e:
         raise ConfigError(f"config.{e}") from e
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -11,8 +11,9 @@ every checkpoint, so a restarted run repeats exactly what an uninterrupted one w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import pathlib
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +22,12 @@ from typing import Protocol
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from pacs_jax import sampling
+from pacs_jax import distributed, sampling
 from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import MeshRules
@@ -61,7 +63,9 @@ class TrainResult:
 
 
 class _StopFlag:
-    """Turns SIGTERM (preemption) into a flag the loop checks after each step."""
+    """Turns SIGTERM (preemption) into a flag the loop checks after each step (one process; a
+    multi-process run asks Orbax, whose preemption sync point makes every process stop at the same
+    step)."""
 
     def __init__(self):
         self.raised = False
@@ -84,7 +88,7 @@ class _StopFlag:
 
 def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
     """Metrics [M] of the M mini-batch updates -> their means (``skipped``: the count)."""
-    host = jax.device_get(per_minibatch)
+    host = {k: distributed.to_host(v) for k, v in per_minibatch.items()}
     out = {k: float(np.mean(v)) for k, v in host.items()}
     out["skipped"] = float(np.sum(host["skipped"]))
     return out
@@ -131,7 +135,7 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
         reward_deadline=config.reward.deadline)
 
 
-def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, model: Qwen, prompts: PromptSource, *,
+def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
              decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
              on_step: Callable[[int, Qwen, dict], None] | None = None) -> TrainResult:
     """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
@@ -139,7 +143,7 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mod
     decode: generated ids -> text for the reward. on_step(step, model, metrics): called after each
     step (periodic evaluation hooks in here). Returns the trained model and the per-step metrics.
     """
-    workdir = pathlib.Path(workdir)
+    workdir = epath.Path(workdir)
     tc = config.train
     rules = model.rules
     graphdef, params = nnx.split(model)
@@ -166,7 +170,9 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mod
     history: list[dict] = []
     base_key = jax.random.key(config.seed)
     stopped = False
-    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool, _StopFlag() as stop:
+    single_process = jax.process_count() == 1
+    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool, \
+            (_StopFlag() if single_process else contextlib.nullcontext()) as stop_flag:
         collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode, reward_pool=pool)
         if tc.precompile:
             _warm_up(collector, update, params, opt_state, tc.prompts_per_step)
@@ -186,11 +192,12 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mod
             history.append({"step": step, **metrics})
             logger.log(step, metrics)
             meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
-            checkpointer.save(step, params, opt_state, meta, force=stop.raised or step == tc.steps)
+            preempted = stop_flag.raised if single_process else checkpointer.reached_preemption(step)
+            checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps)
             if on_step is not None:
                 on_step(step, nnx.merge(graphdef, params), metrics)
-            if stop.raised:
-                logger.write(f"SIGTERM: checkpoint of step {step} written, exiting")
+            if preempted:
+                logger.write(f"preempted: checkpoint of step {step} written, exiting")
                 stopped = True
                 break
     checkpointer.close()

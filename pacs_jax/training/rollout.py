@@ -1,15 +1,20 @@
 """From a batch of prompts to the update batch of one training step (docs/design.md section 3).
 
     sample   the prompts, left-padded to a prompt bucket, in ``sampler_micro_batches`` calls of the
-             jitted sampler (n responses each, sharded); only ids, lengths and stop flags come back
-    trim     responses cut to the smallest response bucket that holds the longest one
+             jitted sampler (n responses each, sharded); every process places only the rows its
+             devices hold, and only the (small) lengths and stop flags are shared by all processes
+    trim     on the device: the calls' responses joined into [P*n, R] rows, cut to the smallest
+             response bucket that holds the longest one
     pi_old   one jitted program per (prompt bucket, response bucket): assemble [B, P + R] rows on the
              device and compute pi_old and the entropy at temperature 1, in micro-batches of rows
              (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored
-    reward   decode text and score on the host (worker pool) while the device computes pi_old
+    reward   each process decodes and scores the rows its devices hold (read from its addressable
+             shards; the ids never leave their host) while the device computes pi_old; the rewards
+             go back into a global array, and the step's metrics are computed from all rows
 
 Every program's shapes come from the config's buckets, so ``warm_up`` compiles all of them up front
-and a run compiles nothing after it.
+and a run compiles nothing after it. Every process sees the whole PromptBatch (token ids are small)
+so all choose the same buckets without a collective (docs/design.md section 5).
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from pacs_jax import sampling
-from pacs_jax.rewards import RewardPool
+from pacs_jax import distributed, sampling
+from pacs_jax.rewards import STATUSES, RewardPool, score_metrics
 from pacs_jax.rl import micro_batched_logprobs
 from pacs_jax.sampling.engine import lower_rollout
 from pacs_jax.sharding import MeshRules, constrain
@@ -44,12 +49,13 @@ class PromptBatch:
 
 @dataclasses.dataclass
 class Rollout:
-    """One step's rollout: the update batch (device arrays) and what the host saw."""
+    """One step's rollout: the update batch (global device arrays) and what the host saw."""
 
     batch: dict[str, jax.Array]  # input_ids, attention_mask [B, P+R]; response_mask, old_logp [B, R]; rewards [B]
-    texts: list[str]
-    rewards: np.ndarray  # [B]
-    metrics: dict[str, float]
+    rows: np.ndarray  # [b] the rows of the batch this process decoded and scored
+    texts: list[str]  # [b] their decoded responses
+    rewards: np.ndarray  # [B] every row's reward (the same on every process)
+    metrics: dict[str, float]  # over all rows of all processes
 
 
 def pick_bucket(length: int, buckets: Sequence[int], what: str) -> int:
@@ -114,11 +120,19 @@ class RolloutCollector:
             {"input_ids": rows, "attention_mask": rows, "response_mask": rows, "old_logp": rows},
             replicated))
 
+        def assemble(tokens, lengths, bucket):
+            """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
+            tokens = jnp.concatenate(tokens, axis=0)[:, :bucket]
+            lengths = jnp.concatenate(lengths, axis=0)
+            return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
+
+        self._assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
+
     # ------------------------------------------------------------------------ device placement
     def _put(self, x: np.ndarray) -> jax.Array:
-        """This process's rows -> a global array sharded over the batch axes."""
-        global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-        return jax.make_array_from_process_local_data(batch_sharding(self.rules, global_shape), x, global_shape)
+        """A host array of the global shape -> a global array sharded over the batch axes (each process
+        copies only the rows its devices hold)."""
+        return distributed.put_rows(x, batch_sharding(self.rules, x.shape))
 
     def _abstract(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(self.rules, shape))
@@ -133,11 +147,17 @@ class RolloutCollector:
         abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         jobs = [(p, None) for p in self.prompt_buckets] + \
                [(p, r) for p in self.prompt_buckets for r in self.response_buckets]
+        jobs += [(None, r) for r in self.response_buckets]
+        per_call = num_prompts * n // K
+        call_tokens = (self._abstract((per_call, self.params.max_new_tokens), jnp.int32),) * K
+        call_lengths = (self._abstract((per_call,), jnp.int32),) * K
         for p, r in tqdm(jobs, desc="compiling programs", leave=False):
-            prompts = self._abstract((num_prompts, p), jnp.int32)
+            prompts = self._abstract((num_prompts, p or 1), jnp.int32)
             if r is None:
                 chunk = self._abstract((num_prompts // K, p), jnp.int32)
                 lower_rollout(self.graphdef, abstract_state, chunk, chunk, self.params).compile()
+            elif p is None:
+                self._assemble.lower(call_tokens, call_lengths, r).compile()
             else:
                 responses = self._abstract((num_prompts * n, r), jnp.int32)
                 self._prepare.lower(abstract_state, prompts, prompts, responses, responses).compile()
@@ -156,9 +176,13 @@ class RolloutCollector:
         return out
 
     # ------------------------------------------------------------------------ one step
-    def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array) -> dict[str, np.ndarray]:
-        """Sample n responses per prompt; returns host arrays: prompt_tokens, prompt_mask [P, Tp] (left-padded
-        to the prompt bucket), tokens, response_mask [P*n, R] (cut to the response bucket), lengths, stopped [P*n]."""
+    def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array) -> dict:
+        """Sample n responses per prompt (every process passes the same ``prompt_ids``).
+
+        Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
+        bucket), tokens, response_mask [P*n, R] (cut to the response bucket), and host arrays lengths,
+        stopped [P*n] (every row's, on every process).
+        """
         K = self.sampler_micro_batches
         num_prompts = len(prompt_ids)
         if num_prompts % K:
@@ -169,40 +193,50 @@ class RolloutCollector:
         outs = [self._sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                              jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
-        host = jax.device_get([(o.tokens, o.lengths, o.stopped) for o in outs])
-        lengths = np.concatenate([h[1] for h in host])
+        lengths = np.concatenate([distributed.to_host(o.lengths) for o in outs])
+        stopped = np.concatenate([distributed.to_host(o.stopped) for o in outs])
         R = pick_bucket(int(lengths.max()), self.response_buckets, "a response")
-        return {"prompt_tokens": tokens_np, "prompt_mask": mask_np,
-                "tokens": np.concatenate([h[0][:, :R] for h in host]),
-                "response_mask": (np.arange(R)[None, :] < lengths[:, None]).astype(np.int32),
-                "lengths": lengths, "stopped": np.concatenate([h[2] for h in host])}
+        tokens, response_mask = self._assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs), R)
+        return {"prompt_tokens": self._put(tokens_np), "prompt_mask": self._put(mask_np), "tokens": tokens,
+                "response_mask": response_mask, "lengths": lengths, "stopped": stopped}
 
-    def old_policy(self, state: nnx.State, sampled: dict[str, np.ndarray]) -> tuple[dict[str, jax.Array], jax.Array]:
+    def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array]:
         """Dispatch the pi_old program on a ``sample`` result (asynchronous): (update batch without
         rewards, mean entropy of the responses)."""
-        return self._prepare(state, *(self._put(sampled[k]) for k in
-                                      ("prompt_tokens", "prompt_mask", "tokens", "response_mask")))
+        return self._prepare(state, *(sampled[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "response_mask")))
 
     def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array) -> Rollout:
         n = self.params.n
         times = {}
         t0 = time.perf_counter()
         sampled = self.sample(state, prompts.prompt_ids, key)
-        gen, lengths, stopped = sampled["tokens"], sampled["lengths"], sampled["stopped"]
+        lengths, stopped = sampled["lengths"], sampled["stopped"]
+        rows, local_tokens = distributed.local_rows(sampled["tokens"])  # waits for the sampler
         times["time_sample"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         batch, entropy_mean = self.old_policy(state, sampled)  # runs on the device while the host scores
-        texts = [self.decode(gen[i, :lengths[i]]) for i in range(gen.shape[0])]
-        golds = [g for g in prompts.ground_truths for _ in range(n)]
+        texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
+        golds = [prompts.ground_truths[row // n] for row in rows]
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline)
-        rewards = np.asarray(scored.scores, np.float32)
         times["time_reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         entropy_mean = float(entropy_mean)  # waits for pi_old
         times["time_old_logprob"] = time.perf_counter() - t0
 
-        batch["rewards"] = self._put(rewards)
+        B, R = sampled["tokens"].shape
+        rewards_np, status_np, checksum_np = np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        rewards_np[rows] = scored.scores
+        status_np[rows] = [STATUSES.index(status) for status in scored.statuses]
+        positions = 1 + rows[:, None] * R + np.arange(R)[None, :]
+        checksum_np[rows] = np.sum(local_tokens.astype(np.int64) * positions % 1_000_003, axis=1) % 1_000_003
+        batch["rewards"] = self._put(rewards_np)
+        rewards = distributed.to_host(batch["rewards"])  # every row's, on every process
+        statuses = [STATUSES[i] for i in distributed.to_host(self._put(status_np))]
+        checksum = distributed.to_host(self._put(checksum_np))
+        restarts, seconds = distributed.gather_per_process(
+            np.asarray([scored.metrics["worker_restarts"], scored.metrics["seconds"]])).T
+        reward_metrics = score_metrics(rewards, statuses, restarts=int(restarts.sum()), seconds=float(seconds.max()))
         per_prompt = rewards.reshape(-1, n)
         metrics = {
             "reward_mean": float(rewards.mean()),
@@ -211,14 +245,14 @@ class RolloutCollector:
             "groups_all_equal": float((per_prompt.min(1) == per_prompt.max(1)).mean()),
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
-            "response_bucket": float(gen.shape[1]),
+            "response_bucket": float(R),
             "prompt_bucket": float(sampled["prompt_tokens"].shape[1]),
             "clip_ratio": float(1.0 - stopped.mean()),
             "entropy": entropy_mean,
             "generated_tokens": float(lengths.sum()),
-            # identifies the sampled tokens (resume tests compare it across runs)
-            "sampled_tokens_checksum": float(np.sum(gen.astype(np.int64) * (1 + np.arange(gen.size).reshape(gen.shape)) % 1_000_003)),
-            **{f"reward_{k}": float(v) for k, v in scored.metrics.items()},
+            # identifies the sampled tokens (resume and multi-process tests compare it across runs)
+            "sampled_tokens_checksum": float(np.sum(checksum.astype(np.int64))),
+            **{f"reward_{k}": v for k, v in reward_metrics.items()},
             **times,
         }
-        return Rollout(batch, texts, rewards, metrics)
+        return Rollout(batch, rows, texts, rewards, metrics)

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Run K processes of one multi-process JAX program on this machine (CPU collectives, simulated devices).
+#
+#   launch/local.sh --processes K --devices_per_process D [--port P] -- COMMAND [ARGS...]
+#   e.g. launch/local.sh --processes 2 --devices_per_process 4 -- python -m pacs_jax.train --workdir=/tmp/run
+#
+# Each process gets JAX_COORDINATOR_ADDRESS=localhost:P (a free port unless --port; P + 1 is the
+# start-up barrier), JAX_NUM_PROCESSES=K, JAX_PROCESS_ID=i, D CPU devices and gloo collectives;
+# pacs_jax.train reads those variables. Every output line is prefixed with "[i] ". When a process
+# fails, the others are stopped and this script exits with the failing process's status.
+set -euo pipefail
+
+usage() { sed -n 2,10p "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+
+processes="" devices="" port=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --processes) processes=${2:?}; shift 2 ;;
+    --devices_per_process) devices=${2:?}; shift 2 ;;
+    --port) port=${2:?}; shift 2 ;;
+    -h|--help) usage 0 ;;
+    --) shift; break ;;
+    *) echo "local.sh: unknown option $1" >&2; usage ;;
+  esac
+done
+[ $# -gt 0 ] || { echo "local.sh: no COMMAND after --" >&2; usage; }
+[[ "$processes" =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --processes must be a positive integer" >&2; usage; }
+[[ "$devices" =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --devices_per_process must be a positive integer" >&2; usage; }
+
+if [ -z "$port" ]; then  # a free port whose successor is free too (the start-up barrier)
+  port=$(python3 - <<'EOF'
+import socket
+while True:
+    with socket.socket() as a:
+        a.bind(("localhost", 0))
+        port = a.getsockname()[1]
+        try:
+            with socket.socket() as b:
+                b.bind(("localhost", port + 1))
+        except OSError:
+            continue
+    print(port)
+    break
+EOF
+)
+fi
+
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+}
+trap 'cleanup; exit 130' INT TERM
+
+set -m  # each process in its own process group, so that stopping it stops its children too
+for ((i = 0; i < processes; i++)); do
+  (
+    set -o pipefail
+    JAX_COORDINATOR_ADDRESS="localhost:$port" JAX_NUM_PROCESSES="$processes" JAX_PROCESS_ID="$i" \
+      JAX_PLATFORMS=cpu JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices" \
+      "$@" 2>&1 | sed -u "s/^/[$i] /"
+  ) &
+  pids+=($!)
+done
+set +m
+
+running=("${pids[@]}")
+while [ "${#running[@]}" -gt 0 ]; do
+  finished="" status=0
+  wait -n -p finished "${running[@]}" || status=$?
+  still=()
+  for pid in "${running[@]}"; do [ "$pid" = "$finished" ] || still+=("$pid"); done
+  running=("${still[@]}")
+  if [ "$status" -ne 0 ]; then
+    echo "local.sh: a process (pid $finished) exited with status $status; stopping the others" >&2
+    cleanup
+    wait || true
+    exit "$status"
+  fi
+done

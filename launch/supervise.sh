@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run a command until it succeeds, restarting it after a crash or preemption (the trainer resumes
+# from its workdir's checkpoints by itself).
+#
+#   launch/supervise.sh [--max_restarts N] [--delay S] -- COMMAND [ARGS...]
+#
+# Exits 0 when COMMAND does; gives up (exit status of the last attempt) after N restarts (default 20).
+# SIGTERM / SIGINT are passed on to COMMAND, which then saves a checkpoint and exits; no restart follows.
+set -uo pipefail
+
+max_restarts=20 delay=30
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --max_restarts) max_restarts=${2:?}; shift 2 ;;
+    --delay) delay=${2:?}; shift 2 ;;
+    --) shift; break ;;
+    *) echo "supervise.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+[ $# -gt 0 ] || { echo "supervise.sh: no COMMAND after --" >&2; exit 2; }
+
+child="" stopping=0
+forward() { stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
+trap forward TERM INT
+
+attempt=0
+while true; do
+  echo "supervise.sh: $(date -u +%FT%TZ) attempt $((attempt + 1)): $*"
+  "$@" &
+  child=$!
+  wait "$child"; status=$?
+  while kill -0 "$child" 2>/dev/null; do wait "$child"; status=$?; done  # wait again after a trapped signal
+  child=""
+  if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then
+    echo "supervise.sh: $(date -u +%FT%TZ) finished with status $status"
+    exit "$status"
+  fi
+  attempt=$((attempt + 1))
+  if [ "$attempt" -gt "$max_restarts" ]; then
+    echo "supervise.sh: giving up after $max_restarts restarts (last status $status)" >&2
+    exit "$status"
+  fi
+  echo "supervise.sh: $(date -u +%FT%TZ) exited with status $status; restarting in ${delay} s" >&2
+  sleep "$delay"
+done

@@ -1,0 +1,240 @@
+#!/usr/bin/env bash
+# Train on a Cloud TPU slice: create it, install pacs_jax on every worker, run, watch, stop, delete.
+#
+#   launch/tpu_pod.sh COMMAND --name NAME --zone ZONE [options] [-- TRAIN_FLAGS...]
+#
+# Commands:
+#   create   create the slice (on-demand, spot or queued resource); a queued resource that ends
+#            FAILED is deleted and requested again (--retries)
+#   setup    on every worker (--worker=all): uv, Python 3.11, a clone of --repo at --ref, pacs_jax
+#            and jax[tpu] in ~/pacs_jax/.venv
+#   run      create and set up if needed, then start `python -m pacs_jax.train --multihost` on every
+#            worker with the same flags, under launch/supervise.sh (restarts after a crash; the run
+#            resumes from its workdir), and stream worker 0's log. With --keep-alive it then watches
+#            the slice and, after a preemption, re-creates it, sets it up and starts the run again.
+#   logs     stream worker 0's training log
+#   stop     stop the training on every worker (SIGTERM: a checkpoint is written first)
+#   delete   delete the slice (and its queued resource)
+#   status   the slice's state and the last lines of worker 0's log
+#
+# Options:
+#   --name NAME  --zone ZONE  --project PROJECT (default: gcloud's)
+#   --accelerator TYPE     v4-*, v5e-* (v5litepod-*), v5p-* or v6e-* (default v5p-64)
+#   --runtime-version V    default per accelerator: v4 tpu-ubuntu2204-base, v5e v2-alpha-tpuv5-lite,
+#                          v5p v2-alpha-tpuv5, v6e v2-alpha-tpuv6e
+#   --mode MODE            on-demand (default), spot or queued (a queued resource, spot with --spot)
+#   --spot                 with --mode queued: a spot queued resource
+#   --retries N            create attempts (default 5)
+#   --repo URL --ref REF   what to install (default: this checkout's origin remote and its HEAD commit)
+#   --config SPEC          e.g. configs/paper.py:qwen25_7b,pacs_beta1
+#   --workdir DIR          the run's workdir; use gs://BUCKET/... so checkpoints outlive the slice
+#   --keep-alive           (run) re-create and restart after preemption
+#   --dry-run              print every command instead of running it
+#   TRAIN_FLAGS            passed to pacs_jax.train unchanged, e.g. --config.model.path=/data/Qwen2.5-7B
+#
+# Example:
+#   launch/tpu_pod.sh run --name pacs-7b --zone us-east5-a --accelerator v5p-64 \
+#       --config configs/paper.py:qwen25_7b,pacs_beta1 --workdir gs://my-bucket/pacs_7b -- \
+#       --config.model.path=gs://my-bucket/Qwen2.5-7B --config.data.tokenizer=gs://my-bucket/Qwen2.5-7B
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
+
+[ $# -gt 0 ] || usage
+case "$1" in
+  -h|--help) usage 0 ;;
+  create|setup|run|logs|stop|delete|status) command=$1; shift ;;
+  *) die "unknown command '$1' (create | setup | run | logs | stop | delete | status)" ;;
+esac
+
+name="" zone="" project="" accelerator="v5p-64" runtime="" mode="on-demand" spot=0 retries=5
+repo="" ref="" config="" workdir="" keep_alive=0 dry_run=0
+train_flags=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --name) name=${2:?--name needs a value}; shift 2 ;;
+    --zone) zone=${2:?--zone needs a value}; shift 2 ;;
+    --project) project=${2:?--project needs a value}; shift 2 ;;
+    --accelerator) accelerator=${2:?--accelerator needs a value}; shift 2 ;;
+    --runtime-version) runtime=${2:?--runtime-version needs a value}; shift 2 ;;
+    --mode) mode=${2:?--mode needs a value}; shift 2 ;;
+    --spot) spot=1; shift ;;
+    --retries) retries=${2:?--retries needs a value}; shift 2 ;;
+    --repo) repo=${2:?--repo needs a value}; shift 2 ;;
+    --ref) ref=${2:?--ref needs a value}; shift 2 ;;
+    --config) config=${2:?--config needs a value}; shift 2 ;;
+    --workdir) workdir=${2:?--workdir needs a value}; shift 2 ;;
+    --keep-alive) keep_alive=1; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    -h|--help) usage 0 ;;
+    --) shift; train_flags+=("$@"); break ;;
+    --config.*) train_flags+=("$1"); shift ;;
+    *) die "unknown option '$1' (train flags go after --)" ;;
+  esac
+done
+[ -n "$name" ] || die "--name is required"
+[ -n "$zone" ] || die "--zone is required"
+case "$mode" in on-demand|spot|queued) ;; *) die "--mode must be on-demand, spot or queued, not '$mode'" ;; esac
+[[ "$retries" =~ ^[1-9][0-9]*$ ]] || die "--retries must be a positive integer"
+
+if [ -z "$runtime" ]; then
+  case "$accelerator" in
+    v4-*) runtime=tpu-ubuntu2204-base ;;
+    v5e-*|v5litepod-*) runtime=v2-alpha-tpuv5-lite ;;
+    v5p-*) runtime=v2-alpha-tpuv5 ;;
+    v6e-*) runtime=v2-alpha-tpuv6e ;;
+    *) die "--accelerator '$accelerator': expected v4-N, v5e-N (v5litepod-N), v5p-N or v6e-N" ;;
+  esac
+fi
+case "$accelerator" in v5e-*) accelerator="v5litepod-${accelerator#v5e-}" ;; esac  # the API's name for v5e
+
+jax_version=0.10.2
+scope=(--zone="$zone")
+[ -z "$project" ] || scope+=(--project="$project")
+
+# ----------------------------------------------------------------------------------- helpers
+# run CMD...: run it, or print it (shell-quoted, one line) with --dry-run.
+run() {
+  if [ "$dry_run" -eq 1 ]; then
+    printf '%q ' "$@" | sed 's/ $//'
+    echo
+  else
+    "$@"
+  fi
+}
+
+# on_workers SCRIPT: run a bash script on every worker of the slice.
+on_workers() {
+  run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=all --command="$1"
+}
+
+state() {  # the slice's state (READY, PREEMPTED, ...) or NOT_FOUND
+  if [ "$dry_run" -eq 1 ]; then
+    run gcloud compute tpus tpu-vm describe "$name" "${scope[@]}" --format='value(state)' >&2
+    echo "${DRY_RUN_STATE:-NOT_FOUND}"
+    return
+  fi
+  gcloud compute tpus tpu-vm describe "$name" "${scope[@]}" --format='value(state)' 2>/dev/null || echo NOT_FOUND
+}
+
+queued_state() {
+  if [ "$dry_run" -eq 1 ]; then
+    run gcloud compute tpus queued-resources describe "$name" "${scope[@]}" --format='value(state.state)' >&2
+    echo ACTIVE
+    return
+  fi
+  gcloud compute tpus queued-resources describe "$name" "${scope[@]}" --format='value(state.state)' 2>/dev/null \
+    || echo NOT_FOUND
+}
+
+create() {
+  local attempt s
+  for ((attempt = 1; attempt <= retries; attempt++)); do
+    if [ "$mode" = queued ]; then
+      local spot_flag=()
+      [ "$spot" -eq 0 ] || spot_flag=(--spot)
+      run gcloud compute tpus queued-resources create "$name" "${scope[@]}" --node-id="$name" \
+        --accelerator-type="$accelerator" --runtime-version="$runtime" "${spot_flag[@]}"
+      while true; do
+        s=$(queued_state)
+        case "$s" in
+          ACTIVE) return 0 ;;
+          FAILED|SUSPENDED|NOT_FOUND)
+            echo "tpu_pod.sh: queued resource $name is $s (attempt $attempt of $retries); requesting again" >&2
+            run gcloud compute tpus queued-resources delete "$name" "${scope[@]}" --force --quiet || true
+            break ;;
+          *) sleep 60 ;;  # WAITING_FOR_RESOURCES, PROVISIONING, ...
+        esac
+      done
+    else
+      local spot_flag=()
+      [ "$mode" = on-demand ] || spot_flag=(--spot)
+      if run gcloud compute tpus tpu-vm create "$name" "${scope[@]}" --accelerator-type="$accelerator" \
+           --version="$runtime" "${spot_flag[@]}"; then
+        return 0
+      fi
+      echo "tpu_pod.sh: create failed (attempt $attempt of $retries); retrying in 60 s" >&2
+      sleep 60
+    fi
+  done
+  die "could not create $name after $retries attempts"
+}
+
+delete() {
+  if [ "$mode" = queued ]; then
+    run gcloud compute tpus queued-resources delete "$name" "${scope[@]}" --force --quiet
+  else
+    run gcloud compute tpus tpu-vm delete "$name" "${scope[@]}" --quiet
+  fi
+}
+
+setup() {
+  if [ -z "$repo" ]; then
+    repo=$(git -C "$(dirname "$0")/.." remote get-url origin 2>/dev/null) \
+      || die "--repo is required (this checkout has no 'origin' remote)"
+  fi
+  [ -n "$ref" ] || ref=$(git -C "$(dirname "$0")/.." rev-parse HEAD 2>/dev/null) || ref=main
+  local steps=(
+    "set -euo pipefail"
+    "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh"
+    "export PATH=\"\$HOME/.local/bin:\$PATH\""
+    "[ -d ~/pacs_jax/.git ] || git clone $(printf '%q' "$repo") ~/pacs_jax"
+    "cd ~/pacs_jax && git fetch --quiet origin && git checkout --quiet $(printf '%q' "$ref")"
+    "uv venv --allow-existing --python 3.11 .venv"
+    # gcsfs: gs:// workdirs
+    "uv pip install --python .venv/bin/python -r requirements.txt -e . 'jax[tpu]==$jax_version' gcsfs"
+  )
+  local script
+  script=$(printf '%s; ' "${steps[@]}")
+  on_workers "$script"
+}
+
+start_training() {
+  [ -n "$config" ] || die "--config is required for run (e.g. configs/paper.py:qwen25_7b,pacs_beta1)"
+  local train=(.venv/bin/python -m pacs_jax.train --multihost "--config=$config")
+  [ -z "$workdir" ] || train+=("--workdir=$workdir")
+  train+=("${train_flags[@]}")
+  local quoted
+  quoted=$(printf '%q ' "${train[@]}")
+  on_workers "cd ~/pacs_jax && setsid nohup bash launch/supervise.sh -- ${quoted% } > ~/pacs_train.log 2>&1 < /dev/null &"
+}
+
+logs() {
+  run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=0 --command="tail -n 200 -F ~/pacs_train.log"
+}
+
+# ----------------------------------------------------------------------------------- commands
+case "$command" in
+  create) create ;;
+  setup) setup ;;
+  delete) delete ;;
+  stop) on_workers "pkill -TERM -f 'launch/supervise.sh' || true" ;;
+  status)
+    state
+    run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=0 --command="tail -n 20 ~/pacs_train.log" ;;
+  logs) logs ;;
+  run)
+    if [ "$(state)" = NOT_FOUND ]; then
+      create
+      setup
+    fi
+    start_training
+    if [ "$keep_alive" -eq 0 ]; then
+      logs
+      exit 0
+    fi
+    logs &
+    while [ "$dry_run" -eq 0 ]; do
+      sleep 120
+      s=$(state)
+      case "$s" in
+        PREEMPTED|TERMINATED|NOT_FOUND)
+          echo "tpu_pod.sh: slice $name is $s: re-creating it and resuming the run" >&2
+          [ "$s" = NOT_FOUND ] || delete
+          create
+          setup
+          start_training ;;
+      esac
+    done ;;
+esac

@@ -1,0 +1,241 @@
+"""One run on several processes (issue: multi-host), proven with real processes on this machine.
+
+Two processes x 4 CPU devices (launch/local.sh, gloo collectives) train a shrunk paper config (tiny
+random Qwen, the real tokenizer and DeepScaleR prompts) exactly as one process x 8 devices does, on a
+mesh whose device order gives each process rows at two places of the batch axis; checkpoints
+written by either restore in the other; a process that never starts is named by the others; and
+launch/tpu_pod.sh prints the gcloud sequence of a v5p-64 run with every flag intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from pacs_jax import models
+
+LOCAL = REPO / "launch" / "local.sh"
+TPU_POD = REPO / "launch" / "tpu_pod.sh"
+
+# configs/paper.py's Qwen2.5 setup shrunk: 8 prompts x 8 responses of 16 tokens, 2 sampler calls, 2 mini-batches
+# of 2 micro-batches. pacs_beta1_noweight and lr 1e-3 so that a random model (reward 0 everywhere) still
+# moves visibly. Mesh (data 4, tensor 2) in the device order 0 1 4 5 2 3 6 7: with 2 processes of 4
+# devices, process 0 holds batch rows 0-15 and 32-47, process 1 rows 16-31 and 48-63.
+SHRUNK = [
+    "--config=configs/paper.py:qwen25_3b,pacs_beta1_noweight",
+    "--config.model.preset=", "--config.model.model_type=qwen2", "--config.model.hidden_size=64",
+    "--config.model.intermediate_size=128", "--config.model.num_hidden_layers=2",
+    "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2", "--config.model.head_dim=16",
+    "--config.model.vocab_size=0",
+    "--config.data.max_prompt_length=256", "--config.data.prompt_buckets=(256,)",
+    "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
+    "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",
+    "--config.rollout.micro_batches=2", "--config.rollout.max_new_tokens=16", "--config.rollout.response_buckets=(16,)",
+    "--config.optim.lr=0.001", "--config.reward.workers=1", "--config.eval.sets=",
+    "--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
+    "--config.mesh.device_order=(0,1,4,5,2,3,6,7)",
+]
+COMPARED = ("loss", "reward_mean", "sampled_tokens_checksum", "response_length_mean", "grad_norm")
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no inherited device count
+    return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def _train(workdir, data_file, *, processes: int) -> None:
+    flags = [*SHRUNK, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
+    command = [sys.executable, "-m", "pacs_jax.train", *flags]
+    if processes == 1:
+        run = subprocess.run(command, cwd=REPO, env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                             capture_output=True, text=True, timeout=900)
+    else:
+        run = subprocess.run([str(LOCAL), "--processes", str(processes), "--devices_per_process", str(8 // processes),
+                              "--", *command], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+def _metrics(workdir) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _params(workdir, step: int) -> dict[str, np.ndarray]:
+    model = models.from_pretrained(workdir / "checkpoints" / str(step))
+    return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float32)
+            for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _assert_same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def data_file(shared_data, tmp_path_factory):
+    """The 24 shortest problems of the real DeepScaleR subset, in its own file format."""
+    rows = json.loads((shared_data / "deepscaler_subset" / "math.json").read_text())
+    path = tmp_path_factory.mktemp("data") / "math.json"
+    path.write_text(json.dumps(sorted(rows, key=lambda r: len(r["problem"]))[:24]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(data_file, tmp_path_factory):
+    """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 2-step run."""
+    two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
+    _train(two, data_file, processes=2)
+    _train(one, data_file, processes=1)
+    return two, one
+
+
+@pytest.mark.slow
+def test_two_processes_train_exactly_like_one(runs):
+    two, one = runs
+    m2, m1 = _metrics(two), _metrics(one)
+    assert sorted(m2) == sorted(m1) == [1, 2]
+    for step in (1, 2):
+        for key in COMPARED:
+            assert m2[step][key] == pytest.approx(m1[step][key], rel=1e-5, abs=1e-6), (step, key)
+    assert m1[1]["sampled_tokens_checksum"] != m1[2]["sampled_tokens_checksum"]  # the checksum sees the tokens
+    final2, final1 = _params(two, 2), _params(one, 2)
+    _assert_same_params(final2, final1)
+    moved = max(float(np.abs(final1[k] - v).max()) for k, v in _params(one, 1).items())
+    assert moved > 1e-4  # the second update is visible at the 1e-6 tolerance
+    assert (two / "hf_export" / "config.json").is_file()  # process 0 wrote the gathered export
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_checkpoint_restores_across_process_counts(runs, data_file, tmp_path, first, second):
+    """Step 1 of the `first`-process run, resumed by `second` processes, ends where both straight runs end."""
+    two, one = runs
+    workdir = tmp_path / "resumed"
+    shutil.copytree(two if first == 2 else one, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "2")
+    shutil.rmtree(workdir / "hf_export")
+    _train(workdir, data_file, processes=second)
+    _assert_same_params(_params(workdir, 2), _params(one, 2))
+    resumed = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert resumed["step"] == 2
+    assert resumed["sampled_tokens_checksum"] == _metrics(one)[2]["sampled_tokens_checksum"]
+
+
+def _free_port() -> int:
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("localhost", 0))
+            port = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind(("localhost", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def test_a_process_that_never_starts_is_named_by_the_others():
+    port = _free_port()
+    started = time.monotonic()
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "pacs_jax.train", f"--coordinator=localhost:{port}", "--num_processes=3",
+         f"--process_id={i}", "--startup_timeout=4"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in (0, 1)]  # process 2 never starts
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert time.monotonic() - started < 60
+    for p, (out, err) in zip(processes, outputs):
+        assert p.returncode != 0
+        assert "processes [2] of 3 did not join the start-up barrier within 4 s" in err, err[-2000:]
+
+
+def test_a_process_without_its_coordinator_says_so():
+    port = _free_port()
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", f"--coordinator=localhost:{port}",
+                          "--num_processes=2", "--process_id=1", "--startup_timeout=2"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert f"process 0 (the coordinator, barrier at localhost:{port + 1}) did not answer within 2 s" in run.stderr
+
+
+def test_local_launcher_prefixes_lines_and_stops_everything_when_one_process_fails():
+    script = ("import os, sys, time; i = int(os.environ['JAX_PROCESS_ID']); "
+              "print('hello from', i, os.environ['JAX_NUM_PROCESSES'], os.environ['XLA_FLAGS'].split()[-1], "
+              "flush=True); time.sleep(1); sys.exit(3) if i == 1 else time.sleep(300)")
+    started = time.monotonic()
+    run = subprocess.run([str(LOCAL), "--processes", "3", "--devices_per_process", "2", "--", sys.executable, "-c",
+                          script], env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3
+    assert time.monotonic() - started < 60  # process 0 and 2 (sleeping 300 s) were stopped
+    for i in range(3):
+        assert f"[{i}] hello from {i} 3 --xla_force_host_platform_device_count=2" in run.stdout
+    ok = subprocess.run([str(LOCAL), "--processes", "2", "--devices_per_process", "1", "--", sys.executable, "-c",
+                         "pass"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+
+
+def _dry_run(*args: str) -> list[list[str]]:
+    run = subprocess.run(["bash", str(TPU_POD), args[0], "--dry-run", *args[1:]], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=60, cwd=REPO)  # in the order printed
+    assert run.returncode == 0, run.stdout
+    return [shlex.split(line) for line in run.stdout.splitlines() if line.startswith("gcloud ")]
+
+
+def _flag(command: list[str], name: str) -> str:
+    values = [arg.split("=", 1)[1] for arg in command if arg.startswith(f"{name}=")]
+    assert len(values) == 1, (name, command)
+    return values[0]
+
+
+def test_tpu_pod_run_dry_run_prints_the_whole_gcloud_sequence():
+    override = "--config.data.train_files=('/data/deep scaler.json','/data/b, c.json')"
+    commands = _dry_run("run", "--name", "pacs-7b", "--zone", "us-east5-a", "--accelerator", "v5p-64",
+                        "--config", "configs/paper.py:qwen25_7b,pacs_beta1", "--repo", "https://example.org/pacs_jax.git",
+                        "--workdir", "gs://bucket/run 1", "--", override, "--config.optim.lr=1e-6")
+    verbs = [" ".join(c[1:5]) for c in commands]
+    assert verbs == ["compute tpus tpu-vm describe", "compute tpus tpu-vm create", "compute tpus tpu-vm ssh",
+                     "compute tpus tpu-vm ssh", "compute tpus tpu-vm ssh"]
+    describe, create, setup, start, logs = commands
+    assert all(c[5] == "pacs-7b" and _flag(c, "--zone") == "us-east5-a" for c in commands)
+    assert _flag(create, "--accelerator-type") == "v5p-64" and _flag(create, "--version") == "v2-alpha-tpuv5"
+    assert "--spot" not in create
+    for c in (setup, start):
+        assert "--worker=all" in c
+    assert "--worker=0" in logs
+    assert "uv venv" in _flag(setup, "--command") and "https://example.org/pacs_jax.git" in _flag(setup, "--command")
+    remote = shlex.split(_flag(start, "--command"))
+    train = remote[remote.index("launch/supervise.sh"):]
+    assert train[train.index("-m") + 1] == "pacs_jax.train" and "--multihost" in train
+    assert "--config=configs/paper.py:qwen25_7b,pacs_beta1" in train
+    assert "--workdir=gs://bucket/run 1" in train
+    assert override in train and "--config.optim.lr=1e-6" in train  # one argument each, spaces and commas intact
+
+
+@pytest.mark.parametrize("accelerator, runtime", [("v6e-64", "v2-alpha-tpuv6e"), ("v5e-16", "v2-alpha-tpuv5-lite"),
+                                                  ("v4-32", "tpu-ubuntu2204-base")])
+def test_tpu_pod_picks_the_runtime_of_each_accelerator_and_retries_queued_resources(accelerator, runtime):
+    create = [c for c in _dry_run("create", "--name", "n", "--zone", "z", "--accelerator", accelerator,
+                                  "--mode", "queued", "--spot") if c[3] == "queued-resources"]
+    assert [c[4] for c in create] == ["create", "describe"]
+    assert _flag(create[0], "--runtime-version") == runtime and "--spot" in create[0]
+    assert _flag(create[0], "--accelerator-type") == accelerator.replace("v5e-", "v5litepod-")
+
+
+def test_tpu_pod_refuses_bad_arguments():
+    for args, message in ((["run", "--zone", "z"], "--name is required"),
+                          (["create", "--name", "n", "--zone", "z", "--accelerator", "v9-8"], "--accelerator 'v9-8'"),
+                          (["deploy"], "unknown command 'deploy'"),
+                          (["run", "--name", "n", "--zone", "z", "--oops"], "unknown option '--oops'")):
+        run = subprocess.run(["bash", str(TPU_POD), *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
