@@ -1,17 +1,70 @@
 #!/usr/bin/env bash
-# Train on one multi-GPU node (all local GPUs in one process), or one node of several:
-#   launch/gpu_node.sh CONFIG [extra train flags...]
-#   NUM_NODES=2 NODE_RANK=0 COORDINATOR=node0:1234 launch/gpu_node.sh CONFIG ...   (run on every node)
+# Train on GPU nodes: one process per node drives all of its GPUs.
+#
+#   launch/gpu_node.sh --config SPEC [--workdir DIR] [--coordinator HOST:PORT --num_processes N --process_id I]
+#                      [--no-supervise] [--dry-run] [-- TRAIN_FLAGS...]
+#
+#   one node:       launch/gpu_node.sh --config configs/paper.py:qwen25_3b,pacs_beta1 --workdir /data/runs/3b
+#   Slurm:          srun --nodes=4 --ntasks-per-node=1 launch/gpu_node.sh --config ... --workdir /shared/runs/3b
+#                   (JAX finds the other nodes from the SLURM_* variables: --multihost is passed for you)
+#   other clusters: run on every node with the same --coordinator (node 0's address; PORT + 1 must be
+#                   free too) and --num_processes, and each node's --process_id
+#
+# Sets up .venv (pacs_jax + jax[cuda12]) on first use, then runs pacs_jax.train under
+# launch/supervise.sh (restarts after a crash; the run resumes from its workdir) unless --no-supervise.
+# --dry-run prints the commands instead of running them.
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n 2,5p "$0"; exit 2; }
-CONFIG=$1; shift
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+die() { echo "gpu_node.sh: $*" >&2; exit 2; }
+
+config="" workdir="" coordinator="" num_processes="" process_id="" supervise=1 dry_run=0
+train_flags=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) config=${2:?--config needs a value}; shift 2 ;;
+    --workdir) workdir=${2:?--workdir needs a value}; shift 2 ;;
+    --coordinator) coordinator=${2:?--coordinator needs a value}; shift 2 ;;
+    --num_processes) num_processes=${2:?--num_processes needs a value}; shift 2 ;;
+    --process_id) process_id=${2:?--process_id needs a value}; shift 2 ;;
+    --no-supervise) supervise=0; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    -h|--help) usage 0 ;;
+    --) shift; train_flags+=("$@"); break ;;
+    --config.*) train_flags+=("$1"); shift ;;
+    *) die "unknown option '$1' (train flags go after --)" ;;
+  esac
+done
+[ -n "$config" ] || die "--config is required (e.g. configs/paper.py:qwen25_3b,pacs_beta1)"
+
+run() {
+  if [ "$dry_run" -eq 1 ]; then
+    printf '%q ' "$@" | sed 's/ $//'
+    echo
+  else
+    "$@"
+  fi
+}
+
 cd "$(dirname "$0")/.."
-[ -d .venv ] || { python3 -m venv .venv && . .venv/bin/activate && pip install -q -r requirements.txt -e . \
-  && pip install -q -U 'jax[cuda12]==0.10.2'; }
-. .venv/bin/activate
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
-if [ "${NUM_NODES:-1}" -gt 1 ]; then
-  exec python -m pacs_jax.train --multihost --coordinator_address="$COORDINATOR" --num_processes="$NUM_NODES" \
-    --process_id="$NODE_RANK" --config="$CONFIG" "$@"
+if [ ! -x .venv/bin/python ]; then
+  run python3 -m venv .venv
+  run .venv/bin/pip install -q -r requirements.txt -e . 'jax[cuda12]==0.10.2'
 fi
-exec python -m pacs_jax.train --config="$CONFIG" "$@"
+
+train=(.venv/bin/python -m pacs_jax.train "--config=$config")
+[ -z "$workdir" ] || train+=("--workdir=$workdir")
+if [ -n "$coordinator" ]; then
+  [ -n "$num_processes" ] && [ -n "$process_id" ] || die "--coordinator needs --num_processes and --process_id"
+  train+=("--coordinator=$coordinator" "--num_processes=$num_processes" "--process_id=$process_id")
+elif [ "${SLURM_NTASKS:-1}" -gt 1 ]; then
+  train+=(--multihost)
+fi
+train+=("${train_flags[@]}")
+
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+if [ "$supervise" -eq 1 ]; then
+  run bash launch/supervise.sh -- "${train[@]}"
+else
+  run "${train[@]}"
+fi

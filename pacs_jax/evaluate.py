@@ -217,7 +217,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     """Evaluate ``checkpoint`` as ``config`` (configs/eval.py) says; write the outputs; return the metrics."""
     from absl import logging
 
-    from pacs_jax import models
+    from pacs_jax import checkpoints
     from pacs_jax.data import load_tokenizer
     from pacs_jax.sharding import make_mesh
 
@@ -228,7 +228,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if not (tokenizer_dir / "tokenizer_config.json").is_file():
         raise ValueError(f"{tokenizer_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
     mesh = make_mesh(**config.mesh) if config.use_mesh else None
-    model = models.from_pretrained(checkpoint, dtype=config.dtype, mesh=mesh)
+    model = checkpoints.from_pretrained(checkpoint, dtype=config.dtype, mesh=mesh)
     tokenizer = load_tokenizer(tokenizer_dir)
     with RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
         rows, metrics = evaluate_sets(

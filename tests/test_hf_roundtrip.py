@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from pacs_jax import models
+from pacs_jax import checkpoints
 from pacs_jax.sharding import make_mesh
 from qwen_reference import ARCHS, load_tool, padded_batch, save_random_hf_model
 
@@ -84,15 +84,15 @@ def test_roundtrip_is_bit_identical(roundtrips, case):
 
 
 def test_from_pretrained_loads_our_checkpoint(roundtrips):
-    """models.from_pretrained takes the Orbax checkpoint as well as the HF dir, on a mesh too."""
+    """checkpoints.from_pretrained takes the Orbax checkpoint as well as the HF dir, on a mesh too."""
     hf_dir, _, ckpt, _ = roundtrips["qwen2_untied_bias-float32"]
     tokens, mask = (jnp.asarray(a) for a in padded_batch(160, [8, 5, 8, 2, 7, 8, 1, 3], 8, "left", seed=22))
     forward = nnx.jit(lambda model, tokens, mask: model(tokens, attention_mask=mask))
-    from_hf = np.asarray(forward(models.from_pretrained(hf_dir), tokens, mask))
-    from_ckpt = models.from_pretrained(ckpt)
+    from_hf = np.asarray(forward(checkpoints.from_pretrained(hf_dir), tokens, mask))
+    from_ckpt = checkpoints.from_pretrained(ckpt)
     assert from_ckpt.embedding[...].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(forward(from_ckpt, tokens, mask)), from_hf)
-    sharded = models.from_pretrained(ckpt, mesh=make_mesh(2, 2, 2))
+    sharded = checkpoints.from_pretrained(ckpt, mesh=make_mesh(2, 2, 2))
     assert sharded.layers.attn.q_kernel[...].sharding.spec == P(None, "fsdp", "tensor", None)
     np.testing.assert_allclose(np.asarray(forward(sharded, tokens, mask)), from_hf, rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from pacs_jax import checkpoint, models
+from pacs_jax import checkpoints, models
 from pacs_jax.models import QwenConfig, preset
 from pacs_jax.sharding import make_mesh
 from qwen_reference import ARCHS, load_tool, save_random_hf_model
@@ -40,14 +40,14 @@ def _edit_config(directory, **changes):
 def test_unsupported_model_type(broken):
     _edit_config(broken, model_type="llama")
     with pytest.raises(ValueError, match=r"config\.json: model_type='llama' is not supported") as err:
-        models.from_pretrained(broken)
+        checkpoints.from_pretrained(broken)
     assert str(broken) in str(err.value)
 
 
 def test_unsupported_rope_scaling(broken):
     _edit_config(broken, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match=r"config\.json: rope type 'yarn' is not supported"):
-        models.from_pretrained(broken)
+        checkpoints.from_pretrained(broken)
 
 
 def test_missing_config_field(broken):
@@ -55,7 +55,7 @@ def test_missing_config_field(broken):
     del config["num_attention_heads"]
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config\.json: missing field\(s\) \['num_attention_heads'\]"):
-        models.from_pretrained(broken)
+        checkpoints.from_pretrained(broken)
 
 
 def test_missing_shard_file(tmp_path):
@@ -67,7 +67,7 @@ def test_missing_shard_file(tmp_path):
     (directory / shards[1]).unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(f"{directory / shards[1]}: shard file listed in "
                                                           "model.safetensors.index.json is missing")):
-        models.from_pretrained(directory)
+        checkpoints.from_pretrained(directory)
 
 
 def test_tensor_of_the_wrong_shape(broken):
@@ -78,7 +78,7 @@ def test_tensor_of_the_wrong_shape(broken):
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     expected = f"{broken / 'model.safetensors'}: tensor '{name}' has shape (120, 64)"
     with pytest.raises(ValueError, match=re.escape(expected)) as err:
-        models.from_pretrained(broken)
+        checkpoints.from_pretrained(broken)
     assert "layers[1].mlp.up_kernel" in str(err.value) and "(64, 128)" in str(err.value)
 
 
@@ -87,13 +87,13 @@ def test_missing_tensor(broken):
     del tensors["lm_head.weight"]  # an untied config needs it
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match=r"tensor 'lm_head\.weight' not found"):
-        models.from_pretrained(broken)
+        checkpoints.from_pretrained(broken)
 
 
 def test_no_weights_file(broken):
     (broken / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"neither model\.safetensors nor model\.safetensors\.index\.json"):
-        models.from_pretrained(broken)
+        checkpoints.from_pretrained(broken)
 
 
 def test_mesh_must_divide_query_heads():
@@ -106,8 +106,8 @@ def test_mesh_must_divide_mlp_width(tmp_path):
     directory = tmp_path / "mlp100"
     save_random_hf_model("qwen2_untied_bias", directory, seed=32, intermediate_size=100)
     with pytest.raises(ValueError, match=r"intermediate_size=100 is not divisible by mesh\.tensor=8"):
-        models.from_pretrained(directory, mesh=make_mesh(1, 1, 8))
-    assert models.from_pretrained(directory, mesh=make_mesh(2, 1, 4)).cfg.intermediate_size == 100  # 4 divides it
+        checkpoints.from_pretrained(directory, mesh=make_mesh(1, 1, 8))
+    assert checkpoints.from_pretrained(directory, mesh=make_mesh(2, 1, 4)).cfg.intermediate_size == 100  # 4 divides it
 
 
 def test_mesh_sizes_must_fit_devices():
@@ -133,12 +133,12 @@ def test_checkpoint_config_does_not_match_params(hf_dir, tmp_path):
     config["intermediate_size"] = 96
     (ckpt / "model_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"parameter layers\.mlp\.\w+_kernel has shape \(2, (64, 128|128, 64)\)"):
-        models.from_pretrained(ckpt)
+        checkpoints.from_pretrained(ckpt)
 
 
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no params/"):
-        models.from_pretrained(tmp_path)
+        checkpoints.from_pretrained(tmp_path)
 
 
 def test_tools_refuse_to_overwrite(hf_dir, tmp_path, capsys):

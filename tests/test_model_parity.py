@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax import models
+from pacs_jax import checkpoints
 from pacs_jax.models.config import REMAT_POLICIES
 from qwen_reference import ARCHS, hf_logits, max_rel_err, padded_batch, save_random_hf_model
 
@@ -32,7 +32,7 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp32_models(hf_models):
-    return {arch: models.from_pretrained(path, dtype="float32") for arch, (path, _) in hf_models.items()}
+    return {arch: checkpoints.from_pretrained(path, dtype="float32") for arch, (path, _) in hf_models.items()}
 
 
 def test_configs_exercise_the_hard_cases(fp32_models):
@@ -71,7 +71,7 @@ def test_padding_does_not_change_real_positions(fp32_models, arch):
 def test_bf16_compute(hf_models, arch):
     """bf16 compute on fp32 parameters: fp32 logits close to the fp32 reference (bf16 tolerance)."""
     path, hf_model = hf_models[arch]
-    model = models.from_pretrained(path, dtype="bfloat16")
+    model = checkpoints.from_pretrained(path, dtype="bfloat16")
     assert model.embedding[...].dtype == jnp.float32  # master weights stay fp32
     tokens, mask = padded_batch(ARCHS[arch]["vocab_size"], LENGTHS, T, "left", seed=3)
     hidden = nnx.eval_shape(lambda m: m(jnp.asarray(tokens), attention_mask=jnp.asarray(mask), return_hidden=True),
@@ -116,7 +116,7 @@ def test_remat_policies_same_logits_and_grads(hf_models):
     arch = ARCHS["qwen2_untied_bias"]
     tokens, mask = (jnp.asarray(a) for a in padded_batch(arch["vocab_size"], LENGTHS, T, "left", seed=5))
     weights = jax.random.normal(jax.random.key(0), (len(LENGTHS), T, arch["vocab_size"]))
-    split = {policy: nnx.split(models.from_pretrained(path, remat=policy)) for policy in REMAT_POLICIES}
+    split = {policy: nnx.split(checkpoints.from_pretrained(path, remat=policy)) for policy in REMAT_POLICIES}
 
     def loss_fn(policy):
         def loss(state):

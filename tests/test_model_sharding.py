@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from pacs_jax import models
+from pacs_jax import checkpoints, models
 from pacs_jax.sharding import make_mesh
 from qwen_reference import ARCHS, hf_logits, max_rel_err, padded_batch, save_random_hf_model
 
@@ -90,7 +90,7 @@ def single_device_logits(hf_models, batch):
     tokens, mask = batch
     out = {}
     for arch, (path, hf_model) in hf_models.items():
-        model = models.from_pretrained(path, mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        model = checkpoints.from_pretrained(path, mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
         logits = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
         assert max_rel_err(logits, hf_logits(hf_model, tokens, mask), mask) <= 1e-4
         out[arch] = logits
@@ -102,7 +102,7 @@ def single_device_logits(hf_models, batch):
 def test_sharded_logits_match(hf_models, batch, single_device_logits, arch, mesh_shape):
     path, hf_model = hf_models[arch]
     mesh = make_mesh(*mesh_shape)
-    model = models.from_pretrained(path, mesh=mesh)
+    model = checkpoints.from_pretrained(path, mesh=mesh)
     params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     expected = {**EXPECTED_SPECS[mesh_shape], **EXPECTED_EXTRA.get((arch, mesh_shape), {})}
     for name, spec in expected.items():

@@ -239,3 +239,19 @@ def test_tpu_pod_refuses_bad_arguments():
                           (["run", "--name", "n", "--zone", "z", "--oops"], "unknown option '--oops'")):
         run = subprocess.run(["bash", str(TPU_POD), *args], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+
+
+def test_gpu_node_dry_run_passes_multihost_under_slurm_and_keeps_flags_intact():
+    override = "--config.data.train_files=('/data/a b.json','/data/c.json')"
+    args = ["bash", str(REPO / "launch" / "gpu_node.sh"), "--dry-run", "--config", "configs/paper.py:qwen25_3b,grpo",
+            "--workdir", "/shared/runs/3b", "--", override]
+    slurm = subprocess.run(args, capture_output=True, text=True, timeout=60, env=_env(SLURM_NTASKS="4"))
+    train = shlex.split(slurm.stdout.splitlines()[-1])
+    assert slurm.returncode == 0 and train[:4] == ["bash", "launch/supervise.sh", "--", ".venv/bin/python"]
+    assert "--multihost" in train and override in train and "--workdir=/shared/runs/3b" in train
+    manual = subprocess.run(args[:3] + ["--no-supervise", "--coordinator", "node0:8476", "--num_processes", "2",
+                                        "--process_id", "1"] + args[3:], capture_output=True, text=True, timeout=60,
+                            env=_env(SLURM_NTASKS="1"))
+    train = shlex.split(manual.stdout.splitlines()[-1])
+    assert train[0] == ".venv/bin/python" and "--multihost" not in train
+    assert {"--coordinator=node0:8476", "--num_processes=2", "--process_id=1", override} <= set(train)

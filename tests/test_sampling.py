@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from pacs_jax import models, sampling
+from pacs_jax import checkpoints, sampling
 from pacs_jax.sampling import engine
 from pacs_jax.sharding import make_mesh
 
@@ -107,7 +107,7 @@ def load(hf, kind, mesh_name):
     key = (kind, mesh_name)
     if key not in _loaded:
         shape = MESHES[mesh_name]
-        _loaded[key] = models.from_pretrained(hf[kind][0], mesh=None if shape is None else make_mesh(*shape))
+        _loaded[key] = checkpoints.from_pretrained(hf[kind][0], mesh=None if shape is None else make_mesh(*shape))
     return _loaded[key]
 
 

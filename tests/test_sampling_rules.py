@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pacs_jax import models, sampling
+from pacs_jax import checkpoints, sampling
 from test_sampling import hf_log_softmax, save_random_hf
 
 VOCAB = 32
@@ -24,7 +24,7 @@ def small(tmp_path_factory):
     """(our model, PyTorch model) of a random Qwen2 with a 32-token vocabulary."""
     path = tmp_path_factory.mktemp("qwen2_v32")
     hf_model = save_random_hf(path, "qwen2", vocab=VOCAB, seed=5)
-    return models.from_pretrained(path), hf_model
+    return checkpoints.from_pretrained(path), hf_model
 
 
 def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:

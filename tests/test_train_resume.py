@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pacs_jax.checkpoint import load_model
+from pacs_jax.checkpoints import load_model
 from train_helpers import (FAST_DEMO_FLAGS, REPO, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
                            start_train, train_env, wait_for)
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pacs_jax import models, sampling
+from pacs_jax import checkpoints, models, sampling
 from pacs_jax.sampling.buckets import round_up
 
 
@@ -64,7 +64,7 @@ def decode_step_flops(cfg: models.QwenConfig, batch: int, cache_slots: int) -> f
 
 def ours(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]]) -> Callable[[int], None]:
     """A function generating ``tokens`` new tokens per prompt with sampling.generate."""
-    model = models.from_pretrained(hf_dir, dtype=dtype, param_dtype=dtype)
+    model = checkpoints.from_pretrained(hf_dir, dtype=dtype, param_dtype=dtype)
 
     def run(tokens: int) -> None:
         out = sampling.generate(model, prompts, max_new_tokens=tokens, stop_token_ids=())

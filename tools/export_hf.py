@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pacs_jax import checkpoint, models
+from pacs_jax import checkpoints, models
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     args = parse_args(argv)
     start = time.perf_counter()
-    model = checkpoint.load_model(args.checkpoint, param_dtype=None if args.param_dtype == "keep" else args.param_dtype)
+    model = checkpoints.load_model(args.checkpoint, param_dtype=None if args.param_dtype == "keep" else args.param_dtype)
     out = models.export_hf(model, args.out, fmt=args.format, max_shard_bytes=args.max_shard_size,
                            tokenizer_dir=args.tokenizer, overwrite=args.overwrite, progress=True)
     files = sorted(p.name for p in out.iterdir())

@@ -2,8 +2,8 @@
 
     python tools/import_hf.py --hf_dir ~/hf/Qwen2.5-0.5B --out ckpt/qwen2.5-0.5b
 
-The checkpoint directory gets ``model_config.json`` and ``params/`` (see pacs_jax/checkpoint.py);
-``models.from_pretrained(CKPT)`` and the trainer load it. Parameters keep the dtype the HF
+The checkpoint directory gets ``model_config.json`` and ``params/`` (see pacs_jax/checkpoints.py);
+``checkpoints.from_pretrained(CKPT)`` and the trainer load it. Parameters keep the dtype the HF
 directory declares unless ``--param_dtype`` says otherwise.
 """
 
@@ -15,7 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pacs_jax import checkpoint, models
+from flax import nnx
+
+from pacs_jax import checkpoints, models
 from pacs_jax.sharding import make_mesh
 
 
@@ -45,8 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not (args.hf_dir / "config.json").is_file():
         parser.error(f"--hf_dir {args.hf_dir}: no config.json there")
-    if (args.out / checkpoint.PARAMS_ITEM).exists():
-        parser.error(f"--out {args.out}: already holds a checkpoint ({checkpoint.PARAMS_ITEM}/ exists)")
+    if (args.out / checkpoints.PARAMS_ITEM).exists():
+        parser.error(f"--out {args.out}: already holds a checkpoint ({checkpoints.PARAMS_ITEM}/ exists)")
     return args
 
 
@@ -55,7 +57,7 @@ def import_hf(hf_dir: pathlib.Path, out: pathlib.Path, *, param_dtype: str | Non
     """Load ``hf_dir`` tensor by tensor and save it as a pacs_jax checkpoint at ``out``; returns the model."""
     mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
     model = models.load_hf(hf_dir, mesh, dtype=dtype, param_dtype=param_dtype)
-    checkpoint.save_model(model, out)
+    checkpoints.save_model(model, out)
     return model
 
 
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     start = time.perf_counter()
     model = import_hf(args.hf_dir, args.out, param_dtype=None if args.param_dtype == "keep" else args.param_dtype,
                       dtype=args.dtype, mesh_shape=args.mesh)
-    n_params = sum(a.size for a in checkpoint.flat_params(model).values())
+    n_params = sum(a.size for a in checkpoints.flat_params(nnx.state(model, nnx.Param)).values())
     print(f"{args.hf_dir} -> {args.out}: {model.cfg.model_type}, {n_params / 1e6:.1f}M parameters in "
           f"{model.cfg.param_dtype}, {time.perf_counter() - start:.1f} s")
     return args.out

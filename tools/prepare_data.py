@@ -5,7 +5,7 @@
     python tools/prepare_data.py --hf openai/gsm8k --hf_config main --split test --format gsm8k --output gsm8k.jsonl
 
 --input is a .jsonl / .json / .parquet file, a folder of them, or tfds:NAME[:SPLIT]; --format picks
-the field map (default: from the folder or file name, see pacs_jax/data/readers.py). --hf reads a
+the field map (default: from the folder or file name, see pacs_jax/data/fields.py). --hf reads a
 Hugging Face dataset by name with the `datasets` library (needs network access). Malformed rows stop
 the conversion with their file and line, or with --allow_skips are skipped and counted. The output
 is written to a temporary file beside --output and renamed at the end.

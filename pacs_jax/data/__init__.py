@@ -7,7 +7,8 @@
 
 from pacs_jax.data.pipeline import PipelineConfig, prepare_examples, prompt_batches, prompt_iterator
 from pacs_jax.data.prompts import INSTRUCTION, PromptExample, build_prompts, load_tokenizer, render_prompt, user_message
-from pacs_jax.data.readers import FORMATS, FieldMap, ReadStats, convert_rows, load_problems, read_problems
+from pacs_jax.data.fields import FORMATS, FieldMap, ReadStats, convert_rows
+from pacs_jax.data.readers import load_problems, read_problems
 from pacs_jax.data.records import DataError, Problem
 
 __all__ = ["Problem", "DataError", "FORMATS", "FieldMap", "ReadStats", "load_problems", "read_problems", "convert_rows",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pacs_jax.data.readers import FORMATS, ReadStats, convert_rows
+from pacs_jax.data.fields import FORMATS, ReadStats, convert_rows
 from pacs_jax.data.records import Problem
 
 

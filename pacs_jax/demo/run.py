@@ -21,7 +21,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from pacs_jax import models, sampling
-from pacs_jax.checkpoint import find_params_dir, load_model
+from pacs_jax.checkpoints import find_params_dir, load_model
 from pacs_jax.demo.task import CharTokenizer, Problem, split_problems
 from pacs_jax.demo.warmstart import make_sft_step, sft_arrays
 from pacs_jax.rewards import RewardPool

@@ -3,7 +3,7 @@
     for step in steps:
         prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
         -> `train.mini_batches` optimizer steps on mini-batches of whole groups  training/update_step.py
-        -> metrics; checkpoint every k steps and on SIGTERM                   training/checkpoints.py
+        -> metrics; checkpoint every k steps and on SIGTERM                   checkpoints.py
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
 every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done.
@@ -31,7 +31,7 @@ from pacs_jax import distributed, sampling
 from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import MeshRules
-from pacs_jax.training.checkpoints import TrainCheckpointer
+from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.training.compilations import compilations, start_counting
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.optim import make_optimizer

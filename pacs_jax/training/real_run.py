@@ -12,7 +12,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from pacs_jax import data, evaluate, models
+from pacs_jax import checkpoints, data, evaluate, models
 from pacs_jax.training import memory_plan
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
@@ -43,7 +43,7 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None, tokenizer)
     the architecture fields of ``config.model`` at random init (tests: a tiny model with the real
     vocabulary)."""
     if config.model.path:
-        return models.from_pretrained(config.model.path, mesh=mesh, **memory_plan.run_options(config))
+        return checkpoints.from_pretrained(config.model.path, mesh=mesh, **memory_plan.run_options(config))
     architecture = {} if config.model.preset else {"eos_token_id": tokenizer.eos_token_id}
     cfg = memory_plan.model_config(config, vocab_size=len(tokenizer), **architecture)
     return models.init_random(cfg, mesh, seed=config.seed)

@@ -1,0 +1,198 @@
+"""Checkpoints: loading a model from disk (HF or ours), Orbax model and train-state save / restore.
+
+Entry points: ``from_pretrained`` reads an HF directory (config.json + safetensors) or a pacs_jax
+checkpoint; ``save_model`` / ``load_model`` write and read a model checkpoint; ``TrainCheckpointer``
+saves and restores the trainer's whole state. HF export is ``models.export_hf``
+(``tools/export_hf.py``); HF import into a checkpoint is ``load_hf`` + ``save_model``
+(``tools/import_hf.py``).
+
+A model checkpoint directory holds ``model_config.json`` (the HF config fields plus our dtypes)
+and ``params/``, an Orbax PyTree checkpoint of a flat {dotted path: array} dict. The trainer's
+root (``<workdir>/checkpoints``) holds ``model_config.json`` and one ``<step>/`` per checkpoint
+with items ``params`` (the same flat format), ``opt_state`` and ``meta`` (JSON: step,
+data-iterator state, counters); ``find_params_dir`` resolves either layout to the params to load
+(the latest step for a root). Every process takes part in saves and restores.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from pacs_jax.files import atomic_write_text
+from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.loading import abstract_model, dotted, load_hf
+from pacs_jax.models.qwen import Qwen
+
+MODEL_CONFIG_FILE = "model_config.json"
+PARAMS_ITEM = "params"
+
+
+def model_config_dict(cfg: QwenConfig) -> dict:
+    run = ("param_dtype", "dtype", "remat", "attention", "attention_block_size")
+    return {**cfg.to_hf_dict(), "pacs_jax": {k: getattr(cfg, k) for k in run}}
+
+
+def write_model_config(directory: str | pathlib.Path, cfg: QwenConfig) -> None:
+    atomic_write_text(pathlib.Path(directory) / MODEL_CONFIG_FILE, json.dumps(model_config_dict(cfg), indent=2))
+
+
+def read_model_config(directory: str | pathlib.Path, **overrides) -> QwenConfig:
+    path = pathlib.Path(directory) / MODEL_CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (not a pacs_jax checkpoint directory)")
+    raw = json.loads(path.read_text())
+    ours = raw.pop("pacs_jax", {})
+    return QwenConfig.from_hf_dict(raw, source=str(path), **{**ours, **overrides})
+
+
+def flat_params(params: nnx.State) -> dict[str, jax.Array]:
+    """{dotted path: array} of a parameter state (the tree we store in Orbax)."""
+    return {dotted(path): var.get_value() for path, var in nnx.to_flat_state(params)}
+
+
+def params_from_flat(template: nnx.State, flat: dict[str, jax.Array]) -> nnx.State:
+    """Rebuild an nnx.State shaped like ``template`` from a flat {dotted path: array} dict."""
+    items = [(path, var.replace(value=flat[dotted(path)])) for path, var in nnx.to_flat_state(template)]
+    return nnx.from_flat_state(items)
+
+
+def save_model(model: Qwen, directory: str | pathlib.Path) -> pathlib.Path:
+    """Save ``model`` as ``directory/{model_config.json, params/}`` (every process takes part)."""
+    directory = pathlib.Path(directory).absolute()
+    if (directory / PARAMS_ITEM).exists():
+        raise FileExistsError(f"{directory / PARAMS_ITEM}: already exists")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / PARAMS_ITEM, flat_params(nnx.state(model, nnx.Param)))
+    checkpointer.wait_until_finished()
+    if jax.process_index() == 0:
+        write_model_config(directory, model.cfg)
+    return directory
+
+
+def find_params_dir(directory: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """(dir holding model_config.json, params dir) for a model checkpoint or a manager root."""
+    directory = pathlib.Path(directory).absolute()
+    if (directory / PARAMS_ITEM).is_dir():
+        return directory, directory / PARAMS_ITEM
+    steps = sorted((int(p.name), p) for p in directory.iterdir() if p.name.isdigit() and (p / PARAMS_ITEM).is_dir()) \
+        if directory.is_dir() else []
+    if not steps:
+        raise FileNotFoundError(f"{directory}: no {PARAMS_ITEM}/ and no <step>/{PARAMS_ITEM}/ checkpoints")
+    return directory, steps[-1][1] / PARAMS_ITEM
+
+
+def abstract_params(cfg: QwenConfig, mesh: Mesh | None) -> tuple[nnx.GraphDef, nnx.State, dict]:
+    """(graphdef, abstract state, {dotted path: ShapeDtypeStruct with sharding}) for restoring."""
+    graphdef, state = abstract_model(cfg, mesh)
+    device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {}
+    for path, var in nnx.to_flat_state(state):
+        a = var.get_value()
+        target[dotted(path)] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else device_sharding)
+    return graphdef, state, target
+
+
+def restore_flat_params(params_dir: pathlib.Path, target: dict) -> dict[str, jax.Array]:
+    """Restore a flat params dict into the shardings/dtypes of ``target``."""
+    stored = ocp.StandardCheckpointer().metadata(params_dir)
+    stored_tree = getattr(stored, "item_metadata", stored)
+    stored_keys = set(stored_tree.keys()) if hasattr(stored_tree, "keys") else set(target)
+    missing = sorted(set(target) - stored_keys)
+    if missing:
+        raise ValueError(f"{params_dir}: parameters missing from the checkpoint: {missing[:5]}")
+    for key, abstract in target.items():
+        meta = stored_tree[key]
+        if tuple(meta.shape) != tuple(abstract.shape):
+            raise ValueError(f"{params_dir}: parameter {key} has shape {tuple(meta.shape)}, the config "
+                             f"needs {tuple(abstract.shape)}")
+    return ocp.StandardCheckpointer().restore(params_dir, target)
+
+
+def load_model(directory: str | pathlib.Path, mesh: Mesh | None = None, *, dtype: str | None = None,
+               param_dtype: str | None = None, remat: str | None = None, **run_options) -> Qwen:
+    """Load a pacs_jax checkpoint (model dir or trainer root: latest step) into a (sharded) model.
+
+    ``None`` keeps the stored dtypes / remat policy.
+    """
+    config_dir, params_dir = find_params_dir(directory)
+    overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options).items()
+                 if v is not None}
+    cfg = read_model_config(config_dir, **overrides)
+    graphdef, state, target = abstract_params(cfg, mesh)
+    return nnx.merge(graphdef, params_from_flat(state, restore_flat_params(params_dir, target)))
+
+
+def from_pretrained(path: str | pathlib.Path, dtype: str = "float32", mesh: Mesh | None = None, *,
+                    param_dtype: str | None = "float32", remat: str = "none", **run_options) -> Qwen:
+    """Load an HF directory (config.json + safetensors) or a pacs_jax Orbax checkpoint directory.
+
+    dtype: compute dtype ("float32" for tests, "bfloat16" on accelerators); param_dtype: storage
+    dtype of the parameters (fp32 master weights by default; None keeps the checkpoint's dtype).
+    With a mesh, parameters are created directly in their sharding (see pacs_jax/sharding.py).
+    run_options: other QwenConfig fields of how to run it (``attention``, ``attention_block_size``).
+    """
+    path = pathlib.Path(path)
+    if (path / "config.json").is_file():
+        return load_hf(path, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
+    if path.is_dir():
+        return load_model(path, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
+    raise FileNotFoundError(f"{path}: not an HF model directory (config.json) nor a pacs_jax checkpoint")
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class TrainCheckpointer:
+    """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest."""
+
+    def __init__(self, directory: str | pathlib.Path, model_config: QwenConfig, *, every: int, keep: int):
+        self.directory = pathlib.Path(directory).absolute()
+        self.every = every
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            item_names=("params", "opt_state", "meta"))
+        if jax.process_index() == 0:
+            write_model_config(self.directory, model_config)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption was signalled (multi-process: JAX's preemption sync point, so that
+        every process answers True at the same step; every process must call it every step)."""
+        return self.manager.reached_preemption(step)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params: nnx.State, opt_state: Any, meta: dict, *, force: bool = False) -> bool:
+        """Save when ``step`` is a multiple of ``every`` (or ``force``); returns whether it saved."""
+        if not force and (self.every <= 0 or step % self.every):
+            return False
+        if step in self.manager.all_steps():
+            return False
+        self.manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(flat_params(params)),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave(meta)), force=True)
+        return True
+
+    def restore(self, step: int, params: nnx.State, opt_state: Any) -> tuple[nnx.State, Any, dict]:
+        """Restore ``step`` into the shardings/dtypes of the given (template) params and opt_state."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(flat_params(params))),
+            opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
+            meta=ocp.args.JsonRestore()))
+        return params_from_flat(params, restored["params"]), restored["opt_state"], restored["meta"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,152 @@
+"""The import graph of pacs_jax: no cycles, and the model / sampler never reach the trainer or the RL code.
+
+The graph is read from the source with ``ast`` (every ``import`` statement, module level or inside a
+function, so a lazy import does not hide a cycle). Importing ``a.b.c`` runs ``a`` and ``a.b`` first,
+so an import also depends on the target's packages, except those the importer lies in (they are
+already being imported when it runs).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def module_files(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
+    """{dotted module name: file} of every module of ``package`` under ``root``."""
+    files = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(parts)] = path
+    return files
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> list[str]:
+    """The modules of ``modules`` an import statement in ``module`` reads attributes of."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+        return [name for name in names if name in modules]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[:len(base) - node.level + 1]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    found = []
+    for alias in node.names:
+        submodule = f"{source}.{alias.name}"
+        if submodule in modules:
+            found.append(submodule)
+        elif source in modules:
+            found.append(source)
+    return found
+
+
+def _packages(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
+    """{module: modules of ``package`` its import statements run} (targets and their packages)."""
+    files = module_files(root, package)
+    graph = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        own = set(_packages(module)) | ({module} if is_package else set())
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _targets(node, module, is_package, set(files)):
+                    edges |= {target, *(p for p in _packages(target) if p not in own and p in files)}
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle [a, b, ..., a] of ``graph``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize("files, cycle", [
+    # a lazy import inside a function closes the circle
+    ({"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import f\n",
+      "pkg/b.py": "def f():\n    from pkg import a\n"}, ["pkg.a", "pkg.b", "pkg.a"]),
+    # importing pkg.sub.x runs pkg/sub/__init__.py, which imports the importer
+    ({"pkg/__init__.py": "", "pkg/sub/__init__.py": "from pkg.top import g\n", "pkg/sub/x.py": "",
+      "pkg/top.py": "from pkg.sub.x import *\n"}, ["pkg.sub", "pkg.top", "pkg.sub"]),
+    # relative imports
+    ({"pkg/__init__.py": "", "pkg/a.py": "from . import b\n", "pkg/b.py": "from .a import f\n"},
+     ["pkg.a", "pkg.b", "pkg.a"]),
+])
+def test_finds_cycles(tmp_path, files, cycle):
+    _write(tmp_path, files)
+    assert find_cycle(import_graph(tmp_path, "pkg")) == cycle
+
+
+def test_a_package_importing_its_submodules_is_no_cycle(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "from pkg.sub import x\n", "pkg/sub/__init__.py": "from .x import f\n",
+                      "pkg/sub/x.py": "from pkg.sub.y import g\n", "pkg/sub/y.py": "import json\n"})
+    graph = import_graph(tmp_path, "pkg")
+    assert graph == {"pkg": {"pkg.sub", "pkg.sub.x"}, "pkg.sub": {"pkg.sub.x"}, "pkg.sub.x": {"pkg.sub.y"},
+                     "pkg.sub.y": set()}
+    assert find_cycle(graph) is None
+
+
+def test_pacs_jax_has_no_import_cycle():
+    graph = import_graph(ROOT, "pacs_jax")
+    assert {"pacs_jax.models", "pacs_jax.checkpoints", "pacs_jax.data.readers"} <= graph.keys()
+    assert find_cycle(graph) is None
+
+
+@pytest.mark.parametrize("lower", ["pacs_jax.models", "pacs_jax.sampling"])
+def test_model_and_sampler_do_not_reach_training_or_rl(lower):
+    graph = import_graph(ROOT, "pacs_jax")
+    modules = [m for m in graph if m == lower or m.startswith(lower + ".")]
+    assert len(modules) > 3
+    for module in modules:
+        bad = sorted(m for m in reachable(graph, module)
+                     if m.split(".")[:2] in (["pacs_jax", "training"], ["pacs_jax", "rl"]))
+        assert not bad, f"{module} imports (directly or through others) {bad}"
