@@ -17,11 +17,12 @@ data-iterator state, counters); ``find_params_dir`` resolves either layout to th
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -39,12 +40,12 @@ def model_config_dict(cfg: QwenConfig) -> dict:
     return {**cfg.to_hf_dict(), "pacs_jax": {k: getattr(cfg, k) for k in run}}
 
 
-def write_model_config(directory: str | pathlib.Path, cfg: QwenConfig) -> None:
-    atomic_write_text(pathlib.Path(directory) / MODEL_CONFIG_FILE, json.dumps(model_config_dict(cfg), indent=2))
+def write_model_config(directory: str | os.PathLike, cfg: QwenConfig) -> None:
+    atomic_write_text(epath.Path(directory) / MODEL_CONFIG_FILE, json.dumps(model_config_dict(cfg), indent=2))
 
 
-def read_model_config(directory: str | pathlib.Path, **overrides) -> QwenConfig:
-    path = pathlib.Path(directory) / MODEL_CONFIG_FILE
+def read_model_config(directory: str | os.PathLike, **overrides) -> QwenConfig:
+    path = epath.Path(directory) / MODEL_CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (not a pacs_jax checkpoint directory)")
     raw = json.loads(path.read_text())
@@ -63,9 +64,9 @@ def params_from_flat(template: nnx.State, flat: dict[str, jax.Array]) -> nnx.Sta
     return nnx.from_flat_state(items)
 
 
-def save_model(model: Qwen, directory: str | pathlib.Path) -> pathlib.Path:
+def save_model(model: Qwen, directory: str | os.PathLike) -> epath.Path:
     """Save ``model`` as ``directory/{model_config.json, params/}`` (every process takes part)."""
-    directory = pathlib.Path(directory).absolute()
+    directory = epath.Path(directory).absolute()
     if (directory / PARAMS_ITEM).exists():
         raise FileExistsError(f"{directory / PARAMS_ITEM}: already exists")
     checkpointer = ocp.StandardCheckpointer()
@@ -76,9 +77,9 @@ def save_model(model: Qwen, directory: str | pathlib.Path) -> pathlib.Path:
     return directory
 
 
-def find_params_dir(directory: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+def find_params_dir(directory: str | os.PathLike) -> tuple[epath.Path, epath.Path]:
     """(dir holding model_config.json, params dir) for a model checkpoint or a manager root."""
-    directory = pathlib.Path(directory).absolute()
+    directory = epath.Path(directory).absolute()
     if (directory / PARAMS_ITEM).is_dir():
         return directory, directory / PARAMS_ITEM
     steps = sorted((int(p.name), p) for p in directory.iterdir() if p.name.isdigit() and (p / PARAMS_ITEM).is_dir()) \
@@ -99,7 +100,7 @@ def abstract_params(cfg: QwenConfig, mesh: Mesh | None) -> tuple[nnx.GraphDef, n
     return graphdef, state, target
 
 
-def restore_flat_params(params_dir: pathlib.Path, target: dict) -> dict[str, jax.Array]:
+def restore_flat_params(params_dir: epath.Path, target: dict) -> dict[str, jax.Array]:
     """Restore a flat params dict into the shardings/dtypes of ``target``."""
     stored = ocp.StandardCheckpointer().metadata(params_dir)
     stored_tree = getattr(stored, "item_metadata", stored)
@@ -115,7 +116,7 @@ def restore_flat_params(params_dir: pathlib.Path, target: dict) -> dict[str, jax
     return ocp.StandardCheckpointer().restore(params_dir, target)
 
 
-def load_model(directory: str | pathlib.Path, mesh: Mesh | None = None, *, dtype: str | None = None,
+def load_model(directory: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str | None = None,
                param_dtype: str | None = None, remat: str | None = None, **run_options) -> Qwen:
     """Load a pacs_jax checkpoint (model dir or trainer root: latest step) into a (sharded) model.
 
@@ -129,7 +130,7 @@ def load_model(directory: str | pathlib.Path, mesh: Mesh | None = None, *, dtype
     return nnx.merge(graphdef, params_from_flat(state, restore_flat_params(params_dir, target)))
 
 
-def from_pretrained(path: str | pathlib.Path, dtype: str = "float32", mesh: Mesh | None = None, *,
+def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None, *,
                     param_dtype: str | None = "float32", remat: str = "none", **run_options) -> Qwen:
     """Load an HF directory (config.json + safetensors) or a pacs_jax Orbax checkpoint directory.
 
@@ -138,7 +139,7 @@ def from_pretrained(path: str | pathlib.Path, dtype: str = "float32", mesh: Mesh
     With a mesh, parameters are created directly in their sharding (see pacs_jax/sharding.py).
     run_options: other QwenConfig fields of how to run it (``attention``, ``attention_block_size``).
     """
-    path = pathlib.Path(path)
+    path = epath.Path(path)
     if (path / "config.json").is_file():
         return load_hf(path, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     if path.is_dir():
@@ -153,8 +154,8 @@ def _abstract(tree):
 class TrainCheckpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest."""
 
-    def __init__(self, directory: str | pathlib.Path, model_config: QwenConfig, *, every: int, keep: int):
-        self.directory = pathlib.Path(directory).absolute()
+    def __init__(self, directory: str | os.PathLike, model_config: QwenConfig, *, every: int, keep: int):
+        self.directory = epath.Path(directory).absolute()
         self.every = every
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),

@@ -8,13 +8,20 @@ import tempfile
 from collections.abc import Callable
 from typing import IO
 
+from etils import epath
+
 
 def atomic_write(path: str | pathlib.Path, write: Callable[[IO], None], *, binary: bool = False) -> None:
     """Call ``write(file)`` on a temporary file in ``path``'s folder, then rename it over ``path``.
 
     The folder is created if missing; on any error the temporary file is removed and ``path`` is
-    left as it was.
+    left as it was. On an object store (``gs://...``) the object is written directly: a store
+    publishes an object whole when it is closed.
     """
+    if "://" in str(path):
+        with epath.Path(path).open("wb" if binary else "w") as f:
+            write(f)
+        return
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

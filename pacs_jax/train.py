@@ -49,6 +49,8 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
     import jax  # after flag parsing, so --help is fast
 
+    from etils import epath
+
     from pacs_jax import distributed
 
     if _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> None:
     from pacs_jax.training.config_check import ConfigError, validate_config
 
     config = _CONFIG.value
-    workdir = pathlib.Path(_WORKDIR.value or config.workdir)
+    workdir = epath.Path(_WORKDIR.value or config.workdir)  # a local folder or gs://...
     try:
         mesh = validate_config(config)
     except ConfigError as e:

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO
-from pacs_jax import models
+from pacs_jax import checkpoints
 
 LOCAL = REPO / "launch" / "local.sh"
 TPU_POD = REPO / "launch" / "tpu_pod.sh"
@@ -71,7 +71,7 @@ def _metrics(workdir) -> dict[int, dict]:
 
 
 def _params(workdir, step: int) -> dict[str, np.ndarray]:
-    model = models.from_pretrained(workdir / "checkpoints" / str(step))
+    model = checkpoints.from_pretrained(workdir / "checkpoints" / str(step))
     return {"/".join(map(str, path)): np.asarray(v.get_value(), np.float32)
             for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
@@ -86,7 +86,8 @@ def _assert_same_params(a: dict, b: dict) -> None:
 def data_file(shared_data, tmp_path_factory):
     """The 24 shortest problems of the real DeepScaleR subset, in its own file format."""
     rows = json.loads((shared_data / "deepscaler_subset" / "math.json").read_text())
-    path = tmp_path_factory.mktemp("data") / "math.json"
+    path = tmp_path_factory.mktemp("data") / "deepscaler_subset" / "math.json"  # the folder names the format
+    path.parent.mkdir()
     path.write_text(json.dumps(sorted(rows, key=lambda r: len(r["problem"]))[:24]))
     return path
 
@@ -255,3 +256,33 @@ def test_gpu_node_dry_run_passes_multihost_under_slurm_and_keeps_flags_intact():
     train = shlex.split(manual.stdout.splitlines()[-1])
     assert train[0] == ".venv/bin/python" and "--multihost" not in train
     assert {"--coordinator=node0:8476", "--num_processes=2", "--process_id=1", override} <= set(train)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_untied_bias", "qwen3_tied_head_dim24"])
+def test_each_device_block_of_an_hf_tensor_is_read_alone_and_matches_transformers(arch, tmp_path, monkeypatch):
+    """Loading onto a (2, 1, 4) mesh reads blocks, never a whole tensor that the tensor axis splits, and the
+    sharded model's parameters equal the HF weights (the whole-tensor read on one device)."""
+    from pacs_jax.models import hf_weights
+    from pacs_jax.sharding import make_mesh
+    from qwen_reference import save_random_hf_model
+
+    save_random_hf_model(arch, tmp_path, seed=3)
+    reads: list[tuple[str, tuple | None]] = []
+    original = hf_weights.HFWeightReader.read
+
+    def recording(self, hf_name, index=None):
+        reads.append((hf_name, index))
+        return original(self, hf_name, index)
+
+    monkeypatch.setattr(hf_weights.HFWeightReader, "read", recording)
+    sharded = checkpoints.from_pretrained(tmp_path, mesh=make_mesh(2, 1, 4))
+    blocks = [(name, index) for name, index in reads if name == "model.layers.1.self_attn.q_proj.weight"]
+    full_rows = 8 * sharded.cfg.head_dim  # 8 query heads
+    assert len(blocks) == 4 and sorted((i[0].start, i[0].stop) for _, i in blocks) == [
+        (k * full_rows // 4, (k + 1) * full_rows // 4) for k in range(4)]  # one head block per tensor shard
+    reads.clear()
+    whole = checkpoints.from_pretrained(tmp_path, mesh=None)
+    assert all(index is None for _, index in reads)
+    ours = dict(nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
+    for path, var in nnx.to_flat_state(nnx.state(whole, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(ours[path].get_value()), np.asarray(var.get_value()), err_msg=str(path))

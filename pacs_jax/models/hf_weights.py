@@ -31,17 +31,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
+Index = tuple[slice, ...]  # one slice per dim, with integer start and stop
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
     """How one of our parameters is stored in an HF checkpoint.
 
     A stacked decoder parameter ([L, ...], path ``layers.*``) is L HF tensors, one per layer:
-    ``hf_name`` then holds a ``{layer}`` field and ``to_ours`` / ``to_hf`` convert one layer.
+    ``hf_name`` then holds a ``{layer}`` field and the conversions apply to one layer.
+    to_ours / to_hf: convert an array (or, for to_ours, the HF block ``hf_index`` names);
+    hf_index: the block of the HF tensor that holds a block of ours; hf_shape: ours -> HF shape.
     """
 
     hf_name: str
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    hf_index: Callable[[Index], Index]
+    hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
     num_layers: int | None = None
 
     def hf_tensors(self, ours: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -53,47 +60,71 @@ class TensorMap:
                 yield self.hf_name.format(layer=layer), self.to_hf(ours[layer])
 
 
+def _same(hf_name: str) -> TensorMap:
+    return TensorMap(hf_name, _identity, _identity, _identity, _identity)
+
+
+def _transposed(hf_name: str) -> TensorMap:
+    """HF [out, in] <-> ours [in, out]."""
+    return TensorMap(hf_name, np.transpose, np.transpose, lambda i: i[::-1], lambda s: s[::-1])
+
+
 def _identity(x):
     return x
 
 
-def _split_heads_in(n: int) -> tuple[Callable, Callable]:
-    """HF [N*Dh, D] <-> ours [D, N, Dh]."""
-    return (lambda w: w.T.reshape(w.shape[1], n, -1),
-            lambda w: w.reshape(w.shape[0], -1).T)
+def _head_block(heads: slice, dh: int) -> slice:
+    return slice(heads.start * dh, heads.stop * dh)
+
+
+def _heads_in(hf_name: str, dh: int) -> TensorMap:
+    """HF [N*Dh, D] <-> ours [D, N, Dh] (a block of ours takes whole heads)."""
+    return TensorMap(hf_name, lambda w: w.T.reshape(w.shape[1], -1, dh), lambda w: w.reshape(w.shape[0], -1).T,
+                     lambda i: (_head_block(i[1], dh), i[0]), lambda s: (s[1] * s[2], s[0]))
+
+
+def _heads_bias(hf_name: str, dh: int) -> TensorMap:
+    """HF [N*Dh] <-> ours [N, Dh]."""
+    return TensorMap(hf_name, lambda b: b.reshape(-1, dh), lambda b: b.reshape(-1),
+                     lambda i: (_head_block(i[0], dh),), lambda s: (s[0] * s[1],))
+
+
+def _heads_out(hf_name: str, dh: int) -> TensorMap:
+    """HF [D, H*Dh] <-> ours [H, Dh, D]."""
+    return TensorMap(hf_name, lambda w: w.T.reshape(-1, dh, w.shape[0]), lambda w: w.reshape(-1, w.shape[-1]).T,
+                     lambda i: (i[2], _head_block(i[0], dh)), lambda s: (s[2], s[0] * s[1]))
 
 
 def weight_map(cfg: QwenConfig) -> dict[str, TensorMap]:
     """Our dotted parameter path -> TensorMap, for every parameter of ``Qwen(cfg)``."""
-    H, K, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
-    out: dict[str, TensorMap] = {"embedding": TensorMap("model.embed_tokens.weight", _identity, _identity),
-                                 "final_norm.scale": TensorMap("model.norm.weight", _identity, _identity)}
+    dh, L = cfg.head_dim, cfg.num_hidden_layers
+    out: dict[str, TensorMap] = {"embedding": _same("model.embed_tokens.weight"),
+                                 "final_norm.scale": _same("model.norm.weight")}
     if not cfg.tie_word_embeddings:
-        out["lm_head"] = TensorMap("lm_head.weight", np.transpose, np.transpose)
+        out["lm_head"] = _transposed("lm_head.weight")
 
-    def layer(ours: str, hf: str, to_ours=_identity, to_hf=_identity) -> None:
-        out[f"layers.{ours}"] = TensorMap(f"model.layers.{{layer}}.{hf}", to_ours, to_hf, L)
+    def layer(ours: str, tmap: TensorMap) -> None:
+        out[f"layers.{ours}"] = dataclasses.replace(tmap, hf_name=f"model.layers.{{layer}}.{tmap.hf_name}",
+                                                    num_layers=L)
 
-    for name, n in (("q", H), ("k", K), ("v", K)):
-        layer(f"attn.{name}_kernel", f"self_attn.{name}_proj.weight", *_split_heads_in(n))
+    for name in ("q", "k", "v"):
+        layer(f"attn.{name}_kernel", _heads_in(f"self_attn.{name}_proj.weight", dh))
         if cfg.attention_bias:
-            layer(f"attn.{name}_bias", f"self_attn.{name}_proj.bias", lambda b, n=n: b.reshape(n, -1),
-                  lambda b: b.reshape(-1))
-    layer("attn.o_kernel", "self_attn.o_proj.weight",
-          lambda w: w.T.reshape(H, -1, w.shape[0]), lambda w: w.reshape(-1, w.shape[-1]).T)
+            layer(f"attn.{name}_bias", _heads_bias(f"self_attn.{name}_proj.bias", dh))
+    layer("attn.o_kernel", _heads_out("self_attn.o_proj.weight", dh))
     if cfg.qk_norm:
-        layer("attn.q_norm.scale", "self_attn.q_norm.weight")
-        layer("attn.k_norm.scale", "self_attn.k_norm.weight")
+        layer("attn.q_norm.scale", _same("self_attn.q_norm.weight"))
+        layer("attn.k_norm.scale", _same("self_attn.k_norm.weight"))
     for name in ("gate", "up", "down"):
-        layer(f"mlp.{name}_kernel", f"mlp.{name}_proj.weight", np.transpose, np.transpose)
-    layer("input_norm.scale", "input_layernorm.weight")
-    layer("post_attn_norm.scale", "post_attention_layernorm.weight")
+        layer(f"mlp.{name}_kernel", _transposed(f"mlp.{name}_proj.weight"))
+    layer("input_norm.scale", _same("input_layernorm.weight"))
+    layer("post_attn_norm.scale", _same("post_attention_layernorm.weight"))
     return out
 
 
 # ---------------------------------------------------------------------------------------- reading
 class HFWeightReader:
-    """Reads single HF tensors, one at a time, from model.safetensors or an index + shards."""
+    """Reads HF tensors, or blocks of them (only those bytes), from model.safetensors or an index + shards."""
 
     def __init__(self, hf_dir: str | pathlib.Path):
         self.dir = pathlib.Path(hf_dir)
@@ -112,38 +143,48 @@ class HFWeightReader:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard file listed in {index.name} is missing")
 
-    def read(self, hf_name: str) -> np.ndarray:
+    def _file(self, hf_name: str) -> pathlib.Path:
         if hf_name not in self.files:
             raise KeyError(f"{self.dir}: tensor {hf_name!r} not found in the checkpoint")
-        with safe_open(self.files[hf_name], framework="numpy") as f:
-            return f.get_tensor(hf_name)
+        return self.files[hf_name]
+
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        with safe_open(self._file(hf_name), framework="numpy") as f:
+            return tuple(f.get_slice(hf_name).get_shape())
+
+    def read(self, hf_name: str, index: Index | None = None) -> np.ndarray:
+        """The tensor, or its block ``index``."""
+        with safe_open(self._file(hf_name), framework="numpy") as f:
+            return f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
 
 
-def _read_one(reader: HFWeightReader, hf_name: str, to_ours: Callable, path: str,
-              expected_shape: tuple[int, ...]) -> np.ndarray:
-    hf = reader.read(hf_name)
-    source = reader.files[hf_name]
-    try:
-        value = to_ours(hf)
-    except ValueError as e:
-        raise ValueError(f"{source}: tensor {hf_name!r} has shape {hf.shape}, which does not "
-                         f"fit parameter {path} of shape {expected_shape}") from e
-    if value.shape != tuple(expected_shape):
-        raise ValueError(f"{source}: tensor {hf_name!r} has shape {hf.shape}; parameter {path} "
-                         f"needs {expected_shape} (ours) from the config")
+def _read_one(reader: HFWeightReader, hf_name: str, tmap: TensorMap, path: str, shape: tuple[int, ...],
+              index: Index) -> np.ndarray:
+    """Block ``index`` of one (per-layer) parameter of ``shape`` from the HF tensor ``hf_name``."""
+    source = reader.files.get(hf_name, reader.dir)
+    found, needed = reader.shape(hf_name), tuple(tmap.hf_shape(tuple(shape)))
+    if found != needed:
+        raise ValueError(f"{source}: tensor {hf_name!r} has shape {found}; parameter {path} of shape "
+                         f"{tuple(shape)} (ours, from the config) needs {needed}")
+    block = tuple(s.stop - s.start for s in index)
+    value = tmap.to_ours(reader.read(hf_name, None if block == tuple(shape) else tmap.hf_index(index)))
+    if value.shape != block:
+        raise ValueError(f"{source}: block {index} of {hf_name!r} converts to {value.shape}, not {block}")
     return value
 
 
 def read_param(reader: HFWeightReader, path: str, tmap: TensorMap, expected_shape: tuple[int, ...],
-               dtype=None) -> np.ndarray:
-    """One of our parameters from the HF files (stacked over layers when it is), checked against
-    ``expected_shape``."""
+               dtype=None, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """One of our parameters from the HF files (stacked over layers when it is), or only its block
+    ``index`` (the part a device holds: only those bytes are read), checked against ``expected_shape``."""
+    shape = tuple(expected_shape)
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index or (slice(None),) * len(shape), shape))
     if tmap.num_layers is None:
-        value = _read_one(reader, tmap.hf_name, tmap.to_ours, path, expected_shape)
+        value = _read_one(reader, tmap.hf_name, tmap, path, shape, index)
     else:
-        value = np.stack([_read_one(reader, tmap.hf_name.format(layer=i), tmap.to_ours,
-                                    path.replace("layers.", f"layers[{i}].", 1), expected_shape[1:])
-                          for i in range(tmap.num_layers)])
+        value = np.stack([_read_one(reader, tmap.hf_name.format(layer=i), tmap,
+                                    path.replace("layers.", f"layers[{i}].", 1), shape[1:], index[1:])
+                          for i in range(index[0].start, index[0].stop)])
     return np.ascontiguousarray(value if dtype is None else value.astype(dtype, copy=False))
 
 

@@ -59,21 +59,33 @@ def param_shardings(state: nnx.State) -> nnx.State:
 
 
 def build_from_arrays(cfg: QwenConfig, mesh: Mesh | None,
-                      load: Callable[[str, jax.ShapeDtypeStruct], np.ndarray], *, progress: str | None = None) -> Qwen:
-    """A model whose parameters come from ``load(dotted_path, abstract) -> host array``, one at a time."""
+                      load: Callable[[str, jax.ShapeDtypeStruct, tuple[slice, ...] | None], np.ndarray], *,
+                      progress: str | None = None) -> Qwen:
+    """A model whose parameters come from ``load(dotted_path, abstract, index)``, one at a time.
+
+    index: None for the whole parameter (one device), else the block one of this process's devices
+    holds; each distinct block is loaded once per process, so a host reads only what it holds.
+    """
     graphdef, state = abstract_model(cfg, mesh)
     device = None if mesh is not None else jax.devices()[0]
     items = []
     flat = list(nnx.to_flat_state(state))
     for path, var in tqdm(flat, desc=progress, disable=progress is None, leave=False):
         abstract = var.get_value()
-        host = load(dotted(path), abstract)
+        name = dotted(path)
         if mesh is None:
-            array = jax.device_put(host, device)
+            array = jax.device_put(load(name, abstract, None), device)
         else:
-            array = jax.make_array_from_callback(host.shape, abstract.sharding, lambda idx, h=host: h[idx])
+            blocks: dict[tuple, np.ndarray] = {}
+
+            def block(index, name=name, abstract=abstract, blocks=blocks):
+                key = tuple(s.indices(n)[:2] for s, n in zip(index, abstract.shape))
+                if key not in blocks:
+                    blocks[key] = load(name, abstract, index)
+                return blocks[key]
+
+            array = jax.make_array_from_callback(abstract.shape, abstract.sharding, block)
         items.append((path, var.replace(value=array)))
-        del host
     return nnx.merge(graphdef, nnx.from_flat_state(items))
 
 
@@ -117,7 +129,8 @@ def load_hf(hf_dir: str | pathlib.Path, mesh: Mesh | None = None, *, dtype: str 
     reader = HFWeightReader(hf_dir)
     mapping = weight_map(cfg)
     return build_from_arrays(
-        cfg, mesh, lambda path, abstract: read_param(reader, path, mapping[path], abstract.shape, abstract.dtype),
+        cfg, mesh, lambda path, abstract, index: read_param(reader, path, mapping[path], abstract.shape,
+                                                            abstract.dtype, index),
         progress=f"loading {hf_dir.name}" if progress else None)
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
+import os
 
 import jax
+from etils import epath
 from tqdm.auto import tqdm
 
 # Shown on the progress bar (when present), in this order.
@@ -19,14 +20,14 @@ KEY_METRICS = ("reward_mean", "accuracy", "loss", "response_length_mean", "grad_
 class MetricsLogger:
     """``log(step, metrics)`` appends one JSON line, writes TensorBoard scalars, updates the bar."""
 
-    def __init__(self, workdir: str | pathlib.Path, total_steps: int, initial_step: int = 0, *,
+    def __init__(self, workdir: str | os.PathLike, total_steps: int, initial_step: int = 0, *,
                  tensorboard: bool = True, desc: str = "train"):
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
-        self.workdir = pathlib.Path(workdir)
+        self.workdir = epath.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl = (self.workdir / "metrics.jsonl").open("a")
         self.writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -38,6 +39,7 @@ class MetricsLogger:
             return
         clean = {k: float(v) for k, v in metrics.items()}
         self.jsonl.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
+        self.jsonl.flush()
         if self.writer is not None:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)

@@ -6,10 +6,11 @@ data.train_files -> rl_train with periodic evaluation (pass@k on config.eval.set
 
 from __future__ import annotations
 
-import pathlib
+import os
 
 import jax
 import ml_collections
+from etils import epath
 from jax.sharding import Mesh
 
 from pacs_jax import checkpoints, data, evaluate, models
@@ -49,9 +50,9 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None, tokenizer)
     return models.init_random(cfg, mesh, seed=config.seed)
 
 
-def run_training(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mesh: Mesh | None) -> dict:
+def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: Mesh | None) -> dict:
     """Train per ``config``; returns {"final_step", "eval": last eval metrics, "hf_export": path}."""
-    workdir = pathlib.Path(workdir)
+    workdir = epath.Path(workdir)
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     model = build_model(config, mesh, tokenizer)
     examples, counts = data.prepare_examples(list(config.data.train_files), tokenizer, config.data.max_prompt_length,
