@@ -78,10 +78,12 @@ def save_model(model: Qwen, directory: str | os.PathLike) -> epath.Path:
 
 
 def find_params_dir(directory: str | os.PathLike) -> tuple[epath.Path, epath.Path]:
-    """(dir holding model_config.json, params dir) for a model checkpoint or a manager root."""
+    """(dir holding model_config.json, params dir) for a model checkpoint, a manager root (its latest
+    step) or one ``<root>/<step>`` of it."""
     directory = epath.Path(directory).absolute()
-    if (directory / PARAMS_ITEM).is_dir():
-        return directory, directory / PARAMS_ITEM
+    if (directory / PARAMS_ITEM).is_dir():  # a model checkpoint, or one step of a manager root
+        step_of_root = directory.name.isdigit() and not (directory / MODEL_CONFIG_FILE).is_file()
+        return (directory.parent if step_of_root else directory), directory / PARAMS_ITEM
     steps = sorted((int(p.name), p) for p in directory.iterdir() if p.name.isdigit() and (p / PARAMS_ITEM).is_dir()) \
         if directory.is_dir() else []
     if not steps:

@@ -146,7 +146,8 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mes
             model = warm_start(model, train_problems, tokenizer, demo, config.seed)
             before = held_out_accuracy(model, held_out, tokenizer, pool, **eval_kwargs)
             before["warmstart_seconds"] = time.perf_counter() - t_start
-            _write_json(warm_file, before)
+            if jax.process_index() == 0:
+                _write_json(warm_file, before)
         print(f"held-out accuracy before RL: {before['sampled']:.3f} (sampled, T={rc.temperature}), "
               f"{before['greedy']:.3f} (greedy)", flush=True)
 
@@ -175,7 +176,8 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mes
         "rl_time_split_seconds": {p: float(sum(h[p] for h in history)) for p in phases} if history else {},
         "hf_export": str(export_dir.absolute()),
     }
-    if history:
-        _plot(history, summary["accuracy_before_rl"], summary["accuracy_after_rl"], workdir / "curves.png")
-    _write_json(workdir / "summary.json", summary)
+    if jax.process_index() == 0:  # the files of the run: written once
+        if history:
+            _plot(history, summary["accuracy_before_rl"], summary["accuracy_after_rl"], workdir / "curves.png")
+        _write_json(workdir / "summary.json", summary)
     return summary

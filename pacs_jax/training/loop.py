@@ -150,13 +150,6 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     optimizer, lr_schedule = config_optimizer(config)
     opt_state = jax.jit(optimizer.init)(params)
 
-    checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
-                                     keep=tc.keep_checkpoints)
-    start = checkpointer.latest_step() or 0
-    if start:
-        params, opt_state, meta = checkpointer.restore(start, params, opt_state)
-        prompts.set_state(meta["data_state"])
-
     # Committed to their shardings, which every later program keeps (no recompilation on a layout change).
     def placement(x: jax.Array) -> jax.sharding.Sharding:  # scalars of the optimizer state: replicated
         on_mesh = rules is None or isinstance(x.sharding, NamedSharding)
@@ -164,6 +157,13 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
 
     shardings = jax.tree.map(placement, (params, opt_state))
     params, opt_state = jax.device_put((params, opt_state), shardings)
+
+    checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
+                                     keep=tc.keep_checkpoints)
+    start = checkpointer.latest_step() or 0
+    if start:  # restored straight into those shardings, whatever the process count that wrote it
+        params, opt_state, meta = checkpointer.restore(start, params, opt_state)
+        prompts.set_state(meta["data_state"])
     update = config_update_step(config, graphdef, optimizer, rules, shardings)
     start_counting()
     logger = MetricsLogger(workdir, tc.steps, start)
