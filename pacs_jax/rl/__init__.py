@@ -12,12 +12,12 @@ from pacs_jax.rl.kl import KL_ESTIMATORS, kl_penalty
 from pacs_jax.rl.logprobs import token_logprobs, token_logprobs_and_entropy
 from pacs_jax.rl.objectives import OBJECTIVES, get_objective
 from pacs_jax.rl.pacs import pacs_loss
-from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, drgrpo_loss, grpo_loss, policy_gradient_loss, rloo_loss
+from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss, rloo_loss
 from pacs_jax.rl.update import (loss_and_grad_fn, make_logprobs_fn, make_loss_and_grad, micro_batched_logprobs,
                                 response_logprobs)
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "KL_ESTIMATORS", "kl_penalty",
            "token_logprobs", "token_logprobs_and_entropy", "OBJECTIVES", "get_objective", "pacs_loss",
-           "LOSS_AGG_MODES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
+           "LOSS_AGG_MODES", "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
            "loss_and_grad_fn", "make_logprobs_fn", "make_loss_and_grad", "micro_batched_logprobs",
            "response_logprobs"]
