@@ -2,7 +2,6 @@
 process and through the CLI), and every paper setup of configs/paper.py has docs/design.md section 6.5's
 hyper-parameters and validates."""
 
-import importlib.util
 import subprocess
 import sys
 
@@ -12,19 +11,11 @@ import ml_collections
 import pytest
 
 from pacs_jax.training.config_check import ConfigError, validate_config
-from train_helpers import REPO, train_env
+from train_helpers import REPO, load_config, train_env
 
 COMPILE_EVENTS: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, *args, **kwargs: COMPILE_EVENTS.append(event) if event.startswith("/jax/core/compile/") else None)
-
-
-def load_config(file: str, arg: str | None = None) -> ml_collections.ConfigDict:
-    """configs/<file>'s get_config(arg), as config_flags loads it, unlocked for editing."""
-    spec = importlib.util.spec_from_file_location(f"_test_config_{file}", REPO / "configs" / file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config() if arg is None else module.get_config(arg)
 
 
 def _set(config: ml_collections.ConfigDict, dotted: str, value) -> None:

@@ -109,11 +109,13 @@ def config_optimizer(config: ml_collections.ConfigDict):
 
 def config_update_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, optimizer,
                        rules: MeshRules | None, state_shardings: tuple | None) -> Callable:
-    """The step's update program (training/update_step.py) as ``config`` asks for it."""
+    """The step's update program (training/update_step.py) as ``config`` asks for it; log pi_theta at
+    the rollout temperature, like pi_old."""
     tc = config.train
     return make_update_step(graphdef, optimizer, config.algorithm.objective, group_size=config.rollout.n,
                             objective_options=dict(config.algorithm.options), num_mini_batches=tc.mini_batches,
-                            num_micro_batches=tc.micro_batches, rules=rules, state_shardings=state_shardings)
+                            num_micro_batches=tc.micro_batches, temperature=config.rollout.temperature, rules=rules,
+                            state_shardings=state_shardings)
 
 
 def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, rules: MeshRules | None,

@@ -4,7 +4,8 @@
              jitted sampler (n responses each, sharded); only ids, lengths and stop flags come back
     trim     responses cut to the smallest response bucket that holds the longest one
     pi_old   one jitted program per (prompt bucket, response bucket): assemble [B, P + R] rows on the
-             device and compute pi_old and the entropy at temperature 1, in micro-batches of rows
+             device and compute pi_old and the entropy at the rollout temperature (logits / T, as
+             verl), in micro-batches of rows
              (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored
     reward   decode text and score on the host (worker pool) while the device computes pi_old
 
@@ -104,7 +105,7 @@ class RolloutCollector:
             ids, mask = constrain(ids, rules, ("batch", None)), constrain(mask, rules, ("batch", None))
             old_logp, entropy = micro_batched_logprobs(
                 nnx.merge(graphdef, state), ids, mask, tokens.shape[1], num_micro_batches=logprob_micro_batches,
-                rules=rules, with_entropy=True, **extra)
+                temperature=params.temperature, rules=rules, with_entropy=True, **extra)
             response_mask = response_mask.astype(jnp.float32)
             entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
             return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
