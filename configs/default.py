@@ -47,7 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
     ))
 
     c.rollout = ml_collections.ConfigDict(dict(
-        n=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, stop_token_ids=(),
+        n=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12,
+        stop_token_ids=(),        # stop ids added to the model's (config.json + generation_config.json) and the tokenizer's eos
         response_buckets=(),      # responses are cut to the smallest bucket that holds the longest one before
                                   # pi_old and the update; () = one bucket, max_new_tokens
         micro_batches=1,          # sampler calls per step (bounds the KV cache: prompts_per_step / this prompts each)

@@ -81,6 +81,8 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     _require(rc.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}")
     _require(rc.temperature > 0, "rollout.temperature", f"RL samples need temperature > 0, got {rc.temperature}")
     _require(0 < rc.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rc.top_p}")
+    _require(all(isinstance(t, int) and t >= 0 for t in rc.stop_token_ids), "rollout.stop_token_ids",
+             f"must be token ids (integers >= 0), got {rc.stop_token_ids!r}")
 
     _check_buckets(config.data.prompt_buckets, "data.prompt_buckets", config.data.max_prompt_length,
                    "data.max_prompt_length", allow_empty=False)

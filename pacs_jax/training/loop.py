@@ -121,10 +121,12 @@ def config_update_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef
 def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, rules: MeshRules | None,
                      stop_token_ids: Sequence[int], *, decode: Callable[[Sequence[int]], str],
                      reward_pool: RewardPool | None) -> RolloutCollector:
-    """The step's sampler and pi_old programs (training/rollout.py) as ``config`` asks for them."""
+    """The step's sampler and pi_old programs (training/rollout.py) as ``config`` asks for them; a sample
+    stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
     tc, rc = config.train, config.rollout
+    stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     params = sampling.SamplingParams(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
-                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=tuple(stop_token_ids))
+                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops)
     return RolloutCollector(
         graphdef, rules, params, decode=decode, reward_pool=reward_pool, reward_name=config.reward.name,
         prompt_buckets=config.data.prompt_buckets, response_buckets=rc.response_buckets,
