@@ -10,7 +10,6 @@ from flax import nnx
 
 from pacs_jax import data, evaluate, models
 from pacs_jax.models.config import merge_eos_ids
-from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.loop import config_collector
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config
@@ -59,10 +58,3 @@ def test_merge_eos_ids():
     assert merge_eos_ids(END_OF_TEXT, END_OF_TEXT) == END_OF_TEXT
     assert merge_eos_ids(None, [3]) == 3
     assert merge_eos_ids(None, None) is None
-
-
-def test_rollout_stop_token_ids_are_validated():
-    config = load_config("default.py")
-    config.rollout.stop_token_ids = (5, -1)
-    with pytest.raises(ConfigError, match="rollout.stop_token_ids"):
-        validate_config(config)

@@ -43,6 +43,11 @@ BAD_DEMO = {
     "mini_batches_split_groups": ({"train.mini_batches": 3}, "train.mini_batches"),
     "micro_batches_split_groups": ({"train.micro_batches": 3}, "train.micro_batches"),
     "unknown_objective": ({"algorithm.objective": "pacz"}, "algorithm.objective"),
+    "verl_micro_batch_not_dividing": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
+        dict(loss_scale="verl", verl_micro_batch_size=48))}, "algorithm.options.verl_micro_batch_size"),
+    "loss_scale": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
+        dict(loss_scale="sum"))}, "algorithm.options.loss_scale"),
+    "stop_token_ids": ({"rollout.stop_token_ids": (3, -1)}, "rollout.stop_token_ids"),
     "bad_objective_option": ({"algorithm.options.weight_mode": "sometimes"}, "algorithm.options.weight_mode"),
     "unknown_objective_option": ({"algorithm.options.betta": 1.0}, "algorithm.options"),
     "mesh_not_fitting_devices": ({"mesh.data": 16}, "mesh"),
@@ -122,8 +127,9 @@ PAPER_ALGOS = {
                                          adv_estimator="rloo")),
     "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False, weight_mode="question", reward_method="1",
                                          adv_estimator="rloo")),
+    # verl 0.3.1's scale as the authors ran it: ppo_micro_batch_size_per_gpu=8, max_response_length=4096
     "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
-                          clip_ratio_c=3.0)),
+                          clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
 
 

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARDS
-from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, OBJECTIVES, get_objective
+from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_SCALES, OBJECTIVES, get_objective
 from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES
 from pacs_jax.sharding import make_mesh
 from pacs_jax.training import memory_plan
@@ -25,7 +25,7 @@ GROUP_OBJECTIVES = ("pacs", "rloo", "grpo", "drgrpo")  # need n >= 2 responses p
 # Objective options with a fixed set of values (the objectives check them only when traced).
 OPTION_CHOICES = {"weight_mode": WEIGHT_MODES, "reward_method": REWARD_METHODS,
                   "adv_estimator": tuple(ADVANTAGE_ESTIMATORS), "loss_agg_mode": LOSS_AGG_MODES,
-                  "kl_type": tuple(KL_ESTIMATORS)}
+                  "kl_type": tuple(KL_ESTIMATORS), "loss_scale": LOSS_SCALES}
 
 
 class ConfigError(ValueError):
@@ -102,6 +102,12 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     per_mini = tc.prompts_per_step // tc.mini_batches
     _require(per_mini % tc.micro_batches == 0, "train.micro_batches",
              f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
+    options = config.algorithm.options
+    if options.get("loss_scale") == "verl":
+        size, micro_rows = options.get("verl_micro_batch_size"), per_mini // tc.micro_batches * rc.n
+        _require(isinstance(size, int) and size >= 1 and micro_rows % size == 0, "algorithm.options.verl_micro_batch_size",
+                 f"{size!r} must be an integer >= 1 dividing the {micro_rows} responses of an update micro-batch "
+                 "(train.prompts_per_step x rollout.n / train.mini_batches / train.micro_batches)")
 
     _require(oc.lr > 0, "optim.lr", f"must be > 0, got {oc.lr}")
     _require(oc.schedule in SCHEDULES, "optim.schedule", f"{oc.schedule!r} is not one of {SCHEDULES}")
