@@ -94,13 +94,14 @@ def _check_verl_micro_batch(size: int, rows: int, num_sequences: int) -> None:
 
 def clipped_token_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, *, clip_ratio_low: float,
                        clip_ratio_high: float, clip_ratio_c: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Dual-clip PPO token losses: logp, old_logp [B, T], advantages [B] -> (losses, clipped, dual) [B, T].
+    """Dual-clip PPO token losses: logp, old_logp [B, T], advantages [B] (one per response) or [B, T]
+    (one per token, PPO with GAE) -> (losses, clipped, dual) [B, T].
 
     ``clipped`` marks tokens where the clipped branch is active, ``dual`` where the dual clip is.
     """
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     ppo = jnp.maximum(unclipped, clipped)
