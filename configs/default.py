@@ -76,7 +76,13 @@ def get_config() -> ml_collections.ConfigDict:
         keep_checkpoints=3,
     ))
 
-    c.reward = ml_collections.ConfigDict(dict(name="math", item_timeout=5.0, workers=2, deadline=120.0))
+    c.reward = ml_collections.ConfigDict(dict(
+        name="math",
+        mode="strict",            # strict: our checker (rewards/math.py); paper: the authors' math-verify call (rewards/paper.py)
+        item_timeout=5.0, workers=2,
+        deadline=120.0,           # seconds to score a step's responses; the unscored ones get one more round
+        max_unscored_fraction=0.01,  # still unscored after it (they would score 0): above this the run stops
+    ))
 
     # Periodic pass@k evaluation of real runs (the demo measures its own held-out set).
     c.eval = ml_collections.ConfigDict(dict(

@@ -48,6 +48,8 @@ BAD_DEMO = {
     "loss_scale": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
         dict(loss_scale="sum"))}, "algorithm.options.loss_scale"),
     "stop_token_ids": ({"rollout.stop_token_ids": (3, -1)}, "rollout.stop_token_ids"),
+    "reward_mode": ({"reward.mode": "lenient"}, "reward.mode"),
+    "max_unscored_fraction": ({"reward.max_unscored_fraction": 1.5}, "reward.max_unscored_fraction"),
     "bad_objective_option": ({"algorithm.options.weight_mode": "sometimes"}, "algorithm.options.weight_mode"),
     "unknown_objective_option": ({"algorithm.options.betta": 1.0}, "algorithm.options"),
     "mesh_not_fitting_devices": ({"mesh.data": 16}, "mesh"),

@@ -14,7 +14,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
-from pacs_jax.rewards import REWARDS
+from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_SCALES, OBJECTIVES, get_objective
 from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES
 from pacs_jax.sharding import make_mesh
@@ -114,6 +114,9 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     _require(oc.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = none), got {oc.grad_clip}")
     _require(config.reward.name in REWARDS, "reward.name", f"{config.reward.name!r} is not one of {sorted(REWARDS)}")
     _require(config.reward.item_timeout > 0, "reward.item_timeout", "must be > 0")
+    _require(config.reward.mode in REWARD_MODES, "reward.mode", f"{config.reward.mode!r} is not one of {REWARD_MODES}")
+    _require(0.0 <= config.reward.max_unscored_fraction <= 1.0, "reward.max_unscored_fraction",
+             f"must be in [0, 1], got {config.reward.max_unscored_fraction}")
 
     m = config.model
     _require(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from pacs_jax import sampling
 from pacs_jax.models import Qwen
-from pacs_jax.rewards import RewardPool
+from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import MeshRules
 from pacs_jax.training.checkpoints import TrainCheckpointer
 from pacs_jax.training.compilations import compilations, start_counting
@@ -128,11 +128,12 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
     params = sampling.SamplingParams(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops)
     return RolloutCollector(
-        graphdef, rules, params, decode=decode, reward_pool=reward_pool, reward_name=config.reward.name,
+        graphdef, rules, params, decode=decode, reward_pool=reward_pool,
+        reward_name=reward_for(config.reward.name, config.reward.mode),
         prompt_buckets=config.data.prompt_buckets, response_buckets=rc.response_buckets,
         sampler_micro_batches=rc.micro_batches,
         logprob_micro_batches=tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches,
-        reward_deadline=config.reward.deadline)
+        reward_deadline=config.reward.deadline, max_unscored_fraction=config.reward.max_unscored_fraction)
 
 
 def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, model: Qwen, prompts: PromptSource, *,

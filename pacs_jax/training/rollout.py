@@ -7,7 +7,9 @@
              device and compute pi_old and the entropy at the rollout temperature (logits / T, as
              verl), in micro-batches of rows
              (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored
-    reward   decode text and score on the host (worker pool) while the device computes pi_old
+    reward   decode text and score on the host (worker pool) while the device computes pi_old; what
+             the deadline leaves unscored gets one more round, then counts (``reward_unscored``) or,
+             above ``max_unscored_fraction`` of the step, stops the run (rewards.UnscoredError)
 
 Every program's shapes come from the config's buckets, so ``warm_up`` compiles all of them up front
 and a run compiles nothing after it.
@@ -32,6 +34,9 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import micro_batched_logprobs
 from pacs_jax.sampling.engine import lower_rollout
 from pacs_jax.sharding import MeshRules, constrain
+
+
+REWARD_DEADLINE_RETRIES = 1  # rounds with a fresh reward deadline for what the first one left unscored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,8 @@ class RolloutCollector:
                  decode: Callable[[Sequence[int]], str], reward_pool: RewardPool, reward_name: str,
                  prompt_buckets: Sequence[int], response_buckets: Sequence[int] = (),
                  sampler_micro_batches: int = 1, logprob_micro_batches: int = 1,
-                 reward_deadline: float | None = None, chunk_size: int | None = None):
+                 reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
+                 chunk_size: int | None = None):
         self.graphdef, self.rules, self.params = graphdef, rules, params
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.prompt_buckets = tuple(sorted(prompt_buckets))
@@ -92,7 +98,7 @@ class RolloutCollector:
             raise ValueError(f"the largest response bucket ({self.response_buckets[-1]}) must equal "
                              f"max_new_tokens ({params.max_new_tokens})")
         self.sampler_micro_batches, self.logprob_micro_batches = sampler_micro_batches, logprob_micro_batches
-        self.reward_deadline = reward_deadline
+        self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
         rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
         replicated = rows if rules is None else NamedSharding(rules.mesh, PartitionSpec())
@@ -196,7 +202,8 @@ class RolloutCollector:
         batch, entropy_mean = self.old_policy(state, sampled)  # runs on the device while the host scores
         texts = [self.decode(gen[i, :lengths[i]]) for i in range(gen.shape[0])]
         golds = [g for g in prompts.ground_truths for _ in range(n)]
-        scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline)
+        scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
+                                 deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction)
         rewards = np.asarray(scored.scores, np.float32)
         times["time_reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
