@@ -43,6 +43,8 @@ BAD_DEMO = {
     "mini_batches_split_groups": ({"train.mini_batches": 3}, "train.mini_batches"),
     "micro_batches_split_groups": ({"train.micro_batches": 3}, "train.micro_batches"),
     "unknown_objective": ({"algorithm.objective": "pacz"}, "algorithm.objective"),
+    "ppo_not_in_the_trainer": ({"algorithm.objective": "ppo", "algorithm.options": ml_collections.ConfigDict()},
+                               "algorithm.objective"),
     "verl_micro_batch_not_dividing": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
         dict(loss_scale="verl", verl_micro_batch_size=48))}, "algorithm.options.verl_micro_batch_size"),
     "loss_scale": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(

@@ -79,3 +79,20 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, res
                "critic/value_clipfrac": _token_mean((clipped_loss > unclipped_loss).astype(jnp.float32), mask),
                "critic/explained_variance": 1.0 - residual_variance / jnp.maximum(return_variance, 1e-8)}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def ppo_objective(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
+                  group_size: int, *, advantages: jax.Array | None = None, ref_logp: jax.Array | None = None,
+                  totals: BatchTotals | None = None, **options) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The registry's "ppo" objective (pacs_jax.rl.objectives): ``ppo_policy_loss`` on the update
+    batch's per-token ``advantages`` [B, T] (``compute_gae`` on the critic's values). The rewards
+    already live in the advantages and responses need no groups, so ``rewards`` and ``group_size``
+    are not read; no KL term (the paper's PPO has none). Options: see ``ppo_policy_loss``.
+    """
+    del rewards, group_size
+    if advantages is None:
+        raise ValueError("objective 'ppo' needs the update batch's 'advantages' [B, T] (rl.compute_gae with the "
+                         "critic's values)")
+    if ref_logp is not None:
+        raise ValueError("objective 'ppo' has no KL term: the batch must not hold 'ref_logp'")
+    return ppo_policy_loss(logp, old_logp, advantages, response_mask, totals=totals, **options)

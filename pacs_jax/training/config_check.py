@@ -66,6 +66,9 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
 
     _require(config.algorithm.objective in OBJECTIVES, "algorithm.objective",
              f"{config.algorithm.objective!r} is not one of {sorted(OBJECTIVES)}")
+    _require(config.algorithm.objective != "ppo", "algorithm.objective",
+             "'ppo' is not wired into the trainer yet (its building blocks are rl/gae.py, rl/ppo.py, rl/critic.py "
+             "and models/value.py): choose one of pacs, grpo, rloo, drgrpo")
     try:
         get_objective(config.algorithm.objective, **dict(config.algorithm.options))
     except ValueError as e:
