@@ -116,6 +116,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3
     c.reward.workers = 0
     c.reward.mode = "paper"  # the authors' math-verify call on the whole response (src/reward_function.py)
+    c.reward.item_timeout = 15.0  # math-verify's own limits (5 s per parse, 5 s to compare) run out first
     c.eval.sets = "math_500,aime_2024,aime_2025,amc23"
     c.eval.every = 50
     c.eval.n = 16

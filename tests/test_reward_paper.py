@@ -60,5 +60,6 @@ def test_trainer_scores_with_the_mode():
     with rewards.RewardPool(num_workers=1) as pool:
         scored = pool.score(["<think>\\boxed{12}</think>"] * 2, ["12", "12"], ["paper", "math"])
     assert scored.scores.tolist() == [1.0, 0.0]
-    assert load_config("paper.py", "qwen3_4b,grpo").reward.mode == "paper"
+    paper = load_config("paper.py", "qwen3_4b,grpo").reward
+    assert (paper.mode, paper.item_timeout) == ("paper", 15.0)  # math-verify's own 5 s limits expire first
     assert load_config("default.py").reward.mode == "strict"

@@ -49,10 +49,12 @@ def test_hostile_output_is_never_executed(pool, tmp_path):
     golds = ["424242"] * len(responses)  # a number no payload contains
     math_scores, _, _ = pool.score(responses, golds, "math")
     gsm8k_scores, _, _ = pool.score(responses, golds, "gsm8k")
+    paper_scores, _, _ = pool.score(responses, golds, "paper")  # the authors' call: whole response, plain expressions
     single = [rewards.math_reward(response, "424242") for response in responses]
     assert not marker.exists()
     assert math_scores.tolist() == [0.0] * len(responses)
     assert gsm8k_scores.tolist() == [0.0] * len(responses)
+    assert paper_scores.tolist() == [0.0] * len(responses)
     assert single == [0.0] * len(responses)
 
 
