@@ -50,7 +50,8 @@ def get_config() -> ml_collections.ConfigDict:
     ))
 
     c.rollout = ml_collections.ConfigDict(dict(
-        n=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, stop_token_ids=(),
+        n=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12,
+        stop_token_ids=(),        # stop ids added to the model's (config.json + generation_config.json) and the tokenizer's eos
         response_buckets=(),      # responses are cut to the smallest bucket that holds the longest one before
                                   # pi_old and the update; () = one bucket, max_new_tokens
         micro_batches=1,          # sampler calls per step (bounds the KV cache: prompts_per_step / this prompts each)
@@ -78,7 +79,13 @@ def get_config() -> ml_collections.ConfigDict:
         keep_checkpoints=3,
     ))
 
-    c.reward = ml_collections.ConfigDict(dict(name="math", item_timeout=5.0, workers=2, deadline=120.0))
+    c.reward = ml_collections.ConfigDict(dict(
+        name="math",
+        mode="strict",            # strict: our checker (rewards/math.py); paper: the authors' math-verify call (rewards/paper.py)
+        item_timeout=5.0, workers=2,
+        deadline=120.0,           # seconds to score a step's responses; the unscored ones get one more round
+        max_unscored_fraction=0.01,  # still unscored after it (they would score 0): above this the run stops
+    ))
 
     # Periodic pass@k evaluation of real runs (the demo measures its own held-out set).
     c.eval = ml_collections.ConfigDict(dict(

@@ -16,7 +16,8 @@ slice on any machine; prints the per-device peak and whether it fits).
 Batching of the paper: 1024 prompts x 8 responses per step, 4 optimizer steps of 256 prompts,
 300 steps; prompts <= 512 tokens, responses <= 4096; rollout temperature 1.0, top_p 1.0;
 AdamW lr 1e-6 constant, betas (0.9, 0.999), weight decay 0.01. PACS: no clipping, no KL;
-GRPO (verl defaults): PPO-clip 0.2 with dual clip 3, seq-mean-token-sum-norm, grad clip 1.0.
+GRPO (verl defaults): PPO-clip 0.2 with dual clip 3, seq-mean-token-sum-norm at verl's scale
+(``loss_scale="verl"``, micro-batches of 8 responses, L_max 4096), grad clip 1.0.
 """
 
 import importlib.util
@@ -62,8 +63,10 @@ ALGORITHMS = {
     "pacs_beta2": ("pacs", dict(beta=2.0, use_weight=True)),
     "pacs_beta1_noweight": ("pacs", dict(beta=1.0, use_weight=False)),
     "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False)),
+    # verl 0.3.1's scale (scripts/baseline/grpo.sh of the authors): micro-batches of 8 responses
+    # (ppo_micro_batch_size_per_gpu), seq-mean-token-sum-norm over the padded response width 4096.
     "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
-                          clip_ratio_c=3.0)),
+                          clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
 
 
@@ -112,6 +115,8 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 20
     c.train.keep_checkpoints = 3
     c.reward.workers = 0
+    c.reward.mode = "paper"  # the authors' math-verify call on the whole response (src/reward_function.py)
+    c.reward.item_timeout = 15.0  # math-verify's own limits (5 s per parse, 5 s to compare) run out first
     c.eval.sets = "math_500,aime_2024,aime_2025,amc23"
     c.eval.every = 50
     c.eval.n = 16

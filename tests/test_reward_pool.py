@@ -49,10 +49,12 @@ def test_hostile_output_is_never_executed(pool, tmp_path):
     golds = ["424242"] * len(responses)  # a number no payload contains
     math_scores, _, _ = pool.score(responses, golds, "math")
     gsm8k_scores, _, _ = pool.score(responses, golds, "gsm8k")
+    paper_scores, _, _ = pool.score(responses, golds, "paper")  # the authors' call: whole response, plain expressions
     single = [rewards.math_reward(response, "424242") for response in responses]
     assert not marker.exists()
     assert math_scores.tolist() == [0.0] * len(responses)
     assert gsm8k_scores.tolist() == [0.0] * len(responses)
+    assert paper_scores.tolist() == [0.0] * len(responses)
     assert single == [0.0] * len(responses)
 
 
@@ -91,9 +93,26 @@ def test_deadline_bounds_the_batch():
         scores, statuses, metrics = slow.score(["\\boxed{1}", HANGING, "\\boxed{2}"], ["1", "3", "2"], deadline=3.0)
         assert statuses == [verdict.OK, verdict.DEADLINE, verdict.DEADLINE]
         assert scores.tolist() == [1.0, 0.0, 0.0]
-        assert metrics["deadline_misses"] == 2
+        assert (metrics["unscored"], metrics["unscored_fraction"], metrics["deadline_retried"]) == (2, 2 / 3, 0)
         # A bound, not a speed: the hanging item had 600 s to run, the call returned near its deadline.
         assert metrics["seconds"] < 60
+        assert slow.score(["\\boxed{2}"], ["2"]).scores.tolist() == [1.0]
+
+
+def test_deadline_misses_are_retried_once_then_counted_or_refused():
+    with rewards.RewardPool(num_workers=1, item_timeout=600.0) as slow:
+        slow.score(["\\boxed{1}"], ["1"])  # the worker is up
+        responses, golds = ["\\boxed{1}", HANGING, "\\boxed{2}"], ["1", "3", "2"]
+        # Round 1: the hanging item holds the only worker past the deadline, the third never starts.
+        # Round 2 (fresh deadline): the never-started item first, then the hanging one again.
+        scores, statuses, metrics = slow.score(responses, golds, deadline=3.0, deadline_retries=1)
+        assert statuses == [verdict.OK, verdict.DEADLINE, verdict.OK]
+        assert scores.tolist() == [1.0, 0.0, 1.0]
+        assert (metrics["unscored"], metrics["unscored_fraction"], metrics["deadline_retried"]) == (1, 1 / 3, 2)
+        assert metrics["seconds"] < 60
+        slow.score(responses, golds, deadline=3.0, deadline_retries=1, max_unscored_fraction=0.34)  # 1/3 is allowed
+        with pytest.raises(rewards.UnscoredError, match=r"1 of 3 responses \(33.3%\).*reward.max_unscored_fraction"):
+            slow.score(responses, golds, deadline=3.0, deadline_retries=1, max_unscored_fraction=0.2)
         assert slow.score(["\\boxed{2}"], ["2"]).scores.tolist() == [1.0]
 
 

@@ -183,3 +183,99 @@ def test_bad_input_raises():
         rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, ref_logp=z, kl_coef=0.1, kl_type="k9")
     with pytest.raises(ValueError, match="has no option"):
         rl.get_objective("grpo", beta=1.0)
+
+
+# ---------------------------------------------------------------- verl 0.3.1's scale, micro-batch by micro-batch
+
+def verl_agg_loss(loss_mat, loss_mask, mode):
+    """verl 0.3.1 core_algos.agg_loss on one micro-batch, in float64."""
+    loss_mat, loss_mask = np.asarray(loss_mat, np.float64), np.asarray(loss_mask, np.float64)
+    if mode == "token-mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    seq_sums = (loss_mat * loss_mask).sum(axis=-1)
+    if mode == "seq-mean-token-sum":
+        return seq_sums.mean()
+    if mode == "seq-mean-token-mean":
+        return (seq_sums / loss_mask.sum(axis=-1)).mean()
+    return seq_sums.sum() / loss_mask.shape[-1]  # seq-mean-token-sum-norm
+
+
+def verl_mini_batch_loss(token_loss, mask, mode, micro_batch_size, ranks):
+    """The loss whose gradient verl 0.3.1's dp_actor.update_policy applies for one mini-batch: each of
+    ``ranks`` data-parallel ranks takes a contiguous share, splits it into micro-batches of
+    ``micro_batch_size`` (ppo_micro_batch_size_per_gpu), back-propagates agg_loss / gradient_accumulation
+    of each, and the ranks' gradients are averaged."""
+    per_rank = len(mask) // ranks
+    gradient_accumulation = per_rank // micro_batch_size
+    rank_losses = []
+    for r in range(ranks):
+        rows = slice(r * per_rank, (r + 1) * per_rank)
+        loss_r, mask_r = token_loss[rows], mask[rows]
+        rank_losses.append(sum(verl_agg_loss(loss_r[s:s + micro_batch_size], mask_r[s:s + micro_batch_size], mode)
+                               / gradient_accumulation for s in range(0, per_rank, micro_batch_size)))
+    return np.mean(rank_losses)
+
+
+def verl_objective(name, logp, old_logp, mask, rewards, n, mode, micro_batch_size, ranks):
+    adv = ref_advantages(rewards, n, ESTIMATOR[name])
+    return verl_mini_batch_loss(ref_token_loss(logp, old_logp, adv), mask, mode, micro_batch_size, ranks)
+
+
+def numeric_gradient(f, x, eps=1e-6):
+    """Central differences of a float64 function of an array, entry by entry."""
+    x = np.asarray(x, np.float64)
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[index] += eps
+        down[index] -= eps
+        grad[index] = (f(up) - f(down)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "drgrpo"])
+def test_verl_scale_losses_and_gradients_match_verl_micro_batching(name):
+    n, S = 4, 4  # verl micro-batches of 4 responses: 16 responses = 2 ranks x 2 micro-batches
+    logp, old_logp, mask, rewards, _ = make_batch(seed=21, n=n, groups=4, T=7)
+    mask[3] = 0.0
+    mask[3, 0] = 1.0  # one verl micro-batch much shorter than the others: token-mean's micro means differ
+    args = [jnp.asarray(a) for a in (old_logp, mask, rewards)]
+    for mode in rl.LOSS_AGG_MODES:
+        fn = rl.get_objective(name, loss_agg_mode=mode, loss_scale="verl", verl_micro_batch_size=S)
+        loss, grad = jax.value_and_grad(lambda lp: fn(lp, *args, n)[0])(jnp.asarray(logp))
+        want = verl_objective(name, logp, old_logp, mask, rewards, n, mode, S, ranks=2)
+        np.testing.assert_allclose(float(loss), want, rtol=2e-5, atol=1e-7, err_msg=f"{name} {mode}")
+        want_grad = numeric_gradient(lambda lp: verl_objective(name, lp, old_logp, mask, rewards, n, mode, S, 2), logp)
+        np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7, err_msg=f"{name} {mode}")
+        # the rank split does not matter, only the micro-batch size
+        np.testing.assert_allclose(want, verl_objective(name, logp, old_logp, mask, rewards, n, mode, S, 4), rtol=1e-12)
+    # verl's seq-mean-token-sum-norm is S times the mean over responses; token-mean differs from the mean
+    mean = {mode: float(rl.get_objective(name, loss_agg_mode=mode)(jnp.asarray(logp), *args, n)[0])
+            for mode in ("seq-mean-token-sum-norm", "token-mean")}
+    verl = {mode: verl_objective(name, logp, old_logp, mask, rewards, n, mode, S, 2) for mode in mean}
+    np.testing.assert_allclose(verl["seq-mean-token-sum-norm"], S * mean["seq-mean-token-sum-norm"], rtol=2e-5)
+    assert abs(verl["token-mean"] - mean["token-mean"]) > 1e-3 * abs(mean["token-mean"])
+
+
+def test_verl_scale_adds_up_over_update_micro_batches():
+    # An update micro-batch (whole groups, pacs_jax.rl.update) holds whole verl micro-batches; with the
+    # mini-batch totals their losses add up to the loss of verl's micro-batch partition of the rows.
+    n, S = 2, 2
+    logp, old_logp, mask, rewards, _ = make_batch(seed=22, n=n, groups=4, T=6)
+    totals = rl.BatchTotals(num_sequences=len(rewards), num_tokens=jnp.asarray(mask.sum()))
+    for mode in rl.LOSS_AGG_MODES:
+        fn = rl.get_objective("grpo", loss_agg_mode=mode, loss_scale="verl", verl_micro_batch_size=S)
+        halves = [fn(*(jnp.asarray(a[s:s + 4]) for a in (logp, old_logp, mask, rewards)), n, totals=totals)[0]
+                  for s in (0, 4)]
+        want = verl_objective("grpo", logp, old_logp, mask, rewards, n, mode, S, ranks=1)
+        np.testing.assert_allclose(float(sum(halves)), want, rtol=2e-5, err_msg=mode)
+
+
+def test_verl_scale_needs_a_dividing_micro_batch_size():
+    z, m, y = np.zeros((8, 3), np.float32), np.ones((8, 3), np.float32), np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="verl_micro_batch_size >= 1"):
+        rl.grpo_loss(z, z, m, y, 4, loss_scale="verl")
+    with pytest.raises(ValueError, match="verl_micro_batch_size=3 must divide the 8 responses"):
+        rl.grpo_loss(z, z, m, y, 4, loss_scale="verl", verl_micro_batch_size=3)
+    with pytest.raises(ValueError, match="loss_scale='sum'"):
+        rl.grpo_loss(z, z, m, y, 4, loss_scale="sum")

@@ -11,6 +11,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import models, rl, sharding
+from test_rl_policy_gradient import numeric_gradient, verl_mini_batch_loss, verl_objective
+from test_rl_ppo import ref_ppo_token_losses
 
 CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=4)
@@ -114,6 +116,59 @@ def test_micro_batch_accumulation_equals_the_whole_batch(tiny, pacs_update, obje
     for key in metrics1:
         if key.endswith("_mean") or key.endswith("accuracy"):
             np.testing.assert_allclose(float(metrics2[key]), float(metrics1[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("mode", rl.LOSS_AGG_MODES)
+def test_verl_scale_through_micro_batches_equals_verls_loss_and_gradient(tiny, mode):
+    # verl 0.3.1's actor on micro-batches of S = 8 responses (float64 transcription of agg_loss with
+    # gradient accumulation), against our update over 2 micro-batches of whole groups: the loss, and
+    # the parameter gradient as the pullback of verl's d loss / d logp through the model's log-probs.
+    graphdef, params = tiny
+    batch = make_batch(groups=4, seed=5)
+    S, K = 8, 2
+    options = dict(loss_agg_mode=mode, loss_scale="verl", verl_micro_batch_size=S)
+    loss, _, grads = rl.make_loss_and_grad(graphdef, "grpo", group_size=N, objective_options=options,
+                                           num_micro_batches=K, chunk_size=4)(params, batch)
+
+    def logprobs(p):
+        return rl.response_logprobs(nnx.merge(graphdef, p), jnp.asarray(batch["input_ids"]),
+                                    jnp.asarray(batch["attention_mask"]), RESPONSE, chunk_size=4)
+
+    logp, pullback = jax.vjp(logprobs, params)
+    # the rows of update micro-batch k (groups k, k + K, ...) in order: verl's micro-batches are S of them
+    order = np.concatenate([np.arange(g * N, (g + 1) * N) for k in range(K) for g in range(k, 4, K)])
+    rows = lambda x: np.asarray(x, np.float64)[order]  # noqa: E731
+    old_logp, mask, rewards = rows(batch["old_logp"]), rows(batch["response_mask"]), rows(batch["rewards"])
+    reference = lambda lp: verl_objective("grpo", lp, old_logp, mask, rewards, N, mode, S, ranks=1)  # noqa: E731
+    np.testing.assert_allclose(float(loss), reference(rows(logp)), rtol=1e-5)
+    d_logp = np.zeros(logp.shape)
+    d_logp[order] = numeric_gradient(reference, rows(logp))
+    (want,) = pullback(jnp.asarray(d_logp, jnp.float32))
+    for a, b in zip(_flat(grads), _flat(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_ppo_objective_through_micro_batches_matches_numpy(tiny):
+    # objective "ppo": the batch's per-token advantages, verl's scale (micro-batches of 4 responses)
+    graphdef, params = tiny
+    batch = make_batch(groups=4, seed=6)
+    batch["advantages"] = np.random.RandomState(6).randn(*batch["old_logp"].shape).astype(np.float32)
+    options = dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale="verl", verl_micro_batch_size=4)
+    loss, _, grads = rl.make_loss_and_grad(graphdef, "ppo", group_size=N, objective_options=options,
+                                           num_micro_batches=2, chunk_size=4)(params, batch)
+    logp = rl.make_logprobs_fn(graphdef, chunk_size=4)(params, jnp.asarray(batch["input_ids"]),
+                                                       jnp.asarray(batch["attention_mask"]), RESPONSE)
+    order = np.concatenate([np.arange(g * N, (g + 1) * N) for k in range(2) for g in range(k, 4, 2)])
+    token_losses = ref_ppo_token_losses(np.asarray(logp)[order], batch["old_logp"][order], batch["advantages"][order])
+    want = verl_mini_batch_loss(token_losses, batch["response_mask"][order], "seq-mean-token-sum-norm", 4, ranks=1)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    whole_loss, _, whole_grads = rl.make_loss_and_grad(graphdef, "ppo", group_size=N, objective_options=options,
+                                                       chunk_size=4)(params, batch)
+    np.testing.assert_allclose(float(whole_loss), float(loss), rtol=1e-5)  # S = 4 = one group: any split agrees
+    for a, b in zip(_flat(grads), _flat(whole_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="needs the update batch's 'advantages'"):
+        rl.make_loss_and_grad(graphdef, "ppo", group_size=N)(params, {k: v for k, v in batch.items() if k != "advantages"})
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 1, 8)])

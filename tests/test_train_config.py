@@ -2,7 +2,6 @@
 process and through the CLI), and every paper setup of configs/paper.py has docs/design.md section 6.5's
 hyper-parameters and validates."""
 
-import importlib.util
 import subprocess
 import sys
 
@@ -12,19 +11,11 @@ import ml_collections
 import pytest
 
 from pacs_jax.training.config_check import ConfigError, validate_config
-from train_helpers import REPO, train_env
+from train_helpers import REPO, load_config, train_env
 
 COMPILE_EVENTS: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, *args, **kwargs: COMPILE_EVENTS.append(event) if event.startswith("/jax/core/compile/") else None)
-
-
-def load_config(file: str, arg: str | None = None) -> ml_collections.ConfigDict:
-    """configs/<file>'s get_config(arg), as config_flags loads it, unlocked for editing."""
-    spec = importlib.util.spec_from_file_location(f"_test_config_{file}", REPO / "configs" / file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config() if arg is None else module.get_config(arg)
 
 
 def _set(config: ml_collections.ConfigDict, dotted: str, value) -> None:
@@ -52,6 +43,15 @@ BAD_DEMO = {
     "mini_batches_split_groups": ({"train.mini_batches": 3}, "train.mini_batches"),
     "micro_batches_split_groups": ({"train.micro_batches": 3}, "train.micro_batches"),
     "unknown_objective": ({"algorithm.objective": "pacz"}, "algorithm.objective"),
+    "ppo_not_in_the_trainer": ({"algorithm.objective": "ppo", "algorithm.options": ml_collections.ConfigDict()},
+                               "algorithm.objective"),
+    "verl_micro_batch_not_dividing": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
+        dict(loss_scale="verl", verl_micro_batch_size=48))}, "algorithm.options.verl_micro_batch_size"),
+    "loss_scale": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
+        dict(loss_scale="sum"))}, "algorithm.options.loss_scale"),
+    "stop_token_ids": ({"rollout.stop_token_ids": (3, -1)}, "rollout.stop_token_ids"),
+    "reward_mode": ({"reward.mode": "lenient"}, "reward.mode"),
+    "max_unscored_fraction": ({"reward.max_unscored_fraction": 1.5}, "reward.max_unscored_fraction"),
     "bad_objective_option": ({"algorithm.options.weight_mode": "sometimes"}, "algorithm.options.weight_mode"),
     "unknown_objective_option": ({"algorithm.options.betta": 1.0}, "algorithm.options"),
     "mesh_not_fitting_devices": ({"mesh.data": 16}, "mesh"),
@@ -131,8 +131,9 @@ PAPER_ALGOS = {
                                          adv_estimator="rloo")),
     "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False, weight_mode="question", reward_method="1",
                                          adv_estimator="rloo")),
+    # verl 0.3.1's scale as the authors ran it: ppo_micro_batch_size_per_gpu=8, max_response_length=4096
     "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
-                          clip_ratio_c=3.0)),
+                          clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
 
 

@@ -1,4 +1,5 @@
-"""Running ``python -m pacs_jax.train`` as a subprocess in the trainer tests (resume, signals, config).
+"""Running ``python -m pacs_jax.train`` as a subprocess in the trainer tests (resume, signals, config),
+and loading the configs/ files as the CLI does.
 
 The subprocess runs on one CPU device: the 8-device XLA flag of conftest.py is removed from its
 environment. Runs of one pytest session share a JAX compilation cache, so only the first run pays
@@ -7,6 +8,7 @@ for compiling the demo's programs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -14,7 +16,18 @@ import subprocess
 import sys
 import time
 
+import ml_collections
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(file: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """configs/<file>'s get_config(arg), as config_flags loads it, unlocked for editing."""
+    spec = importlib.util.spec_from_file_location(f"_test_config_{file}", REPO / "configs" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)
+
 
 # The demo shrunk to seconds: one layer, a few warm-start steps, 8 prompts x 8 responses per step in
 # 2 mini-batches.

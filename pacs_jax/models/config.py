@@ -111,15 +111,18 @@ class QwenConfig:
 
     @classmethod
     def from_hf_file(cls, path: str | pathlib.Path, **overrides) -> QwenConfig:
+        """The config of an HF model directory (or its config.json). A generation_config.json beside it
+        adds its eos_token_id(s) to the stop ids (``eos_token_id``), as transformers' generate stops
+        on them: Qwen3 lists [151645, 151643] there and only 151645 in config.json."""
         path = pathlib.Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no config.json")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e})") from e
+        hf = _read_json(path)
+        generation = path.with_name("generation_config.json")
+        if generation.is_file() and "eos_token_id" not in overrides:
+            overrides["eos_token_id"] = merge_eos_ids(hf.get("eos_token_id"), _read_json(generation).get("eos_token_id"))
         return cls.from_hf_dict(hf, source=str(path), **overrides)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -153,6 +156,24 @@ class QwenConfig:
         if self.model_type == "qwen3":
             out["attention_bias"] = self.attention_bias
         return out
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+
+
+def merge_eos_ids(*eos_fields: int | list[int] | None) -> int | tuple[int, ...] | None:
+    """The union of HF ``eos_token_id`` fields (each an id, a list of ids or None), in order of first
+    appearance: one id as an int, several as a tuple, none as None."""
+    ids = []
+    for field in eos_fields:
+        for token in [] if field is None else [field] if isinstance(field, int) else field:
+            if token not in ids:
+                ids.append(int(token))
+    return None if not ids else ids[0] if len(ids) == 1 else tuple(ids)
 
 
 def _preset(model_type, vocab, hidden, inter, layers, heads, kv, tie, max_pos, head_dim=None,

@@ -35,13 +35,15 @@ def check_mesh(cfg: QwenConfig, mesh: Mesh) -> None:
             raise ValueError(f"{MUST_DIVIDE[logical]}={size} is not divisible by mesh.tensor={tensor}")
 
 
-def abstract_model(cfg: QwenConfig, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, abstract state) of ``Qwen(cfg)`` without allocating; values carry shardings."""
+def abstract_model(cfg: QwenConfig, mesh: Mesh | None = None, cls: type[nnx.Module] = Qwen
+                   ) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of ``cls(cfg)`` (a Qwen, or a module built on one such as
+    models.value.ValueModel) without allocating; values carry shardings."""
     rules = None
     if mesh is not None:
         check_mesh(cfg, mesh)
         rules = MeshRules(mesh)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), rules=rules)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), rules=rules)))
     if rules is not None:
         state = jax.tree.map(
             lambda v: v.replace(value=jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rules.sharding(v.logical_axes, v.shape))),

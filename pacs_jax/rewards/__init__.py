@@ -1,4 +1,5 @@
-"""Verifiable rewards: math answer equivalence (math-verify) and GSM8K numbers, batch-scored in a worker pool.
+"""Verifiable rewards: math answer equivalence (math-verify) and GSM8K numbers, batch-scored in a worker pool;
+reward mode "paper" scores with the PACS authors' exact math-verify call instead (rewards/paper.py).
 
     score = rewards.math_reward(response, ground_truth)        # 1.0 / 0.0, never raises, bounded time
     score = rewards.gsm8k_reward(response, ground_truth)
@@ -8,9 +9,10 @@
 
 from pacs_jax.rewards.gsm8k import gsm8k_reward, judge_gsm8k
 from pacs_jax.rewards.math import judge_math
-from pacs_jax.rewards.pool import RewardPool, ScoredBatch, math_reward, score_metrics
+from pacs_jax.rewards.paper import judge_paper
+from pacs_jax.rewards.pool import RewardPool, ScoredBatch, UnscoredError, math_reward, score_metrics
 from pacs_jax.rewards.verdict import STATUSES, Verdict
-from pacs_jax.rewards.worker import REWARDS
+from pacs_jax.rewards.worker import REWARD_MODES, REWARDS, reward_for
 
-__all__ = ["math_reward", "gsm8k_reward", "judge_math", "judge_gsm8k", "RewardPool", "ScoredBatch", "REWARDS",
-           "STATUSES", "Verdict", "score_metrics"]
+__all__ = ["math_reward", "gsm8k_reward", "judge_math", "judge_gsm8k", "judge_paper", "RewardPool", "ScoredBatch",
+           "UnscoredError", "REWARDS", "REWARD_MODES", "reward_for", "STATUSES", "Verdict", "score_metrics"]

@@ -3,12 +3,14 @@
 Each worker (``rewards/worker.py``, a fresh Python process that imports no JAX) checks one item
 at a time; the parent keeps the clock. An item that overruns its time limit (a hung sympy call,
 which no signal can interrupt inside C code) scores 0 and its worker is killed and replaced; a
-worker that dies scores its item 0 and is replaced; when the batch deadline passes, every item not
-yet checked scores 0. All of these are counted in the returned metrics.
+worker that dies scores its item 0 and is replaced; when the batch deadline passes, the items not
+yet checked get ``deadline_retries`` more rounds with a fresh deadline, and those still unchecked
+then score 0 (status DEADLINE, counted as ``unscored``), or the call raises ``UnscoredError`` when
+they exceed ``max_unscored_fraction`` of the batch. All of these are counted in the returned metrics.
 
     with RewardPool(item_timeout=5.0) as pool:
         scores, statuses, metrics = pool.score(responses, ground_truths, reward="math", deadline=60.0)
-    # scores [N] float32 in {0, 1}; metrics {"mean_score", "timeouts", "parse_failures", ...}
+    # scores [N] float32 in {0, 1}; metrics {"mean_score", "timeouts", "unscored", "parse_failures", ...}
 
 ``math_reward(response, ground_truth)`` checks a single pair through a shared one-worker pool.
 """
@@ -38,6 +40,10 @@ _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 _MAX_FAILED_STARTS = 3
 _WORKER_ENTRY = "import sys; from pacs_jax.rewards.worker import main; main(sys.argv)"
 _log = logging.getLogger(__name__)
+
+
+class UnscoredError(RuntimeError):
+    """Too much of a batch was still unscored at the reward deadline (see ``RewardPool.score``)."""
 
 
 class ScoredBatch(NamedTuple):
@@ -100,11 +106,16 @@ class RewardPool:
         self._finalizer()
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], reward: str | Sequence[str] = "math",
-              *, deadline: float | None = None) -> ScoredBatch:
+              *, deadline: float | None = None, deadline_retries: int = 0,
+              max_unscored_fraction: float | None = None) -> ScoredBatch:
         """Score ``responses[i]`` against ``ground_truths[i]`` with reward function ``reward`` (or ``reward[i]``).
 
         deadline: seconds from now after which unchecked items score 0 (status DEADLINE); the call
-        returns shortly after it whatever the items do.
+        returns shortly after it whatever the items do. deadline_retries: how many more rounds, each
+        with a fresh ``deadline``, the items the deadline left unchecked get (those never started
+        first, then those abandoned mid-check). max_unscored_fraction: raise ``UnscoredError`` when a
+        larger fraction of the batch is still unchecked after the retries (rather than let it count
+        as wrong answers).
         """
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
@@ -117,13 +128,39 @@ class RewardPool:
         unknown = sorted(set(rewards) - set(REWARDS))
         if unknown:
             raise ValueError(f"unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+        if deadline_retries < 0:
+            raise ValueError(f"deadline_retries must be >= 0, got {deadline_retries}")
 
         start = time.monotonic()
-        end = start + deadline if deadline is not None else float("inf")
         restarts_before = self._restarts
         scores = np.zeros(n, np.float32)
         statuses = [verdict.DEADLINE] * n  # overwritten as items are checked
-        pending = deque(range(n))
+        items = [(responses[i], ground_truths[i], rewards[i]) for i in range(n)]
+        pending, retried = list(range(n)), 0
+        for round_ in range(deadline_retries + 1):
+            abandoned = self._run(items, pending, deadline, scores, statuses)
+            unchecked = [i for i in pending if statuses[i] == verdict.DEADLINE]
+            pending = [i for i in unchecked if i not in abandoned] + [i for i in unchecked if i in abandoned]
+            if not pending or round_ == deadline_retries:
+                break
+            retried += len(pending)
+        metrics = score_metrics(scores, statuses, restarts=self._restarts - restarts_before,
+                                seconds=time.monotonic() - start)
+        metrics["deadline_retried"] = float(retried)
+        if max_unscored_fraction is not None and n and metrics["unscored_fraction"] > max_unscored_fraction:
+            raise UnscoredError(
+                f"{int(metrics['unscored'])} of {n} responses ({metrics['unscored_fraction']:.1%}) were still "
+                f"unscored at the reward deadline of {deadline} s after {deadline_retries} retry round(s), above "
+                f"the allowed {max_unscored_fraction:.1%} (reward.max_unscored_fraction); training on them would "
+                "count them as wrong. Raise reward.deadline or reward.workers, or check the responses.")
+        return ScoredBatch(scores, statuses, metrics)
+
+    def _run(self, items: Sequence[tuple[str, str, str]], indices: Sequence[int], deadline: float | None,
+             scores: np.ndarray, statuses: list[str]) -> set[int]:
+        """Check ``items[i]`` for i in ``indices`` until done or ``deadline`` seconds pass, writing each
+        result into ``scores`` / ``statuses``; returns the items abandoned mid-check at the deadline."""
+        end = time.monotonic() + deadline if deadline is not None else float("inf")
+        pending = deque(indices)
 
         def record(index: int, score: float, status: str) -> None:
             scores[index], statuses[index] = score, status
@@ -132,8 +169,9 @@ class RewardPool:
             for worker in self._workers:
                 if worker.ready and worker.item is None and pending:
                     index = pending.popleft()
+                    response, ground_truth, reward = items[index]
                     try:
-                        worker.inbox.send((index, rewards[index], responses[index], ground_truths[index]))
+                        worker.inbox.send((index, reward, response, ground_truth))
                     except OSError:  # died while idle: retry the item on its replacement
                         pending.appendleft(index)
                         self._replace(worker)
@@ -149,11 +187,12 @@ class RewardPool:
                 elif not worker.ready and now - worker.spawned_at >= self.start_timeout:
                     raise RuntimeError(f"reward worker not ready after {self.start_timeout:.0f} s")
 
+        abandoned = set()
         for worker in self._workers:  # deadline passed: abandon the items still being checked
             if worker.item is not None:
+                abandoned.add(worker.item)
                 self._replace(worker)
-        return ScoredBatch(scores, statuses, score_metrics(scores, statuses, restarts=self._restarts - restarts_before,
-                                                           seconds=time.monotonic() - start))
+        return abandoned
 
     def _busy(self) -> bool:
         return any(worker.item is not None for worker in self._workers)
@@ -225,7 +264,8 @@ def score_metrics(scores: np.ndarray, statuses: Sequence[str], *, restarts: int,
         "count": float(len(statuses)),
         "mean_score": float(scores.mean()) if len(statuses) else 0.0,
         "timeouts": float(counts[verdict.TIMEOUT]),
-        "deadline_misses": float(counts[verdict.DEADLINE]),
+        "unscored": float(counts[verdict.DEADLINE]),  # still unchecked at the deadline (after any retries)
+        "unscored_fraction": float(counts[verdict.DEADLINE]) / max(len(statuses), 1),
         "parse_failures": float(counts[verdict.NO_ANSWER] + counts[verdict.BAD_GOLD]),
         "rejected": float(counts[verdict.REJECTED]),
         "errors": float(counts[verdict.ERROR] + counts[verdict.CRASH]),

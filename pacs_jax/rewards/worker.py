@@ -14,9 +14,19 @@ from multiprocessing.connection import Connection
 
 from pacs_jax.rewards.gsm8k import judge_gsm8k
 from pacs_jax.rewards.math import judge_math
+from pacs_jax.rewards.paper import judge_paper
 from pacs_jax.rewards.verdict import Verdict
 
-REWARDS: dict[str, Callable[[str, str], Verdict]] = {"math": judge_math, "gsm8k": judge_gsm8k}
+REWARDS: dict[str, Callable[[str, str], Verdict]] = {"math": judge_math, "gsm8k": judge_gsm8k, "paper": judge_paper}
+# reward.mode: "strict" scores with reward.name's checker; "paper" with the authors' call for every data source.
+REWARD_MODES = ("strict", "paper")
+
+
+def reward_for(name: str, mode: str) -> str:
+    """The REWARDS entry that scores reward ``name`` in ``mode`` (one of REWARD_MODES)."""
+    if mode not in REWARD_MODES:
+        raise ValueError(f"reward.mode={mode!r}: expected one of {REWARD_MODES}")
+    return "paper" if mode == "paper" else name
 READY = "ready"
 
 

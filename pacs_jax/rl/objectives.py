@@ -3,8 +3,9 @@
 Every objective has the signature
     fn(logp, old_logp, response_mask, rewards, group_size, *, ref_logp=None, totals=None, **options)
         -> (scalar loss, metrics dict)
-with logp, old_logp, response_mask, ref_logp [B, T] and rewards [B]; ``get_objective`` binds the
-options once (checking their names) so the trainer only passes the batch.
+with logp, old_logp, response_mask, ref_logp [B, T] and rewards [B] ("ppo" also takes the batch's
+per-token ``advantages`` [B, T]); ``get_objective`` binds the options once (checking their names) so
+the trainer only passes the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 from pacs_jax.rl.pacs import pacs_loss
 from pacs_jax.rl.policy_gradient import drgrpo_loss, grpo_loss, policy_gradient_loss, rloo_loss
+from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss
 
 Objective = Callable[..., tuple]
 
@@ -23,19 +25,23 @@ OBJECTIVES: dict[str, Objective] = {
     "grpo": grpo_loss,
     "rloo": rloo_loss,
     "drgrpo": drgrpo_loss,
+    "ppo": ppo_objective,  # needs per-token advantages in the batch (rl.compute_gae); see rl/ppo.py
 }
 
 # Objectives whose rewards are class labels in {0, 1}; the others take any finite reward.
 BINARY_REWARD_OBJECTIVES = frozenset({"pacs"})
 
-_BATCH_ARGS = {"logp", "old_logp", "response_mask", "rewards", "group_size", "ref_logp", "totals"}
+_BATCH_ARGS = {"logp", "old_logp", "response_mask", "rewards", "group_size", "ref_logp", "totals", "advantages"}
+# Where an objective's **options go: the function whose keyword options it forwards them to.
+_FORWARDS_TO = {"grpo": policy_gradient_loss, "rloo": policy_gradient_loss, "drgrpo": policy_gradient_loss,
+                "ppo": ppo_policy_loss}
 
 
-def _option_names(fn: Objective) -> set[str]:
+def _option_names(fn: Objective, forwards_to: Objective | None = None) -> set[str]:
     params = inspect.signature(fn).parameters.values()
     names = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
-    if any(p.kind is p.VAR_KEYWORD for p in params):  # the baselines forward **options
-        names |= _option_names(policy_gradient_loss) - {"adv_estimator"}
+    if forwards_to is not None and any(p.kind is p.VAR_KEYWORD for p in params):
+        names |= _option_names(forwards_to) - {"adv_estimator"}
     return names - _BATCH_ARGS
 
 
@@ -47,8 +53,8 @@ def get_objective(name: str, **options) -> Objective:
     if name not in OBJECTIVES:
         raise ValueError(f"objective={name!r}: expected one of {sorted(OBJECTIVES)}")
     fn = OBJECTIVES[name]
-    unknown = set(options) - _option_names(fn)
+    known = _option_names(fn, _FORWARDS_TO.get(name))
+    unknown = set(options) - known
     if unknown:
-        raise ValueError(f"objective {name!r} has no option(s) {sorted(unknown)}; "
-                         f"known: {sorted(_option_names(fn))}")
+        raise ValueError(f"objective {name!r} has no option(s) {sorted(unknown)}; known: {sorted(known)}")
     return functools.partial(fn, **options)

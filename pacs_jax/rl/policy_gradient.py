@@ -6,13 +6,25 @@ Per token, with ratio rho = exp(log pi_theta - log pi_old) and the response's ad
   l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))     (PPO clip)
   l = min(l, -A c)  where A < 0                                 (dual clip, c = clip_ratio_c)
 plus, when ``kl_coef`` > 0, kl_coef * KL(pi_theta || pi_ref) per token (pacs_jax.rl.kl).
-Token losses reduce to a scalar by ``loss_agg_mode`` over the response mask m:
+Token losses reduce to a scalar by ``loss_agg_mode`` over the response mask m, for one batch of B
+responses (verl 0.3.1's ``agg_loss``):
   token-mean               sum_it m l / sum_it m
   seq-mean-token-mean      (1/B) sum_i (sum_t m l / sum_t m)
   seq-mean-token-sum       (1/B) sum_i sum_t m l
-  seq-mean-token-sum-norm  (1/B) sum_i sum_t m l / L_max   (L_max: max response length, Dr.GRPO)
-(verl's "seq-mean-token-sum-norm" leaves the 1/B to its gradient-accumulation scaling, which makes
-the loss scale depend on the micro-batch size; here it is a true mean over the responses.)
+  seq-mean-token-sum-norm  sum_it m l / L_max               (L_max: ``norm_length``, default T)
+``loss_scale`` says over which batches, so that the gradient (and what ``optim.grad_clip`` clips)
+has the scale of a chosen trainer:
+  "verl"  as verl 0.3.1's actor without dynamic batch sizes (the paper's baselines): the mini-batch
+          of B responses is cut into G = B / S micro-batches of S = ``verl_micro_batch_size``
+          responses (verl: ppo_micro_batch_size_per_gpu), each is aggregated alone and the loss is
+          their mean (verl divides each micro-batch's loss by the gradient accumulation count, and
+          data-parallel ranks average their gradients). "token-mean" is then a mean of per-micro-batch
+          token means, and "seq-mean-token-sum-norm" is S times the "mean" value. Which S responses
+          share a verl micro-batch is not reproduced (verl balances sequence lengths over ranks);
+          here they are consecutive rows of one update micro-batch.
+  "mean"  the formulas above over the whole mini-batch, with the (1/B) of a mean over responses in
+          "seq-mean-token-sum-norm": the loss does not depend on any micro-batch size.
+"seq-mean-token-mean" and "seq-mean-token-sum" are the same under both.
 
 Advantages come from the rewards by a group estimator (pacs_jax.rl.advantages):
   GRPO     (y - mean) / (std + 1e-6), aggregation "seq-mean-token-sum-norm" (docs/design.md section 6.2)
@@ -33,38 +45,63 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 _MAX_LOG_RATIO = 20.0  # |log rho| bound before the exp: no inf ratios from stale log-probs
 
 
+LOSS_SCALES = ("verl", "mean")
+
+
 def aggregate(loss_mat: jax.Array, response_mask: jax.Array, mode: str, *, norm_length: int | None = None,
-              totals: BatchTotals | None = None) -> jax.Array:
-    """Reduce token losses [B, T] to a scalar by ``mode`` (see the module docstring).
+              totals: BatchTotals | None = None, loss_scale: str = "mean",
+              verl_micro_batch_size: int = 0) -> jax.Array:
+    """Reduce token losses [B, T] to a scalar by ``mode`` and ``loss_scale`` (see the module docstring).
 
     norm_length: L_max of "seq-mean-token-sum-norm" (default T). totals: normalisers of the whole
-    mini-batch when this is one micro-batch of it.
+    mini-batch when this is one micro-batch of it (the losses of its micro-batches then add up to the
+    mini-batch's). verl_micro_batch_size: S of ``loss_scale="verl"``; it must divide B.
     """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={mode!r}: expected one of {LOSS_AGG_MODES}")
     mask = response_mask.astype(jnp.float32)
     token_sum = jnp.sum(loss_mat * mask, axis=-1)  # [B]
-    num_sequences = loss_mat.shape[0] if totals is None else totals.num_sequences
-    if mode == "token-mean":
-        num_tokens = jnp.sum(mask) if totals is None else totals.num_tokens
-        return jnp.sum(token_sum) / jnp.maximum(num_tokens, 1.0)
+    rows = loss_mat.shape[0]
+    num_sequences = rows if totals is None else totals.num_sequences
+    length = loss_mat.shape[-1] if norm_length is None else norm_length
     if mode == "seq-mean-token-mean":
         return jnp.sum(token_sum / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)) / num_sequences
     if mode == "seq-mean-token-sum":
         return jnp.sum(token_sum) / num_sequences
-    if mode == "seq-mean-token-sum-norm":
-        length = loss_mat.shape[-1] if norm_length is None else norm_length
+    if loss_scale == "mean":
+        if mode == "token-mean":
+            num_tokens = jnp.sum(mask) if totals is None else totals.num_tokens
+            return jnp.sum(token_sum) / jnp.maximum(num_tokens, 1.0)
         return jnp.sum(token_sum) / (num_sequences * length)
-    raise ValueError(f"loss_agg_mode={mode!r}: expected one of {LOSS_AGG_MODES}")
+    _check_verl_micro_batch(verl_micro_batch_size, rows, num_sequences)
+    num_verl_micro_batches = num_sequences // verl_micro_batch_size  # G over the whole mini-batch
+    if mode == "token-mean":  # (1/G) sum over verl micro-batches of their token means
+        blocks = token_sum.reshape(-1, verl_micro_batch_size)
+        block_tokens = jnp.sum(mask.reshape(blocks.shape[0], -1), axis=-1)
+        return jnp.sum(jnp.sum(blocks, axis=-1) / jnp.maximum(block_tokens, 1.0)) / num_verl_micro_batches
+    return jnp.sum(token_sum) / (num_verl_micro_batches * length)  # (1/G) sum_g (sum_it m l) / L_max
+
+
+def _check_verl_micro_batch(size: int, rows: int, num_sequences: int) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"loss_scale='verl' needs verl_micro_batch_size >= 1 (algorithm.options."
+                         f"verl_micro_batch_size, verl's ppo_micro_batch_size_per_gpu), got {size!r}")
+    if rows % size or num_sequences % size:
+        raise ValueError(f"verl_micro_batch_size={size} must divide the {rows} responses of an update "
+                         f"micro-batch (train.prompts_per_step x rollout.n / train.mini_batches / "
+                         f"train.micro_batches) and the {num_sequences} of its mini-batch")
 
 
 def clipped_token_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, *, clip_ratio_low: float,
                        clip_ratio_high: float, clip_ratio_c: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Dual-clip PPO token losses: logp, old_logp [B, T], advantages [B] -> (losses, clipped, dual) [B, T].
+    """Dual-clip PPO token losses: logp, old_logp [B, T], advantages [B] (one per response) or [B, T]
+    (one per token, PPO with GAE) -> (losses, clipped, dual) [B, T].
 
     ``clipped`` marks tokens where the clipped branch is active, ``dual`` where the dual clip is.
     """
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     ppo = jnp.maximum(unclipped, clipped)
@@ -77,15 +114,21 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: ja
                          group_size: int, *, adv_estimator: str, loss_agg_mode: str, clip_ratio_low: float = 0.2,
                          clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, norm_length: int | None = None,
                          ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
+                         loss_scale: str = "mean", verl_micro_batch_size: int = 0,
                          totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip loss with group advantages from the rewards (see the module docstring).
 
     logp, old_logp, response_mask, ref_logp: [B, T]; rewards: [B] (any finite values).
+    loss_scale, verl_micro_batch_size: the aggregation convention ("verl": verl 0.3.1's micro-batch
+    means, over micro-batches of ``verl_micro_batch_size`` responses; "mean": one mean over the
+    mini-batch), for the policy loss and the KL term alike.
     Returns (scalar loss, metrics: pg loss, clip fractions, approx KL to pi_old, advantage mean/std,
     and the KL penalty when used).
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r}: expected one of {LOSS_AGG_MODES}")
+    if loss_scale not in LOSS_SCALES:
+        raise ValueError(f"loss_scale={loss_scale!r}: expected one of {LOSS_SCALES}")
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip bound must be > 1")
     if kl_coef and ref_logp is None:
@@ -98,7 +141,8 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: ja
     advantages = jax.lax.stop_gradient(estimator(rewards.astype(jnp.float32), group_size))
     losses, clipped, dual = clipped_token_loss(logp, old_logp, advantages, clip_ratio_low=clip_ratio_low,
                                                clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
-    agg = dict(norm_length=norm_length, totals=totals)
+    agg = dict(norm_length=norm_length, totals=totals, loss_scale=loss_scale,
+               verl_micro_batch_size=verl_micro_batch_size)
     pg_loss = aggregate(losses, response_mask, loss_agg_mode, **agg)
     mask = response_mask.astype(jnp.float32)
     token_mean = lambda x: jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)  # noqa: E731

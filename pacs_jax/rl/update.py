@@ -7,6 +7,7 @@ Batch layout (the verl layout; L = P + R):
   old_logp        [B, R] float   log pi_old of the response tokens (see ``make_logprobs_fn``)
   rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
   ref_logp        [B, R] float   optional: reference-policy log-probs for a KL penalty
+  advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
 The hidden state at position P - 1 + t predicts response token t, so the response log-probs are
 the fused log-probs (pacs_jax.rl.logprobs) of hidden[:, P-1:L-1] against input_ids[:, P:].
 
@@ -34,7 +35,7 @@ from pacs_jax.sharding import MeshRules, constrain
 
 Batch = Mapping[str, jax.Array]
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")
-OPTIONAL_KEYS = ("ref_logp",)
+OPTIONAL_KEYS = ("ref_logp", "advantages")
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
@@ -86,6 +87,8 @@ def _check_update_batch(batch: Batch, group_size: int, num_micro_batches: int, b
     if B_r != B or not 0 < R < L:
         raise ValueError(f"batch['response_mask'] must be [B, R] with B={B} and 0 < R < L={L}, got {(B_r, R)}")
     # Values: only the rewards (a [B] host check); the per-token arrays are checked by shape.
+    if "advantages" in batch and batch["advantages"].shape != (B, R):
+        raise ValueError(f"batch['advantages'] must be [B, R]={(B, R)} like response_mask, got {batch['advantages'].shape}")
     abstract = jax.ShapeDtypeStruct((B, R), jnp.float32)
     check_batch(abstract, batch["old_logp"], abstract, batch["rewards"], group_size, min_group_size=1,
                 binary_rewards=binary_rewards, ref_logp=batch.get("ref_logp"))
@@ -127,29 +130,42 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         R = micro["response_mask"].shape[1]
         logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature=temperature,
                                  chunk_size=chunk_size, rules=rules)
+        extra = {"advantages": micro["advantages"]} if "advantages" in micro else {}
         return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size,
-                  ref_logp=micro.get("ref_logp"), totals=totals)
+                  ref_logp=micro.get("ref_logp"), totals=totals, **extra)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def loss_and_grad(params: nnx.State, batch: Batch):
-        batch = dict(batch)
-        totals = BatchTotals(num_sequences=batch["rewards"].shape[0],
-                             num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
-        micro = {k: _split_micro_batches(v, group_size, K) for k, v in batch.items()}
-        micro = {k: constrain(v, rules, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
-
-        def step(acc, mb):
-            loss_sum, grad_sum = acc
-            (loss, metrics), grads = grad_fn(params, mb, totals)
-            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-            return (loss_sum + loss, grad_sum), metrics
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (loss, grads), metrics = jax.lax.scan(step, (jnp.zeros((), jnp.float32), zeros), micro)
-        return loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads
+        return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K, rules=rules)
 
     return loss_and_grad
+
+
+def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch: Batch, *, unit: int, num_micro_batches: int,
+                             rules: MeshRules | None = None) -> tuple[jax.Array, dict, nnx.State]:
+    """Gradient accumulation: ``grad_fn(params, micro_batch, totals) -> ((loss, metrics), grads)`` over
+    ``num_micro_batches`` micro-batches of ``batch`` (blocks of ``unit`` rows, strided, see
+    ``_split_micro_batches``) in a ``lax.scan``. ``totals`` are the whole batch's (its rows and
+    response tokens), so an objective normalised by them sums to the whole batch's loss.
+
+    Returns (summed loss, metrics averaged over micro-batches, summed float32 gradients).
+    """
+    batch = dict(batch)
+    totals = BatchTotals(num_sequences=batch["response_mask"].shape[0],
+                         num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
+    micro = {k: _split_micro_batches(v, unit, num_micro_batches) for k, v in batch.items()}
+    micro = {k: constrain(v, rules, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
+
+    def step(acc, mb):
+        loss_sum, grad_sum = acc
+        (loss, metrics), grads = grad_fn(params, mb, totals)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        return (loss_sum + loss, grad_sum), metrics
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, grads), metrics = jax.lax.scan(step, (jnp.zeros((), jnp.float32), zeros), micro)
+    return loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads
 
 
 def make_loss_and_grad(graphdef: nnx.GraphDef, objective: str, *, group_size: int,

@@ -14,8 +14,8 @@ import ml_collections
 from jax.sharding import Mesh
 
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
-from pacs_jax.rewards import REWARDS
-from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, OBJECTIVES, get_objective
+from pacs_jax.rewards import REWARD_MODES, REWARDS
+from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_SCALES, OBJECTIVES, get_objective
 from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES
 from pacs_jax.sharding import make_mesh
 from pacs_jax.training import memory_plan
@@ -25,7 +25,7 @@ GROUP_OBJECTIVES = ("pacs", "rloo", "grpo", "drgrpo")  # need n >= 2 responses p
 # Objective options with a fixed set of values (the objectives check them only when traced).
 OPTION_CHOICES = {"weight_mode": WEIGHT_MODES, "reward_method": REWARD_METHODS,
                   "adv_estimator": tuple(ADVANTAGE_ESTIMATORS), "loss_agg_mode": LOSS_AGG_MODES,
-                  "kl_type": tuple(KL_ESTIMATORS)}
+                  "kl_type": tuple(KL_ESTIMATORS), "loss_scale": LOSS_SCALES}
 
 
 class ConfigError(ValueError):
@@ -66,6 +66,9 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
 
     _require(config.algorithm.objective in OBJECTIVES, "algorithm.objective",
              f"{config.algorithm.objective!r} is not one of {sorted(OBJECTIVES)}")
+    _require(config.algorithm.objective != "ppo", "algorithm.objective",
+             "'ppo' is not wired into the trainer yet (its building blocks are rl/gae.py, rl/ppo.py, rl/critic.py "
+             "and models/value.py): choose one of pacs, grpo, rloo, drgrpo")
     try:
         get_objective(config.algorithm.objective, **dict(config.algorithm.options))
     except ValueError as e:
@@ -81,6 +84,8 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     _require(rc.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}")
     _require(rc.temperature > 0, "rollout.temperature", f"RL samples need temperature > 0, got {rc.temperature}")
     _require(0 < rc.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rc.top_p}")
+    _require(all(isinstance(t, int) and t >= 0 for t in rc.stop_token_ids), "rollout.stop_token_ids",
+             f"must be token ids (integers >= 0), got {rc.stop_token_ids!r}")
 
     _check_buckets(config.data.prompt_buckets, "data.prompt_buckets", config.data.max_prompt_length,
                    "data.max_prompt_length", allow_empty=False)
@@ -100,12 +105,21 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
     per_mini = tc.prompts_per_step // tc.mini_batches
     _require(per_mini % tc.micro_batches == 0, "train.micro_batches",
              f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
+    options = config.algorithm.options
+    if options.get("loss_scale") == "verl":
+        size, micro_rows = options.get("verl_micro_batch_size"), per_mini // tc.micro_batches * rc.n
+        _require(isinstance(size, int) and size >= 1 and micro_rows % size == 0, "algorithm.options.verl_micro_batch_size",
+                 f"{size!r} must be an integer >= 1 dividing the {micro_rows} responses of an update micro-batch "
+                 "(train.prompts_per_step x rollout.n / train.mini_batches / train.micro_batches)")
 
     _require(oc.lr > 0, "optim.lr", f"must be > 0, got {oc.lr}")
     _require(oc.schedule in SCHEDULES, "optim.schedule", f"{oc.schedule!r} is not one of {SCHEDULES}")
     _require(oc.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = none), got {oc.grad_clip}")
     _require(config.reward.name in REWARDS, "reward.name", f"{config.reward.name!r} is not one of {sorted(REWARDS)}")
     _require(config.reward.item_timeout > 0, "reward.item_timeout", "must be > 0")
+    _require(config.reward.mode in REWARD_MODES, "reward.mode", f"{config.reward.mode!r} is not one of {REWARD_MODES}")
+    _require(0.0 <= config.reward.max_unscored_fraction <= 1.0, "reward.max_unscored_fraction",
+             f"must be in [0, 1], got {config.reward.max_unscored_fraction}")
 
     m = config.model
     _require(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")

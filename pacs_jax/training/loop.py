@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from pacs_jax import distributed, sampling
 from pacs_jax.models import Qwen
-from pacs_jax.rewards import RewardPool
+from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import MeshRules
 from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.training.compilations import compilations, start_counting
@@ -113,26 +113,31 @@ def config_optimizer(config: ml_collections.ConfigDict):
 
 def config_update_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, optimizer,
                        rules: MeshRules | None, state_shardings: tuple | None) -> Callable:
-    """The step's update program (training/update_step.py) as ``config`` asks for it."""
+    """The step's update program (training/update_step.py) as ``config`` asks for it; log pi_theta at
+    the rollout temperature, like pi_old."""
     tc = config.train
     return make_update_step(graphdef, optimizer, config.algorithm.objective, group_size=config.rollout.n,
                             objective_options=dict(config.algorithm.options), num_mini_batches=tc.mini_batches,
-                            num_micro_batches=tc.micro_batches, rules=rules, state_shardings=state_shardings)
+                            num_micro_batches=tc.micro_batches, temperature=config.rollout.temperature, rules=rules,
+                            state_shardings=state_shardings)
 
 
 def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, rules: MeshRules | None,
                      stop_token_ids: Sequence[int], *, decode: Callable[[Sequence[int]], str],
                      reward_pool: RewardPool | None) -> RolloutCollector:
-    """The step's sampler and pi_old programs (training/rollout.py) as ``config`` asks for them."""
+    """The step's sampler and pi_old programs (training/rollout.py) as ``config`` asks for them; a sample
+    stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
     tc, rc = config.train, config.rollout
+    stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     params = sampling.SamplingParams(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
-                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=tuple(stop_token_ids))
+                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops)
     return RolloutCollector(
-        graphdef, rules, params, decode=decode, reward_pool=reward_pool, reward_name=config.reward.name,
+        graphdef, rules, params, decode=decode, reward_pool=reward_pool,
+        reward_name=reward_for(config.reward.name, config.reward.mode),
         prompt_buckets=config.data.prompt_buckets, response_buckets=rc.response_buckets,
         sampler_micro_batches=rc.micro_batches,
         logprob_micro_batches=tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches,
-        reward_deadline=config.reward.deadline)
+        reward_deadline=config.reward.deadline, max_unscored_fraction=config.reward.max_unscored_fraction)
 
 
 def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,

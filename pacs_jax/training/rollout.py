@@ -6,11 +6,14 @@
     trim     on the device: the calls' responses joined into [P*n, R] rows, cut to the smallest
              response bucket that holds the longest one
     pi_old   one jitted program per (prompt bucket, response bucket): assemble [B, P + R] rows on the
-             device and compute pi_old and the entropy at temperature 1, in micro-batches of rows
+             device and compute pi_old and the entropy at the rollout temperature (logits / T, as
+             verl), in micro-batches of rows
              (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored
     reward   each process decodes and scores the rows its devices hold (read from its addressable
-             shards; the ids never leave their host) while the device computes pi_old; the rewards
-             go back into a global array, and the step's metrics are computed from all rows
+             shards; the ids never leave their host) while the device computes pi_old; what the
+             deadline leaves unscored gets one more round, then counts (``reward_unscored``) or,
+             above ``max_unscored_fraction`` of a process's rows, stops the run (rewards.UnscoredError);
+             the rewards go back into a global array, and the step's metrics are computed from all rows
 
 Every program's shapes come from the config's buckets, so ``warm_up`` compiles all of them up front
 and a run compiles nothing after it. Every process sees the whole PromptBatch (token ids are small)
@@ -36,6 +39,9 @@ from pacs_jax.rewards import STATUSES, RewardPool, score_metrics
 from pacs_jax.rl import micro_batched_logprobs
 from pacs_jax.sampling.engine import lower_rollout
 from pacs_jax.sharding import MeshRules, constrain
+
+
+REWARD_DEADLINE_RETRIES = 1  # rounds with a fresh reward deadline for what the first one left unscored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +94,8 @@ class RolloutCollector:
                  decode: Callable[[Sequence[int]], str], reward_pool: RewardPool, reward_name: str,
                  prompt_buckets: Sequence[int], response_buckets: Sequence[int] = (),
                  sampler_micro_batches: int = 1, logprob_micro_batches: int = 1,
-                 reward_deadline: float | None = None, chunk_size: int | None = None):
+                 reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
+                 chunk_size: int | None = None):
         self.graphdef, self.rules, self.params = graphdef, rules, params
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.prompt_buckets = tuple(sorted(prompt_buckets))
@@ -97,7 +104,7 @@ class RolloutCollector:
             raise ValueError(f"the largest response bucket ({self.response_buckets[-1]}) must equal "
                              f"max_new_tokens ({params.max_new_tokens})")
         self.sampler_micro_batches, self.logprob_micro_batches = sampler_micro_batches, logprob_micro_batches
-        self.reward_deadline = reward_deadline
+        self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
         rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
         replicated = rows if rules is None else NamedSharding(rules.mesh, PartitionSpec())
@@ -110,7 +117,7 @@ class RolloutCollector:
             ids, mask = constrain(ids, rules, ("batch", None)), constrain(mask, rules, ("batch", None))
             old_logp, entropy = micro_batched_logprobs(
                 nnx.merge(graphdef, state), ids, mask, tokens.shape[1], num_micro_batches=logprob_micro_batches,
-                rules=rules, with_entropy=True, **extra)
+                temperature=params.temperature, rules=rules, with_entropy=True, **extra)
             response_mask = response_mask.astype(jnp.float32)
             entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
             return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
@@ -218,7 +225,8 @@ class RolloutCollector:
         batch, entropy_mean = self.old_policy(state, sampled)  # runs on the device while the host scores
         texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
         golds = [prompts.ground_truths[row // n] for row in rows]
-        scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline)
+        scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
+                                 deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction)
         times["time_reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         entropy_mean = float(entropy_mean)  # waits for pi_old
@@ -234,9 +242,10 @@ class RolloutCollector:
         rewards = distributed.to_host(batch["rewards"])  # every row's, on every process
         statuses = [STATUSES[i] for i in distributed.to_host(self._put(status_np))]
         checksum = distributed.to_host(self._put(checksum_np))
-        restarts, seconds = distributed.gather_per_process(
-            np.asarray([scored.metrics["worker_restarts"], scored.metrics["seconds"]])).T
+        restarts, seconds, retried = distributed.gather_per_process(np.asarray(
+            [scored.metrics[k] for k in ("worker_restarts", "seconds", "deadline_retried")])).T
         reward_metrics = score_metrics(rewards, statuses, restarts=int(restarts.sum()), seconds=float(seconds.max()))
+        reward_metrics["deadline_retried"] = float(retried.sum())
         per_prompt = rewards.reshape(-1, n)
         metrics = {
             "reward_mean": float(rewards.mean()),

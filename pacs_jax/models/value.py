@@ -1,0 +1,75 @@
+"""The critic of PPO: a Qwen backbone with a scalar value head (verl's critic: the HF model as a token
+classifier with one label).
+
+Shapes: B batch, T tokens, D hidden, P prompt length, R response length.
+
+    critic = value_model_from_actor(actor)                        # the actor's weights, copied, same shardings
+    values = critic(input_ids, attention_mask)                    # [B, T] float32
+    v = response_values(critic, input_ids, attention_mask, R)     # [B, R]: the value before response token t
+
+The backbone is a ``Qwen`` without an output projection (its config says tied embeddings, so no
+``lm_head`` is allocated; the critic never computes logits). The head is v_t = h_t . w + b on the
+final-normed hidden state h_t, in float32; w starts at normal(0, 0.02) and b at 0, as transformers
+initialises a token-classification head. The parameters carry the actor's logical axes, so the
+critic is sharded exactly like the actor (the head's w over "embed", like every embed dim).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.loading import _initialiser, abstract_model, dotted
+from pacs_jax.models.qwen import Qwen, _param
+from pacs_jax.sharding import MeshRules
+
+
+class ValueModel(nnx.Module):
+    """Qwen backbone + scalar head: ``critic(tokens, attention_mask)`` -> values [B, T] float32."""
+
+    def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, rules: MeshRules | None = None):
+        self.cfg, self.rules = cfg, rules
+        self.backbone = Qwen(cfg.replace(tie_word_embeddings=True), rngs=rngs, rules=rules)
+        self.value_kernel = _param(rngs, (cfg.hidden_size,), ("embed",), cfg.param_dtype)
+        self.value_bias = _param(rngs, (), (), cfg.param_dtype, init="zeros")
+
+    def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        """tokens, attention_mask [B, T] -> values [B, T] float32 (one per position)."""
+        hidden = self.backbone(tokens, attention_mask, return_hidden=True)  # [B, T, D]
+        values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_kernel[...].astype(jnp.float32))
+        return values + self.value_bias[...].astype(jnp.float32)
+
+
+def response_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array,
+                    response_length: int) -> jax.Array:
+    """Values of the response tokens: input_ids, attention_mask [B, P + R] -> [B, R], value t read at
+    position P - 1 + t (the state in which response token t is chosen, as the log-probs)."""
+    prompt_length = input_ids.shape[1] - response_length
+    return critic(input_ids, attention_mask)[:, prompt_length - 1:-1]
+
+
+def value_model_from_actor(actor: Qwen, seed: int = 0) -> ValueModel:
+    """A critic whose backbone is a copy of ``actor``'s parameters (embedding, layers, final norm; not
+    its output projection) in the same shardings, and whose head is freshly initialised.
+
+    The copies own their buffers: donating the critic's parameters to an update never invalidates
+    the actor's.
+    """
+    mesh = None if actor.rules is None else actor.rules.mesh
+    graphdef, abstract = abstract_model(actor.cfg, mesh, cls=ValueModel)
+    actor_params = {dotted(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(actor, nnx.Param))}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    key = jax.random.key(seed)
+    items = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
+        spec = var.get_value()
+        if path[0] == "backbone":
+            source = actor_params[dotted(path[1:])]
+            value = jax.device_put(source, spec.sharding if mesh is not None else source.sharding, may_alias=False)
+        else:
+            sharding = spec.sharding if mesh is not None else device
+            value = _initialiser(var.init_kind, spec.shape, jnp.dtype(spec.dtype), sharding)(jax.random.fold_in(key, i))
+        items.append((path, var.replace(value=value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(items))

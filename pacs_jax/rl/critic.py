@@ -1,0 +1,53 @@
+"""The critic's loss and gradient for PPO: the clipped value loss (``rl.value_loss``) of a
+``models.ValueModel`` over micro-batches (docs/design.md section 6.6).
+
+Batch (the update batch's layout, L = P + R):
+  input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
+  attention_mask  [B, L]         1 on real tokens
+  response_mask   [B, R]         1 on the response tokens
+  old_values      [B, R] float   the critic's values at rollout time (what ``rl.compute_gae`` used)
+  returns         [B, R] float   ``rl.compute_gae``'s returns
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+from flax import nnx
+
+from pacs_jax.models.value import response_values
+from pacs_jax.rl.ppo import value_loss
+from pacs_jax.rl.update import accumulate_micro_batches
+from pacs_jax.sharding import MeshRules
+
+CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+
+
+def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 1, clip_range_value: float = 0.5,
+                            loss_scale: str = "mean", verl_micro_batch_size: int = 0,
+                            rules: MeshRules | None = None) -> Callable[[nnx.State, Mapping[str, jax.Array]], tuple]:
+    """The pure ``(critic params, batch) -> (loss, metrics, grads)`` of the value loss (token-mean, as
+    verl 0.3.1's critic; ``loss_scale="verl"`` with ``verl_micro_batch_size`` for verl's micro-batch
+    means), accumulated over ``num_micro_batches`` micro-batches of rows. grads: float32, like params.
+    """
+
+    def micro_loss(params, micro, totals):
+        critic = nnx.merge(graphdef, params)
+        values = response_values(critic, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1])
+        return value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
+                          clip_range_value=clip_range_value, loss_scale=loss_scale,
+                          verl_micro_batch_size=verl_micro_batch_size, totals=totals)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def loss_and_grad(params: nnx.State, batch: Mapping[str, jax.Array]):
+        if sorted(batch) != sorted(CRITIC_KEYS):
+            raise ValueError(f"the critic's batch takes exactly {list(CRITIC_KEYS)}, got {sorted(batch)}")
+        rows = batch["input_ids"].shape[0]
+        if num_micro_batches < 1 or rows % num_micro_batches:
+            raise ValueError(f"num_micro_batches={num_micro_batches} does not divide the batch of {rows} rows")
+        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
+                                        rules=rules)
+
+    return loss_and_grad

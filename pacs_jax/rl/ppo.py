@@ -1,0 +1,98 @@
+"""PPO with a critic: the actor's dual-clip policy loss on per-token GAE advantages and the critic's
+clipped value loss (verl 0.3.1's ``compute_policy_loss`` and ``compute_value_loss``).
+
+Shapes: B responses, T response tokens, m = response_mask [B, T].
+
+Policy (per token, A from ``rl.compute_gae``, rho = exp(log pi_theta - log pi_old)):
+  l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)),  and where A < 0:  l = min(l, -A c)
+Value (per token, V_old the values at rollout time, V the critic's current prediction, R the returns):
+  l_v = max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
+  value loss = 1/2 * aggregate(l_v)
+Both reduce with ``policy_gradient.aggregate`` (``loss_agg_mode`` and ``loss_scale``; verl's critic
+takes the token mean and, like its actor, the mean over micro-batches).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.rl.batch import BatchTotals
+from pacs_jax.rl.policy_gradient import aggregate, clipped_token_loss
+
+
+def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
+                    clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                    loss_agg_mode: str = "token-mean", loss_scale: str = "mean", verl_micro_batch_size: int = 0,
+                    norm_length: int | None = None, totals: BatchTotals | None = None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The actor's loss: logp, old_logp, advantages, response_mask [B, T] -> (scalar, metrics).
+
+    advantages are constants (no gradient flows into them). Metrics: the clip fractions of both
+    clips and the approximate KL to pi_old, as token means.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip bound must be > 1")
+    if not logp.shape == old_logp.shape == advantages.shape == response_mask.shape:
+        raise ValueError(f"logp, old_logp, advantages and response_mask must share one [B, T] shape, got "
+                         f"{logp.shape}, {old_logp.shape}, {advantages.shape}, {response_mask.shape}")
+    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
+    losses, clipped, dual = clipped_token_loss(logp, old_logp, jax.lax.stop_gradient(advantages.astype(jnp.float32)),
+                                               clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                               clip_ratio_c=clip_ratio_c)
+    loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
+                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
+    mask = response_mask.astype(jnp.float32)
+    metrics = {"ppo/policy_loss": loss, "ppo/clipfrac": _token_mean(clipped.astype(jnp.float32), mask),
+               "ppo/clipfrac_dual": _token_mean(dual.astype(jnp.float32), mask),
+               "ppo/approx_kl_old": _token_mean(old_logp - logp, mask)}
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, response_mask: jax.Array, *,
+               clip_range_value: float = 0.5, loss_agg_mode: str = "token-mean", loss_scale: str = "mean",
+               verl_micro_batch_size: int = 0, totals: BatchTotals | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The critic's clipped loss: values (current predictions), old_values, returns, response_mask [B, T]
+    -> (scalar, metrics: value clip fraction, explained variance of the returns by the predictions).
+    """
+    if not values.shape == old_values.shape == returns.shape == response_mask.shape:
+        raise ValueError(f"values, old_values, returns and response_mask must share one [B, T] shape, got "
+                         f"{values.shape}, {old_values.shape}, {returns.shape}, {response_mask.shape}")
+    if clip_range_value <= 0:
+        raise ValueError(f"clip_range_value={clip_range_value} must be > 0")
+    values = values.astype(jnp.float32)
+    old_values = jax.lax.stop_gradient(old_values.astype(jnp.float32))
+    returns = jax.lax.stop_gradient(returns.astype(jnp.float32))
+    clipped_values = jnp.clip(values, old_values - clip_range_value, old_values + clip_range_value)
+    unclipped_loss, clipped_loss = jnp.square(values - returns), jnp.square(clipped_values - returns)
+    loss = 0.5 * aggregate(jnp.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode, totals=totals,
+                           loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
+    mask = response_mask.astype(jnp.float32)
+    residual_variance = _token_mean(jnp.square(returns - values - _token_mean(returns - values, mask)), mask)
+    return_variance = _token_mean(jnp.square(returns - _token_mean(returns, mask)), mask)
+    metrics = {"critic/value_loss": loss,
+               "critic/value_clipfrac": _token_mean((clipped_loss > unclipped_loss).astype(jnp.float32), mask),
+               "critic/explained_variance": 1.0 - residual_variance / jnp.maximum(return_variance, 1e-8)}
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def ppo_objective(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
+                  group_size: int, *, advantages: jax.Array | None = None, ref_logp: jax.Array | None = None,
+                  totals: BatchTotals | None = None, **options) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The registry's "ppo" objective (pacs_jax.rl.objectives): ``ppo_policy_loss`` on the update
+    batch's per-token ``advantages`` [B, T] (``compute_gae`` on the critic's values). The rewards
+    already live in the advantages and responses need no groups, so ``rewards`` and ``group_size``
+    are not read; no KL term (the paper's PPO has none). Options: see ``ppo_policy_loss``.
+    """
+    del rewards, group_size
+    if advantages is None:
+        raise ValueError("objective 'ppo' needs the update batch's 'advantages' [B, T] (rl.compute_gae with the "
+                         "critic's values)")
+    if ref_logp is not None:
+        raise ValueError("objective 'ppo' has no KL term: the batch must not hold 'ref_logp'")
+    return ppo_policy_loss(logp, old_logp, advantages, response_mask, totals=totals, **options)

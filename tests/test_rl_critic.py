@@ -1,0 +1,67 @@
+"""The critic's value-loss gradient over micro-batches (rl/critic.py) against a float64 NumPy value
+loss on the critic's own values, at verl 0.3.1's micro-batch scale and at the whole-batch mean."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pacs_jax import models, rl
+from test_rl_policy_gradient import verl_mini_batch_loss
+from test_rl_ppo import ref_value_token_losses
+
+CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=4)
+PROMPT, RESPONSE, ROWS = 4, 5, 8
+
+
+@pytest.fixture(scope="module")
+def critic_and_batch():
+    critic = models.value_model_from_actor(models.init_random(CFG, seed=0), seed=1)
+    rs = np.random.RandomState(0)
+    ids = rs.randint(0, CFG.vocab_size, (ROWS, PROMPT + RESPONSE)).astype(np.int32)
+    mask = np.zeros(ids.shape, np.int32)
+    for i in range(ROWS):
+        mask[i, PROMPT - rs.randint(1, PROMPT + 1):PROMPT + rs.randint(1, RESPONSE + 1)] = 1
+    values = np.asarray(models.response_values(critic, jnp.asarray(ids), jnp.asarray(mask), RESPONSE))
+    batch = dict(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
+                 old_values=(values + 0.6 * rs.randn(*values.shape)).astype(np.float32),  # some beyond the clip
+                 returns=rs.randint(0, 2, values.shape).astype(np.float32))
+    return critic, batch, values
+
+
+def test_critic_loss_over_micro_batches_matches_numpy(critic_and_batch):
+    critic, batch, values = critic_and_batch
+    graphdef, params = nnx.split(critic)
+    mask = batch["response_mask"]
+    token_losses = ref_value_token_losses(values, batch["old_values"], batch["returns"])
+    assert (np.abs(values - batch["old_values"])[mask > 0] > 0.5).any()  # the value clip is exercised
+
+    whole = jax.jit(rl.critic_loss_and_grad_fn(graphdef))(params, batch)
+    split = jax.jit(rl.critic_loss_and_grad_fn(graphdef, num_micro_batches=2))(params, batch)
+    np.testing.assert_allclose(float(whole[0]), 0.5 * (token_losses * mask).sum() / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(split[0]), float(whole[0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(split[2]), jax.tree.leaves(whole[2])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    assert 0 < float(whole[1]["critic/value_clipfrac"]) < 1
+
+    # verl's critic: 0.5 * token mean per micro-batch of 2 responses, averaged; our micro-batch k of
+    # 2 holds rows k, k + 2, ... and verl's micro-batches are consecutive pairs of them
+    verl = jax.jit(rl.critic_loss_and_grad_fn(graphdef, num_micro_batches=2, loss_scale="verl",
+                                              verl_micro_batch_size=2))(params, batch)
+    order = np.concatenate([np.arange(k, ROWS, 2) for k in range(2)])
+    want = 0.5 * verl_mini_batch_loss(token_losses[order], mask[order], "token-mean", 2, ranks=1)
+    np.testing.assert_allclose(float(verl[0]), want, rtol=1e-5)
+    assert abs(want - float(whole[0])) > 1e-4  # the scale differs from the whole-batch mean here
+
+
+def test_critic_batch_is_checked(critic_and_batch):
+    critic, batch, _ = critic_and_batch
+    graphdef, params = nnx.split(critic)
+    with pytest.raises(ValueError, match="takes exactly"):
+        rl.critic_loss_and_grad_fn(graphdef)(params, {k: v for k, v in batch.items() if k != "returns"})
+    with pytest.raises(ValueError, match="num_micro_batches=3"):
+        rl.critic_loss_and_grad_fn(graphdef, num_micro_batches=3)(params, batch)
