@@ -10,6 +10,7 @@ launch/tpu_pod.sh prints the gcloud sequence of a v5p-64 run with every flag int
 from __future__ import annotations
 
 import json
+import pathlib
 import shlex
 import shutil
 import socket
@@ -22,9 +23,8 @@ import pytest
 from flax import nnx
 
 from conftest import REPO
-from test_train_config import load_config
-from train_helpers import compile_cache_dir, train_env
 from pacs_jax import checkpoints
+from train_helpers import compile_cache_dir, load_config, train_env
 
 LOCAL = REPO / "launch" / "local.sh"
 TPU_POD = REPO / "launch" / "tpu_pod.sh"
@@ -311,3 +311,11 @@ def test_a_mesh_the_slice_cannot_build_is_a_config_error_naming_the_fields(monke
     config.mesh.device_order = (0, 1, 2, 3, 4, 5, 6, 6)
     with pytest.raises(ConfigError, match=r"mesh\.device_order=\(0, 1, 2, 3, 4, 5, 6, 6\): must list each"):
         validate_config(config)
+
+
+def test_launch_scripts_are_shellcheck_clean():
+    scripts = sorted(str(p) for p in (REPO / "launch").glob("*.sh"))
+    assert len(scripts) == 4
+    lint = subprocess.run([str(pathlib.Path(sys.executable).parent / "shellcheck"), *scripts], capture_output=True,
+                          text=True, timeout=120)
+    assert lint.returncode == 0, lint.stdout
