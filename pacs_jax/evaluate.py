@@ -18,15 +18,14 @@ import dataclasses
 import fractions
 import json
 import math
-import os
 import pathlib
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from pacs_jax.data import Problem, build_prompts, load_problems
+from pacs_jax.files import atomic_write
 from pacs_jax.rewards import RewardPool
 
 REWARD_BY_SOURCE = {"gsm8k": "gsm8k"}  # every other data source is scored with the math reward
@@ -174,10 +173,10 @@ def write_outputs(output_dir: str | pathlib.Path, rows: Sequence[Mapping[str, An
     """eval_rollout.jsonl, eval_metrics.json and pass_at_k.png in ``output_dir``, each written atomically."""
     output_dir = pathlib.Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(output_dir / "eval_rollout.jsonl",
+    atomic_write(output_dir / "eval_rollout.jsonl",
                   lambda f: f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    _atomic_write(output_dir / "eval_metrics.json", lambda f: json.dump(metrics, f, indent=2, sort_keys=True))
-    _atomic_write(output_dir / "pass_at_k.png", lambda f: _plot(metrics, f), binary=True)
+    atomic_write(output_dir / "eval_metrics.json", lambda f: json.dump(metrics, f, indent=2, sort_keys=True))
+    atomic_write(output_dir / "pass_at_k.png", lambda f: _plot(metrics, f), binary=True)
 
 
 def _plot(metrics: Mapping[str, Mapping[str, float]], file) -> None:
@@ -199,18 +198,6 @@ def _plot(metrics: Mapping[str, Mapping[str, float]], file) -> None:
     figure.tight_layout()
     figure.savefig(file, format="png", dpi=120)
     plt.close(figure)
-
-
-def _atomic_write(path: pathlib.Path, write, binary: bool = False) -> None:
-    """Write via a temporary file in the same folder, then rename over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:

@@ -90,8 +90,9 @@ def _train_step(model, batch, rules, put):
     (old_logp, [loss per mini-batch], [metrics per mini-batch], updated params)."""
     graphdef, params = nnx.split(model)
     params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its inputs
-    old_logp = rl.make_logprobs_fn(graphdef, rules=rules)(params, put(batch["input_ids"]), put(batch["attention_mask"]),
-                                                          MAX_NEW_TOKENS)
+    old_logp = jax.jit(lambda p, ids, mask: rl.micro_batched_logprobs(nnx.merge(graphdef, p), ids, mask, MAX_NEW_TOKENS,
+                                                                      rules=rules))(
+        params, put(batch["input_ids"]), put(batch["attention_mask"]))
     optimizer, _ = make_optimizer(LR, weight_decay=0.01, total_steps=MINI_BATCHES)
     opt_state = jax.jit(optimizer.init)(params)
     update = make_update_step(graphdef, optimizer, "pacs", group_size=N, objective_options=OPTIONS,

@@ -1,23 +1,19 @@
-"""The learning signal: fused log-probs, PACS and policy-gradient objectives, the update step.
+"""The learning signal: fused log-probs, PACS and policy-gradient objectives, the loss and gradient.
 
     logp = rl.token_logprobs(hidden, lm_head, targets)           # [B, T], no [B, T, V] array
     loss, metrics = rl.pacs_loss(logp, old_logp, response_mask, rewards, group_size, beta=1.0)
     objective = rl.get_objective("grpo", loss_agg_mode="token-mean")
-    loss_and_grad = rl.make_loss_and_grad(graphdef, "pacs", group_size=8, num_micro_batches=4)
+    loss_and_grad = rl.loss_and_grad_fn(graphdef, "pacs", group_size=8, num_micro_batches=4)
 """
 
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS, get_estimator
 from pacs_jax.rl.batch import BatchTotals
-from pacs_jax.rl.kl import KL_ESTIMATORS, kl_penalty
 from pacs_jax.rl.logprobs import token_logprobs, token_logprobs_and_entropy
 from pacs_jax.rl.objectives import OBJECTIVES, get_objective
 from pacs_jax.rl.pacs import pacs_loss
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, drgrpo_loss, grpo_loss, policy_gradient_loss, rloo_loss
-from pacs_jax.rl.update import (loss_and_grad_fn, make_logprobs_fn, make_loss_and_grad, micro_batched_logprobs,
-                                response_logprobs)
+from pacs_jax.rl.update import loss_and_grad_fn, micro_batched_logprobs, response_logprobs
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "KL_ESTIMATORS", "kl_penalty",
-           "token_logprobs", "token_logprobs_and_entropy", "OBJECTIVES", "get_objective", "pacs_loss",
-           "LOSS_AGG_MODES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
-           "loss_and_grad_fn", "make_logprobs_fn", "make_loss_and_grad", "micro_batched_logprobs",
-           "response_logprobs"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "token_logprobs", "token_logprobs_and_entropy",
+           "OBJECTIVES", "get_objective", "pacs_loss", "LOSS_AGG_MODES", "drgrpo_loss", "grpo_loss",
+           "policy_gradient_loss", "rloo_loss", "loss_and_grad_fn", "micro_batched_logprobs", "response_logprobs"]

@@ -1,9 +1,9 @@
 """The registry of training objectives: a config names one, the trainer calls it.
 
 Every objective has the signature
-    fn(logp, old_logp, response_mask, rewards, group_size, *, ref_logp=None, totals=None, **options)
+    fn(logp, old_logp, response_mask, rewards, group_size, *, totals=None, **options)
         -> (scalar loss, metrics dict)
-with logp, old_logp, response_mask, ref_logp [B, T] and rewards [B]; ``get_objective`` binds the
+with logp, old_logp, response_mask [B, T] and rewards [B]; ``get_objective`` binds the
 options once (checking their names) so the trainer only passes the batch.
 """
 
@@ -25,10 +25,7 @@ OBJECTIVES: dict[str, Objective] = {
     "drgrpo": drgrpo_loss,
 }
 
-# Objectives whose rewards are class labels in {0, 1}; the others take any finite reward.
-BINARY_REWARD_OBJECTIVES = frozenset({"pacs"})
-
-_BATCH_ARGS = {"logp", "old_logp", "response_mask", "rewards", "group_size", "ref_logp", "totals"}
+_BATCH_ARGS = {"logp", "old_logp", "response_mask", "rewards", "group_size", "totals"}
 
 
 def _option_names(fn: Objective) -> set[str]:

@@ -54,14 +54,13 @@ def class_weights(labels: jax.Array, group_size: int, mode: str) -> jax.Array:
 
 def pacs_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
               group_size: int, *, beta: float = 1.0, use_weight: bool = True, weight_mode: str = "question",
-              reward_method: str = "1", adv_estimator: str = "rloo", ref_logp: jax.Array | None = None,
+              reward_method: str = "1", adv_estimator: str = "rloo",
               totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PACS loss and metrics.
 
     logp, old_logp: [B, T] float log-probs of the response tokens under pi_theta / pi_old;
     response_mask: [B, T] 1 on response tokens; rewards: [B] verifiable rewards in {0, 1}.
-    ref_logp must be None (PACS has no KL term; the argument exists so every objective in the
-    registry takes the same inputs). totals: normalisers of the whole mini-batch when this call
+    totals: normalisers of the whole mini-batch when this call
     sees one micro-batch (B of the 1/B is then ``totals.num_sequences``).
 
     Returns (scalar loss, metrics): psi mean/std, accuracy of sigmoid(psi) > 0.5 as a predictor of
@@ -72,8 +71,6 @@ def pacs_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, re
         raise ValueError(f"reward_method={reward_method!r}: expected one of {REWARD_METHODS}")
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight_mode={weight_mode!r}: expected one of {WEIGHT_MODES}")
-    if ref_logp is not None:
-        raise ValueError("pacs_loss takes no ref_logp: PACS has no KL penalty")
     estimator, _ = get_estimator(adv_estimator)
     # Every PACS variant compares responses to the same prompt: a group needs two or more.
     check_batch(logp, old_logp, response_mask, rewards, group_size, min_group_size=2, binary_rewards=True)

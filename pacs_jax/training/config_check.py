@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARDS
-from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, OBJECTIVES, get_objective
+from pacs_jax.rl import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, OBJECTIVES, get_objective
 from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES
 from pacs_jax.sharding import make_mesh
 from pacs_jax.training import memory_plan
@@ -24,8 +24,7 @@ from pacs_jax.training.optim import SCHEDULES
 GROUP_OBJECTIVES = ("pacs", "rloo", "grpo", "drgrpo")  # need n >= 2 responses per prompt
 # Objective options with a fixed set of values (the objectives check them only when traced).
 OPTION_CHOICES = {"weight_mode": WEIGHT_MODES, "reward_method": REWARD_METHODS,
-                  "adv_estimator": tuple(ADVANTAGE_ESTIMATORS), "loss_agg_mode": LOSS_AGG_MODES,
-                  "kl_type": tuple(KL_ESTIMATORS)}
+                  "adv_estimator": tuple(ADVANTAGE_ESTIMATORS), "loss_agg_mode": LOSS_AGG_MODES}
 
 
 class ConfigError(ValueError):
