@@ -52,12 +52,11 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size"}
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh with Auto axis types; one size may be -1 (fills the rest).
+def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes on ``num_devices`` devices, one given size may be -1 (fills the rest).
 
     Raises ValueError naming ``mesh.<axis>`` when the sizes do not fit the device count.
     """
-    devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     unknown = [k for k, v in sizes.items() if v == -1]
     for name, size in sizes.items():
@@ -67,17 +66,34 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
         raise ValueError(f"mesh: at most one axis may be -1, got {unknown}")
     known = math.prod(v for v in sizes.values() if v != -1)
     if unknown:
-        if len(devices) % known:
+        if num_devices % known:
             raise ValueError(
-                f"mesh.{unknown[0]}=-1: {len(devices)} devices are not divisible by the other axes ({known})")
-        sizes[unknown[0]] = len(devices) // known
+                f"mesh.{unknown[0]}=-1: {num_devices} devices are not divisible by the other axes ({known})")
+        sizes[unknown[0]] = num_devices // known
     shape = tuple(sizes[a] for a in MESH_AXES)
-    if math.prod(shape) != len(devices):
+    if math.prod(shape) != num_devices:
         raise ValueError(f"mesh (data, fsdp, tensor)={shape} needs {math.prod(shape)} devices, "
-                         f"{len(devices)} are available")
+                         f"{num_devices} are available")
+    return shape
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh with Auto axis types; one size may be -1 (fills the rest).
+
+    Raises ValueError naming ``mesh.<axis>`` when the sizes do not fit the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
     if devices == list(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def config_mesh(mesh_config: Mapping[str, int]) -> Mesh | None:
+    """The mesh a config's ``mesh`` fields (data, fsdp, tensor) ask for over all devices; None when
+    that is a single device (the model then runs unsharded)."""
+    mesh = make_mesh(mesh_config["data"], mesh_config["fsdp"], mesh_config["tensor"])
+    return None if mesh.size == 1 else mesh
 
 
 def partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], axis_sizes: Mapping[str, int],

@@ -35,14 +35,16 @@ def main(argv: list[str]) -> None:
     if _MULTIHOST.value:
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
 
+    from pacs_jax.sharding import config_mesh
     from pacs_jax.training.config_check import ConfigError, validate_config
 
     config = _CONFIG.value
     workdir = pathlib.Path(_WORKDIR.value or config.workdir)
     try:
-        mesh = validate_config(config)
+        validate_config(config)
     except ConfigError as e:
         raise app.UsageError(str(e)) from None
+    mesh = config_mesh(config.mesh)
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))

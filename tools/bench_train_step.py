@@ -45,6 +45,7 @@ def main(argv) -> None:
     from flax import nnx
 
     from pacs_jax import data, evaluate
+    from pacs_jax.sharding import config_mesh
     from pacs_jax.training.config_check import validate_config
     from pacs_jax.training.loop import rl_train
     from pacs_jax.training.real_run import GrainPromptSource, build_model
@@ -54,7 +55,8 @@ def main(argv) -> None:
         config.train.steps = _STEPS.value
         config.train.checkpoint_every = 0
         config.eval.sets = ""
-    mesh = validate_config(config)
+    validate_config(config)
+    mesh = config_mesh(config.mesh)
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     model = build_model(config, mesh, tokenizer)
     examples, _ = data.prepare_examples(list(config.data.train_files), tokenizer, config.data.max_prompt_length,

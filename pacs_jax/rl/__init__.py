@@ -9,11 +9,12 @@
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS, get_estimator
 from pacs_jax.rl.batch import BatchTotals
 from pacs_jax.rl.logprobs import token_logprobs, token_logprobs_and_entropy
-from pacs_jax.rl.objectives import OBJECTIVES, get_objective
+from pacs_jax.rl.objectives import OBJECTIVES, ObjectiveSpec, OptionError, get_objective, objective_spec
 from pacs_jax.rl.pacs import pacs_loss
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, drgrpo_loss, grpo_loss, policy_gradient_loss, rloo_loss
 from pacs_jax.rl.update import loss_and_grad_fn, micro_batched_logprobs, response_logprobs
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "token_logprobs", "token_logprobs_and_entropy",
-           "OBJECTIVES", "get_objective", "pacs_loss", "LOSS_AGG_MODES", "drgrpo_loss", "grpo_loss",
-           "policy_gradient_loss", "rloo_loss", "loss_and_grad_fn", "micro_batched_logprobs", "response_logprobs"]
+           "OBJECTIVES", "ObjectiveSpec", "OptionError", "get_objective", "objective_spec", "pacs_loss",
+           "LOSS_AGG_MODES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss", "loss_and_grad_fn",
+           "micro_batched_logprobs", "response_logprobs"]
