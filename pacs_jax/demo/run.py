@@ -144,7 +144,7 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mes
 
         prompts = ProblemCycler(train_problems, tokenizer, config.train.prompts_per_step, config.data.shuffle_seed)
         result = rl_train(config, workdir, model, prompts, decode=tokenizer.decode,
-                          stop_token_ids=(tokenizer.eos_id,))
+                          stop_token_ids=(tokenizer.eos_id,), reward_pool=pool)
         if result.stopped_by_signal:
             return {"stopped_at_step": result.final_step}
         after = held_out_accuracy(result.model, held_out, tokenizer, pool, **eval_kwargs)

@@ -132,12 +132,14 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
 
 
 def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, model: Qwen, prompts: PromptSource, *,
-             decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
+             decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
              on_step: Callable[[int, Qwen, dict], None] | None = None) -> TrainResult:
     """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
 
-    decode: generated ids -> text for the reward. on_step(step, model, metrics): called after each
-    step (periodic evaluation hooks in here). Returns the trained model and the per-step metrics.
+    decode: generated ids -> text for the reward. reward_pool: the caller's pool; it scores the
+    rollouts and the caller's evaluations (one pool per run). on_step(step, model, metrics): called
+    after each step (periodic evaluation hooks in here). Returns the trained model and the per-step
+    metrics.
     """
     workdir = pathlib.Path(workdir)
     tc = config.train
@@ -166,8 +168,9 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mod
     history: list[dict] = []
     base_key = jax.random.key(config.seed)
     stopped = False
-    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool, _StopFlag() as stop:
-        collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode, reward_pool=pool)
+    with _StopFlag() as stop:
+        collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode,
+                                     reward_pool=reward_pool)
         if tc.precompile:
             _warm_up(collector, update, params, opt_state, tc.prompts_per_step)
         step = start
