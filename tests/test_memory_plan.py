@@ -227,7 +227,7 @@ def test_sampler_lowered_on_abstract_arguments_is_the_program_a_call_runs():
                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     mesh = make_mesh(4, 1, 2)
     graphdef, state = nnx.split(models.init_random(cfg, mesh))
-    params = sampling.SamplingParams(max_new_tokens=4, n=2, temperature=1.0, stop_token_ids=(3,))
+    params = sampling.SamplingSettings(max_new_tokens=4, n=2, temperature=1.0, stop_token_ids=(3,))
     sharding = MeshRules(mesh).sharding(("batch", "length"), (8, 16))
     prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding)
     abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

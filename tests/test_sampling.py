@@ -138,7 +138,7 @@ def test_stop_ids_match_transformers_and_pad_after(hf, prompts, reference):
     model = load(hf, "qwen2", "1dev")
     tokens, mask = sampling.left_pad(prompts, 8, 64)
     graphdef, state = nnx.split(model)
-    params = sampling.SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=stops)
+    params = sampling.SamplingSettings(max_new_tokens=NEW_TOKENS, stop_token_ids=stops)
     arrays = jax.device_get(sampling.rollout(graphdef, state, tokens, mask, params, jax.random.key(0)))
     reasons = []
     for row in range(len(prompts)):
@@ -168,7 +168,7 @@ def test_right_padded_arrays_give_the_same_greedy_tokens(hf, prompts, reference)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)], mask[row, :len(prompt)] = prompt, 1
     graphdef, state = nnx.split(load(hf, "qwen2", "1dev"))
-    params = sampling.SamplingParams(max_new_tokens=NEW_TOKENS)
+    params = sampling.SamplingSettings(max_new_tokens=NEW_TOKENS)
     arrays = jax.device_get(sampling.rollout(graphdef, state, tokens, mask, params, jax.random.key(0)))
     np.testing.assert_array_equal(arrays.tokens[:len(prompts)], ref_tokens)
     assert int(arrays.prefill_tokens) == sum(map(len, prompts))
@@ -206,7 +206,7 @@ def test_compiled_rollout_prefills_prompts_not_samples():
     P, T, n = 3, 13, 5
     prompts = jax.ShapeDtypeStruct((P, T), jnp.int32)
     compiled = engine.lower_rollout(graphdef, state, prompts, prompts,
-                                    sampling.SamplingParams(n=n, max_new_tokens=7)).compile()
+                                    sampling.SamplingSettings(n=n, max_new_tokens=7)).compile()
     dots = [tuple(int(d) for d in dims.split(","))
             for dims in re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} dot\(", compiled.as_text())]
     assert (P * T, cfg.intermediate_size) in dots  # the prefill's MLP: every prompt token once

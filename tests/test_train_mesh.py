@@ -58,10 +58,10 @@ def rollout_batch(single_model):
     graphdef, params = nnx.split(single_model)
     rs = np.random.RandomState(0)
     prompt_ids = [list(rs.randint(2, CFG.vocab_size, size=length)) for length in (5, 9, 3, 12)]
-    sampling_params = sampling.SamplingParams(max_new_tokens=MAX_NEW_TOKENS, n=N, temperature=1.0,
+    sampling_settings = sampling.SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, n=N, temperature=1.0,
                                               stop_token_ids=(1,))
     with RewardPool(1) as pool:
-        collector = RolloutCollector(graphdef, None, sampling_params, decode=lambda ids: " ".join(map(str, ids)),
+        collector = RolloutCollector(graphdef, None, sampling_settings, decode=lambda ids: " ".join(map(str, ids)),
                                      reward_pool=pool, reward_name="math", prompt_buckets=(8, 16))
         rollout = collector(params, PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
                             jax.random.key(0))

@@ -141,7 +141,7 @@ def _programs(num_layers: int, remat: str = "dots_with_no_batch_dims_saveable"):
     graphdef, state = models.abstract_model(cfg, mesh)
     params = jax.tree.map(lambda v: v, nnx.state(state))
     rules = MeshRules(mesh)
-    collector = RolloutCollector(graphdef, rules, sampling.SamplingParams(max_new_tokens=R_LEN, n=N, temperature=1.0),
+    collector = RolloutCollector(graphdef, rules, sampling.SamplingSettings(max_new_tokens=R_LEN, n=N, temperature=1.0),
                                  decode=str, reward_pool=None, reward_name="math", prompt_buckets=(P_LEN,),
                                  logprob_micro_batches=2)
     abstract = jax.tree.map(lambda v: v.get_value() if hasattr(v, "get_value") else v, params,

@@ -121,7 +121,7 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
                      reward_pool: RewardPool | None) -> RolloutCollector:
     """The step's sampler and pi_old programs (training/rollout.py) as ``config`` asks for them."""
     tc, rc = config.train, config.rollout
-    params = sampling.SamplingParams(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
+    params = sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=tuple(stop_token_ids))
     return RolloutCollector(
         graphdef, rules, params, decode=decode, reward_pool=reward_pool, reward_name=config.reward.name,
