@@ -58,8 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
     ))
 
     c.algorithm = ml_collections.ConfigDict(dict(
-        objective="pacs",
-        options=ml_collections.ConfigDict(dict(
+        objective="pacs",         # a name in the registry, pacs_jax/rl/objectives.py
+        options=ml_collections.ConfigDict(dict(  # the registry's defaults of "pacs" (a test checks they agree)
             beta=1.0, use_weight=True, weight_mode="question", reward_method="1", adv_estimator="rloo")),
     ))
 
@@ -74,7 +74,6 @@ def get_config() -> ml_collections.ConfigDict:
         micro_batches=1,          # gradient accumulation inside a mini-batch
         logprob_micro_batches=0,  # forward passes of the pi_old pass; 0 = mini_batches x micro_batches
         precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
-        log_every=1,
         checkpoint_every=20,
         keep_checkpoints=3,
     ))

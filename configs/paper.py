@@ -20,18 +20,9 @@ GRPO (verl defaults): PPO-clip 0.2 with dual clip 3, seq-mean-token-sum-norm at 
 (``loss_scale="verl"``, micro-batches of 8 responses, L_max 4096), grad clip 1.0.
 """
 
-import importlib.util
-import pathlib
-
 import ml_collections
 
-
-def _default_config() -> ml_collections.ConfigDict:
-    """configs/default.py's get_config(), loaded by path (config files are not a package)."""
-    spec = importlib.util.spec_from_file_location("_pacs_default_config", pathlib.Path(__file__).with_name("default.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from configs import default
 
 # Per model: the preset, the mesh (data, fsdp, tensor; -1 fills the slice) and the memory settings of
 # one step on the slice it is sized for (see the module docstring), each checked to fit with
@@ -81,7 +72,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     preset, (data, fsdp, tensor) = spec["preset"], spec["mesh"]
     objective, options = ALGORITHMS[algo_name]
 
-    c = _default_config()
+    c = default.get_config()
     c.workdir = f"workdir/{model_name}_{algo_name}"
     c.demo.enabled = False
     c.model.preset = preset

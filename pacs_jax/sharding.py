@@ -52,9 +52,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size"}
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None,
-              device_order: Sequence[int] = ()) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh with Auto axis types; one size may be -1 (fills the rest).
+def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes on ``num_devices`` devices, one given size may be -1 (fills the rest).
 
     devices: the devices to use (default: all, in the topology-aware order of ``jax.make_mesh``).
     device_order: positions in ``devices`` (process by process, as ``jax.devices()`` lists them) in
@@ -62,7 +61,6 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
     several places along the batch axes. Raises ValueError naming
     ``mesh.<field>`` when the sizes do not fit the devices or the mesh cannot be built on them.
     """
-    devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     unknown = [k for k, v in sizes.items() if v == -1]
     for name, size in sizes.items():
@@ -72,14 +70,29 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
         raise ValueError(f"mesh: at most one axis may be -1, got {unknown}")
     known = math.prod(v for v in sizes.values() if v != -1)
     if unknown:
-        if len(devices) % known:
+        if num_devices % known:
             raise ValueError(
-                f"mesh.{unknown[0]}=-1: {len(devices)} devices are not divisible by the other axes ({known})")
-        sizes[unknown[0]] = len(devices) // known
+                f"mesh.{unknown[0]}=-1: {num_devices} devices are not divisible by the other axes ({known})")
+        sizes[unknown[0]] = num_devices // known
     shape = tuple(sizes[a] for a in MESH_AXES)
-    if math.prod(shape) != len(devices):
+    if math.prod(shape) != num_devices:
         raise ValueError(f"mesh (data, fsdp, tensor)={shape} needs {math.prod(shape)} devices, "
-                         f"{len(devices)} are available")
+                         f"{num_devices} are available")
+    return shape
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None,
+              device_order: Sequence[int] = ()) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh with Auto axis types; one size may be -1 (fills the rest).
+
+    devices: the devices to use (default: all, in the topology-aware order of ``jax.make_mesh``).
+    device_order: positions in ``devices`` (process by process, as ``jax.devices()`` lists them) in
+    mesh order (row-major over data, fsdp, tensor) instead, e.g. to put one process's devices at
+    several places along the batch axes. Raises ValueError naming ``mesh.<field>`` when the sizes
+    do not fit the devices or the mesh cannot be built on them.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
     if device_order:
         if sorted(device_order) != list(range(len(devices))):
             raise ValueError(f"mesh.device_order={tuple(device_order)}: must list each of the positions "
@@ -95,6 +108,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
                 f"physical topology ({type(e).__name__}: {e}); choose sizes that follow the slice's topology, "
                 f"e.g. tensor within a host") from e
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def config_mesh(mesh_config: Mapping) -> Mesh | None:
+    """The mesh a config's ``mesh`` fields (data, fsdp, tensor, device_order) ask for over all devices;
+    None when that is a single device (the model then runs unsharded)."""
+    mesh = make_mesh(mesh_config["data"], mesh_config["fsdp"], mesh_config["tensor"],
+                     device_order=tuple(mesh_config.get("device_order", ())))
+    return None if mesh.size == 1 else mesh
 
 
 def partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], axis_sizes: Mapping[str, int],

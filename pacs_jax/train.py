@@ -64,14 +64,19 @@ def main(argv: list[str]) -> None:
     elif _MULTIHOST.value:
         distributed.initialize()
 
+    from pacs_jax.sharding import config_mesh
     from pacs_jax.training.config_check import ConfigError, validate_config
 
     config = _CONFIG.value
     workdir = epath.Path(_WORKDIR.value or config.workdir)  # a local folder or gs://...
     try:
-        mesh = validate_config(config)
+        validate_config(config)
     except ConfigError as e:
         raise app.UsageError(str(e)) from None
+    try:
+        mesh = config_mesh(config.mesh)
+    except ValueError as e:  # a shape the slice's physical topology cannot take
+        raise app.UsageError(f"config.{e}") from None
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))

@@ -3,8 +3,9 @@
 On CPU: the "xla" implementation (values, gradients, no [T, T] buffer in the compiled HLO, bfloat16,
 GSPMD sharding), decode_attention (and which cache blocks it reads), the cuDNN roll/unroll logic
 around the xla core, and the splash wrapper with the kernel in the Pallas interpreter.
-On a GPU (skipped elsewhere): the real cuDNN path against the xla one; run there with
-JAX_PLATFORMS=cuda,cpu (jax.debug.callback needs a CPU device).
+The "cudnn" path against the "xla" one: on a GPU with the cuDNN kernel (run there with
+JAX_PLATFORMS=cuda,cpu; jax.debug.callback needs a CPU device), elsewhere with the kernel call, its
+only GPU part, run by JAX's own implementation of the same call.
 """
 
 from __future__ import annotations
@@ -362,9 +363,25 @@ def test_splash_wrapper_under_mesh_in_interpreter():
     np.testing.assert_allclose(np.asarray(out), ref_attention(q, k, v, valid), atol=1e-5)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs an NVIDIA GPU")
+@pytest.fixture
+def cudnn_kernel_on_cpu(monkeypatch):
+    """Off a GPU, the one cuDNN-only part of the "cudnn" path, the kernel call, runs as JAX's own
+    implementation of the same call (same arguments: causal, per-row lengths); everything around it
+    (rolling, casting, padding T to a multiple of 64, slicing back, zeroing) is the real code.
+    On a GPU the kernel itself runs."""
+    if jax.default_backend() == "gpu":
+        return
+    kernel = jax.nn.dot_product_attention
+
+    def on_cpu(*args, implementation=None, **kwargs):
+        assert implementation == "cudnn"
+        return kernel(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+
+
 @pytest.mark.parametrize("T", [40, 128, 203])
-def test_cudnn_matches_xla_on_gpu(T):
+def test_cudnn_path_matches_xla(T, cudnn_kernel_on_cpu):
     B, H, K, Dh = 4, 8, 2, 64
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(B, T, H, K, Dh))
     valid = padded_valid(B, T)

@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -154,24 +155,31 @@ def test_prepare_data_tool(tmp_path, shared_data):
     assert again.returncode != 0 and "exists (pass --overwrite" in again.stderr
 
 
-def test_tfds_source_without_the_extra():
-    try:
-        import tensorflow_datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r"pacs_jax\[tfds\]"):
-            data.load_problems("tfds:gsm8k:test")
-    else:
-        pytest.skip("tensorflow_datasets is installed: test_tfds_gsm8k covers the source")
+def test_tfds_source_without_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pacs_jax\[tfds\]"):
+        data.load_problems("tfds:gsm8k:test")
 
 
-def test_tfds_gsm8k():
-    tfds = pytest.importorskip("tensorflow_datasets", reason="the optional 'tfds' extra is not installed")
-    try:
-        tfds.builder("gsm8k").download_and_prepare()
-    except Exception as error:  # offline and not prepared before
-        pytest.skip(f"TFDS gsm8k is not available here: {error}")
+def test_tfds_source_reads_records_as_tfds_gives_them(monkeypatch, shared_data):
+    """GSM8K test records as ``tfds.data_source("gsm8k", split="test")`` serves them (a random-access
+    sequence of dicts of bytes; the real package is an optional extra not installed for the tests)
+    read into the same problems as the repository's gsm8k jsonl."""
+    rows = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    calls = []
+
+    def data_source(name, split, data_dir=None):
+        calls.append((name, split, data_dir))
+        return [{"question": row["question"].encode(), "answer": row["answer"].encode()} for row in rows]
+
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", types.SimpleNamespace(data_source=data_source))
     problems, stats = data.load_problems("tfds:gsm8k:test")
-    assert len(problems) == 1319 and problems[0].ground_truth == "18" and problems[0].data_source == "gsm8k"
+    assert calls == [("gsm8k", "test", None)]
+    from_file, _ = data.load_problems(shared_data / "gsm8k" / "test.jsonl")
+    assert len(problems) == stats.rows == 1319 and stats.skipped == 0
+    assert [(p.problem, p.ground_truth, p.data_source) for p in problems] == \
+        [(p.problem, p.ground_truth, p.data_source) for p in from_file]
+    assert problems[0].ground_truth == "18"
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,70 @@ def test_evaluate_cli_writes_both_files(tiny_qwen_dir, shared_data, tmp_path):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
 
 
+@pytest.fixture(scope="module")
+def answers_seven_dir(tmp_path_factory, qwen_tokenizer_dir) -> pathlib.Path:
+    """A Qwen2 whose every response is "7": attention and MLP outputs are zero (o_proj, down_proj = 0),
+    so the last hidden state is the last token's embedding, and the LM head maps the embedding of the
+    prompt's last token (the assistant header's newline) to the token "7" and that of "7" to <|im_end|>."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    newline, seven = tokenizer.encode("\n")[0], tokenizer.encode("7")[0]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      max_position_embeddings=4096, eos_token_id=end, bos_token_id=151643)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        embed.zero_()
+        embed[:, 2] = 1.0          # every other token: direction 2 (maps to no particular token)
+        embed[newline] = 0.0
+        embed[newline, 0] = 1.0    # "\n" -> direction 0
+        embed[seven] = 0.0
+        embed[seven, 1] = 1.0      # "7" -> direction 1
+        head = model.lm_head.weight
+        head.zero_()
+        head[seven, 0] = 20.0      # after "\n": "7" by a logit margin of 20 * sqrt(32) ~ 113
+        head[end, 1] = 20.0        # after "7": <|im_end|>
+    path = tmp_path_factory.mktemp("answers_seven")
+    model.save_pretrained(path)
+    for name in os.listdir(qwen_tokenizer_dir):
+        shutil.copy(qwen_tokenizer_dir / name, path / name)
+    return path
+
+
+def test_evaluate_cli_pass_at_k_on_known_scores(answers_seven_dir, tmp_path):
+    """Every response is "7", so a problem's samples are all right or all wrong and pass@k is, for every
+    k, the fraction of problems whose answer equals 7 (in any form the verifier accepts)."""
+    data_dir, out = tmp_path / "sets", tmp_path / "eval"
+    math_answers = ["7", "\\frac{14}{2}", "7.0", "5", "-7"]   # right, right (= 7), right, wrong, wrong
+    amc_answers = [7.0, 3.0, 49.0, 7]                         # right, wrong, wrong, right
+    for name, answers, key in (("math_500", math_answers, "problem"), ("amc23", amc_answers, "question")):
+        (data_dir / name).mkdir(parents=True)
+        rows = [{key: f"Problem {i}: what is the answer?", "answer": a} for i, a in enumerate(answers)]
+        (data_dir / name / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
+         f"--checkpoint={answers_seven_dir}", "--config.sets=math_500,amc23", f"--config.n={N}",
+         "--config.max_new_tokens=4", "--config.temperature=1.0", "--config.top_p=1.0", "--config.dtype=float32",
+         f"--config.data_dir={data_dir}", f"--config.output_dir={out}", "--config.reward.workers=1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "eval_rollout.jsonl").read_text().splitlines()]
+    assert {s["response"] for row in rows for s in row["samples"]} == {"7"}
+    assert [row["num_correct"] for row in rows] == [N, N, N, 0, 0] + [N, 0, 0, N]
+    metrics = json.loads((out / "eval_metrics.json").read_text())
+    assert metrics == {"math_500": {"pass@1": 0.6, "pass@2": 0.6, "pass@4": 0.6, "mean@4": 0.6},
+                       "amc23": {"pass@1": 0.5, "pass@2": 0.5, "pass@4": 0.5, "mean@4": 0.5}}
+
+
 def test_bad_config_names_the_field(tiny_qwen_dir, shared_data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",

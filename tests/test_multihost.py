@@ -292,11 +292,13 @@ def test_each_device_block_of_an_hf_tensor_is_read_alone_and_matches_transformer
         np.testing.assert_array_equal(np.asarray(ours[path].get_value()), np.asarray(var.get_value()), err_msg=str(path))
 
 
-def test_a_mesh_the_slice_cannot_build_is_a_config_error_naming_the_fields(monkeypatch):
+def test_a_mesh_the_slice_cannot_build_is_an_error_naming_the_fields(monkeypatch):
     """jax.make_mesh refuses shapes that do not follow the physical topology (a v6e-64 as (2, 8, 4)
-    raises NotImplementedError deep inside); the config check reports the mesh fields instead."""
+    raises NotImplementedError deep inside); building the config's mesh reports the mesh fields
+    instead (the CLI prints it as a usage error), and the config check refuses a bad device order."""
     import jax
 
+    from pacs_jax.sharding import config_mesh
     from pacs_jax.training.config_check import ConfigError, validate_config
 
     def refuse(*args, **kwargs):
@@ -305,12 +307,14 @@ def test_a_mesh_the_slice_cannot_build_is_a_config_error_naming_the_fields(monke
     monkeypatch.setattr(jax, "make_mesh", refuse)
     config = load_config("default.py")
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
-    with pytest.raises(ConfigError, match=r"mesh\.data / mesh\.fsdp / mesh\.tensor = \(2, 2, 2\): no mesh of that "
-                                          r"shape fits the 8 devices .*NotImplementedError"):
-        validate_config(config)
+    with pytest.raises(ValueError, match=r"mesh\.data / mesh\.fsdp / mesh\.tensor = \(2, 2, 2\): no mesh of that "
+                                         r"shape fits the 8 devices .*NotImplementedError"):
+        config_mesh(config.mesh)
     config.mesh.device_order = (0, 1, 2, 3, 4, 5, 6, 6)
     with pytest.raises(ConfigError, match=r"mesh\.device_order=\(0, 1, 2, 3, 4, 5, 6, 6\): must list each"):
         validate_config(config)
+    config.mesh.device_order = (0, 1, 4, 5, 2, 3, 6, 7)  # an explicit order needs no jax.make_mesh
+    assert [d.id for d in config_mesh(config.mesh).devices.reshape(-1)] == [0, 1, 4, 5, 2, 3, 6, 7]
 
 
 def test_launch_scripts_are_shellcheck_clean():

@@ -8,7 +8,7 @@ import itertools
 import mpmath
 import pytest
 
-from pacs_jax.evaluate import k_values, pass_at_k, pass_at_k_metrics
+from pacs_jax.evaluation import k_values, pass_at_k, pass_at_k_metrics
 
 
 def _brute_force(n: int, c: int, k: int) -> fractions.Fraction:

@@ -53,24 +53,12 @@ def ref_aggregate(loss, mask, mode, norm_length=None):
     return np.mean([(loss[i] * mask[i]).sum() for i in range(B)]) / (norm_length or T)
 
 
-def ref_kl(logp, ref_logp, kind):
-    logp, ref_logp = np.asarray(logp, np.float64), np.asarray(ref_logp, np.float64)
-    if kind == "k1":
-        return logp - ref_logp
-    d = np.clip(ref_logp - logp, -20, 20)
-    return np.clip(np.exp(d) - d - 1, -10, 10)
-
-
 ESTIMATOR = {"grpo": "grpo", "rloo": "rloo", "drgrpo": "drgrpo"}
 
 
-def ref_objective(name, logp, old_logp, mask, rewards, n, *, loss_agg_mode, ref_logp=None, kl_coef=0.0,
-                  kl_type="low_var_kl", norm_length=None):
+def ref_objective(name, logp, old_logp, mask, rewards, n, *, loss_agg_mode, norm_length=None):
     adv = ref_advantages(rewards, n, ESTIMATOR[name])
-    loss = ref_aggregate(ref_token_loss(logp, old_logp, adv), mask, loss_agg_mode, norm_length)
-    if kl_coef:
-        loss += kl_coef * ref_aggregate(ref_kl(logp, ref_logp, kl_type), mask, loss_agg_mode, norm_length)
-    return loss
+    return ref_aggregate(ref_token_loss(logp, old_logp, adv), mask, loss_agg_mode, norm_length)
 
 
 def make_batch(seed, n, groups=3, T=9, spread=0.6):
@@ -81,18 +69,17 @@ def make_batch(seed, n, groups=3, T=9, spread=0.6):
     logp = -rs.exponential(1.0, (B, T)).astype(np.float32)
     old_logp = (logp + spread * rs.randn(B, T)).astype(np.float32)
     old_logp[::2, 0] = logp[::2, 0] - 1.5  # ratio e^1.5 > 3 on live tokens: the dual clip's territory
-    ref_logp = (logp + 0.5 * rs.randn(B, T)).astype(np.float32)
     lengths = rs.randint(1, T + 1, B)
     mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
     rewards = rs.randint(0, 2, B).astype(np.float32)
     rewards[:n] = 1.0
     rewards[-1] = 0.25  # non-binary rewards are fine for policy gradients
-    return logp, old_logp, mask, rewards, ref_logp
+    return logp, old_logp, mask, rewards
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_objectives_match_numpy_for_every_aggregation(n):
-    logp, old_logp, mask, rewards, ref_logp = make_batch(seed=n, n=n)
+    logp, old_logp, mask, rewards = make_batch(seed=n, n=n)
     # the batch exercises both clip branches and the dual clip
     adv = ref_advantages(rewards, n, "grpo")[:, None]
     ratio = np.exp(logp.astype(np.float64) - old_logp)
@@ -106,7 +93,7 @@ def test_objectives_match_numpy_for_every_aggregation(n):
 
 def test_defaults_and_norm_length():
     n = 4
-    logp, old_logp, mask, rewards, _ = make_batch(seed=11, n=n)
+    logp, old_logp, mask, rewards = make_batch(seed=11, n=n)
     args = [jnp.asarray(a) for a in (logp, old_logp, mask, rewards)]
     for fn, name, mode in ((rl.grpo_loss, "grpo", "seq-mean-token-sum-norm"), (rl.rloo_loss, "rloo", "token-mean"),
                            (rl.drgrpo_loss, "drgrpo", "seq-mean-token-sum-norm")):
@@ -118,25 +105,10 @@ def test_defaults_and_norm_length():
     np.testing.assert_allclose(float(got), want, rtol=2e-5)
 
 
-@pytest.mark.parametrize("kl_type", ["k1", "low_var_kl"])
-def test_kl_penalty_matches_numpy(kl_type):
-    n = 4
-    logp, old_logp, mask, rewards, ref_logp = make_batch(seed=4, n=n)
-    got, metrics = rl.grpo_loss(*map(jnp.asarray, (logp, old_logp, mask, rewards)), n, loss_agg_mode="token-mean",
-                                ref_logp=jnp.asarray(ref_logp), kl_coef=0.05, kl_type=kl_type)
-    want = ref_objective("grpo", logp, old_logp, mask, rewards, n, loss_agg_mode="token-mean", ref_logp=ref_logp,
-                         kl_coef=0.05, kl_type=kl_type)
-    np.testing.assert_allclose(float(got), want, rtol=2e-5, atol=1e-6)
-    kl = ref_kl(logp, ref_logp, kl_type)
-    np.testing.assert_allclose(float(metrics["pg/kl_ref"]), (kl * mask).sum() / mask.sum(), rtol=1e-5)
-    extreme = rl.kl_penalty(jnp.asarray([0.0, -60.0]), jnp.asarray([-60.0, 0.0]), kl_type)
-    assert np.isfinite(np.asarray(extreme)).all()
-
-
 def test_gradient_wrt_token_logprobs_is_clipped_ratio_times_advantage():
     # token-mean: d L / d logp_it = -A_i ratio_it m_it / sum(m) on unclipped tokens, 0 on clipped ones.
     n = 4
-    logp, old_logp, mask, rewards, _ = make_batch(seed=7, n=n)
+    logp, old_logp, mask, rewards = make_batch(seed=7, n=n)
     grad = jax.grad(lambda lp: rl.grpo_loss(lp, jnp.asarray(old_logp), jnp.asarray(mask), jnp.asarray(rewards), n,
                                             loss_agg_mode="token-mean")[0])(jnp.asarray(logp))
     adv = ref_advantages(rewards, n, "grpo")
@@ -152,7 +124,7 @@ def test_gradient_wrt_token_logprobs_is_clipped_ratio_times_advantage():
 
 def test_micro_batch_totals_add_up_for_every_aggregation():
     n = 2
-    logp, old_logp, mask, rewards, _ = (jnp.asarray(a) for a in make_batch(seed=8, n=n, groups=4))
+    logp, old_logp, mask, rewards = (jnp.asarray(a) for a in make_batch(seed=8, n=n, groups=4))
     totals = rl.BatchTotals(num_sequences=len(rewards), num_tokens=jnp.sum(mask))
     for mode in rl.LOSS_AGG_MODES:
         full, _ = rl.grpo_loss(logp, old_logp, mask, rewards, n, loss_agg_mode=mode)
@@ -164,24 +136,19 @@ def test_micro_batch_totals_add_up_for_every_aggregation():
 def test_bad_input_raises():
     z = np.zeros((4, 3), np.float32)
     m = np.ones((4, 3), np.float32)
-    with pytest.raises(ValueError, match="group_size=1"):
-        rl.rloo_loss(z, z, m, np.ones(4, np.float32), 1)
-    with pytest.raises(ValueError, match="group_size=1"):
-        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 1)
-    rl.drgrpo_loss(z, z, m, np.ones(4, np.float32), 1)  # mean-centring is defined for n = 1
+    for name in ("rloo", "grpo", "drgrpo"):
+        with pytest.raises(ValueError, match="group_size=1"):
+            rl.get_objective(name)(z, z, m, np.ones(4, np.float32), 1)
+    grpo = rl.get_objective("grpo")
     with pytest.raises(ValueError, match="not divisible by group_size=3"):
-        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 3)
+        grpo(z, z, m, np.ones(4, np.float32), 3)
     with pytest.raises(ValueError, match="rewards must be finite"):
-        rl.grpo_loss(z, z, m, np.array([1, np.nan, 0, 1], np.float32), 2)
-    with pytest.raises(ValueError, match="ref_logp must have logp's shape"):
-        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, ref_logp=np.zeros((4, 2), np.float32), kl_coef=0.1)
-    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
-        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, kl_coef=0.1)
+        grpo(z, z, m, np.array([1, np.nan, 0, 1], np.float32), 2)
+    with pytest.raises(ValueError, match="old_logp must have logp's shape"):
+        grpo(z, np.zeros((4, 2), np.float32), m, np.ones(4, np.float32), 2)
     with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
-        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, loss_agg_mode="mean")
-    with pytest.raises(ValueError, match="kl_type='k9'"):
-        rl.grpo_loss(z, z, m, np.ones(4, np.float32), 2, ref_logp=z, kl_coef=0.1, kl_type="k9")
-    with pytest.raises(ValueError, match="has no option"):
+        rl.get_objective("grpo", loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="objective .grpo.: no option"):
         rl.get_objective("grpo", beta=1.0)
 
 
@@ -236,7 +203,7 @@ def numeric_gradient(f, x, eps=1e-6):
 @pytest.mark.parametrize("name", ["grpo", "rloo", "drgrpo"])
 def test_verl_scale_losses_and_gradients_match_verl_micro_batching(name):
     n, S = 4, 4  # verl micro-batches of 4 responses: 16 responses = 2 ranks x 2 micro-batches
-    logp, old_logp, mask, rewards, _ = make_batch(seed=21, n=n, groups=4, T=7)
+    logp, old_logp, mask, rewards = make_batch(seed=21, n=n, groups=4, T=7)
     mask[3] = 0.0
     mask[3, 0] = 1.0  # one verl micro-batch much shorter than the others: token-mean's micro means differ
     args = [jnp.asarray(a) for a in (old_logp, mask, rewards)]
@@ -261,7 +228,7 @@ def test_verl_scale_adds_up_over_update_micro_batches():
     # An update micro-batch (whole groups, pacs_jax.rl.update) holds whole verl micro-batches; with the
     # mini-batch totals their losses add up to the loss of verl's micro-batch partition of the rows.
     n, S = 2, 2
-    logp, old_logp, mask, rewards, _ = make_batch(seed=22, n=n, groups=4, T=6)
+    logp, old_logp, mask, rewards = make_batch(seed=22, n=n, groups=4, T=6)
     totals = rl.BatchTotals(num_sequences=len(rewards), num_tokens=jnp.asarray(mask.sum()))
     for mode in rl.LOSS_AGG_MODES:
         fn = rl.get_objective("grpo", loss_agg_mode=mode, loss_scale="verl", verl_micro_batch_size=S)
@@ -277,5 +244,5 @@ def test_verl_scale_needs_a_dividing_micro_batch_size():
         rl.grpo_loss(z, z, m, y, 4, loss_scale="verl")
     with pytest.raises(ValueError, match="verl_micro_batch_size=3 must divide the 8 responses"):
         rl.grpo_loss(z, z, m, y, 4, loss_scale="verl", verl_micro_batch_size=3)
-    with pytest.raises(ValueError, match="loss_scale='sum'"):
-        rl.grpo_loss(z, z, m, y, 4, loss_scale="sum")
+    with pytest.raises(rl.OptionError, match="loss_scale='sum'"):
+        rl.get_objective("grpo", loss_scale="sum")

@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from pacs_jax import checkpoints, sampling
+from pacs_jax import checkpoints, models, sampling
 from pacs_jax.sampling import engine
 from pacs_jax.sharding import make_mesh
 
@@ -138,7 +138,7 @@ def test_stop_ids_match_transformers_and_pad_after(hf, prompts, reference):
     model = load(hf, "qwen2", "1dev")
     tokens, mask = sampling.left_pad(prompts, 8, 64)
     graphdef, state = nnx.split(model)
-    params = sampling.SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=stops)
+    params = sampling.SamplingSettings(max_new_tokens=NEW_TOKENS, stop_token_ids=stops)
     arrays = jax.device_get(sampling.rollout(graphdef, state, tokens, mask, params, jax.random.key(0)))
     reasons = []
     for row in range(len(prompts)):
@@ -168,7 +168,7 @@ def test_right_padded_arrays_give_the_same_greedy_tokens(hf, prompts, reference)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)], mask[row, :len(prompt)] = prompt, 1
     graphdef, state = nnx.split(load(hf, "qwen2", "1dev"))
-    params = sampling.SamplingParams(max_new_tokens=NEW_TOKENS)
+    params = sampling.SamplingSettings(max_new_tokens=NEW_TOKENS)
     arrays = jax.device_get(sampling.rollout(graphdef, state, tokens, mask, params, jax.random.key(0)))
     np.testing.assert_array_equal(arrays.tokens[:len(prompts)], ref_tokens)
     assert int(arrays.prefill_tokens) == sum(map(len, prompts))
@@ -195,6 +195,24 @@ def test_n_samples_share_one_prefill(hf, prompts, reference):
     other = sampling.generate(model, prompts[:2], max_new_tokens=16, n=4, temperature=1.0,
                               stop_token_ids=(), seed=4)
     assert again.tokens == sampled.tokens and other.tokens != sampled.tokens
+
+
+def test_compiled_rollout_prefills_prompts_not_samples():
+    """The compiled rollout's matmuls: the prefill runs on the P x T prompt tokens and the decode on
+    B = P x n rows of one token; no matmul sees the prompts repeated n times ([P n, T] or P n T rows)."""
+    cfg = models.QwenConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    graphdef, state = nnx.split(models.init_random(cfg, seed=0))
+    P, T, n = 3, 13, 5
+    prompts = jax.ShapeDtypeStruct((P, T), jnp.int32)
+    compiled = engine.lower_rollout(graphdef, state, prompts, prompts,
+                                    sampling.SamplingSettings(n=n, max_new_tokens=7)).compile()
+    dots = [tuple(int(d) for d in dims.split(","))
+            for dims in re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} dot\(", compiled.as_text())]
+    assert (P * T, cfg.intermediate_size) in dots  # the prefill's MLP: every prompt token once
+    assert (P * n, cfg.intermediate_size) in dots  # the decode's MLP: one token per sample
+    for shape in dots:
+        assert P * n * T not in shape and not {P * n, T} <= set(shape), shape
 
 
 def test_logprobs_equal_full_forward(hf, prompts):

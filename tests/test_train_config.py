@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import pytest
 
+from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import ConfigError, validate_config
 from train_helpers import REPO, load_config, train_env
 
@@ -26,8 +27,16 @@ def _set(config: ml_collections.ConfigDict, dotted: str, value) -> None:
     node[leaf] = value
 
 
-def test_default_config_validates_and_returns_the_mesh_it_asks_for():
-    mesh = validate_config(load_config("default.py"))
+def test_default_config_validates_without_a_mesh_and_gives_the_mesh_it_asks_for(monkeypatch):
+    config = load_config("default.py")
+
+    def no_mesh(*args, **kwargs):
+        raise AssertionError("validate_config built a mesh")
+
+    monkeypatch.setattr(jax, "make_mesh", no_mesh)
+    assert validate_config(config) is None
+    monkeypatch.undo()
+    mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}  # data=-1 fills the 8 test devices
 
 
@@ -157,8 +166,18 @@ def test_paper_config_has_section_6_values_and_validates(in_repo, qwen_tokenizer
     assert (config.eval.temperature, config.eval.top_p, config.eval.max_new_tokens) == (0.6, 0.95, 4096)
     assert config.reward.name == "math"
 
-    mesh = validate_config(config)
+    validate_config(config)
+    mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_configs_is_a_package_and_its_files_load_by_path_alike():
+    import configs.paper
+
+    by_import = configs.paper.get_config("qwen3_4b,grpo")
+    by_path = load_config("paper.py", "qwen3_4b,grpo")
+    assert by_import.to_dict() == by_path.to_dict()
+    assert by_import.algorithm.objective == "grpo" and by_import.model.preset == "Qwen3-4B"
 
 
 def test_paper_config_refuses_unknown_names():

@@ -58,10 +58,10 @@ def rollout_batch(single_model):
     graphdef, params = nnx.split(single_model)
     rs = np.random.RandomState(0)
     prompt_ids = [list(rs.randint(2, CFG.vocab_size, size=length)) for length in (5, 9, 3, 12)]
-    sampling_params = sampling.SamplingParams(max_new_tokens=MAX_NEW_TOKENS, n=N, temperature=1.0,
+    sampling_settings = sampling.SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, n=N, temperature=1.0,
                                               stop_token_ids=(1,))
     with RewardPool(1) as pool:
-        collector = RolloutCollector(graphdef, None, sampling_params, decode=lambda ids: " ".join(map(str, ids)),
+        collector = RolloutCollector(graphdef, None, sampling_settings, decode=lambda ids: " ".join(map(str, ids)),
                                      reward_pool=pool, reward_name="math", prompt_buckets=(8, 16))
         rollout = collector(params, PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
                             jax.random.key(0))
@@ -90,8 +90,9 @@ def _train_step(model, batch, rules, put):
     (old_logp, [loss per mini-batch], [metrics per mini-batch], updated params)."""
     graphdef, params = nnx.split(model)
     params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its inputs
-    old_logp = rl.make_logprobs_fn(graphdef, rules=rules)(params, put(batch["input_ids"]), put(batch["attention_mask"]),
-                                                          MAX_NEW_TOKENS)
+    old_logp = jax.jit(lambda p, ids, mask: rl.micro_batched_logprobs(nnx.merge(graphdef, p), ids, mask, MAX_NEW_TOKENS,
+                                                                      rules=rules))(
+        params, put(batch["input_ids"]), put(batch["attention_mask"]))
     optimizer, _ = make_optimizer(LR, weight_decay=0.01, total_steps=MINI_BATCHES)
     opt_state = jax.jit(optimizer.init)(params)
     update = make_update_step(graphdef, optimizer, "pacs", group_size=N, objective_options=OPTIONS,

@@ -19,7 +19,7 @@ from flax import nnx
 
 from pacs_jax import models, sampling
 from pacs_jax.models.config import REMAT_POLICIES
-from pacs_jax.sharding import MeshRules
+from pacs_jax.sharding import MeshRules, config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.real_run import run_training
@@ -70,7 +70,8 @@ def shrunk_paper_config(data_file, tokenizer_dir, *, steps: int, arg: str = "qwe
 
 
 def _train(config, workdir) -> list[dict]:
-    mesh = validate_config(config)
+    validate_config(config)
+    mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}  # the paper's (-1, 8, 1) on 8 devices
     summary = run_training(config, workdir, mesh)
     assert summary["final_step"] == config.train.steps
@@ -117,7 +118,8 @@ def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(d
     tensor = reference.mesh.tensor
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 8 // tensor, tensor
     config.data.prompt_buckets, config.rollout.response_buckets = (512,), (16,)
-    mesh = validate_config(config)
+    validate_config(config)
+    mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8 // tensor, "tensor": tensor}
     summary = run_training(config, tmp_path, mesh)
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -139,7 +141,7 @@ def _programs(num_layers: int, remat: str = "dots_with_no_batch_dims_saveable"):
     graphdef, state = models.abstract_model(cfg, mesh)
     params = jax.tree.map(lambda v: v, nnx.state(state))
     rules = MeshRules(mesh)
-    collector = RolloutCollector(graphdef, rules, sampling.SamplingParams(max_new_tokens=R_LEN, n=N, temperature=1.0),
+    collector = RolloutCollector(graphdef, rules, sampling.SamplingSettings(max_new_tokens=R_LEN, n=N, temperature=1.0),
                                  decode=str, reward_pool=None, reward_name="math", prompt_buckets=(P_LEN,),
                                  logprob_micro_batches=2)
     abstract = jax.tree.map(lambda v: v.get_value() if hasattr(v, "get_value") else v, params,

@@ -44,7 +44,9 @@ def main(argv) -> None:
     import numpy as np
     from flax import nnx
 
-    from pacs_jax import data, evaluate
+    from pacs_jax import data, evaluation
+    from pacs_jax.rewards import RewardPool
+    from pacs_jax.sharding import config_mesh
     from pacs_jax.training.config_check import validate_config
     from pacs_jax.training.loop import rl_train
     from pacs_jax.training.real_run import GrainPromptSource, build_model
@@ -54,16 +56,18 @@ def main(argv) -> None:
         config.train.steps = _STEPS.value
         config.train.checkpoint_every = 0
         config.eval.sets = ""
-    mesh = validate_config(config)
+    validate_config(config)
+    mesh = config_mesh(config.mesh)
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     model = build_model(config, mesh, tokenizer)
     examples, _ = data.prepare_examples(list(config.data.train_files), tokenizer, config.data.max_prompt_length,
                                         on_error="skip")
     prompts = GrainPromptSource(examples, config.train.prompts_per_step, config.data.shuffle_seed)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as workdir, \
+            RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:
         result = rl_train(config, workdir, model, prompts, decode=decode,
-                          stop_token_ids=evaluate.default_stop_ids(model, tokenizer))
+                          stop_token_ids=evaluation.default_stop_ids(model, tokenizer), reward_pool=pool)
     for row in result.history:
         print(json.dumps({k: round(v, 4) for k, v in row.items() if k.startswith("time_") or k in
                           ("step", "compilations", "tokens_per_second", "response_length_mean")}), flush=True)

@@ -153,7 +153,7 @@ def build_programs(config, devices, *, platform: str, log: Callable[[str], None]
     stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     update = config_update_step(config, graphdef, optimizer, rules, shardings)
     collector = config_collector(config, graphdef, rules, stop_ids, decode=lambda ids: "", reward_pool=None)
-    sampling_params = collector.params
+    sampling_settings = collector.params
 
     num_prompts = tc.prompts_per_step
     p, r = collector.prompt_buckets[-1], collector.response_buckets[-1]
@@ -168,7 +168,7 @@ def build_programs(config, devices, *, platform: str, log: Callable[[str], None]
     jobs = [
         ("sampler", f"{per_call} prompts x {p} tokens, n={rc.n}: {per_call * rc.n} rows x {p + rc.max_new_tokens} "
                     f"cache slots per call ({rc.micro_batches} calls)",
-         lambda: lower_rollout(graphdef, params, chunk, chunk, sampling_params), (params, chunk, chunk), opt_bytes,
+         lambda: lower_rollout(graphdef, params, chunk, chunk, sampling_settings), (params, chunk, chunk), opt_bytes,
          "rollout"),
         ("pi_old", f"{num_prompts * rc.n} rows x {p}+{r} tokens in {lp_micro} micro-batches of "
                    f"{num_prompts * rc.n // lp_micro}",

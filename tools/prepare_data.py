@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from pacs_jax.data import FORMATS, Problem, ReadStats, convert_rows, load_problems
+from pacs_jax.files import atomic_write
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -57,15 +56,7 @@ def read_hf(name: str, config: str | None, split: str, format: str, data_source:
 
 
 def write_jsonl(problems: Sequence[Problem], output: pathlib.Path) -> None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(p.to_json(), ensure_ascii=False) + "\n" for p in problems)
-        os.replace(tmp, output)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(output, lambda f: f.writelines(json.dumps(p.to_json(), ensure_ascii=False) + "\n" for p in problems))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -9,7 +9,6 @@ warmstart.json and the RL checkpoints; the warm-start is not run again).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import time
 
@@ -24,6 +23,7 @@ from pacs_jax import models, sampling
 from pacs_jax.checkpoints import find_params_dir, load_model
 from pacs_jax.demo.task import CharTokenizer, Problem, split_problems
 from pacs_jax.demo.warmstart import make_sft_step, sft_arrays
+from pacs_jax.files import atomic_write, atomic_write_text
 from pacs_jax.rewards import RewardPool
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
@@ -112,16 +112,8 @@ def _plot(history: list[dict], before: float, after: float, path: pathlib.Path) 
     ax[1].set_ylim(0, 1)
     ax[1].set_ylabel("held-out accuracy")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
     plt.close(fig)
-    os.replace(tmp, path)
-
-
-def _write_json(path: pathlib.Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def run_demo(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mesh=None) -> dict:
@@ -147,13 +139,13 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mes
             before = held_out_accuracy(model, held_out, tokenizer, pool, **eval_kwargs)
             before["warmstart_seconds"] = time.perf_counter() - t_start
             if jax.process_index() == 0:
-                _write_json(warm_file, before)
+                atomic_write_text(warm_file, json.dumps(before, indent=2))
         print(f"held-out accuracy before RL: {before['sampled']:.3f} (sampled, T={rc.temperature}), "
               f"{before['greedy']:.3f} (greedy)", flush=True)
 
         prompts = ProblemCycler(train_problems, tokenizer, config.train.prompts_per_step, config.data.shuffle_seed)
         result = rl_train(config, workdir, model, prompts, decode=tokenizer.decode,
-                          stop_token_ids=(tokenizer.eos_id,))
+                          stop_token_ids=(tokenizer.eos_id,), reward_pool=pool)
         if result.stopped_by_signal:
             return {"stopped_at_step": result.final_step}
         after = held_out_accuracy(result.model, held_out, tokenizer, pool, **eval_kwargs)
@@ -179,5 +171,5 @@ def run_demo(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, mes
     if jax.process_index() == 0:  # the files of the run: written once
         if history:
             _plot(history, summary["accuracy_before_rl"], summary["accuracy_after_rl"], workdir / "curves.png")
-        _write_json(workdir / "summary.json", summary)
+        atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -1,29 +1,27 @@
-"""The learning signal: fused log-probs, PACS and policy-gradient objectives, PPO's GAE and losses, the update step.
+"""The learning signal: fused log-probs, PACS and policy-gradient objectives, PPO's GAE and losses, the loss and gradient.
 
     logp = rl.token_logprobs(hidden, lm_head, targets)           # [B, T], no [B, T, V] array
     loss, metrics = rl.pacs_loss(logp, old_logp, response_mask, rewards, group_size, beta=1.0)
     objective = rl.get_objective("grpo", loss_agg_mode="token-mean")
-    loss_and_grad = rl.make_loss_and_grad(graphdef, "pacs", group_size=8, num_micro_batches=4)
+    loss_and_grad = rl.loss_and_grad_fn(graphdef, "pacs", group_size=8, num_micro_batches=4)
     advantages, returns = rl.compute_gae(rl.last_token_rewards(rewards, mask), values, mask, gamma=1.0, lam=1.0)
 """
 
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS, get_estimator
 from pacs_jax.rl.batch import BatchTotals
+from pacs_jax.rl.critic import critic_loss_and_grad_fn
 from pacs_jax.rl.gae import compute_gae, last_token_rewards, masked_whiten
-from pacs_jax.rl.kl import KL_ESTIMATORS, kl_penalty
 from pacs_jax.rl.logprobs import token_logprobs, token_logprobs_and_entropy
-from pacs_jax.rl.objectives import OBJECTIVES, get_objective
+from pacs_jax.rl.objectives import OBJECTIVES, ObjectiveSpec, OptionError, get_objective, objective_spec
 from pacs_jax.rl.pacs import pacs_loss
-from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss, value_loss
 from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss,
                                          rloo_loss)
-from pacs_jax.rl.update import (loss_and_grad_fn, make_logprobs_fn, make_loss_and_grad, micro_batched_logprobs,
-                                response_logprobs)
-from pacs_jax.rl.critic import critic_loss_and_grad_fn
+from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss, value_loss
+from pacs_jax.rl.update import loss_and_grad_fn, micro_batched_logprobs, response_logprobs
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "compute_gae", "last_token_rewards",
-           "masked_whiten", "KL_ESTIMATORS", "kl_penalty", "token_logprobs", "token_logprobs_and_entropy",
-           "OBJECTIVES", "get_objective", "pacs_loss", "ppo_objective", "ppo_policy_loss", "value_loss", "LOSS_AGG_MODES",
-           "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss", "loss_and_grad_fn",
-           "make_logprobs_fn", "make_loss_and_grad", "micro_batched_logprobs", "response_logprobs",
-           "critic_loss_and_grad_fn"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "critic_loss_and_grad_fn", "compute_gae",
+           "last_token_rewards", "masked_whiten", "token_logprobs", "token_logprobs_and_entropy",
+           "OBJECTIVES", "ObjectiveSpec", "OptionError", "get_objective", "objective_spec", "pacs_loss",
+           "LOSS_AGG_MODES", "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
+           "ppo_objective", "ppo_policy_loss", "value_loss", "loss_and_grad_fn", "micro_batched_logprobs",
+           "response_logprobs"]

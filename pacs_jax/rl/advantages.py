@@ -46,17 +46,16 @@ def naive(scores: jax.Array, group_size: int) -> jax.Array:
 
 AdvantageEstimator = Callable[[jax.Array, int], jax.Array]
 
-# name -> (estimator, smallest group size it is defined for)
-ADVANTAGE_ESTIMATORS: dict[str, tuple[AdvantageEstimator, int]] = {
-    "rloo": (rloo, 2),
-    "grpo": (grpo, 2),
-    "drgrpo": (group_mean_centred, 1),
-    "naive": (naive, 1),
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "rloo": rloo,
+    "grpo": grpo,
+    "drgrpo": group_mean_centred,
+    "naive": naive,
 }
 
 
-def get_estimator(name: str) -> tuple[AdvantageEstimator, int]:
-    """(estimator, minimum group size) registered under ``name``; ValueError names the choices."""
+def get_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered under ``name``; ValueError names the choices."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"adv_estimator={name!r}: expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]

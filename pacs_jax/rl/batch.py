@@ -37,17 +37,17 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def check_batch(logp, old_logp, response_mask, rewards, group_size: int, *, min_group_size: int,
-                binary_rewards: bool, ref_logp=None) -> None:
+                binary_rewards: bool) -> None:
     """Raise ValueError naming the offending argument when the batch is malformed.
 
-    logp, old_logp, response_mask (and ref_logp when given): [B, T]; rewards: [B];
+    logp, old_logp, response_mask: [B, T]; rewards: [B];
     B divisible by group_size >= min_group_size; rewards in {0, 1} when ``binary_rewards``
     (otherwise finite); response_mask in {0, 1}. Value checks only run on concrete arrays.
     """
     if logp.ndim != 2:
         raise ValueError(f"logp must be [B, T], got shape {logp.shape}")
-    for name, x in (("old_logp", old_logp), ("response_mask", response_mask), ("ref_logp", ref_logp)):
-        if x is not None and x.shape != logp.shape:
+    for name, x in (("old_logp", old_logp), ("response_mask", response_mask)):
+        if x.shape != logp.shape:
             raise ValueError(f"{name} must have logp's shape [B, T]={logp.shape}, got {x.shape}")
     batch = logp.shape[0]
     if rewards.shape != (batch,):

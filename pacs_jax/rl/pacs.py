@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pacs_jax.rl.advantages import get_estimator
-from pacs_jax.rl.batch import BatchTotals, check_batch, group_view
+from pacs_jax.rl.batch import BatchTotals, group_view
 
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
 REWARD_METHODS = ("1", "2")
@@ -34,8 +34,10 @@ def reward_proxy(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array,
     mask = response_mask.astype(jnp.float32)
     if reward_method == "1":
         return beta * jnp.sum(mask * (logp - old_logp), axis=-1)
-    length = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-    return beta * jnp.sum(mask * logp, axis=-1) / length
+    if reward_method == "2":
+        length = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+        return beta * jnp.sum(mask * logp, axis=-1) / length
+    raise ValueError(f"reward_method={reward_method!r}: expected one of {REWARD_METHODS}")
 
 
 def class_weights(labels: jax.Array, group_size: int, mode: str) -> jax.Array:
@@ -44,6 +46,8 @@ def class_weights(labels: jax.Array, group_size: int, mode: str) -> jax.Array:
         return labels
     if mode == "only_negative":
         return 1.0 - labels
+    if mode != "question":
+        raise ValueError(f"weight_mode={mode!r}: expected one of {WEIGHT_MODES}")
     g = group_view(labels, group_size)  # [B/n, n]
     positives = jnp.sum(g, axis=1, keepdims=True)
     same_label = jnp.where(g > 0.5, positives, group_size - positives)
@@ -54,33 +58,23 @@ def class_weights(labels: jax.Array, group_size: int, mode: str) -> jax.Array:
 
 def pacs_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
               group_size: int, *, beta: float = 1.0, use_weight: bool = True, weight_mode: str = "question",
-              reward_method: str = "1", adv_estimator: str = "rloo", ref_logp: jax.Array | None = None,
+              reward_method: str = "1", adv_estimator: str = "rloo",
               totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """PACS loss and metrics.
+    """PACS loss and metrics, unchecked: ``rl.get_objective("pacs", ...)`` checks the options and the
+    batch (group size >= 2, rewards in {0, 1}) from the registry (rl/objectives.py).
 
     logp, old_logp: [B, T] float log-probs of the response tokens under pi_theta / pi_old;
     response_mask: [B, T] 1 on response tokens; rewards: [B] verifiable rewards in {0, 1}.
-    ref_logp must be None (PACS has no KL term; the argument exists so every objective in the
-    registry takes the same inputs). totals: normalisers of the whole mini-batch when this call
-    sees one micro-batch (B of the 1/B is then ``totals.num_sequences``).
+    totals: normalisers of the whole mini-batch when this call sees one micro-batch (B of the 1/B
+    is then ``totals.num_sequences``).
 
     Returns (scalar loss, metrics): psi mean/std, accuracy of sigmoid(psi) > 0.5 as a predictor of
     the reward, the mean reward proxy, and weight mean/min/max.
     """
-    reward_method = str(reward_method)
-    if reward_method not in REWARD_METHODS:
-        raise ValueError(f"reward_method={reward_method!r}: expected one of {REWARD_METHODS}")
-    if weight_mode not in WEIGHT_MODES:
-        raise ValueError(f"weight_mode={weight_mode!r}: expected one of {WEIGHT_MODES}")
-    if ref_logp is not None:
-        raise ValueError("pacs_loss takes no ref_logp: PACS has no KL penalty")
-    estimator, _ = get_estimator(adv_estimator)
-    # Every PACS variant compares responses to the same prompt: a group needs two or more.
-    check_batch(logp, old_logp, response_mask, rewards, group_size, min_group_size=2, binary_rewards=True)
-
+    estimator = get_estimator(adv_estimator)
     labels = rewards.astype(jnp.float32)
     r = reward_proxy(logp.astype(jnp.float32), old_logp.astype(jnp.float32), response_mask, beta=beta,
-                     reward_method=reward_method)
+                     reward_method=str(reward_method))
     psi = estimator(r, group_size)
     if use_weight:
         w = class_weights(labels, group_size, weight_mode)

@@ -5,7 +5,6 @@ Shapes: B responses, n = group_size per prompt (rows i*n .. i*n+n-1 share a prom
 Per token, with ratio rho = exp(log pi_theta - log pi_old) and the response's advantage A:
   l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))     (PPO clip)
   l = min(l, -A c)  where A < 0                                 (dual clip, c = clip_ratio_c)
-plus, when ``kl_coef`` > 0, kl_coef * KL(pi_theta || pi_ref) per token (pacs_jax.rl.kl).
 Token losses reduce to a scalar by ``loss_agg_mode`` over the response mask m, for one batch of B
 responses (verl 0.3.1's ``agg_loss``):
   token-mean               sum_it m l / sum_it m
@@ -38,8 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pacs_jax.rl.advantages import get_estimator
-from pacs_jax.rl.batch import BatchTotals, check_batch
-from pacs_jax.rl.kl import kl_penalty
+from pacs_jax.rl.batch import BatchTotals
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 _MAX_LOG_RATIO = 20.0  # |log rho| bound before the exp: no inf ratios from stale log-probs
@@ -113,29 +111,20 @@ def clipped_token_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Arr
 def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
                          group_size: int, *, adv_estimator: str, loss_agg_mode: str, clip_ratio_low: float = 0.2,
                          clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, norm_length: int | None = None,
-                         ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
                          loss_scale: str = "mean", verl_micro_batch_size: int = 0,
                          totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """PPO-clip loss with group advantages from the rewards (see the module docstring).
+    """PPO-clip loss with group advantages from the rewards (see the module docstring), unchecked:
+    ``rl.get_objective(name, ...)`` checks the options and the batch from the registry (rl/objectives.py).
 
-    logp, old_logp, response_mask, ref_logp: [B, T]; rewards: [B] (any finite values).
+    logp, old_logp, response_mask: [B, T]; rewards: [B] (any finite values).
     loss_scale, verl_micro_batch_size: the aggregation convention ("verl": verl 0.3.1's micro-batch
     means, over micro-batches of ``verl_micro_batch_size`` responses; "mean": one mean over the
-    mini-batch), for the policy loss and the KL term alike.
-    Returns (scalar loss, metrics: pg loss, clip fractions, approx KL to pi_old, advantage mean/std,
-    and the KL penalty when used).
+    mini-batch).
+    Returns (scalar loss, metrics: pg loss, clip fractions, approx KL to pi_old, advantage mean/std).
     """
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r}: expected one of {LOSS_AGG_MODES}")
-    if loss_scale not in LOSS_SCALES:
-        raise ValueError(f"loss_scale={loss_scale!r}: expected one of {LOSS_SCALES}")
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip bound must be > 1")
-    if kl_coef and ref_logp is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference policy's log-probs)")
-    estimator, min_group = get_estimator(adv_estimator)
-    check_batch(logp, old_logp, response_mask, rewards, group_size, min_group_size=min_group,
-                binary_rewards=False, ref_logp=ref_logp)
+    estimator = get_estimator(adv_estimator)
 
     logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
     advantages = jax.lax.stop_gradient(estimator(rewards.astype(jnp.float32), group_size))
@@ -154,13 +143,7 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: ja
         "pg/advantage_mean": jnp.mean(advantages),
         "pg/advantage_std": jnp.std(advantages),
     }
-    loss = pg_loss
-    if kl_coef:
-        kl = kl_penalty(logp, ref_logp.astype(jnp.float32), kl_type)
-        kl_loss = aggregate(kl, response_mask, loss_agg_mode, **agg)
-        loss = loss + kl_coef * kl_loss
-        metrics["pg/kl_ref"] = token_mean(kl)
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+    return pg_loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def grpo_loss(logp, old_logp, response_mask, rewards, group_size, *,

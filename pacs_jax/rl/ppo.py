@@ -82,7 +82,7 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, res
 
 
 def ppo_objective(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
-                  group_size: int, *, advantages: jax.Array | None = None, ref_logp: jax.Array | None = None,
+                  group_size: int, *, advantages: jax.Array | None = None,
                   totals: BatchTotals | None = None, **options) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The registry's "ppo" objective (pacs_jax.rl.objectives): ``ppo_policy_loss`` on the update
     batch's per-token ``advantages`` [B, T] (``compute_gae`` on the critic's values). The rewards
@@ -93,6 +93,4 @@ def ppo_objective(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array
     if advantages is None:
         raise ValueError("objective 'ppo' needs the update batch's 'advantages' [B, T] (rl.compute_gae with the "
                          "critic's values)")
-    if ref_logp is not None:
-        raise ValueError("objective 'ppo' has no KL term: the batch must not hold 'ref_logp'")
     return ppo_policy_loss(logp, old_logp, advantages, response_mask, totals=totals, **options)

@@ -4,9 +4,8 @@ Batch layout (the verl layout; L = P + R):
   input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
   attention_mask  [B, L]         1 on real tokens (prompt and response)
   response_mask   [B, R]         1 on the response tokens the loss sees
-  old_logp        [B, R] float   log pi_old of the response tokens (see ``make_logprobs_fn``)
+  old_logp        [B, R] float   log pi_old of the response tokens (``micro_batched_logprobs``)
   rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
-  ref_logp        [B, R] float   optional: reference-policy log-probs for a KL penalty
   advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
 The hidden state at position P - 1 + t predicts response token t, so the response log-probs are
 the fused log-probs (pacs_jax.rl.logprobs) of hidden[:, P-1:L-1] against input_ids[:, P:].
@@ -28,14 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pacs_jax.rl.batch import BatchTotals, check_batch
+from pacs_jax.rl.batch import BatchTotals
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs, token_logprobs_and_entropy
-from pacs_jax.rl.objectives import BINARY_REWARD_OBJECTIVES, get_objective
+from pacs_jax.rl.objectives import get_objective
 from pacs_jax.sharding import MeshRules, constrain
 
 Batch = Mapping[str, jax.Array]
-REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")
-OPTIONAL_KEYS = ("ref_logp", "advantages")
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
@@ -73,30 +70,6 @@ def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_ma
     return jax.lax.stop_gradient(jax.tree.map(lambda x: _merge_micro_batches(x, 1), out))
 
 
-def _check_update_batch(batch: Batch, group_size: int, num_micro_batches: int, binary_rewards: bool) -> None:
-    missing = [k for k in REQUIRED_KEYS if k not in batch]
-    unknown = sorted(set(batch) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-    if missing or unknown:
-        raise ValueError(f"batch is missing {missing} / has unknown keys {unknown}; it takes "
-                         f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
-    B, L = batch["input_ids"].shape
-    B_r, R = batch["response_mask"].shape
-    if batch["attention_mask"].shape != (B, L):
-        raise ValueError(f"batch['attention_mask'] must be [B, L]={(B, L)} like input_ids, "
-                         f"got {batch['attention_mask'].shape}")
-    if B_r != B or not 0 < R < L:
-        raise ValueError(f"batch['response_mask'] must be [B, R] with B={B} and 0 < R < L={L}, got {(B_r, R)}")
-    # Values: only the rewards (a [B] host check); the per-token arrays are checked by shape.
-    if "advantages" in batch and batch["advantages"].shape != (B, R):
-        raise ValueError(f"batch['advantages'] must be [B, R]={(B, R)} like response_mask, got {batch['advantages'].shape}")
-    abstract = jax.ShapeDtypeStruct((B, R), jnp.float32)
-    check_batch(abstract, batch["old_logp"], abstract, batch["rewards"], group_size, min_group_size=1,
-                binary_rewards=binary_rewards, ref_logp=batch.get("ref_logp"))
-    if num_micro_batches < 1 or B % (num_micro_batches * group_size):
-        raise ValueError(f"num_micro_batches={num_micro_batches}: a batch of {B} responses in groups of "
-                         f"{group_size} cannot be split into that many micro-batches of whole groups")
-
-
 def _split_micro_batches(x: jax.Array, unit: int, num_micro_batches: int) -> jax.Array:
     """[B, ...] -> [K, B / K, ...] by blocks of ``unit`` rows: micro-batch k holds blocks k, k + K, ..."""
     K = num_micro_batches
@@ -131,8 +104,8 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature=temperature,
                                  chunk_size=chunk_size, rules=rules)
         extra = {"advantages": micro["advantages"]} if "advantages" in micro else {}
-        return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size,
-                  ref_logp=micro.get("ref_logp"), totals=totals, **extra)
+        return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size, totals=totals,
+                  **extra)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -166,38 +139,3 @@ def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch: Batch,
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     (loss, grads), metrics = jax.lax.scan(step, (jnp.zeros((), jnp.float32), zeros), micro)
     return loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads
-
-
-def make_loss_and_grad(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
-                       objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
-                       temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                       rules: MeshRules | None = None) -> Callable[[nnx.State, Batch], tuple]:
-    """Jitted ``loss_and_grad(params, batch) -> (loss, metrics, grads)`` (see ``loss_and_grad_fn``).
-
-    The batch is validated before the jitted call (keys, shapes, whole groups per micro-batch,
-    reward values when they are concrete) and raises ValueError naming the offending entry.
-    """
-    jitted = jax.jit(loss_and_grad_fn(graphdef, objective, group_size=group_size,
-                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
-                                      temperature=temperature, chunk_size=chunk_size, rules=rules))
-    binary = objective in BINARY_REWARD_OBJECTIVES
-
-    def loss_and_grad(params: nnx.State, batch: Batch):
-        _check_update_batch(batch, group_size, num_micro_batches, binary)
-        return jitted(params, batch)
-
-    return loss_and_grad
-
-
-def make_logprobs_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 1, temperature: float = 1.0,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, rules: MeshRules | None = None
-                     ) -> Callable[[nnx.State, jax.Array, jax.Array, int], jax.Array]:
-    """Jitted ``(params, input_ids, attention_mask, response_length) -> [B, R]`` response log-probs, no
-    gradient (``micro_batched_logprobs``): pi_old right after rollout (docs/design.md section 3.4)."""
-
-    def logprobs(params, input_ids, attention_mask, response_length):
-        return micro_batched_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, response_length,
-                                      num_micro_batches=num_micro_batches, temperature=temperature,
-                                      chunk_size=chunk_size, rules=rules)
-
-    return jax.jit(logprobs, static_argnums=3)

@@ -9,7 +9,7 @@ decode rows, N = max_new_tokens, S = T + N cache slots, V vocabulary.
     decode   lax.while_loop: feed the last token at slot T + j - 1, sample token j, until every row
              has hit a stop id or N tokens; the cache is a loop carry, updated in place
 
-The whole rollout is one ``jax.jit`` of a pure function of (params state, arrays); the model is
+The whole rollout is one ``jax.jit`` of a pure function of (parameter state, arrays); the model is
 ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
 reuse one compilation. Static: shapes, n, max_new_tokens, top_k. Traced: temperature (0 = greedy),
 top_p, the seed's key and the stop ids, so greedy evaluation and sampled training share a program. The KV cache is allocated inside the program and never leaves it, so there is
@@ -30,8 +30,8 @@ from flax import nnx
 
 from pacs_jax.models.qwen import CACHE_AXES, KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
-from pacs_jax.sampling.params import SamplingParams
-from pacs_jax.sampling.rules import select_tokens
+from pacs_jax.sampling.settings import SamplingSettings
+from pacs_jax.sampling.selection import select_tokens
 from pacs_jax.sharding import constrain
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
@@ -158,7 +158,7 @@ def stop_id_array(stop_token_ids) -> np.ndarray:
     return stop_ids
 
 
-def _program_args(prompt_tokens, prompt_mask, params: SamplingParams, key, *, abstract: bool = False):
+def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, *, abstract: bool = False):
     """The rollout program's positional arguments and static keywords.
 
     abstract: the key, the scalars and the stop ids come as ``jax.ShapeDtypeStruct``s without a
@@ -172,8 +172,8 @@ def _program_args(prompt_tokens, prompt_mask, params: SamplingParams, key, *, ab
                          "must both be [P, T]")
     if prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
         raise ValueError(f"prompt_tokens: empty shape {prompt_tokens.shape}")
-    stop_ids = stop_id_array(params.stop_token_ids)
-    static = dict(n=params.n, max_new_tokens=params.max_new_tokens, top_k=params.top_k)
+    stop_ids = stop_id_array(settings.stop_token_ids)
+    static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         spec = jax.ShapeDtypeStruct
@@ -181,12 +181,12 @@ def _program_args(prompt_tokens, prompt_mask, params: SamplingParams, key, *, ab
                 spec(stop_ids.shape, jnp.int32))
         return args, static
     # numpy, not jnp: made on the host without compiling anything (no eager op per call shape)
-    args = (prompt_tokens, prompt_mask, key, np.float32(params.temperature), np.float32(params.top_p), stop_ids)
+    args = (prompt_tokens, prompt_mask, key, np.float32(settings.temperature), np.float32(settings.top_p), stop_ids)
     return args, static
 
 
 def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-            params: SamplingParams, key: jax.Array) -> RolloutArrays:
+            settings: SamplingSettings, key: jax.Array) -> RolloutArrays:
     """The jitted rollout on padded arrays (what the trainer calls).
 
     graphdef, state: ``nnx.split(model)`` (split once, reuse across calls).
@@ -196,11 +196,11 @@ def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, 
     the number of compilations. key: a JAX PRNG key for this call.
     Returns RolloutArrays with B = P * n rows grouped by prompt.
     """
-    args, static = _program_args(prompt_tokens, prompt_mask, params, key)
+    args, static = _program_args(prompt_tokens, prompt_mask, settings, key)
     return _rollout_program(graphdef, state, *args, **static)
 
 
-def lower_rollout(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, params: SamplingParams,
+def lower_rollout(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings,
                   key=None) -> jax.stages.Lowered:
     """The rollout program lowered for abstract arguments (``jax.ShapeDtypeStruct`` with shardings):
     ``.compile()`` it ahead of time (warm-up, memory planning).
@@ -210,5 +210,5 @@ def lower_rollout(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, par
     uncommitted arrays of a real call, so the program can be lowered for devices this process
     cannot use (compile-only TPU devices on a CPU host) and is the one a real call runs.
     """
-    args, static = _program_args(prompt_tokens, prompt_mask, params, key, abstract=True)
+    args, static = _program_args(prompt_tokens, prompt_mask, settings, key, abstract=True)
     return _rollout_program.lower(graphdef, state, *args, **static)

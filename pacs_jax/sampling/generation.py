@@ -18,7 +18,7 @@ from pacs_jax.distributed import put_rows, to_host
 from pacs_jax.models.qwen import Qwen
 from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
 from pacs_jax.sampling.engine import rollout
-from pacs_jax.sampling.params import SamplingParams
+from pacs_jax.sampling.settings import SamplingSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     if stop_token_ids is None:
         eos = cfg.eos_token_id
         stop_token_ids = () if eos is None else eos
-    params = SamplingParams(max_new_tokens=max_new_tokens, n=n, temperature=temperature, top_p=top_p,
+    params = SamplingSettings(max_new_tokens=max_new_tokens, n=n, temperature=temperature, top_p=top_p,
                             top_k=top_k, stop_token_ids=stop_token_ids)
     params.check_vocab(cfg.vocab_size)
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):

@@ -6,26 +6,17 @@ fails naming the key); this module checks values and how they fit together.
 
 from __future__ import annotations
 
-import math
 import pathlib
 
 import jax
 import ml_collections
-from jax.sharding import Mesh
 
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
-from pacs_jax.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_SCALES, OBJECTIVES, get_objective
-from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES
-from pacs_jax.sharding import make_mesh
+from pacs_jax.rl.objectives import OBJECTIVES, OptionError
+from pacs_jax.sharding import mesh_shape
 from pacs_jax.training import memory_plan
 from pacs_jax.training.optim import SCHEDULES
-
-GROUP_OBJECTIVES = ("pacs", "rloo", "grpo", "drgrpo")  # need n >= 2 responses per prompt
-# Objective options with a fixed set of values (the objectives check them only when traced).
-OPTION_CHOICES = {"weight_mode": WEIGHT_MODES, "reward_method": REWARD_METHODS,
-                  "adv_estimator": tuple(ADVANTAGE_ESTIMATORS), "loss_agg_mode": LOSS_AGG_MODES,
-                  "kl_type": tuple(KL_ESTIMATORS), "loss_scale": LOSS_SCALES}
 
 
 class ConfigError(ValueError):
@@ -47,8 +38,9 @@ def _check_buckets(buckets, field: str, largest: int, largest_field: str, allow_
     _require(buckets[-1] == largest, field, f"the largest bucket ({buckets[-1]}) must equal {largest_field}={largest}")
 
 
-def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
-    """Check ``config``; return the mesh it asks for (None for a single device)."""
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Check ``config`` against the devices there are (it builds nothing: ``sharding.config_mesh``
+    then makes its mesh). Objective facts come from the registry, rl/objectives.py."""
     tc, rc, oc = config.train, config.rollout, config.optim
     for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
         _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
@@ -64,23 +56,18 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
                 path = pathlib.Path(config.eval.data_dir) / spec
                 _require(path.exists(), f"eval.set_files.{name}", f"{path} does not exist")
 
-    _require(config.algorithm.objective in OBJECTIVES, "algorithm.objective",
-             f"{config.algorithm.objective!r} is not one of {sorted(OBJECTIVES)}")
-    _require(config.algorithm.objective != "ppo", "algorithm.objective",
+    objective = config.algorithm.objective
+    _require(objective in OBJECTIVES, "algorithm.objective", f"{objective!r} is not one of {sorted(OBJECTIVES)}")
+    _require(objective != "ppo", "algorithm.objective",
              "'ppo' is not wired into the trainer yet (its building blocks are rl/gae.py, rl/ppo.py, rl/critic.py "
              "and models/value.py): choose one of pacs, grpo, rloo, drgrpo")
+    spec = OBJECTIVES[objective]
     try:
-        get_objective(config.algorithm.objective, **dict(config.algorithm.options))
-    except ValueError as e:
-        raise ConfigError(f"config.algorithm.options: {e}") from e
-    for name, value in config.algorithm.options.items():
-        if name in OPTION_CHOICES:
-            _require(str(value) in OPTION_CHOICES[name], f"algorithm.options.{name}",
-                     f"{value!r} is not one of {OPTION_CHOICES[name]}")
-    _require(isinstance(rc.n, int) and rc.n >= 1, "rollout.n", f"must be an integer >= 1, got {rc.n!r}")
-    if config.algorithm.objective in GROUP_OBJECTIVES:
-        _require(rc.n >= 2, "rollout.n", f"{config.algorithm.objective} compares the responses of a prompt "
-                                         f"and needs n >= 2, got {rc.n}")
+        spec.check_options(dict(config.algorithm.options))
+    except OptionError as e:
+        raise ConfigError(f"config.algorithm.options.{e.option}: objective {objective!r}: {e}") from e
+    _require(isinstance(rc.n, int) and rc.n >= spec.min_group_size, "rollout.n",
+             f"{objective} compares the responses of a prompt and needs n >= {spec.min_group_size}, got {rc.n!r}")
     _require(rc.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}")
     _require(rc.temperature > 0, "rollout.temperature", f"RL samples need temperature > 0, got {rc.temperature}")
     _require(0 < rc.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {rc.top_p}")
@@ -149,16 +136,18 @@ def validate_config(config: ml_collections.ConfigDict) -> Mesh | None:
 
     mc = config.mesh
     try:
-        mesh = make_mesh(mc.data, mc.fsdp, mc.tensor, device_order=tuple(mc.device_order))
+        data, fsdp, tensor = mesh_shape(mc.data, mc.fsdp, mc.tensor, jax.device_count())
+        if tuple(mc.device_order) and sorted(mc.device_order) != list(range(jax.device_count())):
+            raise ValueError(f"mesh.device_order={tuple(mc.device_order)}: must list each of the positions "
+                             f"0..{jax.device_count() - 1} of the devices once")
     except ValueError as e:
         raise ConfigError(f"config.{e}") from e
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch_shards = data * fsdp
     rows = tc.prompts_per_step * rc.n // tc.mini_batches // tc.micro_batches
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
-    _check_memory(config, math.prod(mesh.devices.shape))
-    return None if math.prod(mesh.devices.shape) == 1 and jax.device_count() == 1 else mesh
+    _check_memory(config, data * fsdp * tensor)
 
 
 def _check_memory(config: ml_collections.ConfigDict, num_devices: int) -> None:

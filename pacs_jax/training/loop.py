@@ -129,10 +129,10 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
     stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
     tc, rc = config.train, config.rollout
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
-    params = sampling.SamplingParams(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
-                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops)
+    settings = sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
+                                         top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops)
     return RolloutCollector(
-        graphdef, rules, params, decode=decode, reward_pool=reward_pool,
+        graphdef, rules, settings, decode=decode, reward_pool=reward_pool,
         reward_name=reward_for(config.reward.name, config.reward.mode),
         prompt_buckets=config.data.prompt_buckets, response_buckets=rc.response_buckets,
         sampler_micro_batches=rc.micro_batches,
@@ -141,12 +141,14 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
 
 
 def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
-             decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
+             decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
              on_step: Callable[[int, Qwen, dict], None] | None = None) -> TrainResult:
     """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
 
-    decode: generated ids -> text for the reward. on_step(step, model, metrics): called after each
-    step (periodic evaluation hooks in here). Returns the trained model and the per-step metrics.
+    decode: generated ids -> text for the reward. reward_pool: the caller's pool; it scores the
+    rollouts and the caller's evaluations (one pool per run). on_step(step, model, metrics): called
+    after each step (periodic evaluation hooks in here). Returns the trained model and the per-step
+    metrics.
     """
     workdir = epath.Path(workdir)
     tc = config.train
@@ -176,9 +178,9 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     base_key = jax.random.key(config.seed)
     stopped = False
     single_process = jax.process_count() == 1
-    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool, \
-            (_StopFlag() if single_process else contextlib.nullcontext()) as stop_flag:
-        collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode, reward_pool=pool)
+    with _StopFlag() if single_process else contextlib.nullcontext() as stop_flag:
+        collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode,
+                                     reward_pool=reward_pool)
         if tc.precompile:
             _warm_up(collector, update, params, opt_state, tc.prompts_per_step)
         step = start

@@ -13,7 +13,8 @@ import ml_collections
 from etils import epath
 from jax.sharding import Mesh
 
-from pacs_jax import checkpoints, data, evaluate, models
+from pacs_jax import checkpoints, data, evaluation, models
+from pacs_jax.rewards import RewardPool
 from pacs_jax.training import memory_plan
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
@@ -61,28 +62,31 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
         print(f"training prompts: {len(examples)} ({counts})", flush=True)
     prompts = GrainPromptSource(examples, config.train.prompts_per_step, config.data.shuffle_seed)
     ec = config.eval
-    eval_sets = evaluate.load_eval_sets(ec.sets, dict(ec.set_files), ec.data_dir, ec.max_problems) if ec.sets else []
+    eval_sets = evaluation.load_eval_sets(ec.sets, dict(ec.set_files), ec.data_dir, ec.max_problems) if ec.sets else []
     last_eval: dict = {}
 
-    def run_eval(step: int, current: models.Qwen) -> None:
-        rows, metrics = evaluate.evaluate_sets(
+    def run_eval(step: int, current: models.Qwen, pool: RewardPool) -> None:
+        rows, metrics = evaluation.evaluate_sets(
             current, tokenizer, eval_sets, n=ec.n, temperature=ec.temperature, top_p=ec.top_p,
-            max_new_tokens=ec.max_new_tokens, seed=config.seed, batch_size=ec.batch_size, progress=True)
+            max_new_tokens=ec.max_new_tokens, seed=config.seed, batch_size=ec.batch_size, reward_pool=pool,
+            progress=True)
         if jax.process_index() == 0:
-            evaluate.write_outputs(workdir / "eval" / f"step_{step}", rows, metrics)
+            evaluation.write_outputs(workdir / "eval" / f"step_{step}", rows, metrics)
         last_eval.clear()
         last_eval.update(metrics)
 
-    def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
-        if eval_sets and ec.every and step % ec.every == 0:
-            run_eval(step, current)
+    stop_ids = evaluation.default_stop_ids(model, tokenizer)
+    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:  # rollouts and evaluation
+        def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
+            if eval_sets and ec.every and step % ec.every == 0:
+                run_eval(step, current, pool)
 
-    stop_ids = evaluate.default_stop_ids(model, tokenizer)
-    result = rl_train(config, workdir, model, prompts, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      stop_token_ids=stop_ids, on_step=on_step)
-    if result.stopped_by_signal:
-        return {"stopped_at_step": result.final_step}
-    if eval_sets and not (ec.every and result.final_step % ec.every == 0):
-        run_eval(result.final_step, result.model)
+        result = rl_train(config, workdir, model, prompts,
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step)
+        if result.stopped_by_signal:
+            return {"stopped_at_step": result.final_step}
+        if eval_sets and not (ec.every and result.final_step % ec.every == 0):
+            run_eval(result.final_step, result.model, pool)
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=config.data.tokenizer, overwrite=True)
     return {"final_step": result.final_step, "eval": last_eval, "hf_export": str(export)}

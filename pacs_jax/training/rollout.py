@@ -90,7 +90,7 @@ def batch_sharding(rules: MeshRules | None, shape: tuple[int, ...]) -> jax.shard
 class RolloutCollector:
     """Samples, scores and computes pi_old for batches of prompts with a fixed model graph."""
 
-    def __init__(self, graphdef: nnx.GraphDef, rules: MeshRules | None, params: sampling.SamplingParams, *,
+    def __init__(self, graphdef: nnx.GraphDef, rules: MeshRules | None, params: sampling.SamplingSettings, *,
                  decode: Callable[[Sequence[int]], str], reward_pool: RewardPool, reward_name: str,
                  prompt_buckets: Sequence[int], response_buckets: Sequence[int] = (),
                  sampler_micro_batches: int = 1, logprob_micro_batches: int = 1,

@@ -1,4 +1,4 @@
-"""Sampling parameters of one rollout call, validated on construction."""
+"""Sampling settings of one rollout call (n, budget, temperature, top-k / top-p, stop ids), checked on construction."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def _is_int(value) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class SamplingSettings:
     """How to sample: budget, samples per prompt, and the rules that pick each token.
 
     max_new_tokens: generated tokens per sample (>= 1), the stop token included.

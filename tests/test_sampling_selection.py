@@ -1,4 +1,4 @@
-"""Sampling rules: drawn frequencies, top-k / top-p sets and log-probs against float64 references.
+"""Token selection: drawn frequencies, top-k / top-p sets and log-probs against float64 references.
 
 References: a PyTorch ``transformers`` Qwen2 with a 32-token vocabulary (its full forward logits,
 taken to float64), a chi-square test, and float64 NumPy top-k / top-p sets.

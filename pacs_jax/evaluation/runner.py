@@ -1,0 +1,118 @@
+"""The evaluation runner: N samples per problem of each evaluation set, scored by the verifiable reward.
+
+    sets = load_eval_sets("math_500,aime_2024", files, data_dir="data")
+    rows, metrics = evaluate_sets(model, tokenizer, sets, n=16, temperature=0.6, top_p=0.95,
+                                  max_new_tokens=4096, reward_pool=pool)
+
+Used by the evaluation CLI (pacs_jax/evaluate.py) and the trainer's periodic evaluation, which
+passes its own reward pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from pacs_jax import sampling
+from pacs_jax.data import Problem, build_prompts, load_problems
+from pacs_jax.evaluation.pass_at_k import pass_at_k_metrics
+from pacs_jax.rewards import RewardPool
+
+REWARD_BY_SOURCE = {"gsm8k": "gsm8k"}  # every other data source is scored with the math reward
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """Problems of one data source and the reward that scores them ("math" or "gsm8k")."""
+
+    name: str
+    problems: Sequence[Problem]
+    reward: str = "math"
+
+
+def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_dir: str | pathlib.Path = ".",
+                   max_problems: int = 0) -> list[EvalSet]:
+    """The named sets; ``files[name]`` is a path relative to ``data_dir`` (or absolute, or ``tfds:NAME``).
+
+    max_problems > 0 keeps the first max_problems problems of each set.
+    """
+    names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError("no evaluation sets given (config.sets)")
+    sets = []
+    for name in names:
+        if name not in files:
+            raise ValueError(f"evaluation set {name!r} has no entry in config.set_files (known: {sorted(files)})")
+        spec = files[name]
+        spec = spec if spec.startswith("tfds:") else str(pathlib.Path(data_dir) / spec)
+        problems, _ = load_problems(spec, data_source=name)
+        if max_problems > 0:
+            problems = problems[:max_problems]
+        sets.append(EvalSet(name, problems, REWARD_BY_SOURCE.get(name, "math")))
+    return sets
+
+
+def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, temperature: float, top_p: float,
+                  max_new_tokens: int, seed: int = 0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+                  batch_size: int = 32, max_prompt_length: int = 2048, reward_pool: RewardPool,
+                  progress: bool = False) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """Sample ``n`` responses per problem, score them, and compute pass@k per data source.
+
+    model: a ``models.Qwen``; tokenizer: its Hugging Face tokenizer (chat template, decoding).
+    stop_token_ids: () means the tokenizer's eos token and the model's eos ids.
+    batch_size: prompts per ``sampling.generate`` call (batch_size * n sequences).
+    reward_pool: the caller's RewardPool (the trainer's own during training: no second pool).
+    Problems whose prompt exceeds max_prompt_length tokens get no row (keep it large for evaluation).
+
+    Returns (rows, metrics): one row per evaluated problem (see ``_row``) and
+    {data_source: {"pass@1": ..., "pass@k": ..., "mean@N": ...}}.
+    """
+    if n < 1 or batch_size < 1:
+        raise ValueError(f"n={n} and batch_size={batch_size} must be >= 1")
+    examples, rewards_of = [], []
+    for eval_set in eval_sets:
+        kept, _ = build_prompts(eval_set.problems, tokenizer, max_prompt_length)
+        examples += kept
+        rewards_of += [eval_set.reward] * len(kept)
+    stops = tuple(stop_token_ids) or default_stop_ids(model, tokenizer)
+
+    rows = []
+    with tqdm(total=len(examples), desc="evaluate", unit="problem", disable=not progress) as bar:
+        for chunk, start in enumerate(range(0, len(examples), batch_size)):
+            batch = examples[start:start + batch_size]
+            out = sampling.generate(model, [list(e.prompt_ids) for e in batch], max_new_tokens=max_new_tokens,
+                                    n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    stop_token_ids=stops, seed=seed + chunk)
+            texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in out.tokens]
+            golds = [e.problem.ground_truth for e in batch for _ in range(n)]
+            reward_names = [r for r in rewards_of[start:start + batch_size] for _ in range(n)]
+            scores, statuses, _ = reward_pool.score(texts, golds, reward_names)
+            for i, example in enumerate(batch):
+                samples = slice(i * n, (i + 1) * n)
+                rows.append(_row(example.problem, texts[samples], scores[samples], statuses[samples],
+                                 out.finish_reason[samples], [len(t) for t in out.tokens[samples]]))
+            bar.update(len(batch))
+    return rows, pass_at_k_metrics(rows, n)
+
+
+def _row(problem: Problem, texts: Sequence[str], scores: np.ndarray, statuses: Sequence[str],
+         finish_reasons: Sequence[str], lengths: Sequence[int]) -> dict[str, Any]:
+    """One problem's record: its fields, and its samples with score, reward status, finish reason, length."""
+    samples = [{"response": text, "score": float(score), "status": status, "finish_reason": reason,
+                "num_tokens": length}
+               for text, score, status, reason, length in zip(texts, scores, statuses, finish_reasons, lengths)]
+    return {**problem.to_json(), "num_correct": int(sum(s["score"] == 1.0 for s in samples)), "samples": samples}
+
+
+def default_stop_ids(model, tokenizer) -> tuple[int, ...]:
+    """The model's eos ids (its config) and the tokenizer's eos id, sorted."""
+    eos = model.cfg.eos_token_id
+    ids = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
