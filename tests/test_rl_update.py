@@ -131,8 +131,7 @@ def test_verl_scale_through_micro_batches_equals_verls_loss_and_gradient(tiny, m
     batch = make_batch(groups=4, seed=5)
     S, K = 8, 2
     options = dict(loss_agg_mode=mode, loss_scale="verl", verl_micro_batch_size=S)
-    loss, _, grads = rl.make_loss_and_grad(graphdef, "grpo", group_size=N, objective_options=options,
-                                           num_micro_batches=K, chunk_size=4)(params, batch)
+    loss, _, grads = jitted_loss_and_grad(graphdef, "grpo", objective_options=options, num_micro_batches=K)(params, batch)
 
     def logprobs(p):
         return rl.response_logprobs(nnx.merge(graphdef, p), jnp.asarray(batch["input_ids"]),
@@ -158,21 +157,19 @@ def test_ppo_objective_through_micro_batches_matches_numpy(tiny):
     batch = make_batch(groups=4, seed=6)
     batch["advantages"] = np.random.RandomState(6).randn(*batch["old_logp"].shape).astype(np.float32)
     options = dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale="verl", verl_micro_batch_size=4)
-    loss, _, grads = rl.make_loss_and_grad(graphdef, "ppo", group_size=N, objective_options=options,
-                                           num_micro_batches=2, chunk_size=4)(params, batch)
-    logp = rl.make_logprobs_fn(graphdef, chunk_size=4)(params, jnp.asarray(batch["input_ids"]),
-                                                       jnp.asarray(batch["attention_mask"]), RESPONSE)
+    loss, _, grads = jitted_loss_and_grad(graphdef, "ppo", objective_options=options, num_micro_batches=2)(params, batch)
+    logp = rl.response_logprobs(nnx.merge(graphdef, params), jnp.asarray(batch["input_ids"]),
+                                jnp.asarray(batch["attention_mask"]), RESPONSE, chunk_size=4)
     order = np.concatenate([np.arange(g * N, (g + 1) * N) for k in range(2) for g in range(k, 4, 2)])
     token_losses = ref_ppo_token_losses(np.asarray(logp)[order], batch["old_logp"][order], batch["advantages"][order])
     want = verl_mini_batch_loss(token_losses, batch["response_mask"][order], "seq-mean-token-sum-norm", 4, ranks=1)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    whole_loss, _, whole_grads = rl.make_loss_and_grad(graphdef, "ppo", group_size=N, objective_options=options,
-                                                       chunk_size=4)(params, batch)
+    whole_loss, _, whole_grads = jitted_loss_and_grad(graphdef, "ppo", objective_options=options)(params, batch)
     np.testing.assert_allclose(float(whole_loss), float(loss), rtol=1e-5)  # S = 4 = one group: any split agrees
     for a, b in zip(_flat(grads), _flat(whole_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     with pytest.raises(ValueError, match="needs the update batch's 'advantages'"):
-        rl.make_loss_and_grad(graphdef, "ppo", group_size=N)(params, {k: v for k, v in batch.items() if k != "advantages"})
+        jitted_loss_and_grad(graphdef, "ppo")(params, {k: v for k, v in batch.items() if k != "advantages"})
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 1, 8)])

@@ -8,7 +8,7 @@ import json
 import pytest
 from flax import nnx
 
-from pacs_jax import data, evaluate, models
+from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.models.config import merge_eos_ids
 from pacs_jax.training.loop import config_collector
 from qwen_reference import save_random_hf_model
@@ -34,20 +34,20 @@ def qwen3_dir(tmp_path_factory):
 
 def test_qwen3_stop_ids_include_generation_configs_eos(qwen3_dir, qwen_tokenizer_dir):
     tokenizer = data.load_tokenizer(str(qwen_tokenizer_dir))
-    without = models.from_pretrained(qwen3_dir)
-    assert evaluate.default_stop_ids(without, tokenizer) == (IM_END,)  # config.json and the tokenizer: <|im_end|>
+    without = checkpoints.from_pretrained(qwen3_dir)
+    assert evaluation.default_stop_ids(without, tokenizer) == (IM_END,)  # config.json and the tokenizer: <|im_end|>
 
     (qwen3_dir / "generation_config.json").write_text(json.dumps(QWEN3_GENERATION_CONFIG, indent=2))
-    model = models.from_pretrained(qwen3_dir)
+    model = checkpoints.from_pretrained(qwen3_dir)
     assert model.cfg.eos_token_id == (IM_END, END_OF_TEXT)
-    stops = evaluate.default_stop_ids(model, tokenizer)
+    stops = evaluation.default_stop_ids(model, tokenizer)
     assert END_OF_TEXT in stops and IM_END in stops
 
     # the trainer's sampler stops on them and on rollout.stop_token_ids
     config = load_config("default.py")
     config.rollout.stop_token_ids = (7, IM_END)
     collector = config_collector(config, nnx.split(model)[0], None, stops, decode=lambda ids: "", reward_pool=None)
-    assert collector.params.stop_token_ids == (END_OF_TEXT, IM_END, 7)
+    assert collector.settings.stop_token_ids == (END_OF_TEXT, IM_END, 7)
     # exported and read back, the stop ids stay
     exported = models.export_hf(model, qwen3_dir.parent / "exported")
     assert models.QwenConfig.from_hf_file(exported).eos_token_id == (IM_END, END_OF_TEXT)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax import models
+from pacs_jax import checkpoints
 from pacs_jax.training.loop import config_collector, config_optimizer, config_update_step
 from qwen_reference import ARCHS, hf_logits, save_random_hf_model
 from train_helpers import load_config
@@ -26,7 +26,7 @@ def models_and_batch(tmp_path_factory):
     [P, Tp], right-padded responses [P n, R] of ragged lengths)."""
     directory = tmp_path_factory.mktemp("temperature") / ARCH
     hf_model = save_random_hf_model(ARCH, directory, seed=3)
-    model = models.from_pretrained(directory, dtype="float32")
+    model = checkpoints.from_pretrained(directory, dtype="float32")
     rs = np.random.RandomState(0)
     vocab = ARCHS[ARCH]["vocab_size"]
     prompt_tokens = rs.randint(0, vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)

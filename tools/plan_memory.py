@@ -153,7 +153,7 @@ def build_programs(config, devices, *, platform: str, log: Callable[[str], None]
     stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     update = config_update_step(config, graphdef, optimizer, rules, shardings)
     collector = config_collector(config, graphdef, rules, stop_ids, decode=lambda ids: "", reward_pool=None)
-    sampling_settings = collector.params
+    sampling_settings = collector.settings
 
     num_prompts = tc.prompts_per_step
     p, r = collector.prompt_buckets[-1], collector.response_buckets[-1]

@@ -90,19 +90,19 @@ def batch_sharding(rules: MeshRules | None, shape: tuple[int, ...]) -> jax.shard
 class RolloutCollector:
     """Samples, scores and computes pi_old for batches of prompts with a fixed model graph."""
 
-    def __init__(self, graphdef: nnx.GraphDef, rules: MeshRules | None, params: sampling.SamplingSettings, *,
+    def __init__(self, graphdef: nnx.GraphDef, rules: MeshRules | None, settings: sampling.SamplingSettings, *,
                  decode: Callable[[Sequence[int]], str], reward_pool: RewardPool, reward_name: str,
                  prompt_buckets: Sequence[int], response_buckets: Sequence[int] = (),
                  sampler_micro_batches: int = 1, logprob_micro_batches: int = 1,
                  reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
                  chunk_size: int | None = None):
-        self.graphdef, self.rules, self.params = graphdef, rules, params
+        self.graphdef, self.rules, self.settings = graphdef, rules, settings
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.prompt_buckets = tuple(sorted(prompt_buckets))
-        self.response_buckets = tuple(sorted(response_buckets)) or (params.max_new_tokens,)
-        if self.response_buckets[-1] != params.max_new_tokens:
+        self.response_buckets = tuple(sorted(response_buckets)) or (settings.max_new_tokens,)
+        if self.response_buckets[-1] != settings.max_new_tokens:
             raise ValueError(f"the largest response bucket ({self.response_buckets[-1]}) must equal "
-                             f"max_new_tokens ({params.max_new_tokens})")
+                             f"max_new_tokens ({settings.max_new_tokens})")
         self.sampler_micro_batches, self.logprob_micro_batches = sampler_micro_batches, logprob_micro_batches
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
@@ -117,7 +117,7 @@ class RolloutCollector:
             ids, mask = constrain(ids, rules, ("batch", None)), constrain(mask, rules, ("batch", None))
             old_logp, entropy = micro_batched_logprobs(
                 nnx.merge(graphdef, state), ids, mask, tokens.shape[1], num_micro_batches=logprob_micro_batches,
-                temperature=params.temperature, rules=rules, with_entropy=True, **extra)
+                temperature=settings.temperature, rules=rules, with_entropy=True, **extra)
             response_mask = response_mask.astype(jnp.float32)
             entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
             return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
@@ -145,24 +145,24 @@ class RolloutCollector:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(self.rules, shape))
 
     def _sample(self, state, prompt_tokens, prompt_mask, key):
-        return sampling.rollout(self.graphdef, state, prompt_tokens, prompt_mask, self.params, key)
+        return sampling.rollout(self.graphdef, state, prompt_tokens, prompt_mask, self.settings, key)
 
     def warm_up(self, state: nnx.State, num_prompts: int) -> None:
         """Compile (ahead of time, nothing runs) every program a step of ``num_prompts`` prompts can
         use: the sampler per prompt bucket, pi_old per (prompt bucket, response bucket)."""
-        n, K = self.params.n, self.sampler_micro_batches
+        n, K = self.settings.n, self.sampler_micro_batches
         abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         jobs = [(p, None) for p in self.prompt_buckets] + \
                [(p, r) for p in self.prompt_buckets for r in self.response_buckets]
         jobs += [(None, r) for r in self.response_buckets]
         per_call = num_prompts * n // K
-        call_tokens = (self._abstract((per_call, self.params.max_new_tokens), jnp.int32),) * K
+        call_tokens = (self._abstract((per_call, self.settings.max_new_tokens), jnp.int32),) * K
         call_lengths = (self._abstract((per_call,), jnp.int32),) * K
         for p, r in tqdm(jobs, desc="compiling programs", leave=False):
             prompts = self._abstract((num_prompts, p or 1), jnp.int32)
             if r is None:
                 chunk = self._abstract((num_prompts // K, p), jnp.int32)
-                lower_rollout(self.graphdef, abstract_state, chunk, chunk, self.params).compile()
+                lower_rollout(self.graphdef, abstract_state, chunk, chunk, self.settings).compile()
             elif p is None:
                 self._assemble.lower(call_tokens, call_lengths, r).compile()
             else:
@@ -171,7 +171,7 @@ class RolloutCollector:
 
     def abstract_batches(self, num_prompts: int) -> list[dict[str, jax.ShapeDtypeStruct]]:
         """The update batch of every (prompt bucket, response bucket), as abstract arrays."""
-        B = num_prompts * self.params.n
+        B = num_prompts * self.settings.n
         out = []
         for p in self.prompt_buckets:
             for r in self.response_buckets:
@@ -213,7 +213,7 @@ class RolloutCollector:
         return self._prepare(state, *(sampled[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "response_mask")))
 
     def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array) -> Rollout:
-        n = self.params.n
+        n = self.settings.n
         times = {}
         t0 = time.perf_counter()
         sampled = self.sample(state, prompts.prompt_ids, key)
