@@ -15,8 +15,8 @@
 # --dry-run prints the commands instead of running them.
 set -euo pipefail
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
-die() { echo "gpu_node.sh: $*" >&2; exit 2; }
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh"
 
 config="" workdir="" coordinator="" num_processes="" process_id="" supervise=1 dry_run=0
 train_flags=()
@@ -36,15 +36,6 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$config" ] || die "--config is required (e.g. configs/paper.py:qwen25_3b,pacs_beta1)"
-
-run() {
-  if [ "$dry_run" -eq 1 ]; then
-    printf '%q ' "$@" | sed 's/ $//'
-    echo
-  else
-    "$@"
-  fi
-}
 
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

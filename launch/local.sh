@@ -10,7 +10,8 @@
 # fails, the others are stopped and this script exits with the failing process's status.
 set -euo pipefail
 
-usage() { sed -n 2,10p "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh"
 
 processes="" devices="" port=""
 while [ $# -gt 0 ]; do
@@ -20,12 +21,12 @@ while [ $# -gt 0 ]; do
     --port) port=${2:?}; shift 2 ;;
     -h|--help) usage 0 ;;
     --) shift; break ;;
-    *) echo "local.sh: unknown option $1" >&2; usage ;;
+    *) die "unknown option $1 (see --help)" ;;
   esac
 done
-[ $# -gt 0 ] || { echo "local.sh: no COMMAND after --" >&2; usage; }
-[[ "$processes" =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --processes must be a positive integer" >&2; usage; }
-[[ "$devices" =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --devices_per_process must be a positive integer" >&2; usage; }
+[ $# -gt 0 ] || die "no COMMAND after -- (see --help)"
+[[ "$processes" =~ ^[1-9][0-9]*$ ]] || die "--processes must be a positive integer"
+[[ "$devices" =~ ^[1-9][0-9]*$ ]] || die "--devices_per_process must be a positive integer"
 
 if [ -z "$port" ]; then  # a free port whose successor is free too (the start-up barrier)
   port=$(python3 - <<'EOF'

@@ -38,8 +38,8 @@
 #       --config.model.path=gs://my-bucket/Qwen2.5-7B --config.data.tokenizer=gs://my-bucket/Qwen2.5-7B
 set -euo pipefail
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
-die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
+# shellcheck source=launch/common.sh
+. "$(dirname "$0")/common.sh"
 
 [ $# -gt 0 ] || usage
 case "$1" in
@@ -94,16 +94,6 @@ scope=(--zone="$zone")
 [ -z "$project" ] || scope+=(--project="$project")
 
 # ----------------------------------------------------------------------------------- helpers
-# run CMD...: run it, or print it (shell-quoted, one line) with --dry-run.
-run() {
-  if [ "$dry_run" -eq 1 ]; then
-    printf '%q ' "$@" | sed 's/ $//'
-    echo
-  else
-    "$@"
-  fi
-}
-
 # on_workers SCRIPT: run a bash script on every worker of the slice.
 on_workers() {
   run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=all --command="$1"
