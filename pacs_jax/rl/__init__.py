@@ -12,18 +12,18 @@ from pacs_jax.rl.batch import BatchTotals
 from pacs_jax.rl.gae import compute_gae, last_token_rewards, masked_whiten
 from pacs_jax.rl.kl import KL_ESTIMATORS, kl_penalty
 from pacs_jax.rl.logprobs import token_logprobs, token_logprobs_and_entropy
-from pacs_jax.rl.objectives import OBJECTIVES, get_objective
+from pacs_jax.rl.objectives import OBJECTIVES, get_objective, option_names, options_for
 from pacs_jax.rl.pacs import pacs_loss
 from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss, value_loss
 from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss,
                                          rloo_loss)
 from pacs_jax.rl.update import (loss_and_grad_fn, make_logprobs_fn, make_loss_and_grad, micro_batched_logprobs,
                                 response_logprobs)
-from pacs_jax.rl.critic import critic_loss_and_grad_fn
+from pacs_jax.rl.critic import critic_loss_and_grad_fn, micro_batched_values
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "compute_gae", "last_token_rewards",
            "masked_whiten", "KL_ESTIMATORS", "kl_penalty", "token_logprobs", "token_logprobs_and_entropy",
-           "OBJECTIVES", "get_objective", "pacs_loss", "ppo_objective", "ppo_policy_loss", "value_loss", "LOSS_AGG_MODES",
+           "OBJECTIVES", "get_objective", "option_names", "options_for", "pacs_loss", "ppo_objective", "ppo_policy_loss", "value_loss", "LOSS_AGG_MODES",
            "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss", "loss_and_grad_fn",
            "make_logprobs_fn", "make_loss_and_grad", "micro_batched_logprobs", "response_logprobs",
-           "critic_loss_and_grad_fn"]
+           "critic_loss_and_grad_fn", "micro_batched_values"]

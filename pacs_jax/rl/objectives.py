@@ -45,6 +45,21 @@ def _option_names(fn: Objective, forwards_to: Objective | None = None) -> set[st
     return names - _BATCH_ARGS
 
 
+def option_names(name: str) -> set[str]:
+    """The options objective ``name`` takes (the keyword options of its function and of the one it
+    forwards to)."""
+    return _option_names(OBJECTIVES[name], _FORWARDS_TO.get(name))
+
+
+def options_for(name: str, options: dict) -> dict:
+    """The entries of ``options`` that objective ``name`` reads: a config's options may also hold those
+    of other registered objectives (the demo's PACS options when it runs "ppo"), which are left out;
+    names no objective takes stay, so ``get_objective`` refuses them."""
+    others = set().union(*(option_names(other) for other in OBJECTIVES if other != name))
+    mine = option_names(name)
+    return {k: v for k, v in options.items() if k in mine or k not in others}
+
+
 def get_objective(name: str, **options) -> Objective:
     """The objective registered as ``name`` with ``options`` bound (e.g. beta=1.0 for "pacs").
 
@@ -53,7 +68,7 @@ def get_objective(name: str, **options) -> Objective:
     if name not in OBJECTIVES:
         raise ValueError(f"objective={name!r}: expected one of {sorted(OBJECTIVES)}")
     fn = OBJECTIVES[name]
-    known = _option_names(fn, _FORWARDS_TO.get(name))
+    known = option_names(name)
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"objective {name!r} has no option(s) {sorted(unknown)}; known: {sorted(known)}")
