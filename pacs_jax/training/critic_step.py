@@ -35,8 +35,10 @@ from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout import batch_sharding
 from pacs_jax.training.update_step import scanned_update, state_shardings
 
-# The critic update's metrics (rl.value_loss's and scanned_update's) -> the names a step reports.
-METRIC_NAMES = {"critic/value_loss": "value_loss", "critic/explained_variance": "explained_variance",
+# The critic update's metrics (scanned_update's and rl.value_loss's) -> the names a step reports. The value
+# loss is the mini-batch's (the sum of its micro-batches' shares); explained variance and clip fraction
+# are the means of their micro-batches'.
+METRIC_NAMES = {"loss": "value_loss", "critic/explained_variance": "explained_variance",
                 "critic/value_clipfrac": "value_clip_fraction", "grad_norm": "critic_grad_norm",
                 "skipped": "critic_skipped"}
 CRITIC_INPUTS = ("input_ids", "attention_mask", "response_mask")  # what the critic reads of the update batch
