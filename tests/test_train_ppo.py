@@ -45,6 +45,7 @@ def update_batch(rules, seed=0):
     return host, lengths, {k: distributed.put_rows(v, batch_sharding(rules, v.shape)) for k, v in host.items()}
 
 
+@pytest.mark.slow
 def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
     actor = models.init_random(CFG, sharding.make_mesh(2, 2, 2), seed=0)
     rules = actor.rules
