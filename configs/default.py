@@ -58,9 +58,23 @@ def get_config() -> ml_collections.ConfigDict:
     ))
 
     c.algorithm = ml_collections.ConfigDict(dict(
-        objective="pacs",         # a name in the registry, pacs_jax/rl/objectives.py
-        options=ml_collections.ConfigDict(dict(  # the registry's defaults of "pacs" (a test checks they agree)
+        objective="pacs",         # a name in the registry, pacs_jax/rl/objectives.py: pacs | grpo | rloo | drgrpo | ppo
+        # the objective's options (the registry's defaults of "pacs"; a test checks they agree); options of the
+        # other objectives are left out, so --config.algorithm.objective=ppo runs PPO with its defaults
+        options=ml_collections.ConfigDict(dict(
             beta=1.0, use_weight=True, weight_mode="question", reward_method="1", adv_estimator="rloo")),
+    ))
+
+    # PPO's critic (read only when algorithm.objective is "ppo"; verl 0.3.1's defaults): a Qwen backbone
+    # with a scalar head, sharded like the actor, its own AdamW (constant lr), updated on the actor's
+    # mini-batches and micro-batches each step, checkpointed with the actor.
+    c.critic = ml_collections.ConfigDict(dict(
+        path="",                  # HF dir or pacs_jax checkpoint for its backbone; empty: a copy of the actor's
+        lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0,
+        clip_range_value=0.5,     # value clip around the values at rollout time
+        gamma=1.0, lam=1.0,       # GAE discount and lambda (the 0/1 reward sits on each response's last token)
+        loss_scale="mean",        # value loss over the mini-batch ("mean") or at verl's micro-batch scale ("verl")
+        verl_micro_batch_size=0,  # with loss_scale "verl": verl's critic ppo_micro_batch_size_per_gpu
     ))
 
     c.optim = ml_collections.ConfigDict(dict(

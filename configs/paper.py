@@ -5,7 +5,7 @@
 
 MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 slice: 32 chips of 95 GiB)
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
-ALGO:  pacs_beta1 | pacs_beta2 | pacs_beta1_noweight | pacs_beta2_noweight | grpo
+ALGO:  pacs_beta1 | pacs_beta2 | pacs_beta1_noweight | pacs_beta2_noweight | grpo | ppo
 
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
 named after it. Another slice: pick the nearest entry and override --config.mesh.* /
@@ -18,6 +18,10 @@ Batching of the paper: 1024 prompts x 8 responses per step, 4 optimizer steps of
 AdamW lr 1e-6 constant, betas (0.9, 0.999), weight decay 0.01. PACS: no clipping, no KL;
 GRPO (verl defaults): PPO-clip 0.2 with dual clip 3, seq-mean-token-sum-norm at verl's scale
 (``loss_scale="verl"``, micro-batches of 8 responses, L_max 4096), grad clip 1.0.
+PPO (the authors' scripts/baseline/ppo.sh on verl 0.3.1): the actor as GRPO's (clip 0.2, dual clip 3,
+seq-mean-token-sum-norm at verl's scale, grad clip 1.0) on GAE advantages (gamma = lam = 1) of a
+critic initialised from the same model: AdamW lr 1e-5, value clip 0.5, grad clip 1.0, its value loss
+at verl's scale (micro-batches of 8 responses).
 """
 
 import ml_collections
@@ -58,7 +62,13 @@ ALGORITHMS = {
     # (ppo_micro_batch_size_per_gpu), seq-mean-token-sum-norm over the padded response width 4096.
     "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
                           clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
+    # scripts/baseline/ppo.sh of the authors: the actor's loss as GRPO's, on the critic's GAE advantages
+    "ppo": ("ppo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                        clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
+# PPO's critic (verl 0.3.1's defaults and ppo.sh's critic.optim.lr / critic.ppo_micro_batch_size_per_gpu)
+PPO_CRITIC = dict(path="", lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0, clip_range_value=0.5,
+                  gamma=1.0, lam=1.0, loss_scale="verl", verl_micro_batch_size=8)
 
 
 def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
@@ -97,7 +107,9 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
                          if objective == "pacs" else {})))
     c.optim.lr = 1e-6
     c.optim.schedule = "constant"
-    c.optim.grad_clip = 1.0 if objective == "grpo" else 0.0
+    c.optim.grad_clip = 1.0 if objective in ("grpo", "ppo") else 0.0
+    if objective == "ppo":
+        c.critic.update(PPO_CRITIC)
     c.train.steps = 300
     c.train.prompts_per_step = 1024
     c.train.mini_batches = 4

@@ -10,7 +10,8 @@ A model checkpoint directory holds ``model_config.json`` (the HF config fields p
 and ``params/``, an Orbax PyTree checkpoint of a flat {dotted path: array} dict. The trainer's
 root (``<workdir>/checkpoints``) holds ``model_config.json`` and one ``<step>/`` per checkpoint
 with items ``params`` (the same flat format), ``opt_state`` and ``meta`` (JSON: step,
-data-iterator state, counters); ``find_params_dir`` resolves either layout to the params to load
+data-iterator state, counters), and for PPO ``critic_params`` (flat, like ``params``) and
+``critic_opt_state``; ``find_params_dir`` resolves either layout to the (actor's) params to load
 (the latest step for a root). Every process takes part in saves and restores.
 """
 
@@ -154,14 +155,20 @@ def _abstract(tree):
 
 
 class TrainCheckpointer:
-    """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest."""
+    """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest.
 
-    def __init__(self, directory: str | os.PathLike, model_config: QwenConfig, *, every: int, keep: int):
+    with_critic: the checkpoints also hold PPO's critic (its parameters and optimizer state), which
+    ``save`` and ``restore`` then take as ``critic=(params, opt_state)``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, model_config: QwenConfig, *, every: int, keep: int,
+                 with_critic: bool = False):
         self.directory = epath.Path(directory).absolute()
         self.every = every
+        self.with_critic = with_critic
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-            item_names=("params", "opt_state", "meta"))
+            item_names=("params", "opt_state", "meta") + (("critic_params", "critic_opt_state") if with_critic else ()))
         if jax.process_index() == 0:
             write_model_config(self.directory, model_config)
 
@@ -173,25 +180,41 @@ class TrainCheckpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params: nnx.State, opt_state: Any, meta: dict, *, force: bool = False) -> bool:
+    def _check_critic(self, critic) -> None:
+        if (critic is not None) != self.with_critic:
+            raise ValueError(f"this checkpointer was made with with_critic={self.with_critic}: pass critic="
+                             f"{'(params, opt_state)' if self.with_critic else 'None'}")
+
+    def save(self, step: int, params: nnx.State, opt_state: Any, meta: dict, *, force: bool = False,
+             critic: tuple[nnx.State, Any] | None = None) -> bool:
         """Save when ``step`` is a multiple of ``every`` (or ``force``); returns whether it saved."""
+        self._check_critic(critic)
         if not force and (self.every <= 0 or step % self.every):
             return False
         if step in self.manager.all_steps():
             return False
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(flat_params(params)),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        items = dict(params=ocp.args.StandardSave(flat_params(params)), opt_state=ocp.args.StandardSave(opt_state),
+                     meta=ocp.args.JsonSave(meta))
+        if critic is not None:
+            items.update(critic_params=ocp.args.StandardSave(flat_params(critic[0])),
+                         critic_opt_state=ocp.args.StandardSave(critic[1]))
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         return True
 
-    def restore(self, step: int, params: nnx.State, opt_state: Any) -> tuple[nnx.State, Any, dict]:
-        """Restore ``step`` into the shardings/dtypes of the given (template) params and opt_state."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(flat_params(params))),
-            opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
-            meta=ocp.args.JsonRestore()))
-        return params_from_flat(params, restored["params"]), restored["opt_state"], restored["meta"]
+    def restore(self, step: int, params: nnx.State, opt_state: Any, critic: tuple[nnx.State, Any] | None = None
+                ) -> tuple[nnx.State, Any, dict, tuple[nnx.State, Any] | None]:
+        """Restore ``step`` into the shardings/dtypes of the given (template) params and opt_state (and
+        the critic's): (params, opt_state, meta, (critic params, critic opt_state) or None)."""
+        self._check_critic(critic)
+        items = dict(params=ocp.args.StandardRestore(_abstract(flat_params(params))),
+                     opt_state=ocp.args.StandardRestore(_abstract(opt_state)), meta=ocp.args.JsonRestore())
+        if critic is not None:
+            items.update(critic_params=ocp.args.StandardRestore(_abstract(flat_params(critic[0]))),
+                         critic_opt_state=ocp.args.StandardRestore(_abstract(critic[1])))
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        critic_state = None if critic is None else (params_from_flat(critic[0], restored["critic_params"]),
+                                                    restored["critic_opt_state"])
+        return params_from_flat(params, restored["params"]), restored["opt_state"], restored["meta"], critic_state
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -148,6 +148,20 @@ def test_paper_configs_fit_their_slices(model, devices, hbm):
     assert plan.peak < 0.8 * hbm * GiB, plan.table()
 
 
+def test_ppo_adds_the_critics_parameters_and_adamw_state():
+    """PPO's critic (a Qwen-2.5-7B backbone and a scalar head, float32, AdamW) on 32 devices of the
+    (1, 8, 4) mesh, counted by hand; nothing else of the plan changes."""
+    pacs = estimate_memory(load_config("paper.py", "qwen25_7b,pacs_beta1"), 32)
+    ppo = estimate_memory(load_config("paper.py", "qwen25_7b,ppo"), 32)
+    L, D, F, V, H, K, Dh = 28, 3584, 18944, 152064, 28, 4, 128
+    layer = (D * H * Dh // 32 + H * Dh // 4  # q kernel (embed over fsdp 8, heads over tensor 4), q bias
+             + 2 * (D * K * Dh // 32 + K * Dh // 4)  # k, v kernels and biases (4 KV heads over tensor 4)
+             + H * Dh * D // 32 + 3 * D * F // 32 + 2 * D)  # o, gate / up / down, two norms (replicated)
+    elems = V * D // 32 + L * layer + D + D // 8 + 1  # embedding, final norm, value head (w over fsdp, b); no lm_head
+    assert ppo.critic == 3 * 4 * elems, (ppo.critic, 3 * 4 * elems)
+    assert ppo.peak - pacs.peak == ppo.critic and pacs.critic == 0
+
+
 def test_advice_names_the_fields_of_the_largest_parts():
     c = load_config("paper.py", "qwen25_7b,pacs_beta1")
     c.train.micro_batches, c.rollout.micro_batches = 1, 1

@@ -11,6 +11,7 @@ import ml_collections
 import pytest
 
 from pacs_jax.sharding import config_mesh
+from pacs_jax.rl import options_for
 from pacs_jax.training.config_check import ConfigError, validate_config
 from train_helpers import REPO, load_config, train_env
 
@@ -40,6 +41,19 @@ def test_default_config_validates_without_a_mesh_and_gives_the_mesh_it_asks_for(
     assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}  # data=-1 fills the 8 test devices
 
 
+def test_demo_config_runs_any_objective_leaving_out_the_other_objectives_options():
+    """The demo's options are PACS's; another objective reads only its own (and an option no
+    objective takes is still refused: the ppo_unknown_option case below)."""
+    config = load_config("default.py")
+    pacs = dict(config.algorithm.options)
+    assert options_for("pacs", pacs) == pacs
+    for objective in ("ppo", "grpo", "rloo", "drgrpo"):
+        config.algorithm.objective = objective
+        validate_config(config)
+        assert options_for(objective, pacs) == {}
+    assert options_for("ppo", {**pacs, "clip_ratio_c": 2.0, "betta": 1}) == {"clip_ratio_c": 2.0, "betta": 1}
+
+
 # (field overrides on the demo config, the field the error must name)
 BAD_DEMO = {
     "n_1_pacs": ({"rollout.n": 1}, "rollout.n"),
@@ -52,8 +66,15 @@ BAD_DEMO = {
     "mini_batches_split_groups": ({"train.mini_batches": 3}, "train.mini_batches"),
     "micro_batches_split_groups": ({"train.micro_batches": 3}, "train.micro_batches"),
     "unknown_objective": ({"algorithm.objective": "pacz"}, "algorithm.objective"),
-    "ppo_not_in_the_trainer": ({"algorithm.objective": "ppo", "algorithm.options": ml_collections.ConfigDict()},
-                               "algorithm.objective"),
+    "critic_lr": ({"algorithm.objective": "ppo", "critic.lr": 0.0}, "critic.lr"),
+    "critic_lam": ({"algorithm.objective": "ppo", "critic.lam": 1.5}, "critic.lam"),
+    "critic_value_clip": ({"algorithm.objective": "ppo", "critic.clip_range_value": 0.0}, "critic.clip_range_value"),
+    "critic_loss_scale": ({"algorithm.objective": "ppo", "critic.loss_scale": "sum"}, "critic.loss_scale"),
+    "critic_verl_micro_batch": ({"algorithm.objective": "ppo", "critic.loss_scale": "verl",
+                                 "critic.verl_micro_batch_size": 48}, "critic.verl_micro_batch_size"),
+    "critic_path": ({"algorithm.objective": "ppo", "critic.path": "/nonexistent/critic"}, "critic.path"),
+    "ppo_unknown_option": ({"algorithm.objective": "ppo", "algorithm.options.clip_ratio_d": 3.0},
+                           "algorithm.options"),
     "verl_micro_batch_not_dividing": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
         dict(loss_scale="verl", verl_micro_batch_size=48))}, "algorithm.options.verl_micro_batch_size"),
     "loss_scale": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
@@ -143,7 +164,14 @@ PAPER_ALGOS = {
     # verl 0.3.1's scale as the authors ran it: ppo_micro_batch_size_per_gpu=8, max_response_length=4096
     "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
                           clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
+    # the authors' scripts/baseline/ppo.sh: the actor as GRPO's, a critic with lr 1e-5 and micro-batches of 8
+    "ppo": ("ppo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                        clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
+# verl 0.3.1's critic and GAE defaults (ppo_trainer.yaml), critic.optim.lr and critic.ppo_micro_batch_size_per_gpu
+# of ppo.sh
+PAPER_CRITIC = dict(path="", lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0, clip_range_value=0.5,
+                    gamma=1.0, lam=1.0, loss_scale="verl", verl_micro_batch_size=8)
 
 
 @pytest.mark.parametrize("algo", sorted(PAPER_ALGOS))
@@ -158,7 +186,9 @@ def test_paper_config_has_section_6_values_and_validates(in_repo, qwen_tokenizer
     assert dict(config.algorithm.options) == options
     assert (config.optim.lr, config.optim.schedule, config.optim.warmup_steps) == (1e-6, "constant", 0)
     assert (config.optim.b1, config.optim.b2, config.optim.weight_decay) == (0.9, 0.999, 0.01)
-    assert config.optim.grad_clip == (1.0 if objective == "grpo" else 0.0)
+    assert config.optim.grad_clip == (0.0 if objective == "pacs" else 1.0)
+    if objective == "ppo":
+        assert dict(config.critic) == PAPER_CRITIC
     assert (config.train.prompts_per_step, config.train.mini_batches, config.train.steps) == (1024, 4, 300)
     rollout = config.rollout
     assert (rollout.n, rollout.temperature, rollout.top_p, rollout.top_k) == (8, 1.0, 1.0, 0)

@@ -9,19 +9,20 @@
 
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS, get_estimator
 from pacs_jax.rl.batch import BatchTotals
-from pacs_jax.rl.critic import critic_loss_and_grad_fn
+from pacs_jax.rl.critic import critic_loss_and_grad_fn, micro_batched_values
 from pacs_jax.rl.gae import compute_gae, last_token_rewards, masked_whiten
 from pacs_jax.rl.logprobs import token_logprobs, token_logprobs_and_entropy
-from pacs_jax.rl.objectives import OBJECTIVES, ObjectiveSpec, OptionError, get_objective, objective_spec
+from pacs_jax.rl.objectives import OBJECTIVES, ObjectiveSpec, OptionError, get_objective, objective_spec, options_for
 from pacs_jax.rl.pacs import pacs_loss
 from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss,
                                          rloo_loss)
 from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss, value_loss
 from pacs_jax.rl.update import loss_and_grad_fn, micro_batched_logprobs, response_logprobs
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "critic_loss_and_grad_fn", "compute_gae",
+__all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "critic_loss_and_grad_fn", "micro_batched_values",
+           "compute_gae",
            "last_token_rewards", "masked_whiten", "token_logprobs", "token_logprobs_and_entropy",
-           "OBJECTIVES", "ObjectiveSpec", "OptionError", "get_objective", "objective_spec", "pacs_loss",
+           "OBJECTIVES", "ObjectiveSpec", "OptionError", "get_objective", "objective_spec", "options_for", "pacs_loss",
            "LOSS_AGG_MODES", "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
            "ppo_objective", "ppo_policy_loss", "value_loss", "loss_and_grad_fn", "micro_batched_logprobs",
            "response_logprobs"]

@@ -1,5 +1,6 @@
 """The critic's loss and gradient for PPO: the clipped value loss (``rl.value_loss``) of a
-``models.ValueModel`` over micro-batches (docs/design.md section 6.6).
+``models.ValueModel`` over micro-batches, and its values without gradient in micro-batches
+(docs/design.md section 6.6).
 
 Batch (the update batch's layout, L = P + R):
   input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
@@ -16,10 +17,10 @@ from collections.abc import Callable, Mapping
 import jax
 from flax import nnx
 
-from pacs_jax.models.value import response_values
+from pacs_jax.models.value import ValueModel, response_values
 from pacs_jax.rl.ppo import value_loss
-from pacs_jax.rl.update import accumulate_micro_batches
-from pacs_jax.sharding import MeshRules
+from pacs_jax.rl.update import _merge_micro_batches, _split_micro_batches, accumulate_micro_batches
+from pacs_jax.sharding import MeshRules, constrain
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
@@ -51,3 +52,17 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
                                         rules=rules)
 
     return loss_and_grad
+
+
+def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
+                         *, num_micro_batches: int = 1, rules: MeshRules | None = None) -> jax.Array:
+    """``models.response_values`` without gradient: input_ids, attention_mask [B, P + R] -> values [B, R]
+    float32, as ``num_micro_batches`` forward passes (``lax.map``) of strided micro-batches of rows
+    (rows k, k + K, ..., as ``rl.micro_batched_logprobs``), so activation memory is bounded by one."""
+    B = input_ids.shape[0]
+    if num_micro_batches < 1 or B % num_micro_batches:
+        raise ValueError(f"num_micro_batches={num_micro_batches} does not divide the batch of {B} rows")
+    split = lambda x: constrain(_split_micro_batches(x, 1, num_micro_batches), rules, (None, "batch", None))  # noqa: E731
+    values = jax.lax.map(lambda ids_mask: response_values(critic, *ids_mask, response_length),
+                         (split(input_ids), split(attention_mask)))
+    return jax.lax.stop_gradient(_merge_micro_batches(values, 1))

@@ -108,6 +108,15 @@ def objective_spec(name: str) -> ObjectiveSpec:
     return OBJECTIVES[name]
 
 
+def options_for(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``options`` that objective ``name`` reads: a config's options may also hold those
+    of other registered objectives (the demo's PACS options when it runs "ppo"), which are left out;
+    names no objective takes stay, so ``get_objective`` refuses them."""
+    mine = set(objective_spec(name).defaults)
+    others = set().union(*(spec.defaults for other, spec in OBJECTIVES.items() if other != name))
+    return {k: v for k, v in options.items() if k in mine or k not in others}
+
+
 def get_objective(name: str, **options) -> Callable[..., tuple]:
     """The objective registered as ``name`` with ``options`` bound (e.g. beta=1.0 for "pacs").
 

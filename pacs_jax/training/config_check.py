@@ -13,7 +13,8 @@ import ml_collections
 
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
-from pacs_jax.rl.objectives import OBJECTIVES, OptionError
+from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
+from pacs_jax.rl.policy_gradient import LOSS_SCALES
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training import memory_plan
 from pacs_jax.training.optim import SCHEDULES
@@ -58,12 +59,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
     objective = config.algorithm.objective
     _require(objective in OBJECTIVES, "algorithm.objective", f"{objective!r} is not one of {sorted(OBJECTIVES)}")
-    _require(objective != "ppo", "algorithm.objective",
-             "'ppo' is not wired into the trainer yet (its building blocks are rl/gae.py, rl/ppo.py, rl/critic.py "
-             "and models/value.py): choose one of pacs, grpo, rloo, drgrpo")
     spec = OBJECTIVES[objective]
+    options = options_for(objective, dict(config.algorithm.options))
     try:
-        spec.check_options(dict(config.algorithm.options))
+        spec.check_options(options)
     except OptionError as e:
         raise ConfigError(f"config.algorithm.options.{e.option}: objective {objective!r}: {e}") from e
     _require(isinstance(rc.n, int) and rc.n >= spec.min_group_size, "rollout.n",
@@ -92,12 +91,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     per_mini = tc.prompts_per_step // tc.mini_batches
     _require(per_mini % tc.micro_batches == 0, "train.micro_batches",
              f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
-    options = config.algorithm.options
+    micro_rows = per_mini // tc.micro_batches * rc.n
     if options.get("loss_scale") == "verl":
-        size, micro_rows = options.get("verl_micro_batch_size"), per_mini // tc.micro_batches * rc.n
-        _require(isinstance(size, int) and size >= 1 and micro_rows % size == 0, "algorithm.options.verl_micro_batch_size",
-                 f"{size!r} must be an integer >= 1 dividing the {micro_rows} responses of an update micro-batch "
-                 "(train.prompts_per_step x rollout.n / train.mini_batches / train.micro_batches)")
+        _check_verl_micro_batch(options.get("verl_micro_batch_size"), micro_rows, "algorithm.options")
+    if config.algorithm.objective == "ppo":
+        _check_critic(config.critic, micro_rows)
 
     _require(oc.lr > 0, "optim.lr", f"must be > 0, got {oc.lr}")
     _require(oc.schedule in SCHEDULES, "optim.schedule", f"{oc.schedule!r} is not one of {SCHEDULES}")
@@ -148,6 +146,27 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
     _check_memory(config, data * fsdp * tensor)
+
+
+def _check_verl_micro_batch(size, micro_rows: int, section: str) -> None:
+    _require(isinstance(size, int) and size >= 1 and micro_rows % size == 0, f"{section}.verl_micro_batch_size",
+             f"{size!r} must be an integer >= 1 dividing the {micro_rows} responses of an update micro-batch "
+             "(train.prompts_per_step x rollout.n / train.mini_batches / train.micro_batches)")
+
+
+def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
+    """PPO's critic section (configs/default.py)."""
+    _require(cc.lr > 0, "critic.lr", f"must be > 0, got {cc.lr}")
+    _require(cc.grad_clip >= 0, "critic.grad_clip", f"must be >= 0 (0 = none), got {cc.grad_clip}")
+    _require(cc.weight_decay >= 0, "critic.weight_decay", f"must be >= 0, got {cc.weight_decay}")
+    _require(cc.clip_range_value > 0, "critic.clip_range_value", f"must be > 0, got {cc.clip_range_value}")
+    for field in ("gamma", "lam"):
+        _require(0.0 <= cc[field] <= 1.0, f"critic.{field}", f"must be in [0, 1], got {cc[field]}")
+    _require(cc.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{cc.loss_scale!r} is not one of {LOSS_SCALES}")
+    if cc.loss_scale == "verl":
+        _check_verl_micro_batch(cc.verl_micro_batch_size, micro_rows, "critic")
+    if cc.path:
+        _require(pathlib.Path(cc.path).exists(), "critic.path", f"{cc.path} does not exist")
 
 
 def _check_memory(config: ml_collections.ConfigDict, num_devices: int) -> None:

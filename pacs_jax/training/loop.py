@@ -2,6 +2,7 @@
 
     for step in steps:
         prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
+        -> PPO only: the critic's values, GAE advantages, the critic's update   training/critic_step.py
         -> `train.mini_batches` optimizer steps on mini-batches of whole groups  training/update_step.py
         -> metrics; checkpoint every k steps and on SIGTERM                   checkpoints.py
 
@@ -24,19 +25,20 @@ import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from pacs_jax import distributed, sampling
 from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool, reward_for
+from pacs_jax.rl import options_for
 from pacs_jax.sharding import MeshRules
 from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.training.compilations import compilations, start_counting
+from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
-from pacs_jax.training.update_step import make_update_step
+from pacs_jax.training.update_step import make_update_step, state_shardings
 
 
 class PromptSource(Protocol):
@@ -51,7 +53,7 @@ class PromptSource(Protocol):
 
 @dataclasses.dataclass
 class TrainResult:
-    """The trained model, per-step metrics, and the compiled step programs (for benchmarks)."""
+    """The trained model, per-step metrics, the compiled step programs (for benchmarks) and PPO's critic."""
 
     model: Qwen
     history: list[dict]
@@ -60,6 +62,7 @@ class TrainResult:
     collector: RolloutCollector
     update: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics [M])
     opt_state: object
+    critic: PPOCritic | None  # objective "ppo" only
 
 
 class _StopFlag:
@@ -87,19 +90,22 @@ class _StopFlag:
 
 
 def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
-    """Metrics [M] of the M mini-batch updates -> their means (``skipped``: the count)."""
+    """Metrics [M] of the M mini-batch updates -> their means (``skipped``, ``critic_skipped``: the count)."""
     host = {k: distributed.to_host(v) for k, v in per_minibatch.items()}
-    out = {k: float(np.mean(v)) for k, v in host.items()}
-    out["skipped"] = float(np.sum(host["skipped"]))
-    return out
+    return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v)) for k, v in host.items()}
 
 
-def _warm_up(collector: RolloutCollector, update, params, opt_state, num_prompts: int) -> None:
-    """Compile every program of a step ahead of time (the sampler, pi_old and the update, for each
-    bucket), so that no step compiles (``compilations`` stays flat) and memory errors come first."""
+def _warm_up(collector: RolloutCollector, update, params, opt_state, num_prompts: int,
+             critic: PPOCritic | None) -> None:
+    """Compile every program of a step ahead of time (the sampler, pi_old, PPO's critic programs and
+    the update, for each bucket), so that no step compiles (``compilations`` stays flat) and memory
+    errors come first."""
     collector.warm_up(params, num_prompts)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (params, opt_state))
-    for batch in tqdm(collector.abstract_batches(num_prompts), desc="compiling updates", leave=False):
+    batches = collector.abstract_batches(num_prompts)
+    if critic is not None:
+        batches = critic.warm_up(batches)
+    for batch in tqdm(batches, desc="compiling updates", leave=False):
         update.lower(*abstract, batch).compile()
 
 
@@ -117,7 +123,8 @@ def config_update_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef
     the rollout temperature, like pi_old."""
     tc = config.train
     return make_update_step(graphdef, optimizer, config.algorithm.objective, group_size=config.rollout.n,
-                            objective_options=dict(config.algorithm.options), num_mini_batches=tc.mini_batches,
+                            objective_options=options_for(config.algorithm.objective, dict(config.algorithm.options)),
+                            num_mini_batches=tc.mini_batches,
                             num_micro_batches=tc.micro_batches, temperature=config.rollout.temperature, rules=rules,
                             state_shardings=state_shardings)
 
@@ -157,19 +164,18 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     optimizer, lr_schedule = config_optimizer(config)
     opt_state = jax.jit(optimizer.init)(params)
 
-    # Committed to their shardings, which every later program keeps (no recompilation on a layout change).
-    def placement(x: jax.Array) -> jax.sharding.Sharding:  # scalars of the optimizer state: replicated
-        on_mesh = rules is None or isinstance(x.sharding, NamedSharding)
-        return x.sharding if on_mesh else NamedSharding(rules.mesh, PartitionSpec())
-
-    shardings = jax.tree.map(placement, (params, opt_state))
+    shardings = state_shardings((params, opt_state), rules)
     params, opt_state = jax.device_put((params, opt_state), shardings)
+    critic = PPOCritic.from_config(config, model) if config.algorithm.objective == "ppo" else None
 
     checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
-                                     keep=tc.keep_checkpoints)
+                                     keep=tc.keep_checkpoints, with_critic=critic is not None)
     start = checkpointer.latest_step() or 0
     if start:  # restored straight into those shardings, whatever the process count that wrote it
-        params, opt_state, meta = checkpointer.restore(start, params, opt_state)
+        params, opt_state, meta, critic_state = checkpointer.restore(
+            start, params, opt_state, None if critic is None else (critic.params, critic.opt_state))
+        if critic is not None:
+            critic.params, critic.opt_state = critic_state
         prompts.set_state(meta["data_state"])
     update = config_update_step(config, graphdef, optimizer, rules, shardings)
     start_counting()
@@ -182,17 +188,23 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
         collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode,
                                      reward_pool=reward_pool)
         if tc.precompile:
-            _warm_up(collector, update, params, opt_state, tc.prompts_per_step)
+            _warm_up(collector, update, params, opt_state, tc.prompts_per_step, critic)
         step = start
         for step in range(start + 1, tc.steps + 1):
             t_step = time.perf_counter()
             rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step))
             t0 = time.perf_counter()
-            params, opt_state, per_minibatch = update(params, opt_state, rollout.batch)
+            batch, critic_metrics = rollout.batch, {}
+            if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
+                batch, per_minibatch = critic.step(batch)
+                critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
+                t0 = time.perf_counter()
+            params, opt_state, per_minibatch = update(params, opt_state, batch)
             update_metrics = _mean_metrics(per_minibatch)
             time_update = time.perf_counter() - t0
             wall = time.perf_counter() - t_step
-            metrics = {**rollout.metrics, **update_metrics, "time_update": time_update, "time_step": wall,
+            metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
+                       "time_step": wall,
                        "lr": float(lr_schedule(step * tc.mini_batches)),
                        "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
                        "compilations": float(compilations())}
@@ -200,13 +212,15 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
             logger.log(step, metrics)
             meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
             preempted = stop_flag.raised if single_process else checkpointer.reached_preemption(step)
-            checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps)
+            checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps,
+                              critic=None if critic is None else (critic.params, critic.opt_state))
             if on_step is not None:
                 on_step(step, nnx.merge(graphdef, params), metrics)
             if preempted:
-                logger.write(f"preempted: checkpoint of step {step} written, exiting")
+                signal_name = "SIGTERM" if single_process else "preemption (at the same step on every process)"
+                logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
                 stopped = True
                 break
     checkpointer.close()
     logger.close()
-    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, collector, update, opt_state)
+    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, collector, update, opt_state, critic)

@@ -115,13 +115,16 @@ def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = 
     return models.QwenConfig(**{**fields, **run})
 
 
-def parameter_shapes(cfg) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
-    """(dotted name, shape, logical axes) of every parameter of ``Qwen(cfg)`` (abstract: nothing allocated)."""
+def parameter_shapes(cfg, *, critic: bool = False) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """(dotted name, shape, logical axes) of every parameter of ``Qwen(cfg)`` (with ``critic``: of PPO's
+    ``ValueModel(cfg)``) (abstract: nothing allocated)."""
     from flax import nnx
 
     from pacs_jax.models.qwen import Qwen
+    from pacs_jax.models.value import ValueModel
 
-    state = nnx.state(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    cls = ValueModel if critic else Qwen
+    state = nnx.state(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     return [(".".join(map(str, path)), tuple(var.get_value().shape), tuple(var.logical_axes))
             for path, var in nnx.to_flat_state(state)]
 
@@ -142,6 +145,7 @@ class MemoryPlan:
     rollout_temp: int  # prefill, compute-dtype params copy, decode temporaries
     pi_old_activations: int  # one pi_old micro-batch (forward only) + the program's inputs/outputs
     # shapes behind the numbers (per device)
+    critic: int = 0  # PPO: the critic's parameters and AdamW state (resident like the actor's)
     rows_per_sampler_call: int = 0
     rows_per_update_micro_batch: int = 0
     rows_per_pi_old_micro_batch: int = 0
@@ -150,7 +154,7 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        return self.params + self.optimizer
+        return self.params + self.optimizer + self.critic
 
     @property
     def phases(self) -> dict[str, int]:
@@ -176,6 +180,7 @@ class MemoryPlan:
             ("params + optimizer + gradients", self.params + self.optimizer + self.gradients, "mesh.fsdp / mesh.tensor"),
             ("rollout temporaries", self.rollout_temp, "rollout.micro_batches / mesh.tensor"),
             ("update batch", self.update_batch, "train.prompts_per_step / mesh.fsdp"),
+            ("critic params + optimizer", self.critic, "mesh.fsdp / mesh.tensor"),
         ]
         return sorted(parts, key=lambda p: -p[1])
 
@@ -187,6 +192,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         rows = [("params", self.params), ("optimizer (AdamW mu + nu)", self.optimizer),
+                ("critic params + AdamW (PPO)", self.critic),
                 ("gradients (accumulator + micro-batch)", self.gradients), ("update batch", self.update_batch),
                 ("update activations", self.update_activations), ("KV cache", self.kv_cache),
                 ("rollout temporaries", self.rollout_temp), ("pi_old activations", self.pi_old_activations)]
@@ -236,6 +242,11 @@ def estimate_memory(config: ml_collections.ConfigDict, num_devices: int, *, voca
     params = param_elems * pb
     optimizer = 2 * param_elems * pb
     gradients = 2 * param_elems * 4
+    # PPO's critic: a second model's parameters and AdamW state (its update's activations are below the
+    # actor's: no logits)
+    critic = 0
+    if config.algorithm.objective == "ppo":
+        critic = 3 * pb * sum(per(shape, axes) for _, shape, axes in parameter_shapes(cfg, critic=True))
 
     # ---- per-token bytes of one decoder layer (per device)
     # every tensor of the forward pass that the backward pass reads ("none" saves them all)
@@ -305,7 +316,7 @@ def estimate_memory(config: ml_collections.ConfigDict, num_devices: int, *, voca
         + rows_call * V * 4 * 10  # decode: full-vocabulary logits, top-k / top-p over the whole vocabulary, noise
         + rows_call * rc.max_new_tokens * 4 * 3)  # tokens, log-probs, mask
     return MemoryPlan(
-        mesh=sizes, num_devices=num_devices, params=params, optimizer=optimizer, gradients=gradients,
+        mesh=sizes, num_devices=num_devices, params=params, optimizer=optimizer, gradients=gradients, critic=critic,
         update_batch=update_batch, update_activations=update_activations, kv_cache=kv_cache,
         rollout_temp=rollout_temp, pi_old_activations=pi_old_activations, rows_per_sampler_call=rows_call,
         rows_per_update_micro_batch=r_up, rows_per_pi_old_micro_batch=r_lp, sequence_length=T, remat=cfg.remat)

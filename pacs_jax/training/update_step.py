@@ -4,7 +4,8 @@ No gradient clipping for PACS (docs/design.md section 6.4): a non-finite gradien
 (parameters and optimizer state unchanged) and is reported in the metrics as ``skipped = 1``.
 Parameters and optimizer state are donated: the update happens in place on the device. The
 ``num_mini_batches`` optimizer steps of a training step run in one program (a ``lax.scan`` over
-the mini-batches), so the update phase is one dispatch, not one per mini-batch.
+the mini-batches), so the update phase is one dispatch, not one per mini-batch. The actor's update
+(``make_update_step``) and PPO's critic update (training/critic_step.py) are both ``scanned_update``s.
 """
 
 from __future__ import annotations
@@ -16,29 +17,34 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax.rl import loss_and_grad_fn
 from pacs_jax.sharding import MeshRules, constrain
 
 
-def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: str, *,
-                     group_size: int, objective_options: Mapping[str, Any] | None = None,
-                     num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
-                     chunk_size: int | None = None, rules: MeshRules | None = None,
-                     state_shardings: tuple | None = None) -> Callable:
-    """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches``
-    AdamW steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of the batch.
+def state_shardings(tree: Any, rules: MeshRules | None) -> Any:
+    """The shardings a training state (parameters, optimizer state) is committed to, which every later
+    program keeps (no recompilation on a layout change): each array's own, and replicated over the
+    mesh for the optimizer's scalars that live on one device."""
+    def placement(x: jax.Array) -> jax.sharding.Sharding:
+        on_mesh = rules is None or isinstance(x.sharding, NamedSharding)
+        return x.sharding if on_mesh else NamedSharding(rules.mesh, PartitionSpec())
 
-    batch: the update batch of pacs_jax.rl.update (input_ids [B, L], attention_mask [B, L],
-    response_mask [B, R], old_logp [B, R], rewards [B]) holding whole groups of ``group_size``.
-    metrics: the objective's metrics plus loss, grad_norm and skipped (0/1), each [M] (one per
-    mini-batch). state_shardings: (params, opt_state) shardings the outputs keep (default: chosen by
-    XLA); pinning them keeps every later call on the same compiled programs.
+    return jax.tree.map(placement, tree)
+
+
+def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *, num_mini_batches: int = 1,
+                   rules: MeshRules | None = None, state_shardings: tuple | None = None) -> Callable:
+    """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches``
+    optimizer steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of every [B, ...] array
+    of the batch.
+
+    loss_and_grad: pure ``(params, mini-batch) -> (loss, metrics, float32 grads)``. metrics: its
+    metrics plus loss, grad_norm and skipped (0/1), each [M] (one per mini-batch).
+    state_shardings: (params, opt_state) shardings the outputs keep (default: chosen by XLA);
+    pinning them keeps every later call on the same compiled programs.
     """
-    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
-    loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
-                                     objective_options=objective_options, num_micro_batches=num_micro_batches,
-                                     temperature=temperature, rules=rules, **extra)
     M = num_mini_batches
 
     def mini_batch_step(carry, mini):
@@ -54,7 +60,7 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
         return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
 
     def step(params, opt_state, batch):
-        rows = batch["rewards"].shape[0]
+        rows = batch["response_mask"].shape[0]
         if rows % M:
             raise ValueError(f"num_mini_batches={M} does not divide the batch of {rows} rows")
         minis = {k: constrain(v.reshape(M, rows // M, *v.shape[1:]), rules, (None, "batch") + (None,) * (v.ndim - 1))
@@ -64,3 +70,23 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
 
     out_shardings = None if state_shardings is None else (*state_shardings, None)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+
+
+def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: str, *,
+                     group_size: int, objective_options: Mapping[str, Any] | None = None,
+                     num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
+                     chunk_size: int | None = None, rules: MeshRules | None = None,
+                     state_shardings: tuple | None = None) -> Callable:
+    """The actor's update: a ``scanned_update`` of ``rl.loss_and_grad_fn`` (``objective``), i.e. jitted
+    ``(params, opt_state, batch) -> (params, opt_state, metrics [M])``.
+
+    batch: the update batch of pacs_jax.rl.update (input_ids [B, L], attention_mask [B, L],
+    response_mask [B, R], old_logp [B, R], rewards [B]; objective "ppo": advantages [B, R]) holding
+    whole groups of ``group_size``.
+    """
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
+                                     objective_options=objective_options, num_micro_batches=num_micro_batches,
+                                     temperature=temperature, rules=rules, **extra)
+    return scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches, rules=rules,
+                          state_shardings=state_shardings)

@@ -1,0 +1,120 @@
+"""PPO's critic in the trainer (docs/design.md section 3.8): its state and the two programs it adds to a step.
+
+    critic = PPOCritic.from_config(config, actor, rules)     # value model + its AdamW, sharded like the actor
+    actor_batch, metrics = critic.step(rollout.batch)         # values -> GAE -> critic update
+    params, opt_state, ... = update(params, opt_state, actor_batch)   # objective "ppo" reads "advantages"
+
+``step`` runs, on the device and on the update batch's row sharding:
+  values     one jitted program per update-batch shape: the critic's values [B, R] of the response
+             tokens (``rl.micro_batched_values``, in ``train.logprob_micro_batches`` forward passes,
+             masked to the response), then ``rl.compute_gae`` with each response's 0/1 reward on its
+             last token (``critic.gamma``, ``critic.lam``): whitened advantages [B, R] and returns [B, R]
+  update     ``train.mini_batches`` AdamW steps of the critic (its own optimizer: ``critic.lr``,
+             ``critic.grad_clip``) on the clipped value loss (``critic.clip_range_value``) of the
+             same mini-batches as the actor's, ``train.micro_batches`` micro-batches each; parameters
+             and optimizer state donated
+The critic starts as a copy of the actor's backbone (or of the model at ``critic.path``) with a fresh
+scalar head; its parameters and optimizer state are checkpointed with the actor's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from pacs_jax import checkpoints
+from pacs_jax.models import Qwen, value_model_from_actor
+from pacs_jax.rl import compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values
+from pacs_jax.sharding import MeshRules
+from pacs_jax.training import memory_plan
+from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.rollout import batch_sharding
+from pacs_jax.training.update_step import scanned_update, state_shardings
+
+# The critic update's metrics (scanned_update's and rl.value_loss's) -> the names a step reports. The value
+# loss is the mini-batch's (the sum of its micro-batches' shares); explained variance and clip fraction
+# are the means of their micro-batches'.
+METRIC_NAMES = {"loss": "value_loss", "critic/explained_variance": "explained_variance",
+                "critic/value_clipfrac": "value_clip_fraction", "grad_norm": "critic_grad_norm",
+                "skipped": "critic_skipped"}
+CRITIC_INPUTS = ("input_ids", "attention_mask", "response_mask")  # what the critic reads of the update batch
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class PPOCritic:
+    """The critic's parameters and AdamW state (device arrays, updated in place) and its step programs."""
+
+    def __init__(self, critic: nnx.Module, optimizer, rules: MeshRules | None, *, gamma: float, lam: float,
+                 clip_range_value: float, loss_scale: str, verl_micro_batch_size: int, num_mini_batches: int,
+                 num_micro_batches: int, values_micro_batches: int):
+        self.graphdef, params = nnx.split(critic)
+        opt_state = jax.jit(optimizer.init)(params)
+        self.shardings = state_shardings((params, opt_state), rules)
+        self.params, self.opt_state = jax.device_put((params, opt_state), self.shardings)
+        graphdef = self.graphdef
+        rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
+
+        def values_and_advantages(params, batch):
+            """The update batch -> (whitened advantages, values, returns), each [B, R] float32."""
+            mask = batch["response_mask"].astype(jnp.float32)
+            values = micro_batched_values(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
+                                          mask.shape[1], num_micro_batches=values_micro_batches, rules=rules) * mask
+            advantages, returns = compute_gae(last_token_rewards(batch["rewards"], mask), values, mask, gamma, lam)
+            return advantages, values, returns
+
+        self._values = jax.jit(values_and_advantages, out_shardings=(rows, rows, rows))
+        loss_and_grad = critic_loss_and_grad_fn(graphdef, num_micro_batches=num_micro_batches,
+                                                clip_range_value=clip_range_value, loss_scale=loss_scale,
+                                                verl_micro_batch_size=verl_micro_batch_size, rules=rules)
+        self.update: Callable = scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
+                                               rules=rules, state_shardings=self.shardings)
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict, actor: Qwen) -> PPOCritic:
+        """The critic of ``config.critic``: the actor's backbone (or ``critic.path``'s model, an HF
+        directory or pacs_jax checkpoint with the actor's vocabulary) and a head seeded by ``config.seed``."""
+        cc, tc = config.critic, config.train
+        source = actor
+        if cc.path:
+            mesh = None if actor.rules is None else actor.rules.mesh
+            source = checkpoints.from_pretrained(cc.path, mesh=mesh, **memory_plan.run_options(config))
+            if source.cfg.vocab_size != actor.cfg.vocab_size:
+                raise ValueError(f"config.critic.path: {cc.path} has a vocabulary of {source.cfg.vocab_size} "
+                                 f"tokens, the actor {actor.cfg.vocab_size}")
+        optimizer, _ = make_optimizer(cc.lr, b1=cc.b1, b2=cc.b2, weight_decay=cc.weight_decay, schedule="constant",
+                                      grad_clip=cc.grad_clip)
+        return cls(value_model_from_actor(source, seed=config.seed), optimizer, actor.rules, gamma=cc.gamma,
+                   lam=cc.lam, clip_range_value=cc.clip_range_value, loss_scale=cc.loss_scale,
+                   verl_micro_batch_size=cc.verl_micro_batch_size, num_mini_batches=tc.mini_batches,
+                   num_micro_batches=tc.micro_batches,
+                   values_micro_batches=tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches)
+
+    def step(self, batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """Values, GAE and the critic's update on the update ``batch`` (input_ids, attention_mask
+        [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). Returns the
+        actor's batch (``batch`` plus advantages [B, R]) and the critic's metrics, each [M]."""
+        advantages, values, returns = self._values(self.params, batch)
+        critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns}
+        self.params, self.opt_state, metrics = self.update(self.params, self.opt_state, critic_batch)
+        return {**batch, "advantages": advantages}, {name: metrics[key] for key, name in METRIC_NAMES.items()}
+
+    def warm_up(self, batches: list[dict[str, jax.ShapeDtypeStruct]]) -> list[dict[str, jax.ShapeDtypeStruct]]:
+        """Compile both programs ahead of time for each abstract update batch; returns the actor's
+        abstract batches (with advantages) for compiling the actor's update."""
+        state = _abstract((self.params, self.opt_state))
+        out = []
+        for batch in batches:
+            self._values.lower(state[0], batch).compile()
+            per_token = batch["response_mask"]
+            per_token = jax.ShapeDtypeStruct(per_token.shape, jnp.float32, sharding=per_token.sharding)
+            critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": per_token, "returns": per_token}
+            self.update.lower(*state, critic_batch).compile()
+            out.append({**batch, "advantages": per_token})
+        return out

@@ -1,0 +1,119 @@
+"""PPO in the trainer (training/critic_step.py) on the 8-device mesh: the critic's step (values, GAE,
+its update) against the float64 GAE recursion and value loss of test_rl_ppo on the critic's own values
+computed in one pass; and the paper's PPO setup, shrunk, trains with the critic sharded like the actor,
+compiling nothing after the first step."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pacs_jax import data, distributed, evaluate, models, sharding
+from pacs_jax.checkpoints import flat_params
+from pacs_jax.models.value import response_values, value_model_from_actor
+from pacs_jax.training.config_check import validate_config
+from pacs_jax.training.critic_step import PPOCritic
+from pacs_jax.training.loop import rl_train
+from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.real_run import GrainPromptSource, build_model
+from pacs_jax.training.rollout import batch_sharding
+from test_rl_ppo import T, ref_gae
+from test_train_real_config import deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
+
+CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=4)
+PROMPT, ROWS, GAMMA, LAM = 4, 16, 0.9, 0.8
+
+
+def update_batch(rules, seed=0):
+    """A host update batch of ROWS rows (left-padded prompts of PROMPT tokens, right-padded responses of
+    1 .. T tokens, 0/1 rewards) and its global arrays, rows sharded as the trainer shards them."""
+    rs = np.random.RandomState(seed)
+    lengths = rs.randint(1, T + 1, ROWS)
+    lengths[:2] = 1, T
+    ids = rs.randint(0, CFG.vocab_size, (ROWS, PROMPT + T)).astype(np.int32)
+    mask = np.zeros(ids.shape, np.int32)
+    for i in range(ROWS):
+        mask[i, PROMPT - rs.randint(1, PROMPT + 1):PROMPT + lengths[i]] = 1
+    host = dict(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
+                old_logp=np.zeros((ROWS, T), np.float32), rewards=rs.randint(0, 2, ROWS).astype(np.float32))
+    host["rewards"][:2] = 1.0, 0.0
+    return host, lengths, {k: distributed.put_rows(v, batch_sharding(rules, v.shape)) for k, v in host.items()}
+
+
+@pytest.mark.slow
+def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
+    actor = models.init_random(CFG, sharding.make_mesh(2, 2, 2), seed=0)
+    rules = actor.rules
+    critic_model = value_model_from_actor(actor, seed=1)
+    host, lengths, batch = update_batch(rules)
+    # the reference: the critic's values in one plain forward pass (no micro-batches), GAE in float64
+    values = np.asarray(jax.jit(response_values, static_argnums=3)(critic_model, batch["input_ids"],
+                                                                   batch["attention_mask"], T), np.float64)
+    want_adv, want_ret = ref_gae(host["rewards"], values, lengths, GAMMA, LAM)
+    before = {k: np.asarray(v) for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
+    shardings = {k: v.sharding for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
+
+    optimizer, _ = make_optimizer(1e-3, grad_clip=1.0)
+    critic = PPOCritic(critic_model, optimizer, rules, gamma=GAMMA, lam=LAM, clip_range_value=0.5, loss_scale="mean",
+                       verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
+    actor_batch, metrics = critic.step(batch)
+
+    assert set(actor_batch) == set(batch) | {"advantages"}
+    advantages = actor_batch["advantages"]
+    assert advantages.sharding == batch_sharding(rules, (ROWS, T)) and advantages.sharding.spec[0] == ("data", "fsdp")
+    live = host["response_mask"] > 0
+    np.testing.assert_allclose(np.asarray(advantages)[live], want_adv[live], rtol=1e-4, atol=1e-4)
+    # one mini-batch: the loss is read before the update, where the values are the rollout's (no clip);
+    # the explained variance is the mean of the 2 micro-batches' (rows 0, 2, ... and 1, 3, ...)
+    residual = want_ret - values
+    np.testing.assert_allclose(float(metrics["value_loss"][0]), 0.5 * np.mean(residual[live] ** 2), rtol=1e-4)
+    explained = [1 - residual[k::2][live[k::2]].var() / want_ret[k::2][live[k::2]].var() for k in range(2)]
+    np.testing.assert_allclose(float(metrics["explained_variance"][0]), np.mean(explained), rtol=1e-4)
+    assert float(metrics["value_clip_fraction"][0]) == 0.0 and float(metrics["critic_skipped"][0]) == 0.0
+    assert set(metrics) == {"value_loss", "explained_variance", "value_clip_fraction", "critic_grad_norm",
+                            "critic_skipped"}
+
+    after = flat_params(critic.params)
+    assert {k: v.sharding for k, v in after.items()} == shardings  # updated in place, in its shardings
+    for name in ("value_kernel", "backbone.layers.mlp.down_kernel"):  # the head and the backbone learn
+        assert not np.array_equal(np.asarray(after[name]), before[name]), name
+
+
+@pytest.mark.slow
+def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscaler_rows, qwen_tokenizer_dir,
+                                                                      tmp_path):
+    config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")
+    config.data.prompt_buckets, config.rollout.response_buckets = (512,), (8, 16)
+    assert (config.critic.loss_scale, config.critic.verl_micro_batch_size, config.optim.grad_clip) == ("verl", 8, 1.0)
+    mesh = validate_config(config)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    model = build_model(config, mesh, tokenizer)
+    examples, _ = data.prepare_examples(list(config.data.train_files), tokenizer, config.data.max_prompt_length,
+                                        on_error="skip")
+    prompts = GrainPromptSource(examples, config.train.prompts_per_step, config.data.shuffle_seed)
+    actor = {k: v.sharding for k, v in flat_params(nnx.state(model, nnx.Param)).items()}
+    result = rl_train(config, tmp_path, model, prompts, stop_token_ids=evaluate.default_stop_ids(model, tokenizer),
+                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    critic = {k: v.sharding for k, v in flat_params(result.critic.params).items()}
+    assert {f"backbone.{k}" for k in actor if k != "lm_head"} | {"value_kernel", "value_bias"} == set(critic)
+    for name, spec in actor.items():
+        if name != "lm_head":
+            assert critic[f"backbone.{name}"] == spec, name
+    assert any(spec.spec and "fsdp" in jax.tree.leaves(tuple(spec.spec)) for spec in critic.values())
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("value_loss", "explained_variance", "value_clip_fraction", "critic_grad_norm", "loss",
+                    "grad_norm", "ppo/clipfrac"):
+            assert np.isfinite(r[key]), key
+        assert r["skipped"] == r["critic_skipped"] == 0.0 and r["value_loss"] > 0
+    assert rows[1]["compilations"] == rows[0]["compilations"]
+    assert (tmp_path / "checkpoints" / "2" / "critic_params").is_dir()
