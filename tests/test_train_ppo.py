@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax import data, distributed, evaluate, models, sharding
+from pacs_jax import data, distributed, evaluation, models, sharding
 from pacs_jax.checkpoints import flat_params
 from pacs_jax.models.value import response_values, value_model_from_actor
+from pacs_jax.rewards import RewardPool
+from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.loop import rl_train
@@ -90,7 +92,8 @@ def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscale
     config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")
     config.data.prompt_buckets, config.rollout.response_buckets = (512,), (8, 16)
     assert (config.critic.loss_scale, config.critic.verl_micro_batch_size, config.optim.grad_clip) == ("verl", 8, 1.0)
-    mesh = validate_config(config)
+    validate_config(config)
+    mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     model = build_model(config, mesh, tokenizer)
@@ -98,8 +101,9 @@ def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscale
                                         on_error="skip")
     prompts = GrainPromptSource(examples, config.train.prompts_per_step, config.data.shuffle_seed)
     actor = {k: v.sharding for k, v in flat_params(nnx.state(model, nnx.Param)).items()}
-    result = rl_train(config, tmp_path, model, prompts, stop_token_ids=evaluate.default_stop_ids(model, tokenizer),
-                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    with RewardPool(config.reward.workers, config.reward.item_timeout) as pool:
+        result = rl_train(config, tmp_path, model, prompts, stop_token_ids=evaluation.default_stop_ids(model, tokenizer),
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), reward_pool=pool)
 
     critic = {k: v.sharding for k, v in flat_params(result.critic.params).items()}
     assert {f"backbone.{k}" for k in actor if k != "lm_head"} | {"value_kernel", "value_bias"} == set(critic)
