@@ -166,12 +166,13 @@ def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
     return order, np.stack([by_row[r] for r in order]) if len(order) else np.zeros((0,) + x.shape[1:], x.dtype)
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole of ``x`` as numpy on every process (a collective every process must call when ``x``
-    spans processes); for small arrays (lengths, rewards, metrics), never for the generated tokens."""
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+def to_host(tree):
+    """The whole of every array of ``tree`` as numpy on every process, in one transfer (a collective
+    every process must call when an array spans processes); for small arrays (lengths, rewards,
+    metrics), never for the generated tokens."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
 def gather_per_process(values: np.ndarray) -> np.ndarray:

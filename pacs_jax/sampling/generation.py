@@ -100,8 +100,8 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
     rows = len(prompts) * n
     # every process gets every sample (a collective when the rows span processes)
-    out_tokens, out_logprobs, lengths, stopped, prefill_tokens = (
-        to_host(x) for x in (out.tokens, out.logprobs, out.lengths, out.stopped, out.prefill_tokens))
+    out_tokens, out_logprobs, lengths, stopped, prefill_tokens = to_host(
+        (out.tokens, out.logprobs, out.lengths, out.stopped, out.prefill_tokens))
     return GenerateOutput(
         tokens=[out_tokens[r, :lengths[r]].tolist() for r in range(rows)],
         logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in range(rows)],

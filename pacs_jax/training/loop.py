@@ -91,7 +91,7 @@ class _StopFlag:
 
 def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
     """Metrics [M] of the M mini-batch updates -> their means (``skipped``, ``critic_skipped``: the count)."""
-    host = {k: distributed.to_host(v) for k, v in per_minibatch.items()}
+    host = distributed.to_host(per_minibatch)
     return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v)) for k, v in host.items()}
 
 

@@ -200,8 +200,8 @@ class RolloutCollector:
         outs = [self._sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                              jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
-        lengths = np.concatenate([distributed.to_host(o.lengths) for o in outs])
-        stopped = np.concatenate([distributed.to_host(o.stopped) for o in outs])
+        host_calls = distributed.to_host([(o.lengths, o.stopped) for o in outs])  # one transfer for all calls
+        lengths, stopped = (np.concatenate(parts) for parts in zip(*host_calls))
         R = pick_bucket(int(lengths.max()), self.response_buckets, "a response")
         tokens, response_mask = self._assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs), R)
         return {"prompt_tokens": self._put(tokens_np), "prompt_mask": self._put(mask_np), "tokens": tokens,
@@ -239,9 +239,10 @@ class RolloutCollector:
         positions = 1 + rows[:, None] * R + np.arange(R)[None, :]
         checksum_np[rows] = np.sum(local_tokens.astype(np.int64) * positions % 1_000_003, axis=1) % 1_000_003
         batch["rewards"] = self._put(rewards_np)
-        rewards = distributed.to_host(batch["rewards"])  # every row's, on every process
-        statuses = [STATUSES[i] for i in distributed.to_host(self._put(status_np))]
-        checksum = distributed.to_host(self._put(checksum_np))
+        # every row's, on every process, in one transfer
+        rewards, status_ids, checksum = distributed.to_host(
+            (batch["rewards"], self._put(status_np), self._put(checksum_np)))
+        statuses = [STATUSES[i] for i in status_ids]
         restarts, seconds, retried = distributed.gather_per_process(np.asarray(
             [scored.metrics[k] for k in ("worker_restarts", "seconds", "deadline_retried")])).T
         reward_metrics = score_metrics(rewards, statuses, restarts=int(restarts.sum()), seconds=float(seconds.max()))
