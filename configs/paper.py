@@ -93,6 +93,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
     c.data.source = "files"
     c.data.held_out_problems = 0
+    c.data.warmstart_problems = 0
     c.data.instruction = INSTRUCTION
     # The full DeepScaleR-Preview set (40,315 problems), made by `python tools/prepare_data.py deepscaler`
     # (pacs_jax/data/deepscaler.py: DEFAULT_TRAIN_FILE); validate_config says so when it is missing. The

@@ -10,6 +10,7 @@ import pytest
 
 from pacs_jax import data
 from pacs_jax.data.arithmetic import make_problems
+from pacs_jax.training.run import prompt_source
 from train_helpers import load_config
 
 _OPERATION = {"gets": "+", "adds": "+", "loses": "-", "takes": "-"}
@@ -33,35 +34,46 @@ def test_arithmetic_problems_are_distinct_and_their_gold_answers_right():
         make_problems(8, seed=0, max_operand=2)
 
 
-def test_the_demo_holds_out_problems_it_never_trains_on():
+def test_the_demo_holds_out_problems_it_never_trains_on_and_gives_rl_problems_the_warm_start_never_saw():
     dc = load_config("default.py").data
-    train, held_out, counts = data.training_problems(dc, seed=1)
-    assert (len(train), len(held_out)) == (dc.arithmetic.problems, dc.held_out_problems)
-    assert counts == {"rows": len(train) + len(held_out), "skipped": 0, "held_out": dc.held_out_problems}
+    train, warm, held_out, counts = data.training_problems(dc, seed=1)
+    assert (len(warm), len(train), len(held_out)) == (
+        dc.warmstart_problems, dc.arithmetic.problems - dc.warmstart_problems, dc.held_out_problems)
+    assert counts == {"rows": dc.arithmetic.problems + dc.held_out_problems, "skipped": 0,
+                      "held_out": dc.held_out_problems, "warmstart": dc.warmstart_problems}
     equations = lambda ps: {tuple(re.findall(r"\d+", p.problem)) + (_solve(p.problem),) for p in ps}  # noqa: E731
-    assert not equations(train) & equations(held_out)
+    assert len(equations(warm) | equations(train) | equations(held_out)) == counts["rows"]  # pairwise disjoint
+    with pytest.raises(ValueError, match="data.warmstart_problems=2200 with data.held_out_problems=200 leaves no RL"):
+        data.training_problems(dict(dc, warmstart_problems=dc.arithmetic.problems), seed=1)
 
 
-def _files_config(shared_data, held_out: int, seed: int = 0) -> ml_collections.ConfigDict:
+def _files_config(shared_data, held_out: int, seed: int = 0, warmstart: int = 0) -> ml_collections.ConfigDict:
     dc = load_config("default.py").data
-    dc.source, dc.held_out_problems, dc.shuffle_seed = "files", held_out, seed
+    dc.source, dc.held_out_problems, dc.warmstart_problems, dc.shuffle_seed = "files", held_out, warmstart, seed
     dc.train_files = (str(shared_data / "amc23" / "test.jsonl"), str(shared_data / "aime_2025" / "test.jsonl"))
     return dc
 
 
-def test_files_source_reads_every_file_and_splits_off_a_seeded_held_out_set(shared_data):
-    whole, none, counts = data.training_problems(_files_config(shared_data, 0), seed=0)
-    assert counts == {"rows": 70, "skipped": 0, "held_out": 0} and none == []
+def test_files_source_reads_every_file_and_splits_off_seeded_held_out_and_warm_start_sets(shared_data):
+    whole, no_warm, none, counts = data.training_problems(_files_config(shared_data, 0), seed=0)
+    assert counts == {"rows": 70, "skipped": 0, "held_out": 0, "warmstart": 0} and none == no_warm == []
     assert [p.data_source for p in whole] == ["amc23"] * 40 + ["aime_2025"] * 30  # file order without a split
-    train, held_out, _ = data.training_problems(_files_config(shared_data, 10), seed=0)
+    train, _, held_out, _ = data.training_problems(_files_config(shared_data, 10), seed=0)
     key = lambda p: (p.data_source, p.index)  # noqa: E731
-    assert len(held_out) == 10 and not {key(p) for p in train} & {key(p) for p in held_out}
-    assert {key(p) for p in train} | {key(p) for p in held_out} == {key(p) for p in whole}
-    again, _, _ = data.training_problems(_files_config(shared_data, 10), seed=5)  # config.seed plays no part
-    other, _, _ = data.training_problems(_files_config(shared_data, 10, seed=1), seed=0)
+    keys = lambda ps: {key(p) for p in ps}  # noqa: E731
+    assert len(held_out) == 10 and not keys(train) & keys(held_out)
+    assert keys(train) | keys(held_out) == keys(whole)
+    again, _, _, _ = data.training_problems(_files_config(shared_data, 10), seed=5)  # config.seed plays no part
+    other, _, _, _ = data.training_problems(_files_config(shared_data, 10, seed=1), seed=0)
     assert [key(p) for p in again] == [key(p) for p in train] != [key(p) for p in other]
+    rl, warm, held, counts = data.training_problems(_files_config(shared_data, 10, warmstart=20), seed=0)
+    assert (len(warm), len(rl), counts["warmstart"]) == (20, 40, 20)
+    assert [key(p) for p in held] == [key(p) for p in held_out]  # the same held-out rows with a warm-start split
+    assert keys(warm) | keys(rl) == keys(train) and not keys(warm) & keys(rl)
     with pytest.raises(ValueError, match="data.held_out_problems=70 leaves no training problems"):
         data.training_problems(_files_config(shared_data, 70), seed=0)
+    with pytest.raises(ValueError, match="data.warmstart_problems=60 with data.held_out_problems=10 leaves no RL"):
+        data.training_problems(_files_config(shared_data, 10, warmstart=60), seed=0)
 
 
 def test_character_tokenizer_round_trips_and_renders_the_answer_prompt():
@@ -78,3 +90,20 @@ def test_character_tokenizer_round_trips_and_renders_the_answer_prompt():
     assert dropped == 0 and tokenizer.decode(example.prompt_ids) == f"Q: {problem.problem} A: "
     (with_instruction,), _ = data.build_prompts([problem], tokenizer, 200, instruction="Answer in \\boxed{}.")
     assert tokenizer.decode(with_instruction.prompt_ids) == f"Q: {problem.problem} Answer in \\boxed{{}}. A: "
+
+
+@pytest.mark.parametrize("warmstart_problems", [1000, 0])
+def test_the_run_gives_the_warm_start_its_own_prompts_and_rl_the_rest(warmstart_problems):
+    config = load_config("default.py")
+    config.data.warmstart_problems = warmstart_problems
+    rl, warm, held_out, counts = prompt_source(config, data.load_tokenizer(config.data.tokenizer))
+    texts = lambda examples: [e.problem.problem for e in examples]  # noqa: E731
+    assert counts["dropped_overlong"] == 0 and len(held_out) == config.data.held_out_problems
+    if warmstart_problems:
+        assert (len(warm), len(rl.examples)) == (1000, config.data.arithmetic.problems - 1000)
+        assert not set(texts(warm)) & set(texts(rl.examples))
+        sampled = {tuple(ids) for _ in range(40) for ids in rl.next_batch().prompt_ids}  # > an epoch of RL's stream
+        assert len(sampled) > 1100 and sampled <= {tuple(e.prompt_ids) for e in rl.examples}
+        assert sampled.isdisjoint(tuple(e.prompt_ids) for e in warm)
+    else:
+        assert warm is rl.examples and len(warm) == config.data.arithmetic.problems

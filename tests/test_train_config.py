@@ -105,6 +105,8 @@ BAD_DEMO = {
     "files_source_without_files": ({"data.source": "files"}, "data.train_files"),
     "held_out_set_without_held_out": ({"data.held_out_problems": 0}, "eval.sets"),
     "arithmetic_problems": ({"data.arithmetic.problems": 0}, "data.arithmetic.problems"),
+    "warmstart_problems_leave_rl_none": ({"data.warmstart_problems": 2200}, "data.warmstart_problems"),
+    "warmstart_problems_without_warmstart": ({"warmstart.steps": 0}, "data.warmstart_problems"),
     "tokenizer": ({"data.tokenizer": "/nonexistent/tokenizer"}, "data.tokenizer"),
     "warmstart_response_template": ({"warmstart.response": "\\boxed{{{ans}}}"}, "warmstart.response"),
     "warmstart_response_too_long": ({"warmstart.max_response_tokens": 10}, "warmstart.max_response_tokens"),

@@ -97,7 +97,7 @@ def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscale
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     model = build_model(config, mesh, tokenizer)
-    prompts, _, _ = prompt_source(config, tokenizer)
+    prompts, _, _, _ = prompt_source(config, tokenizer)
     actor = {k: v.sharding for k, v in flat_params(nnx.state(model, nnx.Param)).items()}
     with RewardPool(config.reward.workers, config.reward.item_timeout) as pool:
         result = rl_train(config, tmp_path, model, prompts, stop_token_ids=evaluation.default_stop_ids(model, tokenizer),

@@ -35,6 +35,7 @@ FAST_DEMO_FLAGS = (
     "--config.model.num_hidden_layers=1",
     "--config.warmstart.steps=5",
     "--config.data.arithmetic.problems=64",
+    "--config.data.warmstart_problems=32",
     "--config.data.held_out_problems=8",
     "--config.eval.final.n=1",
     "--config.train.prompts_per_step=8",

@@ -60,7 +60,7 @@ def main(argv) -> None:
     mesh = config_mesh(config.mesh)
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     model = build_model(config, mesh, tokenizer)
-    prompts, _, _ = prompt_source(config, tokenizer)
+    prompts, _, _, _ = prompt_source(config, tokenizer)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir, \
             RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:

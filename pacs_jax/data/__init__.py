@@ -1,7 +1,7 @@
 """Datasets: readers of the native formats, prompt building, the grain prompt pipeline.
 
     problems, stats = data.load_problems("data/math_500/test.jsonl")
-    train, held_out, counts = data.training_problems(config.data, seed=config.seed)   # a config's data
+    train, warm, held_out, counts = data.training_problems(config.data, seed=config.seed)  # a config's data
     examples, dropped = data.build_prompts(train, tokenizer, max_prompt_length=512)
     batches = data.prompt_iterator(examples, data.PipelineConfig(batch_size=256, seed=0))
 """

@@ -1,6 +1,6 @@
 """The training prompt stream: a grain pipeline of prompt batches.
 
-    train, held_out, counts = training_problems(config.data, seed=0)           # data/sources.py
+    train, warm, held_out, counts = training_problems(config.data, seed=0)     # data/sources.py
     examples, dropped = build_prompts(train, tokenizer, max_prompt_length=512)
     batches = prompt_iterator(examples, PipelineConfig(batch_size=1024, seed=0, num_epochs=1))
     batch = next(batches)            # the step's list of PromptExample (the same on every process)

@@ -1,13 +1,19 @@
-"""The training data of a config (``config.data``): its problems, the held-out split, its prompts.
+"""The training data of a config (``config.data``): its problems, their splits, its prompts.
 
-    train, held_out, counts = training_problems(config.data, seed=config.seed)
+    train, warm, held_out, counts = training_problems(config.data, seed=config.seed)
     examples, dropped = build_prompts(train, tokenizer, config.data.max_prompt_length, config.data.instruction)
 
 ``data.source`` is "files" (the problems of ``data.train_files``, readers.load_problems) or
-"arithmetic" (generated word problems, data/arithmetic.py). ``data.held_out_problems`` problems are
-set aside and never trained on; the evaluation set named "held_out" measures them. Files: the last
-rows of a ``data.shuffle_seed`` permutation of all problems read; arithmetic: the last problems
-generated.
+"arithmetic" (generated word problems, data/arithmetic.py). The problems are split three ways, in
+this order:
+
+    [ warm-start only (data.warmstart_problems) | RL (train) | held out (data.held_out_problems) ]
+
+``data.held_out_problems`` problems are set aside and never trained on; the evaluation set named
+"held_out" measures them. ``data.warmstart_problems`` problems go to the supervised warm-start only
+and RL never samples them (0: none set aside, the warm-start trains on RL's problems). Files: a
+``data.shuffle_seed`` permutation of all problems read is split (file order when nothing is set
+aside); arithmetic: the problems in the order generated.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ from pacs_jax.data.records import Problem
 SOURCES = ("files", "arithmetic")
 
 
-def training_problems(data_config: Mapping, seed: int) -> tuple[list[Problem], list[Problem], dict[str, int]]:
-    """(train problems, held-out problems, counts) of ``data_config``; counts: rows read, skipped
-    (malformed rows, with data.allow_skips), held_out."""
-    source, held = data_config["source"], data_config["held_out_problems"]
+def training_problems(data_config: Mapping, seed: int
+                      ) -> tuple[list[Problem], list[Problem], list[Problem], dict[str, int]]:
+    """(RL's problems, the warm-start's own problems, held-out problems, counts) of ``data_config``;
+    counts: rows read, skipped (malformed rows, with data.allow_skips), held_out, warmstart."""
+    source, held, warm = data_config["source"], data_config["held_out_problems"], data_config["warmstart_problems"]
     if source == "arithmetic":
         task = data_config["arithmetic"]
         problems = arithmetic.make_problems(task["problems"] + held, seed, task["max_operand"])
@@ -38,10 +45,14 @@ def training_problems(data_config: Mapping, seed: int) -> tuple[list[Problem], l
             problems += read
             skipped += stats.skipped
         order = np.random.default_rng(data_config["shuffle_seed"]).permutation(len(problems))
-        problems = [problems[i] for i in order] if held else problems
+        problems = [problems[i] for i in order] if held or warm else problems
     else:
         raise ValueError(f"data.source={source!r}: expected one of {SOURCES}")
     if held >= len(problems):
         raise ValueError(f"data.held_out_problems={held} leaves no training problems of the {len(problems)} read")
+    if warm + held >= len(problems):
+        raise ValueError(f"data.warmstart_problems={warm} with data.held_out_problems={held} leaves no RL problems "
+                         f"of the {len(problems)} read")
     cut = len(problems) - held
-    return problems[:cut], problems[cut:], {"rows": len(problems), "skipped": skipped, "held_out": held}
+    counts = {"rows": len(problems), "skipped": skipped, "held_out": held, "warmstart": warm}
+    return problems[warm:cut], problems[:warm], problems[cut:], counts

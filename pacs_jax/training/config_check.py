@@ -151,8 +151,12 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
             value = dc.arithmetic[field]
             _require(isinstance(value, int) and value >= 1, f"data.arithmetic.{field}",
                      f"must be an integer >= 1, got {value!r}")
-    _require(isinstance(dc.held_out_problems, int) and dc.held_out_problems >= 0, "data.held_out_problems",
-             f"must be an integer >= 0, got {dc.held_out_problems!r}")
+    for field in ("held_out_problems", "warmstart_problems"):
+        _require(isinstance(dc[field], int) and dc[field] >= 0, f"data.{field}", f"must be an integer >= 0, got {dc[field]!r}")
+    if dc.source == "arithmetic":
+        _require(dc.warmstart_problems < dc.arithmetic.problems, "data.warmstart_problems",
+                 f"{dc.warmstart_problems} leaves RL none of the {dc.arithmetic.problems} training problems "
+                 "(data.arithmetic.problems counts the warm-start's too)")
     _require(dc.tokenizer == CHAR_TOKENIZER or (bool(dc.tokenizer) and pathlib.Path(dc.tokenizer).is_dir()),
              "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\")")
 
@@ -162,6 +166,9 @@ def _check_warmstart(wc: ml_collections.ConfigDict, dc: ml_collections.ConfigDic
         _require(isinstance(wc[field], int) and wc[field] >= 0, f"warmstart.{field}",
                  f"must be an integer >= 0, got {wc[field]!r}")
     if not wc.steps:
+        _require(not dc.warmstart_problems, "data.warmstart_problems",
+                 f"sets {dc.warmstart_problems} problems aside for a warm-start, but warmstart.steps is 0 "
+                 "(set data.warmstart_problems=0 to give them to RL)")
         return
     _require(isinstance(wc.batch_size, int) and wc.batch_size >= 1, "warmstart.batch_size",
              f"must be an integer >= 1, got {wc.batch_size!r}")

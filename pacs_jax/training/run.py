@@ -2,7 +2,8 @@
 
     tokenizer (data.tokenizer) and model (model.path, model.preset, or config.model's fields at random init)
     -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems)
-    -> supervised warm-start (warmstart.steps > 0)                              training/warmstart.py
+    -> supervised warm-start (warmstart.steps > 0) on the problems data.warmstart_problems sets aside
+       from RL (0: on RL's problems)                                            training/warmstart.py
     -> evaluation before RL (eval.before_rl, with the final settings)
     -> RL (training/loop.py rl_train), evaluated every eval.periodic.every steps
     -> final evaluation (eval.final settings) -> HF export, summary.json, curves.png
@@ -56,15 +57,17 @@ class GrainPromptSource:
         self.iterator = data.prompt_iterator(self.examples, self.config, state=state)
 
 
-def prompt_source(config: ml_collections.ConfigDict, tokenizer) -> tuple[GrainPromptSource, list[data.Problem],
-                                                                          dict[str, int]]:
-    """The run's training prompts (data.source minus the held-out split, through the tokenizer's chat
-    template), the held-out problems, and counts (rows, skipped, held_out, dropped_overlong)."""
+def prompt_source(config: ml_collections.ConfigDict, tokenizer
+                  ) -> tuple[GrainPromptSource, list[data.PromptExample], list[data.Problem], dict[str, int]]:
+    """The run's RL prompts (data.source minus the warm-start's and the held-out splits, through the
+    tokenizer's chat template), the warm-start's prompts (RL's when data.warmstart_problems is 0), the
+    held-out problems, and counts (rows, skipped, held_out, warmstart, dropped_overlong)."""
     dc = config.data
-    train, held_out, counts = data.training_problems(dc, seed=config.seed)
+    train, warm, held_out, counts = data.training_problems(dc, seed=config.seed)
     examples, dropped = data.build_prompts(train, tokenizer, dc.max_prompt_length, dc.instruction)
-    return (GrainPromptSource(examples, config.train.prompts_per_step, dc.shuffle_seed), held_out,
-            dict(counts, dropped_overlong=dropped))
+    warm_examples, warm_dropped = data.build_prompts(warm, tokenizer, dc.max_prompt_length, dc.instruction)
+    return (GrainPromptSource(examples, config.train.prompts_per_step, dc.shuffle_seed),
+            warm_examples if warm else examples, held_out, dict(counts, dropped_overlong=dropped + warm_dropped))
 
 
 def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None, tokenizer) -> models.Qwen:
@@ -110,11 +113,11 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
     dc, ec, wc = config.data, config.eval, config.warmstart
     tokenizer = data.load_tokenizer(dc.tokenizer)
     model = build_model(config, mesh, tokenizer)
-    prompts, held_out, counts = prompt_source(config, tokenizer)
+    prompts, warm_prompts, held_out, counts = prompt_source(config, tokenizer)
     if primary:
-        print(f"training prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['held_out']} held "
-              f"out, {counts['skipped']} malformed rows skipped, {counts['dropped_overlong']} prompts too long)",
-              flush=True)
+        print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
+              f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
+              f"{counts['dropped_overlong']} prompts too long)", flush=True)
     sets = eval_sets(config, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
     reward_name = reward_for(config.reward.name, config.reward.mode)
@@ -146,7 +149,7 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
         else:
             before = {}
             if wc.steps > 0:
-                model, warm = warm_start(model, prompts.examples, tokenizer, wc, prompt_length=dc.max_prompt_length,
+                model, warm = warm_start(model, warm_prompts, tokenizer, wc, prompt_length=dc.max_prompt_length,
                                            seed=config.seed, pool=pool, reward_name=reward_name,
                                            probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
