@@ -13,8 +13,8 @@ from flax import nnx
 from pacs_jax import checkpoints, data, models
 from pacs_jax.data.arithmetic import make_problems
 from pacs_jax.rewards import RewardPool
-from pacs_jax.sharding import make_mesh
-from pacs_jax.training import warmstart
+from pacs_jax.sharding import config_mesh, make_mesh
+from pacs_jax.training import run, warmstart
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config
 
@@ -68,12 +68,13 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
     """Probed every check_every steps, it stops at the first probe at or above target_accuracy."""
     tokenizer, examples, _ = task
     wc = ml_collections.ConfigDict(load_config("default.py").warmstart.to_dict())
-    wc.update(steps=12, batch_size=4, target_accuracy=0.25, check_every=2, probe_problems=5)
+    wc.update(steps=12, batch_size=4, target_accuracy=0.25, check_every=2)
+    probe, _ = data.build_prompts(make_problems(5, seed=3), tokenizer, 64, instruction="")  # prompts it never trains on
     probes = iter([0.1, 0.2, 0.3, 0.9])
     probed: list[int] = []
 
     def fake_probe(model, probe, *args, **kwargs):
-        probed.append(len(probe))
+        probed.append([e.problem.problem for e in probe])
         return next(probes)
 
     monkeypatch.setattr(warmstart, "probe_accuracy", fake_probe)
@@ -81,18 +82,50 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
         model_type="qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True), None, seed=0)
     with RewardPool(1, 5.0) as pool:
-        model, result = warmstart.warm_start(model, examples, tokenizer, wc, prompt_length=64, seed=0, pool=pool,
-                                             reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
-    assert (result.steps, result.probe_accuracy, probed) == (6, 0.3, [5, 5, 5])
+        model, result = warmstart.warm_start(model, examples, tokenizer, wc, probe=probe, prompt_length=64, seed=0,
+                                             pool=pool, reward_name="math", probe_max_new_tokens=12,
+                                             stop_token_ids=(1,))
+    assert (result.steps, result.probe_accuracy) == (6, 0.3)
+    assert probed == [[e.problem.problem for e in probe]] * 3
     wc.target_accuracy = 0.0  # no target: every step, never probed
     seen: list[tuple] = []  # the prompts of each step's batch
     real_batch = warmstart.sft_batch
     monkeypatch.setattr(warmstart, "sft_batch", lambda ex, *a: seen.append(tuple(e.prompt_ids for e in ex))
                         or real_batch(ex, *a))
     with RewardPool(1, 5.0) as pool:
-        _, result = warmstart.warm_start(model, examples, tokenizer, wc, prompt_length=64, seed=0, pool=pool,
-                                         reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
+        _, result = warmstart.warm_start(model, examples, tokenizer, wc, probe=probe, prompt_length=64, seed=0,
+                                         pool=pool, reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
     assert (result.steps, result.probe_accuracy, len(probed)) == (12, None, 3)
     epochs = [sorted(sum(seen[i:i + 4], ())) for i in (0, 4, 8)]  # 16 prompts in batches of 4: 4 steps an epoch
     assert epochs[0] == epochs[1] == epochs[2] == sorted(e.prompt_ids for e in examples)  # each once an epoch
     assert seen[:4] != seen[4:8]  # in a fresh order
+
+
+class _AfterWarmStart(Exception):
+    """Raised in place of RL: the test needs the run only up to the warm-start."""
+
+
+def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, tmp_path):
+    """The demo's probe is the first probe_problems of RL's prompts, none of them a warm-start prompt."""
+    config = load_config("default.py")
+    config.data.update(arithmetic=dict(problems=96, max_operand=40), warmstart_problems=64, held_out_problems=8)
+    config.warmstart.update(steps=4, target_accuracy=0.5, check_every=2, probe_problems=16)
+    config.model.num_hidden_layers = 1
+    config.eval.before_rl = False
+    probed: list[list[str]] = []
+    trained: set[str] = set()
+
+    def fake_probe(model, probe, *args, **kwargs):
+        probed.append([e.problem.problem for e in probe])
+        return 0.0
+
+    real_batch = warmstart.sft_batch
+    monkeypatch.setattr(warmstart, "probe_accuracy", fake_probe)
+    monkeypatch.setattr(warmstart, "sft_batch", lambda ex, *a: trained.update(e.problem.problem for e in ex)
+                        or real_batch(ex, *a))
+    monkeypatch.setattr(run, "rl_train", lambda *a, **k: (_ for _ in ()).throw(_AfterWarmStart()))
+    with pytest.raises(_AfterWarmStart):
+        run.run_training(config, tmp_path, config_mesh(config.mesh))
+    rl, warm, _, _ = run.prompt_source(config, data.load_tokenizer("char"))
+    assert probed == [[e.problem.problem for e in rl.examples[:16]]] * 2  # probed at steps 2 and 4
+    assert trained and trained <= {e.problem.problem for e in warm} and trained.isdisjoint(probed[0])

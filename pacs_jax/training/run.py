@@ -3,7 +3,8 @@
     tokenizer (data.tokenizer) and model (model.path, model.preset, or config.model's fields at random init)
     -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems)
     -> supervised warm-start (warmstart.steps > 0) on the problems data.warmstart_problems sets aside
-       from RL (0: on RL's problems)                                            training/warmstart.py
+       from RL (0: on RL's problems), stopped early at a greedy accuracy on RL's first prompts
+       (warmstart.target_accuracy)                                              training/warmstart.py
     -> evaluation before RL (eval.before_rl, with the final settings)
     -> RL (training/loop.py rl_train), evaluated every eval.periodic.every steps
     -> final evaluation (eval.final settings) -> HF export, summary.json, curves.png
@@ -149,11 +150,16 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
         else:
             before = {}
             if wc.steps > 0:
-                model, warm = warm_start(model, warm_prompts, tokenizer, wc, prompt_length=dc.max_prompt_length,
+                model, warm = warm_start(model, warm_prompts, tokenizer, wc,
+                                           probe=prompts.examples[:wc.probe_problems],
+                                           prompt_length=dc.max_prompt_length,
                                            seed=config.seed, pool=pool, reward_name=reward_name,
                                            probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
+                if primary:
+                    probed = "" if warm.probe_accuracy is None else f", greedy accuracy {warm.probe_accuracy:.3f} on the probe"
+                    print(f"warm-start: {warm.steps} steps in {warm.seconds:.0f} s{probed}", flush=True)
             if sets and ec.before_rl:
                 before["eval"] = evaluate_final("before_rl", model, pool)
             if primary:

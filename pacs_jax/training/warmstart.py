@@ -9,11 +9,12 @@ walk a fresh permutation of the prompts each epoch, seeded by (seed, epoch).
 Batches have the rollout's layout (prompt left-padded to ``data.max_prompt_length``, response
 right-padded to ``warmstart.max_response_tokens``), so the log-probs come from the trainer's one
 log-prob path (``rl.response_logprobs``: fused, chunked over the vocabulary; rows sharded over the
-batch axes). With ``warmstart.target_accuracy`` > 0, the greedy accuracy on the first
-``probe_problems`` training prompts is measured every ``check_every`` steps and the phase stops once
-it reaches the target. The floating-point path of the updates differs between machines, and with it
-the number of steps to a given accuracy: stopping at a probe accuracy makes RL start from the same
-place on any machine.
+batch axes). With ``warmstart.target_accuracy`` > 0, the greedy accuracy on a probe set (the run
+passes the first ``probe_problems`` of RL's prompts, which the warm-start does not train on when
+``data.warmstart_problems`` sets its own aside) is measured every ``check_every`` steps and the
+phase stops once it reaches the target. Where the model starts to generalise, and how far, differs
+between seeds and machines (the floating-point path of the updates differs): stopping at an accuracy
+on prompts it never trained on makes RL start from the same skill level on any of them.
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ def probe_accuracy(model: Qwen, examples: Sequence[PromptExample], tokenizer, po
 
 
 def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml_collections.ConfigDict, *,
-               prompt_length: int, seed: int, pool: RewardPool, reward_name: str, probe_max_new_tokens: int,
-               stop_token_ids: Sequence[int]) -> tuple[Qwen, WarmStartResult]:
-    """Up to ``wc.steps`` supervised steps on ``examples`` (see the module docstring); returns the
-    updated model and what the phase did. The buffers of ``model`` are donated: use the returned one."""
+               probe: Sequence[PromptExample], prompt_length: int, seed: int, pool: RewardPool, reward_name: str,
+               probe_max_new_tokens: int, stop_token_ids: Sequence[int]) -> tuple[Qwen, WarmStartResult]:
+    """Up to ``wc.steps`` supervised steps on ``examples``, stopping early once the greedy accuracy on
+    ``probe`` reaches ``wc.target_accuracy`` (see the module docstring); returns the updated model and
+    what the phase did. The buffers of ``model`` are donated: use the returned one."""
     t0 = time.perf_counter()
     if len(examples) < wc.batch_size:
         raise ValueError(f"warmstart.batch_size={wc.batch_size}: only {len(examples)} training prompts")
@@ -110,7 +112,6 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml
     optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
     opt_state = jax.jit(optimizer.init)(params)
     step_fn = make_sft_step(graphdef, optimizer, wc.max_response_tokens, model.rules)
-    probe = list(examples[:wc.probe_problems])
     probe_kwargs = dict(reward_name=reward_name, max_new_tokens=probe_max_new_tokens, stop_token_ids=stop_token_ids)
     per_epoch = len(examples) // wc.batch_size
     accuracy, steps = None, 0
