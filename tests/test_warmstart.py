@@ -3,6 +3,8 @@ logits in float64, its stopping rule."""
 
 from __future__ import annotations
 
+import re
+
 import ml_collections
 import numpy as np
 import optax
@@ -105,8 +107,9 @@ class _AfterWarmStart(Exception):
     """Raised in place of RL: the test needs the run only up to the warm-start."""
 
 
-def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, tmp_path):
-    """The demo's probe is the first probe_problems of RL's prompts, none of them a warm-start prompt."""
+def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, tmp_path, capsys):
+    """The demo's probe is the first probe_problems of RL's prompts, none of them a warm-start prompt; the
+    run says where the warm-start stopped against its target."""
     config = load_config("default.py")
     config.data.update(arithmetic=dict(problems=96, max_operand=40), warmstart_problems=64, held_out_problems=8)
     config.warmstart.update(steps=4, target_accuracy=0.5, check_every=2, probe_problems=16)
@@ -129,3 +132,5 @@ def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, t
     rl, warm, _, _ = run.prompt_source(config, data.load_tokenizer("char"))
     assert probed == [[e.problem.problem for e in rl.examples[:16]]] * 2  # probed at steps 2 and 4
     assert trained and trained <= {e.problem.problem for e in warm} and trained.isdisjoint(probed[0])
+    assert re.search(r"^warm-start: 4 steps in \d+ s, greedy accuracy 0\.000 on the probe "
+                     r"\(target 0\.5 not reached within warmstart\.steps\)$", capsys.readouterr().out, re.M)

@@ -33,7 +33,7 @@ from pacs_jax.training import memory_plan
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
-from pacs_jax.training.warmstart import warm_start
+from pacs_jax.training.warmstart import WarmStartResult, warm_start
 
 HELD_OUT = "held_out"  # the evaluation set of the problems data.held_out_problems sets aside
 
@@ -158,8 +158,7 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
                 if primary:
-                    probed = "" if warm.probe_accuracy is None else f", greedy accuracy {warm.probe_accuracy:.3f} on the probe"
-                    print(f"warm-start: {warm.steps} steps in {warm.seconds:.0f} s{probed}", flush=True)
+                    print(_warm_start_line(warm, wc.target_accuracy), flush=True)
             if sets and ec.before_rl:
                 before["eval"] = evaluate_final("before_rl", model, pool)
             if primary:
@@ -185,6 +184,16 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
                         _per_set(after["sampled"], ec.final.n), workdir / "curves.png")
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _warm_start_line(warm: WarmStartResult, target: float) -> str:
+    """What the warm-start did, in one line: steps, seconds, and the probe against its target."""
+    line = f"warm-start: {warm.steps} steps in {warm.seconds:.0f} s"
+    if warm.probe_accuracy is None:
+        return line
+    reached = (f"target {target}" if warm.probe_accuracy >= target
+               else f"target {target} not reached within warmstart.steps")
+    return f"{line}, greedy accuracy {warm.probe_accuracy:.3f} on the probe ({reached})"
 
 
 def _per_set(metrics: dict[str, dict[str, float]], n: int) -> dict[str, float]:
