@@ -96,7 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.optim = ml_collections.ConfigDict(dict(
         lr=3e-4, b1=0.9, b2=0.999, weight_decay=0.01, schedule="constant", warmup_steps=0,
-        grad_clip=1.0,            # global-norm clipping (0: none); the demo's PACS gains on every seed only with it (README)
+        grad_clip=1.0,            # global-norm clipping (0: none); the demo gains on every seed only with it (README)
     ))
 
     c.train = ml_collections.ConfigDict(dict(

@@ -134,3 +134,5 @@ def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, t
     assert trained and trained <= {e.problem.problem for e in warm} and trained.isdisjoint(probed[0])
     assert re.search(r"^warm-start: 4 steps in \d+ s, greedy accuracy 0\.000 on the probe "
                      r"\(target 0\.5 not reached within warmstart\.steps\)$", capsys.readouterr().out, re.M)
+    reached = run._warm_start_line(warmstart.WarmStartResult(steps=40, probe_accuracy=0.5, seconds=3.2), 0.45)
+    assert reached == "warm-start: 40 steps in 3 s, greedy accuracy 0.500 on the probe (reached the target 0.45)"

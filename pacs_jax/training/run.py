@@ -191,7 +191,7 @@ def _warm_start_line(warm: WarmStartResult, target: float) -> str:
     line = f"warm-start: {warm.steps} steps in {warm.seconds:.0f} s"
     if warm.probe_accuracy is None:
         return line
-    reached = (f"target {target}" if warm.probe_accuracy >= target
+    reached = (f"reached the target {target}" if warm.probe_accuracy >= target
                else f"target {target} not reached within warmstart.steps")
     return f"{line}, greedy accuracy {warm.probe_accuracy:.3f} on the probe ({reached})"
 
