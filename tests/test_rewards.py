@@ -10,8 +10,11 @@ import pytest
 from math_verify import parse, verify
 
 from pacs_jax import rewards
+from pacs_jax.data.arithmetic import make_problems
+from pacs_jax.rewards import math as math_reward_module
 from pacs_jax.rewards import verdict
 from pacs_jax.rewards.math import MAX_NESTING, nesting_depth
+from pacs_jax.rewards.verdict import answer_region
 
 _INTEGER = re.compile(r"-?\d+")
 _FRACTION = re.compile(r"\\frac\{(-?\d+)\}\{(\d+)\}")
@@ -126,6 +129,28 @@ def test_math_reward_on_real_answers_rewritten(golds):
     assert sum(by_kind["correct"]) >= 0.97 * len(by_kind["correct"])
     assert sum(by_kind["rewrite"]) >= 0.85 * len(by_kind["rewrite"])
     assert sum(by_kind["wrong"]) <= 0.03 * len(by_kind["wrong"])
+
+
+def test_boxed_integers_are_compared_without_parsing(monkeypatch):
+    """A response that is just \\boxed{integer} against an integer gold (every demo response) gets
+    math-verify's own verdict without math-verify: parsing is switched off and the verdicts still agree."""
+    problems = make_problems(300, seed=0, max_operand=99)
+    pairs = [(f"\\boxed{{{int(p.ground_truth) + offset}}}", p.ground_truth) for p in problems for offset in (0, 1, -3)]
+    pairs += [("\\boxed{-7}", "-7"), ("  \\boxed{ 0 }\n", "-0"), ("\\boxed{123456789012345678}", "123456789012345678"),
+              ("\\boxed{12}", " 12 "), ("<think>\\boxed{4}</think>\\boxed{5}", "5"), ("\\boxed{5}", "-5")]
+    reference = [_math_verify_verdict(answer_region(response), gold) for response, gold in pairs]
+    assert 0 < sum(reference) < len(pairs)
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("math-verify was called")
+
+    monkeypatch.setattr(math_reward_module, "parse", no_parsing)
+    assert [rewards.judge_math(response, gold) for response, gold in pairs] == [
+        (score, verdict.OK) for score in reference]
+    # anything else is parsed: leading zeros, a second box, a decimal, text around the box
+    for response, gold in (("\\boxed{042}", "42"), ("\\boxed{4}\\boxed{2}", "2"), ("\\boxed{4.0}", "4"),
+                           ("So \\boxed{4}", "4"), ("\\boxed{4}", "4.0")):
+        assert rewards.judge_math(response, gold).status == verdict.ERROR  # our last line of defence caught it
 
 
 def test_answers_tried_while_thinking_do_not_count():

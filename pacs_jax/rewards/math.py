@@ -13,6 +13,9 @@ sides are parsed (LaTeX and plain expressions, boxed answer first) and compared 
   an inequality in one variable denotes the gold interval, or the other way round (rewards/intervals.py);
 - and they differ when one is written as a set ``\\{...\\}`` and the other as a tuple ``(a, b)``,
   which math-verify equates (rewards/ordering.py);
+- an answer region that is exactly ``\\boxed{integer}`` against an integer gold is decided by comparing
+  the two integers, the verdict math-verify would give, without parsing (a thousand times faster; the
+  demo's responses and short numeric answers are all of this form);
 - hostile or runaway output is refused before sympy sees it (status REJECTED, score 0): bracket
   nesting deeper than ``MAX_NESTING`` (math-verify's LaTeX parser is exponential in the depth of
   bare ``{...}`` groups: depth 12 takes 3 s, 16 takes 12 s, 20 takes 8 minutes)
@@ -49,16 +52,24 @@ MAX_DIGITS = 100_000   # decimal digits of any number the answer denotes (10000!
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _BRACKET = re.compile(r"[{(\[\]})]")
+_INTEGER = r"-?(?:0|[1-9][0-9]{0,17})"  # no leading zeros, exact in a Python int whatever the reader
+_BOXED_INTEGER = re.compile(r"\s*\\boxed\{\s*(" + _INTEGER + r")\s*\}\s*")
+_GOLD_INTEGER = re.compile(r"\s*(" + _INTEGER + r")\s*")
 _OPENERS = frozenset("{([")
 
 
 def judge_math(response: str, ground_truth: str) -> Verdict:
     """Score ``response`` against ``ground_truth`` (LaTeX, e.g. ``\\frac{14}{3}``); never raises."""
     try:
+        region = answer_region(response)
+        integers = _BOXED_INTEGER.fullmatch(region), _GOLD_INTEGER.fullmatch(str(ground_truth))
+        if all(integers):
+            pred_value, gold_value = (int(match.group(1)) for match in integers)
+            return Verdict(1.0 if pred_value == gold_value else 0.0, OK)
         gold = _parse_gold(str(ground_truth))
         if not gold:
             return Verdict(0.0, BAD_GOLD)
-        region = normalize_answer_text(answer_region(response))
+        region = normalize_answer_text(region)
         if nesting_depth(region, stop_above=MAX_NESTING) > MAX_NESTING:
             return Verdict(0.0, REJECTED)
         choice = choices.gold_choice(str(ground_truth))
