@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import ml_collections
 import numpy as np
 import optax
@@ -17,6 +18,7 @@ from pacs_jax.data.arithmetic import make_problems
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import config_mesh, make_mesh
 from pacs_jax.training import run, warmstart
+from pacs_jax.training.compilations import compilations, start_counting
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config
 
@@ -101,6 +103,39 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
     epochs = [sorted(sum(seen[i:i + 4], ())) for i in (0, 4, 8)]  # 16 prompts in batches of 4: 4 steps an epoch
     assert epochs[0] == epochs[1] == epochs[2] == sorted(e.prompt_ids for e in examples)  # each once an epoch
     assert seen[:4] != seen[4:8]  # in a fresh order
+
+
+def test_the_step_compiles_once_on_the_demo_mesh(task, monkeypatch):
+    """Steps 2.. run the program step 1 compiled: the step's outputs keep its inputs' shardings."""
+    tokenizer, examples, _ = task
+    config = load_config("default.py")
+    wc = ml_collections.ConfigDict(config.warmstart.to_dict())
+    wc.update(steps=3, batch_size=8, target_accuracy=0.0)
+    compiled_per_call: list[int] = []
+    real_step = warmstart.make_sft_step
+
+    def counted_step(*args, **kwargs):
+        step = real_step(*args, **kwargs)
+
+        def call(*step_args):
+            before = compilations()
+            out = jax.block_until_ready(step(*step_args))
+            compiled_per_call.append(compilations() - before)
+            return out
+
+        return call
+
+    monkeypatch.setattr(warmstart, "make_sft_step", counted_step)
+    model = models.init_random(models.QwenConfig(
+        model_type="qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
+        config_mesh(config.mesh), seed=0)
+    start_counting()
+    with RewardPool(1, 5.0) as pool:
+        warmstart.warm_start(model, examples, tokenizer, wc, probe=examples[:2], prompt_length=64, seed=0, pool=pool,
+                             reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
+    assert len(compiled_per_call) == 3 and compiled_per_call[0] >= 1
+    assert compiled_per_call[1:] == [0, 0]
 
 
 class _AfterWarmStart(Exception):

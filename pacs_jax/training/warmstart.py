@@ -38,6 +38,7 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import response_logprobs
 from pacs_jax.sampling.buckets import left_pad
 from pacs_jax.training.rollout import batch_sharding
+from pacs_jax.training.update_step import state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +70,14 @@ def sft_batch(examples: Sequence[PromptExample], responses: Sequence[Sequence[in
             "response_mask": mask.astype(np.float32)}
 
 
-def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int, rules):
-    """A jitted (params, opt_state, batch) -> (params, opt_state, loss) step; state buffers donated."""
+def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int, rules,
+                  state_shardings: tuple | None = None):
+    """A jitted (params, opt_state, batch) -> (params, opt_state, loss) step; state buffers donated.
+
+    state_shardings: the (params, opt_state) shardings its outputs keep (training/update_step.py
+    ``state_shardings``), so that step 2 runs the program step 1 compiled (default: XLA's choice, which
+    can name the same layout differently, P() for P(None,), and compile the step a second time).
+    """
 
     def loss_fn(params, batch):
         logp = response_logprobs(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
@@ -83,7 +90,8 @@ def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformatio
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    out_shardings = None if state_shardings is None else (*state_shardings, None)
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
 def probe_accuracy(model: Qwen, examples: Sequence[PromptExample], tokenizer, pool: RewardPool, *, reward_name: str,
@@ -111,7 +119,9 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml
     graphdef, params = nnx.split(model)
     optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
     opt_state = jax.jit(optimizer.init)(params)
-    step_fn = make_sft_step(graphdef, optimizer, wc.max_response_tokens, model.rules)
+    shardings = state_shardings((params, opt_state), model.rules)
+    params, opt_state = jax.device_put((params, opt_state), shardings)
+    step_fn = make_sft_step(graphdef, optimizer, wc.max_response_tokens, model.rules, shardings)
     probe_kwargs = dict(reward_name=reward_name, max_new_tokens=probe_max_new_tokens, stop_token_ids=stop_token_ids)
     per_epoch = len(examples) // wc.batch_size
     accuracy, steps = None, 0
