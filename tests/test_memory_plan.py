@@ -38,7 +38,7 @@ def load_tool():
 
 def tiny_config():
     """The demo config (qwen3 architecture: D 128, F 256, L 2, H 4, K 2, Dh 32, tied) with a 64-token
-    vocabulary on a (2, 2, 2) mesh: 8 prompts x 8 responses, prompts 64, responses 12 tokens."""
+    vocabulary on a (2, 2, 2) mesh: 8 prompts x 8 responses, prompts 56, responses 12 tokens."""
     c = load_config("default.py")
     c.model.vocab_size = 64
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
@@ -101,8 +101,8 @@ def test_params_match_the_real_models_shardings():
 
 def test_kv_cache_by_hand():
     plan = estimate_memory(tiny_config(), 8)
-    # 8 prompts / 2 sampler calls x n 8 = 32 rows over data x fsdp = 4; 64 + 12 slots; K 2 over tensor 2
-    L, rows, S, K, Dh = 2, 8, 64 + 12, 1, 32
+    # 8 prompts / 2 sampler calls x n 8 = 32 rows over data x fsdp = 4; 56 + 12 slots; K 2 over tensor 2
+    L, rows, S, K, Dh = 2, 8, 56 + 12, 1, 32
     assert plan.rows_per_sampler_call == rows
     assert plan.kv_cache == L * rows * S * K * Dh * 2 * 4  # k and v, float32 compute
 
