@@ -1,17 +1,9 @@
-"""Test setup: 8 simulated CPU devices (set before jax is imported) and paths to the repository's data.
-
-The CPU backend compiles with LLVM's optimisations off (``--xla_backend_optimization_level=0``): the
-XLA programs, their HLO passes, shardings and buffers are the same (the trainer's compiled pi_old
-and update HLO is byte-identical at levels 0 and 2); only the machine code from them is less
-optimised. Compiling is most of what the suite does (tiny models, short runs), and this
-takes a third off it: 286 s -> 198 s for test_rl_update.py and test_sampling.py on 2 cores. Trainer
-subprocesses inherit the flag (train_helpers.train_env keeps every flag but the device count).
-"""
+"""Test setup: 8 simulated CPU devices (set before jax is imported) and paths to the repository's data."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

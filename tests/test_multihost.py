@@ -60,8 +60,7 @@ def _train(workdir, data_file, *, processes: int, cache_dir) -> None:
     flags = [*SHRUNK, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
     if processes == 1:
-        env = _env(cache_dir)
-        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+        env = _env(cache_dir, XLA_FLAGS="--xla_force_host_platform_device_count=8")
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:
         # no shared compilation cache here: processes writing and reading the same entries at once is
