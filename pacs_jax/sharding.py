@@ -175,8 +175,37 @@ class MeshRules:
         return NamedSharding(self.mesh, self.spec(logical_axes, shape))
 
     def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-        """``with_sharding_constraint`` by logical names (activations at layer boundaries)."""
-        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes, x.shape))
+        """``with_sharding_constraint`` by logical names (activations at layer boundaries).
+
+        Inside a ``shard_map`` that is manual over some mesh axes (the sampler's per-shard decode
+        loop is manual over the batch axes), those axes are left out: the array is already local
+        to them, and only the remaining (auto) axes are constrained.
+        """
+        manual = manual_axes()
+        if not manual:
+            return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes, x.shape))
+        table = {name: tuple(a for a in axes if a not in manual) for name, axes in self.rules}
+        spec = partition_spec(logical_axes, x.shape, dict(self.mesh.shape), table)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
+
+    def without(self, *mesh_axes: str) -> "MeshRules":
+        """These rules with ``mesh_axes`` removed from every logical axis (e.g. the sampler's decode
+        layout: parameters replicated over "data" and "fsdp", still split over "tensor")."""
+        return MeshRules(self.mesh, tuple((name, tuple(a for a in axes if a not in mesh_axes))
+                                          for name, axes in self.rules))
+
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that split the batch ("data", "fsdp" by default)."""
+        return tuple(a for a in dict(self.rules)["batch"] if self.mesh.shape[a] > 1)
+
+
+def manual_axes() -> frozenset[str]:
+    """The mesh axes that are manual in the current tracing context (inside ``shard_map``); empty
+    outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return frozenset()
+    return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
 
 
 def constrain(x: jax.Array, rules: MeshRules | None, logical_axes: Sequence[str | None]) -> jax.Array:

@@ -18,6 +18,7 @@ from flax import nnx
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from pacs_jax import checkpoints, models, sampling
+from pacs_jax import hlo as pacs_hlo
 from pacs_jax.sampling import engine
 from pacs_jax.sharding import make_mesh
 
@@ -255,20 +256,28 @@ def test_similar_prompts_do_not_recompile(hf, prompts):
     assert sampling.compile_count() == before + 1
 
 
-def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf):
-    """HLO facts: the [L, B, S, K, Dh] cache is never copied, and the prefill has no [P, T, V] logits."""
+@pytest.mark.parametrize("slots", [None, 3])
+def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slots):
+    """HLO facts: the [L, C, S, K, Dh] decode cache is never copied (decode steps scatter each slot's
+    new K/V into it, refills update a slot's prompt part), the prefill has no [P, T, V] logits, and
+    token 0 of the P x n rows is selected from [P, V] logits, never [P n, V]."""
     graphdef, state = nnx.split(load(hf, "qwen2", "1dev"))
-    P, T, n, N, V = 2, 64, 4, 16, VOCAB  # the shapes of test_n_samples_share_one_prefill: a cached compile
-    hlo = engine._sample_program.lower(
-        graphdef, state, jnp.ones((P, T), jnp.int32), jnp.ones((P, T), jnp.int32), jax.random.key(0),
-        jnp.float32(1.0), jnp.float32(1.0), jnp.full((engine.STOP_ID_SLOTS,), -1, jnp.int32),
-        n=n, max_new_tokens=N, top_k=0).compile().as_text()
+    P, T, n, N, V = 2, 64, 4, 16, VOCAB
+    C = P * n if slots is None else slots
+    prompts = jax.ShapeDtypeStruct((P, T), jnp.int32)
+    settings = sampling.SamplingSettings(n=n, max_new_tokens=N, temperature=1.0, slots=slots)
+    hlo = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     L = graphdef_layers(state)
-    cache_shape = re.escape(f"f32[{L},{P * n},{T + N},2,8]")
-    assert re.search(rf"= {cache_shape}\S* dynamic-update-slice\(", hlo)  # written in place
-    assert not re.search(rf"= {cache_shape}\S* copy\(", hlo)
+    cache_shape = re.escape(f"f32[{L},{C},{T + N},2,8]")
+    assert re.search(rf"= {cache_shape}\S* scatter\(", hlo)  # each slot's new K/V, in place
+    assert re.search(rf"= {cache_shape}\S* dynamic-update-slice\(", hlo)  # a refilled slot's prompt K/V
+    comps = pacs_hlo.computations(hlo)
+    for name in pacs_hlo.loop_computations(hlo):  # a copy inside a loop would run every decode step
+        assert not re.search(rf"= {cache_shape}\S* copy\(", comps[name]), name
     assert f"f32[{P},{T},{V}]" not in hlo
-    assert re.search(rf"f32\[{P * n},(1,)?{V}\]", hlo)  # the decode logits, to show the pattern works
+    if C != P * n:  # token 0 from [P, V] logits: no [P n, V] buffer (with one slot per row, decode has one)
+        assert f"f32[{P * n},{V}]" not in hlo
+    assert re.search(rf"f32\[{C},(1,)?{V}\]", hlo)  # the decode logits, to show the pattern works
 
 
 def graphdef_layers(state) -> int:

@@ -98,10 +98,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_va
                      filled: jax.Array | int, *, block_size: int = 512) -> jax.Array:
     """One decode step: q [B, 1, H, Dh] against caches [B, S, K, Dh] (H a multiple of K).
 
-    kv_valid [B, S] bool; filled: int32 scalar (may be traced), the number of written slots.
-    The query sees slot s iff kv_valid[b, s] and s < filled. Only the first ceil(filled / block)
-    blocks of the cache are read (a dynamic-trip-count loop, online softmax in float32); values in
-    the unwritten slots of the last block are ignored, whatever they hold (NaN included).
+    kv_valid [B, S] bool; filled: int32, [] or [B] (may be traced), the number of written slots of
+    each row (rows of a continuous-batching sampler sit at different slots). Row b sees slot s iff
+    kv_valid[b, s] and s < filled[b]. Only the first ceil(max(filled) / block) blocks of the cache
+    are read (a dynamic-trip-count loop, online softmax in float32); values in the unwritten slots
+    are ignored, whatever they hold (NaN included).
     Returns [B, 1, H, Dh] in q.dtype (zeros for a row with no visible slot).
     """
     B, _, H, Dh = q.shape
@@ -110,7 +111,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_va
     block = min(block_size, S)
     scale = Dh ** -0.5
     q4 = batched_dot_operand(q.reshape(B, K, G, Dh))
-    filled = jnp.minimum(jnp.asarray(filled, jnp.int32), S)
+    filled = jnp.broadcast_to(jnp.minimum(jnp.asarray(filled, jnp.int32), S), (B,))
     offsets = jnp.arange(block)
 
     def step(j, carry):
@@ -119,7 +120,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_va
         k_j = batched_dot_operand(_read_cache_block(k_cache, start, block))  # [B, b, K, Dh]
         v_j = _read_cache_block(v_cache, start, block)
         pos = start + offsets
-        seen = (pos >= j * block) & (pos < filled)  # not seen by an earlier block, and written
+        seen = (pos >= j * block)[None, :] & (pos[None, :] < filled[:, None])  # not seen earlier, written
         mask = lax.dynamic_slice_in_dim(kv_valid, start, block, axis=1).astype(bool) & seen  # [B, b]
         v_j = batched_dot_operand(jnp.where(mask[:, :, None, None], v_j, 0))  # unwritten slots: anything
         s = _dot("bkgd,bskd->bkgs", q4, k_j) * scale  # [B, K, G, b]
@@ -134,7 +135,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_va
         # One masked pass over all S slots: on GPU a loop with a dynamic trip count syncs with the host
         # every iteration (measured on an H100, B 8, S 4096: 67-294 us per decode step blockwise, 18 us
         # in one pass), which costs more than reading the unwritten slots.
-        mask = kv_valid.astype(bool) & (jnp.arange(S) < filled)  # [B, S]
+        mask = kv_valid.astype(bool) & (jnp.arange(S)[None, :] < filled[:, None])  # [B, S]
         s = _dot("bkgd,bskd->bkgs", q4, k_cache) * scale
         s = jnp.where(mask[:, None, None, :], s, _NEG)
         p = jnp.where(mask[:, None, None, :], jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
@@ -142,7 +143,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_va
         acc, l = _dot("bkgs,bskd->bkgd", p.astype(v.dtype), v), p.sum(-1)
     else:
         init = (jnp.full((B, K, G), _NEG, _F32), jnp.zeros((B, K, G), _F32), jnp.zeros((B, K, G, Dh), _F32))
-        _, l, acc = lax.fori_loop(0, (filled + block - 1) // block, step, init)
+        _, l, acc = lax.fori_loop(0, (jnp.max(filled) + block - 1) // block, step, init)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]
     return out.reshape(B, 1, H, Dh).astype(q.dtype)
 

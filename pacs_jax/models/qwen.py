@@ -125,7 +125,8 @@ class Attention(nnx.Module):
         """x [B, T, D], positions [B, T], kv_valid [B, S] bool (S = T without a cache).
 
         cache: None, or (k, v, layer): the stacked caches [L, B, S, K, Dh] and this layer's index;
-        the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``.
+        the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``; in decode
+        (T = 1) cache_index may be [B], each row's own slot.
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
         """
         cfg = self.cfg
@@ -138,13 +139,14 @@ class Attention(nnx.Module):
         k = rotary(k, positions, cfg.rope_theta)
         q = constrain(q, self.rules, ("batch", "length", "act_heads", None))
         new_cache = None
+        decode = cache is not None and q.shape[1] == 1
         if cache is not None:
             k_cache, v_cache, layer = cache
-            at = (layer, 0, cache_index, 0, 0)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype)[None], at)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype)[None], at)
+            write = _write_rows if decode else _write_prefill
+            k_cache = write(k_cache, k.astype(k_cache.dtype), layer, cache_index)
+            v_cache = write(v_cache, v.astype(v_cache.dtype), layer, cache_index)
             new_cache = (constrain(k_cache, self.rules, CACHE_AXES), constrain(v_cache, self.rules, CACHE_AXES))
-        if cache is not None and q.shape[1] == 1:  # decode: the filled slots of this layer's cache
+        if decode:  # the filled slots of this layer's cache, up to each row's own
             layer_kv = [jax.lax.dynamic_index_in_dim(c, layer, keepdims=False).astype(q.dtype) for c in new_cache]
             out = decode_attention(q, *layer_kv, kv_valid, cache_index + 1, block_size=cfg.attention_block_size)
         else:  # training, log-probs, prefill (from slot 0): the call's own tokens, causal
@@ -155,6 +157,20 @@ class Attention(nnx.Module):
         out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype),
                          preferred_element_type=jnp.float32).astype(x.dtype)
         return out, new_cache
+
+
+def _write_prefill(cache: jax.Array, x: jax.Array, layer: jax.Array, start) -> jax.Array:
+    """cache [L, B, S, K, Dh] <- x [B, T, K, Dh] at layer ``layer``, slots start .. start + T - 1."""
+    return jax.lax.dynamic_update_slice(cache, x[None], (layer, 0, start, 0, 0))
+
+
+def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.Array:
+    """cache [L, B, S, K, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at slot slots[b] ([] or [B]
+    int32: each row of a continuous-batching sampler writes at its own slot). One scatter, in place
+    in the decode loop (slots are in range: the sampler never writes past S)."""
+    rows = jnp.arange(x.shape[0])
+    slots = jnp.broadcast_to(jnp.asarray(slots, jnp.int32), rows.shape)
+    return cache.at[layer, rows, slots].set(x[:, 0], mode="promise_in_bounds")
 
 
 def _kernel_mesh(rules: MeshRules | None, impl: str):
@@ -244,7 +260,8 @@ class Qwen(nnx.Module):
 
         positions [B, T] int; kv_valid [B, S] bool marks keys that may be attended to (S = T without
         a cache); the tokens are written into cache slots cache_index .. cache_index + T - 1. A call
-        with T > 1 tokens and a cache is a prefill: it must start at cache_index 0.
+        with T > 1 tokens and a cache is a prefill: it must start at cache_index 0. A decode call
+        (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching).
 
         The layers run as one ``lax.scan`` over the stacked parameters; without a cache (the
         gradient path) its body is rematerialised per ``config.remat``.

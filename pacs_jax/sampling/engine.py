@@ -1,38 +1,54 @@
-"""The sampler program: one prefill per prompt, then n samples per prompt decoded in one jitted loop.
+"""The sampler program: one prefill per prompt, then its n samples decoded by a fixed number of slots
+in one jitted loop (continuous batching, as vLLM and JetStream keep their decode batch full).
 
-Shapes: P prompts (padded), T prompt length (padded, left-padded), n samples per prompt, B = P * n
-decode rows, N = max_new_tokens, S = T + N cache slots, V vocabulary.
+Shapes: P prompts (padded), T prompt length (left-padded), n samples per prompt, Q = P * n rows (row
+i*n + j is sample j of prompt i), C decode slots (``settings.slots``; C = Q is static batching),
+N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layers, D hidden.
 
-    prefill  [P, T] prompt tokens -> K/V [L, P, T] + next-token logits [P, V] (last position only)
-    expand   K/V repeated n times along the batch (row i*n + j is sample j of prompt i) into a
-             zeroed [L, B, S] cache: the prompt is processed once, not n times
-    decode   lax.while_loop: feed the last token at slot T + j - 1, sample token j, until every row
-             has hit a stop id or N tokens; the cache is a loop carry, updated in place
+    layout   the parameters cast to the compute dtype and laid out for decode once per call:
+             replicated over the batch axes ("data", "fsdp"), split over "tensor" only, so no decode
+             step gathers a weight over the network (docs/design.md section 3.2)
+    prefill  [P, T] prompts -> K/V [L, P, T] and the last prompt position's logits [P, V]; token 0 of
+             every row is selected from them (the prompt is processed once, not n times)
+    decode   a ``lax.while_loop`` over decode steps. Each of the C slots holds one row at a time: a
+             step feeds every busy slot its last token at its own cache slot T + t - 1 and selects its
+             token t. A row that stops (stop id, or its own budget) frees its slot in that step, and
+             the slot takes the next waiting row at once: that row's prompt K/V is copied into the
+             slot's first T cache slots. The loop ends when no row is left waiting or running.
 
-The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model is
-``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
-reuse one compilation. Static: shapes, n, max_new_tokens, top_k. Traced: temperature (0 = greedy),
-top_p, the seed's key and the stop ids, so greedy evaluation and sampled training share a program. The KV cache is allocated inside the program and never leaves it, so there is
-no outside buffer to donate: XLA updates the loop-carried cache in place and frees it on return (a
-sampler does not hold accelerator memory between calls, which the training update needs).
-Parameters are cast to the compute dtype once, before the loop, not in every decode step.
+Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
+``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
+refill never crosses devices; the "tensor" axis stays automatic (tensor-parallel layers inside).
+
+Results do not depend on scheduling: token t of row (i, j) is selected with the key
+``fold_in(fold_in(fold_in(key, i), j), t)`` and from that row's logits alone, so the same row gets the
+same tokens whatever slot it ran in, when, and beside which other rows (up to the float round-off
+of a matmul over a different batch).
+
+The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model
+is ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
+reuse one compilation. Static: shapes, n, max_new_tokens, top_k, slots. Traced: temperature
+(0 = greedy), top_p, the key, the per-row budgets and the stop ids, so greedy evaluation and sampled
+training share a program. The KV cache is allocated inside the program and freed when it returns.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from pacs_jax.models.qwen import CACHE_AXES, KVCache, positions_from_mask
+from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.settings import SamplingSettings
 from pacs_jax.sampling.selection import select_tokens
-from pacs_jax.sharding import constrain
+from pacs_jax.sharding import MeshRules, constrain
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this, so changing them rarely recompiles
@@ -48,12 +64,13 @@ def compile_count() -> int:
 class SampleArrays(NamedTuple):
     """Device arrays of one sampler call; rows i*n .. i*n+n-1 are the samples of prompt i.
 
-    tokens:        [B, N] int32, generated ids (stop id included), PAD_ID after the end
-    logprobs:      [B, N] float32, log_softmax(logits / T) of each generated token (T = 1 if greedy), 0 after the end
-    response_mask: [B, N] int32, 1 on generated tokens
-    lengths:       [B] int32, generated tokens per row (stop id included)
-    stopped:       [B] bool, True if the row ended at a stop id ("stop"), False at the budget ("length")
+    tokens:        [Q, N] int32, generated ids (stop id included), PAD_ID after the end
+    logprobs:      [Q, N] float32, log_softmax(logits / T) of each generated token (T = 1 if greedy), 0 after the end
+    response_mask: [Q, N] int32, 1 on generated tokens
+    lengths:       [Q] int32, generated tokens per row (stop id included)
+    stopped:       [Q] bool, True if the row ended at a stop id ("stop"), False at its budget ("length")
     prefill_tokens: [] int32, real prompt tokens run through the prefill forward pass (once per prompt)
+    decode_steps:  [] int32, decode steps of the call (of its slowest queue when the batch is sharded)
     """
 
     tokens: jax.Array
@@ -62,93 +79,184 @@ class SampleArrays(NamedTuple):
     lengths: jax.Array
     stopped: jax.Array
     prefill_tokens: jax.Array
+    decode_steps: jax.Array
 
 
-def _cast_floats(state: nnx.State, dtype) -> nnx.State:
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+def slot_utilisation(lengths: np.ndarray, decode_steps: int, slots: int) -> float:
+    """Tokens made by decode steps / (slots x decode steps): how full the slots were (1 = never idle).
+
+    lengths: [Q] generated tokens per row; token 0 of each row comes from the prefill, not a decode step.
+    """
+    decoded = int(np.sum(np.maximum(np.asarray(lengths, np.int64) - 1, 0)))
+    return decoded / (slots * decode_steps) if decode_steps else 1.0
 
 
-def _expand_cache(cache: KVCache, n: int, new_slots: int, rules) -> KVCache:
-    """[L, P, T, K, Dh] -> [L, P*n, T + new_slots, K, Dh]: each prompt's K/V copied to its n rows."""
+def _decode_layout(state: nnx.State, rules: MeshRules | None, dtype) -> nnx.State:
+    """The parameters as decode reads them: floats in the compute dtype and, on a mesh, replicated
+    over the batch axes and split over "tensor" only (one gather per call, none per decode step)."""
+    decode_rules = None if rules is None else rules.without(*rules.batch_axes())
 
-    def expand(x):
-        x = jnp.repeat(x, n, axis=1) if n > 1 else x
-        x = jnp.pad(x, ((0, 0), (0, 0), (0, new_slots), (0, 0), (0, 0)))
-        return constrain(x, rules, CACHE_AXES)
+    def place(var: nnx.Variable) -> nnx.Variable:
+        x = var.get_value()
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(dtype)
+        if decode_rules is not None and getattr(var, "logical_axes", None) is not None:
+            x = jax.lax.with_sharding_constraint(x, decode_rules.sharding(var.logical_axes, x.shape))
+        return var.replace(value=x)
 
-    return KVCache(expand(cache.k), expand(cache.v))
+    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-@functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("n", "max_new_tokens", "top_k"))
-def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
-                     prompt_mask: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                     stop_ids: jax.Array, *, n: int, max_new_tokens: int, top_k: int) -> SampleArrays:
-    global _TRACE_COUNT
-    _TRACE_COUNT += 1
-    cfg = nnx.merge(graphdef, state).cfg
-    model = nnx.merge(graphdef, _cast_floats(state, jnp.dtype(cfg.dtype)))
-    rules = model.rules
+def _queue_groups(rules: MeshRules | None, prompts: int, slots: int) -> tuple[str, ...]:
+    """The mesh axes the decode loop is split over (one queue per shard): the batch axes when they
+    divide both the prompts and the slots, else none (one queue for the whole call)."""
+    if rules is None:
+        return ()
+    axes = rules.batch_axes()
+    shards = math.prod(rules.mesh.shape[a] for a in axes)
+    return axes if axes and prompts % shards == 0 and slots % shards == 0 else ()
+
+
+def _decode_loop(model, prompt_cache: KVCache, prompt_real, first_tokens, first_logp, budgets, row_keys,
+                 temperature, top_p, stop_ids, *, n: int, slots: int, max_new_tokens: int, top_k: int):
+    """The decode loop of one queue: all rows of a call, or one batch shard's rows under shard_map.
+
+    prompt_cache: K/V [L, P, T, K, Dh] of the prefill; prompt_real [P, T] bool (batch-padding prompts
+    have no real token); first_tokens, first_logp, budgets [Q]; row_keys [Q] PRNG keys.
+    Returns (tokens [Q, N], logprobs [Q, N], lengths [Q], stopped [Q], decode steps []).
+    """
+    P, T = prompt_real.shape
+    Q, C, N = P * n, slots, max_new_tokens
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-    P, T = prompt_tokens.shape
-    B, N = P * n, max_new_tokens
-
-    # Prefill. All-padding rows (batch padding) get one visible slot so their attention is defined;
-    # they start finished and never hold up the early exit.
-    prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), rules, ("batch", "length"))
-    real = constrain(prompt_mask.astype(bool), rules, ("batch", "length"))
-    padding_row = ~jnp.any(real, axis=-1)  # [P]
-    real = real.at[:, -1].set(real[:, -1] | padding_row)
-    prefill_tokens = jnp.sum(real & ~padding_row[:, None], dtype=jnp.int32)
-    hidden, cache = model.forward(prompt_tokens, positions_from_mask(real), real,
-                                  model.init_cache(P, T), 0)
-    last = jnp.max(jnp.where(real, jnp.arange(T), 0), axis=-1)  # [P]: T - 1 when left-padded
-    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [P, 1, D]
-    first_logits = model.logits(last_hidden)[:, 0]  # [P, V]: only the last real position is needed
-
-    # The n samples of prompt i are rows i*n .. i*n+n-1.
-    repeat = lambda x: jnp.repeat(x, n, axis=0) if n > 1 else x
-    cache = _expand_cache(cache, n, N, rules)
-    kv_valid = jnp.concatenate([repeat(real), jnp.ones((B, N), bool)], axis=1)  # [B, S]
-    kv_valid = constrain(kv_valid, rules, ("batch", "cache_length"))
-    prompt_lengths = repeat(jnp.sum(real, axis=-1, dtype=jnp.int32))  # [B]
-    inactive = repeat(padding_row)
 
     def is_stop(tokens):
         return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
 
-    first, first_logp = select(repeat(first_logits), jax.random.fold_in(key, 0))
-    tokens = jnp.zeros((B, N), jnp.int32).at[:, 0].set(jnp.where(inactive, PAD_ID, first))
-    logprobs = jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(inactive, 0.0, first_logp))
-    tokens = constrain(tokens, rules, ("batch", None))
-    logprobs = constrain(logprobs, rules, ("batch", None))
-    stopped = ~inactive & is_stop(first)
-    done = inactive | stopped
-    lengths = jnp.where(inactive, 0, 1).astype(jnp.int32)
+    real = jnp.repeat(jnp.any(prompt_real, axis=-1), n)  # [Q]: False for batch-padding prompts
+    first_stop = real & is_stop(first_tokens)
+    waiting = real & ~first_stop & (budgets > 1)  # rows that need decode steps
+    order = jnp.argsort(~waiting, stable=True).astype(jnp.int32)  # the queue: those rows, in row order
+    queued = jnp.sum(waiting, dtype=jnp.int32)
+    prompt_lengths = jnp.sum(prompt_real, axis=-1, dtype=jnp.int32)  # [P]
 
-    def keep_going(carry):
-        step, _, _, _, done, _, _ = carry
-        return (step < N) & ~jnp.all(done)
+    tokens = jnp.zeros((Q, N), jnp.int32).at[:, 0].set(jnp.where(real, first_tokens, PAD_ID))
+    logprobs = jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0))
+    lengths, stopped = real.astype(jnp.int32), first_stop
+
+    def refill(free, row, t, last, cache, kv_valid, taken):
+        """Free slots take the next waiting rows (in queue order); slots left without one go idle
+        (row Q). A taken slot gets its row's token 0 as its last token and its prompt's K/V."""
+        rank = jnp.cumsum(free, dtype=jnp.int32) - 1
+        take = free & (taken + rank < queued)
+        row = jnp.where(take, order[jnp.minimum(taken + rank, Q - 1)], jnp.where(free, Q, row))
+        t = jnp.where(take, 1, t)
+        last = jnp.where(take, first_tokens[jnp.minimum(row, Q - 1)], last)
+        fill = jnp.argsort(~take, stable=True)  # the taken slots first
+
+        def copy(k, carry):
+            k_cache, v_cache, kv_valid = carry
+            slot, prompt = fill[k], row[fill[k]] // n
+            at = (0, slot, 0, 0, 0)
+            k_cache = jax.lax.dynamic_update_slice(
+                k_cache, jax.lax.dynamic_slice_in_dim(prompt_cache.k, prompt, 1, axis=1), at)
+            v_cache = jax.lax.dynamic_update_slice(
+                v_cache, jax.lax.dynamic_slice_in_dim(prompt_cache.v, prompt, 1, axis=1), at)
+            kv_valid = jax.lax.dynamic_update_slice(
+                kv_valid, jax.lax.dynamic_slice_in_dim(prompt_real, prompt, 1, axis=0), (slot, 0))
+            return k_cache, v_cache, kv_valid
+
+        k_cache, v_cache, kv_valid = jax.lax.fori_loop(0, jnp.sum(take, dtype=jnp.int32), copy,
+                                                       (cache.k, cache.v, kv_valid))
+        return row, t, last, KVCache(k_cache, v_cache), kv_valid, taken + jnp.sum(take, dtype=jnp.int32)
 
     def decode_step(carry):
-        step, cache, tokens, logprobs, done, lengths, stopped = carry
-        previous = jax.lax.dynamic_index_in_dim(tokens, step - 1, axis=1, keepdims=True)  # [B, 1]
-        positions = (prompt_lengths + step - 1)[:, None]
-        hidden, cache = model.forward(previous, positions, kv_valid, cache, T + step - 1)
-        token, logp = select(model.logits(hidden)[:, 0], jax.random.fold_in(key, step))
-        active = ~done
-        token = jnp.where(active, token, PAD_ID)
-        logp = jnp.where(active, logp, 0.0)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
-        logprobs = jax.lax.dynamic_update_slice(logprobs, logp[:, None], (0, step))
-        hit = active & is_stop(token)
-        return (step + 1, cache, tokens, logprobs, done | hit, lengths + active.astype(jnp.int32),
-                stopped | hit)
+        steps, row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped = carry
+        busy = row < Q
+        r = jnp.minimum(row, Q - 1)
+        positions = prompt_lengths[r // n] + t - 1  # [C]: the position of each slot's last token
+        hidden, cache = model.forward(last[:, None], positions[:, None], kv_valid, cache, T + t - 1)
+        keys = jax.vmap(jax.random.fold_in)(row_keys[r], t)
+        token, logp = select(model.logits(hidden)[:, 0], keys)
+        out = jnp.where(busy, row, Q)  # idle slots write nowhere (out of bounds: dropped)
+        tokens = tokens.at[out, t].set(token, mode="drop")
+        logprobs = logprobs.at[out, t].set(logp, mode="drop")
+        hit = busy & is_stop(token)
+        t = jnp.where(busy, t + 1, t)
+        lengths = lengths.at[out].set(t, mode="drop")
+        stopped = stopped.at[out].set(hit, mode="drop")
+        free = ~busy | hit | (t >= budgets[r])
+        row, t, last, cache, kv_valid, taken = refill(free, row, t, token, cache, kv_valid, taken)
+        return steps + 1, row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped
 
-    carry = (jnp.int32(1), cache, tokens, logprobs, done, lengths, stopped)
-    _, _, tokens, logprobs, _, lengths, stopped = jax.lax.while_loop(keep_going, decode_step, carry)
-    response_mask = (jnp.arange(N)[None, :] < lengths[:, None]).astype(jnp.int32)
-    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens)
+    cache = model.init_cache(C, T + N)
+    kv_valid = jnp.concatenate([jnp.zeros((C, T), bool), jnp.ones((C, N), bool)], axis=1)  # [C, S]
+    idle = jnp.full((C,), Q, jnp.int32)
+    zeros = jnp.zeros((C,), jnp.int32)
+    row, t, last, cache, kv_valid, taken = refill(jnp.ones((C,), bool), idle, zeros, zeros, cache, kv_valid,
+                                                  jnp.int32(0))
+    carry = (jnp.int32(0), row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped)
+    carry = jax.lax.while_loop(lambda c: jnp.any(c[1] < Q), decode_step, carry)
+    steps, tokens, logprobs, lengths, stopped = carry[0], *carry[7:]
+    return tokens, logprobs, lengths, stopped, steps
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("n", "max_new_tokens", "top_k", "slots"))
+def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
+                     prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, temperature: jax.Array,
+                     top_p: jax.Array, stop_ids: jax.Array, *, n: int, max_new_tokens: int, top_k: int,
+                     slots: int) -> SampleArrays:
+    global _TRACE_COUNT
+    _TRACE_COUNT += 1
+    cfg = nnx.merge(graphdef, state).cfg
+    rules = nnx.merge(graphdef, state).rules
+    model = nnx.merge(graphdef, _decode_layout(state, rules, jnp.dtype(cfg.dtype)))
+    select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    P, T = prompt_tokens.shape
+
+    # Prefill. All-padding prompts (batch padding) get one visible slot so their attention is
+    # defined; their rows come back empty.
+    prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), rules, ("batch", "length"))
+    real = constrain(prompt_mask.astype(bool), rules, ("batch", "length"))
+    padding_row = ~jnp.any(real, axis=-1)  # [P]
+    visible = real.at[:, -1].set(real[:, -1] | padding_row)
+    prefill_tokens = jnp.sum(real, dtype=jnp.int32)
+    hidden, prompt_cache = model.forward(prompt_tokens, positions_from_mask(visible), visible,
+                                         model.init_cache(P, T), 0)
+    last = jnp.max(jnp.where(visible, jnp.arange(T), 0), axis=-1)  # [P]: T - 1 when left-padded
+    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [P, 1, D]
+    first_logits = model.logits(last_hidden)[:, 0]  # [P, V]: only the last real position is needed
+
+    # Token 0 of every row, sample by sample (one [P, V] selection at a time, not [Q, V]).
+    row_keys = jax.vmap(lambda i: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, i), j))(
+        jnp.arange(n)))(jnp.arange(P))  # [P, n]
+    first_tokens, first_logp = jax.lax.map(
+        lambda keys: select(first_logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(P, jnp.int32))),
+        row_keys.T)  # [n, P] each
+    rows = lambda x: x.T.reshape(P * n)  # [n, P] -> [Q], row i*n + j
+    loop_args = (prompt_cache, real, rows(first_tokens), rows(first_logp), budgets.astype(jnp.int32),
+                 row_keys.reshape(P * n), temperature, top_p, stop_ids)
+    static = dict(n=n, slots=slots, max_new_tokens=max_new_tokens, top_k=top_k)
+
+    axes = _queue_groups(rules, P, slots)
+    if axes:
+        shards = math.prod(rules.mesh.shape[a] for a in axes)
+        split, whole = PartitionSpec(axes), PartitionSpec()
+        cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
+
+        def per_shard(state, *args):
+            *out, steps = _decode_loop(nnx.merge(graphdef, state), *args, **{**static, "slots": slots // shards})
+            return *out, steps[None]
+
+        decode = jax.shard_map(per_shard, mesh=rules.mesh,
+                               in_specs=(whole, cache_split, split, split, split, split, split, whole, whole, whole),
+                               out_specs=(split,) * 5, axis_names=set(axes), check_vma=False)
+        tokens, logprobs, lengths, stopped, steps = decode(nnx.state(model), *loop_args)
+        steps = jnp.max(steps)
+    else:
+        tokens, logprobs, lengths, stopped, steps = _decode_loop(model, *loop_args, **static)
+    response_mask = (jnp.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(jnp.int32)
+    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens, steps)
 
 
 def stop_id_array(stop_token_ids) -> np.ndarray:
@@ -158,12 +266,15 @@ def stop_id_array(stop_token_ids) -> np.ndarray:
     return stop_ids
 
 
-def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, *, abstract: bool = False):
+def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, budgets=None, *,
+                  abstract: bool = False):
     """The sampler program's positional arguments and static keywords.
 
-    abstract: the key, the scalars and the stop ids come as ``jax.ShapeDtypeStruct``s without a
-    sharding (as the uncommitted arrays of a real call, so the lowering is the same program), and
-    nothing is placed on any device: the program can be lowered for devices this process cannot
+    budgets: None (every row may use max_new_tokens) or [Q] ints in [1, max_new_tokens], each row's
+    own budget (vLLM's per-request max_tokens).
+    abstract: the key, the budgets, the scalars and the stop ids come as ``jax.ShapeDtypeStruct``s
+    without a sharding (as the uncommitted arrays of a real call, so the lowering is the same program),
+    and nothing is placed on any device: the program can be lowered for devices this process cannot
     use (compile-only TPU devices on a CPU host). ``key`` is then None (a typed key) or anything
     with the key's shape and dtype.
     """
@@ -172,31 +283,46 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, *
                          "must both be [P, T]")
     if prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
         raise ValueError(f"prompt_tokens: empty shape {prompt_tokens.shape}")
+    rows = prompt_tokens.shape[0] * settings.n
+    slots = rows if settings.slots is None else settings.slots
+    if slots > rows:
+        raise ValueError(f"slots={slots}: more decode slots than rows ({prompt_tokens.shape[0]} prompts x "
+                         f"n={settings.n}); use at most {rows}")
     stop_ids = stop_id_array(settings.stop_token_ids)
-    static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k)
+    static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k, slots=slots)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         spec = jax.ShapeDtypeStruct
-        args = (prompt_tokens, prompt_mask, spec(key.shape, key.dtype), spec((), jnp.float32), spec((), jnp.float32),
-                spec(stop_ids.shape, jnp.int32))
+        args = (prompt_tokens, prompt_mask, spec((rows,), jnp.int32), spec(key.shape, key.dtype),
+                spec((), jnp.float32), spec((), jnp.float32), spec(stop_ids.shape, jnp.int32))
         return args, static
+    if budgets is None:
+        budgets = np.full(rows, settings.max_new_tokens, np.int32)
+    budgets = np.asarray(budgets)
+    if budgets.shape != (rows,) or not np.issubdtype(budgets.dtype, np.integer):
+        raise ValueError(f"budgets: expected {rows} integers (one per row), got {budgets.dtype} {budgets.shape}")
+    if budgets.min() < 1 or budgets.max() > settings.max_new_tokens:
+        raise ValueError(f"budgets: every row's budget must be in [1, max_new_tokens={settings.max_new_tokens}], "
+                         f"got {int(budgets.min())} .. {int(budgets.max())}")
     # numpy, not jnp: made on the host without compiling anything (no eager op per call shape)
-    args = (prompt_tokens, prompt_mask, key, np.float32(settings.temperature), np.float32(settings.top_p), stop_ids)
+    args = (prompt_tokens, prompt_mask, budgets.astype(np.int32), key, np.float32(settings.temperature),
+            np.float32(settings.top_p), stop_ids)
     return args, static
 
 
 def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-           settings: SamplingSettings, key: jax.Array) -> SampleArrays:
+           settings: SamplingSettings, key: jax.Array, budgets=None) -> SampleArrays:
     """The jitted sampler program on padded arrays (what the trainer calls).
 
     graphdef, state: ``nnx.split(model)`` (split once, reuse across calls).
     prompt_tokens, prompt_mask: [P, T] prompts, mask 1 on real tokens (left padding, as buckets.left_pad
     makes, wastes no attention; right padding works too); an all-zero mask row is batch padding
     (its samples come back empty). Bucket P and T (see buckets.py) to bound
-    the number of compilations. key: a JAX PRNG key for this call.
-    Returns SampleArrays with B = P * n rows grouped by prompt.
+    the number of compilations. key: a JAX PRNG key for this call. budgets: None, or [Q] per-row
+    budgets in [1, settings.max_new_tokens].
+    Returns SampleArrays with Q = P * n rows grouped by prompt.
     """
-    args, static = _program_args(prompt_tokens, prompt_mask, settings, key)
+    args, static = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
     return _sample_program(graphdef, state, *args, **static)
 
 
@@ -206,9 +332,9 @@ def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, sett
     ``.compile()`` it ahead of time (warm-up, memory planning).
 
     Nothing concrete is made: the key (default: an abstract typed key; a given key only lends its
-    shape and dtype), the temperature, top_p and stop ids are abstract and unsharded, like the
-    uncommitted arrays of a real call, so the program can be lowered for devices this process
-    cannot use (compile-only TPU devices on a CPU host) and is the one a real call runs.
+    shape and dtype), the budgets, the temperature, top_p and stop ids are abstract and unsharded,
+    like the uncommitted arrays of a real call, so the program can be lowered for devices this
+    process cannot use (compile-only TPU devices on a CPU host) and is the one a real call runs.
     """
     args, static = _program_args(prompt_tokens, prompt_mask, settings, key, abstract=True)
     return _sample_program.lower(graphdef, state, *args, **static)

@@ -45,10 +45,13 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.where(first < x.shape[-1], first, 0.0).astype(jnp.int32)
 
 
-def select_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
+def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
                   top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Pick one token per row: logits [B, V] float32 -> (tokens [B] int32, log-probs [B] float32).
+    """Pick one token per row: logits [B, V] float32, keys [B] (one PRNG key per row) -> (tokens [B]
+    int32, log-probs [B] float32).
 
+    Row b's noise comes from keys[b] alone, so a row's token depends on its own key and logits,
+    never on which other rows share the batch (the sampler's results do not depend on scheduling).
     ``temperature`` (0 = greedy) and ``top_p`` (1 = off) are traced scalars that choose a branch at
     run time (``lax.cond``: only the taken branch runs), so greedy evaluation and sampled training
     sampler calls share one compiled program. ``top_k`` is static (it is a shape). Sampling is the
@@ -62,7 +65,8 @@ def select_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top
     def sample():
         allowed = jax.lax.cond(top_p < 1.0, lambda: restrict_to_top(scaled, top_k, top_p),
                                lambda: restrict_to_top(scaled, top_k, None))
-        return first_argmax(allowed + jax.random.gumbel(key, allowed.shape, jnp.float32))
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, allowed.shape[-1:], jnp.float32))(keys)
+        return first_argmax(allowed + noise)
 
     tokens = jax.lax.cond(temperature > 0.0, sample, greedy)
     log_norm = jax.nn.logsumexp(scaled, axis=-1)

@@ -20,6 +20,10 @@ class SamplingSettings:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_p: nucleus mass in (0, 1]; 1 disables it. top_k: 0 disables it. Both are ignored when greedy.
     stop_token_ids: a sample ends at the first of these (kept in its output).
+    slots: decode slots of a call (continuous batching: a slot whose row ends takes the next waiting
+    row); None gives every row its own slot (static batching: the call runs until its longest row
+    ends). At most the call's rows (prompts x n); on a mesh, a multiple of the batch shards keeps
+    one queue per shard.
     """
 
     max_new_tokens: int
@@ -28,6 +32,7 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    slots: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -41,6 +46,8 @@ class SamplingSettings:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
+        if self.slots is not None and (not _is_int(self.slots) or self.slots < 1):
+            raise ValueError(f"slots={self.slots!r}: must be an integer >= 1 (or None: one per row)")
         stops = self.stop_token_ids
         if isinstance(stops, numbers.Integral):
             stops = (stops,)

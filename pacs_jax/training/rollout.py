@@ -81,7 +81,7 @@ def batch_sharding(rules: MeshRules | None, shape: tuple[int, ...]) -> jax.shard
     """
     if rules is None:
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    axes = tuple(a for a in dict(rules.rules)["batch"] if rules.mesh.shape[a] > 1)
+    axes = rules.batch_axes()
     if shape[0] % math.prod(rules.mesh.shape[a] for a in axes):
         axes = ()
     return NamedSharding(rules.mesh, PartitionSpec(axes or None, *([None] * (len(shape) - 1))))

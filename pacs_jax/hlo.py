@@ -1,0 +1,69 @@
+"""Reading compiled HLO text: which collectives run inside loops (every trip) and on what shapes.
+
+Compile-time facts the tests and tools/plan_memory.py check, e.g. that no decode step all-gathers
+a parameter (a collective inside a ``while`` body runs on every trip of the loop).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
+_OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+class Collective(NamedTuple):
+    """One collective instruction: its computation, op name and output shape."""
+
+    computation: str
+    op: str
+    shape: tuple[int, ...]
+
+
+def computations(hlo_text: str) -> dict[str, str]:
+    """{computation name: its text} of an HLO module (the ENTRY computation included)."""
+    out = {}
+    for block in re.split(r"\n(?=\S)", hlo_text):
+        header = block.split("\n", 1)[0]
+        match = re.match(r"(?:ENTRY )?%?([\w.\-]+)", header)
+        if match and header.rstrip().endswith("{"):
+            out[match.group(1)] = block
+    return out
+
+
+def _callees(text: str) -> set[str]:
+    names = set()
+    for group in _CALLS.findall(text):
+        names.update(name.strip().lstrip("%") for name in group.split(","))
+    return names
+
+
+def loop_computations(hlo_text: str) -> set[str]:
+    """The computations that run inside some ``while`` loop: every loop body and condition, and what
+    they call, transitively."""
+    comps = computations(hlo_text)
+    todo = []
+    for text in comps.values():
+        for body, cond in re.findall(r"while\([^\n]*?condition=%?([\w.\-]+), body=%?([\w.\-]+)", text):
+            todo += [body, cond]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += _callees(comps[name].split("\n", 1)[1] if "\n" in comps[name] else "")
+    return seen
+
+
+def collectives(hlo_text: str, *, in_loops: bool = False) -> list[Collective]:
+    """Every collective of the module (only those inside loops when ``in_loops``)."""
+    comps = computations(hlo_text)
+    inside = loop_computations(hlo_text) if in_loops else set(comps)
+    out = []
+    for name in inside:
+        for dims, op in _OP.findall(comps.get(name, "")):
+            out.append(Collective(name, op, tuple(int(d) for d in dims.split(",") if d)))
+    return out
