@@ -72,6 +72,10 @@ def get_config() -> ml_collections.ConfigDict:
         response_buckets=(),      # responses are cut to the smallest bucket that holds the longest one before
                                   # pi_old and the update; () = one bucket, max_new_tokens
         micro_batches=1,          # sampler calls per step (bounds the KV cache: prompts_per_step / this prompts each)
+        sampler="continuous",     # continuous: `slots` decode slots per call, a slot whose response ends takes the next
+                                  # waiting one at once; static: every response its own slot until the longest ends
+        slots=128,                # continuous: decode slots per sampler call (capped at its responses, prompts_per_step /
+                                  # micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
     ))
 
     c.algorithm = ml_collections.ConfigDict(dict(
@@ -130,6 +134,8 @@ def get_config() -> ml_collections.ConfigDict:
         max_new_tokens=12,
         max_problems=0,           # > 0: the first this many problems of each set
         batch_size=200,           # prompts per sampler call
+        sampler="continuous",     # as rollout.sampler
+        slots=256,                # continuous: decode slots per sampler call (capped at batch_size x n)
         before_rl=True,           # evaluate once before RL (after the warm-start) with the final settings
         periodic=ml_collections.ConfigDict(dict(every=0, n=1, temperature=0.0, top_p=1.0)),  # every k RL steps; T 0: greedy
         final=ml_collections.ConfigDict(dict(

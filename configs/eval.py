@@ -29,6 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.stop_token_ids = ()                  # (): the tokenizer's eos token and the model's eos ids
     c.seed = 0
     c.batch_size = 32                      # prompts per generate call (batch_size * n sequences)
+    c.sampler = "continuous"               # continuous: `slots` decode slots per call; static: one per sequence
+    c.slots = 128                          # continuous: decode slots per call (capped at batch_size * n)
     c.dtype = "bfloat16"                   # compute dtype; "float32" on CPU for exactness
     c.use_mesh = True                      # False: single device, no mesh
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))

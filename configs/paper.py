@@ -36,23 +36,30 @@ from pacs_jax.data.prompts import INSTRUCTION
 # three programs compiled ahead of time for the slice with libtpu 0.0.42; peak GiB per device below).
 #   micro_batches          train.micro_batches: gradient accumulation inside a mini-batch (update activations)
 #   logprob_micro_batches  train.logprob_micro_batches: forward passes of the pi_old pass
-#   rollout_micro_batches  rollout.micro_batches: sampler calls per step (KV cache of one call)
+#   rollout_micro_batches  rollout.micro_batches: sampler calls per step (1: all 1024 prompts in one call)
+#   slots                  rollout.slots: decode slots of the continuous sampler (its KV cache: slots x 4608)
 #   remat                  model.remat: what the backward pass keeps of each layer
+# The sampler's row is the analytic estimate (training/memory_plan.py; `validate_config` checks it on the
+# slice) with the continuous sampler; its compiled TPU figure has not been re-measured since (the other
+# two programs are unchanged: their compiled peaks below still hold).
 _DOTS = "dots_with_no_batch_dims_saveable"
 MODELS = {
-    # v5p-64 (32 chips, 95 GiB HBM each). Peak per device (sampler / pi_old / update, GiB; the AdamW state
-    # counted in all three): 3B 47.8 / 8.2 / 41.0, 7B 36.4 / 8.2 / 61.4, 4B 49.3 / 9.9 / 43.8, 8B 46.1 / 7.1 / 63.9
+    # v5p-64 (32 chips, 95 GiB HBM each). Peak per device, compiled (pi_old / update, GiB; the AdamW state
+    # counted in all): 3B 8.2 / 41.0, 7B 8.2 / 61.4, 4B 9.9 / 43.8, 8B 7.1 / 63.9; the sampler, analytic
+    # (KV cache + temporaries + resident): 3B 20.8 + 6.5, 7B 32.4 + 6.5, 4B 42.8 + 7.9, 8B 42.8 + 5.3, each
+    # below the step's peak (3B 44.0, 7B 65.0, 4B 56.2, 8B 68.9 analytic)
     "qwen25_3b": dict(preset="Qwen2.5-3B", mesh=(-1, 8, 1), micro_batches=32, logprob_micro_batches=32,
-                      rollout_micro_batches=1, remat=_DOTS),
+                      rollout_micro_batches=1, slots=4096, remat=_DOTS),
     "qwen25_7b": dict(preset="Qwen2.5-7B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
-                      rollout_micro_batches=2, remat=_DOTS),
+                      rollout_micro_batches=1, slots=4096, remat=_DOTS),
     "qwen3_4b": dict(preset="Qwen3-4B", mesh=(-1, 8, 1), micro_batches=32, logprob_micro_batches=32,
-                     rollout_micro_batches=4, remat=_DOTS),
+                     rollout_micro_batches=1, slots=2048, remat=_DOTS),
     "qwen3_8b": dict(preset="Qwen3-8B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
-                     rollout_micro_batches=4, remat=_DOTS),
-    # v6e-64 (64 chips, 32 GiB HBM each): 18.2 / 4.1 / 17.0 GiB
+                     rollout_micro_batches=1, slots=2048, remat=_DOTS),
+    # v6e-64 (64 chips, 32 GiB HBM each): pi_old / update compiled 4.1 / 17.0 GiB; sampler analytic 8.3 GiB
+    # KV cache (peak 18.2 analytic)
     "qwen25_7b_v6e": dict(preset="Qwen2.5-7B", mesh=(-1, 16, 4), micro_batches=64, logprob_micro_batches=64,
-                          rollout_micro_batches=2, remat=_DOTS),
+                          rollout_micro_batches=1, slots=2048, remat=_DOTS),
 }
 
 ALGORITHMS = {
@@ -110,6 +117,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 4096
     c.rollout.response_buckets = (1024, 2048, 3072, 4096)
     c.rollout.micro_batches = spec["rollout_micro_batches"]
+    c.rollout.sampler, c.rollout.slots = "continuous", spec["slots"]
     c.algorithm.objective = objective
     c.algorithm.options = ml_collections.ConfigDict(
         dict(options, **({"weight_mode": "question", "reward_method": "1", "adv_estimator": "rloo"}

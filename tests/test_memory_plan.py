@@ -101,16 +101,23 @@ def test_params_match_the_real_models_shardings():
 
 def test_kv_cache_by_hand():
     plan = estimate_memory(tiny_config(), 8)
-    # 8 prompts / 2 sampler calls x n 8 = 32 rows over data x fsdp = 4; 56 + 12 slots; K 2 over tensor 2
+    # 8 prompts / 2 sampler calls x n 8 = 32 rows over data x fsdp = 4; the demo's 128 slots capped at the
+    # call's 32 rows; 56 + 12 cache slots per decode slot, and the prefill's 56 per prompt (1 per device);
+    # K 2 over tensor 2
     L, rows, S, K, Dh = 2, 8, 56 + 12, 1, 32
     assert plan.rows_per_sampler_call == rows
-    assert plan.kv_cache == L * rows * S * K * Dh * 2 * 4  # k and v, float32 compute
+    assert plan.kv_cache == L * (rows * S + 1 * 56) * K * Dh * 2 * 4  # k and v, float32 compute
 
     c = load_config("paper.py", "qwen25_7b,pacs_beta1")
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 8, 4
-    c.rollout.micro_batches = 2
-    # 512 prompts x 8 = 4096 rows over fsdp 8; 512 + 4096 slots; 4 K/V heads over tensor 4; bfloat16
-    assert estimate_memory(c, 32).kv_cache == 28 * 512 * 4608 * 1 * 128 * 2 * 2
+    c.rollout.micro_batches, c.rollout.sampler = 2, "static"
+    # 512 prompts x 8 = 4096 rows over fsdp 8, each its own slot of 512 + 4096; 4 K/V heads over tensor 4;
+    # bfloat16; the prefill's 512 slots per prompt
+    assert estimate_memory(c, 32).kv_cache == 28 * (512 * 4608 + 64 * 512) * 1 * 128 * 2 * 2
+    c.rollout.micro_batches, c.rollout.sampler, c.rollout.slots = 1, "continuous", 4096
+    # all 1024 prompts in one call, but 4096 decode slots (512 per device): a quarter of the static cache
+    # of 8192 rows, whatever the call's row count
+    assert estimate_memory(c, 32).kv_cache == 28 * (512 * 4608 + 128 * 512) * 1 * 128 * 2 * 2
 
 
 @pytest.mark.parametrize("field, part", [("train.micro_batches", "update_activations"),
@@ -122,6 +129,7 @@ def test_more_micro_batches_never_need_more_memory(field, part):
     for k in (1, 2, 4, 8):
         c = load_config("paper.py", "qwen25_7b,pacs_beta1")
         c.train.micro_batches = c.train.logprob_micro_batches = c.rollout.micro_batches = 1
+        c.rollout.sampler = "static"  # one slot per row: the call's rows set the KV cache
         c[section][name] = k
         plan = estimate_memory(c, 32)
         sizes.append(getattr(plan, part))

@@ -59,7 +59,8 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
 
 def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, temperature: float, top_p: float,
                   max_new_tokens: int, seed: int = 0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
-                  batch_size: int = 32, max_prompt_length: int = 2048, instruction: str = INSTRUCTION,
+                  batch_size: int = 32, slots: int | None = None, max_prompt_length: int = 2048,
+                  instruction: str = INSTRUCTION,
                   reward_pool: RewardPool, progress: bool = False) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """Sample ``n`` responses per problem, score them, and compute pass@k per data source.
 
@@ -67,6 +68,7 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
     instruction: what follows each problem in the user message (data/prompts.py).
     stop_token_ids: () means the tokenizer's eos token and the model's eos ids.
     batch_size: prompts per ``sampling.generate`` call (batch_size * n sequences).
+    slots: decode slots per call (continuous batching, capped at the call's rows); None: one per row.
     reward_pool: the caller's RewardPool (the trainer's own during training: no second pool).
     Problems whose prompt exceeds max_prompt_length tokens get no row (keep it large for evaluation).
 
@@ -88,7 +90,7 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
             batch = examples[start:start + batch_size]
             out = sampling.generate(model, [list(e.prompt_ids) for e in batch], max_new_tokens=max_new_tokens,
                                     n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    stop_token_ids=stops, seed=seed + chunk)
+                                    stop_token_ids=stops, seed=seed + chunk, slots=slots)
             texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in out.tokens]
             golds = [e.problem.ground_truth for e in batch for _ in range(n)]
             reward_names = [r for r in rewards_of[start:start + batch_size] for _ in range(n)]

@@ -9,11 +9,11 @@
 """
 
 from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
-from pacs_jax.sampling.engine import PAD_ID, SampleArrays, compile_count, sample
+from pacs_jax.sampling.engine import PAD_ID, SampleArrays, compile_count, sample, slot_utilisation
 from pacs_jax.sampling.generation import GenerateOutput, generate
 from pacs_jax.sampling.settings import SamplingSettings
 from pacs_jax.sampling.selection import first_argmax, restrict_to_top, select_tokens
 
-__all__ = ["generate", "GenerateOutput", "SamplingSettings", "sample", "SampleArrays", "compile_count",
+__all__ = ["generate", "GenerateOutput", "SamplingSettings", "sample", "SampleArrays", "compile_count", "slot_utilisation",
            "PAD_ID", "bucket_batch", "bucket_length", "left_pad", "first_argmax", "restrict_to_top",
            "select_tokens"]

@@ -2,14 +2,12 @@
 
 Every distinct (batch, prompt length) pair is one compilation of the sampler program, so both are
 rounded up: the prompt length to a multiple of ``length_multiple`` (64 by default), the number of
-prompts to a power of two that keeps the decode batch (prompts x n) divisible by the number of
-batch shards of the mesh. A training run with a fixed batch size then compiles once per prompt
+prompts to a power of two and a multiple of the number of batch shards of the mesh. A training run with a fixed batch size then compiles once per prompt
 length bucket.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,12 +22,11 @@ def bucket_length(longest: int, multiple: int, limit: int) -> int:
     return max(longest, min(round_up(longest, multiple), limit))
 
 
-def bucket_batch(num_prompts: int, n: int, batch_shards: int = 1) -> int:
-    """The padded number of prompts: a power of two >= num_prompts such that
-    (padded prompts x n) is divisible by ``batch_shards`` (the data x fsdp mesh size)."""
-    padded = 1 << max(num_prompts - 1, 0).bit_length()
-    need = batch_shards // math.gcd(batch_shards, n)
-    return round_up(padded, need) if need > 1 else padded
+def bucket_batch(num_prompts: int, batch_shards: int = 1) -> int:
+    """The padded number of prompts: a power of two >= num_prompts, rounded up to a multiple of
+    ``batch_shards`` (the data x fsdp mesh size), so every batch shard holds whole prompts and the
+    sampler keeps one queue per shard (padding prompts are never decoded)."""
+    return round_up(1 << max(num_prompts - 1, 0).bit_length(), batch_shards)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -62,10 +62,14 @@ def _batch_shards(model: Qwen) -> int:
 def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] | int | None = None, seed: int = 0, *,
+             slots: int | None = None, budgets: Sequence[int] | None = None,
              length_multiple: int = 64, max_cache_length: int | None = None) -> GenerateOutput:
     """Sample ``n`` continuations of each prompt (token-id lists) with a KV cache.
 
     temperature 0 is greedy; stop_token_ids None means the model's eos_token_id(s), () means none.
+    slots: decode slots (continuous batching; capped at the call's rows); None: one per row (static).
+    budgets: per prompt, its samples' new-token budget (<= max_new_tokens, vLLM's per-request
+    max_tokens); None: max_new_tokens for all. The samples do not depend on ``slots``.
     Prompts are left-padded to a multiple of ``length_multiple`` and their count to a power of two
     (bounded compilations; see buckets.py). ``max_cache_length`` (default: the model's
     max_position_embeddings) bounds prompt length + max_new_tokens.
@@ -90,13 +94,19 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
     longest = max(len(p) for p in prompts)
     length = bucket_length(longest, length_multiple, cache_limit - max_new_tokens)
-    batch = bucket_batch(len(prompts), n, _batch_shards(model))
+    batch = bucket_batch(len(prompts), _batch_shards(model))
     tokens, mask = left_pad(prompts, batch, length)
     if model.rules is not None:
         sharding = model.rules.sharding(("batch", "length"), tokens.shape)
         tokens, mask = put_rows(tokens, sharding), put_rows(mask, sharding)
+    if budgets is not None:
+        if len(budgets) != len(prompts):
+            raise ValueError(f"budgets: {len(budgets)} given for {len(prompts)} prompts")
+        budgets = np.repeat(np.pad(np.asarray(budgets), (0, batch - len(prompts)), constant_values=1), n)
+    if slots is not None:
+        settings = dataclasses.replace(settings, slots=min(slots, batch * n))
     graphdef, state = nnx.split(model)
-    out = sample(graphdef, state, tokens, mask, settings, jax.random.key(seed))
+    out = sample(graphdef, state, tokens, mask, settings, jax.random.key(seed), budgets)
 
     rows = len(prompts) * n
     # every process gets every sample (a collective when the rows span processes)

@@ -7,6 +7,9 @@ import math
 import numbers
 
 
+SAMPLERS = ("continuous", "static")  # config values: a fixed number of decode slots, or one slot per row
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

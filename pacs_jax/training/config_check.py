@@ -18,6 +18,7 @@ from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUP
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
 from pacs_jax.rl.policy_gradient import LOSS_SCALES
+from pacs_jax.sampling.settings import SAMPLERS
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training import memory_plan
 from pacs_jax.training.optim import SCHEDULES
@@ -72,6 +73,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                    "data.max_prompt_length", allow_empty=False)
     _check_buckets(rc.response_buckets, "rollout.response_buckets", rc.max_new_tokens, "rollout.max_new_tokens",
                    allow_empty=True)
+    _require(rc.sampler in SAMPLERS, "rollout.sampler", f"{rc.sampler!r} is not one of {SAMPLERS}")
     _require(isinstance(rc.micro_batches, int) and rc.micro_batches >= 1 and tc.prompts_per_step % rc.micro_batches == 0,
              "rollout.micro_batches", f"{rc.micro_batches!r} must be an integer >= 1 dividing "
                                       f"train.prompts_per_step={tc.prompts_per_step}")
@@ -134,6 +136,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
+    if rc.sampler == "continuous":
+        slots = sampler_slots(config)
+        _require(isinstance(rc.slots, int) and rc.slots >= 1 and slots % batch_shards == 0, "rollout.slots",
+                 f"{rc.slots!r} must be an integer >= 1 whose value, capped at a sampler call's {slots} responses "
+                 f"(prompts_per_step / rollout.micro_batches x rollout.n), is a multiple of the mesh's "
+                 f"data x fsdp = {batch_shards} (one queue per batch shard)")
     _check_memory(config, data * fsdp * tensor)
 
 
@@ -203,7 +211,8 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
         if not spec.startswith("tfds:"):
             path = pathlib.Path(ec.data_dir) / spec
             _require(path.exists(), f"eval.set_files.{name}", f"{path} does not exist")
-    for field in ("max_new_tokens", "batch_size"):
+    _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
+    for field in ("max_new_tokens", "batch_size", "slots"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
     _require(isinstance(ec.periodic.every, int) and ec.periodic.every >= 0, "eval.periodic.every",
              f"must be an integer >= 0 (0: none), got {ec.periodic.every!r}")
@@ -255,3 +264,12 @@ def _check_memory(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ConfigError(f"config.{fields}: a training step needs about {plan.peak / memory_plan.GiB:.1f} GiB per "
                       f"device (analytic estimate) but a device has {limit / memory_plan.GiB:.1f} GiB; change, "
                       f"for the largest parts first: {plan.advice()} (check with tools/plan_memory.py)")
+
+
+def sampler_slots(config: ml_collections.ConfigDict) -> int | None:
+    """The decode slots of a training sampler call: ``rollout.slots`` capped at the call's responses
+    (continuous); None (one slot per response) for the static sampler."""
+    rc = config.rollout
+    if rc.sampler != "continuous":
+        return None
+    return min(rc.slots, config.train.prompts_per_step // rc.micro_batches * rc.n)

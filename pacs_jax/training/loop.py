@@ -34,6 +34,7 @@ from pacs_jax.rl import options_for
 from pacs_jax.sharding import MeshRules
 from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.training.compilations import compilations, start_counting
+from pacs_jax.training.config_check import sampler_slots
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.optim import make_optimizer
@@ -137,7 +138,8 @@ def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, 
     tc, rc = config.train, config.rollout
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     settings = sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
-                                         top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops)
+                                         top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
+                                         slots=sampler_slots(config))
     return RolloutCollector(
         graphdef, rules, settings, decode=decode, reward_pool=reward_pool,
         reward_name=reward_for(config.reward.name, config.reward.mode),

@@ -14,8 +14,10 @@ A step has three phases, each one program (docs/design.md section 3); the parame
 state stay on the device through all of them::
 
     resident  params + AdamW mu, nu (param dtype)
-    sampler   KV cache [L, rows, S, K, Dh] x 2 (k and v) + prefill, a compute-dtype copy of the
-              params, decode temporaries (full-vocabulary logits of every row)
+    sampler   KV cache [L, slots, S, K, Dh] x 2 (k and v; slots = rollout.slots, or every row when
+              static) + the prefill's [L, prompts, T, K, Dh], the params in the compute dtype in the
+              decode layout (replicated over data and fsdp), decode temporaries (full-vocabulary
+              logits of every slot)
     pi_old    one forward micro-batch (train.logprob_micro_batches): one layer's tensors, the
               final hidden states and one chunk of logits
     update    gradient accumulator + one micro-batch's gradients (float32), the step's batch, and
@@ -195,7 +197,7 @@ class MemoryPlan:
         parts = [
             ("update activations", self.update_activations,
              "train.micro_batches" + ("" if self.remat == "full" else " / model.remat")),
-            ("KV cache", self.kv_cache, "rollout.micro_batches"),
+            ("KV cache", self.kv_cache, "rollout.slots / rollout.micro_batches"),
             ("pi_old activations", self.pi_old_activations, "train.logprob_micro_batches"),
             ("params + optimizer + gradients", self.params + self.optimizer + self.gradients, "mesh.fsdp / mesh.tensor"),
             ("sampler temporaries", self.sampler_temp, "rollout.micro_batches / mesh.tensor"),
@@ -331,16 +333,19 @@ def estimate_memory(config: ml_collections.ConfigDict, num_devices: int, *, voca
         + 3 * b_dev * T * 4 * 2  # ids and mask: assembled, split into micro-batches, returned
         + b_dev * max_response * 4 * 3)  # old log-probs, entropy, response mask
 
-    # ---- sampler: one call
+    # ---- sampler: one call. The decode cache holds one [S] row per slot (continuous: rollout.slots;
+    # static: one per row), the prefill's cache one [max_prompt] row per prompt, through the loop.
     prompts_per_call = tc.prompts_per_step // rc.micro_batches
     p_dev = _rows_per_device(prompts_per_call, sizes)
     rows_call = _rows_per_device(prompts_per_call * rc.n, sizes)
+    slots = min(rc.slots, prompts_per_call * rc.n) if rc.sampler == "continuous" else prompts_per_call * rc.n
+    slots_dev = _rows_per_device(slots, sizes)
     S = max_prompt + rc.max_new_tokens
-    kv_cache = L * rows_call * S * hk * 2 * cb
+    kv_cache = L * (slots_dev * S + p_dev * max_prompt) * hk * 2 * cb
+    decode_layout = sum(_per_device(shape, axes, {**sizes, "data": 1, "fsdp": 1}) for _, shape, axes in shapes)
     sampler_temp = (
-        L * p_dev * max_prompt * hk * 2 * cb  # the prefill's cache, copied n-fold into the decode cache
-        + (param_elems * cb if cb != pb else 0)  # the params cast to the compute dtype once, before the loop
-        + rows_call * V * 4 * 10  # decode: full-vocabulary logits, top-k / top-p over the whole vocabulary, noise
+        decode_layout * cb  # the params in the compute dtype, replicated over the batch axes (decode layout)
+        + max(p_dev, slots_dev) * V * 4 * 10  # full-vocabulary logits, top-k / top-p, noise (token 0, decode)
         + rows_call * rc.max_new_tokens * 4 * 3)  # tokens, log-probs, mask
     # ---- PPO's critic: its values pass and its update (as pi_old and the update, without logits)
     critic_values = critic_gradients = critic_update_batch = critic_update_activations = 0

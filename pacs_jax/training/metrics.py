@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 # Shown on the progress bar (when present), in this order.
 KEY_METRICS = ("reward_mean", "accuracy", "loss", "response_length_mean", "grad_norm", "tokens_per_second",
-               "reward_unscored")
+               "slot_utilisation", "reward_unscored")
 
 
 class MetricsLogger:

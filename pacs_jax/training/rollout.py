@@ -187,8 +187,9 @@ class RolloutCollector:
         """Sample n responses per prompt (every process passes the same ``prompt_ids``).
 
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
-        bucket), tokens, response_mask [P*n, R] (cut to the response bucket), and host arrays lengths,
-        stopped [P*n] (every row's, on every process).
+        bucket), tokens, response_mask [P*n, R] (cut to the response bucket), host arrays lengths,
+        stopped [P*n] (every row's, on every process), and the calls' decode steps (summed) and slot
+        utilisation (decoded tokens / (slots x decode steps)).
         """
         K = self.sampler_micro_batches
         num_prompts = len(prompt_ids)
@@ -200,12 +201,17 @@ class RolloutCollector:
         outs = [self._sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                              jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
-        host_calls = distributed.to_host([(o.lengths, o.stopped) for o in outs])  # one transfer for all calls
-        lengths, stopped = (np.concatenate(parts) for parts in zip(*host_calls))
+        # one transfer for all calls
+        host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps) for o in outs])
+        lengths, stopped = (np.concatenate(parts) for parts in list(zip(*host_calls))[:2])
+        decode_steps = sum(int(steps) for _, _, steps in host_calls)
         R = pick_bucket(int(lengths.max()), self.response_buckets, "a response")
         tokens, response_mask = self._assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs), R)
+        slots = self.settings.slots or per_call * self.settings.n
         return {"prompt_tokens": self._put(tokens_np), "prompt_mask": self._put(mask_np), "tokens": tokens,
-                "response_mask": response_mask, "lengths": lengths, "stopped": stopped}
+                "response_mask": response_mask, "lengths": lengths, "stopped": stopped,
+                "decode_steps": decode_steps,
+                "slot_utilisation": sampling.slot_utilisation(lengths, decode_steps, slots)}
 
     def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array]:
         """Dispatch the pi_old program on a ``sample`` result (asynchronous): (update batch without
@@ -260,6 +266,8 @@ class RolloutCollector:
             "clip_ratio": float(1.0 - stopped.mean()),
             "entropy": entropy_mean,
             "generated_tokens": float(lengths.sum()),
+            "decode_steps": float(sampled["decode_steps"]),  # of the step's sampler calls, summed
+            "slot_utilisation": sampled["slot_utilisation"],  # decoded tokens / (slots x decode steps)
             # identifies the sampled tokens (resume and multi-process tests compare it across runs)
             "sampled_tokens_checksum": float(np.sum(checksum.astype(np.int64))),
             **{f"reward_{k}": v for k, v in reward_metrics.items()},

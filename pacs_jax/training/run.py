@@ -127,7 +127,8 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
                  top_p: float) -> dict[str, dict[str, float]]:
         rows, metrics = evaluation.evaluate_sets(
             current, tokenizer, sets, n=n, temperature=temperature, top_p=top_p, max_new_tokens=ec.max_new_tokens,
-            seed=config.seed, batch_size=ec.batch_size, reward_pool=pool, instruction=dc.instruction,
+            seed=config.seed, batch_size=ec.batch_size, slots=ec.slots if ec.sampler == "continuous" else None,
+            reward_pool=pool, instruction=dc.instruction,
             stop_token_ids=stop_ids, progress=primary)
         if primary:
             evaluation.write_outputs(workdir / "eval" / name, rows, metrics)
