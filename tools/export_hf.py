@@ -7,6 +7,8 @@ latest <step>/params is exported). The output holds config.json, generation_conf
 weights (model.safetensors, or shards + model.safetensors.index.json above --max_shard_size;
 pytorch_model*.bin with --format bin) and the tokenizer files of --tokenizer. It is written to a
 temporary directory beside --out and renamed at the end: a failed export leaves nothing at --out.
+--overwrite replaces only a previous export (config.json and weights, nothing of a training workdir
+or checkpoint): pointing --out at a workdir or its checkpoints/ is refused, naming the folder.
 Parameters are loaded on one device; for models larger than one accelerator's memory, run on the
 host CPU (JAX_PLATFORMS=cpu).
 """
@@ -21,6 +23,7 @@ import time
 from collections.abc import Sequence
 
 from pacs_jax import checkpoints, models
+from pacs_jax.models.hf_weights import check_export_target
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -52,10 +55,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="largest weight file before splitting into shards + index (default: 4GB)")
     parser.add_argument("--param_dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
                         help="dtype of the exported weights; 'keep' (default) keeps the checkpoint's dtype")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it is a previous HF export (a workdir or checkpoint never is)")
     args = parser.parse_args(argv)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())) and not args.overwrite:
         parser.error(f"--out {args.out}: exists and is not empty (pass --overwrite to replace it)")
+    try:  # before loading the checkpoint: --overwrite replaces only a previous export, never a workdir
+        check_export_target(args.out, overwrite=args.overwrite)
+    except FileExistsError as e:
+        parser.error(f"--out {e}")
     if args.tokenizer is not None and not args.tokenizer.is_dir():
         parser.error(f"--tokenizer {args.tokenizer}: not a directory")
     return args

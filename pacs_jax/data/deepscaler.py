@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from pacs_jax.data.fields import ReadStats, convert_rows
 from pacs_jax.data.records import DataError
-from pacs_jax.files import atomic_write
+from pacs_jax.files import atomic_write, publish_mode
 
 HF_REPO = "agentica-org/DeepScaleR-Preview-Dataset"
 HF_FILE = "deepscaler.json"
@@ -150,6 +150,7 @@ def prepare(out: str | pathlib.Path = DEFAULT_OUT, *, url: str | None = None, ex
         rows = check_rows(tmp, url, expected_rows)
         problems, stats = convert_rows(((f"{url} item {i}", row) for i, row in enumerate(rows)), "deepscaler",
                                        "deepscaler", on_error="raise" if strict else "skip")
+        publish_mode(tmp)  # mkstemp's 0600 -> what open() gives
         os.replace(tmp, raw)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from pacs_jax.files import publish_mode
 from pacs_jax.models.config import QwenConfig
 
 SAFE_SINGLE = "model.safetensors"
@@ -216,19 +217,68 @@ def _save_bin(shard: dict[str, np.ndarray], path: pathlib.Path) -> None:
     torch.save(out, path)
 
 
+# What a training workdir, a checkpoint folder or a pacs_jax model checkpoint holds, and an HF export
+# never does: an export replaces only a folder with none of them (and no other subfolder).
+WORKDIR_MARKERS = ("checkpoints", "metrics.jsonl", "summary.json", "warmstart.json", "tensorboard", "hf_export",
+                   "curves.png", "model_config.json", "params", "_CHECKPOINT_METADATA")
+EXPORT_SUBFOLDERS = ("eval",)  # python -m pacs_jax.evaluate --checkpoint=EXPORT writes EXPORT/eval
+
+
+class NotAnExportError(FileExistsError):
+    """The folder an export would replace is not a previous HF export; the message names it and why."""
+
+
+def check_export_target(out_dir: str | pathlib.Path, *, overwrite: bool) -> None:
+    """Refuse to write an HF export over anything but nothing, an empty folder or (with ``overwrite``)
+    a previous export: config.json and weights (``*.safetensors`` / ``pytorch_model*.bin``) and
+    nothing of a workdir or a checkpoint (``WORKDIR_MARKERS``, step folders, other subfolders).
+
+    Used by ``write_hf_dir`` (``tools/export_hf.py`` and the trainer's workdir/hf_export), so that an
+    ``--out`` pointing at a training workdir or its checkpoints is never deleted.
+    Raises ``NotAnExportError`` (a ``FileExistsError``) with one line naming ``out_dir``.
+    """
+    out_dir = pathlib.Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise NotAnExportError(f"{out_dir}: exists and is not a folder; not replacing it with an HF export")
+    entries = sorted(out_dir.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True / --overwrite)")
+    if out_dir.is_symlink():
+        raise NotAnExportError(f"{out_dir}: is a symbolic link; not replacing it with an HF export")
+    workdir_like = [e.name for e in entries if e.name in WORKDIR_MARKERS
+                    or (e.is_dir() and e.name not in EXPORT_SUBFOLDERS)]
+    if workdir_like:
+        raise NotAnExportError(
+            f"{out_dir}: not a previous HF export (it holds {', '.join(workdir_like[:4])}"
+            f"{', ...' if len(workdir_like) > 4 else ''}: a training workdir or checkpoint?); "
+            "not replacing it: choose another output folder")
+    names = {e.name for e in entries if e.is_file()}
+    has_weights = any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+                      for n in names)
+    if "config.json" not in names or not has_weights:
+        raise NotAnExportError(
+            f"{out_dir}: not a previous HF export (no config.json with *.safetensors or pytorch_model*.bin "
+            "weights); not replacing it: choose another output folder or empty it first")
+
+
 def write_hf_dir(out_dir: str | pathlib.Path, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
                  fmt: str = "safetensors", max_shard_bytes: int = 4 * 1024**3,
                  tokenizer_dir: str | pathlib.Path | None = None, overwrite: bool = False) -> pathlib.Path:
     """Write an HF model directory atomically: into a temp dir beside ``out_dir``, then rename.
 
     ``tensors`` yields (hf_name, array) pairs, consumed shard by shard. ``fmt`` is "safetensors"
-    or "bin" (pytorch_model*.bin for older tooling). A failure leaves nothing at ``out_dir``.
+    or "bin" (pytorch_model*.bin for older tooling). A failure leaves nothing at ``out_dir``. An
+    existing ``out_dir`` is replaced only with ``overwrite`` and only if it is a previous export
+    (``check_export_target``). The folder and its files get the modes ``mkdir()`` / ``open()`` give.
     """
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"format={fmt!r}: expected 'safetensors' or 'bin'")
     out_dir = pathlib.Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True / --overwrite)")
+    check_export_target(out_dir, overwrite=overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -265,7 +315,11 @@ def write_hf_dir(out_dir: str | pathlib.Path, cfg: QwenConfig, tensors: Iterator
                 raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
             for f in found:
                 shutil.copy2(tokenizer_dir / f, tmp / f)
+        for path in tmp.iterdir():  # safetensors writes 0600 files, mkdtemp a 0700 folder
+            publish_mode(path)
+        publish_mode(tmp, directory=True)  # -> what open() and mkdir() give
         if out_dir.exists():
+            check_export_target(out_dir, overwrite=overwrite)  # again: it may have changed while writing
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
