@@ -4,10 +4,14 @@
 #
 #   launch/supervise.sh [--max_restarts N] [--delay S] -- COMMAND [ARGS...]
 #
-# Exits 0 when COMMAND does; gives up (exit status of the last attempt) after N restarts (default 20).
+# Exits 0 when COMMAND does; gives up (exit status of the last attempt) after N restarts (default 20),
+# waiting S seconds before each (default 30).
+# Exit status 78 is a permanent error (pacs_jax/errors.py: a config value, a flag or the data is
+# wrong, and the trainer printed which): no restart follows, supervise.sh exits 78 at once.
 # SIGTERM / SIGINT are passed on to COMMAND, which then saves a checkpoint and exits; no restart follows.
 set -uo pipefail
 
+permanent_status=78  # pacs_jax/errors.py PERMANENT_ERROR_STATUS
 max_restarts=20 delay=30
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,6 +37,11 @@ while true; do
   child=""
   if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then
     echo "supervise.sh: $(date -u +%FT%TZ) finished with status $status"
+    exit "$status"
+  fi
+  if [ "$status" -eq "$permanent_status" ]; then
+    echo "supervise.sh: $(date -u +%FT%TZ) exited with status $status: a permanent error (config, flags or" \
+         "data; its message is above); not restarting" >&2
     exit "$status"
   fi
   attempt=$((attempt + 1))

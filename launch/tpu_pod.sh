@@ -17,6 +17,14 @@
 #   delete   delete the slice (and its queued resource)
 #   status   the slice's state and the last lines of worker 0's log
 #
+# Every argument is checked before anything is created (`run` needs --config, and --repo or an
+# 'origin' remote). `create` (also when `run` or --keep-alive creates) records how it created the
+# slice (--mode, --spot, --accelerator, --runtime-version) in a state file, one key=value a line:
+# $PACS_TPU_POD_STATE_DIR (default ~/.local/state/pacs_jax/tpu_pod)/PROJECT_ZONE_NAME. Later commands
+# on that slice use the recorded values for the options they are not given: `run --keep-alive`
+# re-creates a preempted queued slice as a queued resource again, `delete` deletes the queued resource.
+# `delete` removes the record.
+#
 # Options:
 #   --name NAME  --zone ZONE  --project PROJECT (default: gcloud's)
 #   --accelerator TYPE     v4-*, v5e-* (v5litepod-*), v5p-* or v6e-* (default v5p-64)
@@ -32,10 +40,11 @@
 #   --dry-run              print every command instead of running it
 #   TRAIN_FLAGS            passed to pacs_jax.train unchanged, e.g. --config.model.path=/data/Qwen2.5-7B
 #
-# Example:
+# Example (model.path and data.tokenizer are folders on every worker's disk, e.g. copied there with
+# `gcloud compute tpus tpu-vm ssh NAME --worker=all --command="gcloud storage cp -r gs://... ~/"`):
 #   launch/tpu_pod.sh run --name pacs-7b --zone us-east5-a --accelerator v5p-64 \
 #       --config configs/paper.py:qwen25_7b,pacs_beta1 --workdir gs://my-bucket/pacs_7b -- \
-#       --config.model.path=gs://my-bucket/Qwen2.5-7B --config.data.tokenizer=gs://my-bucket/Qwen2.5-7B
+#       --config.model.path=/home/$USER/Qwen2.5-7B --config.data.tokenizer=/home/$USER/Qwen2.5-7B
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -48,7 +57,7 @@ case "$1" in
   *) die "unknown command '$1' (create | setup | run | logs | stop | delete | status)" ;;
 esac
 
-name="" zone="" project="" accelerator="v5p-64" runtime="" mode="on-demand" spot=0 retries=5
+name="" zone="" project="" accelerator="" runtime="" mode="" spot="" retries=5
 repo="" ref="" config="" workdir="" keep_alive=0 dry_run=0
 train_flags=()
 while [ $# -gt 0 ]; do
@@ -75,8 +84,40 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$name" ] || die "--name is required"
 [ -n "$zone" ] || die "--zone is required"
-case "$mode" in on-demand|spot|queued) ;; *) die "--mode must be on-demand, spot or queued, not '$mode'" ;; esac
 [[ "$retries" =~ ^[1-9][0-9]*$ ]] || die "--retries must be a positive integer"
+if [ "$command" = run ] && [ -z "$config" ]; then
+  die "--config is required for run (e.g. configs/paper.py:qwen25_7b,pacs_beta1)"
+fi
+if [ "$command" = run ] || [ "$command" = setup ]; then  # what setup installs, before any slice exists
+  if [ -z "$repo" ]; then
+    repo=$(git -C "$(dirname "$0")/.." remote get-url origin 2>/dev/null) \
+      || die "--repo is required (this checkout has no 'origin' remote)"
+  fi
+  [ -n "$ref" ] || ref=$(git -C "$(dirname "$0")/.." rev-parse HEAD 2>/dev/null) || ref=main
+fi
+
+# How the slice was created (see the header): the recorded values fill in the options not given.
+state_file="${PACS_TPU_POD_STATE_DIR:-${XDG_STATE_HOME:-$HOME/.local/state}/pacs_jax/tpu_pod}/${project:-default}_${zone}_${name}"
+if [ "$command" != create ] && [ -f "$state_file" ]; then
+  rec_mode="" rec_spot="" rec_accelerator="" rec_runtime="" used=()
+  while IFS='=' read -r key value; do
+    case "$key" in
+      mode) rec_mode=$value ;;
+      spot) rec_spot=$value ;;
+      accelerator) rec_accelerator=$value ;;
+      runtime) rec_runtime=$value ;;
+    esac
+  done < "$state_file"
+  if [ -z "$mode" ] && [ -n "$rec_mode" ]; then mode=$rec_mode; used+=(--mode "$mode"); fi
+  if [ -z "$spot" ] && [ "$rec_spot" = 1 ]; then spot=1; used+=(--spot); fi
+  if [ -z "$accelerator" ] && [ -n "$rec_accelerator" ]; then
+    accelerator=$rec_accelerator; used+=(--accelerator "$accelerator")
+    if [ -z "$runtime" ] && [ -n "$rec_runtime" ]; then runtime=$rec_runtime; used+=(--runtime-version "$runtime"); fi
+  fi
+  [ ${#used[@]} -eq 0 ] || echo "tpu_pod.sh: $name was created with ${used[*]} (recorded in $state_file)" >&2
+fi
+mode=${mode:-on-demand} spot=${spot:-0} accelerator=${accelerator:-v5p-64}
+case "$mode" in on-demand|spot|queued) ;; *) die "--mode must be on-demand, spot or queued, not '$mode'" ;; esac
 
 if [ -z "$runtime" ]; then
   case "$accelerator" in
@@ -118,8 +159,22 @@ queued_state() {
     || echo NOT_FOUND
 }
 
+# record_creation: remember how the slice is created (see the header), before asking for it, so that
+# a queued request interrupted while waiting is still deleted as one.
+record_creation() {
+  local lines
+  lines=$(printf 'mode=%s\nspot=%s\naccelerator=%s\nruntime=%s' "$mode" "$spot" "$accelerator" "$runtime")
+  if [ "$dry_run" -eq 1 ]; then
+    echo "tpu_pod.sh: would record in $state_file: ${lines//$'\n'/ }" >&2
+    return
+  fi
+  mkdir -p "$(dirname "$state_file")"
+  printf '%s\n' "$lines" > "$state_file"
+}
+
 create() {
   local attempt s
+  record_creation
   for ((attempt = 1; attempt <= retries; attempt++)); do
     if [ "$mode" = queued ]; then
       local spot_flag=()
@@ -157,14 +212,10 @@ delete() {
   else
     run gcloud compute tpus tpu-vm delete "$name" "${scope[@]}" --quiet
   fi
+  [ "$dry_run" -eq 1 ] || rm -f "$state_file"
 }
 
-setup() {
-  if [ -z "$repo" ]; then
-    repo=$(git -C "$(dirname "$0")/.." remote get-url origin 2>/dev/null) \
-      || die "--repo is required (this checkout has no 'origin' remote)"
-  fi
-  [ -n "$ref" ] || ref=$(git -C "$(dirname "$0")/.." rev-parse HEAD 2>/dev/null) || ref=main
+setup() {  # $repo and $ref were resolved with the arguments
   local steps=(
     "set -euo pipefail"
     "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh"
@@ -180,8 +231,7 @@ setup() {
   on_workers "$script"
 }
 
-start_training() {
-  [ -n "$config" ] || die "--config is required for run (e.g. configs/paper.py:qwen25_7b,pacs_beta1)"
+start_training() {  # $config was checked with the arguments
   local train=(.venv/bin/python -m pacs_jax.train --multihost "--config=$config")
   [ -z "$workdir" ] || train+=("--workdir=$workdir")
   train+=("${train_flags[@]}")

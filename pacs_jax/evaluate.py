@@ -4,7 +4,8 @@
 
 writes, in ``config.output_dir`` (default ``DIR/eval``), the files of pacs_jax/evaluation/outputs.py
 (eval_samples.jsonl, eval_metrics.json, pass_at_k.png). The maths, the runner and the outputs are
-in pacs_jax/evaluation/.
+in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status 78
+(pacs_jax/errors.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ml_collections import config_flags
 
 from pacs_jax import checkpoints
 from pacs_jax.data import load_tokenizer
+from pacs_jax.errors import UsageError, run_cli
 from pacs_jax.evaluation import evaluate_sets, load_eval_sets, write_outputs
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import make_mesh
@@ -30,7 +32,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     eval_sets = load_eval_sets(config.sets, dict(config.set_files), config.data_dir, config.max_problems)
     tokenizer_dir = pathlib.Path(config.tokenizer or checkpoint)
     if not (tokenizer_dir / "tokenizer_config.json").is_file():
-        raise ValueError(f"{tokenizer_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
+        raise UsageError(f"{tokenizer_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
     mesh = make_mesh(**config.mesh) if config.use_mesh else None
     model = checkpoints.from_pretrained(checkpoint, dtype=config.dtype, mesh=mesh)
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -62,7 +64,7 @@ def _cli() -> None:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         run(config_flag.value, checkpoint_flag.value)
 
-    app.run(main)
+    run_cli("pacs_jax.evaluate", main)  # flag, usage and data errors: one line, exit status 78
 
 
 if __name__ == "__main__":

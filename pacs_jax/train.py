@@ -3,6 +3,10 @@
 With no flags it runs the CPU demo (configs/default.py: the same trainer on a generated arithmetic
 task). The whole config is validated before anything compiles; a restarted run resumes from its
 workdir's checkpoints by itself.
+
+Exit status: 0 on success; 78 (pacs_jax/errors.py ``PERMANENT_ERROR_STATUS``) with one line on stderr
+for an error a restart cannot fix: a config value (``ConfigError``), a flag, malformed data
+(``DataError``); launch/supervise.sh stops on it. Anything else (a crash) exits non-zero otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from pacs_jax.errors import run_cli
+
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
@@ -89,7 +96,9 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
-    app.run(main, argv=sys.argv)
+    """Run ``main``; config, flag and data errors print one line and exit with status 78
+    (``errors.PERMANENT_ERROR_STATUS``), which launch/supervise.sh does not retry."""
+    run_cli("pacs_jax.train", main, sys.argv)
 
 
 if __name__ == "__main__":

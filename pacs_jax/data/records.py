@@ -5,9 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pacs_jax.errors import PermanentError
 
-class DataError(ValueError):
-    """Malformed input; the message names the file (or source) and the line, item or row."""
+
+class DataError(PermanentError, ValueError):
+    """Malformed input; the message names the file (or source) and the line, item or row.
+
+    Permanent (pacs_jax/errors.py): the trainer exits with status 78 and launch/supervise.sh does not
+    restart it."""
 
 
 @dataclasses.dataclass(frozen=True)

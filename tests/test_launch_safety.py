@@ -1,0 +1,211 @@
+"""Mistakes are caught before they cost slice time (issue 28, item 9).
+
+The trainer reports errors a restart cannot fix (config, flags, data) with exit status 78 and one
+line, and launch/supervise.sh stops on it instead of retrying 20 times; launch/tpu_pod.sh checks its
+arguments before it creates anything and remembers how a slice was created (a queued resource stays
+one when `run --keep-alive` re-creates it, and `delete` deletes it as one). The tpu_pod.sh tests read
+--dry-run output; one runs `create` for real against a stand-in gcloud that only logs its arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from pacs_jax.errors import PERMANENT_ERROR_STATUS
+
+SUPERVISE = REPO / "launch" / "supervise.sh"
+TPU_POD = REPO / "launch" / "tpu_pod.sh"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+# ----------------------------------------------------------------------------------- supervise.sh
+def _supervise(tmp_path, exit_status: int, *options: str) -> tuple[subprocess.CompletedProcess, int]:
+    counter = tmp_path / f"attempts_{exit_status}"
+    command = f"echo x >> {shlex.quote(str(counter))}; echo 'the error' >&2; exit {exit_status}"
+    run = subprocess.run(["bash", str(SUPERVISE), *options, "--", "bash", "-c", command], capture_output=True,
+                         text=True, timeout=60)
+    return run, len(counter.read_text().splitlines())
+
+
+def test_supervise_stops_at_once_on_a_permanent_error_and_retries_the_others(tmp_path):
+    assert PERMANENT_ERROR_STATUS == 78
+    assert f"permanent_status={PERMANENT_ERROR_STATUS}" in SUPERVISE.read_text()
+    started = time.monotonic()
+    permanent, attempts = _supervise(tmp_path, 78, "--max_restarts", "3", "--delay", "30")
+    assert time.monotonic() - started < 20  # no 30 s wait before giving up
+    assert permanent.returncode == 78 and attempts == 1
+    assert "status 78: a permanent error" in permanent.stderr and "not restarting" in permanent.stderr
+    transient, attempts = _supervise(tmp_path, 3, "--max_restarts", "2", "--delay", "0")
+    assert transient.returncode == 3 and attempts == 3  # the first attempt and 2 restarts
+    assert "giving up after 2 restarts (last status 3)" in transient.stderr
+
+
+# ----------------------------------------------------------------------------------- the trainer's status
+def _train(tmp_path, *flags: str, supervised: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pacs_jax.train", f"--workdir={tmp_path / 'workdir'}", *flags]
+    if supervised:
+        command = ["bash", str(SUPERVISE), "--delay", "0", "--max_restarts", "2", "--", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+
+
+def _one_error_line(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == PERMANENT_ERROR_STATUS, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "--workdir: Output directory" not in run.stderr  # no flag listing
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pacs_jax.train: error: ")]
+    assert len(errors) == 1, run.stderr
+    return errors[0]
+
+
+def test_a_config_error_exits_78_with_one_line_and_is_not_retried(tmp_path):
+    run = _train(tmp_path, "--config.train.steps=0", supervised=True)
+    assert _one_error_line(run) == "pacs_jax.train: error: config.train.steps: must be an integer >= 1, got 0"
+    assert run.stdout.count("attempt ") == 1 and "not restarting" in run.stderr
+
+
+def test_a_bad_flag_exits_78(tmp_path):
+    line = _one_error_line(_train(tmp_path, "--no_such_flag=1"))
+    assert "no_such_flag" in line
+    line = _one_error_line(_train(tmp_path, "unexpected"))
+    assert line == "pacs_jax.train: error: unexpected arguments: ['unexpected']"
+
+
+def test_malformed_training_data_exits_78(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1 + 1", "answer": "2"}\n')
+    run = _train(tmp_path, "--config.data.source=files", f"--config.data.train_files=('{bad}',)",
+                 f"--config.data.tokenizer={REPO / 'data' / 'tokenizers' / 'qwen3'}", "--config.warmstart.steps=0",
+                 "--config.data.warmstart_problems=0")
+    assert _one_error_line(run).startswith(f"pacs_jax.train: error: {bad}: cannot tell the dataset format")
+
+
+def test_evaluate_reports_a_usage_error_with_78(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
+                          f"--checkpoint={tmp_path}", "--config.sets=amc23", f"--config.data_dir={REPO / 'data'}"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+    assert run.returncode == PERMANENT_ERROR_STATUS and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (f"pacs_jax.evaluate: error: {tmp_path}: no tokenizer files "
+                                                    "(tokenizer_config.json); pass --config.tokenizer=DIR")
+
+
+def test_run_cli_reports_permanent_errors_and_leaves_crashes_alone(tmp_path):
+    script = ("import sys; from pacs_jax.errors import run_cli; from pacs_jax.data import DataError\n"
+              "def main(argv):\n"
+              "    if sys.argv[-1] == 'data': raise DataError('rows.jsonl:3: field problem is empty')\n"
+              "    raise RuntimeError('a crash')\n"
+              "run_cli('prog', main, sys.argv[:1])\n")
+    data = subprocess.run([sys.executable, "-c", script, "data"], capture_output=True, text=True, timeout=60)
+    assert data.returncode == 78 and data.stderr == "prog: error: rows.jsonl:3: field problem is empty\n"
+    crash = subprocess.run([sys.executable, "-c", script, "crash"], capture_output=True, text=True, timeout=60)
+    assert crash.returncode == 1 and "Traceback" in crash.stderr and "RuntimeError: a crash" in crash.stderr
+
+
+# ----------------------------------------------------------------------------------- tpu_pod.sh
+def _tpu_pod(state_dir, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(TPU_POD), *args], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**(env or os.environ), "PACS_TPU_POD_STATE_DIR": str(state_dir)})
+
+
+def _gcloud_lines(run: subprocess.CompletedProcess) -> list[list[str]]:
+    return [shlex.split(line) for line in run.stdout.splitlines() if line.startswith("gcloud ")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--name", "n", "--zone", "z"], "--config is required for run"),
+    (["run", "--name", "n", "--zone", "z", "--config", "configs/paper.py:qwen25_7b,pacs_beta1",
+      "--repo", "https://example.org/p.git", "--mode", "sometimes"], "--mode must be on-demand, spot or queued"),
+    (["setup", "--name", "n", "--zone", "z", "--repo", "https://example.org/p.git", "--accelerator", "v9-8"],
+     "--accelerator 'v9-8'"),
+])
+def test_tpu_pod_checks_every_argument_before_creating_anything(tmp_path, args, message):
+    run = _tpu_pod(tmp_path, args[0], "--dry-run", *args[1:])
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert _gcloud_lines(run) == []  # not even the describe of the slice
+    assert not any(tmp_path.iterdir())  # nothing recorded
+
+
+def test_tpu_pod_run_needs_a_repo_before_creating_the_slice(tmp_path):
+    bare = tmp_path / "checkout"  # a copy of the launch scripts in a checkout without an 'origin' remote
+    shutil.copytree(REPO / "launch", bare / "launch")
+    subprocess.run(["git", "init", "-q", str(bare)], check=True, timeout=60)
+    run = subprocess.run(["bash", str(bare / "launch" / "tpu_pod.sh"), "run", "--dry-run", "--name", "n", "--zone", "z",
+                          "--config", "configs/paper.py:qwen25_7b,pacs_beta1"], capture_output=True, text=True,
+                         timeout=60, cwd=bare, env={**os.environ, "PACS_TPU_POD_STATE_DIR": str(tmp_path / "state")})
+    assert run.returncode == 2 and "--repo is required" in run.stderr and _gcloud_lines(run) == []
+
+
+def test_tpu_pod_usage_example_passes_local_model_paths():
+    header = TPU_POD.read_text().split("\nset -euo")[0]
+    example = header[header.index("# Example"):]
+    assert "--config.model.path=/" in example and "--config.data.tokenizer=/" in example
+    assert "model.path=gs://" not in example and "tokenizer=gs://" not in example  # config_check refuses gs://
+
+
+def _fake_gcloud(tmp_path) -> dict:
+    """PATH with a stand-in gcloud first: it logs its arguments, says ACTIVE / READY to describe."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "gcloud"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f"printf '%q ' gcloud \"$@\" >> {shlex.quote(str(tmp_path / 'gcloud.log'))}; echo >> "
+                    f"{shlex.quote(str(tmp_path / 'gcloud.log'))}\n"
+                    'case "$*" in *queued-resources\\ describe*) echo ACTIVE ;; *tpu-vm\\ describe*) echo READY ;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    assert shutil.which("gcloud", path=env["PATH"]) == str(fake)
+    return env
+
+
+def test_tpu_pod_remembers_a_queued_spot_slice_for_keep_alive_and_delete(tmp_path):
+    state = tmp_path / "state"
+    env = _fake_gcloud(tmp_path)
+    created = _tpu_pod(state, "create", "--name", "pacs-7b", "--zone", "us-east5-a", "--accelerator", "v6e-64",
+                       "--mode", "queued", "--spot", env=env)
+    assert created.returncode == 0, created.stderr
+    log = [shlex.split(line) for line in (tmp_path / "gcloud.log").read_text().splitlines()]
+    assert [c[3:5] for c in log] == [["queued-resources", "create"], ["queued-resources", "describe"]]
+    assert "--spot" in log[0]
+    records = list(state.iterdir())
+    assert [p.name for p in records] == ["default_us-east5-a_pacs-7b"]
+
+    # run --keep-alive without --mode: a re-created slice (here: not found) is a queued spot resource again
+    run = _tpu_pod(state, "run", "--dry-run", "--keep-alive", "--name", "pacs-7b", "--zone", "us-east5-a",
+                   "--config", "configs/paper.py:qwen25_7b_v6e,pacs_beta1", "--repo", "https://example.org/p.git")
+    assert run.returncode == 0, run.stderr
+    assert "pacs-7b was created with --mode queued --spot --accelerator v6e-64" in run.stderr
+    create = [c for c in _gcloud_lines(run) if c[3:5] == ["queued-resources", "create"]]
+    assert len(create) == 1 and "--spot" in create[0]
+    assert "--accelerator-type=v6e-64" in create[0] and "--runtime-version=v2-alpha-tpuv6e" in create[0]
+    assert not any(c[3:5] == ["tpu-vm", "create"] for c in _gcloud_lines(run))
+
+    # delete without --mode deletes the queued resource (the dry run keeps the record)
+    delete = _tpu_pod(state, "delete", "--dry-run", "--name", "pacs-7b", "--zone", "us-east5-a")
+    assert delete.returncode == 0 and [c[3:5] for c in _gcloud_lines(delete)] == [["queued-resources", "delete"]]
+    assert records[0].exists()
+    # another slice, or an explicit --mode, is not affected by the record
+    other = _tpu_pod(state, "delete", "--dry-run", "--name", "other", "--zone", "us-east5-a")
+    assert [c[3:5] for c in _gcloud_lines(other)] == [["tpu-vm", "delete"]]
+    # a real delete removes the record
+    deleted = _tpu_pod(state, "delete", "--name", "pacs-7b", "--zone", "us-east5-a", env=env)
+    assert deleted.returncode == 0, deleted.stderr
+    last = shlex.split((tmp_path / "gcloud.log").read_text().splitlines()[-1])
+    assert last[3:5] == ["queued-resources", "delete"] and not records[0].exists()
+
+
+def test_tpu_pod_dry_run_create_says_what_it_would_record(tmp_path):
+    run = _tpu_pod(tmp_path, "create", "--dry-run", "--name", "n", "--zone", "z", "--mode", "queued")
+    assert run.returncode == 0
+    assert f"would record in {tmp_path / 'default_z_n'}: mode=queued spot=0 accelerator=v5p-64" in run.stderr
+    assert not any(tmp_path.iterdir())
