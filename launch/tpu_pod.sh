@@ -20,10 +20,10 @@
 # Every argument is checked before anything is created (`run` needs --config, and --repo or an
 # 'origin' remote). `create` (also when `run` or --keep-alive creates) records how it created the
 # slice (--mode, --spot, --accelerator, --runtime-version) in a state file, one key=value a line:
-# $PACS_TPU_POD_STATE_DIR (default ~/.local/state/pacs_jax/tpu_pod)/PROJECT_ZONE_NAME. Later commands
-# on that slice use the recorded values for the options they are not given: `run --keep-alive`
-# re-creates a preempted queued slice as a queued resource again, `delete` deletes the queued resource.
-# `delete` removes the record.
+# $PACS_TPU_POD_STATE_DIR (default ~/.local/state/pacs_jax/tpu_pod)/PROJECT_ZONE_NAME (PROJECT:
+# --project or "default"). Later commands on that slice use the recorded values for the options they
+# are not given: `run --keep-alive` re-creates a preempted queued slice as a queued resource again,
+# `delete` deletes the queued resource. `delete` removes the record.
 #
 # Options:
 #   --name NAME  --zone ZONE  --project PROJECT (default: gcloud's)
