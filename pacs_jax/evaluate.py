@@ -41,6 +41,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
             model, tokenizer, eval_sets, n=config.n, temperature=config.temperature, top_p=config.top_p,
             top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed,
             stop_token_ids=tuple(config.stop_token_ids), batch_size=config.batch_size,
+            slots=config.slots if config.sampler == "continuous" else None,
             max_prompt_length=config.max_prompt_length, reward_pool=pool, progress=config.progress)
     write_outputs(output_dir, rows, metrics)
     for eval_set in eval_sets:

@@ -1,0 +1,173 @@
+"""The continuous-batching sampler (pacs_jax/sampling/engine.py): a fixed number of decode slots, a
+slot whose row ends taking the next waiting row in the same decode step.
+
+References: the static sampler (one slot per row) for scheduling independence, Hugging Face
+``transformers`` greedy generate (PyTorch CPU) for the tokens, exact step counts derived from the
+per-row budgets for the queue, and the compiled HLO for the decode layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pacs_jax import checkpoints, hlo, models, sampling
+from pacs_jax.sampling import engine
+from pacs_jax.sharding import make_mesh
+from test_sampling import VOCAB, hf_greedy, save_random_hf
+
+PROMPT_LENGTHS = (7, 13, 2, 10, 5)  # 5 prompts -> 8 with batch padding
+STOPS = (5, 17, 99, 42, 123, 7)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_continuous")
+    return path, save_random_hf(path, "qwen2", vocab=VOCAB, seed=11)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(4)
+    return [rng.integers(1, VOCAB, size=length).tolist() for length in PROMPT_LENGTHS]
+
+
+_models = {}
+
+
+def load(hf, mesh_shape):
+    if mesh_shape not in _models:
+        _models[mesh_shape] = checkpoints.from_pretrained(hf[0], mesh=None if mesh_shape is None else make_mesh(*mesh_shape))
+    return _models[mesh_shape]
+
+
+SETTINGS = {
+    "greedy_n1": dict(n=1),
+    "sampled_n1": dict(n=1, temperature=0.8),
+    "sampled_n8": dict(n=8, temperature=1.0, top_p=0.9, top_k=40),
+}
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
+@pytest.mark.parametrize("case", sorted(SETTINGS))
+def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case):
+    """Rows of different lengths (stop ids) run in 4 slots (1 per batch shard on the mesh) and in
+    one slot per row: the same tokens, finish reasons and log-probs (float32 round-off)."""
+    model = load(hf, mesh_shape)
+    kwargs = dict(max_new_tokens=24, stop_token_ids=STOPS, seed=3, **SETTINGS[case])
+    static = sampling.generate(model, prompts, **kwargs)
+    lengths = {len(t) for t in static.tokens}
+    assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
+    for slots in (4, 3):
+        continuous = sampling.generate(model, prompts, slots=slots, **kwargs)
+        assert continuous.tokens == static.tokens, slots
+        assert continuous.finish_reason == static.finish_reason
+        np.testing.assert_allclose(np.concatenate(continuous.logprobs), np.concatenate(static.logprobs),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
+def test_greedy_continuous_with_per_prompt_budgets_equals_transformers(hf, prompts, mesh_shape):
+    budgets = [30, 6, 19, 1, 12]
+    reference, _ = hf_greedy(hf[1], prompts, 30)
+    out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=30, stop_token_ids=(), slots=2,
+                            budgets=budgets)
+    for row, budget in enumerate(budgets):
+        assert out.tokens[row] == reference[row, :budget].tolist(), row
+    assert out.finish_reason == ["length"] * len(prompts)
+
+
+def _sample(model, prompts, budgets, n, slots, stops=()):
+    tokens, mask = sampling.left_pad(prompts, 8, 16)
+    graphdef, state = nnx.split(model)
+    settings = sampling.SamplingSettings(max_new_tokens=12, n=n, stop_token_ids=stops, slots=slots)
+    rows = np.repeat(np.asarray(budgets + [1] * (8 - len(budgets))), n)
+    return jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), rows))
+
+
+def test_a_freed_slot_takes_the_next_row_in_the_same_step_and_the_queue_ends_exactly(hf, prompts):
+    """Greedy, no stop ids, per-prompt budgets: one slot runs the rows back to back, so the decode
+    steps are exactly sum(budget - 1) over the rows (token 0 comes from the prefill); every row of a
+    real prompt gets exactly its budget (each (prompt, j) once), batch-padding rows stay empty, and a
+    budget of 1 needs no decode step."""
+    model = load(hf, None)
+    budgets, n = [4, 1, 7, 2, 5], 2
+    needed = n * sum(b - 1 for b in budgets)
+    out = _sample(model, prompts, budgets, n, slots=1)
+    assert int(out.decode_steps) == needed
+    assert sampling.slot_utilisation(out.lengths, int(out.decode_steps), 1) == 1.0
+    np.testing.assert_array_equal(out.lengths, np.repeat(budgets + [0, 0, 0], n))
+    assert not out.stopped.any()
+    for row, length in enumerate(out.lengths):
+        assert (out.tokens[row, length:] == sampling.PAD_ID).all()
+    three = _sample(model, prompts, budgets, n, slots=3)
+    assert needed / 3 <= int(three.decode_steps) < needed  # the slots run side by side
+    np.testing.assert_array_equal(three.tokens, out.tokens)
+
+
+def test_a_stop_at_the_first_token_never_takes_a_slot(hf, prompts):
+    model = load(hf, None)
+    budgets, n = [4, 3, 7, 2, 5], 2
+    first = _sample(model, prompts, budgets, n, slots=1).tokens[0, 0]  # prompt 0's greedy token 0
+    out = _sample(model, prompts, budgets, n, slots=1, stops=(int(first),))
+    stopped_at_once = (out.lengths == 1) & out.stopped
+    assert stopped_at_once[:n].all()  # prompt 0's rows
+    # the decode steps are those of the rows that did not stop at token 0
+    assert int(out.decode_steps) == int(np.sum(np.maximum(out.lengths[~stopped_at_once] - 1, 0)))
+
+
+def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Collective]:
+    """All-gathers inside loops whose output has a parameter's shape, whole or one layer's slice (dims
+    of size 1 left out)."""
+    squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
+    shapes = set()
+    for leaf in jax.tree.leaves(state):
+        shapes |= {squeeze(leaf.shape), squeeze(leaf.shape[1:])}
+    return [c for c in hlo.collectives(compiled_text, in_loops=True)
+            if c.op == "all-gather" and squeeze(c.shape) in shapes]
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
+def test_decode_loop_all_gathers_no_parameter(mesh_shape):
+    """Compiled for an FSDP mesh, the sampler gathers the parameters once per call (the decode layout),
+    never inside its decode loop; the check finds such gathers where they exist (a layer scan over
+    FSDP-sharded weights)."""
+    cfg = models.QwenConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    mesh = make_mesh(*mesh_shape)
+    model = models.init_random(cfg, mesh)
+    graphdef, state = nnx.split(model)
+    prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=model.rules.sharding(("batch", "length"), (8, 16)))
+    settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8)
+    text = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
+    assert hlo.loop_computations(text)
+    assert _parameter_gathers_in_loops(text, state) == []
+
+    kernel = state["layers"]["mlp"]["up_kernel"].get_value()  # [L, D, F], D over fsdp
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def scan_layers(x, kernel):  # each layer's weight gathered where it is used, as GSPMD decodes FSDP weights
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ jax.lax.with_sharding_constraint(w, replicated)[:, :48]),
+                                          None), x, kernel)[0]
+
+    x = jax.device_put(jnp.ones((8, 48)), replicated)
+    control = jax.jit(scan_layers).lower(x, kernel).compile().as_text()
+    assert _parameter_gathers_in_loops(control, state), "the check must see a gathered weight in a loop"
+
+
+def test_slots_beyond_the_rows_are_refused(hf, prompts):
+    model = load(hf, None)
+    tokens, mask = sampling.left_pad(prompts, 8, 16)
+    graphdef, state = nnx.split(model)
+    settings = sampling.SamplingSettings(max_new_tokens=4, n=2, slots=17)
+    with pytest.raises(ValueError, match="slots=17"):
+        sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0))
+    with pytest.raises(ValueError, match="budgets"):
+        sampling.sample(graphdef, state, tokens, mask, sampling.SamplingSettings(max_new_tokens=4, n=2),
+                        jax.random.key(0), np.full(16, 5))
+    with pytest.raises(ValueError, match="slots"):
+        sampling.SamplingSettings(max_new_tokens=4, slots=0)
