@@ -1,7 +1,8 @@
 """One run on several processes (issue: multi-host), proven with real processes on this machine.
 
 Two processes x 4 CPU devices (launch/local.sh, gloo collectives) train a shrunk paper config (tiny
-random Qwen, the real tokenizer and DeepScaleR prompts) exactly as one process x 8 devices does, on a
+random Qwen, the real tokenizer and DeepScaleR prompts) with the continuous sampler exactly as one
+process x 8 devices does with the static one, on a
 mesh whose device order gives each process rows at two places of the batch axis; checkpoints
 written by either restore in the other; a process that never starts is named by the others; and
 launch/tpu_pod.sh prints the gcloud sequence of a v5p-64 run with every flag intact.
@@ -44,6 +45,7 @@ SHRUNK = [
     "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
     "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",
     "--config.rollout.micro_batches=2", "--config.rollout.max_new_tokens=16", "--config.rollout.response_buckets=(16,)",
+    "--config.rollout.slots=8",  # continuous: 2 decode slots per batch shard for the 8 responses of its prompt
     "--config.optim.lr=0.0001", "--config.reward.workers=1", "--config.eval.sets=",
     "--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
     "--config.mesh.device_order=(0,1,4,5,2,3,6,7)",
@@ -59,7 +61,8 @@ def _env(cache_dir=None, **extra) -> dict:
 def _train(workdir, data_file, *, processes: int, cache_dir) -> None:
     flags = [*SHRUNK, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
-    if processes == 1:
+    if processes == 1:  # the static sampler (one slot per response) against the 2 processes' continuous one
+        command.append("--config.rollout.sampler=static")
         env = _env(cache_dir, XLA_FLAGS="--xla_force_host_platform_device_count=8")
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:

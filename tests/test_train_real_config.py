@@ -111,3 +111,22 @@ def test_no_compilation_after_the_first_step_on_ragged_prompts(deepscaler_rows, 
     for r in rows:
         assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["skipped"] == 0.0
         assert r["generated_tokens"] > 0
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_continuous_and_the_static_sampler_train_alike(deepscaler_rows, qwen_tokenizer_dir, tmp_path):
+    """The shrunk qwen25_3b PACS setup, 2 steps, with 8 decode slots (one per batch shard: each takes
+    its prompt's 8 responses one after another) and with one slot per response: the same sampled
+    tokens and the same per-step metrics; only the decode steps and the slot utilisation differ."""
+    rows = {}
+    for sampler in ("continuous", "static"):
+        config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, dtype="float32", remat="full")
+        config.data.prompt_buckets, config.rollout.response_buckets = (512,), (16,)
+        config.rollout.sampler, config.rollout.slots = sampler, 8
+        rows[sampler] = _train(config, tmp_path / sampler)
+    for continuous, static in zip(rows["continuous"], rows["static"]):
+        for key in ("sampled_tokens_checksum", "generated_tokens", "response_length_mean", "clip_ratio", "loss",
+                    "grad_norm", "entropy", "reward_mean"):
+            assert continuous[key] == pytest.approx(static[key], rel=1e-5, abs=1e-6), key
+        assert continuous["decode_steps"] > static["decode_steps"]  # 8 responses a slot in turn
+        assert 0 < continuous["slot_utilisation"] <= 1 and 0 < static["slot_utilisation"] <= 1
