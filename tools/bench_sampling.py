@@ -1,7 +1,20 @@
-"""Sampler throughput vs Hugging Face ``transformers`` generate, on the same random weights, one process.
+"""Sampler throughput vs Hugging Face ``transformers`` generate, on the same random weights, one process;
+or (``--compare``) our continuous-batching sampler vs our static one on long-tailed response lengths.
 
     python tools/bench_sampling.py [--preset Qwen2.5-0.5B] [--batch 32] [--prompt 64] [--new 64]
                                    [--dtypes float32,bfloat16] [--rounds 3]
+    python tools/bench_sampling.py --compare [--preset Qwen2.5-0.5B] [--batch 16] [--n 4] [--slots 32]
+                                   [--new 512] [--dtypes float32]
+
+``--compare``: ``batch`` random prompts x ``n`` samples, greedy, no stop id; each row's budget is drawn
+from a log-normal with median new / 8 and sigma 1, rounded and clipped to [1, new] (RL response
+lengths are right-skewed: most answers end far below the budget, a few run into it; with 64 rows about
+one in three calls has a row at the budget). Both samplers run the same rows with the same budgets
+(the tokens are checked equal); the static one gives every row its own slot and runs until the
+longest row ends, the continuous one runs ``slots`` slots, each taking the next row when its row ends.
+Prints each one's decode steps, slot utilisation (tokens made by decode steps / (slots x decode
+steps)) and tokens/s (generated tokens / wall time, prefill included; best of ``rounds`` after a
+compiling call), and ends with ``continuous vs static: utilisation U_c vs U_s, tokens/s ratio R``.
 
 Greedy decoding of ``batch`` random prompts of ``prompt`` tokens, exactly ``new`` new tokens each (no
 stop id), both sides on the same weights (random, exported with models.export_hf).
@@ -32,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from pacs_jax import checkpoints, models, sampling
@@ -91,15 +105,67 @@ def theirs(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]]) -> Callab
 SIDES = {"ours": ours, "transformers": theirs}
 
 
+def long_tailed_budgets(rows: int, new: int, seed: int = 0) -> np.ndarray:
+    """[rows] budgets: log-normal with median new / 8 and sigma 1, rounded, clipped to [1, new]."""
+    draws = np.random.default_rng(seed).lognormal(np.log(new / 8), 1.0, size=rows)
+    return np.clip(np.rint(draws), 1, new).astype(np.int32)
+
+
+def compare(args) -> None:
+    """The continuous sampler against the static one on the same rows and long-tailed budgets."""
+    dtype = args.dtypes.split(",")[0]
+    cfg = models.preset(args.preset, eos_token_id=None, dtype=dtype, param_dtype=dtype)
+    rows = args.batch * args.n
+    if not 1 <= args.slots <= rows:
+        raise SystemExit(f"--slots {args.slots}: must be in [1, {rows}] (--batch x --n)")
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, size=(args.batch, args.prompt)).tolist()
+    budgets = long_tailed_budgets(rows, args.new)
+    print(f"{args.preset} ({dtype}): {args.batch} prompts x n {args.n} = {rows} rows, prompt {args.prompt}, budgets "
+          f"log-normal (median {args.new / 8:g}, sigma 1) clipped to {args.new}: mean {budgets.mean():.1f}, max "
+          f"{budgets.max()}; jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus)")
+    model = models.init_random(cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    tokens, mask = sampling.left_pad(prompts, args.batch, round_up(args.prompt, 64))
+    results = {}
+    for name, slots in (("static", None), ("continuous", args.slots)):
+        settings = sampling.SamplingSettings(max_new_tokens=args.new, n=args.n, slots=slots)
+
+        def run():
+            return jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), budgets))
+
+        out = run()  # compiles
+        seconds = min(_timed(run) for _ in range(args.rounds))
+        steps = int(out.decode_steps)
+        results[name] = (out, steps, sampling.slot_utilisation(out.lengths, steps, slots or rows),
+                         int(out.lengths.sum()) / seconds)
+        print(f"{name:<11} slots {slots or rows:>5}  decode steps {steps:>6}  utilisation "
+              f"{results[name][2]:.3f}  {seconds:8.2f} s  {results[name][3]:9.1f} tokens/s", flush=True)
+    (static, _, u_s, r_s), (cont, _, u_c, r_c) = results["static"], results["continuous"]
+    np.testing.assert_array_equal(cont.tokens, static.tokens)
+    np.testing.assert_array_equal(cont.lengths, budgets)
+    print(f"continuous vs static: utilisation {u_c:.3f} vs {u_s:.3f}, tokens/s ratio {r_c / r_s:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", action="store_true", help="continuous vs static on long-tailed budgets")
     parser.add_argument("--preset", default="Qwen2.5-0.5B")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; --compare: 16)")
+    parser.add_argument("--n", type=int, default=4, help="--compare: samples per prompt")
+    parser.add_argument("--slots", type=int, default=32, help="--compare: the continuous sampler's slots")
     parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new", type=int, default=None, help="new tokens (default 64; --compare: 512)")
+    parser.add_argument("--dtypes", default=None, help="default float32,bfloat16; --compare: float32")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3; --compare: 1")
     args = parser.parse_args()
+    defaults = dict(batch=16, new=512, dtypes="float32", rounds=1) if args.compare else \
+        dict(batch=32, new=64, dtypes="float32,bfloat16", rounds=3)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.compare:
+        return compare(args)
     if args.new < 2 or args.rounds < 1:
         parser.error("need --new >= 2 and --rounds >= 1")
     dtypes = args.dtypes.split(",")
