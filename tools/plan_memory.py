@@ -199,8 +199,9 @@ def build_programs(config, devices, *, platform: str, log: Callable[[str], None]
              (*critic_state, critic_batch), actor_bytes, "critic_update"),
         ]
     jobs = [
-        ("sampler", f"{per_call} prompts x {p} tokens, n={rc.n}: {per_call * rc.n} rows x {p + rc.max_new_tokens} "
-                    f"cache slots per call ({rc.micro_batches} calls)",
+        ("sampler", f"{per_call} prompts x {p} tokens, n={rc.n}: {per_call * rc.n} rows in "
+                    f"{sampling_settings.slots or per_call * rc.n} decode slots x {p + rc.max_new_tokens} cache "
+                    f"slots per call ({rc.micro_batches} calls)",
          lambda: lower_sample(graphdef, params, chunk, chunk, sampling_settings), (params, chunk, chunk),
          opt_bytes + critic_bytes, "sampler"),
         ("pi_old", f"{num_prompts * rc.n} rows x {p}+{r} tokens in {lp_micro} micro-batches of "
