@@ -130,3 +130,28 @@ def test_the_continuous_and_the_static_sampler_train_alike(deepscaler_rows, qwen
             assert continuous[key] == pytest.approx(static[key], rel=1e-5, abs=1e-6), key
         assert continuous["decode_steps"] > static["decode_steps"]  # 8 responses a slot in turn
         assert 0 < continuous["slot_utilisation"] <= 1 and 0 < static["slot_utilisation"] <= 1
+
+
+@pytest.mark.slow(seconds=40)
+def test_the_demo_trains_alike_with_both_samplers(tmp_path):
+    """The demo (configs/default.py) shrunk to 2 RL steps of 8 prompts x 8 responses, with 16 decode
+    slots (2 per batch shard of its 8-way data mesh) and with one slot per response: the same
+    per-step metrics but the sampler's own (decode steps, slot utilisation, times)."""
+    rows = {}
+    for sampler in ("continuous", "static"):
+        config = load_config("default.py")
+        config.model.num_hidden_layers, config.warmstart.steps, config.warmstart.target_accuracy = 1, 5, 0.0
+        config.data.arithmetic.problems, config.data.warmstart_problems, config.data.held_out_problems = 64, 32, 8
+        config.train.steps, config.train.prompts_per_step, config.train.mini_batches = 2, 8, 2
+        config.train.checkpoint_every, config.reward.workers, config.eval.sets = 0, 1, ""
+        config.rollout.sampler, config.rollout.slots = sampler, 16
+        validate_config(config)
+        run_training(config, tmp_path / sampler, config_mesh(config.mesh))
+        rows[sampler] = [json.loads(line) for line in (tmp_path / sampler / "metrics.jsonl").read_text().splitlines()]
+    sampler_own = {"decode_steps", "slot_utilisation", "compilations", "tokens_per_second"}
+    for continuous, static in zip(rows["continuous"], rows["static"]):
+        assert continuous.keys() == static.keys()
+        for key in continuous.keys() - sampler_own:
+            if not key.startswith("time_") and not key.startswith("reward_seconds"):
+                assert continuous[key] == pytest.approx(static[key], rel=1e-5, abs=1e-6), key
+    assert [r["step"] for r in rows["continuous"]] == [1, 2]
