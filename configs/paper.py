@@ -94,6 +94,10 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c = default.get_config()
     c.workdir = f"workdir/{model_name}_{algo_name}"
     c.model.preset = preset
+    # A paper run starts from the released model: --config.model.path=DIR (its HF folder). Without it
+    # validate_config refuses the run, naming model.path; True trains the preset from random weights
+    # (no model.path needed), for throughput and memory checks only.
+    c.model.random_init = False
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat = spec["remat"]

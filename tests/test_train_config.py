@@ -147,7 +147,42 @@ def _paper(model: str, algo: str, tokenizer) -> ml_collections.ConfigDict:
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2  # the paper's slice, shrunk to 8 devices
     config.data.tokenizer = str(tokenizer)
     config.data.train_files = deepscaler.SUBSET_FILES
+    config.model.random_init = True  # no released weights here; a real run passes model.path (test below)
     return config
+
+
+PRESET_OF = {"qwen25_3b": "Qwen2.5-3B", "qwen25_7b": "Qwen2.5-7B", "qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B",
+             "qwen25_7b_v6e": "Qwen2.5-7B"}
+
+
+@pytest.mark.parametrize("model", sorted(PRESET_OF))
+def test_paper_config_without_model_path_is_refused_unless_random_init_is_asked_for(in_repo, qwen_tokenizer_dir,
+                                                                                    tmp_path, model):
+    """Issue 28 item 3: a paper config whose model.path was forgotten would train its preset from random
+    weights; validate_config refuses it naming model.path and how to ask for random weights by name."""
+    config = _paper(model, "pacs_beta1", qwen_tokenizer_dir)
+    config.model.random_init = False  # as configs/paper.py has it
+    with pytest.raises(ConfigError, match=rf"^config\.model\.path: not set: the {re.escape(PRESET_OF[model])} "
+                                          r"preset would train from random weights; .*--config\.model\.random_init=True"):
+        validate_config(config)
+    config.model.random_init = True  # asked for by name
+    validate_config(config)
+    config.model.path = str(tmp_path)  # a model folder (the check is that it exists; loading reads it)
+    with pytest.raises(ConfigError, match=r"^config\.model\.random_init: True, but model\.path="):
+        validate_config(config)
+    config.model.random_init = False
+    validate_config(config)
+
+
+def test_architecture_fields_without_a_preset_still_initialise_at_random(in_repo, qwen_tokenizer_dir):
+    """The tests' shrunk paper configs (preset "", every architecture field named) and the demo are
+    random initialisations asked for field by field: no model.path needed."""
+    config = _paper("qwen25_3b", "pacs_beta1", qwen_tokenizer_dir)
+    config.model.random_init = False
+    config.model.preset = ""
+    config.model.model_type = "qwen2"
+    validate_config(config)
+    validate_config(load_config("default.py"))
 
 
 @pytest.mark.parametrize("algo", ["pacs_beta1", "ppo"])

@@ -122,6 +122,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
     _check_data(config.data)
     _check_warmstart(config.warmstart, config.data)
+    _check_model_source(m)
 
     mc = config.mesh
     try:
@@ -167,6 +168,22 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
                  "(data.arithmetic.problems counts the warm-start's too)")
     _require(dc.tokenizer == CHAR_TOKENIZER or (bool(dc.tokenizer) and pathlib.Path(dc.tokenizer).is_dir()),
              "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\")")
+
+
+def _check_model_source(m: ml_collections.ConfigDict) -> None:
+    """A config with ``model.random_init`` (configs/paper.py) trains a ``model.preset`` from random weights
+    only when asked to by name: a forgotten ``model.path`` must not cost a slice-day on a random 7B.
+    Configs without the field, and architecture fields with no preset (the demo, the tests' shrunk
+    paper configs, which name every field of their tiny model), initialise at random as before."""
+    if "random_init" not in m:
+        return
+    _require(isinstance(m.random_init, bool), "model.random_init", f"must be True or False, got {m.random_init!r}")
+    _require(not (m.random_init and m.path), "model.random_init",
+             f"True, but model.path={m.path!r} is set too: one or the other")
+    _require(bool(m.path) or not m.preset or m.random_init, "model.path",
+             f"not set: the {m.preset} preset would train from random weights; pass the released model's folder "
+             f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
+             f"--config.model.random_init=True to train it from random weights on purpose")
 
 
 def _check_warmstart(wc: ml_collections.ConfigDict, dc: ml_collections.ConfigDict) -> None:
