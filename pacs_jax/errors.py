@@ -8,13 +8,18 @@ failure (a crash, a preemption, a lost coordinator) keeps its usual status and i
 
 Permanent: ``PermanentError`` and its subclasses (``UsageError``, ``pacs_jax.data.DataError``: malformed data),
 absl's ``app.UsageError`` (the trainer raises it for config errors, ``ConfigError`` of
-pacs_jax/training/config_check.py, and for bad flags) and flag-parsing errors.
+pacs_jax/training/config_check.py, and for bad flags), flag-parsing errors and config overrides that
+name a field the config lacks (``--config.train.stepz=3``: one line naming the likely field).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PERMANENT_ERROR_STATUS = 78  # launch/supervise.sh does not restart a command that exits with it
 
@@ -26,6 +31,49 @@ class PermanentError(Exception):
 class UsageError(PermanentError, ValueError):
     """A flag or config value that cannot work (a missing file, a wrong combination); the message
     names the flag or field."""
+
+
+def unknown_config_field(error: BaseException, argv: Sequence[str], flag: str = "config") -> str | None:
+    """One line for ml_collections' refusal of an override naming a field the config lacks
+    (``--config.train.stepz=3``), which it raises while the flags are defined or parsed, as a KeyError or
+    an AttributeError wrapping one whose text is ``'stepz'`` plus, for a close name, ``Did you mean
+    "steps" instead of "stepz"?``. The line names the override as given, its section and the likely
+    field; None when ``error`` is not that refusal of one of ``argv``'s ``--flag.PATH=`` overrides."""
+    while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(text))
+        error = error.args[0]
+    if not isinstance(error, (KeyError, AttributeError)) or not error.args or not isinstance(error.args[0], str):
+        return None
+    first, _, rest = error.args[0].partition("\n")
+    key = first.strip().strip("'\"")
+    suggestion = re.search(r'Did you mean "([^"]+)"', rest)
+    for arg in argv:
+        match = re.match(rf"^--?{re.escape(flag)}\.([^=]+)", arg)
+        if not match:
+            continue
+        parts = match.group(1).split(".")
+        if key not in parts:
+            continue
+        parent = ".".join([flag, *parts[:parts.index(key)]])
+        line = f"{arg.split('=', 1)[0]}: {parent} has no field {key!r}"
+        if suggestion:
+            fixed = ".".join([*parts[:parts.index(key)], suggestion.group(1), *parts[parts.index(key) + 1:]])
+            line += f"; did you mean --{flag}.{fixed}?"
+        return line
+    return None
+
+
+def exit_on_unknown_config_field(program: str, define: Callable[[], T], argv: Sequence[str] | None = None,
+                                 flag: str = "config") -> T:
+    """``define()`` (a ``config_flags.DEFINE_config_file`` call, which already applies the command line's
+    overrides to a default config file); an unknown override field prints one line (``unknown_config_field``)
+    and exits with ``PERMANENT_ERROR_STATUS`` instead of a traceback."""
+    try:
+        return define()
+    except (KeyError, AttributeError) as e:
+        message = unknown_config_field(e, sys.argv if argv is None else argv, flag)
+        if message is None:
+            raise
+        _fail(program, message)
 
 
 def _fail(program: str, message: str) -> None:
@@ -45,6 +93,11 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
             return flags.FLAGS(args)
         except flags.Error as e:
             _fail(program, f"{e} (--helpshort lists the flags)")
+        except (KeyError, AttributeError) as e:  # an override naming a field the --config file lacks
+            message = unknown_config_field(e, args)
+            if message is None:
+                raise
+            _fail(program, message)
 
     def checked_main(args: list[str]) -> None:
         try:

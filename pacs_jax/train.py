@@ -19,7 +19,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from pacs_jax.errors import run_cli
+from pacs_jax.errors import UsageError, exit_on_unknown_config_field, run_cli
 
 
 def _env_int(name: str) -> int | None:
@@ -28,10 +28,13 @@ def _env_int(name: str) -> int | None:
 
 
 _DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py")
-_CONFIG = config_flags.DEFINE_config_file(
+# With the default file, config_flags applies the command line's --config.* overrides here, at import:
+# a misspelled field is one line and exit status 78 (errors.exit_on_unknown_config_field), as it is when
+# --config names a file (run_cli, while the flags are parsed).
+_CONFIG = exit_on_unknown_config_field("pacs_jax.train", lambda: config_flags.DEFINE_config_file(
     "config", _DEFAULT_CONFIG,
     "ml_collections config file, optionally FILE.py:ARG (e.g. configs/paper.py:qwen25_7b,pacs_beta1).",
-    lock_config=True)
+    lock_config=True))
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, exports). "
                                                 "Default: the config's workdir field.")
 _MULTIHOST = flags.DEFINE_bool(
@@ -86,13 +89,30 @@ def main(argv: list[str]) -> None:
     except ValueError as e:  # a shape the slice's physical topology cannot take
         raise app.UsageError(f"config.{e}") from None
     if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
+        _check_workdir(workdir, "--workdir" if _WORKDIR.value else "config.workdir")
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     from pacs_jax.training.run import run_training
 
     summary = run_training(config, workdir, mesh)
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=2))
+
+
+def _check_workdir(workdir, field: str) -> None:
+    """Create ``workdir`` and check that files can be written in it; a path that is a file, a parent that
+    is one, or a folder this user cannot write is a ``UsageError`` naming the path (one line, status 78)."""
+    if workdir.exists() and not workdir.is_dir():
+        raise UsageError(f"{field}={workdir}: is a file, not a folder")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{field}={workdir}: cannot create the folder ({e.strerror or e})") from None
+    probe = workdir / f".write_test.{os.getpid()}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{field}={workdir}: cannot write in it ({e.strerror or e})") from None
 
 
 def cli() -> None:

@@ -74,6 +74,7 @@ def convert_rows(rows: Iterable[tuple[str, Any]], format: str, data_source: str,
             problems.append(_to_problem(row, fields, format, data_source, index, where))
         except DataError as error:
             if on_error == "raise":
+                error.skippable = True  # one row's: on_error="skip" would have skipped it
                 raise
             stats.skipped += 1
             if len(stats.first_errors) < 5:

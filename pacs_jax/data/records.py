@@ -12,7 +12,10 @@ class DataError(PermanentError, ValueError):
     """Malformed input; the message names the file (or source) and the line, item or row.
 
     Permanent (pacs_jax/errors.py): the trainer exits with status 78 and launch/supervise.sh does not
-    restart it."""
+    restart it. ``skippable``: the error is one row's, which reading with ``on_error="skip"`` (the
+    trainer's ``data.allow_skips``) would skip; False for a whole file's (its format, its structure)."""
+
+    skippable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

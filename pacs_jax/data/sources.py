@@ -24,7 +24,7 @@ import numpy as np
 
 from pacs_jax.data import arithmetic
 from pacs_jax.data.readers import load_problems
-from pacs_jax.data.records import Problem
+from pacs_jax.data.records import DataError, Problem
 
 SOURCES = ("files", "arithmetic")
 
@@ -41,7 +41,13 @@ def training_problems(data_config: Mapping, seed: int
     elif source == "files":
         problems, skipped = [], 0
         for spec in data_config["train_files"]:
-            read, stats = load_problems(spec, on_error="skip" if data_config["allow_skips"] else "raise")
+            try:
+                read, stats = load_problems(spec, on_error="skip" if data_config["allow_skips"] else "raise")
+            except DataError as error:
+                if not error.skippable:
+                    raise
+                raise DataError(f"{error} (a malformed row; --config.data.allow_skips=True skips such rows, "
+                                "counts them and prints the count)") from None
             problems += read
             skipped += stats.skipped
         order = np.random.default_rng(data_config["shuffle_seed"]).permutation(len(problems))
