@@ -13,11 +13,18 @@ with items ``params`` (the same flat format), ``opt_state`` and ``meta`` (JSON: 
 data-iterator state, counters), and for PPO ``critic_params`` (flat, like ``params``) and
 ``critic_opt_state``; ``find_params_dir`` resolves either layout to the (actor's) params to load
 (the latest step for a root). Every process takes part in saves and restores.
+
+``TrainCheckpointer.restore_latest`` restores the newest step that restores: a damaged one (a
+truncated array file, a corrupt metadata file) is moved aside to ``<step>.damaged`` with a warning
+naming it, and the next older step is tried. Orbax's own error logs of a save that fails for a full
+disk or a permission (``files.storage_error``) are left out: the trainer reports that error in one
+line naming the path.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -27,7 +34,8 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
-from pacs_jax.files import atomic_write_text
+from pacs_jax.errors import PermanentError
+from pacs_jax.files import atomic_write_text, storage_error
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.loading import abstract_model, dotted, load_hf
 from pacs_jax.models.qwen import Qwen
@@ -154,6 +162,41 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+class CheckpointError(PermanentError):
+    """No checkpoint of a trainer's root restores (each damaged, or not of this config's shapes)."""
+
+
+class _QuietStorageErrors(logging.Filter):
+    """Drops Orbax's error records (with their tracebacks, from its save threads) whose exception is
+    a full disk or a permission error: the trainer reports it once, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and storage_error(record.exc_info[1]))
+
+
+_QUIET = _QuietStorageErrors()
+
+
+def _all_processes(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (a collective in a multi-process run)."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error's first line, from its innermost cause (tensorstore's read error names the file; the
+    error Orbax raises from it prints the whole TensorStore spec)."""
+    seen = set()
+    while (exc.__cause__ or exc.__context__) is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).split(" See full TensorStore details")[0].strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:400] if text else ''}"
+
+
 class TrainCheckpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest.
 
@@ -171,6 +214,7 @@ class TrainCheckpointer:
             item_names=("params", "opt_state", "meta") + (("critic_params", "critic_opt_state") if with_critic else ()))
         if jax.process_index() == 0:
             write_model_config(self.directory, model_config)
+        logging.getLogger("absl").addFilter(_QUIET)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption was signalled (multi-process: JAX's preemption sync point, so that
@@ -215,6 +259,55 @@ class TrainCheckpointer:
         critic_state = None if critic is None else (params_from_flat(critic[0], restored["critic_params"]),
                                                     restored["critic_opt_state"])
         return params_from_flat(params, restored["params"]), restored["opt_state"], restored["meta"], critic_state
+
+    def restore_latest(self, params: nnx.State, opt_state: Any, critic: tuple[nnx.State, Any] | None = None,
+                       *, warn=print) -> tuple[int, tuple] | None:
+        """Restore the newest step that restores: (step, ``restore``'s tuple), or None without steps.
+
+        A step that fails to restore while an older one restores is damaged: it is moved aside to
+        ``<root>/<step>.damaged`` (process 0) and ``warn`` gets a line naming it and the error.
+        Raises ``CheckpointError`` (one line, every step's error) when no step restores. Every
+        process takes part and they agree on the step.
+        """
+        failures: list[tuple[int, str]] = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                restored, error = self.restore(step, params, opt_state, critic), None
+            except Exception as e:  # damaged files raise ValueError, JSONDecodeError, tensorstore errors
+                restored, error = None, _first_line(e)
+            if _all_processes(error is None):
+                if failures:
+                    moved = self._set_aside([s for s, _ in failures])
+                    for bad, why in failures:
+                        warn(f"warning: checkpoint step {bad} in {self.directory} is damaged ({why}); moved it to "
+                             f"{moved.get(bad, f'{bad}.damaged')} and resumed from step {step}")
+                return step, restored
+            failures.append((step, error or "failed on another process"))
+        if not failures:
+            return None
+        raise CheckpointError(f"{self.directory}: no checkpoint restores: " +
+                              "; ".join(f"step {s}: {why}" for s, why in failures)
+                              + ". Delete the damaged steps (or the folder, to start afresh) or resume with the "
+                                "config that wrote them")
+
+    def _set_aside(self, steps: list[int]) -> dict[int, epath.Path]:
+        """Rename damaged ``<root>/<step>`` folders to ``<step>.damaged``; the manager forgets them.
+        Returns {step: its new path} (process 0)."""
+        moved = {}
+        if jax.process_index() == 0:
+            for step in steps:
+                target = self.directory / f"{step}.damaged"
+                n = 1
+                while target.exists():
+                    n += 1
+                    target = self.directory / f"{step}.damaged{n}"
+                (self.directory / str(step)).rename(target)
+                moved[step] = target
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("pacs_jax damaged checkpoints moved")
+        self.manager.reload()
+        return moved
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -3,17 +3,54 @@
 ``tempfile.mkstemp`` and ``mkdtemp`` create 0600 files and 0700 folders; a file renamed into place
 would keep that mode, which colleagues on a shared cluster cannot read. ``atomic_write`` and
 ``publish_mode`` give them the process's umask instead (0644 and 0755 under the usual umask 022).
+
+``storage_error`` recognises a full disk, a quota or a permission error among an exception's causes
+(an ``OSError``, or Orbax's tensorstore error carrying the OS error code), so that a run reports it
+in one line naming the path (``StorageError``) rather than in a long traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import pathlib
 import tempfile
 from collections.abc import Callable
 from typing import IO
 
 from etils import epath
+
+from pacs_jax.errors import PermanentError
+
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class StorageError(PermanentError):
+    """A write failed for a full disk, a quota or a permission; the message names the path. Permanent:
+    a restart fails the same way until space is freed or the permission fixed (it then resumes from
+    the last checkpoint)."""
+
+
+def storage_error(exc: BaseException | None) -> str | None:
+    """"PATH: No space left on device" (or the quota / permission / read-only error) when ``exc`` or an
+    exception it was raised from is one; else None.
+
+    Knows ``OSError`` (its ``filename``) and tensorstore's errors (Orbax's array writes: a ValueError
+    whose message quotes the file and ends with ``[os_error_code='28']``).
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+            where = exc.filename if exc.filename is not None else "(a file being written)"
+            return f"{where}: {os.strerror(exc.errno)}"
+        code = re.search(r"os_error_code='?(\d+)", str(exc))
+        if code and int(code.group(1)) in _STORAGE_ERRNOS:
+            files = re.findall(r'"((?:/|gs://)[^"]+)"', str(exc))
+            return f"{files[-1] if files else '(a checkpoint file)'}: {os.strerror(int(code.group(1)))}"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def current_umask() -> int:
@@ -60,8 +97,10 @@ def atomic_write(path: str | pathlib.Path, write: Callable[[IO], None], *, binar
             publish_mode(f.fileno())
             write(f)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # name the file a write or close failed on
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 

@@ -90,7 +90,6 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"config.{e}") from None
     if jax.process_index() == 0:
         _check_workdir(workdir, "--workdir" if _WORKDIR.value else "config.workdir")
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     from pacs_jax.training.run import run_training
 
     summary = run_training(config, workdir, mesh)

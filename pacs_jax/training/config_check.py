@@ -12,6 +12,7 @@ import jax
 import ml_collections
 
 from pacs_jax.data import deepscaler
+from pacs_jax.errors import PermanentError
 from pacs_jax.data.prompts import CHAR_TOKENIZER
 from pacs_jax.data.sources import SOURCES
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
@@ -24,8 +25,9 @@ from pacs_jax.training import memory_plan
 from pacs_jax.training.optim import SCHEDULES
 
 
-class ConfigError(ValueError):
-    """A config value is wrong; the message starts with the field's dotted name."""
+class ConfigError(PermanentError, ValueError):
+    """A config value is wrong; the message starts with the field's dotted name (or, for a resume
+    that does not fit its workdir, the workdir). Permanent: the CLIs exit with status 78."""
 
 
 def _require(ok: bool, field: str, message: str) -> None:

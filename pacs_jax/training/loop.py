@@ -4,18 +4,18 @@
         prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
         -> PPO only: the critic's values, GAE advantages, the critic's update   training/critic_step.py
         -> `train.mini_batches` optimizer steps on mini-batches of whole groups  training/update_step.py
-        -> metrics; checkpoint every k steps and on SIGTERM                   checkpoints.py
+        -> metrics; checkpoint every k steps and on SIGTERM / SIGINT          checkpoints.py, training/signals.py
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
-every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done.
+every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done. A
+resumed run restores the newest intact checkpoint (``TrainCheckpointer.restore_latest``), says
+"resumed from step N", and drops from metrics.jsonl the rows of the steps it runs again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -39,6 +39,7 @@ from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.signals import stop_signals
 from pacs_jax.training.update_step import make_update_step, state_shardings
 
 
@@ -54,7 +55,10 @@ class PromptSource(Protocol):
 
 @dataclasses.dataclass
 class TrainResult:
-    """The trained model, per-step metrics, the compiled step programs (for benchmarks) and PPO's critic."""
+    """The trained model, per-step metrics, the compiled step programs (for benchmarks) and PPO's critic.
+
+    history: this session's steps; earlier_history: a resumed run's rows of the steps before it, read
+    back from metrics.jsonl (process 0; empty elsewhere and in a run that did not resume)."""
 
     model: Qwen
     history: list[dict]
@@ -64,30 +68,7 @@ class TrainResult:
     update: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics [M])
     opt_state: object
     critic: PPOCritic | None  # objective "ppo" only
-
-
-class _StopFlag:
-    """Turns SIGTERM (preemption) into a flag the loop checks after each step (one process; a
-    multi-process run asks Orbax, whose preemption sync point makes every process stop at the same
-    step)."""
-
-    def __init__(self):
-        self.raised = False
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no signal handling
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame):
-        self.raised = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+    earlier_history: list[dict] = dataclasses.field(default_factory=list)
 
 
 def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
@@ -158,7 +139,19 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     rollouts and the caller's evaluations (one pool per run). on_step(step, model, metrics): called
     after each step (periodic evaluation hooks in here). Returns the trained model and the per-step
     metrics.
+
+    SIGTERM / SIGINT (training/signals.py) from the start of this call: the step under way, or the
+    first step when the signal comes before it, is finished and checkpointed, then the run stops
+    (``stopped_by_signal``); a second signal ends the process at once.
     """
+    with stop_signals(multiprocess=jax.process_count() > 1) as signals, signals.deferred():
+        return _rl_train(config, workdir, model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
+                         reward_pool=reward_pool, on_step=on_step)
+
+
+def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource,
+              signals, *, decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
+              reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None) -> TrainResult:
     workdir = epath.Path(workdir)
     tc = config.train
     rules = model.rules
@@ -172,13 +165,20 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
 
     checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
                                      keep=tc.keep_checkpoints, with_critic=critic is not None)
-    start = checkpointer.latest_step() or 0
-    if start:  # restored straight into those shardings, whatever the process count that wrote it
-        params, opt_state, meta, critic_state = checkpointer.restore(
-            start, params, opt_state, None if critic is None else (critic.params, critic.opt_state))
+    primary = jax.process_index() == 0
+    # the newest intact step, restored straight into those shardings, whatever the process count that wrote it
+    restored = checkpointer.restore_latest(params, opt_state, None if critic is None else (critic.params, critic.opt_state),
+                                           warn=lambda line: print(line, flush=True) if primary else None)
+    start = 0
+    if restored is not None:
+        start, (params, opt_state, meta, critic_state) = restored
         if critic is not None:
             critic.params, critic.opt_state = critic_state
         prompts.set_state(meta["data_state"])
+        if primary:
+            print(f"resumed from step {start} (checkpoint {checkpointer.directory / str(start)}); "
+                  + (f"training steps {start + 1} to {tc.steps}" if start < tc.steps else
+                     f"all {tc.steps} steps of train.steps are trained"), flush=True)
     update = config_update_step(config, graphdef, optimizer, rules, shardings)
     start_counting()
     logger = MetricsLogger(workdir, tc.steps, start)
@@ -186,43 +186,50 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     base_key = jax.random.key(config.seed)
     stopped = False
     single_process = jax.process_count() == 1
-    with _StopFlag() if single_process else contextlib.nullcontext() as stop_flag:
-        collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode,
-                                     reward_pool=reward_pool)
-        if tc.precompile:
-            _warm_up(collector, update, params, opt_state, tc.prompts_per_step, critic)
-        step = start
-        for step in range(start + 1, tc.steps + 1):
-            t_step = time.perf_counter()
-            rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step))
+    collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode,
+                                 reward_pool=reward_pool)
+    if tc.precompile:
+        _warm_up(collector, update, params, opt_state, tc.prompts_per_step, critic)
+    step = start
+    for step in range(start + 1, tc.steps + 1):
+        t_step = time.perf_counter()
+        rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step))
+        t0 = time.perf_counter()
+        batch, critic_metrics = rollout.batch, {}
+        if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
+            batch, per_minibatch = critic.step(batch)
+            critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
             t0 = time.perf_counter()
-            batch, critic_metrics = rollout.batch, {}
-            if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-                batch, per_minibatch = critic.step(batch)
-                critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
-                t0 = time.perf_counter()
-            params, opt_state, per_minibatch = update(params, opt_state, batch)
-            update_metrics = _mean_metrics(per_minibatch)
-            time_update = time.perf_counter() - t0
-            wall = time.perf_counter() - t_step
-            metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
-                       "time_step": wall,
-                       "lr": float(lr_schedule(step * tc.mini_batches)),
-                       "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
-                       "compilations": float(compilations())}
-            history.append({"step": step, **metrics})
-            logger.log(step, metrics)
-            meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
-            preempted = stop_flag.raised if single_process else checkpointer.reached_preemption(step)
-            checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps,
-                              critic=None if critic is None else (critic.params, critic.opt_state))
-            if on_step is not None:
-                on_step(step, nnx.merge(graphdef, params), metrics)
-            if preempted:
-                signal_name = "SIGTERM" if single_process else "preemption (at the same step on every process)"
-                logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
-                stopped = True
-                break
+        params, opt_state, per_minibatch = update(params, opt_state, batch)
+        update_metrics = _mean_metrics(per_minibatch)
+        time_update = time.perf_counter() - t0
+        wall = time.perf_counter() - t_step
+        metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
+                   "time_step": wall,
+                   "lr": float(lr_schedule(step * tc.mini_batches)),
+                   "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
+                   "compilations": float(compilations())}
+        history.append({"step": step, **metrics})
+        logger.log(step, metrics)
+        meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
+        critic_state = None if critic is None else (critic.params, critic.opt_state)
+        preempted = signals.requested is not None if single_process else checkpointer.reached_preemption(step)
+        checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state)
+        if on_step is not None:
+            on_step(step, nnx.merge(graphdef, params), metrics)
+        if single_process and not preempted and signals.requested is not None:  # arrived during on_step
+            checkpointer.save(step, params, opt_state, meta, force=True, critic=critic_state)
+            preempted = True
+        if preempted:
+            signal_name = (signals.requested if single_process else
+                           "preemption (at the same step on every process)")
+            logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
+            stopped = True
+            break
+    if single_process and not stopped and signals.requested is not None:  # no step was under way
+        logger.write(f"{signals.requested}: no step left to run; exiting (the checkpoint of step {step} is the latest)")
+        stopped = True
     checkpointer.close()
     logger.close()
-    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, collector, update, opt_state, critic)
+    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, collector, update, opt_state, critic,
+                       earlier_history=logger.earlier)

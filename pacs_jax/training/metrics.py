@@ -1,6 +1,9 @@
 """Training metrics: a progress bar with the key numbers, ``metrics.jsonl`` and TensorBoard events.
 
-Only process 0 writes; other processes get a logger that does nothing.
+Only process 0 writes; other processes get a logger that does nothing. A resumed run's logger first
+rewrites metrics.jsonl (atomically) with the rows of the steps up to the checkpoint it resumed from,
+the last row of each step: the steps it runs again replace those a killed session had logged after
+its last checkpoint, and no step appears twice.
 """
 
 from __future__ import annotations
@@ -13,22 +16,67 @@ import jax
 from etils import epath
 from tqdm.auto import tqdm
 
+from pacs_jax.files import atomic_write_text
+
 # Shown on the progress bar (when present), in this order.
 KEY_METRICS = ("reward_mean", "accuracy", "loss", "response_length_mean", "grad_norm", "tokens_per_second",
                "slot_utilisation", "reward_unscored")
 
 
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """The rows of a metrics.jsonl in file order; a line that does not parse (a write cut short by a
+    kill) is left out. Non-finite values, written as strings, come back as floats."""
+    path = epath.Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append({k: (float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v)
+                         for k, v in row.items()})
+    return rows
+
+
+def _jsonl_line(row: dict) -> str:
+    return json.dumps({k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in row.items()}) + "\n"
+
+
+def keep_rows_up_to(path: str | os.PathLike, step: int) -> list[dict]:
+    """Rewrite metrics.jsonl ``path`` atomically with one row per step up to ``step`` (the last row of
+    each, in step order); returns them. Rows of later steps (logged after the checkpoint a run
+    resumes from) are dropped."""
+    last: dict[int, dict] = {}
+    for row in read_rows(path):
+        if row["step"] <= step:
+            last[row["step"]] = row
+    kept = [last[s] for s in sorted(last)]
+    atomic_write_text(path, "".join(_jsonl_line(row) for row in kept))
+    return kept
+
+
 class MetricsLogger:
-    """``log(step, metrics)`` appends one JSON line, writes TensorBoard scalars, updates the bar."""
+    """``log(step, metrics)`` appends one JSON line, writes TensorBoard scalars, updates the bar.
+
+    initial_step > 0 (a resumed run): metrics.jsonl keeps the rows of the steps up to it
+    (``keep_rows_up_to``); ``earlier`` holds them.
+    """
 
     def __init__(self, workdir: str | os.PathLike, total_steps: int, initial_step: int = 0, *,
                  tensorboard: bool = True, desc: str = "train"):
         self.enabled = jax.process_index() == 0
+        self.earlier: list[dict] = []
         if not self.enabled:
             return
         self.workdir = epath.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.workdir / "metrics.jsonl").open("a")
+        self.path = self.workdir / "metrics.jsonl"
+        if initial_step > 0:
+            self.earlier = keep_rows_up_to(self.path, initial_step)
+        self.jsonl = self.path.open("a")
         self.writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -39,8 +87,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items()}
-        self.jsonl.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
+            self.jsonl.flush()
+        except OSError as e:  # name the file (a failed flush does not)
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self.writer is not None:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)

@@ -12,6 +12,15 @@
 A restarted run resumes RL from its checkpoints; the warm-start and the evaluation before RL are not
 run again (their results are kept in workdir/warmstart.json). Evaluation outputs go to
 workdir/eval/<name>/ (before_rl, step_<k>, final, final_greedy).
+
+Around all of it (docs/design.md section 3.7): the workdir lock (training/workdir.py), the resume
+check, made before anything is written (a checkpoint of other model shapes, objective or critic, or
+``train.steps`` below the checkpoint's step, is refused naming the fields), then config.json; the
+run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of every session
+(sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
+``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
+``train.steps`` without a summary runs the final evaluation and export the last session did not
+finish. A full disk or a permission error while writing is a ``StorageError`` naming the path.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 
 import jax
 import ml_collections
@@ -27,13 +35,15 @@ from etils import epath
 from jax.sharding import Mesh
 
 from pacs_jax import checkpoints, data, evaluation, models
-from pacs_jax.files import atomic_write_text
+from pacs_jax.files import StorageError, atomic_write_text, storage_error
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training import memory_plan
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
+from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.warmstart import WarmStartResult, warm_start
+from pacs_jax.training.workdir import SessionClock, WorkdirLock, agree, check_resume, finished_summary, write_config
 
 HELD_OUT = "held_out"  # the evaluation set of the problems data.held_out_problems sets aside
 
@@ -101,18 +111,50 @@ def _accuracy(metrics: dict[str, dict[str, float]], n: int) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _has_checkpoint(workdir: epath.Path) -> bool:
-    root = workdir / "checkpoints"
-    return root.is_dir() and any(p.name.isdigit() for p in root.iterdir())
+def _planned_model(config: ml_collections.ConfigDict, tokenizer) -> models.QwenConfig | None:
+    """The model config the run will build (None: not known before loading the model)."""
+    try:
+        return memory_plan.model_config(config, vocab_size=len(tokenizer))
+    except (OSError, ValueError):
+        return None
 
 
 def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: Mesh | None) -> dict:
-    """Train per ``config``; returns the summary written to workdir/summary.json (see the module docstring)."""
-    t_start = time.perf_counter()
+    """Train per ``config``; returns the summary written to workdir/summary.json (see the module docstring).
+
+    Holds the workdir lock and the run's signal handling throughout; a full disk or a permission
+    error while writing becomes a ``StorageError`` (one line naming the path)."""
     workdir = epath.Path(workdir)
+    clock = SessionClock(workdir)
+    try:
+        with WorkdirLock(workdir), StopSignals(multiprocess=jax.process_count() > 1) as signals:
+            return _run(config, workdir, mesh, signals, clock)
+    except Exception as e:
+        message = storage_error(e)
+        if message is None:
+            raise
+        raise StorageError(f"{message} (while writing; free space or fix the permission, then run it again: "
+                           f"training resumes from the last checkpoint)") from None
+
+
+def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | None, signals: StopSignals,
+         clock: SessionClock) -> dict:
     primary = jax.process_index() == 0
     dc, ec, wc = config.data, config.eval, config.warmstart
+    say = (lambda line: print(line, flush=True)) if primary else (lambda line: None)
+    signals.exit_at_once("the start-up (this session has trained nothing yet)")
     tokenizer = data.load_tokenizer(dc.tokenizer)
+    latest = check_resume(config, workdir, _planned_model(config, tokenizer))  # reads only
+    if latest and latest == config.train.steps:
+        done = finished_summary(workdir, latest)
+        if agree(done is not None):
+            say(f"nothing to train: {workdir} holds a run finished at step {latest} = train.steps (its "
+                f"summary.json is written); set train.steps above {latest} to train further")
+            return done or {"final_step": latest}
+        say(f"all {latest} steps of train.steps are checkpointed in {workdir / 'checkpoints'}, but the last "
+            f"session stopped before the end: running the final evaluation and the export")
+    write_config(config, workdir)
+    clock.update(force=True)
     model = build_model(config, mesh, tokenizer)
     prompts, warm_prompts, held_out, counts = prompt_source(config, tokenizer)
     if primary:
@@ -146,21 +188,25 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
 
     warm_file = workdir / "warmstart.json"
     with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:  # rollouts and evaluation
-        if _has_checkpoint(workdir):  # resuming: rl_train restores the RL state
+        if latest:  # resuming: rl_train restores the RL state
             before = json.loads(warm_file.read_text()) if warm_file.exists() else {}
         else:
             before = {}
             if wc.steps > 0:
+                signals.exit_at_once("the warm-start, which is not checkpointed: a restart runs it again from its "
+                                     "first step")
                 model, warm = warm_start(model, warm_prompts, tokenizer, wc,
-                                           probe=prompts.examples[:wc.probe_problems],
-                                           prompt_length=dc.max_prompt_length,
-                                           seed=config.seed, pool=pool, reward_name=reward_name,
-                                           probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids)
+                                         probe=prompts.examples[:wc.probe_problems],
+                                         prompt_length=dc.max_prompt_length,
+                                         seed=config.seed, pool=pool, reward_name=reward_name,
+                                         probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
                 if primary:
                     print(_warm_start_line(warm, wc.target_accuracy), flush=True)
             if sets and ec.before_rl:
+                signals.exit_at_once("the evaluation before RL: the warm-start is not checkpointed, so a restart "
+                                     "runs the warm-start and this evaluation again")
                 before["eval"] = evaluate_final("before_rl", model, pool)
             if primary:
                 atomic_write_text(warm_file, json.dumps(before, indent=2))
@@ -168,20 +214,28 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
         def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
             if sets and ec.periodic.every and step % ec.periodic.every == 0:
                 evaluate(f"step_{step}", current, pool, ec.periodic.n, ec.periodic.temperature, ec.periodic.top_p)
+            clock.update()
 
-        result = rl_train(config, workdir, model, prompts,
+        result = rl_train(config, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step)
         if result.stopped_by_signal:
+            clock.update(force=True)
             return {"stopped_at_step": result.final_step}
+        signals.exit_at_once(f"the final evaluation or the export: all {result.final_step} steps are checkpointed, "
+                             f"and a restart runs only the final evaluation and the export again")
         after = evaluate_final("final", result.model, pool) if sets else {}
     tokenizer_dir = None if dc.tokenizer == data.CHAR_TOKENIZER else dc.tokenizer
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
-    summary = _summary(config, before, after, result.history, sets)
-    summary.update(final_step=result.final_step, wall_seconds=time.perf_counter() - t_start, hf_export=str(export))
+    history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
+    summary = _summary(config, before, after, history, sets)
+    clock.update(force=True)
+    summary.update(final_step=result.final_step, wall_seconds=clock.total_seconds,
+                   wall_seconds_this_session=clock.session_seconds, sessions=len(clock.earlier) + 1,
+                   hf_export=str(export))
     if primary:
-        if result.history and after:
-            plot_curves(result.history, _per_set(before.get("eval", {}).get("sampled", {}), ec.final.n),
+        if history and after:
+            plot_curves(history, _per_set(before.get("eval", {}).get("sampled", {}), ec.final.n),
                         _per_set(after["sampled"], ec.final.n), workdir / "curves.png")
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -1,0 +1,286 @@
+"""A run's workdir: the lock, the recorded config, the checks a resume makes, the wall-time record
+(docs/design.md section 3.7).
+
+- ``WorkdirLock``: ``<workdir>/trainer.lock`` holds the host and pid of the trainer using the
+  workdir; a second trainer refuses to start, naming them. A lock whose holder is gone (same host,
+  that pid no longer running, or running a process started after the lock) is taken over with a
+  message. A lock from another host is never guessed stale: the message says to delete the file if
+  that trainer is gone. Only process 0 of a multi-process run takes it (the others learn whether it
+  did), and only on a local file system: an object store (``gs://``) has no exclusive create.
+- ``check_resume``: before anything is written, a workdir with checkpoints is refused (one
+  ``ConfigError`` naming every differing field) when this config's model shapes (the architecture
+  fields, the vocabulary), objective or critic differ from the checkpoints' run, or when
+  ``train.steps`` is below the checkpoint's step. ``config.json`` (``write_config``) is the record
+  of the run that wrote the checkpoints, so it is written only after that check.
+- ``SessionClock``: ``<workdir>/sessions.json`` records every session's wall time, so that
+  summary.json's ``wall_seconds`` covers all of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from etils import epath
+
+from pacs_jax.checkpoints import MODEL_CONFIG_FILE
+from pacs_jax.files import atomic_write_text
+from pacs_jax.models.config import QwenConfig
+from pacs_jax.training.config_check import ConfigError
+
+LOCK_FILE = "trainer.lock"
+CONFIG_FILE = "config.json"
+SESSIONS_FILE = "sessions.json"
+# QwenConfig fields that decide the parameters' names and shapes.
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")
+
+
+class WorkdirLockedError(ConfigError):
+    """Another trainer holds the workdir (its host and pid are in the message)."""
+
+
+def _local(path: epath.Path) -> bool:
+    return "://" not in str(path)
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (/proc/PID/stat field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def agree(ok: bool) -> bool:
+    """Process 0's ``ok``, on every process (a collective in a multi-process run)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+class WorkdirLock:
+    """``with WorkdirLock(workdir):`` holds ``workdir/trainer.lock`` (see the module docstring).
+
+    Raises ``WorkdirLockedError`` (a permanent error) when another live trainer holds it.
+    """
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.workdir = epath.Path(workdir)
+        self.path = self.workdir / LOCK_FILE
+        self.held = False
+
+    def _record(self) -> str:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+                           "since": datetime.datetime.now().isoformat(timespec="seconds")})
+
+    def _create(self) -> bool:
+        """Create the lock file exclusively; False when it exists."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(self._record())
+        return True
+
+    def _holder(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _stale(self, holder: dict) -> str | None:
+        """Why the holder is gone (None: it may be running)."""
+        if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+            return None
+        pid = holder["pid"]
+        if not _alive(pid):
+            return f"process {pid} is not running"
+        start = _process_start(pid)
+        if holder.get("start") is not None and start is not None and start != holder["start"]:
+            return f"process {pid} is another process now"
+        return None
+
+    def acquire(self) -> None:
+        ok, message = True, None
+        if jax.process_index() == 0 and _local(self.workdir):
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            for _ in range(3):  # a takeover races another one at most this often
+                if self._create():
+                    self.held = True
+                    break
+                holder = self._holder()
+                reason = self._stale(holder)
+                if reason is None and holder:
+                    ok = False
+                    message = (f"{self.workdir}: another trainer is using this workdir: pid {holder.get('pid')} on "
+                               f"host {holder.get('host')} (since {holder.get('since')}; lock file {self.path}). "
+                               f"Use another --workdir, or delete the lock file if that trainer is gone")
+                    break
+                if not holder:  # unreadable: being written right now, or damaged
+                    time.sleep(0.5)
+                    if not self._holder():
+                        reason = "its lock file is empty or unreadable"
+                if reason is not None:
+                    print(f"{self.workdir}: taking over the lock of a trainer that is gone (pid {holder.get('pid')} "
+                          f"on host {holder.get('host')}: {reason})", flush=True)
+                    try:
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+        if not agree(ok):
+            raise WorkdirLockedError(message or f"{self.workdir}: process 0 found the workdir locked by another "
+                                                f"trainer (its message names it)")
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                if self._holder().get("pid") == os.getpid():
+                    os.unlink(self.path)
+            except OSError:
+                pass
+
+    def __enter__(self) -> WorkdirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ------------------------------------------------------------------------------------------ resume
+def checkpoint_steps(workdir: epath.Path) -> list[int]:
+    """The steps of ``workdir/checkpoints`` (finished ones: Orbax renames a step's folder to its number)."""
+    root = workdir / "checkpoints"
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+def _objective(config_json: epath.Path) -> str | None:
+    try:
+        return json.loads(config_json.read_text())["algorithm"]["objective"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model_cfg: QwenConfig | None) -> int:
+    """The latest checkpoint step of ``workdir`` (0: none), after checking that this config can resume it.
+
+    model_cfg: the model this config builds (None: unknown before loading it; the shapes are then
+    not compared). Raises ``ConfigError`` naming every field that differs from the checkpoints' run
+    (shape fields of the model, algorithm.objective, the critic) and when ``train.steps`` is below
+    the checkpoint's step. Reads only.
+    """
+    workdir = epath.Path(workdir)
+    steps = checkpoint_steps(workdir)
+    if not steps:
+        return 0
+    latest = steps[-1]
+    root = workdir / "checkpoints"
+    differs = []
+    stored_model = root / MODEL_CONFIG_FILE
+    if model_cfg is not None and stored_model.is_file():
+        try:
+            stored = json.loads(stored_model.read_text())
+            stored.pop("pacs_jax", None)
+            stored_cfg = QwenConfig.from_hf_dict(stored, source=str(stored_model))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{stored_model}: unreadable ({e}); cannot check that this config fits the "
+                              f"checkpoints") from None
+        for field in SHAPE_FIELDS:
+            old, new = getattr(stored_cfg, field), getattr(model_cfg, field)
+            if old != new:
+                differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r})")
+    objective = config.algorithm.objective
+    old_objective = _objective(workdir / CONFIG_FILE)
+    if old_objective is not None and old_objective != objective:
+        differs.append(f"algorithm.objective (checkpoint {old_objective!r}, this config {objective!r})")
+    has_critic = (root / str(latest) / "critic_params").is_dir()
+    if has_critic and objective != "ppo":
+        differs.append(f"the critic (the checkpoint has a PPO critic; objective {objective!r} has none)")
+    elif not has_critic and objective == "ppo":
+        differs.append("the critic (the checkpoint has no PPO critic; objective 'ppo' needs one)")
+    if differs:
+        raise ConfigError(
+            f"{workdir}: cannot resume the checkpoints in {root} (latest step {latest}) with this config: it "
+            f"differs from their run in {len(differs)} field(s): " + "; ".join(differs)
+            + f". Resume with that run's settings ({workdir / CONFIG_FILE}) or use another --workdir")
+    if config.train.steps < latest:
+        raise ConfigError(
+            f"config.train.steps: {config.train.steps} is below the step of the checkpoint in {root} "
+            f"({latest}): nothing to train (a checkpoint is never rolled back). Set train.steps above {latest} to "
+            f"train further, or use another --workdir")
+    return latest
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
+    """``workdir/config.json``: the run's config (process 0; after ``check_resume``)."""
+    if jax.process_index() == 0:
+        atomic_write_text(epath.Path(workdir) / CONFIG_FILE, config.to_json_best_effort(indent=2))
+
+
+def finished_summary(workdir: str | os.PathLike, step: int) -> dict | None:
+    """``workdir/summary.json`` when it is the summary of a run finished at ``step``, else None."""
+    path = epath.Path(workdir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("final_step") == step else None
+
+
+# ------------------------------------------------------------------------------------------ wall time
+class SessionClock:
+    """The wall time of this session and the earlier ones, kept in ``workdir/sessions.json``.
+
+    ``update()`` rewrites the file with this session's seconds so far (at most every ``every``
+    seconds unless ``force``): a session killed with SIGKILL counts up to its last update.
+    Process 0 writes; every process reads.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, every: float = 30.0):
+        self.path = epath.Path(workdir) / SESSIONS_FILE
+        self.every = every
+        self.t0 = time.perf_counter()
+        self.started = datetime.datetime.now().isoformat(timespec="seconds")
+        self.earlier: list[dict] = []
+        try:
+            earlier = json.loads(self.path.read_text()).get("sessions", [])
+            self.earlier = [s for s in earlier if isinstance(s, dict) and isinstance(s.get("seconds"), (int, float))]
+        except (OSError, ValueError, AttributeError):
+            pass
+        self._written = -float("inf")
+
+    @property
+    def session_seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(s["seconds"] for s in self.earlier) + self.session_seconds
+
+    def update(self, *, force: bool = False) -> None:
+        if jax.process_index() != 0 or (not force and time.perf_counter() - self._written < self.every):
+            return
+        self._written = time.perf_counter()
+        sessions = [*self.earlier, {"started": self.started, "seconds": self.session_seconds}]
+        atomic_write_text(self.path, json.dumps({"sessions": sessions}, indent=2))
