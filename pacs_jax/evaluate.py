@@ -2,14 +2,27 @@
 
     python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=DIR [--config.n=16 --config.sets=math_500]
 
-writes, in ``config.output_dir`` (default ``DIR/eval``), the files of pacs_jax/evaluation/outputs.py
-(eval_samples.jsonl, eval_metrics.json, pass_at_k.png). The maths, the runner and the outputs are
-in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status 78
-(pacs_jax/errors.py).
+DIR is an HF model folder, a pacs_jax checkpoint, or a training workdir (its newest
+``checkpoints/<step>``, else its ``hf_export``; a line says which: pacs_jax/evaluation/target.py). A
+checkpoint in a workdir is evaluated as it was trained: the tokenizer is ``config.tokenizer``, else the
+model folder's tokenizer files, else the run's ``data.tokenizer`` from the workdir's config.json (the
+demo's "char"); the prompts carry the run's ``data.instruction``; ``--config.sets=held_out`` is the
+run's held-out problems. E.g. the demo's model:
+
+    python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=workdir/demo --config.sets=held_out \
+        --config.max_new_tokens=12 --config.dtype=float32
+
+writes, in ``config.output_dir`` (default ``WORKDIR/eval/evaluate_step_<N>`` or ``.../evaluate_hf_export``
+for a workdir's model, else ``DIR/eval``), the files of pacs_jax/evaluation/outputs.py
+(eval_samples.jsonl, eval_metrics.json, pass_at_k.png). Relative set paths (``data_dir`` "data") are
+read from the working directory, else from the repository root. The maths, the runner and the
+outputs are in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status
+78 (pacs_jax/errors.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
@@ -18,30 +31,48 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from pacs_jax import checkpoints
-from pacs_jax.data import load_tokenizer
+from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, load_tokenizer, render_prompt,
+                           training_problems)
+from pacs_jax.data import paths as data_paths
 from pacs_jax.errors import UsageError, run_cli
-from pacs_jax.evaluation import evaluate_sets, load_eval_sets, write_outputs
-from pacs_jax.rewards import RewardPool
+from pacs_jax.evaluation import EvalSet, evaluate_sets, load_eval_sets, write_outputs
+from pacs_jax.evaluation.target import Target
+from pacs_jax.evaluation.target import resolve as resolve_target
+from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import make_mesh
+
+HELD_OUT = "held_out"  # config.sets: the training run's held-out problems (its workdir's config.json)
 
 
 def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
-    """Evaluate ``checkpoint`` as ``config`` (configs/eval.py) says; write the outputs; return the metrics."""
-    checkpoint = pathlib.Path(checkpoint)
-    output_dir = pathlib.Path(config.output_dir or checkpoint / "eval")
-    eval_sets = load_eval_sets(config.sets, dict(config.set_files), config.data_dir, config.max_problems)
-    tokenizer_dir = pathlib.Path(config.tokenizer or checkpoint)
-    if not (tokenizer_dir / "tokenizer_config.json").is_file():
-        raise UsageError(f"{tokenizer_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
+    """Evaluate ``checkpoint`` (an HF folder, a pacs_jax checkpoint or a training workdir:
+    evaluation/target.py) as ``config`` (configs/eval.py) says; write the outputs; return the metrics."""
+    target = resolve_target(checkpoint)
+    if target.note:
+        print(f"pacs_jax.evaluate: {target.note}", flush=True)
+    training = target.training_config
+    output_dir = pathlib.Path(config.output_dir) if config.output_dir else target.default_output_dir()
+    names = [n.strip() for n in config.sets.split(",") if n.strip()] if isinstance(config.sets, str) \
+        else list(config.sets)
+    files = [n for n in names if n != HELD_OUT]
+    eval_sets = load_eval_sets(files, dict(config.set_files), config.data_dir, config.max_problems) if files else []
+    if HELD_OUT in names:
+        eval_sets.append(_held_out_set(training, checkpoint, config.max_problems))
+    tokenizer, tokenizer_source = _tokenizer(config, target)
+    if tokenizer_source:
+        print(f"pacs_jax.evaluate: tokenizer {tokenizer_source}", flush=True)
+    # the prompt the model was trained on: the run's data.instruction (the demo's is ""), else the paper's
+    instruction = training["data"].get("instruction", INSTRUCTION) if training else INSTRUCTION
+    if isinstance(tokenizer, CharTokenizer):
+        _check_char_tokenizer(tokenizer, eval_sets, instruction)
     mesh = make_mesh(**config.mesh) if config.use_mesh else None
-    model = checkpoints.from_pretrained(checkpoint, dtype=config.dtype, mesh=mesh)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    model = checkpoints.from_pretrained(target.model_dir, dtype=config.dtype, mesh=mesh)
     with RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
         rows, metrics = evaluate_sets(
             model, tokenizer, eval_sets, n=config.n, temperature=config.temperature, top_p=config.top_p,
             top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed,
             stop_token_ids=tuple(config.stop_token_ids), batch_size=config.batch_size,
-            slots=config.slots if config.sampler == "continuous" else None,
+            slots=config.slots if config.sampler == "continuous" else None, instruction=instruction,
             max_prompt_length=config.max_prompt_length, reward_pool=pool, progress=config.progress)
     write_outputs(output_dir, rows, metrics)
     for eval_set in eval_sets:
@@ -54,10 +85,61 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     return metrics
 
 
+def _tokenizer(config, target: Target):
+    """(tokenizer, where it came from or "" for the model folder's own files): ``config.tokenizer``, else
+    the tokenizer files in the model folder, else the training run's ``data.tokenizer`` (the run's
+    config.json in its workdir; the demo's "char" tokenizer has no files)."""
+    if config.tokenizer:
+        return load_tokenizer(config.tokenizer), ""
+    if (target.model_dir / "tokenizer_config.json").is_file():
+        return load_tokenizer(target.model_dir), ""
+    recorded = (target.training_config or {}).get("data", {}).get("tokenizer")
+    if recorded == CHAR_TOKENIZER:
+        return load_tokenizer(CHAR_TOKENIZER), f'"{CHAR_TOKENIZER}" (the training run\'s data.tokenizer)'
+    if recorded:
+        folder = pathlib.Path(data_paths.resolve(recorded))
+        if (folder / "tokenizer_config.json").is_file():
+            return load_tokenizer(folder), f"{folder} (the training run's data.tokenizer)"
+        raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json), and the training run's "
+                         f"data.tokenizer {recorded!r} has none either; pass --config.tokenizer=DIR")
+    raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
+
+
+def _held_out_set(training: dict | None, checkpoint, max_problems: int) -> EvalSet:
+    """The training run's held-out problems (data.held_out_problems; the demo's "held_out" set), rebuilt
+    from its recorded config as the trainer split them, scored by its reward."""
+    if training is None:
+        raise UsageError(f"config.sets: {HELD_OUT!r} is the held-out split of a training run, but --checkpoint="
+                         f"{checkpoint} is in no training workdir (no config.json of a run beside checkpoints/)")
+    if not training["data"].get("held_out_problems"):
+        raise UsageError(f"config.sets: {HELD_OUT!r}: the training run set no problems aside "
+                         "(data.held_out_problems is 0)")
+    _, _, held_out, _ = training_problems(training["data"], seed=training["seed"])
+    problems = [dataclasses.replace(p, data_source=HELD_OUT) for p in held_out]
+    problems = problems[:max_problems] if max_problems > 0 else problems
+    reward = training.get("reward", {})
+    return EvalSet(HELD_OUT, problems, reward_for(reward.get("name", "math"), reward.get("mode", "strict")))
+
+
+def _check_char_tokenizer(tokenizer: CharTokenizer, eval_sets, instruction: str) -> None:
+    """The character tokenizer knows the demo's alphabet only: a set with other characters (MATH-500's
+    LaTeX) is refused before the model loads, naming the set, the problem and the characters."""
+    for eval_set in eval_sets:
+        for problem in eval_set.problems:
+            text = render_prompt(tokenizer, problem.problem, instruction)
+            unknown = sorted(set(text) - set(tokenizer.stoi))
+            if unknown:
+                raise UsageError(
+                    f"evaluation set {eval_set.name!r}: problem {problem.index} has characters {unknown} that the "
+                    f"character tokenizer (data.tokenizer \"{CHAR_TOKENIZER}\", the demo's) cannot encode; a demo "
+                    f"model is evaluated on its own task: --config.sets={HELD_OUT}")
+
+
 def _cli() -> None:
     """Flags are defined here, not at import, so importing this module (tests call ``run``) defines none."""
     config_flag = config_flags.DEFINE_config_file("config", None, "evaluation config file (configs/eval.py)")
-    checkpoint_flag = flags.DEFINE_string("checkpoint", None, "HF model folder or pacs_jax checkpoint folder")
+    checkpoint_flag = flags.DEFINE_string("checkpoint", None, "HF model folder, pacs_jax checkpoint folder, or a "
+                                                              "training workdir (its newest checkpoint)")
     flags.mark_flags_as_required(["config", "checkpoint"])
 
     def main(argv: Sequence[str]) -> None:

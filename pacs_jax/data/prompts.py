@@ -9,6 +9,7 @@ import dataclasses
 import pathlib
 from collections.abc import Sequence
 
+from pacs_jax.data import paths
 from pacs_jax.data.char_tokenizer import CharTokenizer
 from pacs_jax.data.records import Problem
 
@@ -31,7 +32,8 @@ def load_tokenizer(path: str | pathlib.Path):
         return CharTokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(paths.resolve(path)))  # relative: the working directory's, else
+                                                                    # the repository root's (data/paths.py)
 
 
 def user_message(problem: str, instruction: str = INSTRUCTION) -> str:

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from pacs_jax.data import paths
 from pacs_jax.data.fields import FORMATS, ReadStats, convert_rows
 from pacs_jax.data.records import DataError, Problem
 from pacs_jax.data.tfds_source import read_tfds
@@ -37,9 +38,9 @@ def load_problems(spec: str | pathlib.Path, format: str = "auto", data_source: s
 def read_problems(path: str | pathlib.Path, format: str = "auto", data_source: str | None = None,
                   on_error: str = "raise") -> tuple[list[Problem], ReadStats]:
     """Read ``path`` (a .jsonl / .json / .parquet file, or a folder of them read in name order)."""
-    path = pathlib.Path(path)
+    path = pathlib.Path(paths.resolve(path))  # a relative path missing here: the repository root's (data/paths.py)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+        raise FileNotFoundError(paths.missing(path))
     files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES) if path.is_dir() else [path]
     if not files:
         raise DataError(f"{path}: no {'/'.join(SUFFIXES)} files in this folder")

@@ -19,7 +19,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pacs_jax import sampling
-from pacs_jax.data import INSTRUCTION, Problem, build_prompts, load_problems
+from pacs_jax.data import INSTRUCTION, Problem, build_prompts, load_problems, paths
+from pacs_jax.errors import UsageError
 from pacs_jax.evaluation.pass_at_k import pass_at_k_metrics
 from pacs_jax.rewards import RewardPool
 
@@ -38,6 +39,8 @@ class EvalSet:
 def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_dir: str | pathlib.Path = ".",
                    max_problems: int = 0) -> list[EvalSet]:
     """The named sets; ``files[name]`` is a path relative to ``data_dir`` (or absolute, or ``tfds:NAME``).
+    A relative path not found from the working directory is read from the repository root (the default
+    data_dir "data" is the repository's); found in neither, a ``UsageError`` names it and both places.
 
     max_problems > 0 keeps the first max_problems problems of each set.
     """
@@ -49,7 +52,12 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
         if name not in files:
             raise ValueError(f"evaluation set {name!r} has no entry in config.set_files (known: {sorted(files)})")
         spec = files[name]
-        spec = spec if spec.startswith("tfds:") else str(pathlib.Path(data_dir) / spec)
+        if not spec.startswith("tfds:"):
+            path = pathlib.Path(data_dir) / spec
+            spec = str(paths.resolve(path))  # relative: the working directory's, else the repository root's
+            if not pathlib.Path(spec).exists():
+                raise UsageError(f"evaluation set {name!r}: {paths.missing(path)}; set the folder of the sets "
+                                 f"with data_dir (now {str(data_dir)!r})")
         problems, _ = load_problems(spec, data_source=name)
         if max_problems > 0:
             problems = problems[:max_problems]

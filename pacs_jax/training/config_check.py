@@ -1,7 +1,8 @@
 """Validate a training config before anything compiles; every error names its field.
 
 Unknown keys are refused by ml_collections itself (configs are locked; ``--config.train.stepz=1``
-fails naming the key); this module checks values and how they fit together.
+fails naming the key); this module checks values and how they fit together. Relative data paths are
+looked for as the readers look for them (data/paths.py: the working directory, then the repository).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pathlib
 import jax
 import ml_collections
 
-from pacs_jax.data import deepscaler
+from pacs_jax.data import deepscaler, paths
 from pacs_jax.errors import PermanentError
 from pacs_jax.data.prompts import CHAR_TOKENIZER
 from pacs_jax.data.sources import SOURCES
@@ -155,8 +156,8 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(bool(files), "data.train_files", "no training files given (data.source is \"files\")")
         for i, f in enumerate(files):
             path = f.split(":", 1)[-1] if ":" in f and not pathlib.Path(f).exists() else f
-            _require(pathlib.Path(path).exists(), f"data.train_files[{i}]",
-                     f"{path} does not exist{deepscaler.missing_file_hint(path)}")
+            _require(pathlib.Path(paths.resolve(path)).exists(), f"data.train_files[{i}]",
+                     paths.missing(path, deepscaler.missing_file_hint(path)))
     else:
         for field in ("problems", "max_operand"):
             value = dc.arithmetic[field]
@@ -168,7 +169,7 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(dc.warmstart_problems < dc.arithmetic.problems, "data.warmstart_problems",
                  f"{dc.warmstart_problems} leaves RL none of the {dc.arithmetic.problems} training problems "
                  "(data.arithmetic.problems counts the warm-start's too)")
-    _require(dc.tokenizer == CHAR_TOKENIZER or (bool(dc.tokenizer) and pathlib.Path(dc.tokenizer).is_dir()),
+    _require(dc.tokenizer == CHAR_TOKENIZER or (bool(dc.tokenizer) and pathlib.Path(paths.resolve(dc.tokenizer)).is_dir()),
              "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\")")
 
 
@@ -229,7 +230,7 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
         spec = ec.set_files[name]
         if not spec.startswith("tfds:"):
             path = pathlib.Path(ec.data_dir) / spec
-            _require(path.exists(), f"eval.set_files.{name}", f"{path} does not exist")
+            _require(pathlib.Path(paths.resolve(path)).exists(), f"eval.set_files.{name}", paths.missing(path))
     _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
     for field in ("max_new_tokens", "batch_size", "slots"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
