@@ -10,8 +10,10 @@
 #   other clusters: run on every node with the same --coordinator (node 0's address; PORT + 1 must be
 #                   free too) and --num_processes, and each node's --process_id
 #
-# Sets up .venv (pacs_jax + jax[cuda12]) on first use, then runs pacs_jax.train under
-# launch/supervise.sh (restarts after a crash; the run resumes from its workdir) unless --no-supervise.
+# Sets up .venv (pacs_jax + jax[cuda12]) on first use, and installs jax[cuda12] into an existing .venv
+# that has only the CPU build of JAX (requirements.txt pins it: a .venv made for the tests or the demo);
+# then checks that JAX in .venv sees the GPUs and runs pacs_jax.train under launch/supervise.sh
+# (restarts after a crash; the run resumes from its workdir) unless --no-supervise.
 # --dry-run prints the commands instead of running them.
 set -euo pipefail
 
@@ -38,10 +40,30 @@ done
 [ -n "$config" ] || die "--config is required (e.g. configs/paper.py:qwen25_3b,pacs_beta1)"
 
 cd "$(dirname "$0")/.."
+jax_version=0.10.2
+# has_cuda_jax: .venv's JAX has a CUDA plugin of its own version (jax[cuda12], or jax[cuda13] installed by hand)
+has_cuda_jax() {
+  [ -x .venv/bin/python ] && .venv/bin/python - <<'PY' 2>/dev/null
+import importlib.metadata as m, sys
+jax = m.version("jax")
+plugins = []
+for name in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+    try:
+        plugins.append(m.version(name))
+    except m.PackageNotFoundError:
+        pass
+sys.exit(0 if jax in plugins else 1)
+PY
+}
 if [ ! -x .venv/bin/python ]; then
   run python3 -m venv .venv
-  run .venv/bin/pip install -q -r requirements.txt -e . 'jax[cuda12]==0.10.2'
 fi
+if ! has_cuda_jax; then  # a new .venv, or one with the CPU build only
+  run .venv/bin/pip install -q -r requirements.txt -e . "jax[cuda12]==$jax_version"
+fi
+# the GPUs must be what JAX runs on: a CPU fallback would train a 7B for weeks without a word
+run .venv/bin/python -c "import jax, sys; b = jax.default_backend(); sys.exit(0 if b == 'gpu' else \
+f'gpu_node.sh: JAX in .venv runs on {b}, not on GPUs (driver, CUDA_VISIBLE_DEVICES?): {jax.devices()}')"
 
 train=(.venv/bin/python -m pacs_jax.train "--config=$config")
 [ -z "$workdir" ] || train+=("--workdir=$workdir")

@@ -7,7 +7,8 @@
 #   create   create the slice (on-demand, spot or queued resource); a queued resource that ends
 #            FAILED is deleted and requested again (--retries)
 #   setup    on every worker (--worker=all): uv, Python 3.11, a clone of --repo at --ref, pacs_jax
-#            and jax[tpu] in ~/pacs_jax/.venv
+#            and jax[tpu] in ~/pacs_jax/.venv, and the training data, data/deepscaler/train.jsonl
+#            (--data: made by tools/prepare_data.py deepscaler, or copied from gs://)
 #   run      create and set up if needed, then start `python -m pacs_jax.train --multihost` on every
 #            worker with the same flags, under launch/supervise.sh (restarts after a crash; the run
 #            resumes from its workdir), and stream worker 0's log. With --keep-alive it then watches
@@ -18,7 +19,7 @@
 #   status   the slice's state and the last lines of worker 0's log
 #
 # Every argument is checked before anything is created (`run` needs --config, and --repo or an
-# 'origin' remote). `create` (also when `run` or --keep-alive creates) records how it created the
+# 'origin' remote that is a URL the workers can clone, not a local path). `create` (also when `run` or --keep-alive creates) records how it created the
 # slice (--mode, --spot, --accelerator, --runtime-version) in a state file, one key=value a line:
 # $PACS_TPU_POD_STATE_DIR (default ~/.local/state/pacs_jax/tpu_pod)/PROJECT_ZONE_NAME (PROJECT:
 # --project or "default"). Later commands on that slice use the recorded values for the options they
@@ -33,7 +34,12 @@
 #   --mode MODE            on-demand (default), spot or queued (a queued resource, spot with --spot)
 #   --spot                 with --mode queued: a spot queued resource
 #   --retries N            create attempts (default 5)
-#   --repo URL --ref REF   what to install (default: this checkout's origin remote and its HEAD commit)
+#   --repo URL --ref REF   what to install (default: this checkout's origin remote, when it is a URL,
+#                          and its HEAD commit)
+#   --data SOURCE          (setup, run) the paper configs' training set, data/deepscaler/train.jsonl, on
+#                          every worker: deepscaler (default: tools/prepare_data.py deepscaler downloads
+#                          it from the Hugging Face hub where it is missing), gs://.../train.jsonl (copied),
+#                          or none (the run's --config.data.train_files are on the workers already)
 #   --config SPEC          e.g. configs/paper.py:qwen25_7b,pacs_beta1
 #   --workdir DIR          the run's workdir; use gs://BUCKET/... so checkpoints outlive the slice
 #   --keep-alive           (run) re-create and restart after preemption
@@ -58,7 +64,7 @@ case "$1" in
 esac
 
 name="" zone="" project="" accelerator="" runtime="" mode="" spot="" retries=5
-repo="" ref="" config="" workdir="" keep_alive=0 dry_run=0
+repo="" ref="" config="" workdir="" data=deepscaler keep_alive=0 dry_run=0
 train_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -74,6 +80,7 @@ while [ $# -gt 0 ]; do
     --ref) ref=${2:?--ref needs a value}; shift 2 ;;
     --config) config=${2:?--config needs a value}; shift 2 ;;
     --workdir) workdir=${2:?--workdir needs a value}; shift 2 ;;
+    --data) data=${2:?--data needs a value}; shift 2 ;;
     --keep-alive) keep_alive=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
@@ -88,12 +95,21 @@ done
 if [ "$command" = run ] && [ -z "$config" ]; then
   die "--config is required for run (e.g. configs/paper.py:qwen25_7b,pacs_beta1)"
 fi
+# clonable URL: what a worker can clone (scheme://host/path or user@host:path), not a path on this machine
+clonable() { [[ "$1" =~ ^(https?|ssh|git)://[^/]+/. ]] || [[ "$1" =~ ^[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^/] ]]; }
 if [ "$command" = run ] || [ "$command" = setup ]; then  # what setup installs, before any slice exists
   if [ -z "$repo" ]; then
     repo=$(git -C "$(dirname "$0")/.." remote get-url origin 2>/dev/null) \
       || die "--repo is required (this checkout has no 'origin' remote)"
+    clonable "$repo" || die "--repo is required: this checkout's 'origin' remote is a local path ($repo), which" \
+      "the workers cannot clone; pass --repo URL (https://..., ssh://... or git@host:org/repo.git)"
   fi
+  clonable "$repo" || die "--repo '$repo': not a URL the workers can clone (https://..., ssh://... or git@host:path)"
   [ -n "$ref" ] || ref=$(git -C "$(dirname "$0")/.." rev-parse HEAD 2>/dev/null) || ref=main
+  case "$data" in
+    deepscaler|none|gs://?*) ;;
+    *) die "--data must be deepscaler, none or gs://BUCKET/.../train.jsonl, not '$data'" ;;
+  esac
 fi
 
 # How the slice was created (see the header): the recorded values fill in the options not given.
@@ -226,6 +242,12 @@ setup() {  # $repo and $ref were resolved with the arguments
     # gcsfs: gs:// workdirs
     "uv pip install --python .venv/bin/python -r requirements.txt -e . 'jax[tpu]==$jax_version' gcsfs"
   )
+  # the training data the paper configs read (data/deepscaler/train.jsonl), on every worker
+  case "$data" in
+    deepscaler) steps+=("[ -f data/deepscaler/train.jsonl ] || .venv/bin/python tools/prepare_data.py deepscaler") ;;
+    gs://*) steps+=("mkdir -p data/deepscaler"
+                    "gcloud storage cp $(printf '%q' "$data") data/deepscaler/train.jsonl") ;;
+  esac
   local script
   script=$(printf '%s; ' "${steps[@]}")
   on_workers "$script"

@@ -209,3 +209,88 @@ def test_tpu_pod_dry_run_create_says_what_it_would_record(tmp_path):
     assert run.returncode == 0
     assert f"would record in {tmp_path / 'default_z_n'}: mode=queued spot=0 accelerator=v5p-64" in run.stderr
     assert not any(tmp_path.iterdir())
+
+
+def _checkout(tmp_path, origin: str | None) -> pathlib.Path:
+    """A copy of the launch scripts in a fresh git checkout whose 'origin' remote is ``origin``."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "launch", checkout / "launch")
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True, timeout=60)
+    if origin is not None:
+        subprocess.run(["git", "-C", str(checkout), "remote", "add", "origin", origin], check=True, timeout=60)
+    return checkout
+
+
+def _setup_command(run: subprocess.CompletedProcess) -> str:
+    """The script `setup` runs on every worker (the --command of its `ssh --worker=all`)."""
+    (ssh,) = [c for c in _gcloud_lines(run) if c[3:5] == ["tpu-vm", "ssh"] and "uv venv" in " ".join(c)]
+    assert "--worker=all" in ssh
+    (command,) = [arg.split("=", 1)[1] for arg in ssh if arg.startswith("--command=")]
+    return command
+
+
+@pytest.mark.parametrize("command", ["setup", "run"])
+def test_tpu_pod_does_not_default_repo_to_a_local_origin(tmp_path, command):
+    """Issue 28 item 9: an 'origin' that is a path on this machine cannot be cloned by the workers; the
+    error says to pass --repo URL, before anything is created. A URL origin is still the default."""
+    args = ["--dry-run", "--name", "n", "--zone", "z", "--config", "configs/paper.py:qwen25_7b,pacs_beta1"]
+    state = {**os.environ, "PACS_TPU_POD_STATE_DIR": str(tmp_path / "state")}
+    for local in ("/home/me/src/pacs_jax", "../pacs_jax", "file:///home/me/pacs_jax.git"):
+        checkout = _checkout(tmp_path / local.replace("/", "_"), local)
+        run = subprocess.run(["bash", str(checkout / "launch" / "tpu_pod.sh"), command, *args], capture_output=True,
+                             text=True, timeout=60, cwd=checkout, env=state)
+        assert run.returncode == 2 and _gcloud_lines(run) == [], run.stderr
+        assert (f"--repo is required: this checkout's 'origin' remote is a local path ({local}), which the workers "
+                "cannot clone; pass --repo URL") in run.stderr
+    checkout = _checkout(tmp_path / "url", "git@github.com:org/pacs_jax.git")
+    run = subprocess.run(["bash", str(checkout / "launch" / "tpu_pod.sh"), command, *args], capture_output=True,
+                         text=True, timeout=60, cwd=checkout, env=state)
+    assert run.returncode == 0, run.stderr
+    assert "git clone git@github.com:org/pacs_jax.git ~/pacs_jax" in _setup_command(run)
+    given = _tpu_pod(tmp_path / "state", command, *args, "--repo", "/home/me/src/pacs_jax")
+    assert given.returncode == 2 and "--repo '/home/me/src/pacs_jax': not a URL the workers can clone" in given.stderr
+    assert _gcloud_lines(given) == []
+
+
+def test_tpu_pod_setup_puts_the_training_data_on_every_worker(tmp_path):
+    """Issue 28 item 9: the README's pod commands never made data/deepscaler/train.jsonl on the workers,
+    so every host stopped with a config error. `setup` (also when `run` creates the slice) now makes it
+    with tools/prepare_data.py where it is missing, or copies --data gs://...; --dry-run shows the step."""
+    base = ["--dry-run", "--name", "n", "--zone", "z", "--repo", "https://example.org/p.git"]
+    made = _setup_command(_tpu_pod(tmp_path, "setup", *base))
+    step = "[ -f data/deepscaler/train.jsonl ] || .venv/bin/python tools/prepare_data.py deepscaler"
+    assert made.endswith(step + "; ") and made.index("uv pip install") < made.index(step)
+    run = _tpu_pod(tmp_path, "run", *base, "--config", "configs/paper.py:qwen25_7b,pacs_beta1")
+    assert run.returncode == 0 and step in _setup_command(run)  # a new slice is set up with its data
+    copied = _setup_command(_tpu_pod(tmp_path, "setup", *base, "--data", "gs://bucket/deep scaler/train.jsonl"))
+    assert "gcloud storage cp gs://bucket/deep\\ scaler/train.jsonl data/deepscaler/train.jsonl" in copied
+    assert "prepare_data" not in copied
+    none = _setup_command(_tpu_pod(tmp_path, "setup", *base, "--data", "none"))
+    assert "prepare_data" not in none and "gcloud storage" not in none
+    bad = _tpu_pod(tmp_path, "run", *base, "--config", "configs/paper.py:qwen25_7b,pacs_beta1", "--data", "s3://b/x")
+    assert bad.returncode == 2 and "--data must be deepscaler, none or gs://" in bad.stderr and _gcloud_lines(bad) == []
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("cuda_jax", [False, True])
+def test_gpu_node_installs_cuda_jax_into_an_existing_cpu_venv(tmp_path, cuda_jax):
+    """Issue 28 item 9: an existing .venv (made for the tests or the demo: requirements.txt's CPU JAX)
+    was used as it was, and the run trained on the CPU. Now jax[cuda12] is installed unless .venv's JAX
+    has a CUDA plugin of its version, and the GPU backend is checked before the trainer starts."""
+    checkout = _checkout(tmp_path, None)
+    python = checkout / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/usr/bin/env bash\nexit {0 if cuda_jax else 1}\n")  # the plugin check's answer
+    python.chmod(0o755)
+    run = subprocess.run(["bash", str(checkout / "launch" / "gpu_node.sh"), "--dry-run", "--config",
+                          "configs/paper.py:qwen25_3b,grpo"], capture_output=True, text=True, timeout=60,
+                         env=_env(SLURM_NTASKS="1"))
+    assert run.returncode == 0, run.stderr
+    lines = [shlex.split(line) for line in run.stdout.splitlines()]
+    installs = [line for line in lines if line[:2] == [".venv/bin/pip", "install"]]
+    assert installs == ([] if cuda_jax else [[".venv/bin/pip", "install", "-q", "-r", "requirements.txt", "-e", ".",
+                                              "jax[cuda12]==0.10.2"]])
+    check, train = lines[-2], lines[-1]
+    assert check[:2] == [".venv/bin/python", "-c"] and "jax.default_backend()" in check[2] and "'gpu'" in check[2]
+    assert train[:4] == ["bash", "launch/supervise.sh", "--", ".venv/bin/python"]
+    assert not any(line[:3] == ["python3", "-m", "venv"] for line in lines)  # the .venv is kept
