@@ -94,6 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
         lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0,
         clip_range_value=0.5,     # value clip around the values at rollout time
         gamma=1.0, lam=1.0,       # GAE discount and lambda (the 0/1 reward sits on each response's last token)
+        # the value loss's aggregation: "actor" takes the actor's loss_agg_mode (and norm_length), as verl's
+        # critic does (critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}); or a mode of its own
+        loss_agg_mode="actor",
         loss_scale="mean",        # value loss over the mini-batch ("mean") or at verl's micro-batch scale ("verl")
         verl_micro_batch_size=0,  # with loss_scale "verl": verl's critic ppo_micro_batch_size_per_gpu
     ))

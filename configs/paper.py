@@ -22,7 +22,8 @@ GRPO (verl defaults): PPO-clip 0.2 with dual clip 3, seq-mean-token-sum-norm at 
 PPO (the authors' scripts/baseline/ppo.sh on verl 0.3.1): the actor as GRPO's (clip 0.2, dual clip 3,
 seq-mean-token-sum-norm at verl's scale, grad clip 1.0) on GAE advantages (gamma = lam = 1) of a
 critic initialised from the same model: AdamW lr 1e-5, value clip 0.5, grad clip 1.0, its value loss
-at verl's scale (micro-batches of 8 responses).
+(verl's, without a 1/2) aggregated as the actor's (seq-mean-token-sum-norm, L_max 4096) at verl's scale
+(micro-batches of 8 responses).
 """
 
 import ml_collections
@@ -75,9 +76,11 @@ ALGORITHMS = {
     "ppo": ("ppo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
                         clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
-# PPO's critic (verl 0.3.1's defaults and ppo.sh's critic.optim.lr / critic.ppo_micro_batch_size_per_gpu)
+# PPO's critic (the authors' configs/ppo_trainer.yaml and ppo.sh's critic.optim.lr /
+# critic.ppo_micro_batch_size_per_gpu): its value loss aggregated as the actor's (critic.loss_agg_mode:
+# ${actor_rollout_ref.actor.loss_agg_mode}, i.e. seq-mean-token-sum-norm over L_max 4096) at verl's scale
 PPO_CRITIC = dict(path="", lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0, clip_range_value=0.5,
-                  gamma=1.0, lam=1.0, loss_scale="verl", verl_micro_batch_size=8)
+                  gamma=1.0, lam=1.0, loss_agg_mode="actor", loss_scale="verl", verl_micro_batch_size=8)
 
 
 def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:

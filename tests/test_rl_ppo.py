@@ -1,5 +1,7 @@
 """PPO with a critic: GAE, the dual-clip policy loss on per-token advantages and the clipped value
-loss, against float64 NumPy transcriptions of verl 0.3.1's formulas (token loops, no vectorisation)."""
+loss, against float64 NumPy transcriptions of verl 0.3.1's formulas (token loops, no vectorisation);
+the critic's against the verl copy the PACS authors bundle (src/verl, 0.3.1.dev): its value loss
+without a 1/2, its mask shifted by one slot and its aggregation inherited from the actor."""
 
 import itertools
 
@@ -134,18 +136,117 @@ def test_ppo_policy_loss_matches_numpy(mode):
     assert 0 < float(metrics["ppo/clipfrac"]) < 1 and 0 < float(metrics["ppo/clipfrac_dual"]) < 1
 
 
-def test_value_loss_matches_numpy():
-    mask, *_, old_values, returns, vpreds = ppo_batch(seed=2)
-    assert (np.abs(vpreds - old_values)[mask > 0] > 0.5).any()
-    fn = lambda v: rl.value_loss(v, jnp.asarray(old_values), jnp.asarray(returns), jnp.asarray(mask))  # noqa: E731
-    (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(vpreds))
+def verl_critic_mini_batch_loss(vpreds, values, returns, attention_mask, mode, micro_batch_size, ranks,
+                                cliprange_value=0.5):
+    """The loss whose gradient the authors' verl (src/verl, 0.3.1.dev) applies to its critic for one
+    mini-batch, float64 and written out from its sources: dp_critic.update_critic gives each of
+    ``ranks`` ranks a contiguous share, splits it into micro-batches of ``micro_batch_size``
+    (critic.ppo_micro_batch_size_per_gpu) and back-propagates vf_loss / gradient_accumulation of each
+    (the ranks' gradients are averaged); its mask is ``attention_mask[:, -R - 1:-1]``;
+    core_algos.compute_value_loss is agg_loss(max((vpred - ret)^2, (clip(vpred, v -/+ 0.5) - ret)^2))
+    with no 1/2; agg_loss's seq-mean-token-sum-norm divides by the mask's width."""
+    vpreds, values, returns = (np.asarray(a, np.float64) for a in (vpreds, values, returns))
+    R = vpreds.shape[1]
+    response_mask = np.asarray(attention_mask, np.float64)[:, -R - 1:-1]
+    per_rank = len(vpreds) // ranks
+    gradient_accumulation = per_rank // micro_batch_size
+    rank_losses = []
+    for r in range(ranks):
+        total = 0.0
+        for start in range(r * per_rank, (r + 1) * per_rank, micro_batch_size):
+            rows = slice(start, start + micro_batch_size)
+            vp, v, ret, m = vpreds[rows], values[rows], returns[rows], response_mask[rows]
+            clipped = np.minimum(np.maximum(vp, v - cliprange_value), v + cliprange_value)
+            losses = np.maximum((vp - ret) ** 2, (clipped - ret) ** 2)
+            if mode == "token-mean":
+                vf_loss = (losses * m).sum() / m.sum()
+            elif mode == "seq-mean-token-sum":
+                vf_loss = (losses * m).sum(axis=-1).mean()
+            elif mode == "seq-mean-token-mean":
+                vf_loss = ((losses * m).sum(axis=-1) / m.sum(axis=-1)).mean()
+            else:  # seq-mean-token-sum-norm
+                vf_loss = (losses * m).sum(axis=-1).sum() / m.shape[-1]
+            total += vf_loss / gradient_accumulation
+        rank_losses.append(total)
+    return np.mean(rank_losses)
 
-    def reference(v):  # 0.5 * masked token mean (verl 0.3.1)
-        losses = ref_value_token_losses(v, old_values, returns)
-        return 0.5 * (losses * mask).sum() / mask.sum()
 
+def critic_batch(seed, B=16, P=3):
+    """A ragged update batch as the trainer lays it out: attention_mask [B, P + T] (left-padded prompts,
+    right-padded responses, one of them of all T tokens, one of a single token), the rollout's values,
+    returns and the current predictions [B, T] (some beyond the 0.5 value clip)."""
+    mask, *_, old_values, returns, vpreds = ppo_batch(seed, B)
+    prompt = np.zeros((B, P), np.int32)
+    for i in range(B):
+        prompt[i, P - 1 - i % P:] = 1
+    return np.concatenate([prompt, mask.astype(np.int32)], axis=1), mask, old_values, returns, vpreds
+
+
+@pytest.mark.parametrize("mode", rl.LOSS_AGG_MODES)
+def test_value_loss_and_gradient_equal_the_authors_verl_critic(mode):
+    """Issue 26 item 4: rl.value_loss over rl.value_mask, with no 1/2, equals the float64 statement of
+    the authors' verl critic loss, value and gradient w.r.t. the predictions, for each aggregation at
+    verl's scale (2 ranks x 2 micro-batches of 4 responses) and at the "mean" scale (verl with one
+    micro-batch of the whole batch for token-mean; seq-mean-token-sum-norm then has a 1/B)."""
+    attention_mask, response_mask, old_values, returns, vpreds = critic_batch(seed=5)
+    critic_mask = attention_mask[:, -T - 1:-1].astype(np.float32)  # verl's (what rl.value_mask gives, below)
+    assert (np.abs(vpreds - old_values)[critic_mask > 0] > 0.5).any()
+    for scale, micro, ranks in (("verl", 4, 2), ("mean", 16, 1)):
+        def ours(v):
+            return rl.value_loss(v, jnp.asarray(old_values), jnp.asarray(returns), jnp.asarray(critic_mask),
+                                 loss_agg_mode=mode, loss_scale=scale, verl_micro_batch_size=micro)[0]
+
+        def reference(v):
+            whole = verl_critic_mini_batch_loss(v, old_values, returns, attention_mask, mode, micro, ranks)
+            return whole / len(v) if scale == "mean" and mode == "seq-mean-token-sum-norm" else whole
+
+        loss, grad = jax.value_and_grad(ours)(jnp.asarray(vpreds))
+        np.testing.assert_allclose(float(loss), reference(vpreds), rtol=2e-5, atol=1e-7, err_msg=scale)
+        np.testing.assert_allclose(np.asarray(grad), numeric_gradient(reference, vpreds), rtol=1e-4, atol=1e-7,
+                                   err_msg=scale)
+
+
+def test_value_mask_is_verls_shifted_attention_mask():
+    """rl.value_mask is verl's critic mask: the response mask shifted right by one slot with a 1 in
+    front, so one slot more after each response shorter than T (the state after its last token; value
+    read at that last token) and the response mask itself for a response of all T tokens."""
+    attention_mask, response_mask, *_ = critic_batch(seed=5)
+    critic_mask = np.asarray(rl.value_mask(jnp.asarray(attention_mask), T))
+    np.testing.assert_array_equal(critic_mask, attention_mask[:, -T - 1:-1])
+    lengths = response_mask.sum(axis=1).astype(int)
+    np.testing.assert_array_equal(critic_mask, (np.arange(T)[None] <= np.minimum(lengths, T - 1)[:, None]))
+    assert (lengths == T).any() and (lengths < T).any()
+
+
+def test_value_loss_norm_length_is_verls_padded_width():
+    """seq-mean-token-sum-norm over norm_length W equals verl's agg_loss on the batch padded to W (its
+    divisor is the mask's width, data.max_response_length), where no response fills the T slots."""
+    attention_mask, response_mask, old_values, returns, vpreds = critic_batch(seed=6)
+    keep = response_mask.sum(axis=1) < T
+    attention_mask, old_values, returns, vpreds = attention_mask[keep][:8], old_values[keep][:8], \
+        returns[keep][:8], vpreds[keep][:8]
+    W = 3 * T
+    pad = lambda a: np.pad(a, ((0, 0), (0, W - T)))  # noqa: E731
+    critic_mask = jnp.asarray(attention_mask[:, -T - 1:-1], jnp.float32)
+
+    def ours(v):
+        return rl.value_loss(v, jnp.asarray(old_values), jnp.asarray(returns), critic_mask,
+                             loss_agg_mode="seq-mean-token-sum-norm", norm_length=W, loss_scale="verl",
+                             verl_micro_batch_size=4)[0]
+
+    def reference(v):
+        return verl_critic_mini_batch_loss(pad(v), pad(old_values), pad(returns), pad(attention_mask),
+                                           "seq-mean-token-sum-norm", 4, ranks=1)
+
+    loss, grad = jax.value_and_grad(ours)(jnp.asarray(vpreds))
     np.testing.assert_allclose(float(loss), reference(vpreds), rtol=2e-5)
     np.testing.assert_allclose(np.asarray(grad), numeric_gradient(reference, vpreds), rtol=1e-4, atol=1e-7)
+
+
+def test_value_loss_metrics_and_checks():
+    attention_mask, _, old_values, returns, vpreds = critic_batch(seed=2)
+    mask = attention_mask[:, -T - 1:-1].astype(np.float32)
+    _, metrics = rl.value_loss(*map(jnp.asarray, (vpreds, old_values, returns, mask)))
     live = mask > 0
     unclipped = (vpreds - returns) ** 2
     clipped = (np.clip(vpreds, old_values - 0.5, old_values + 0.5) - returns) ** 2
@@ -155,3 +256,68 @@ def test_value_loss_matches_numpy():
                                rtol=1e-4)
     with pytest.raises(ValueError, match="clip_range_value=0"):
         rl.value_loss(*map(jnp.asarray, (vpreds, old_values, returns, mask)), clip_range_value=0)
+
+
+def ref_gae_verl(token_rewards, values, response_mask, critic_mask, gamma, lam):
+    """The authors' verl core_algos.compute_gae_advantage_return in float64, on values as its critic
+    hands them over (times attention_mask[:, -R - 1:-1]): the recursion over every slot, no mask in
+    it, then masked_whiten over the response mask (unbiased variance)."""
+    values = np.asarray(values, np.float64) * critic_mask
+    B, R = values.shape
+    adv = np.zeros((B, R))
+    last = np.zeros(B)
+    for t in reversed(range(R)):
+        next_values = values[:, t + 1] if t < R - 1 else 0.0
+        delta = token_rewards[:, t] + gamma * next_values - values[:, t]
+        last = delta + gamma * lam * last
+        adv[:, t] = last
+    returns = adv + values
+    live = adv[response_mask > 0]
+    mean, var = live.mean(), live.var(ddof=1)
+    return (adv - mean) / np.sqrt(var + 1e-8), returns
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.8)])
+def test_gae_on_the_critic_mask_equals_verl(gamma, lam):
+    """With the critic's mask (value_mask) GAE equals verl's for any gamma, lam; the value of the state
+    after the response only matters for lam < 1, and the return there is 0."""
+    attention_mask, response_mask, *_ = critic_batch(seed=7)
+    values = np.random.RandomState(7).randn(*response_mask.shape).astype(np.float32)
+    rewards = (np.arange(len(values)) % 2).astype(np.float32)
+    critic_mask = rl.value_mask(jnp.asarray(attention_mask), T)
+    token_rewards = rl.last_token_rewards(jnp.asarray(rewards), jnp.asarray(response_mask))
+    advantages, returns = rl.compute_gae(token_rewards, jnp.asarray(values), jnp.asarray(response_mask), gamma, lam,
+                                         value_mask=critic_mask)
+    want_adv, want_ret = ref_gae_verl(np.asarray(token_rewards, np.float64), values, response_mask,
+                                      np.asarray(critic_mask), gamma, lam)
+    live, critic_live = response_mask > 0, np.asarray(critic_mask) > 0
+    np.testing.assert_allclose(np.asarray(advantages)[live], want_adv[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(returns)[critic_live], want_ret[critic_live], rtol=1e-5, atol=1e-5)
+    after = critic_live & ~live  # the slot after each response: return 0
+    assert after.any() and np.all(np.asarray(returns)[after] == 0.0)
+    plain_adv, plain_ret = rl.compute_gae(token_rewards, jnp.asarray(values), jnp.asarray(response_mask), gamma, lam)
+    same = np.allclose(np.asarray(plain_adv)[live], want_adv[live], atol=1e-5) and \
+        np.allclose(np.asarray(plain_ret)[live], want_ret[live], atol=1e-5)
+    assert same == (lam == 1.0)
+
+
+def test_paper_ppo_critic_inherits_the_actors_aggregation():
+    """The authors' configs/ppo_trainer.yaml: critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode};
+    ppo.sh sets the actor's to seq-mean-token-sum-norm and critic.ppo_micro_batch_size_per_gpu=8. The paper's
+    "ppo" config ends with the critic aggregating as its actor, at verl's scale over the width 4096; the
+    demo's PPO with its actor's token-mean; an explicit critic.loss_agg_mode wins."""
+    from configs import default, paper
+    from pacs_jax.training.critic_step import config_critic_options
+
+    config = paper.get_config("qwen25_7b,ppo")
+    options = config_critic_options(config)
+    assert config.critic.loss_agg_mode == "actor"
+    assert config.algorithm.options.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert {k: options[k] for k in ("loss_agg_mode", "norm_length", "loss_scale", "verl_micro_batch_size")} == \
+        dict(loss_agg_mode="seq-mean-token-sum-norm", norm_length=4096, loss_scale="verl", verl_micro_batch_size=8)
+    demo = default.get_config()
+    demo.algorithm.objective = "ppo"
+    assert (config_critic_options(demo)["loss_agg_mode"], config_critic_options(demo)["norm_length"]) == \
+        ("token-mean", None)
+    demo.critic.loss_agg_mode = "seq-mean-token-mean"
+    assert config_critic_options(demo)["loss_agg_mode"] == "seq-mean-token-mean"

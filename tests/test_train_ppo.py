@@ -1,7 +1,8 @@
 """PPO in the trainer (training/critic_step.py) on the 8-device mesh: the critic's step (values, GAE,
-its update) against the float64 GAE recursion and value loss of test_rl_ppo on the critic's own values
-computed in one pass; and the paper's PPO setup, shrunk, trains with the critic sharded like the actor,
-compiling nothing after the first step."""
+its update) against the float64 statements of the authors' verl (GAE and critic loss, with its mask
+shifted by one slot) of test_rl_ppo on the critic's own values computed in one pass; and the paper's
+PPO setup, shrunk, trains with the critic sharded like the actor, compiling nothing after the first
+step."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pacs_jax.training.loop import rl_train
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.run import build_model, prompt_source
 from pacs_jax.training.rollout import batch_sharding
-from test_rl_ppo import T, ref_gae
+from test_rl_ppo import T, ref_gae_verl, verl_critic_mini_batch_loss
 from test_train_real_config import deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
 
 CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -53,15 +54,21 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
     rules = actor.rules
     critic_model = value_model_from_actor(actor, seed=1)
     host, lengths, batch = update_batch(rules)
-    # the reference: the critic's values in one plain forward pass (no micro-batches), GAE in float64
+    # the reference: the critic's values in one plain forward pass (no micro-batches) times verl's critic
+    # mask (attention_mask[:, -T - 1:-1]), GAE in float64 as verl computes it
+    critic_mask = host["attention_mask"][:, -T - 1:-1].astype(np.float64)
     values = np.asarray(jax.jit(response_values, static_argnums=3)(critic_model, batch["input_ids"],
                                                                    batch["attention_mask"], T), np.float64)
-    want_adv, want_ret = ref_gae(host["rewards"], values, lengths, GAMMA, LAM)
+    values = values * critic_mask
+    token_rewards = np.zeros((ROWS, T))
+    token_rewards[np.arange(ROWS), lengths - 1] = host["rewards"]
+    want_adv, want_ret = ref_gae_verl(token_rewards, values, host["response_mask"], critic_mask, GAMMA, LAM)
     before = {k: np.asarray(v) for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
     shardings = {k: v.sharding for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
 
     optimizer, _ = make_optimizer(1e-3, grad_clip=1.0)
-    critic = PPOCritic(critic_model, optimizer, rules, gamma=GAMMA, lam=LAM, clip_range_value=0.5, loss_scale="mean",
+    critic = PPOCritic(critic_model, optimizer, rules, gamma=GAMMA, lam=LAM, clip_range_value=0.5,
+                       loss_agg_mode="token-mean", loss_scale="mean",
                        verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
     actor_batch, metrics = critic.step(batch)
 
@@ -70,11 +77,14 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
     assert advantages.sharding == batch_sharding(rules, (ROWS, T)) and advantages.sharding.spec[0] == ("data", "fsdp")
     live = host["response_mask"] > 0
     np.testing.assert_allclose(np.asarray(advantages)[live], want_adv[live], rtol=1e-4, atol=1e-4)
-    # one mini-batch: the loss is read before the update, where the values are the rollout's (no clip);
+    # one mini-batch: the loss is read before the update, where the values are the rollout's (no clip):
+    # verl's critic loss (no 1/2; token-mean over its mask, "mean" scale: one verl micro-batch of all rows);
     # the explained variance is the mean of the 2 micro-batches' (rows 0, 2, ... and 1, 3, ...)
-    residual = want_ret - values
-    np.testing.assert_allclose(float(metrics["value_loss"][0]), 0.5 * np.mean(residual[live] ** 2), rtol=1e-4)
-    explained = [1 - residual[k::2][live[k::2]].var() / want_ret[k::2][live[k::2]].var() for k in range(2)]
+    assert (critic_mask > host["response_mask"]).any()  # slots after responses shorter than T count
+    want_loss = verl_critic_mini_batch_loss(values, values, want_ret, host["attention_mask"], "token-mean", ROWS, 1)
+    np.testing.assert_allclose(float(metrics["value_loss"][0]), want_loss, rtol=1e-4)
+    residual, on = want_ret - values, critic_mask > 0
+    explained = [1 - residual[k::2][on[k::2]].var() / want_ret[k::2][on[k::2]].var() for k in range(2)]
     np.testing.assert_allclose(float(metrics["explained_variance"][0]), np.mean(explained), rtol=1e-4)
     assert float(metrics["value_clip_fraction"][0]) == 0.0 and float(metrics["critic_skipped"][0]) == 0.0
     assert set(metrics) == {"value_loss", "explained_variance", "value_clip_fraction", "critic_grad_norm",
@@ -91,7 +101,8 @@ def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscale
                                                                       tmp_path):
     config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")
     config.data.prompt_buckets, config.rollout.response_buckets = (512,), (8, 16)
-    assert (config.critic.loss_scale, config.critic.verl_micro_batch_size, config.optim.grad_clip) == ("verl", 8, 1.0)
+    assert (config.critic.loss_agg_mode, config.critic.loss_scale, config.critic.verl_micro_batch_size,
+            config.optim.grad_clip) == ("actor", "verl", 8, 1.0)
     validate_config(config)
     mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}

@@ -6,8 +6,18 @@ Batch (the update batch's layout, L = P + R):
   input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
   attention_mask  [B, L]         1 on real tokens
   response_mask   [B, R]         1 on the response tokens
-  old_values      [B, R] float   the critic's values at rollout time (what ``rl.compute_gae`` used)
+  old_values      [B, R] float   the critic's values at rollout time, times ``value_mask`` (what
+                                 ``rl.compute_gae`` used)
   returns         [B, R] float   ``rl.compute_gae``'s returns
+
+Which values are compared with which returns (verl's dp_critic.py in the authors' copy, 0.3.1.dev:
+``values[:, -R - 1:-1]`` in ``_forward_micro_batch``, mask ``attention_mask[:, -R - 1:-1]`` in
+``compute_values`` and ``update_critic``): value t is the critic's output at position P - 1 + t, the
+state in which response token t is chosen (as the log-probs), and it is masked by the attention
+mask at that same position, i.e. the response mask shifted right by one slot with a 1 in front. For
+a response of n < R tokens the value loss so covers t = 0 .. n: the n states before each response
+token and the state after the last one (value read at the last response token, position P - 1 + n),
+whose return is 0 (no reward follows). A response of n = R tokens has no such slot.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.value import ValueModel, response_values
@@ -25,20 +36,30 @@ from pacs_jax.sharding import MeshRules, constrain
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
 
+def value_mask(attention_mask: jax.Array, response_length: int) -> jax.Array:
+    """verl's critic mask: attention_mask [B, P + R] -> [B, R] float32, the attention mask at positions
+    P - 1 .. P + R - 2 (where the values are read): 1 on the response tokens and on the slot after a
+    response shorter than R (see the module docstring)."""
+    return attention_mask[:, -response_length - 1:-1].astype(jnp.float32)
+
+
 def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 1, clip_range_value: float = 0.5,
+                            loss_agg_mode: str = "token-mean", norm_length: int | None = None,
                             loss_scale: str = "mean", verl_micro_batch_size: int = 0,
                             rules: MeshRules | None = None) -> Callable[[nnx.State, Mapping[str, jax.Array]], tuple]:
-    """The pure ``(critic params, batch) -> (loss, metrics, grads)`` of the value loss (token-mean, as
-    verl 0.3.1's critic; ``loss_scale="verl"`` with ``verl_micro_batch_size`` for verl's micro-batch
-    means), accumulated over ``num_micro_batches`` micro-batches of rows. grads: float32, like params.
+    """The pure ``(critic params, batch) -> (loss, metrics, grads)`` of the value loss over verl's
+    critic mask (``value_mask``), aggregated by ``loss_agg_mode`` (the trainer passes the actor's, as
+    verl's critic inherits it; ``norm_length``: L_max of seq-mean-token-sum-norm) at
+    ``loss_scale`` ("verl" with ``verl_micro_batch_size``: verl's mean over micro-batches),
+    accumulated over ``num_micro_batches`` micro-batches of rows. grads: float32, like params.
     """
 
     def micro_loss(params, micro, totals):
         critic = nnx.merge(graphdef, params)
         values = response_values(critic, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1])
         return value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
-                          clip_range_value=clip_range_value, loss_scale=loss_scale,
-                          verl_micro_batch_size=verl_micro_batch_size, totals=totals)
+                          clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode, norm_length=norm_length,
+                          loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size, totals=totals)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -48,6 +69,8 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
         rows = batch["input_ids"].shape[0]
         if num_micro_batches < 1 or rows % num_micro_batches:
             raise ValueError(f"num_micro_batches={num_micro_batches} does not divide the batch of {rows} rows")
+        # the loss's mask (and the token count of token-mean's totals) is verl's critic mask, not the response's
+        batch = {**batch, "response_mask": value_mask(batch["attention_mask"], batch["response_mask"].shape[1])}
         return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
                                         rules=rules)
 

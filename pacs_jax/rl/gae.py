@@ -8,9 +8,12 @@ critic's values V_it and
   A_it     = delta_it + gamma lam A_i,t+1
   returns  = A + V
 the advantages are then whitened over every response token of the batch (mean 0, variance 1 with
-the unbiased token variance, as verl's ``masked_whiten``); the returns are not. Values are masked
-to the response first (verl's critic zeroes them past the response), so padding never leaks into
-the recursion.
+the unbiased token variance, as verl's ``masked_whiten``); the returns are not. Values are first
+multiplied by ``value_mask`` (default the response mask), so padding never leaks into the
+recursion. verl's critic hands GAE its values times its own mask, the response and the slot after it
+(``rl.critic.value_mask``): then V_i,n (n the response's length) is the value of the state after the
+response, delta_i,n = -V_i,n, and its return is 0. With lam = 1 that value cancels out of every
+advantage and return of the response; with lam < 1 it enters them through gamma (1 - lam) V_i,n.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def compute_gae(token_rewards: jax.Array, values: jax.Array, response_mask: jax.Array, gamma: float,
-                lam: float) -> tuple[jax.Array, jax.Array]:
+                lam: float, *, value_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(whitened advantages [B, T], returns [B, T]) from token rewards, values and the mask, all [B, T].
 
-    No gradient flows (advantages and returns are targets). The batch must hold at least two
-    response tokens (the whitening's unbiased variance).
+    ``value_mask`` [B, T]: where the values count (default ``response_mask``; the trainer passes
+    verl's critic mask). The whitening is over ``response_mask``. No gradient flows (advantages and
+    returns are targets). The batch must hold at least two response tokens (the whitening's
+    unbiased variance).
     """
     if not token_rewards.shape == values.shape == response_mask.shape or token_rewards.ndim != 2:
         raise ValueError(f"token_rewards, values and response_mask must all be [B, T], got {token_rewards.shape}, "
@@ -52,7 +57,10 @@ def compute_gae(token_rewards: jax.Array, values: jax.Array, response_mask: jax.
         raise ValueError(f"gamma={gamma} and lam={lam} must lie in [0, 1]")
     mask = response_mask.astype(jnp.float32)
     rewards = jax.lax.stop_gradient(token_rewards.astype(jnp.float32))
-    values = jax.lax.stop_gradient(values.astype(jnp.float32)) * mask
+    if value_mask is not None and value_mask.shape != response_mask.shape:
+        raise ValueError(f"value_mask must be response_mask's [B, T]={response_mask.shape}, got {value_mask.shape}")
+    values = jax.lax.stop_gradient(values.astype(jnp.float32)) * (mask if value_mask is None
+                                                                  else value_mask.astype(jnp.float32))
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
     deltas = rewards + gamma * next_values - values  # [B, T]
 

@@ -1,15 +1,22 @@
 """PPO with a critic: the actor's dual-clip policy loss on per-token GAE advantages and the critic's
-clipped value loss (verl 0.3.1's ``compute_policy_loss`` and ``compute_value_loss``).
+clipped value loss (verl's ``compute_policy_loss`` and ``compute_value_loss`` in the copy the PACS
+authors bundle, src/verl, version 0.3.1.dev).
 
-Shapes: B responses, T response tokens, m = response_mask [B, T].
+Shapes: B responses, T response tokens, m = response_mask [B, T] (for the value loss: the critic's
+value mask, ``rl.critic.value_mask``).
 
 Policy (per token, A from ``rl.compute_gae``, rho = exp(log pi_theta - log pi_old)):
   l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)),  and where A < 0:  l = min(l, -A c)
 Value (per token, V_old the values at rollout time, V the critic's current prediction, R the returns):
   l_v = max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
-  value loss = 1/2 * aggregate(l_v)
-Both reduce with ``policy_gradient.aggregate`` (``loss_agg_mode`` and ``loss_scale``; verl's critic
-takes the token mean and, like its actor, the mean over micro-batches).
+  value loss = aggregate(l_v)          (no 1/2: the authors' verl, core_algos.py line 515)
+Both reduce with ``policy_gradient.aggregate`` (``loss_agg_mode``, ``norm_length`` and ``loss_scale``).
+verl's critic takes its ``loss_agg_mode`` from the actor's (the authors' configs/ppo_trainer.yaml:
+``critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}``) and, like its actor, divides each
+micro-batch's loss by the gradient accumulation count (``loss_scale="verl"``). Upstream verl
+dropped the 1/2 of ``0.5 * masked_mean`` when it gave the critic ``loss_agg_mode`` (commit 9ddc725,
+2025-05-23, in v0.4.0) and put it back on 2025-06-14 (commit 6e15bbe, v0.4.1); the authors' copy
+lies between the two.
 """
 
 from __future__ import annotations
@@ -55,10 +62,14 @@ def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, response_mask: jax.Array, *,
                clip_range_value: float = 0.5, loss_agg_mode: str = "token-mean", loss_scale: str = "mean",
-               verl_micro_batch_size: int = 0, totals: BatchTotals | None = None
+               verl_micro_batch_size: int = 0, norm_length: int | None = None, totals: BatchTotals | None = None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The critic's clipped loss: values (current predictions), old_values, returns, response_mask [B, T]
     -> (scalar, metrics: value clip fraction, explained variance of the returns by the predictions).
+
+    ``response_mask`` is the mask the loss is taken over; the trainer passes the critic's value mask
+    (``rl.critic.value_mask``: the response and the slot after it, as verl's critic). Metrics are
+    token means over that mask.
     """
     if not values.shape == old_values.shape == returns.shape == response_mask.shape:
         raise ValueError(f"values, old_values, returns and response_mask must share one [B, T] shape, got "
@@ -70,8 +81,8 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, res
     returns = jax.lax.stop_gradient(returns.astype(jnp.float32))
     clipped_values = jnp.clip(values, old_values - clip_range_value, old_values + clip_range_value)
     unclipped_loss, clipped_loss = jnp.square(values - returns), jnp.square(clipped_values - returns)
-    loss = 0.5 * aggregate(jnp.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode, totals=totals,
-                           loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
+    loss = aggregate(jnp.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode, norm_length=norm_length,
+                     totals=totals, loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
     mask = response_mask.astype(jnp.float32)
     residual_variance = _token_mean(jnp.square(returns - values - _token_mean(returns - values, mask)), mask)
     return_variance = _token_mean(jnp.square(returns - _token_mean(returns, mask)), mask)

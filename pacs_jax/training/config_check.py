@@ -19,7 +19,7 @@ from pacs_jax.data.sources import SOURCES
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
-from pacs_jax.rl.policy_gradient import LOSS_SCALES
+from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
 from pacs_jax.sampling.settings import SAMPLERS
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training import memory_plan
@@ -261,6 +261,8 @@ def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
     _require(cc.clip_range_value > 0, "critic.clip_range_value", f"must be > 0, got {cc.clip_range_value}")
     for field in ("gamma", "lam"):
         _require(0.0 <= cc[field] <= 1.0, f"critic.{field}", f"must be in [0, 1], got {cc[field]}")
+    _require(cc.loss_agg_mode == "actor" or cc.loss_agg_mode in LOSS_AGG_MODES, "critic.loss_agg_mode",
+             f"{cc.loss_agg_mode!r} is neither 'actor' (the actor's) nor one of {LOSS_AGG_MODES}")
     _require(cc.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{cc.loss_scale!r} is not one of {LOSS_SCALES}")
     if cc.loss_scale == "verl":
         _check_verl_micro_batch(cc.verl_micro_batch_size, micro_rows, "critic")

@@ -7,12 +7,15 @@
 ``step`` runs, on the device and on the update batch's row sharding:
   values     one jitted program per update-batch shape: the critic's values [B, R] of the response
              tokens (``rl.micro_batched_values``, in ``train.logprob_micro_batches`` forward passes,
-             masked to the response), then ``rl.compute_gae`` with each response's 0/1 reward on its
-             last token (``critic.gamma``, ``critic.lam``): whitened advantages [B, R] and returns [B, R]
+             times verl's critic mask ``rl.critic.value_mask``: the response and the slot after it),
+             then ``rl.compute_gae`` with each response's 0/1 reward on its last token
+             (``critic.gamma``, ``critic.lam``): whitened advantages [B, R] and returns [B, R]
   update     ``train.mini_batches`` AdamW steps of the critic (its own optimizer: ``critic.lr``,
-             ``critic.grad_clip``) on the clipped value loss (``critic.clip_range_value``) of the
-             same mini-batches as the actor's, ``train.micro_batches`` micro-batches each; parameters
-             and optimizer state donated
+             ``critic.grad_clip``) on the clipped value loss (``critic.clip_range_value``, no 1/2, over
+             verl's critic mask; aggregated by ``critic.loss_agg_mode``, "actor": the actor's
+             ``loss_agg_mode`` and ``norm_length``, as verl's critic inherits them) of the same
+             mini-batches as the actor's, ``train.micro_batches`` micro-batches each; parameters and
+             optimizer state donated
 The critic starts as a copy of the actor's backbone (or of the model at ``critic.path``) with a fresh
 scalar head; its parameters and optimizer state are checkpointed with the actor's.
 """
@@ -28,7 +31,8 @@ from flax import nnx
 
 from pacs_jax import checkpoints
 from pacs_jax.models import Qwen, value_model_from_actor
-from pacs_jax.rl import compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values
+from pacs_jax.rl import (compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values,
+                         objective_spec, options_for, value_mask)
 from pacs_jax.sharding import MeshRules
 from pacs_jax.training import memory_plan
 from pacs_jax.training.optim import make_optimizer
@@ -52,8 +56,9 @@ class PPOCritic:
     """The critic's parameters and AdamW state (device arrays, updated in place) and its step programs."""
 
     def __init__(self, critic: nnx.Module, optimizer, rules: MeshRules | None, **options):
-        """``options``: those of ``critic_programs`` (gamma, lam, clip_range_value, loss_scale,
-        verl_micro_batch_size, num_mini_batches, num_micro_batches, values_micro_batches)."""
+        """``options``: those of ``critic_programs`` (gamma, lam, clip_range_value, loss_agg_mode,
+        norm_length, loss_scale, verl_micro_batch_size, num_mini_batches, num_micro_batches,
+        values_micro_batches)."""
         self.graphdef, params = nnx.split(critic)
         opt_state = jax.jit(optimizer.init)(params)
         self.shardings = state_shardings((params, opt_state), rules)
@@ -113,10 +118,23 @@ def config_critic_optimizer(config: ml_collections.ConfigDict):
     return optimizer
 
 
+def critic_loss_agg(config: ml_collections.ConfigDict) -> tuple[str, int | None]:
+    """The critic's (loss_agg_mode, norm_length): ``critic.loss_agg_mode`` "actor" takes the actor's
+    (objective "ppo"'s ``algorithm.options`` over its defaults), as verl's critic does
+    (``critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}``); a mode names its own. The
+    L_max of seq-mean-token-sum-norm is always the actor's ``norm_length`` (verl divides both losses by
+    the same padded response width)."""
+    actor = {**objective_spec("ppo").defaults, **options_for("ppo", dict(config.algorithm.options))}
+    mode = config.critic.loss_agg_mode
+    return (actor["loss_agg_mode"] if mode == "actor" else mode), actor["norm_length"]
+
+
 def config_critic_options(config: ml_collections.ConfigDict) -> dict:
     """``critic_programs``' options as ``config`` asks for them."""
     cc, tc = config.critic, config.train
-    return dict(gamma=cc.gamma, lam=cc.lam, clip_range_value=cc.clip_range_value, loss_scale=cc.loss_scale,
+    loss_agg_mode, norm_length = critic_loss_agg(config)
+    return dict(gamma=cc.gamma, lam=cc.lam, clip_range_value=cc.clip_range_value, loss_agg_mode=loss_agg_mode,
+                norm_length=norm_length, loss_scale=cc.loss_scale,
                 verl_micro_batch_size=cc.verl_micro_batch_size, num_mini_batches=tc.mini_batches,
                 num_micro_batches=tc.micro_batches,
                 values_micro_batches=tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches)
@@ -124,7 +142,8 @@ def config_critic_options(config: ml_collections.ConfigDict) -> dict:
 
 def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, shardings, *, gamma: float,
                     lam: float, clip_range_value: float, loss_scale: str, verl_micro_batch_size: int,
-                    num_mini_batches: int, num_micro_batches: int, values_micro_batches: int
+                    num_mini_batches: int, num_micro_batches: int, values_micro_batches: int,
+                    loss_agg_mode: str = "token-mean", norm_length: int | None = None
                     ) -> tuple[Callable, Callable]:
     """The critic's two jitted programs (the module docstring), for real or abstract state:
     ``values(params, batch) -> (advantages, values, returns)`` and
@@ -133,16 +152,20 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, 
     rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
 
     def values_and_advantages(params, batch):
-        """The update batch -> (whitened advantages, values, returns), each [B, R] float32."""
+        """The update batch -> (whitened advantages, values, returns), each [B, R] float32; values times
+        verl's critic mask (what verl's compute_values returns: the value loss's old values)."""
         mask = batch["response_mask"].astype(jnp.float32)
+        critic_mask = value_mask(batch["attention_mask"], mask.shape[1])
         values = micro_batched_values(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
-                                      mask.shape[1], num_micro_batches=values_micro_batches, rules=rules) * mask
-        advantages, returns = compute_gae(last_token_rewards(batch["rewards"], mask), values, mask, gamma, lam)
+                                      mask.shape[1], num_micro_batches=values_micro_batches, rules=rules) * critic_mask
+        advantages, returns = compute_gae(last_token_rewards(batch["rewards"], mask), values, mask, gamma, lam,
+                                          value_mask=critic_mask)
         return advantages, values, returns
 
     values = jax.jit(values_and_advantages, out_shardings=(rows, rows, rows))
     loss_and_grad = critic_loss_and_grad_fn(graphdef, num_micro_batches=num_micro_batches,
-                                            clip_range_value=clip_range_value, loss_scale=loss_scale,
+                                            clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode,
+                                            norm_length=norm_length, loss_scale=loss_scale,
                                             verl_micro_batch_size=verl_micro_batch_size, rules=rules)
     update = scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches, rules=rules,
                             state_shardings=shardings)
