@@ -303,7 +303,7 @@ def test_paper_config_refuses_unknown_names():
 
 # Through the CLI: (flags, env with the 8 test devices?, text the error must show)
 BAD_CLI = {
-    "unknown_key": (("--config.train.stepz=1",), False, ("stepz", 'Did you mean "steps"')),
+    "unknown_key": (("--config.train.stepz=1",), False, ("--config.train.stepz", "did you mean --config.train.steps?")),
     "n_1": (("--config.rollout.n=1",), False, ("config.rollout.n: pacs", "n >= 2")),
     "batch_vs_mesh": (("--config.train.prompts_per_step=3", "--config.rollout.n=2", "--config.train.mini_batches=1"),
                       True, ("config.train.prompts_per_step:", "data x fsdp = 8")),
