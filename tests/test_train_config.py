@@ -74,6 +74,8 @@ BAD_DEMO = {
     "critic_lam": ({"algorithm.objective": "ppo", "critic.lam": 1.5}, "critic.lam"),
     "critic_value_clip": ({"algorithm.objective": "ppo", "critic.clip_range_value": 0.0}, "critic.clip_range_value"),
     "critic_loss_scale": ({"algorithm.objective": "ppo", "critic.loss_scale": "sum"}, "critic.loss_scale"),
+    "critic_loss_agg_mode": ({"algorithm.objective": "ppo", "critic.loss_agg_mode": "token-sum"},
+                             "critic.loss_agg_mode"),
     "critic_verl_micro_batch": ({"algorithm.objective": "ppo", "critic.loss_scale": "verl",
                                  "critic.verl_micro_batch_size": 48}, "critic.verl_micro_batch_size"),
     "critic_path": ({"algorithm.objective": "ppo", "critic.path": "/nonexistent/critic"}, "critic.path"),
@@ -248,10 +250,10 @@ PAPER_ALGOS = {
     "ppo": ("ppo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
                         clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
 }
-# verl 0.3.1's critic and GAE defaults (ppo_trainer.yaml), critic.optim.lr and critic.ppo_micro_batch_size_per_gpu
-# of ppo.sh
+# the authors' configs/ppo_trainer.yaml (critic and GAE; critic.loss_agg_mode: the actor's), critic.optim.lr and
+# critic.ppo_micro_batch_size_per_gpu of ppo.sh
 PAPER_CRITIC = dict(path="", lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0, clip_range_value=0.5,
-                    gamma=1.0, lam=1.0, loss_scale="verl", verl_micro_batch_size=8)
+                    gamma=1.0, lam=1.0, loss_agg_mode="actor", loss_scale="verl", verl_micro_batch_size=8)
 
 
 @pytest.mark.parametrize("algo", sorted(PAPER_ALGOS))
