@@ -1,0 +1,276 @@
+"""A user's run is safe (issue 28, items 4 to 8): signals, the workdir lock, resumes that do not fit,
+damaged checkpoints, a full disk, and the bookkeeping of a resumed run.
+
+The trainer runs in subprocesses (the shrunk demo, tests/train_helpers.py); the lock, the metrics
+rewrite and the storage-error line are also checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pacs_jax.files import storage_error
+from pacs_jax.training import metrics as metrics_lib
+from pacs_jax.training.workdir import LOCK_FILE, WorkdirLock, WorkdirLockedError
+from train_helpers import (FAST_DEMO_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
+                           start_train, train_env, wait_for)
+
+LONG = 200  # train.steps of runs that are stopped long before
+
+
+def _log_has(workdir, log_name: str, text: str):
+    return lambda: text in logs(workdir, log_name)
+
+
+# ---------------------------------------------------------------------------------------------- signals
+@pytest.mark.slow(seconds=60)
+def test_sigint_writes_a_checkpoint_at_the_end_of_the_step_and_a_second_one_aborts(tmp_path_factory):
+    env = train_env(compile_cache_dir(tmp_path_factory))
+    root = tmp_path_factory.mktemp("sigint")
+    once, twice = root / "once", root / "twice"
+    flags = (*FAST_DEMO_FLAGS, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=0")
+
+    process = start_train(once, *flags, env=env, log_name="once", new_session=True)
+    wait_for(lambda: len(metrics_rows(once)) >= 1, process, "the first RL step")
+    os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: the whole foreground group, reward workers too
+    assert finish(process) == 0, logs(once, "once")
+    output = logs(once, "once")
+    last = metrics_rows(once)[-1]["step"]
+    assert checkpoint_steps(once) == [last] and last < LONG
+    assert "SIGINT: finishing the current step, then writing its checkpoint and exiting" in output
+    assert f"SIGINT: checkpoint of step {last} written, exiting" in output
+    assert not (once / LOCK_FILE).exists()  # released on the way out
+
+    process = start_train(twice, *flags, env=env, log_name="twice", new_session=True)
+    wait_for(lambda: len(metrics_rows(twice)) >= 1, process, "the first RL step")
+    os.killpg(process.pid, signal.SIGINT)
+    wait_for(_log_has(twice, "twice", "SIGINT: finishing the current step"), process, "the first SIGINT's line")
+    os.killpg(process.pid, signal.SIGINT)
+    assert finish(process) == -signal.SIGINT  # at once: no checkpoint, no summary
+    assert checkpoint_steps(twice) == []
+    assert not (twice / "summary.json").exists()
+
+
+@pytest.mark.slow(seconds=40)
+def test_sigterm_during_the_warm_start_says_it_is_not_checkpointed(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("warm_signal") / "run"
+    flags = (*[f for f in FAST_DEMO_FLAGS if not f.startswith("--config.warmstart.steps")],
+             "--config.warmstart.steps=100000", "--config.warmstart.target_accuracy=0.0")
+    process = start_train(workdir, *flags, env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run",
+                          new_session=True)
+    wait_for(_log_has(workdir, "run", "warm-start: "), process, "the warm-start", poll=0.2)  # its progress bar
+    os.killpg(process.pid, signal.SIGTERM)
+    assert finish(process) == 128 + signal.SIGTERM
+    output = logs(workdir, "run")
+    assert ("SIGTERM during the warm-start, which is not checkpointed: a restart runs it again from its first "
+            "step; exiting") in output
+    assert "Traceback" not in output
+    assert checkpoint_steps(workdir) == [] and not (workdir / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------------------------------------- one workdir, many sessions
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    """One workdir through: a run killed with SIGKILL with steps logged past its latest checkpoint K (and,
+    while it runs, a second trainer on the same workdir); a resume to step end = K + 4; a rerun with
+    train.steps end and one with end - 1; a resume with other model shapes and objective; two damaged
+    checkpoints (end, end - 1) and a resume to end + 1. {name: (exit code, output)} plus what was on
+    disk between."""
+    env = train_env(compile_cache_dir(tmp_path_factory))
+    workdir = tmp_path_factory.mktemp("sessions") / "run"
+    flags = (*FAST_DEMO_FLAGS, "--config.train.keep_checkpoints=10")
+    out = {"workdir": workdir}
+
+    first = start_train(workdir, *flags, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=3",
+                        env=env, log_name="first", new_session=True)
+    wait_for(_log_has(workdir, "first", "RL prompts: "), first, "the first run's start", poll=0.1)  # it holds the lock
+    second = start_train(workdir, *flags, "--config.train.steps=5", env=env, log_name="second")
+    out["second"] = (finish(second), logs(workdir, "second"))
+    out["first_pid"] = first.pid
+
+    def past_a_checkpoint() -> bool:  # a step logged after the latest checkpoint (2 more come before the next)
+        steps = checkpoint_steps(workdir)
+        return bool(steps) and len(metrics_rows(workdir)) > steps[-1]
+
+    wait_for(past_a_checkpoint, first, "a step logged after a checkpoint")
+    os.killpg(first.pid, signal.SIGKILL)
+    finish(first)
+    out["killed_rows"] = [row["step"] for row in metrics_rows(workdir)]
+    out["killed_checkpoints"] = checkpoint_steps(workdir)
+
+    def run(name: str, *extra: str):
+        process = start_train(workdir, *flags, "--config.train.checkpoint_every=1", *extra, env=env, log_name=name)
+        out[name] = (finish(process), logs(workdir, name))
+
+    end = max(out["killed_checkpoints"]) + 4  # train.steps of the resume
+    out["end"] = end
+    run("resume", f"--config.train.steps={end}")
+    out["summary"] = json.loads((workdir / "summary.json").read_text())
+    out["rows_after_resume"] = metrics_rows(workdir)
+    run("again", f"--config.train.steps={end}")
+    run("below", f"--config.train.steps={end - 1}")
+    config_before = (workdir / "config.json").read_bytes()
+    sessions_before = (workdir / "sessions.json").read_bytes()
+    run("changed", f"--config.train.steps={end + 2}", "--config.model.num_hidden_layers=2",
+        "--config.algorithm.objective=ppo")
+    out["config_unchanged"] = (workdir / "config.json").read_bytes() == config_before
+    out["sessions_unchanged"] = (workdir / "sessions.json").read_bytes() == sessions_before
+
+    # the last step: an array file cut short; the one before: its metadata (the meta item's JSON) corrupt
+    arrays = [p for p in (workdir / "checkpoints" / str(end) / "params").rglob("*") if p.is_file() and "/d/" in str(p)]
+    largest = max(arrays, key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 3)
+    (workdir / "checkpoints" / str(end - 1) / "meta" / "metadata").write_text("{not json")
+    run("damaged", f"--config.train.steps={end + 1}")
+    return out
+
+
+@pytest.mark.slow(seconds=240)
+def test_a_second_trainer_on_the_workdir_is_refused_naming_the_holder(sessions):
+    code, output = sessions["second"]
+    assert code == 78, output
+    assert f"another trainer is using this workdir: pid {sessions['first_pid']} on host {socket.gethostname()}" \
+           in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_a_stale_lock_is_taken_over_and_the_resume_says_where_it_resumed(sessions):
+    code, output = sessions["resume"]
+    assert code == 0, output
+    assert f"taking over the lock of a trainer that is gone (pid {sessions['first_pid']} on host " \
+           f"{socket.gethostname()}: process {sessions['first_pid']} is not running)" in output
+    resumed_from = max(sessions["killed_checkpoints"])
+    assert f"resumed from step {resumed_from} " in output
+
+
+@pytest.mark.slow
+def test_metrics_have_no_duplicate_steps_and_wall_time_covers_every_session(sessions):
+    killed_rows, resumed_from = sessions["killed_rows"], max(sessions["killed_checkpoints"])
+    assert max(killed_rows) > resumed_from  # steps were logged past the checkpoint, then run again
+    rows = sessions["rows_after_resume"]
+    assert [row["step"] for row in rows] == list(range(1, sessions["end"] + 1))
+    summary = sessions["summary"]
+    times = json.loads((sessions["workdir"] / "sessions.json").read_text())["sessions"]
+    assert summary["sessions"] == 2 and len(times) >= 2  # the killed session counted up to its last update
+    assert summary["wall_seconds"] > summary["wall_seconds_this_session"] > 0
+    assert summary["wall_seconds"] == pytest.approx(times[0]["seconds"] + summary["wall_seconds_this_session"],
+                                                    rel=0.05)
+    # the time split (and curves.png, from the same rows) covers every step, the killed session's too
+    assert summary["rl_time_split_seconds"]["time_update"] == pytest.approx(sum(r["time_update"] for r in rows))
+
+
+@pytest.mark.slow
+def test_train_steps_at_or_below_the_checkpoint_says_there_is_nothing_to_train(sessions):
+    end = sessions["end"]
+    code, output = sessions["again"]
+    assert code == 0, output
+    assert "nothing to train: " in output and f"finished at step {end} = train.steps" in output
+    assert "eval final" not in output  # no silent re-evaluation
+    code, output = sessions["below"]
+    assert code == 78, output
+    assert f"config.train.steps: {end - 1} is below the step of the checkpoint" in output and f"({end})" in output
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_model_shapes_or_objective_is_refused_before_writing(sessions):
+    code, output = sessions["changed"]
+    assert code == 78, output
+    error = [line for line in output.splitlines() if "pacs_jax.train: error:" in line]
+    assert len(error) == 1, output
+    assert "model.num_hidden_layers (checkpoint 1, this config 2)" in error[0]
+    assert "algorithm.objective (checkpoint 'pacs', this config 'ppo')" in error[0]
+    assert "the critic (the checkpoint has no PPO critic" in error[0]
+    assert "Traceback" not in output
+    assert sessions["config_unchanged"] and sessions["sessions_unchanged"]
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_step(sessions):
+    code, output = sessions["damaged"]
+    assert code == 0, output
+    root, end = sessions["workdir"] / "checkpoints", sessions["end"]
+    assert f"warning: checkpoint step {end} in {root} is damaged" in output
+    assert f"warning: checkpoint step {end - 1} in {root} is damaged (JSONDecodeError" in output
+    assert f"resumed from step {end - 2} " in output
+    assert (root / f"{end}.damaged").is_dir() and (root / f"{end - 1}.damaged").is_dir()
+    assert checkpoint_steps(sessions["workdir"])[-1] == end + 1
+    assert [row["step"] for row in metrics_rows(sessions["workdir"])] == list(range(1, end + 2))
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+@pytest.mark.slow(seconds=30)
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path_factory):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    workdir = tmp_path_factory.mktemp("full") / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    process = start_train(workdir, *FAST_DEMO_FLAGS, "--config.train.steps=2",
+                          env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run")
+    assert finish(process) == 78
+    output = logs(workdir, "run")
+    assert f"pacs_jax.train: error: {workdir / 'metrics.jsonl'}: No space left on device (while writing" in output
+    assert "Traceback" not in output
+
+
+def test_orbax_storage_errors_are_recognised_and_their_logs_left_out():
+    orbax_error = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file "/w/checkpoints/1.orbax-checkpoint-tmp/'
+        'params/": Failed writing: "/w/checkpoints/1.orbax-checkpoint-tmp/params/d/ab12": Failed to write 84612 bytes '
+        "to file 4: No space left on device [os_error_code='28']")
+    assert storage_error(orbax_error) == "/w/checkpoints/1.orbax-checkpoint-tmp/params/d/ab12: No space left on device"
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = PermissionError(13, "Permission denied", "/w/summary.json")
+    assert storage_error(wrapped) == "/w/summary.json: Permission denied"
+    assert storage_error(ValueError("OUT_OF_RANGE: Requested byte range")) is None
+
+    from pacs_jax.checkpoints import _QUIET
+    record = logging.LogRecord("absl", logging.ERROR, __file__, 1, "save thread failed", (),
+                               (ValueError, orbax_error, None))
+    assert not _QUIET.filter(record)
+    record.exc_info = (ValueError, ValueError("other"), None)
+    assert _QUIET.filter(record)
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+        with pytest.raises(WorkdirLockedError, match=f"pid {holder.pid} on host {socket.gethostname()}"):
+            WorkdirLock(tmp_path).acquire()
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "another-host", "pid": os.getpid()}))
+        with pytest.raises(WorkdirLockedError, match="on host another-host"):  # never guessed stale
+            WorkdirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid}))
+    with WorkdirLock(tmp_path):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+        with pytest.raises(WorkdirLockedError):
+            WorkdirLock(tmp_path).acquire()  # a second lock, same process: refused too
+    assert f"taking over the lock of a trainer that is gone (pid {holder.pid}" in capsys.readouterr().out
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_metrics_rewrite_keeps_the_last_row_of_each_step_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 3.0}, {"step": 2, "loss": 2.5},
+             {"step": 3, "loss": "nan"}, {"step": 4, "loss": 4.0}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines) + '{"step": 5, "lo')  # cut by a kill
+    kept = metrics_lib.keep_rows_up_to(path, 3)
+    assert [(r["step"], r["loss"]) for r in kept][:2] == [(1, 1.0), (2, 2.5)]
+    assert kept[2]["step"] == 3 and kept[2]["loss"] != kept[2]["loss"]  # nan, read back as a float
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": "nan"}]
