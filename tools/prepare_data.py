@@ -12,10 +12,11 @@ the conversion with their file and line, or with --allow_skips are skipped and c
 is written to a temporary file beside --output and renamed at the end.
 
 `deepscaler` downloads the full DeepScaleR-Preview training set (agentica-org/DeepScaleR-Preview-Dataset,
-40,315 problems) from the Hugging Face hub with urllib, checks its rows and fields, and writes
-OUT/deepscaler.json (the hub's file) and OUT/train.jsonl (ours; configs/paper.py trains on
-data/deepscaler/train.jsonl). --url reads another copy (https://, or file:// for a local file); the
-hub's address follows $HF_ENDPOINT. See pacs_jax/data/deepscaler.py.
+40,315 rows, of which 6 have no answer and are skipped: 40,309 problems) from the Hugging Face hub
+with urllib, checks its rows and fields, and writes OUT/deepscaler.json (the hub's file) and
+OUT/train.jsonl (ours; configs/paper.py trains on data/deepscaler/train.jsonl). --url reads another
+copy (https://, or file:// for a local file); the hub's address follows $HF_ENDPOINT. See
+pacs_jax/data/deepscaler.py.
 """
 
 from __future__ import annotations
