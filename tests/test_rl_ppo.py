@@ -90,16 +90,6 @@ def ref_ppo_token_losses(logp, old_logp, adv, eps_low=0.2, eps_high=0.2, c=3.0):
     return out
 
 
-def ref_value_token_losses(vpreds, values, returns, clip=0.5):
-    """verl compute_value_loss's max of the unclipped and clipped squared errors, token by token."""
-    out = np.zeros(vpreds.shape)
-    for i, t in itertools.product(*map(range, vpreds.shape)):
-        v, v_old, r = float(vpreds[i, t]), float(values[i, t]), float(returns[i, t])
-        clipped = min(max(v, v_old - clip), v_old + clip)
-        out[i, t] = max((v - r) ** 2, (clipped - r) ** 2)
-    return out
-
-
 def ppo_batch(seed, B=8):
     rs = np.random.RandomState(seed)
     mask, old_values, rewards, _ = ragged_batch(seed, B)
