@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+import jax
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
 _OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -67,3 +69,21 @@ def collectives(hlo_text: str, *, in_loops: bool = False) -> list[Collective]:
         for dims, op in _OP.findall(comps.get(name, "")):
             out.append(Collective(name, op, tuple(int(d) for d in dims.split(",") if d)))
     return out
+
+
+def gathers_of_shapes_in_loops(hlo_text: str, shapes) -> list[Collective]:
+    """The all-gathers inside loops whose output has one of ``shapes`` (dims of size 1 left out on
+    both sides), e.g. every parameter's shape and one layer's slice of it: a weight gathered in every
+    trip of a decode loop."""
+    squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
+    wanted = {squeeze(shape) for shape in shapes}
+    return [c for c in collectives(hlo_text, in_loops=True) if c.op == "all-gather" and squeeze(c.shape) in wanted]
+
+
+def parameter_shapes(tree) -> set[tuple[int, ...]]:
+    """Every array's shape in ``tree`` and its shape without the leading axis (one layer of a
+    stacked [L, ...] parameter)."""
+    shapes = set()
+    for leaf in jax.tree.leaves(tree):
+        shapes |= {tuple(leaf.shape), tuple(leaf.shape[1:])}
+    return shapes

@@ -280,7 +280,8 @@ def test_decode_matches_reference_and_reads_only_filled_blocks(filled, monkeypat
 
     monkeypatch.setattr(attention_module, "_read_cache_block", recording_read)
     step = jax.jit(lambda q, k, v, valid, filled: decode_attention(q, k, v, valid, filled, block_size=block))
-    out = np.asarray(step(q, k_cache, v_cache, valid, jnp.int32(filled)))
+    heads_first = lambda c: np.swapaxes(c, 1, 2)  # noqa: E731  the cache layout [B, K, S, Dh]
+    out = np.asarray(step(q, heads_first(k_cache), heads_first(v_cache), valid, jnp.int32(filled)))
     jax.effects_barrier()
 
     assert np.isfinite(out).all()
@@ -296,7 +297,7 @@ def test_decode_step_equals_last_row_of_attention():
     valid = padded_valid(B, T)
     valid[:, -1] = True  # the decoded token is real
     full = attention(q, k, v, valid, impl="xla", block_size=4)
-    step = decode_attention(q[:, -1:], k, v, valid, T, block_size=5)
+    step = decode_attention(q[:, -1:], jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), valid, T, block_size=5)
     np.testing.assert_allclose(np.asarray(step), np.asarray(full[:, -1:]), atol=1e-5)
 
 

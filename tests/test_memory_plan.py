@@ -296,8 +296,9 @@ def test_tool_compiles_the_three_programs_on_the_cpu_mesh():
     assert update.alias > 0  # params and optimizer state donated
     assert update.argument >= estimate_memory(config, 8).resident
     assert any("compiling update" in line for line in log)
+    assert programs[0].loop_gathers == "no parameter all-gather inside its loops"  # the decode layout
     text, fits = tool.report(programs, 16 * GiB, "cpu")
-    assert fits
+    assert fits and "sampler: no parameter all-gather inside its loops" in text
     assert re.fullmatch(r"peak per device: \d+\.\d\d GiB of 16\.00 GiB \(fits\)", text.splitlines()[-1])
     _, fits = tool.report(programs, 1024, "cpu")
     assert not fits

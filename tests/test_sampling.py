@@ -258,7 +258,7 @@ def test_similar_prompts_do_not_recompile(hf, prompts):
 
 @pytest.mark.parametrize("slots", [None, 3])
 def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slots):
-    """HLO facts: the [L, C, S, K, Dh] decode cache is never copied (decode steps scatter each slot's
+    """HLO facts: the [L, C, K, S, Dh] decode cache is never copied (decode steps scatter each slot's
     new K/V into it, refills update a slot's prompt part), the prefill has no [P, T, V] logits, and
     token 0 of the P x n rows is selected from [P, V] logits, never [P n, V]."""
     graphdef, state = nnx.split(load(hf, "qwen2", "1dev"))
@@ -268,7 +268,7 @@ def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slot
     settings = sampling.SamplingSettings(n=n, max_new_tokens=N, temperature=1.0, slots=slots)
     hlo = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     L = graphdef_layers(state)
-    cache_shape = re.escape(f"f32[{L},{C},{T + N},2,8]")
+    cache_shape = re.escape(f"f32[{L},{C},2,{T + N},8]")
     assert re.search(rf"= {cache_shape}\S* scatter\(", hlo)  # each slot's new K/V, in place
     assert re.search(rf"= {cache_shape}\S* dynamic-update-slice\(", hlo)  # a refilled slot's prompt K/V
     comps = pacs_hlo.computations(hlo)

@@ -121,14 +121,7 @@ def test_a_stop_at_the_first_token_never_takes_a_slot(hf, prompts):
 
 
 def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Collective]:
-    """All-gathers inside loops whose output has a parameter's shape, whole or one layer's slice (dims
-    of size 1 left out)."""
-    squeeze = lambda shape: tuple(d for d in shape if d != 1)  # noqa: E731
-    shapes = set()
-    for leaf in jax.tree.leaves(state):
-        shapes |= {squeeze(leaf.shape), squeeze(leaf.shape[1:])}
-    return [c for c in hlo.collectives(compiled_text, in_loops=True)
-            if c.op == "all-gather" and squeeze(c.shape) in shapes]
+    return hlo.gathers_of_shapes_in_loops(compiled_text, hlo.parameter_shapes(state))
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])

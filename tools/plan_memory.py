@@ -19,7 +19,9 @@ same batch, its parameters and AdamW state abstract and sharded like the actor's
     critic_update  the critic's AdamW steps on the clipped value loss
 
 and prints XLA's per-device memory of each (arguments, outputs, aliased, temp, peak) beside the
-analytic estimate (pacs_jax/training/memory_plan.py) and the device's HBM. A phase's total is the
+analytic estimate (pacs_jax/training/memory_plan.py) and the device's HBM, and for the sampler
+whether a parameter is all-gathered inside its loops (the decode loop should read its weights from
+HBM: docs/design.md section 3.2). A phase's total is the
 program's peak plus what stays on the device outside it (the actor's AdamW state during the sampler
 and pi_old; PPO: the critic's parameters and AdamW state during the actor's programs, the actor's
 parameters and AdamW state during the critic's). The last line is
@@ -67,6 +69,7 @@ class ProgramMemory:
     estimate: int  # the analytic estimate of the phase (memory_plan), resident state included
     compile_seconds: float
     error: str = ""  # the compiler's refusal (it does not fit), if it refused
+    loop_gathers: str = ""  # the sampler: the parameter all-gathers inside its loops (decode), in words
 
     @property
     def total(self) -> int:
@@ -133,7 +136,7 @@ def build_programs(config, devices, *, platform: str, log: Callable[[str], None]
     import jax
     import jax.numpy as jnp
 
-    from pacs_jax import models
+    from pacs_jax import hlo, models
     from pacs_jax.models.attention import resolve_impl
     from pacs_jax.models.value import ValueModel
     from pacs_jax.sampling.engine import lower_sample
@@ -237,6 +240,11 @@ def build_programs(config, devices, *, platform: str, log: Callable[[str], None]
             estimate=plan.phase_total(phase), compile_seconds=seconds)
         if program.peak == 0:  # a backend that does not report it: arguments + outputs - aliased + temp
             program.peak = program.argument + program.output - program.alias + program.temp
+        if name == "sampler":  # a weight gathered inside the decode loop crosses the network every step
+            gathers = hlo.gathers_of_shapes_in_loops(compiled.as_text(), hlo.parameter_shapes(params))
+            program.loop_gathers = (f"{len(gathers)} parameter all-gathers inside its loops: "
+                                    + ", ".join(sorted({str(list(c.shape)) for c in gathers}))
+                                    if gathers else "no parameter all-gather inside its loops")
         log(f"  {name} compiled in {seconds:.1f} s: peak {program.peak / GiB:.2f} GiB per device")
         out.append(program)
     return out
@@ -275,6 +283,8 @@ def report(programs: list[ProgramMemory], hbm_bytes: int, device: str) -> tuple[
         lines.append(f"  {p.name}: {p.shape}")
         if p.error:
             lines.append(f"  {p.name}: NOT COMPILED, {p.error} (its peak above: arguments + those temporaries)")
+        if p.loop_gathers:
+            lines.append(f"  {p.name}: {p.loop_gathers}")
     peak = max(p.total for p in programs)
     fits = peak <= hbm_bytes
     lines.append(f"peak per device: {peak / GiB:.2f} GiB of {hbm_bytes / GiB:.2f} GiB "

@@ -10,7 +10,7 @@ softmax and logits run in float32.
 The decoder stack is one ``jax.lax.scan`` over layers: every per-layer parameter is stacked along a
 leading "layers" axis ([L, ...]), so the program (and its compile time) does not grow with depth.
 Training applies the remat policy (``config.remat``) to the scanned body; prefill and decode never
-do (remat belongs to the gradient computation). The KV cache is stacked the same way, [L, B, S, K, Dh],
+do (remat belongs to the gradient computation). The KV cache is stacked the same way, [L, B, K, S, Dh],
 and carried through the scan so each layer writes its new keys in place.
 
 Attention (pacs_jax/models/attention.py) never builds a [B, H, T, T] buffer: causal blockwise
@@ -40,13 +40,14 @@ _REMAT_POLICIES = {
 
 
 class KVCache(NamedTuple):
-    """Key/value buffers of all layers, each [L, B, S, K, Dh] in the compute dtype."""
+    """Key/value buffers of all layers, each [L, B, K, S, Dh] in the compute dtype: slots and head dim
+    innermost, so TPU tiles them without padding a size-1 head axis (a head sharded over "tensor")."""
 
     k: jax.Array
     v: jax.Array
 
 
-CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", None)
+CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", None)
 
 
 def init_value(kind: str, key: jax.Array, shape, dtype) -> jax.Array:
@@ -124,7 +125,7 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, kv_valid, cache, cache_index):
         """x [B, T, D], positions [B, T], kv_valid [B, S] bool (S = T without a cache).
 
-        cache: None, or (k, v, layer): the stacked caches [L, B, S, K, Dh] and this layer's index;
+        cache: None, or (k, v, layer): the stacked caches [L, B, K, S, Dh] and this layer's index;
         the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``; in decode
         (T = 1) cache_index may be [B], each row's own slot.
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
@@ -160,17 +161,17 @@ class Attention(nnx.Module):
 
 
 def _write_prefill(cache: jax.Array, x: jax.Array, layer: jax.Array, start) -> jax.Array:
-    """cache [L, B, S, K, Dh] <- x [B, T, K, Dh] at layer ``layer``, slots start .. start + T - 1."""
-    return jax.lax.dynamic_update_slice(cache, x[None], (layer, 0, start, 0, 0))
+    """cache [L, B, K, S, Dh] <- x [B, T, K, Dh] at layer ``layer``, slots start .. start + T - 1."""
+    return jax.lax.dynamic_update_slice(cache, jnp.swapaxes(x, 1, 2)[None], (layer, 0, 0, start, 0))
 
 
 def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.Array:
-    """cache [L, B, S, K, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at slot slots[b] ([] or [B]
+    """cache [L, B, K, S, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at slot slots[b] ([] or [B]
     int32: each row of a continuous-batching sampler writes at its own slot). One scatter, in place
     in the decode loop (slots are in range: the sampler never writes past S)."""
     rows = jnp.arange(x.shape[0])
     slots = jnp.broadcast_to(jnp.asarray(slots, jnp.int32), rows.shape)
-    return cache.at[layer, rows, slots].set(x[:, 0], mode="promise_in_bounds")
+    return cache.at[layer, rows, :, slots].set(x[:, 0], mode="promise_in_bounds")
 
 
 def _kernel_mesh(rules: MeshRules | None, impl: str):
@@ -305,9 +306,9 @@ class Qwen(nnx.Module):
         return hidden if return_hidden else self.logits(hidden)
 
     def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
-        """Zeroed KV cache, [L, B, S, K, Dh] each, in the compute dtype (sharded when a mesh is used)."""
+        """Zeroed KV cache, [L, B, K, S, Dh] each, in the compute dtype (sharded when a mesh is used)."""
         cfg = self.cfg
-        shape = (cfg.num_hidden_layers, batch_size, cache_length, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cache_length, cfg.head_dim)
 
         def zeros():
             return constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), self.rules, CACHE_AXES)
