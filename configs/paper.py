@@ -57,10 +57,10 @@ MODELS = {
                      rollout_micro_batches=1, slots=2048, remat=_DOTS),
     "qwen3_8b": dict(preset="Qwen3-8B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
                      rollout_micro_batches=1, slots=2048, remat=_DOTS),
-    # v6e-64 (64 chips, 32 GiB HBM each): pi_old / update compiled 4.1 / 17.0 GiB; sampler analytic 8.3 GiB
-    # KV cache (peak 18.2 analytic)
+    # v6e-64 (64 chips, 32 GiB HBM each): pi_old / update compiled 4.1 / 17.0 GiB; sampler analytic 16.2 GiB
+    # KV cache + 5.0 temporaries (peak 22.5 analytic)
     "qwen25_7b_v6e": dict(preset="Qwen2.5-7B", mesh=(-1, 16, 4), micro_batches=64, logprob_micro_batches=64,
-                          rollout_micro_batches=1, slots=2048, remat=_DOTS),
+                          rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }
 
 ALGORITHMS = {
@@ -109,7 +109,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.data.held_out_problems = 0
     c.data.warmstart_problems = 0
     c.data.instruction = INSTRUCTION
-    # The full DeepScaleR-Preview set (40,315 problems), made by `python tools/prepare_data.py deepscaler`
+    # The full DeepScaleR-Preview set (40,315 rows, 6 without an answer: 40,309 problems), made by `python tools/prepare_data.py deepscaler`
     # (pacs_jax/data/deepscaler.py: DEFAULT_TRAIN_FILE); validate_config says so when it is missing. The
     # subset in the repository instead: --config.data.train_files="('data/deepscaler_subset/math.json',
     # 'data/deepscaler_subset/aime.json')"
