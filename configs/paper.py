@@ -111,8 +111,8 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.data.instruction = INSTRUCTION
     # The full DeepScaleR-Preview set (40,315 rows, 6 without an answer: 40,309 problems), made by
     # `python tools/prepare_data.py deepscaler` (pacs_jax/data/deepscaler.py: DEFAULT_TRAIN_FILE);
-    # validate_config says so when it is missing. The subset in the repository instead: --config.data.train_files="('data/deepscaler_subset/math.json',
-    # 'data/deepscaler_subset/aime.json')"
+    # validate_config says so when it is missing. The subset in the repository instead:
+    # --config.data.train_files="('data/deepscaler_subset/math.json', 'data/deepscaler_subset/aime.json')"
     c.data.train_files = ("data/deepscaler/train.jsonl",)
     c.data.tokenizer = "data/tokenizers/qwen3"  # the repository's Qwen tokenizer; a real run passes its model folder
     c.data.allow_skips = True
