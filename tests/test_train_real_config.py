@@ -130,6 +130,7 @@ def test_the_continuous_and_the_static_sampler_train_alike(deepscaler_rows, qwen
             assert continuous[key] == pytest.approx(static[key], rel=1e-5, abs=1e-6), key
         assert continuous["decode_steps"] > static["decode_steps"]  # 8 responses a slot in turn
         assert 0 < continuous["slot_utilisation"] <= 1 and 0 < static["slot_utilisation"] <= 1
+    assert rows["continuous"][1]["compilations"] == rows["continuous"][0]["compilations"]  # none after step 1
 
 
 @pytest.mark.slow(seconds=40)
