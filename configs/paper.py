@@ -7,6 +7,8 @@
 MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 slice: 32 chips of 95 GiB)
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
 ALGO:  pacs_beta1 | pacs_beta2 | pacs_beta1_noweight | pacs_beta2_noweight | grpo | ppo
+       PACS ablations (pacs_beta1 with one option changed; see ALGORITHMS): pacs_beta1_only_positive |
+       pacs_beta1_only_negative | pacs_beta1_reward2 | pacs_beta1_grpo_adv | pacs_beta1_naive_adv
 
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
 named after it. Another slice: pick the nearest entry and override --config.mesh.* /
@@ -63,11 +65,30 @@ MODELS = {
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }
 
+# PACS (the authors' src/pacs/pacs_core_algos.py: compute_reward, the rloo / grpo / naive advantages,
+# compute_weight, compute_pacs_loss). Options not named here take PACS_DEFAULTS, what the authors'
+# scripts/pacs/pacs_beta_{1.0,2.0}.sh pass: reward_method '1', ADV_ESTIMATOR=rloo, WEIGHT_MODE=question.
+#   pacs_beta1 / pacs_beta2: the two scripts (BETA=1.0 / 2.0, USE_WEIGHT=True)
+#   *_noweight: USE_WEIGHT=False, the "- w/o weight" row of the paper's Table 2 (arXiv 2509.02522v1, Qwen2.5-7B)
+PACS_DEFAULTS = dict(weight_mode="question", reward_method="1", adv_estimator="rloo")
 ALGORITHMS = {
     "pacs_beta1": ("pacs", dict(beta=1.0, use_weight=True)),
     "pacs_beta2": ("pacs", dict(beta=2.0, use_weight=True)),
     "pacs_beta1_noweight": ("pacs", dict(beta=1.0, use_weight=False)),
     "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False)),
+    # Ablations: pacs_beta1 with one option of the authors' code changed, each a value their code accepts
+    # (pacs_core_algos.py) and their scripts expose as a variable. Which of them the paper reports, and in
+    # which table or figure, could not be checked against the paper's text here (issue 26 item 6).
+    #   weight_mode (WEIGHT_MODE; compute_weight): "only_positive" w = y, "only_negative" w = 1 - y
+    "pacs_beta1_only_positive": ("pacs", dict(beta=1.0, use_weight=True, weight_mode="only_positive")),
+    "pacs_beta1_only_negative": ("pacs", dict(beta=1.0, use_weight=True, weight_mode="only_negative")),
+    #   reward_method '2' (+actor_rollout_ref.pacs.reward_method; compute_reward): beta * mean log pi_theta
+    #   over the response, no pi_old
+    "pacs_beta1_reward2": ("pacs", dict(beta=1.0, use_weight=True, reward_method="2")),
+    #   adv_estimator (ADV_ESTIMATOR): "grpo" (group mean and unbiased std, eps 1e-6: the scripts'
+    #   norm_adv_by_std_in_grpo=True), "naive" (psi = r)
+    "pacs_beta1_grpo_adv": ("pacs", dict(beta=1.0, use_weight=True, adv_estimator="grpo")),
+    "pacs_beta1_naive_adv": ("pacs", dict(beta=1.0, use_weight=True, adv_estimator="naive")),
     # verl 0.3.1's scale (scripts/baseline/grpo.sh of the authors): micro-batches of 8 responses
     # (ppo_micro_batch_size_per_gpu), seq-mean-token-sum-norm over the padded response width 4096.
     "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
@@ -126,9 +147,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.rollout.micro_batches = spec["rollout_micro_batches"]
     c.rollout.sampler, c.rollout.slots = "continuous", spec["slots"]
     c.algorithm.objective = objective
-    c.algorithm.options = ml_collections.ConfigDict(
-        dict(options, **({"weight_mode": "question", "reward_method": "1", "adv_estimator": "rloo"}
-                         if objective == "pacs" else {})))
+    c.algorithm.options = ml_collections.ConfigDict(dict(PACS_DEFAULTS, **options) if objective == "pacs" else options)
     c.optim.lr = 1e-6
     c.optim.schedule = "constant"
     c.optim.grad_clip = 1.0 if objective in ("grpo", "ppo") else 0.0

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax import models, sampling
+from pacs_jax.rl import get_objective, options_for
 from pacs_jax.sharding import MeshRules, config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.optim import make_optimizer
@@ -70,6 +71,106 @@ def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(d
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["generated_tokens"] > 0
+
+
+# ------------------------------------------------------------------------------------ PACS ablations
+# The ablations of configs/paper.py, written out here rather than read from it: pacs_beta1 (the authors'
+# scripts/pacs/pacs_beta_1.0.sh) with one option of their src/pacs/pacs_core_algos.py changed.
+ABLATIONS = {
+    "pacs_beta1_only_positive": dict(weight_mode="only_positive"),
+    "pacs_beta1_only_negative": dict(weight_mode="only_negative"),
+    "pacs_beta1_reward2": dict(reward_method="2"),
+    "pacs_beta1_grpo_adv": dict(adv_estimator="grpo"),
+    "pacs_beta1_naive_adv": dict(adv_estimator="naive"),
+}
+PACS_BETA1 = dict(beta=1.0, use_weight=True, weight_mode="question", reward_method="1", adv_estimator="rloo")
+
+
+def _authors_pacs_loss(logp, old_logp, mask, labels, n, *, beta, use_weight, weight_mode, reward_method,
+                       adv_estimator):
+    """float64 NumPy statement of the authors' compute_pacs_loss (src/pacs/pacs_core_algos.py) over the
+    response tokens: compute_reward, the rloo / grpo (norm_adv_by_std_in_grpo, torch's unbiased std,
+    eps 1e-6) / naive advantage, compute_weight (sklearn's "balanced" class weights per question,
+    n_samples / (n_classes * count), for mixed groups) and BCEWithLogitsLoss(weight=w), a mean over B."""
+    logp, old_logp, mask, y = (np.asarray(a, np.float64) for a in (logp, old_logp, mask, labels))
+    if reward_method == "1":
+        r = beta * ((logp - old_logp) * mask).sum(-1)
+    else:
+        r = beta * (logp * mask).sum(-1) / mask.sum(-1)
+    g = r.reshape(-1, n)
+    if adv_estimator == "rloo":
+        psi = g - (g.sum(1, keepdims=True) - g) / (n - 1)
+    elif adv_estimator == "grpo":
+        psi = (g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)
+    else:
+        psi = g
+    psi = psi.reshape(-1)
+    w = np.ones_like(y)
+    if use_weight and weight_mode == "question":
+        for start in range(0, len(y), n):
+            chunk = y[start:start + n]
+            classes, counts = np.unique(chunk, return_counts=True)
+            if len(classes) > 1:
+                balanced = dict(zip(classes, len(chunk) / (len(classes) * counts)))
+                w[start:start + n] = [balanced[label] for label in chunk]
+    elif use_weight:
+        w = y if weight_mode == "only_positive" else 1.0 - y
+    return float(np.mean(w * (np.logaddexp(0.0, psi) - y * psi)))
+
+
+def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(deepscaler_rows, qwen_tokenizer_dir,
+                                                                                  tmp_path):
+    """Each ablation is its own ALGO of configs/paper.py: pacs_beta1 with its one option changed and
+    nothing else (workdir named after it), valid, and what the trainer hands the objective registry
+    (``options_for``, as training/loop.py does) gives the authors' loss for that option: on a batch
+    where every option changes the loss, so that a dropped or misspelt option fails."""
+    import configs.paper
+
+    assert set(ABLATIONS) < set(configs.paper.ALGORITHMS)
+    base = load_config("paper.py", "qwen25_7b,pacs_beta1").to_dict()
+    assert dict(base["algorithm"]["options"]) == PACS_BETA1
+    rng = np.random.default_rng(0)
+    n, B, T = 4, 12, 6
+    logp = rng.normal(-1.5, 0.6, (B, T))
+    old_logp = logp + rng.normal(0.0, 0.5, (B, T))
+    mask = (np.arange(T)[None, :] < rng.integers(2, T + 1, B)[:, None]).astype(np.float32)
+    labels = np.array([1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0], np.float32)  # groups of 1/4, 3/4 and 0/4 right
+    losses = {}
+    for name in ["pacs_beta1", *ABLATIONS]:
+        config = load_config("paper.py", f"qwen25_7b,{name}")
+        flat = config.to_dict()
+        assert flat.pop("workdir") == f"workdir/qwen25_7b_{name}"
+        expected = {k: v for k, v in base.items() if k != "workdir"}
+        options = dict(PACS_BETA1, **ABLATIONS.get(name, {}))
+        expected["algorithm"] = dict(objective="pacs", options=options)
+        assert flat == expected, name
+        validate_config(setup_config(deepscaler_rows, qwen_tokenizer_dir, f"qwen25_7b,{name}"))
+        bound = options_for("pacs", dict(config.algorithm.options))
+        assert bound == options
+        loss, _ = get_objective("pacs", **bound)(jnp.asarray(logp, jnp.float32), jnp.asarray(old_logp, jnp.float32),
+                                                  jnp.asarray(mask), jnp.asarray(labels), n)
+        losses[name] = float(loss)
+        np.testing.assert_allclose(losses[name], _authors_pacs_loss(logp, old_logp, mask, labels, n, **options),
+                                   rtol=2e-5, err_msg=name)
+    values = sorted(losses.values())
+    assert all(b - a > 1e-3 for a, b in zip(values, values[1:])), losses  # each option changes the loss
+
+
+@pytest.mark.slow(seconds=50)
+def test_the_reward_method_2_ablation_trains_shrunk(deepscaler_rows, qwen_tokenizer_dir, tmp_path):
+    """The most distinct ablation, shrunk as the setups above: reward_method '2' is the only PACS proxy
+    that reads no pi_old (beta times the mean log-prob of the response), so its proxy is far below 0
+    from the first mini-batch on a random model (method '1' starts at exactly 0), which shows the
+    option reached the trainer's loss; the other ablations change only the loss's arithmetic, checked
+    against the authors' formula above."""
+    config = setup_config(deepscaler_rows, qwen_tokenizer_dir, "qwen25_3b,pacs_beta1_reward2")
+    assert config.algorithm.options.reward_method == "2"
+    validate_config(config)
+    summary = run_training(config, tmp_path, config_mesh(config.mesh))
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["final_step"] == 1 and row["skipped"] == 0.0
+    assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+    assert row["pacs/reward_proxy_mean"] < -1.0, row  # beta * mean log pi over a ~150k vocabulary
 
 
 # ------------------------------------------------------------------------------------ compiled programs
