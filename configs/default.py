@@ -41,7 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
         held_out_problems=200,    # set aside, never trained on: the eval set "held_out" (data/sources.py)
         warmstart_problems=1400,  # set aside for the warm-start only, never sampled by RL; 0: the warm-start
                                   # trains on RL's problems (data/sources.py); RL has the other 800
-        tokenizer="char",         # a Hugging Face tokenizer folder, or "char" (data/char_tokenizer.py)
+        tokenizer="char",         # a Hugging Face tokenizer folder, "char" (data/char_tokenizer.py), or "": the
+                                  # model's own (model.path's tokenizer files: its chat template and eos)
+        tokenizer_force=False,    # True: use a tokenizer folder of another model family than model.path's
         instruction="",           # follows the problem in the user message; real runs: data.INSTRUCTION
         max_prompt_length=56,     # the demo's longest prompt is 55 characters; 64 cost a tenth more per step (README)
         prompt_buckets=(56,),     # prompts are left-padded to the smallest bucket that holds the step's longest;

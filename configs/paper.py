@@ -1,8 +1,7 @@
 """The PACS paper's setups (arXiv 2509.02522; docs/design.md section 6.5) as ml_collections configs.
 
     python tools/prepare_data.py deepscaler     # once: the training set, data/deepscaler/train.jsonl
-    python -m pacs_jax.train --config=configs/paper.py:MODEL,ALGO --config.model.path=HF_DIR \\
-        --config.data.tokenizer=HF_DIR --workdir=DIR
+    python -m pacs_jax.train --config=configs/paper.py:MODEL,ALGO --config.model.path=HF_DIR --workdir=DIR
 
 MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 slice: 32 chips of 95 GiB)
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
@@ -135,7 +134,10 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     # validate_config says so when it is missing. The subset in the repository instead:
     # --config.data.train_files="('data/deepscaler_subset/math.json', 'data/deepscaler_subset/aime.json')"
     c.data.train_files = ("data/deepscaler/train.jsonl",)
-    c.data.tokenizer = "data/tokenizers/qwen3"  # the repository's Qwen tokenizer; a real run passes its model folder
+    # The released model's own tokenizer (model.path's files), as the authors' verl run loads it: Qwen2.5
+    # base models' chat template puts the default system prompt before the user turn and ends at
+    # <|endoftext|>, Qwen3's has no default system prompt and ends at <|im_end|> (data/prompts.py)
+    c.data.tokenizer = ""
     c.data.allow_skips = True
     c.data.max_prompt_length = 512
     c.data.prompt_buckets = (256, 512)

@@ -7,8 +7,8 @@
 """
 
 from pacs_jax.data.pipeline import PipelineConfig, prompt_batches, prompt_iterator
-from pacs_jax.data.prompts import (CHAR_TOKENIZER, INSTRUCTION, PromptExample, build_prompts, load_tokenizer,
-                                   render_prompt, user_message)
+from pacs_jax.data.prompts import (CHAR_TOKENIZER, INSTRUCTION, MODEL_TOKENIZER, PromptExample, TokenizerChoiceError,
+                                   build_prompts, load_tokenizer, render_prompt, run_tokenizer, user_message)
 from pacs_jax.data.char_tokenizer import CharTokenizer
 from pacs_jax.data.sources import SOURCES, training_problems
 from pacs_jax.data.fields import FORMATS, FieldMap, ReadStats, convert_rows
@@ -18,4 +18,4 @@ from pacs_jax.data.records import DataError, Problem
 __all__ = ["Problem", "DataError", "FORMATS", "FieldMap", "ReadStats", "load_problems", "read_problems", "convert_rows",
            "INSTRUCTION", "PromptExample", "build_prompts", "load_tokenizer", "render_prompt", "user_message",
            "PipelineConfig", "prompt_batches", "prompt_iterator", "CHAR_TOKENIZER", "CharTokenizer", "SOURCES",
-           "training_problems"]
+           "training_problems", "MODEL_TOKENIZER", "TokenizerChoiceError", "run_tokenizer"]

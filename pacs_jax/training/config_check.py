@@ -14,7 +14,7 @@ import ml_collections
 
 from pacs_jax.data import deepscaler, paths
 from pacs_jax.errors import PermanentError
-from pacs_jax.data.prompts import CHAR_TOKENIZER
+from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
 from pacs_jax.data.sources import SOURCES
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
@@ -126,6 +126,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check_data(config.data)
     _check_warmstart(config.warmstart, config.data)
     _check_model_source(m)
+    _check_tokenizer(config.data, m)
 
     mc = config.mesh
     try:
@@ -169,8 +170,20 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(dc.warmstart_problems < dc.arithmetic.problems, "data.warmstart_problems",
                  f"{dc.warmstart_problems} leaves RL none of the {dc.arithmetic.problems} training problems "
                  "(data.arithmetic.problems counts the warm-start's too)")
-    _require(dc.tokenizer == CHAR_TOKENIZER or (bool(dc.tokenizer) and pathlib.Path(paths.resolve(dc.tokenizer)).is_dir()),
-             "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\")")
+    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or pathlib.Path(paths.resolve(dc.tokenizer)).is_dir(),
+             "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\", or "
+             f"\"\" for model.path's own)")
+    _require(isinstance(dc.tokenizer_force, bool), "data.tokenizer_force",
+             f"must be True or False, got {dc.tokenizer_force!r}")
+
+
+def _check_tokenizer(dc: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
+    """The run's tokenizer (data/prompts.py run_tokenizer): "" needs model.path with tokenizer files, and
+    a folder of another model family than model.path's is refused unless data.tokenizer_force."""
+    try:
+        run_tokenizer(dc, m.path)
+    except TokenizerChoiceError as e:
+        raise ConfigError(f"config.{e.field}: {e}") from None
 
 
 def _check_model_source(m: ml_collections.ConfigDict) -> None:

@@ -1,13 +1,15 @@
 """One training run of any config (``python -m pacs_jax.train``; the CPU demo is configs/default.py).
 
-    tokenizer (data.tokenizer) and model (model.path, model.preset, or config.model's fields at random init)
+    tokenizer (data.tokenizer; "": model.path's own) and model (model.path, model.preset, or config.model's
+    fields at random init)
     -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems)
     -> supervised warm-start (warmstart.steps > 0) on the problems data.warmstart_problems sets aside
        from RL (0: on RL's problems), stopped early at a greedy accuracy on RL's first prompts
        (warmstart.target_accuracy)                                              training/warmstart.py
     -> evaluation before RL (eval.before_rl, with the final settings)
     -> RL (training/loop.py rl_train), evaluated every eval.periodic.every steps
-    -> final evaluation (eval.final settings) -> HF export, summary.json, curves.png
+    -> final evaluation (eval.final settings) -> HF export (with the run's tokenizer files), summary.json,
+       curves.png
 
 A restarted run resumes RL from its checkpoints; the warm-start and the evaluation before RL are not
 run again (their results are kept in workdir/warmstart.json). Evaluation outputs go to
@@ -143,7 +145,8 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
     dc, ec, wc = config.data, config.eval, config.warmstart
     say = (lambda line: print(line, flush=True)) if primary else (lambda line: None)
     signals.exit_at_once("the start-up (this session has trained nothing yet)")
-    tokenizer = data.load_tokenizer(dc.tokenizer)
+    tokenizer_source = data.run_tokenizer(dc, config.model.path)  # "char" or a folder ("": model.path's own)
+    tokenizer = data.load_tokenizer(tokenizer_source)
     latest = check_resume(config, workdir, _planned_model(config, tokenizer))  # reads only
     if latest and latest == config.train.steps:
         done = finished_summary(workdir, latest)
@@ -225,7 +228,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
         signals.exit_at_once(f"the final evaluation or the export: all {result.final_step} steps are checkpointed, "
                              f"and a restart runs only the final evaluation and the export again")
         after = evaluate_final("final", result.model, pool) if sets else {}
-    tokenizer_dir = None if dc.tokenizer == data.CHAR_TOKENIZER else dc.tokenizer
+    tokenizer_dir = None if tokenizer_source == data.CHAR_TOKENIZER else tokenizer_source  # "char": no files
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
     history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
     summary = _summary(config, before, after, history, sets)
