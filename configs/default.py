@@ -146,6 +146,8 @@ def get_config() -> ml_collections.ConfigDict:
         final=ml_collections.ConfigDict(dict(
             n=8, temperature=1.0, top_p=1.0,
             greedy=True,          # also one greedy response per problem
+            per_set=ml_collections.ConfigDict(),  # {set: {n, temperature, top_p, max_new_tokens}}: a set's own
+                                  # settings (the paper's: configs/paper_evaluation.py); others use the above
         )),
     ))
     return c

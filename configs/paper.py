@@ -29,7 +29,7 @@ critic initialised from the same model: AdamW lr 1e-5, value clip 0.5, grad clip
 
 import ml_collections
 
-from configs import default
+from configs import default, paper_evaluation
 from pacs_jax.data.prompts import INSTRUCTION
 
 # Per model: the preset, the mesh (data, fsdp, tensor; -1 fills the slice) and the memory settings of
@@ -41,15 +41,13 @@ from pacs_jax.data.prompts import INSTRUCTION
 #   rollout_micro_batches  rollout.micro_batches: sampler calls per step (1: all 1024 prompts in one call)
 #   slots                  rollout.slots: decode slots of the continuous sampler (its KV cache: slots x 4608)
 #   remat                  model.remat: what the backward pass keeps of each layer
-# The sampler's row is the analytic estimate (training/memory_plan.py; `validate_config` checks it on the
-# slice) with the continuous sampler; its compiled TPU figure has not been re-measured since (the other
-# two programs are unchanged: their compiled peaks below still hold).
+# The sampler compiled for the slice with its slots (plan_memory, libtpu 0.10.2; peak + resident state):
+# all 1024 prompts of a step in one call, no parameter all-gather inside its decode loop.
 _DOTS = "dots_with_no_batch_dims_saveable"
 MODELS = {
-    # v5p-64 (32 chips, 95 GiB HBM each). Peak per device, compiled (pi_old / update, GiB; the AdamW state
-    # counted in all): 3B 8.2 / 41.0, 7B 8.2 / 61.4, 4B 9.9 / 43.8, 8B 7.1 / 63.9; the sampler, analytic
-    # (KV cache + temporaries + resident): 3B 20.8 + 6.5, 7B 32.4 + 6.5, 4B 42.8 + 7.9, 8B 42.8 + 5.3, each
-    # below the step's peak (3B 44.0, 7B 65.0, 4B 56.2, 8B 68.9 analytic)
+    # v5p-64 (32 chips, 95 GiB HBM each). Peak per device, compiled (sampler / pi_old / update, GiB; the
+    # AdamW state counted in all three): 3B 41.0 / 8.2 / 41.0, 7B 39.8 / 8.2 / 61.4, 4B 76.1 / 9.9 / 43.8,
+    # 8B 69.7 / 7.1 / 63.9
     "qwen25_3b": dict(preset="Qwen2.5-3B", mesh=(-1, 8, 1), micro_batches=32, logprob_micro_batches=32,
                       rollout_micro_batches=1, slots=4096, remat=_DOTS),
     "qwen25_7b": dict(preset="Qwen2.5-7B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
@@ -58,8 +56,7 @@ MODELS = {
                      rollout_micro_batches=1, slots=2048, remat=_DOTS),
     "qwen3_8b": dict(preset="Qwen3-8B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
                      rollout_micro_batches=1, slots=2048, remat=_DOTS),
-    # v6e-64 (64 chips, 32 GiB HBM each): pi_old / update compiled 4.1 / 17.0 GiB; sampler analytic 16.2 GiB
-    # KV cache + 5.0 temporaries (peak 22.5 analytic)
+    # v6e-64 (64 chips, 32 GiB HBM each): 21.7 / 4.1 / 17.0 GiB
     "qwen25_7b_v6e": dict(preset="Qwen2.5-7B", mesh=(-1, 16, 4), micro_batches=64, logprob_micro_batches=64,
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }
@@ -166,12 +163,15 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.reward.mode = "paper"  # the authors' math-verify call on the whole response (src/reward_function.py)
     c.reward.item_timeout = 15.0  # math-verify's own limits (5 s per parse, 5 s to compare) run out first
     c.warmstart.steps = 0  # the paper starts RL from the released models
-    # The authors' evaluation: greedy every 5 steps on the test sets (GSM8K included); final inference
-    # N = 32 samples per problem at T = 0.6.
+    # The authors' evaluation: greedy every 5 steps on the test sets (GSM8K included), scored by the
+    # same math-verify call as training (reward.mode "paper"); the tables' final inference
+    # (configs/paper_evaluation.py) before RL (the "Base" row) and after: 256 samples per problem on
+    # AIME 2024 / 2025 and AMC23, 32 on MATH-500 (and GSM8K), at T = 0.6, top_p 0.95.
     c.eval.sets = "math_500,aime_2024,aime_2025,amc23,gsm8k"
-    c.eval.max_new_tokens = 4096
+    c.eval.max_new_tokens = paper_evaluation.MAX_NEW_TOKENS
     c.eval.batch_size = 32
-    c.eval.before_rl = False  # the base model's scores: --config.eval.before_rl=True (a whole final inference)
+    c.eval.before_rl = True  # the tables' "Base" row (--config.eval.before_rl=False skips it)
     c.eval.periodic.update(every=5, n=1, temperature=0.0, top_p=1.0)
-    c.eval.final.update(n=32, temperature=0.6, top_p=0.95, greedy=False)
+    c.eval.final.update(n=32, temperature=paper_evaluation.TEMPERATURE, top_p=paper_evaluation.TOP_P, greedy=False,
+                        per_set=paper_evaluation.per_set())
     return c

@@ -32,10 +32,10 @@ from ml_collections import config_flags
 
 from pacs_jax import checkpoints
 from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, load_tokenizer, render_prompt,
-                           training_problems)
-from pacs_jax.data import paths as data_paths
+                           run_tokenizer, training_problems)
 from pacs_jax.errors import UsageError, run_cli
-from pacs_jax.evaluation import EvalSet, evaluate_sets, load_eval_sets, write_outputs
+from pacs_jax.evaluation import (EvalSet, EvalSettings, evaluate_per_set, load_eval_sets, per_set_settings,
+                                 write_outputs)
 from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.rewards import RewardPool, reward_for
@@ -55,7 +55,8 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     names = [n.strip() for n in config.sets.split(",") if n.strip()] if isinstance(config.sets, str) \
         else list(config.sets)
     files = [n for n in names if n != HELD_OUT]
-    eval_sets = load_eval_sets(files, dict(config.set_files), config.data_dir, config.max_problems) if files else []
+    eval_sets = load_eval_sets(files, dict(config.set_files), config.data_dir, config.max_problems,
+                               config.reward.mode) if files else []
     if HELD_OUT in names:
         eval_sets.append(_held_out_set(training, checkpoint, config.max_problems))
     tokenizer, tokenizer_source = _tokenizer(config, target)
@@ -68,9 +69,10 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     mesh = make_mesh(**config.mesh) if config.use_mesh else None
     model = checkpoints.from_pretrained(target.model_dir, dtype=config.dtype, mesh=mesh)
     with RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
-        rows, metrics = evaluate_sets(
-            model, tokenizer, eval_sets, n=config.n, temperature=config.temperature, top_p=config.top_p,
-            top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed,
+        rows, metrics = evaluate_per_set(
+            model, tokenizer, eval_sets, per_set_settings(config.per_set),
+            EvalSettings(config.n, config.temperature, config.top_p, config.max_new_tokens),
+            top_k=config.top_k, seed=config.seed,
             stop_token_ids=tuple(config.stop_token_ids), batch_size=config.batch_size,
             slots=config.slots if config.sampler == "continuous" else None, instruction=instruction,
             max_prompt_length=config.max_prompt_length, reward_pool=pool, progress=config.progress)
@@ -93,11 +95,12 @@ def _tokenizer(config, target: Target):
         return load_tokenizer(config.tokenizer), ""
     if (target.model_dir / "tokenizer_config.json").is_file():
         return load_tokenizer(target.model_dir), ""
-    recorded = (target.training_config or {}).get("data", {}).get("tokenizer")
+    training = target.training_config or {}
+    recorded = training.get("data", {}).get("tokenizer")
     if recorded == CHAR_TOKENIZER:
         return load_tokenizer(CHAR_TOKENIZER), f'"{CHAR_TOKENIZER}" (the training run\'s data.tokenizer)'
-    if recorded:
-        folder = pathlib.Path(data_paths.resolve(recorded))
+    if recorded is not None:  # "" is the run's model's own tokenizer (data.run_tokenizer)
+        folder = pathlib.Path(run_tokenizer(training["data"], training.get("model", {}).get("path", "")))
         if (folder / "tokenizer_config.json").is_file():
             return load_tokenizer(folder), f"{folder} (the training run's data.tokenizer)"
         raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json), and the training run's "

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pacs_jax.models.config import REMAT_POLICIES
+from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
@@ -156,3 +157,38 @@ def test_the_demo_trains_alike_with_both_samplers(tmp_path):
             if not key.startswith("time_") and not key.startswith("reward_seconds"):
                 assert continuous[key] == pytest.approx(static[key], rel=1e-5, abs=1e-6), key
     assert [r["step"] for r in rows["continuous"]] == [1, 2]
+
+
+@pytest.mark.slow(seconds=60)
+def test_paper_evaluation_draws_each_sets_own_samples_before_and_after_rl(deepscaler_rows, qwen_tokenizer_dir,
+                                                                          tmp_path, monkeypatch):
+    """The shrunk qwen25_7b setup, 1 step, evaluated as the paper's tables are (configs/paper_evaluation.py):
+    AMC23 with its 256 samples per problem (pass@256 in eval_metrics.json) and GSM8K with the final
+    default 32, before RL (the "Base" row, on by default) and after; every sample of every set scored
+    by the authors' math-verify call ("paper"), GSM8K included."""
+    scored = []
+    real_score = RewardPool.score
+
+    def recording_score(self, texts, golds, reward, *args, **kwargs):
+        scored.append((len(texts), tuple(sorted(set([reward] if isinstance(reward, str) else reward)))))
+        return real_score(self, texts, golds, reward, *args, **kwargs)
+
+    monkeypatch.setattr(RewardPool, "score", recording_score)
+    config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=1, arg="qwen25_7b,pacs_beta1",
+                                 dtype="float32", remat="full")
+    assert config.eval.before_rl and config.eval.final.per_set.amc23.n == 256 and config.reward.mode == "paper"
+    config.data.prompt_buckets, config.rollout.response_buckets = (512,), (16,)
+    config.mesh.tensor = 1  # 8 batch shards on the 8 test devices
+    # 8 problems a set: one per batch shard, each shard's queue busy (one problem alone would leave 7
+    # simulated devices waiting at the loop's end past XLA:CPU's collective timeout)
+    config.eval.sets, config.eval.max_problems, config.eval.max_new_tokens = "amc23,gsm8k", 8, 4
+    config.eval.periodic.every = 0
+    _train(config, tmp_path)
+    for name in ("before_rl", "final"):
+        metrics = json.loads((tmp_path / "eval" / name / "eval_metrics.json").read_text())
+        assert "pass@256" in metrics["amc23"] and "mean@256" in metrics["amc23"], metrics["amc23"]
+        assert "pass@32" in metrics["gsm8k"] and "pass@64" not in metrics["gsm8k"], metrics["gsm8k"]
+        rows = [json.loads(line) for line in (tmp_path / "eval" / name / "eval_samples.jsonl").read_text().splitlines()]
+        assert sorted(len(r["samples"]) for r in rows) == [32] * 8 + [256] * 8
+    evaluation_calls = [names for count, names in scored if count in (8 * 32, 8 * 256)]
+    assert len(evaluation_calls) == 4 and all(names == ("paper",) for names in evaluation_calls), scored

@@ -58,7 +58,7 @@ def main(argv) -> None:
         config.eval.sets = ""
     validate_config(config)
     mesh = config_mesh(config.mesh)
-    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    tokenizer = data.load_tokenizer(data.run_tokenizer(config.data, config.model.path))
     model = build_model(config, mesh, tokenizer)
     prompts, _, _, _ = prompt_source(config, tokenizer)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731

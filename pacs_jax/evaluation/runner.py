@@ -22,9 +22,9 @@ from pacs_jax import sampling
 from pacs_jax.data import INSTRUCTION, Problem, build_prompts, load_problems, paths
 from pacs_jax.errors import UsageError
 from pacs_jax.evaluation.pass_at_k import pass_at_k_metrics
-from pacs_jax.rewards import RewardPool
+from pacs_jax.rewards import RewardPool, reward_for
 
-REWARD_BY_SOURCE = {"gsm8k": "gsm8k"}  # every other data source is scored with the math reward
+REWARD_BY_SOURCE = {"gsm8k": "gsm8k"}  # strict mode: every other data source is scored with the math reward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +36,28 @@ class EvalSet:
     reward: str = "math"
 
 
+def set_reward(name: str, mode: str) -> str:
+    """The reward that scores evaluation set ``name`` in ``reward.mode`` ``mode``: "paper" scores every
+    set with the authors' math-verify call, as they evaluate (GSM8K included); "strict" scores GSM8K by
+    its final number and every other set with the math reward."""
+    return reward_for(REWARD_BY_SOURCE.get(name, "math"), mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How one evaluation set is sampled: n samples per problem at a temperature and top_p (0: greedy),
+    at most max_new_tokens each."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
 def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_dir: str | pathlib.Path = ".",
-                   max_problems: int = 0) -> list[EvalSet]:
+                   max_problems: int = 0, reward_mode: str = "strict") -> list[EvalSet]:
     """The named sets; ``files[name]`` is a path relative to ``data_dir`` (or absolute, or ``tfds:NAME``).
+    Each set's reward is ``set_reward(name, reward_mode)``.
     A relative path not found from the working directory is read from the repository root (the default
     data_dir "data" is the repository's); found in neither, a ``UsageError`` names it and both places.
 
@@ -61,8 +80,31 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
         problems, _ = load_problems(spec, data_source=name)
         if max_problems > 0:
             problems = problems[:max_problems]
-        sets.append(EvalSet(name, problems, REWARD_BY_SOURCE.get(name, "math")))
+        sets.append(EvalSet(name, problems, set_reward(name, reward_mode)))
     return sets
+
+
+def per_set_settings(per_set: Mapping[str, Mapping[str, Any]]) -> dict[str, EvalSettings]:
+    """A config's ``per_set`` section ({set name: {n, temperature, top_p, max_new_tokens}}) as settings."""
+    return {name: EvalSettings(int(s["n"]), float(s["temperature"]), float(s["top_p"]), int(s["max_new_tokens"]))
+            for name, s in per_set.items()}
+
+
+def evaluate_per_set(model, tokenizer, eval_sets: Sequence[EvalSet], settings: Mapping[str, EvalSettings],
+                     default: EvalSettings, **options) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """``evaluate_sets`` with each set's own settings (``settings[name]``, else ``default``): sets that
+    share settings are sampled together. options: ``evaluate_sets``'s other keywords.
+    Returns (rows, metrics) as ``evaluate_sets``, each set's pass@k up to its own n."""
+    groups: dict[EvalSettings, list[EvalSet]] = {}
+    for eval_set in eval_sets:
+        groups.setdefault(settings.get(eval_set.name, default), []).append(eval_set)
+    rows, metrics = [], {}
+    for s, group in groups.items():
+        group_rows, group_metrics = evaluate_sets(model, tokenizer, group, n=s.n, temperature=s.temperature,
+                                                  top_p=s.top_p, max_new_tokens=s.max_new_tokens, **options)
+        rows += group_rows
+        metrics.update(group_metrics)
+    return rows, metrics
 
 
 def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, temperature: float, top_p: float,

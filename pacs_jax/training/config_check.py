@@ -258,6 +258,19 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
         _require(settings.temperature > 0 or settings.n == 1, f"eval.{section}.n",
                  f"greedy decoding (temperature 0) gives one response per problem, got n={settings.n}")
         _require(0 < settings.top_p <= 1, f"eval.{section}.top_p", f"must be in (0, 1], got {settings.top_p}")
+    for name, settings in ec.final.per_set.items():  # a set not in eval.sets is not evaluated: its entry waits
+        field = f"eval.final.per_set.{name}"
+        _require(name in ec.set_files or name == "held_out", field,
+                 f"{name!r} names no evaluation set (eval.set_files: {sorted(ec.set_files)}, or \"held_out\")")
+        _require(sorted(settings) == ["max_new_tokens", "n", "temperature", "top_p"], field,
+                 f"must give n, temperature, top_p and max_new_tokens, got {sorted(settings)}")
+        _require(isinstance(settings.n, int) and settings.n >= 1, f"{field}.n", f"must be an integer >= 1, got "
+                                                                                 f"{settings.n!r}")
+        _require(settings.temperature > 0 or settings.n == 1, f"{field}.n",
+                 f"greedy decoding (temperature 0) gives one response per problem, got n={settings.n}")
+        _require(0 < settings.top_p <= 1, f"{field}.top_p", f"must be in (0, 1], got {settings.top_p}")
+        _require(isinstance(settings.max_new_tokens, int) and settings.max_new_tokens >= 1,
+                 f"{field}.max_new_tokens", f"must be an integer >= 1, got {settings.max_new_tokens!r}")
 
 
 def _check_verl_micro_batch(size, micro_rows: int, section: str) -> None:

@@ -99,7 +99,8 @@ def eval_sets(config: ml_collections.ConfigDict, held_out: list[data.Problem]) -
     ec = config.eval
     names = [n.strip() for n in ec.sets.split(",") if n.strip()]
     files = [n for n in names if n != HELD_OUT]
-    sets = evaluation.load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems) if files else []
+    sets = evaluation.load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems,
+                                     config.reward.mode) if files else []
     if HELD_OUT in names:
         problems = [dataclasses.replace(p, data_source=HELD_OUT) for p in held_out]
         problems = problems[:ec.max_problems] if ec.max_problems > 0 else problems
@@ -107,9 +108,16 @@ def eval_sets(config: ml_collections.ConfigDict, held_out: list[data.Problem]) -
     return sets
 
 
-def _accuracy(metrics: dict[str, dict[str, float]], n: int) -> float | None:
-    """Mean over the evaluated sets of their mean sample reward (mean@n), or None without sets."""
-    values = [m[f"mean@{n}"] for m in metrics.values()]
+def _mean_reward(set_metrics: dict[str, float]) -> tuple[str, float]:
+    """A set's mean sample reward: ("mean@N", value), N its own samples per problem."""
+    key = next(k for k in set_metrics if k.startswith("mean@"))
+    return key, set_metrics[key]
+
+
+def _accuracy(metrics: dict[str, dict[str, float]]) -> float | None:
+    """Mean over the evaluated sets of their mean sample reward (mean@N, each set's own N), or None
+    without sets."""
+    values = [_mean_reward(m)[1] for m in metrics.values()]
     return sum(values) / len(values) if values else None
 
 
@@ -169,22 +177,24 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
     reward_name = reward_for(config.reward.name, config.reward.mode)
 
     def evaluate(name: str, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
-                 top_p: float) -> dict[str, dict[str, float]]:
-        rows, metrics = evaluation.evaluate_sets(
-            current, tokenizer, sets, n=n, temperature=temperature, top_p=top_p, max_new_tokens=ec.max_new_tokens,
+                 top_p: float, per_set: dict | None = None) -> dict[str, dict[str, float]]:
+        """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``."""
+        rows, metrics = evaluation.evaluate_per_set(
+            current, tokenizer, sets, per_set or {}, evaluation.EvalSettings(n, temperature, top_p, ec.max_new_tokens),
             seed=config.seed, batch_size=ec.batch_size, slots=ec.slots if ec.sampler == "continuous" else None,
             reward_pool=pool, instruction=dc.instruction,
             stop_token_ids=stop_ids, progress=primary)
         if primary:
             evaluation.write_outputs(workdir / "eval" / name, rows, metrics)
-            accuracy = _accuracy(metrics, n)
-            print(f"eval {name}: accuracy {accuracy:.3f} (mean reward of {n} sample(s) at T={temperature}; "
-                  + ", ".join(f"{s}={m[f'mean@{n}']:.3f}" for s, m in sorted(metrics.items())) + ")", flush=True)
+            means = ", ".join(f"{s} {'%s %.3f' % _mean_reward(m)}" for s, m in sorted(metrics.items()))
+            print(f"eval {name}: accuracy {_accuracy(metrics):.3f} (mean sample reward at T={temperature}: {means})",
+                  flush=True)
         return metrics
 
     def evaluate_final(name: str, current: models.Qwen, pool: RewardPool) -> dict[str, dict]:
         f = ec.final
-        out = {"sampled": evaluate(name, current, pool, f.n, f.temperature, f.top_p)}
+        per_set = evaluation.per_set_settings(f.per_set)
+        out = {"sampled": evaluate(name, current, pool, f.n, f.temperature, f.top_p, per_set)}
         if f.greedy:
             out["greedy"] = evaluate(f"{name}_greedy", current, pool, 1, 0.0, 1.0)
         return out
@@ -266,11 +276,12 @@ def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, histo
     phases = ("time_sample", "time_reward", "time_old_logprob", "time_update")
     evaluated = before.get("eval", {})
     summary = {
-        "accuracy_before_rl": _accuracy(evaluated.get("sampled", {}), f.n),
-        "accuracy_after_rl": _accuracy(after.get("sampled", {}), f.n),
-        "greedy_accuracy_before_rl": _accuracy(evaluated.get("greedy", {}), 1),
-        "greedy_accuracy_after_rl": _accuracy(after.get("greedy", {}), 1),
-        "accuracy_metric": f"mean reward of {f.n} samples per problem at temperature {f.temperature}, averaged over "
+        "accuracy_before_rl": _accuracy(evaluated.get("sampled", {})),
+        "accuracy_after_rl": _accuracy(after.get("sampled", {})),
+        "greedy_accuracy_before_rl": _accuracy(evaluated.get("greedy", {})),
+        "greedy_accuracy_after_rl": _accuracy(after.get("greedy", {})),
+        "accuracy_metric": f"mean reward of {f.n} samples per problem at temperature {f.temperature} (or a set's "
+                           f"own settings in eval.final.per_set: {sorted(f.per_set)}), averaged over "
                            f"the eval sets ({', '.join(f'{s.name}: {len(s.problems)} problems' for s in sets)})",
         "eval_before_rl": evaluated,
         "eval_after_rl": after,
