@@ -179,7 +179,10 @@ def test_paper_evaluation_draws_each_sets_own_samples_before_and_after_rl(deepsc
     assert config.eval.before_rl and config.eval.final.per_set.amc23.n == 256 and config.reward.mode == "paper"
     config.data.prompt_buckets, config.rollout.response_buckets = (512,), (16,)
     config.mesh.fsdp, config.mesh.tensor = 2, 4  # 2 batch shards: 2 problems a set keep both queues busy
-    config.eval.sets, config.eval.max_problems, config.eval.max_new_tokens = "amc23,gsm8k", 2, 4
+    # one token a sample: the samples and their scoring, not their decoding, are what is checked
+    config.eval.sets, config.eval.max_problems, config.eval.max_new_tokens = "amc23,gsm8k", 2, 1
+    config.eval.final.per_set.amc23.max_new_tokens = 1
+    config.reward.item_timeout = 2.0
     config.eval.periodic.every = 0
     _train(config, tmp_path, mesh_shape=(1, 2, 4))
     for name in ("before_rl", "final"):

@@ -248,8 +248,8 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
                    hf_export=str(export))
     if primary:
         if history and after:
-            plot_curves(history, _per_set(before.get("eval", {}).get("sampled", {}), ec.final.n),
-                        _per_set(after["sampled"], ec.final.n), workdir / "curves.png")
+            plot_curves(history, _per_set(before.get("eval", {}).get("sampled", {})),
+                        _per_set(after["sampled"]), workdir / "curves.png")
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -264,8 +264,9 @@ def _warm_start_line(warm: WarmStartResult, target: float) -> str:
     return f"{line}, greedy accuracy {warm.probe_accuracy:.3f} on the probe ({reached})"
 
 
-def _per_set(metrics: dict[str, dict[str, float]], n: int) -> dict[str, float]:
-    return {name: m[f"mean@{n}"] for name, m in metrics.items()}
+def _per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each set's mean sample reward (mean@N at its own N)."""
+    return {name: _mean_reward(m)[1] for name, m in metrics.items()}
 
 
 def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, history: list[dict],
