@@ -208,8 +208,8 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
                      slots: int) -> SampleArrays:
     global _TRACE_COUNT
     _TRACE_COUNT += 1
-    cfg = nnx.merge(graphdef, state).cfg
-    rules = nnx.merge(graphdef, state).rules
+    merged = nnx.merge(graphdef, state)
+    cfg, rules = merged.cfg, merged.rules
     model = nnx.merge(graphdef, _decode_layout(state, rules, jnp.dtype(cfg.dtype)))
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     P, T = prompt_tokens.shape
