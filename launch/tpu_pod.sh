@@ -44,7 +44,10 @@
 #   --workdir DIR          the run's workdir; use gs://BUCKET/... so checkpoints outlive the slice
 #   --keep-alive           (run) re-create and restart after preemption
 #   --dry-run              print every command instead of running it
-#   TRAIN_FLAGS            passed to pacs_jax.train unchanged, e.g. --config.model.path=/data/Qwen2.5-7B
+#   TRAIN_FLAGS            passed to pacs_jax.train unchanged, e.g. --config.model.path=/data/Qwen2.5-7B;
+#                          model.path, data.tokenizer, critic.path and the data files (data.train_files,
+#                          eval.set_files) are paths on every worker's disk: the config check refuses
+#                          gs:// ones. Only --workdir may be gs://
 #
 # Example (model.path and data.tokenizer are folders on every worker's disk, e.g. copied there with
 # `gcloud compute tpus tpu-vm ssh NAME --worker=all --command="gcloud storage cp -r gs://... ~/"`):

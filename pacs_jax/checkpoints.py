@@ -309,9 +309,6 @@ class TrainCheckpointer:
         self.manager.reload()
         return moved
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

@@ -1,4 +1,4 @@
-"""One program on many hosts (docs/design.md section 5): start-up, and moving rows between the host
+"""One program on many hosts (docs/design.md section 5.4): start-up, and moving rows between the host
 and global arrays whose shards live on several processes.
 
     initialize(coordinator="10.0.0.2:8476", num_processes=8, process_id=3)   # before any jax call
@@ -127,19 +127,6 @@ def _join_barrier(host: str, port: int, process_id: int, num_processes: int, dea
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def is_primary() -> bool:
-    """Whether this process writes the run's files (metrics, summary, exports): process 0."""
-    return jax.process_index() == 0
-
-
-def addressable_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> np.ndarray:
-    """Sorted indices of the rows (dim 0) of an array of ``shape`` that this process's devices hold."""
-    rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        rows.update(range(*index[0].indices(shape[0])) if index else range(shape[0]))
-    return np.asarray(sorted(rows), np.int64)
-
-
 def put_rows(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A global array with ``sharding`` from a host array of the global shape; only the rows of
     this process's devices are read (the other rows may hold anything)."""

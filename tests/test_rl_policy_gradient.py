@@ -225,7 +225,7 @@ def test_verl_scale_losses_and_gradients_match_verl_micro_batching(name):
 
 
 def test_verl_scale_adds_up_over_update_micro_batches():
-    # An update micro-batch (whole groups, pacs_jax.rl.update) holds whole verl micro-batches; with the
+    # An update micro-batch (whole groups, pacs_jax.rl.loss_and_grad) holds whole verl micro-batches; with the
     # mini-batch totals their losses add up to the loss of verl's micro-batch partition of the rows.
     n, S = 2, 2
     logp, old_logp, mask, rewards = make_batch(seed=22, n=n, groups=4, T=6)

@@ -13,6 +13,6 @@ from pacs_jax.models.qwen import KVCache, Qwen, positions_from_mask
 from pacs_jax.models.value import ValueModel, response_values, value_model_from_actor
 
 __all__ = ["PRESETS", "QwenConfig", "preset", "Qwen", "KVCache", "positions_from_mask", "abstract_model",
-           "init_random", "load_hf", "export_hf", "from_pretrained", "ValueModel", "response_values",
+           "init_random", "load_hf", "export_hf", "ValueModel", "response_values",
            "value_model_from_actor"]
 

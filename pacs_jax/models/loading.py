@@ -55,11 +55,6 @@ def dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def param_shardings(state: nnx.State) -> nnx.State:
-    """The NamedSharding of every parameter of an (abstract or real) state."""
-    return jax.tree.map(lambda v: v.get_value().sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 def build_from_arrays(cfg: QwenConfig, mesh: Mesh | None,
                       load: Callable[[str, jax.ShapeDtypeStruct, tuple[slice, ...] | None], np.ndarray], *,
                       progress: str | None = None) -> Qwen:
@@ -100,13 +95,18 @@ def init_random(cfg: QwenConfig, mesh: Mesh | None = None, seed: int = 0) -> Qwe
     """
     graphdef, abstract = abstract_model(cfg, mesh)
     key = jax.random.key(seed)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    items = []
-    for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
-        a = var.get_value()
-        init = _initialiser(var.init_kind, a.shape, jnp.dtype(a.dtype), a.sharding if mesh is not None else device)
-        items.append((path, var.replace(value=init(jax.random.fold_in(key, i)))))
+    items = [(path, var.replace(value=random_param(var, jax.random.fold_in(key, i), mesh)))
+             for i, (path, var) in enumerate(nnx.to_flat_state(abstract))]
     return nnx.merge(graphdef, nnx.from_flat_state(items))
+
+
+def random_param(var: nnx.Variable, key: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """A fresh value for the abstract parameter ``var`` (an entry of ``abstract_model``'s state), drawn
+    by its ``init_kind`` (normal(0, 0.02), ones or zeros): an array of its shape and dtype in its
+    sharding (with ``mesh``; else on the first device), made by a small jitted initialiser."""
+    a = var.get_value()
+    sharding = a.sharding if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _initialiser(var.init_kind, a.shape, jnp.dtype(a.dtype), sharding)(key)
 
 
 @functools.lru_cache(maxsize=None)

@@ -59,7 +59,7 @@ def init_value(kind: str, key: jax.Array, shape, dtype) -> jax.Array:
     return 0.02 * jax.random.normal(key, shape, dtype)
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, init="normal", layers: int | None = None) -> nnx.Param:
+def make_param(rngs: nnx.Rngs, shape, logical_axes, dtype, init="normal", layers: int | None = None) -> nnx.Param:
     """A parameter of ``shape`` (with a leading [layers] axis, logical name "layers", when stacked).
 
     Its metadata keeps the logical axes (for sharding) and the init kind (for ``init_random``).
@@ -76,7 +76,7 @@ class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, param_dtype, logical_axis: str, rngs: nnx.Rngs,
                  layers: int | None = None):
         self.eps = eps
-        self.scale = _param(rngs, (size,), (logical_axis,), param_dtype, init="ones", layers=layers)
+        self.scale = make_param(rngs, (size,), (logical_axis,), param_dtype, init="ones", layers=layers)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: QwenConfig, rules: MeshRules | None, rngs: nnx.Rngs, layers: int | None = None):
         D, H, K, Dh, pd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.param_dtype
         self.cfg, self.rules = cfg, rules
-        param = functools.partial(_param, rngs, dtype=pd, layers=layers)
+        param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
         self.q_kernel = param((D, H, Dh), ("embed", "heads", "head_dim"))
         self.k_kernel = param((D, K, Dh), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = param((D, K, Dh), ("embed", "kv_heads", "head_dim"))
@@ -193,7 +193,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: QwenConfig, rules: MeshRules | None, rngs: nnx.Rngs, layers: int | None = None):
         D, F, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.rules = rules
-        param = functools.partial(_param, rngs, dtype=pd, layers=layers)
+        param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
         self.gate_kernel = param((D, F), ("embed", "mlp"))
         self.up_kernel = param((D, F), ("embed", "mlp"))
         self.down_kernel = param((F, D), ("mlp", "embed"))
@@ -238,11 +238,11 @@ class Qwen(nnx.Module):
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, rules: MeshRules | None = None):
         self.cfg, self.rules = cfg, rules
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
+        self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
         self.layers = DecoderLayer(cfg, rules, rngs, layers=cfg.num_hidden_layers)  # stacked: [L, ...] params
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+            self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
 
     def lm_head_kernel(self) -> jax.Array:
         """The output projection [D, V] (the embedding transposed when tied), in param dtype."""

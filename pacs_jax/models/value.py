@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.config import QwenConfig
-from pacs_jax.models.loading import _initialiser, abstract_model, dotted
-from pacs_jax.models.qwen import Qwen, _param
+from pacs_jax.models.loading import abstract_model, dotted, random_param
+from pacs_jax.models.qwen import Qwen, make_param
 from pacs_jax.sharding import MeshRules
 
 
@@ -32,8 +32,8 @@ class ValueModel(nnx.Module):
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, rules: MeshRules | None = None):
         self.cfg, self.rules = cfg, rules
         self.backbone = Qwen(cfg.replace(tie_word_embeddings=True), rngs=rngs, rules=rules)
-        self.value_kernel = _param(rngs, (cfg.hidden_size,), ("embed",), cfg.param_dtype)
-        self.value_bias = _param(rngs, (), (), cfg.param_dtype, init="zeros")
+        self.value_kernel = make_param(rngs, (cfg.hidden_size,), ("embed",), cfg.param_dtype)
+        self.value_bias = make_param(rngs, (), (), cfg.param_dtype, init="zeros")
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """tokens, attention_mask [B, T] -> values [B, T] float32 (one per position)."""
@@ -60,16 +60,14 @@ def value_model_from_actor(actor: Qwen, seed: int = 0) -> ValueModel:
     mesh = None if actor.rules is None else actor.rules.mesh
     graphdef, abstract = abstract_model(actor.cfg, mesh, cls=ValueModel)
     actor_params = {dotted(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(actor, nnx.Param))}
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     key = jax.random.key(seed)
     items = []
     for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
-        spec = var.get_value()
         if path[0] == "backbone":
             source = actor_params[dotted(path[1:])]
-            value = jax.device_put(source, spec.sharding if mesh is not None else source.sharding, may_alias=False)
+            sharding = var.get_value().sharding if mesh is not None else source.sharding
+            value = jax.device_put(source, sharding, may_alias=False)
         else:
-            sharding = spec.sharding if mesh is not None else device
-            value = _initialiser(var.init_kind, spec.shape, jnp.dtype(spec.dtype), sharding)(jax.random.fold_in(key, i))
+            value = random_param(var, jax.random.fold_in(key, i), mesh)
         items.append((path, var.replace(value=value)))
     return nnx.merge(graphdef, nnx.from_flat_state(items))

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.value import ValueModel, response_values
+from pacs_jax.rl.micro_batches import accumulate_micro_batches, map_micro_batches
 from pacs_jax.rl.ppo import value_loss
-from pacs_jax.rl.update import _merge_micro_batches, _split_micro_batches, accumulate_micro_batches
-from pacs_jax.sharding import MeshRules, constrain
+from pacs_jax.sharding import MeshRules
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
@@ -66,9 +66,6 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
     def loss_and_grad(params: nnx.State, batch: Mapping[str, jax.Array]):
         if sorted(batch) != sorted(CRITIC_KEYS):
             raise ValueError(f"the critic's batch takes exactly {list(CRITIC_KEYS)}, got {sorted(batch)}")
-        rows = batch["input_ids"].shape[0]
-        if num_micro_batches < 1 or rows % num_micro_batches:
-            raise ValueError(f"num_micro_batches={num_micro_batches} does not divide the batch of {rows} rows")
         # the loss's mask (and the token count of token-mean's totals) is verl's critic mask, not the response's
         batch = {**batch, "response_mask": value_mask(batch["attention_mask"], batch["response_mask"].shape[1])}
         return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
@@ -80,12 +77,8 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
 def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                          *, num_micro_batches: int = 1, rules: MeshRules | None = None) -> jax.Array:
     """``models.response_values`` without gradient: input_ids, attention_mask [B, P + R] -> values [B, R]
-    float32, as ``num_micro_batches`` forward passes (``lax.map``) of strided micro-batches of rows
-    (rows k, k + K, ..., as ``rl.micro_batched_logprobs``), so activation memory is bounded by one."""
-    B = input_ids.shape[0]
-    if num_micro_batches < 1 or B % num_micro_batches:
-        raise ValueError(f"num_micro_batches={num_micro_batches} does not divide the batch of {B} rows")
-    split = lambda x: constrain(_split_micro_batches(x, 1, num_micro_batches), rules, (None, "batch", None))  # noqa: E731
-    values = jax.lax.map(lambda ids_mask: response_values(critic, *ids_mask, response_length),
-                         (split(input_ids), split(attention_mask)))
-    return jax.lax.stop_gradient(_merge_micro_batches(values, 1))
+    float32, as ``num_micro_batches`` forward passes of strided micro-batches of rows
+    (``rl.micro_batches.map_micro_batches``, as ``rl.micro_batched_logprobs``), so activation memory
+    is bounded by one."""
+    return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),
+                             (input_ids, attention_mask), num_micro_batches=num_micro_batches, rules=rules)

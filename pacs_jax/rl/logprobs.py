@@ -1,4 +1,5 @@
-"""Fused, chunked per-token log-probabilities (and entropies) from final hidden states.
+"""Fused, chunked per-token log-probabilities (and entropies) from final hidden states, and the
+response log-probs of a model built on them (``response_logprobs``, ``micro_batched_logprobs``).
 
 Shapes: B batch, T tokens, D hidden, V vocabulary, C chunk length (tokens per sequence per step).
 
@@ -27,8 +28,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
+from pacs_jax.rl.micro_batches import map_micro_batches
 from pacs_jax.sharding import MeshRules, constrain
 
 DEFAULT_CHUNK_SIZE = 512
@@ -57,6 +60,37 @@ def token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: j
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
     return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True, rules)
+
+
+def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
+                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      rules: MeshRules | None = None, with_entropy: bool = False):
+    """log pi(response token t | everything before it): input_ids, attention_mask [B, P + R] -> [B, R] float32.
+
+    The one log-prob path of the trainer (pi_old after the rollout, pi_theta in the update, the
+    warm-start): the hidden state at position P - 1 + t predicts response token t, so these are
+    ``token_logprobs`` of hidden[:, P-1:L-1] against input_ids[:, P:]. With ``with_entropy``,
+    returns (log-probs [B, R], entropy of each token's distribution [B, R]).
+    """
+    prompt_length = input_ids.shape[1] - response_length
+    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True)  # [B, L, D]
+    args = (hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:])
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, rules=rules)
+    return token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
+
+
+def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
+                           *, num_micro_batches: int = 1, temperature: float = 1.0,
+                           chunk_size: int = DEFAULT_CHUNK_SIZE, rules: MeshRules | None = None,
+                           with_entropy: bool = False):
+    """``response_logprobs`` without gradient, as ``num_micro_batches`` forward passes of B / K strided
+    rows each (``rl.micro_batches.map_micro_batches``), so activation memory is bounded by a
+    micro-batch, not the batch. Returns [B, R] (and entropy [B, R]).
+    """
+    return map_micro_batches(
+        lambda ids, mask: response_logprobs(model, ids, mask, response_length, temperature=temperature,
+                                            chunk_size=chunk_size, rules=rules, with_entropy=with_entropy),
+        (input_ids, attention_mask), num_micro_batches=num_micro_batches, rules=rules)
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:

@@ -5,6 +5,8 @@ Shapes: B responses, n = group_size per prompt (rows i*n .. i*n+n-1 share a prom
 Per token, with ratio rho = exp(log pi_theta - log pi_old) and the response's advantage A:
   l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))     (PPO clip)
   l = min(l, -A c)  where A < 0                                 (dual clip, c = clip_ratio_c)
+``clipped_policy_loss`` is this loss, reduced as below, for advantages [B] (one per response, these
+objectives) or [B, T] (one per token: PPO's actor, rl/ppo.py).
 Token losses reduce to a scalar by ``loss_agg_mode`` over the response mask m, for one batch of B
 responses (verl 0.3.1's ``agg_loss``):
   token-mean               sum_it m l / sum_it m
@@ -108,13 +110,49 @@ def clipped_token_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Arr
     return losses, clipped > unclipped, (adv < 0) & (ppo > dual)
 
 
+def token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of x [B, T] over the tokens where mask [B, T] is 1 (0 for an empty mask)."""
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
+                        loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
+                        norm_length: int | None, loss_scale: str, verl_micro_batch_size: int,
+                        totals: BatchTotals | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The dual-clip PPO policy loss of every policy-gradient objective (group baselines and PPO):
+    ``clipped_token_loss`` reduced by ``aggregate`` (see the module docstring).
+
+    logp, old_logp, response_mask: [B, T]; advantages: [B] (one per response, the group objectives)
+    or [B, T] (one per token, PPO with GAE), constants (no gradient flows into them).
+    Returns (scalar loss, metrics without gradient: "clipfrac", "clipfrac_dual" and "approx_kl_old",
+    token means over the response mask).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip bound must be > 1")
+    if not logp.shape == old_logp.shape == response_mask.shape or advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"logp, old_logp and response_mask must share one [B, T] shape and advantages be [B] or "
+                         f"[B, T], got {logp.shape}, {old_logp.shape}, {response_mask.shape} and {advantages.shape}")
+    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
+    advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    losses, clipped, dual = clipped_token_loss(logp, old_logp, advantages, clip_ratio_low=clip_ratio_low,
+                                               clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
+                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
+    mask = response_mask.astype(jnp.float32)
+    metrics = {"clipfrac": token_mean(clipped.astype(jnp.float32), mask),
+               "clipfrac_dual": token_mean(dual.astype(jnp.float32), mask),
+               "approx_kl_old": token_mean(old_logp - logp, mask)}
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
 def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
                          group_size: int, *, adv_estimator: str, loss_agg_mode: str, clip_ratio_low: float = 0.2,
                          clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, norm_length: int | None = None,
                          loss_scale: str = "mean", verl_micro_batch_size: int = 0,
                          totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """PPO-clip loss with group advantages from the rewards (see the module docstring), unchecked:
-    ``rl.get_objective(name, ...)`` checks the options and the batch from the registry (rl/objectives.py).
+    """PPO-clip loss (``clipped_policy_loss``) with group advantages [B] from the rewards (see the
+    module docstring), unchecked: ``rl.get_objective(name, ...)`` checks the options and the batch
+    from the registry (rl/objectives.py).
 
     logp, old_logp, response_mask: [B, T]; rewards: [B] (any finite values).
     loss_scale, verl_micro_batch_size: the aggregation convention ("verl": verl 0.3.1's micro-batch
@@ -122,27 +160,13 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: ja
     mini-batch).
     Returns (scalar loss, metrics: pg loss, clip fractions, approx KL to pi_old, advantage mean/std).
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip bound must be > 1")
-    estimator = get_estimator(adv_estimator)
-
-    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
-    advantages = jax.lax.stop_gradient(estimator(rewards.astype(jnp.float32), group_size))
-    losses, clipped, dual = clipped_token_loss(logp, old_logp, advantages, clip_ratio_low=clip_ratio_low,
-                                               clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
-    agg = dict(norm_length=norm_length, totals=totals, loss_scale=loss_scale,
-               verl_micro_batch_size=verl_micro_batch_size)
-    pg_loss = aggregate(losses, response_mask, loss_agg_mode, **agg)
-    mask = response_mask.astype(jnp.float32)
-    token_mean = lambda x: jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)  # noqa: E731
-    metrics = {
-        "pg/loss": pg_loss,
-        "pg/clipfrac": token_mean(clipped.astype(jnp.float32)),
-        "pg/clipfrac_dual": token_mean(dual.astype(jnp.float32)),
-        "pg/approx_kl_old": token_mean(old_logp - logp),
-        "pg/advantage_mean": jnp.mean(advantages),
-        "pg/advantage_std": jnp.std(advantages),
-    }
+    advantages = get_estimator(adv_estimator)(rewards.astype(jnp.float32), group_size)  # [B]
+    pg_loss, clip_metrics = clipped_policy_loss(
+        logp, old_logp, advantages, response_mask, loss_agg_mode=loss_agg_mode, clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, norm_length=norm_length, loss_scale=loss_scale,
+        verl_micro_batch_size=verl_micro_batch_size, totals=totals)
+    metrics = {"pg/loss": pg_loss, **{f"pg/{k}": v for k, v in clip_metrics.items()},
+               "pg/advantage_mean": jnp.mean(advantages), "pg/advantage_std": jnp.std(advantages)}
     return pg_loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 

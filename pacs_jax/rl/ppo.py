@@ -5,7 +5,8 @@ authors bundle, src/verl, version 0.3.1.dev).
 Shapes: B responses, T response tokens, m = response_mask [B, T] (for the value loss: the critic's
 value mask, ``rl.critic.value_mask``).
 
-Policy (per token, A from ``rl.compute_gae``, rho = exp(log pi_theta - log pi_old)):
+Policy (per token, A from ``rl.compute_gae``, rho = exp(log pi_theta - log pi_old)), the group
+baselines' ``policy_gradient.clipped_policy_loss`` on per-token advantages:
   l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)),  and where A < 0:  l = min(l, -A c)
 Value (per token, V_old the values at rollout time, V the critic's current prediction, R the returns):
   l_v = max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2)
@@ -25,11 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pacs_jax.rl.batch import BatchTotals
-from pacs_jax.rl.policy_gradient import aggregate, clipped_token_loss
-
-
-def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+from pacs_jax.rl.policy_gradient import aggregate, clipped_policy_loss, token_mean
 
 
 def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
@@ -37,27 +34,17 @@ def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
                     loss_agg_mode: str = "token-mean", loss_scale: str = "mean", verl_micro_batch_size: int = 0,
                     norm_length: int | None = None, totals: BatchTotals | None = None
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The actor's loss: logp, old_logp, advantages, response_mask [B, T] -> (scalar, metrics).
+    """The actor's loss, ``policy_gradient.clipped_policy_loss`` on per-token advantages: logp, old_logp,
+    advantages, response_mask [B, T] -> (scalar, metrics).
 
     advantages are constants (no gradient flows into them). Metrics: the clip fractions of both
     clips and the approximate KL to pi_old, as token means.
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual clip bound must be > 1")
-    if not logp.shape == old_logp.shape == advantages.shape == response_mask.shape:
-        raise ValueError(f"logp, old_logp, advantages and response_mask must share one [B, T] shape, got "
-                         f"{logp.shape}, {old_logp.shape}, {advantages.shape}, {response_mask.shape}")
-    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
-    losses, clipped, dual = clipped_token_loss(logp, old_logp, jax.lax.stop_gradient(advantages.astype(jnp.float32)),
-                                               clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                               clip_ratio_c=clip_ratio_c)
-    loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
-                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
-    mask = response_mask.astype(jnp.float32)
-    metrics = {"ppo/policy_loss": loss, "ppo/clipfrac": _token_mean(clipped.astype(jnp.float32), mask),
-               "ppo/clipfrac_dual": _token_mean(dual.astype(jnp.float32), mask),
-               "ppo/approx_kl_old": _token_mean(old_logp - logp, mask)}
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+    loss, metrics = clipped_policy_loss(logp, old_logp, advantages, response_mask, loss_agg_mode=loss_agg_mode,
+                                        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                        clip_ratio_c=clip_ratio_c, norm_length=norm_length, loss_scale=loss_scale,
+                                        verl_micro_batch_size=verl_micro_batch_size, totals=totals)
+    return loss, {"ppo/policy_loss": jax.lax.stop_gradient(loss), **{f"ppo/{k}": v for k, v in metrics.items()}}
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, response_mask: jax.Array, *,
@@ -84,10 +71,10 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, res
     loss = aggregate(jnp.maximum(unclipped_loss, clipped_loss), response_mask, loss_agg_mode, norm_length=norm_length,
                      totals=totals, loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
     mask = response_mask.astype(jnp.float32)
-    residual_variance = _token_mean(jnp.square(returns - values - _token_mean(returns - values, mask)), mask)
-    return_variance = _token_mean(jnp.square(returns - _token_mean(returns, mask)), mask)
+    residual_variance = token_mean(jnp.square(returns - values - token_mean(returns - values, mask)), mask)
+    return_variance = token_mean(jnp.square(returns - token_mean(returns, mask)), mask)
     metrics = {"critic/value_loss": loss,
-               "critic/value_clipfrac": _token_mean((clipped_loss > unclipped_loss).astype(jnp.float32), mask),
+               "critic/value_clipfrac": token_mean((clipped_loss > unclipped_loss).astype(jnp.float32), mask),
                "critic/explained_variance": 1.0 - residual_variance / jnp.maximum(return_variance, 1e-8)}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
