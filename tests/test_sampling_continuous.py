@@ -8,6 +8,8 @@ per-row budgets for the queue, and the compiled HLO for the decode layout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,45 @@ def test_a_stop_at_the_first_token_never_takes_a_slot(hf, prompts):
     assert stopped_at_once[:n].all()  # prompt 0's rows
     # the decode steps are those of the rows that did not stop at token 0
     assert int(out.decode_steps) == int(np.sum(np.maximum(out.lengths[~stopped_at_once] - 1, 0)))
+
+
+@pytest.mark.parametrize("places", [(0, 1, 2, 3), (1, 2, 3, 6)], ids=["padding_last", "padding_between"])
+def test_batch_padding_spreads_the_rows_over_the_shards(hf, prompts, places):
+    """4 real prompts among 8 batch positions on the 2x2x2 mesh (4 batch shards, one slot each), all
+    rows running to the same budget b: the 8 rows are spread 2 per shard, so the call takes exactly
+    2 x (b - 1) decode steps (token 0 comes from the prefill); held where the padding put them, a
+    shard would run 2 prompts' 4 rows (4 x (b - 1) steps) while another idled. The tokens are the
+    1-device static sampler's (each row keyed by its prompt's place and its sample), the padding
+    rows empty."""
+    n, b, shards = 2, 7, 4
+    tokens, mask = np.zeros((8, 16), np.int32), np.zeros((8, 16), np.int32)
+    for place, prompt in zip(places, prompts):
+        tokens[place, 16 - len(prompt):], mask[place, 16 - len(prompt):] = prompt, 1
+    budgets = np.repeat(np.where(np.isin(np.arange(8), places), b, 1), n)
+    settings = sampling.SamplingSettings(max_new_tokens=12, n=n, temperature=1.0)
+
+    def run(mesh_shape, slots):
+        graphdef, state = nnx.split(load(hf, mesh_shape))
+        return jax.device_get(sampling.sample(graphdef, state, tokens, mask, dataclasses.replace(settings, slots=slots),
+                                              jax.random.key(5), budgets))
+
+    spread, static = run((2, 2, 2), shards), run(None, None)
+    assert int(spread.decode_steps) == len(places) * n // shards * (b - 1)
+    np.testing.assert_array_equal(spread.lengths, np.repeat(np.where(np.isin(np.arange(8), places), b, 0), n))
+    np.testing.assert_array_equal(spread.tokens, static.tokens)
+    np.testing.assert_allclose(spread.logprobs, static.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(spread.response_mask, static.response_mask)
+
+
+def test_spread_rows_covers_each_sample_once_and_is_the_identity_without_padding():
+    source, first, count = jax.device_get(engine.spread_rows(jnp.ones(8, bool), 4))
+    np.testing.assert_array_equal(source, np.arange(8))
+    np.testing.assert_array_equal(first, np.zeros(8))
+    np.testing.assert_array_equal(count, np.full(8, 4))
+    source, first, count = jax.device_get(engine.spread_rows(jnp.asarray([0, 1, 0, 0, 1, 0, 1, 0], bool), 4))
+    held = [(int(i), int(j)) for i, f, c in zip(source, first, count) for j in range(f, f + c)]
+    assert sorted(held) == [(i, j) for i in (1, 4, 6) for j in range(4)]  # each (prompt, sample) once
+    assert count.max() - count.min() <= 1  # 12 rows over 8 positions
 
 
 def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Collective]:

@@ -19,11 +19,18 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
 Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
 ``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
 refill never crosses devices; the "tensor" axis stays automatic (tensor-parallel layers inside).
+Before the prefill, the real prompts' rows are spread evenly over the P batch positions
+(``spread_rows``): batch-padding prompts (an all-zero mask row) hold no work, so without this the
+shards holding them would idle while the others ran all the rows. A position p takes a copy of one
+real prompt and a contiguous range of its samples (a real prompt gets about P / (real prompts)
+positions and its n samples are split over them), so every position, and every shard, holds n x
+(real prompts) / P rows up to rounding. The outputs are scattered back to rows i*n + j. Without
+batch padding every prompt keeps its own position and all its samples (the identity).
 
 Results do not depend on scheduling: token t of row (i, j) is selected with the key
 ``fold_in(fold_in(fold_in(key, i), j), t)`` and from that row's logits alone, so the same row gets the
-same tokens whatever slot it ran in, when, and beside which other rows (up to the float round-off
-of a matmul over a different batch).
+same tokens whatever slot, position or shard it ran in, when, and beside which other rows (up to the
+float round-off of a matmul over a different batch).
 
 The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model
 is ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
@@ -69,7 +76,9 @@ class SampleArrays(NamedTuple):
     response_mask: [Q, N] int32, 1 on generated tokens
     lengths:       [Q] int32, generated tokens per row (stop id included)
     stopped:       [Q] bool, True if the row ended at a stop id ("stop"), False at its budget ("length")
-    prefill_tokens: [] int32, real prompt tokens run through the prefill forward pass (once per prompt)
+    prefill_tokens: [] int32, real prompt tokens of the call, its prompts' lengths summed (a prompt is
+                   prefilled once; one spread to several batch positions, once at each, where
+                   batch-padding prompts would have been)
     decode_steps:  [] int32, decode steps of the call (of its slowest queue when the batch is sharded)
     """
 
@@ -117,12 +126,38 @@ def _queue_groups(rules: MeshRules | None, prompts: int, slots: int) -> tuple[st
     return axes if axes and prompts % shards == 0 and slots % shards == 0 else ()
 
 
-def _decode_loop(model, prompt_cache: KVCache, prompt_real, first_tokens, first_logp, budgets, row_keys,
+def spread_rows(real: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each real prompt's samples run: the rows of the R real prompts spread evenly over all P
+    batch positions, so contiguous blocks of positions (batch shards) hold equal work whatever the
+    number and places of the batch-padding prompts.
+
+    real: [P] bool, False for batch-padding prompts. Real prompt k (in order, k < R) takes positions
+    floor(k P / R) .. floor((k + 1) P / R) - 1 (one or more, adjacent); its m-th of c positions takes
+    samples floor(m n / c) .. floor((m + 1) n / c) - 1. Without padding (R = P) this is the identity.
+    Returns (prompt [P] int32: the prompt whose copy position p holds; first [P] int32: its first
+    sample there; count [P] int32: how many, 0 .. n, summing to R x n; all 0 when R = 0).
+    """
+    P = real.shape[0]
+    R = jnp.sum(real, dtype=jnp.int32)
+    ranked = jnp.argsort(~real, stable=True).astype(jnp.int32)  # the real prompts first, in order
+    p = jnp.arange(P, dtype=jnp.int32)
+    divisor = jnp.maximum(R, 1)
+    k = ((p + 1) * R + P - 1) // P - 1  # the real prompt of position p: floor(k P / R) <= p
+    start = k * P // divisor
+    copies = jnp.maximum((k + 1) * P // divisor - start, 1)
+    m = p - start
+    first = m * n // copies
+    count = jnp.where(R > 0, (m + 1) * n // copies - first, 0)
+    return ranked[jnp.clip(k, 0, P - 1)], first, count
+
+
+def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, first_logp, budgets, row_keys,
                  temperature, top_p, stop_ids, *, n: int, slots: int, max_new_tokens: int, top_k: int):
     """The decode loop of one queue: all rows of a call, or one batch shard's rows under shard_map.
 
-    prompt_cache: K/V [L, P, T, K, Dh] of the prefill; prompt_real [P, T] bool (batch-padding prompts
-    have no real token); first_tokens, first_logp, budgets [Q]; row_keys [Q] PRNG keys.
+    prompt_cache: K/V [L, P, T, K, Dh] of the prefill; prompt_real [P, T] bool; real [Q] bool, False
+    for rows that hold no sample (those of batch-padding prompts); first_tokens, first_logp, budgets
+    [Q]; row_keys [Q] PRNG keys.
     Returns (tokens [Q, N], logprobs [Q, N], lengths [Q], stopped [Q], decode steps []).
     """
     P, T = prompt_real.shape
@@ -132,7 +167,6 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, first_tokens, first_
     def is_stop(tokens):
         return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
 
-    real = jnp.repeat(jnp.any(prompt_real, axis=-1), n)  # [Q]: False for batch-padding prompts
     first_stop = real & is_stop(first_tokens)
     waiting = real & ~first_stop & (budgets > 1)  # rows that need decode steps
     order = jnp.argsort(~waiting, stable=True).astype(jnp.int32)  # the queue: those rows, in row order
@@ -213,32 +247,49 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
     model = nnx.merge(graphdef, _decode_layout(state, rules, jnp.dtype(cfg.dtype)))
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     P, T = prompt_tokens.shape
+    Q = P * n
+    prefill_tokens = jnp.sum(prompt_mask != 0, dtype=jnp.int32)
+    real = jnp.any(prompt_mask != 0, axis=-1)  # [P]: False for batch-padding prompts
+
+    # Position p holds samples first[p] .. first[p] + count[p] - 1 of prompt source[p]: spread evenly
+    # over the positions when each batch shard runs its own queue (one queue needs no spreading).
+    axes = _queue_groups(rules, P, slots)
+    if axes:
+        source, first, count = spread_rows(real, n)
+        prompt_tokens, prompt_mask = prompt_tokens[source], prompt_mask[source]
+    else:
+        source, first, count = jnp.arange(P), jnp.zeros(P, jnp.int32), jnp.where(real, n, 0)
+    samples = first[:, None] + jnp.arange(n)  # [P, n]: sample j of each position's rows
+    held = (jnp.arange(n) < count[:, None]).reshape(Q)  # [Q]: False for rows without a sample
+    origin = jnp.where(held, (source[:, None] * n + samples).reshape(Q), Q)  # [Q]: row i*n + j, Q if none
+    budgets = budgets.astype(jnp.int32)
+    if axes:
+        budgets = budgets[jnp.minimum(origin, Q - 1)]
 
     # Prefill. All-padding prompts (batch padding) get one visible slot so their attention is
     # defined; their rows come back empty.
     prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), rules, ("batch", "length"))
-    real = constrain(prompt_mask.astype(bool), rules, ("batch", "length"))
-    padding_row = ~jnp.any(real, axis=-1)  # [P]
-    visible = real.at[:, -1].set(real[:, -1] | padding_row)
-    prefill_tokens = jnp.sum(real, dtype=jnp.int32)
+    prompt_real = constrain(prompt_mask.astype(bool), rules, ("batch", "length"))
+    padding_row = ~jnp.any(prompt_real, axis=-1)  # [P]
+    visible = prompt_real.at[:, -1].set(prompt_real[:, -1] | padding_row)
     hidden, prompt_cache = model.forward(prompt_tokens, positions_from_mask(visible), visible,
                                          model.init_cache(P, T), 0)
     last = jnp.max(jnp.where(visible, jnp.arange(T), 0), axis=-1)  # [P]: T - 1 when left-padded
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [P, 1, D]
     first_logits = model.logits(last_hidden)[:, 0]  # [P, V]: only the last real position is needed
 
-    # Token 0 of every row, sample by sample (one [P, V] selection at a time, not [Q, V]).
-    row_keys = jax.vmap(lambda i: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, i), j))(
-        jnp.arange(n)))(jnp.arange(P))  # [P, n]
+    # Token 0 of every row, sample by sample (one [P, V] selection at a time, not [Q, V]); the key of
+    # a row is that of its prompt and sample, wherever it runs.
+    row_keys = jax.vmap(lambda i, js: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, i), j))(js))(
+        source, samples)  # [P, n]
     first_tokens, first_logp = jax.lax.map(
         lambda keys: select(first_logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(P, jnp.int32))),
         row_keys.T)  # [n, P] each
-    rows = lambda x: x.T.reshape(P * n)  # [n, P] -> [Q], row i*n + j
-    loop_args = (prompt_cache, real, rows(first_tokens), rows(first_logp), budgets.astype(jnp.int32),
-                 row_keys.reshape(P * n), temperature, top_p, stop_ids)
+    rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
+    loop_args = (prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
+                 row_keys.reshape(Q), temperature, top_p, stop_ids)
     static = dict(n=n, slots=slots, max_new_tokens=max_new_tokens, top_k=top_k)
 
-    axes = _queue_groups(rules, P, slots)
     if axes:
         shards = math.prod(rules.mesh.shape[a] for a in axes)
         split, whole = PartitionSpec(axes), PartitionSpec()
@@ -249,10 +300,15 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
             return *out, steps[None]
 
         decode = jax.shard_map(per_shard, mesh=rules.mesh,
-                               in_specs=(whole, cache_split, split, split, split, split, split, whole, whole, whole),
+                               in_specs=(whole, cache_split, split, split, split, split, split, split, whole,
+                                         whole, whole),
                                out_specs=(split,) * 5, axis_names=set(axes), check_vma=False)
-        tokens, logprobs, lengths, stopped, steps = decode(nnx.state(model), *loop_args)
+        *outs, steps = decode(nnx.state(model), *loop_args)
         steps = jnp.max(steps)
+        # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
+        tokens, logprobs, lengths, stopped = (
+            constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), rules, ("batch",) + (None,) * (x.ndim - 1))
+            for x, empty in zip(outs, (PAD_ID, 0.0, 0, False)))
     else:
         tokens, logprobs, lengths, stopped, steps = _decode_loop(model, *loop_args, **static)
     response_mask = (jnp.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(jnp.int32)

@@ -18,7 +18,7 @@ from pacs_jax.distributed import put_rows, to_host
 from pacs_jax.models.qwen import Qwen
 from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
 from pacs_jax.sampling.engine import sample
-from pacs_jax.sampling.settings import SamplingSettings
+from pacs_jax.sampling.settings import SamplingSettings, call_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             raise ValueError(f"budgets: {len(budgets)} given for {len(prompts)} prompts")
         budgets = np.repeat(np.pad(np.asarray(budgets), (0, batch - len(prompts)), constant_values=1), n)
     if slots is not None:
-        settings = dataclasses.replace(settings, slots=min(slots, batch * n))
+        settings = dataclasses.replace(settings, slots=call_slots(slots, batch * n))
     graphdef, state = nnx.split(model)
     out = sample(graphdef, state, tokens, mask, settings, jax.random.key(seed), budgets)
 

@@ -69,3 +69,10 @@ class SamplingSettings:
         for i, token in enumerate(self.stop_token_ids):
             if token >= vocab_size:
                 raise ValueError(f"stop_token_ids[{i}]={token}: outside the vocabulary ({vocab_size})")
+
+
+def call_slots(slots: int | None, rows: int) -> int:
+    """The decode slots of one sampler call of ``rows`` rows (its prompts x n): ``slots`` capped at
+    ``rows``, or ``rows`` (one slot per row: static batching) when ``slots`` is None. On a mesh the
+    result should be a multiple of the batch shards (data x fsdp) for one queue per shard."""
+    return rows if slots is None else min(slots, rows)
