@@ -199,6 +199,21 @@ class MeshRules:
         return tuple(a for a in dict(self.rules)["batch"] if self.mesh.shape[a] > 1)
 
 
+def batch_sharding(rules: MeshRules | None, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    """The sharding of a per-row array of a training step: rows over the batch axes, the rest replicated
+    (all replicated when the rows do not divide, e.g. a few prompts on many devices).
+
+    The same objects place host arrays, pin the programs' outputs and compile them ahead of time,
+    so every call finds its program already compiled.
+    """
+    if rules is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    axes = rules.batch_axes()
+    if shape[0] % math.prod(rules.mesh.shape[a] for a in axes):
+        axes = ()
+    return NamedSharding(rules.mesh, PartitionSpec(axes or None, *([None] * (len(shape) - 1))))
+
+
 def manual_axes() -> frozenset[str]:
     """The mesh axes that are manual in the current tracing context (inside ``shard_map``); empty
     outside one."""

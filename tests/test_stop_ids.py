@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from flax import nnx
 
 from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.models.config import merge_eos_ids
-from pacs_jax.training.loop import config_collector
+from pacs_jax.training.step_programs import sampling_settings
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config
 
@@ -46,8 +45,7 @@ def test_qwen3_stop_ids_include_generation_configs_eos(qwen3_dir, qwen_tokenizer
     # the trainer's sampler stops on them and on rollout.stop_token_ids
     config = load_config("default.py")
     config.rollout.stop_token_ids = (7, IM_END)
-    collector = config_collector(config, nnx.split(model)[0], None, stops, decode=lambda ids: "", reward_pool=None)
-    assert collector.settings.stop_token_ids == (END_OF_TEXT, IM_END, 7)
+    assert sampling_settings(config, stops).stop_token_ids == (END_OF_TEXT, IM_END, 7)
     # exported and read back, the stop ids stay
     exported = models.export_hf(model, qwen3_dir.parent / "exported")
     assert models.QwenConfig.from_hf_file(exported).eos_token_id == (IM_END, END_OF_TEXT)

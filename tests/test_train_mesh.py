@@ -7,10 +7,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pacs_jax import models, rl, sampling, sharding
+from pacs_jax import models, rl, sharding
 from pacs_jax.rewards import RewardPool
+from test_train_config import load_config
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.update_step import make_update_step
 
 CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -58,11 +60,14 @@ def rollout_batch(single_model):
     graphdef, params = nnx.split(single_model)
     rs = np.random.RandomState(0)
     prompt_ids = [list(rs.randint(2, CFG.vocab_size, size=length)) for length in (5, 9, 3, 12)]
-    sampling_settings = sampling.SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, n=N, temperature=1.0,
-                                              stop_token_ids=(1,))
+    config = load_config("default.py")
+    config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, sampler="static")
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.prompts_per_step, config.train.logprob_micro_batches = PROMPTS, 1
+    programs = StepPrograms(config, graphdef, params, (1,), rules=None)
     with RewardPool(1) as pool:
-        collector = RolloutCollector(graphdef, None, sampling_settings, decode=lambda ids: " ".join(map(str, ids)),
-                                     reward_pool=pool, reward_name="math", prompt_buckets=(8, 16))
+        collector = RolloutCollector.from_config(config, programs, decode=lambda ids: " ".join(map(str, ids)),
+                                                 reward_pool=pool)
         rollout = collector(params, PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
                             jax.random.key(0))
     batch = {k: np.asarray(v) for k, v in rollout.batch.items()}

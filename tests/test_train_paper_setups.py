@@ -14,16 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from pacs_jax import models, sampling
+from pacs_jax import models
 from pacs_jax.rl import get_objective, options_for
 from pacs_jax.sharding import MeshRules, config_mesh
 from pacs_jax.training.config_check import validate_config
-from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.run import run_training
-from pacs_jax.training.rollout import RolloutCollector
-from pacs_jax.training.update_step import make_update_step
+from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
 from test_train_real_config import deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
 
@@ -122,13 +119,13 @@ def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(
                                                                                   tmp_path):
     """Each ablation is its own ALGO of configs/paper.py: pacs_beta1 with its one option changed and
     nothing else (workdir named after it), valid, and what the trainer hands the objective registry
-    (``options_for``, as training/loop.py does) gives the authors' loss for that option: on a batch
+    (``options_for``, as training/step_programs.py does) gives the authors' loss for that option: on a batch
     where every option changes the loss, so that a dropped or misspelt option fails."""
     import configs.paper
 
     assert set(ABLATIONS) < set(configs.paper.ALGORITHMS)
     base = load_config("paper.py", "qwen25_7b,pacs_beta1").to_dict()
-    assert dict(base["algorithm"]["options"]) == PACS_BETA1
+    assert dict(base["algorithm"]["pacs"]) == PACS_BETA1
     rng = np.random.default_rng(0)
     n, B, T = 4, 12, 6
     logp = rng.normal(-1.5, 0.6, (B, T))
@@ -142,10 +139,10 @@ def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(
         assert flat.pop("workdir") == f"workdir/qwen25_7b_{name}"
         expected = {k: v for k, v in base.items() if k != "workdir"}
         options = dict(PACS_BETA1, **ABLATIONS.get(name, {}))
-        expected["algorithm"] = dict(objective="pacs", options=options)
+        expected["algorithm"] = dict(base["algorithm"], pacs=options)
         assert flat == expected, name
         validate_config(setup_config(deepscaler_rows, qwen_tokenizer_dir, f"qwen25_7b,{name}"))
-        bound = options_for("pacs", dict(config.algorithm.options))
+        bound = options_for(config.algorithm)
         assert bound == options
         loss, _ = get_objective("pacs", **bound)(jnp.asarray(logp, jnp.float32), jnp.asarray(old_logp, jnp.float32),
                                                   jnp.asarray(mask), jnp.asarray(labels), n)
@@ -164,7 +161,7 @@ def test_the_reward_method_2_ablation_trains_shrunk(deepscaler_rows, qwen_tokeni
     option reached the trainer's loss; the other ablations change only the loss's arithmetic, checked
     against the authors' formula above."""
     config = setup_config(deepscaler_rows, qwen_tokenizer_dir, "qwen25_3b,pacs_beta1_reward2")
-    assert config.algorithm.options.reward_method == "2"
+    assert config.algorithm.pacs.reward_method == "2"
     validate_config(config)
     summary = run_training(config, tmp_path, config_mesh(config.mesh))
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -184,23 +181,15 @@ def _programs(num_layers: int, remat: str = "dots_with_no_batch_dims_saveable"):
                             num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             dtype="bfloat16", remat=remat, attention="xla", attention_block_size=BLOCK)
     mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    graphdef, state = models.abstract_model(cfg, mesh)
-    params = jax.tree.map(lambda v: v, nnx.state(state))
-    rules = MeshRules(mesh)
-    collector = RolloutCollector(graphdef, rules, sampling.SamplingSettings(max_new_tokens=R_LEN, n=N, temperature=1.0),
-                                 decode=str, reward_pool=None, reward_name="math", prompt_buckets=(P_LEN,),
-                                 logprob_micro_batches=2)
-    abstract = jax.tree.map(lambda v: v.get_value() if hasattr(v, "get_value") else v, params,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
-    prompts = collector._abstract((PROMPTS, P_LEN), jnp.int32)
-    responses = collector._abstract((PROMPTS * N, R_LEN), jnp.int32)
-    old = collector._prepare.lower(abstract, prompts, prompts, responses, responses).compile().as_text()
-    optimizer, _ = make_optimizer(1e-6)
-    opt_state = jax.eval_shape(optimizer.init, abstract)
-    update = make_update_step(graphdef, optimizer, "pacs", group_size=N, num_mini_batches=2, num_micro_batches=2,
-                              rules=rules)
-    batch = collector.abstract_batches(PROMPTS)[0]
-    new = update.lower(abstract, opt_state, batch).compile().as_text()
+    graphdef, params = models.abstract_model(cfg, mesh)
+    config = load_config("default.py")
+    config.rollout.update(n=N, max_new_tokens=R_LEN, temperature=1.0)
+    config.data.max_prompt_length, config.data.prompt_buckets = P_LEN, (P_LEN,)
+    config.train.update(prompts_per_step=PROMPTS, mini_batches=2, micro_batches=2, logprob_micro_batches=2)
+    config.optim.update(lr=1e-6, grad_clip=0.0)
+    programs = {p.name: p for p in StepPrograms(config, graphdef, params, (), rules=MeshRules(mesh)).programs()}
+    old = programs["pi_old"].lower().compile().as_text()
+    new = programs["update"].lower().compile().as_text()
     return old, new, cfg
 
 

@@ -19,11 +19,11 @@ from pacs_jax.models.value import response_values, value_model_from_actor
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
-from pacs_jax.training.critic_step import PPOCritic
+from pacs_jax.training.critic_step import PPOCritic, critic_programs
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.run import build_model, prompt_source
-from pacs_jax.training.rollout import batch_sharding
+from pacs_jax.sharding import batch_sharding
 from test_rl_ppo import T, ref_gae_verl, verl_critic_mini_batch_loss
 from test_train_real_config import deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
 
@@ -67,10 +67,11 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
     shardings = {k: v.sharding for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
 
     optimizer, _ = make_optimizer(1e-3, grad_clip=1.0)
-    critic = PPOCritic(critic_model, optimizer, rules, gamma=GAMMA, lam=LAM, clip_range_value=0.5,
-                       loss_agg_mode="token-mean", loss_scale="mean",
-                       verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
-    actor_batch, metrics = critic.step(batch)
+    critic = PPOCritic(critic_model, optimizer, rules)
+    programs = critic_programs(critic.graphdef, optimizer, rules, critic.shardings, gamma=GAMMA, lam=LAM,
+                               clip_range_value=0.5, loss_agg_mode="token-mean", loss_scale="mean",
+                               verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
+    actor_batch, metrics = critic.step(programs, batch)
 
     assert set(actor_batch) == set(batch) | {"advantages"}
     advantages = actor_batch["advantages"]

@@ -15,13 +15,15 @@ import pytest
 
 from pacs_jax.models.config import REMAT_POLICIES
 from pacs_jax.rewards import RewardPool
+from pacs_jax.rl import options_for
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from test_train_config import load_config
 
 TINY = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=0)  # vocab 0: the real tokenizer's
+            num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
+            vocab_size=0)  # vocab 0: the real tokenizer's
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,10 @@ def _train(config, workdir, mesh_shape=(1, 8, 1)) -> list[dict]:
     assert tuple(mesh.shape.values()) == mesh_shape  # the paper's (-1, 8, 1) on 8 devices unless shrunk otherwise
     summary = run_training(config, workdir, mesh)
     assert summary["final_step"] == config.train.steps
+    recorded = json.loads((workdir / "config.json").read_text())  # the options that ran, the model built
+    assert recorded["algorithm"] == {"objective": config.algorithm.objective, "options": options_for(config.algorithm)}
+    assert recorded["model"]["vocab_size"] > 0 and \
+        {k: recorded["model"][k] for k in TINY if k != "vocab_size"} == {k: config.model[k] for k in TINY if k != "vocab_size"}
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -126,7 +132,7 @@ def test_the_continuous_and_the_static_sampler_train_alike(deepscaler_rows, qwen
         config.rollout.sampler, config.rollout.slots = sampler, 8
         rows[sampler] = _train(config, tmp_path / sampler)
     for continuous, static in zip(rows["continuous"], rows["static"]):
-        for key in ("sampled_tokens_checksum", "generated_tokens", "response_length_mean", "clip_ratio", "loss",
+        for key in ("sampled_tokens_checksum", "generated_tokens", "response_length_mean", "truncated_fraction", "loss",
                     "grad_norm", "entropy", "reward_mean"):
             assert continuous[key] == pytest.approx(static[key], rel=1e-5, abs=1e-6), key
         assert continuous["decode_steps"] > static["decode_steps"]  # 8 responses a slot in turn

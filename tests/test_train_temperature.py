@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from pacs_jax import checkpoints
-from pacs_jax.training.loop import config_collector, config_optimizer, config_update_step
+from pacs_jax.training.rollout import RolloutCollector
+from pacs_jax.training.step_programs import StepPrograms
 from qwen_reference import ARCHS, hf_logits, save_random_hf_model
 from train_helpers import load_config
 
@@ -61,7 +62,7 @@ def trainer_config(temperature: float) -> ml_collections.ConfigDict:
     config.train.mini_batches = 1
     config.train.logprob_micro_batches = 2
     config.algorithm.objective = "grpo"
-    config.algorithm.options = ml_collections.ConfigDict(dict(loss_agg_mode="token-mean"))
+    config.algorithm.grpo.loss_agg_mode = "token-mean"
     return config
 
 
@@ -74,13 +75,13 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert np.abs(want - at_one)[live].max() > 0.1  # the temperature matters on these logits
 
     config = trainer_config(TEMPERATURE)
-    collector = config_collector(config, graphdef, None, (), decode=lambda ids: "", reward_pool=None)
-    batch, _ = collector.old_policy(params, sampled)
+    programs = StepPrograms(config, graphdef, params, (), rules=None)
+    batch, _ = RolloutCollector.from_config(config, programs, decode=lambda ids: "", reward_pool=None).old_policy(
+        params, sampled)
     np.testing.assert_allclose(np.asarray(batch["old_logp"])[live], want[live], atol=2e-5)
 
     # The update's log pi_theta at T: with pi_old = the reference at T, the ratio is 1 on every token.
-    optimizer, _ = config_optimizer(config)
-    update = config_update_step(config, graphdef, optimizer, None, None)
+    optimizer, update = programs.optimizer, programs.update
     batch = dict(batch, old_logp=jax.numpy.asarray(want, np.float32),
                  rewards=jax.numpy.asarray([1, 0, 0, 1, 0, 1, 1, 1], np.float32))
     fresh = jax.tree.map(np.array, params)  # the update donates its inputs
@@ -89,7 +90,7 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert float(metrics["pg/clipfrac"][0]) == 0.0
     # At T = 1 the same old log-probs are far from pi_theta: the check above can fail.
     config_one = trainer_config(1.0)
-    update_one = config_update_step(config_one, graphdef, optimizer, None, None)
+    update_one = StepPrograms(config_one, graphdef, params, (), rules=None).update
     fresh = jax.tree.map(np.array, params)
     _, _, metrics_one = update_one(fresh, jax.jit(optimizer.init)(fresh), batch)
     assert abs(float(metrics_one["pg/approx_kl_old"][0])) > 1e-2

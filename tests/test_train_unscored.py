@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from pacs_jax import models, rewards
-from pacs_jax.training.loop import config_collector
+from pacs_jax.training.rollout import RolloutCollector
+from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.metrics import KEY_METRICS
 from pacs_jax.training.rollout import PromptBatch
 from train_helpers import load_config
@@ -29,15 +30,15 @@ def test_unscored_responses_are_counted_then_refused():
     config.reward.deadline = 0.0  # nothing can be scored in time, in either round
     with rewards.RewardPool(num_workers=1) as pool:
         config.reward.max_unscored_fraction = 1.0
-        collect = config_collector(config, graphdef, None, (1,), decode=lambda ids: " ".join(map(str, ids)),
-                                   reward_pool=pool)
+        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,), rules=None),
+                                               decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         rollout = collect(params, PROMPTS, jax.random.key(0))
         assert (rollout.metrics["reward_unscored"], rollout.metrics["reward_unscored_fraction"]) == (4.0, 1.0)
         assert rollout.metrics["reward_deadline_retried"] == 4.0
         assert "reward_unscored" in KEY_METRICS  # on the progress bar
 
         config.reward.max_unscored_fraction = 0.5
-        collect = config_collector(config, graphdef, None, (1,), decode=lambda ids: " ".join(map(str, ids)),
-                                   reward_pool=pool)
+        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,), rules=None),
+                                               decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         with pytest.raises(rewards.UnscoredError, match="4 of 4 responses.*reward.max_unscored_fraction"):
             collect(params, PROMPTS, jax.random.key(0))

@@ -22,8 +22,13 @@ from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
 from pacs_jax.sampling.settings import SAMPLERS
 from pacs_jax.sharding import mesh_shape
-from pacs_jax.training import memory_plan
+from pacs_jax.training.model_spec import model_config
 from pacs_jax.training.optim import SCHEDULES
+
+
+# The architecture fields of config.model that a model of the config's own needs (> 0).
+ARCHITECTURE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "rope_theta")
 
 
 class ConfigError(PermanentError, ValueError):
@@ -59,11 +64,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     objective = config.algorithm.objective
     _require(objective in OBJECTIVES, "algorithm.objective", f"{objective!r} is not one of {sorted(OBJECTIVES)}")
     spec = OBJECTIVES[objective]
-    options = options_for(objective, dict(config.algorithm.options))
+    _check_other_objectives(config.algorithm)
+    options = options_for(config.algorithm)
     try:
         spec.check_options(options)
     except OptionError as e:
-        raise ConfigError(f"config.algorithm.options.{e.option}: objective {objective!r}: {e}") from e
+        raise ConfigError(f"config.algorithm.{objective}.{e.option}: objective {objective!r}: {e}") from e
     _require(isinstance(rc.n, int) and rc.n >= spec.min_group_size, "rollout.n",
              f"{objective} compares the responses of a prompt and needs n >= {spec.min_group_size}, got {rc.n!r}")
     _require(rc.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}")
@@ -93,7 +99,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
              f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
     micro_rows = per_mini // tc.micro_batches * rc.n
     if options.get("loss_scale") == "verl":
-        _check_verl_micro_batch(options.get("verl_micro_batch_size"), micro_rows, "algorithm.options")
+        _check_verl_micro_batch(options.get("verl_micro_batch_size"), micro_rows, f"algorithm.{objective}")
     if config.algorithm.objective == "ppo":
         _check_critic(config.critic, micro_rows)
 
@@ -119,9 +125,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(m.attention in ATTENTION_IMPLS, "model.attention", f"{m.attention!r} is not one of {ATTENTION_IMPLS}")
     _require(isinstance(m.attention_block_size, int) and m.attention_block_size >= 1, "model.attention_block_size",
              f"must be an integer >= 1, got {m.attention_block_size!r}")
-    if "model_type" in m:
+    if not (m.path or m.preset):  # a model of the config's own (configs/base.py): every architecture field named
         _require(m.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
-                 f"{m.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+                 f"{m.model_type!r} is not one of {SUPPORTED_MODEL_TYPES} (or set model.path or model.preset)")
+        for field in ARCHITECTURE_SIZES:
+            _require(m[field] > 0, f"model.{field}", f"must be > 0 without model.path or model.preset, got {m[field]!r}")
 
     _check_data(config.data)
     _check_warmstart(config.warmstart, config.data)
@@ -147,7 +155,22 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                  f"{rc.slots!r} must be an integer >= 1 whose value, capped at a sampler call's {slots} responses "
                  f"(prompts_per_step / rollout.micro_batches x rollout.n), is a multiple of the mesh's "
                  f"data x fsdp = {batch_shards} (one queue per batch shard)")
-    _check_memory(config, data * fsdp * tensor)
+    _check_tensor_axis(config, tensor)
+
+
+def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
+    """Refuse an option set in the namespace of an objective that does not run (it would be dropped):
+    every namespace but ``algorithm.objective``'s holds the registry's defaults."""
+    chosen = algorithm.objective
+    for name, spec in OBJECTIVES.items():
+        for option, default in spec.defaults.items():
+            value = algorithm[name][option]
+            if name == chosen or value == default:
+                continue
+            instead = (f"set algorithm.{chosen}.{option}" if option in OBJECTIVES[chosen].defaults
+                       else f"{chosen!r} takes no option {option!r}")
+            raise ConfigError(f"config.algorithm.{name}.{option}: {value!r} is set, but algorithm.objective is "
+                              f"{chosen!r}, which does not read algorithm.{name} ({instead})")
 
 
 def _check_data(dc: ml_collections.ConfigDict) -> None:
@@ -280,7 +303,7 @@ def _check_verl_micro_batch(size, micro_rows: int, section: str) -> None:
 
 
 def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
-    """PPO's critic section (configs/default.py)."""
+    """PPO's critic section (configs/base.py)."""
     _require(cc.lr > 0, "critic.lr", f"must be > 0, got {cc.lr}")
     _require(cc.grad_clip >= 0, "critic.grad_clip", f"must be >= 0 (0 = none), got {cc.grad_clip}")
     _require(cc.weight_decay >= 0, "critic.weight_decay", f"must be >= 0, got {cc.weight_decay}")
@@ -296,22 +319,20 @@ def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
         _require(pathlib.Path(cc.path).exists(), "critic.path", f"{cc.path} does not exist")
 
 
-def _check_memory(config: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Refuse a config whose analytic memory estimate (training/memory_plan.py) exceeds what a device
-    reports it has; skipped where the devices report no limit (CPU)."""
-    limit = memory_plan.device_memory_limit()
-    if not limit:
-        return
+def _check_tensor_axis(config: ml_collections.ConfigDict, tensor: int) -> None:
+    """Refuse a tensor axis that does not divide the model's query heads or MLP width (the model
+    would otherwise waste a factor of the axis in memory; sharding.MUST_DIVIDE). Memory itself is
+    checked on the compiled programs before step 1 (training/memory_check.py)."""
     try:
-        plan = memory_plan.estimate_memory(config, num_devices)
-    except ValueError as e:  # a head count or MLP width the tensor axis does not divide
-        raise ConfigError(f"config.mesh.tensor: {e}") from e
-    if plan is None or plan.peak <= limit:
+        cfg = model_config(config)
+    except (OSError, ValueError):
+        return  # the model source is checked (and named) by _check_model_source
+    if cfg is None:
         return
-    fields = plan.components()[0][2].split(" / ")[0]
-    raise ConfigError(f"config.{fields}: a training step needs about {plan.peak / memory_plan.GiB:.1f} GiB per "
-                      f"device (analytic estimate) but a device has {limit / memory_plan.GiB:.1f} GiB; change, "
-                      f"for the largest parts first: {plan.advice()} (check with tools/plan_memory.py)")
+    for field in ("num_attention_heads", "intermediate_size"):
+        _require(getattr(cfg, field) % tensor == 0, "mesh.tensor",
+                 f"{tensor} does not divide the model's {field} ({getattr(cfg, field)}); choose a tensor axis "
+                 f"that divides it")
 
 
 def sampler_slots(config: ml_collections.ConfigDict) -> int | None:

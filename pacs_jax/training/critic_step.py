@@ -1,8 +1,9 @@
-"""PPO's critic in the trainer (docs/design.md section 3.8): its state and the two programs it adds to a step.
+"""PPO's critic in the trainer (docs/design.md sections 3.5a and 6.6): its state and the two programs it adds to a step.
 
-    critic = PPOCritic.from_config(config, actor, rules)     # value model + its AdamW, sharded like the actor
-    actor_batch, metrics = critic.step(rollout.batch)         # values -> GAE -> critic update
-    params, opt_state, ... = update(params, opt_state, actor_batch)   # objective "ppo" reads "advantages"
+    critic = PPOCritic.from_config(config, actor)             # value model + its AdamW, sharded like the actor
+    programs = StepPrograms(config, ..., critic=critic.spec())  # makes the critic's programs (critic_programs)
+    actor_batch, metrics = critic.step(programs.critic, rollout.batch)   # values -> GAE -> critic update
+    params, opt_state, ... = programs.update(params, opt_state, actor_batch)  # objective "ppo" reads "advantages"
 
 ``step`` runs, on the device and on the update batch's row sharding:
   values     one jitted program per update-batch shape: the critic's values [B, R] of the response
@@ -22,7 +23,9 @@ scalar head; its parameters and optimizer state are checkpointed with the actor'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +35,10 @@ from flax import nnx
 from pacs_jax import checkpoints
 from pacs_jax.models import Qwen, value_model_from_actor
 from pacs_jax.rl import (compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values,
-                         objective_spec, options_for, value_mask)
-from pacs_jax.sharding import MeshRules
-from pacs_jax.training import memory_plan
+                         options_for, value_mask)
+from pacs_jax.sharding import MeshRules, batch_sharding
+from pacs_jax.training.model_spec import run_options
 from pacs_jax.training.optim import make_optimizer
-from pacs_jax.training.rollout import batch_sharding
 from pacs_jax.training.update_step import scanned_update, state_shardings
 
 # The critic update's metrics (scanned_update's and rl.value_loss's) -> the names a step reports. The value
@@ -48,22 +50,32 @@ METRIC_NAMES = {"loss": "value_loss", "critic/explained_variance": "explained_va
 CRITIC_INPUTS = ("input_ids", "attention_mask", "response_mask")  # what the critic reads of the update batch
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+class CriticPrograms(NamedTuple):
+    """The critic's two jitted programs of a step (``critic_programs``)."""
+
+    values: Callable  # (params, batch) -> (advantages, values, returns), each [B, R]
+    update: Callable  # (params, opt_state, critic_batch) -> (params, opt_state, metrics [M])
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticState:
+    """What the critic's programs are made from: its graph, its (params, opt_state) (device arrays or
+    abstract ``jax.ShapeDtypeStruct``s with shardings) and its AdamW."""
+
+    graphdef: nnx.GraphDef
+    state: tuple
+    optimizer: object
 
 
 class PPOCritic:
-    """The critic's parameters and AdamW state (device arrays, updated in place) and its step programs."""
+    """The critic's parameters and AdamW state (device arrays, updated in place by its programs)."""
 
-    def __init__(self, critic: nnx.Module, optimizer, rules: MeshRules | None, **options):
-        """``options``: those of ``critic_programs`` (gamma, lam, clip_range_value, loss_agg_mode,
-        norm_length, loss_scale, verl_micro_batch_size, num_mini_batches, num_micro_batches,
-        values_micro_batches)."""
+    def __init__(self, critic: nnx.Module, optimizer, rules: MeshRules | None):
         self.graphdef, params = nnx.split(critic)
+        self.optimizer = optimizer
         opt_state = jax.jit(optimizer.init)(params)
         self.shardings = state_shardings((params, opt_state), rules)
         self.params, self.opt_state = jax.device_put((params, opt_state), self.shardings)
-        self._values, self.update = critic_programs(self.graphdef, optimizer, rules, self.shardings, **options)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, actor: Qwen) -> PPOCritic:
@@ -73,41 +85,24 @@ class PPOCritic:
         source = actor
         if cc.path:
             mesh = None if actor.rules is None else actor.rules.mesh
-            source = checkpoints.from_pretrained(cc.path, mesh=mesh, **memory_plan.run_options(config))
+            source = checkpoints.from_pretrained(cc.path, mesh=mesh, **run_options(config))
             if source.cfg.vocab_size != actor.cfg.vocab_size:
                 raise ValueError(f"config.critic.path: {cc.path} has a vocabulary of {source.cfg.vocab_size} "
                                  f"tokens, the actor {actor.cfg.vocab_size}")
-        return cls(value_model_from_actor(source, seed=config.seed), config_critic_optimizer(config), actor.rules,
-                   **config_critic_options(config))
+        return cls(value_model_from_actor(source, seed=config.seed), config_critic_optimizer(config), actor.rules)
 
-    def step(self, batch: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    def spec(self) -> CriticState:
+        return CriticState(self.graphdef, (self.params, self.opt_state), self.optimizer)
+
+    def step(self, programs: CriticPrograms, batch: dict[str, jax.Array]
+             ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         """Values, GAE and the critic's update on the update ``batch`` (input_ids, attention_mask
         [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). Returns the
         actor's batch (``batch`` plus advantages [B, R]) and the critic's metrics, each [M]."""
-        advantages, values, returns = self._values(self.params, batch)
+        advantages, values, returns = programs.values(self.params, batch)
         critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns}
-        self.params, self.opt_state, metrics = self.update(self.params, self.opt_state, critic_batch)
+        self.params, self.opt_state, metrics = programs.update(self.params, self.opt_state, critic_batch)
         return {**batch, "advantages": advantages}, {name: metrics[key] for key, name in METRIC_NAMES.items()}
-
-    def warm_up(self, batches: list[dict[str, jax.ShapeDtypeStruct]]) -> list[dict[str, jax.ShapeDtypeStruct]]:
-        """Compile both programs ahead of time for each abstract update batch; returns the actor's
-        abstract batches (with advantages) for compiling the actor's update."""
-        state = _abstract((self.params, self.opt_state))
-        out = []
-        for batch in batches:
-            self._values.lower(state[0], batch).compile()
-            critic_batch, actor_batch = abstract_critic_batches(batch)
-            self.update.lower(*state, critic_batch).compile()
-            out.append(actor_batch)
-        return out
-
-
-def abstract_critic_batches(batch: dict[str, jax.ShapeDtypeStruct]) -> tuple[dict, dict]:
-    """For an abstract update batch: (the critic update's batch, the actor's batch with advantages)."""
-    per_token = batch["response_mask"]
-    per_token = jax.ShapeDtypeStruct(per_token.shape, jnp.float32, sharding=per_token.sharding)
-    critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": per_token, "returns": per_token}
-    return critic_batch, {**batch, "advantages": per_token}
 
 
 def config_critic_optimizer(config: ml_collections.ConfigDict):
@@ -120,35 +115,33 @@ def config_critic_optimizer(config: ml_collections.ConfigDict):
 
 def critic_loss_agg(config: ml_collections.ConfigDict) -> tuple[str, int | None]:
     """The critic's (loss_agg_mode, norm_length): ``critic.loss_agg_mode`` "actor" takes the actor's
-    (objective "ppo"'s ``algorithm.options`` over its defaults), as verl's critic does
+    (objective "ppo"'s options, ``algorithm.ppo``), as verl's critic does
     (``critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}``); a mode names its own. The
     L_max of seq-mean-token-sum-norm is always the actor's ``norm_length`` (verl divides both losses by
     the same padded response width)."""
-    actor = {**objective_spec("ppo").defaults, **options_for("ppo", dict(config.algorithm.options))}
+    actor = options_for(config.algorithm)
     mode = config.critic.loss_agg_mode
     return (actor["loss_agg_mode"] if mode == "actor" else mode), actor["norm_length"]
 
 
 def config_critic_options(config: ml_collections.ConfigDict) -> dict:
-    """``critic_programs``' options as ``config`` asks for them."""
+    """``critic_programs``' options as ``config`` asks for them (training/step_programs.py makes them)."""
     cc, tc = config.critic, config.train
     loss_agg_mode, norm_length = critic_loss_agg(config)
     return dict(gamma=cc.gamma, lam=cc.lam, clip_range_value=cc.clip_range_value, loss_agg_mode=loss_agg_mode,
                 norm_length=norm_length, loss_scale=cc.loss_scale,
                 verl_micro_batch_size=cc.verl_micro_batch_size, num_mini_batches=tc.mini_batches,
-                num_micro_batches=tc.micro_batches,
-                values_micro_batches=tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches)
+                num_micro_batches=tc.micro_batches)
 
 
 def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, shardings, *, gamma: float,
                     lam: float, clip_range_value: float, loss_scale: str, verl_micro_batch_size: int,
                     num_mini_batches: int, num_micro_batches: int, values_micro_batches: int,
-                    loss_agg_mode: str = "token-mean", norm_length: int | None = None
-                    ) -> tuple[Callable, Callable]:
+                    loss_agg_mode: str = "token-mean", norm_length: int | None = None) -> CriticPrograms:
     """The critic's two jitted programs (the module docstring), for real or abstract state:
     ``values(params, batch) -> (advantages, values, returns)`` and
     ``update(params, opt_state, critic_batch) -> (params, opt_state, metrics)``. ``shardings``: the
-    (params, opt_state) shardings the update keeps. tools/plan_memory.py compiles them ahead of time."""
+    (params, opt_state) shardings the update keeps. values_micro_batches: forward passes of the values pass."""
     rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
 
     def values_and_advantages(params, batch):
@@ -169,4 +162,4 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, 
                                             verl_micro_batch_size=verl_micro_batch_size, rules=rules)
     update = scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches, rules=rules,
                             state_shardings=shardings)
-    return values, update
+    return CriticPrograms(values, update)

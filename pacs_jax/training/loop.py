@@ -1,5 +1,7 @@
 """The RL training loop (docs/design.md section 3), shared by the demo and the real configs.
 
+    programs = StepPrograms(config, ...)   every program of a step, compiled and memory-checked before step 1
+                                           training/step_programs.py, training/memory_check.py
     for step in steps:
         prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
         -> PPO only: the critic's values, GAE advantages, the critic's update   training/critic_step.py
@@ -25,22 +27,18 @@ import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
-from tqdm.auto import tqdm
 
-from pacs_jax import distributed, sampling
+from pacs_jax import distributed
 from pacs_jax.models import Qwen
-from pacs_jax.rewards import RewardPool, reward_for
-from pacs_jax.rl import options_for
-from pacs_jax.sharding import MeshRules
+from pacs_jax.rewards import RewardPool
 from pacs_jax.checkpoints import TrainCheckpointer
+from pacs_jax.training import memory_check
 from pacs_jax.training.compilations import compilations, start_counting
-from pacs_jax.training.config_check import sampler_slots
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
-from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.signals import stop_signals
-from pacs_jax.training.update_step import make_update_step, state_shardings
+from pacs_jax.training.step_programs import StepPrograms
 
 
 class PromptSource(Protocol):
@@ -55,7 +53,7 @@ class PromptSource(Protocol):
 
 @dataclasses.dataclass
 class TrainResult:
-    """The trained model, per-step metrics, the compiled step programs (for benchmarks) and PPO's critic.
+    """The trained model, per-step metrics, the step's programs and collector (for benchmarks) and PPO's critic.
 
     history: this session's steps; earlier_history: a resumed run's rows of the steps before it, read
     back from metrics.jsonl (process 0; empty elsewhere and in a run that did not resume)."""
@@ -64,8 +62,8 @@ class TrainResult:
     history: list[dict]
     stopped_by_signal: bool
     final_step: int
+    programs: StepPrograms
     collector: RolloutCollector
-    update: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics [M])
     opt_state: object
     critic: PPOCritic | None  # objective "ppo" only
     earlier_history: list[dict] = dataclasses.field(default_factory=list)
@@ -75,59 +73,6 @@ def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
     """Metrics [M] of the M mini-batch updates -> their means (``skipped``, ``critic_skipped``: the count)."""
     host = distributed.to_host(per_minibatch)
     return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v)) for k, v in host.items()}
-
-
-def _warm_up(collector: RolloutCollector, update, params, opt_state, num_prompts: int,
-             critic: PPOCritic | None) -> None:
-    """Compile every program of a step ahead of time (the sampler, pi_old, PPO's critic programs and
-    the update, for each bucket), so that no step compiles (``compilations`` stays flat) and memory
-    errors come first."""
-    collector.warm_up(params, num_prompts)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (params, opt_state))
-    batches = collector.abstract_batches(num_prompts)
-    if critic is not None:
-        batches = critic.warm_up(batches)
-    for batch in tqdm(batches, desc="compiling updates", leave=False):
-        update.lower(*abstract, batch).compile()
-
-
-def config_optimizer(config: ml_collections.ConfigDict):
-    """(AdamW transformation, learning-rate schedule) of ``config.optim`` over the run's updates."""
-    o = config.optim
-    return make_optimizer(o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, schedule=o.schedule,
-                          total_steps=config.train.steps * config.train.mini_batches, warmup_steps=o.warmup_steps,
-                          grad_clip=o.grad_clip)
-
-
-def config_update_step(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, optimizer,
-                       rules: MeshRules | None, state_shardings: tuple | None) -> Callable:
-    """The step's update program (training/update_step.py) as ``config`` asks for it; log pi_theta at
-    the rollout temperature, like pi_old."""
-    tc = config.train
-    return make_update_step(graphdef, optimizer, config.algorithm.objective, group_size=config.rollout.n,
-                            objective_options=options_for(config.algorithm.objective, dict(config.algorithm.options)),
-                            num_mini_batches=tc.mini_batches,
-                            num_micro_batches=tc.micro_batches, temperature=config.rollout.temperature, rules=rules,
-                            state_shardings=state_shardings)
-
-
-def config_collector(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, rules: MeshRules | None,
-                     stop_token_ids: Sequence[int], *, decode: Callable[[Sequence[int]], str],
-                     reward_pool: RewardPool | None) -> RolloutCollector:
-    """The step's sampler and pi_old programs (training/rollout.py) as ``config`` asks for them; a sample
-    stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
-    tc, rc = config.train, config.rollout
-    stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
-    settings = sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
-                                         top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
-                                         slots=sampler_slots(config))
-    return RolloutCollector(
-        graphdef, rules, settings, decode=decode, reward_pool=reward_pool,
-        reward_name=reward_for(config.reward.name, config.reward.mode),
-        prompt_buckets=config.data.prompt_buckets, response_buckets=rc.response_buckets,
-        sampler_micro_batches=rc.micro_batches,
-        logprob_micro_batches=tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches,
-        reward_deadline=config.reward.deadline, max_unscored_fraction=config.reward.max_unscored_fraction)
 
 
 def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
@@ -154,14 +99,11 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
               reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None) -> TrainResult:
     workdir = epath.Path(workdir)
     tc = config.train
-    rules = model.rules
     graphdef, params = nnx.split(model)
-    optimizer, lr_schedule = config_optimizer(config)
-    opt_state = jax.jit(optimizer.init)(params)
-
-    shardings = state_shardings((params, opt_state), rules)
-    params, opt_state = jax.device_put((params, opt_state), shardings)
     critic = PPOCritic.from_config(config, model) if config.algorithm.objective == "ppo" else None
+    programs = StepPrograms(config, graphdef, params, stop_token_ids, rules=model.rules,
+                            critic=None if critic is None else critic.spec())
+    opt_state = programs.init_optimizer(params)
 
     checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
                                      keep=tc.keep_checkpoints, with_critic=critic is not None)
@@ -179,17 +121,15 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
             print(f"resumed from step {start} (checkpoint {checkpointer.directory / str(start)}); "
                   + (f"training steps {start + 1} to {tc.steps}" if start < tc.steps else
                      f"all {tc.steps} steps of train.steps are trained"), flush=True)
-    update = config_update_step(config, graphdef, optimizer, rules, shardings)
     start_counting()
     logger = MetricsLogger(workdir, tc.steps, start)
     history: list[dict] = []
     base_key = jax.random.key(config.seed)
     stopped = False
     single_process = jax.process_count() == 1
-    collector = config_collector(config, graphdef, rules, stop_token_ids, decode=decode,
-                                 reward_pool=reward_pool)
-    if tc.precompile:
-        _warm_up(collector, update, params, opt_state, tc.prompts_per_step, critic)
+    collector = RolloutCollector.from_config(config, programs, decode=decode, reward_pool=reward_pool)
+    if tc.precompile:  # every program of every bucket: no step compiles, and a step that cannot fit stops here
+        memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
     step = start
     for step in range(start + 1, tc.steps + 1):
         t_step = time.perf_counter()
@@ -197,16 +137,16 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         t0 = time.perf_counter()
         batch, critic_metrics = rollout.batch, {}
         if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-            batch, per_minibatch = critic.step(batch)
+            batch, per_minibatch = critic.step(programs.critic, batch)
             critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
             t0 = time.perf_counter()
-        params, opt_state, per_minibatch = update(params, opt_state, batch)
+        params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
         update_metrics = _mean_metrics(per_minibatch)
         time_update = time.perf_counter() - t0
         wall = time.perf_counter() - t_step
         metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
                    "time_step": wall,
-                   "lr": float(lr_schedule(step * tc.mini_batches)),
+                   "lr": float(programs.lr_schedule(step * tc.mini_batches)),
                    "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})
@@ -231,5 +171,5 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         stopped = True
     checkpointer.close()
     logger.close()
-    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, collector, update, opt_state, critic,
+    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
                        earlier_history=logger.earlier)

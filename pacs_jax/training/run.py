@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
 from pacs_jax.rewards import RewardPool, reward_for
-from pacs_jax.training import memory_plan
+from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
@@ -88,9 +88,9 @@ def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None, tokenizer)
     the architecture fields of ``config.model`` at random init (the demo; tests: a tiny model with the
     real vocabulary)."""
     if config.model.path:
-        return checkpoints.from_pretrained(config.model.path, mesh=mesh, **memory_plan.run_options(config))
+        return checkpoints.from_pretrained(config.model.path, mesh=mesh, **run_options(config))
     architecture = {} if config.model.preset else {"eos_token_id": tokenizer.eos_token_id}
-    cfg = memory_plan.model_config(config, vocab_size=len(tokenizer), **architecture)
+    cfg = model_config(config, vocab_size=len(tokenizer), **architecture)
     return models.init_random(cfg, mesh, seed=config.seed)
 
 
@@ -124,7 +124,7 @@ def _accuracy(metrics: dict[str, dict[str, float]]) -> float | None:
 def _planned_model(config: ml_collections.ConfigDict, tokenizer) -> models.QwenConfig | None:
     """The model config the run will build (None: not known before loading the model)."""
     try:
-        return memory_plan.model_config(config, vocab_size=len(tokenizer))
+        return model_config(config, vocab_size=len(tokenizer))
     except (OSError, ValueError):
         return None
 
@@ -155,7 +155,8 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
     signals.exit_at_once("the start-up (this session has trained nothing yet)")
     tokenizer_source = data.run_tokenizer(dc, config.model.path)  # "char" or a folder ("": model.path's own)
     tokenizer = data.load_tokenizer(tokenizer_source)
-    latest = check_resume(config, workdir, _planned_model(config, tokenizer))  # reads only
+    planned = _planned_model(config, tokenizer)
+    latest = check_resume(config, workdir, planned)  # reads only
     if latest and latest == config.train.steps:
         done = finished_summary(workdir, latest)
         if agree(done is not None):
@@ -164,7 +165,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
             return done or {"final_step": latest}
         say(f"all {latest} steps of train.steps are checkpointed in {workdir / 'checkpoints'}, but the last "
             f"session stopped before the end: running the final evaluation and the export")
-    write_config(config, workdir)
+    write_config(config, workdir, planned)
     clock.update(force=True)
     model = build_model(config, mesh, tokenizer)
     prompts, warm_prompts, held_out, counts = prompt_source(config, tokenizer)

@@ -1,7 +1,9 @@
 """The jitted optimizer steps of one training step: per mini-batch, loss and gradient, AdamW, non-finite skip.
 
-No gradient clipping for PACS (docs/design.md section 6.4): a non-finite gradient norm skips the update
-(parameters and optimizer state unchanged) and is reported in the metrics as ``skipped = 1``.
+Gradients are clipped at the global norm ``optim.grad_clip`` when it is > 0 (the optimizer's own
+transformation, training/optim.py; the paper's PACS runs use 0, the demo 1.0: docs/design.md section
+6.4). A non-finite gradient norm skips the update (parameters and optimizer state unchanged) and is
+reported in the metrics as ``skipped = 1``.
 Parameters and optimizer state are donated: the update happens in place on the device. The
 ``num_mini_batches`` optimizer steps of a training step run in one program (a ``lax.scan`` over
 the mini-batches), so the update phase is one dispatch, not one per mini-batch. The actor's update
@@ -80,7 +82,7 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
     """The actor's update: a ``scanned_update`` of ``rl.loss_and_grad_fn`` (``objective``), i.e. jitted
     ``(params, opt_state, batch) -> (params, opt_state, metrics [M])``.
 
-    batch: the update batch of pacs_jax.rl.update (input_ids [B, L], attention_mask [B, L],
+    batch: the update batch of pacs_jax.rl.loss_and_grad (input_ids [B, L], attention_mask [B, L],
     response_mask [B, R], old_logp [B, R], rewards [B]; objective "ppo": advantages [B, R]) holding
     whole groups of ``group_size``.
     """

@@ -37,7 +37,7 @@ from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import response_logprobs
 from pacs_jax.sampling.buckets import left_pad
-from pacs_jax.training.rollout import batch_sharding
+from pacs_jax.sharding import batch_sharding
 from pacs_jax.training.update_step import state_shardings
 
 

@@ -11,7 +11,8 @@
   ``ConfigError`` naming every differing field) when this config's model shapes (the architecture
   fields, the vocabulary), objective or critic differ from the checkpoints' run, or when
   ``train.steps`` is below the checkpoint's step. ``config.json`` (``write_config``) is the record
-  of the run that wrote the checkpoints, so it is written only after that check.
+  of the run that wrote the checkpoints, so it is written only after that check: the config, with
+  the options the objective runs with and the architecture of the model the run builds.
 - ``SessionClock``: ``<workdir>/sessions.json`` records every session's wall time, so that
   summary.json's ``wall_seconds`` covers all of them.
 """
@@ -32,6 +33,7 @@ from etils import epath
 from pacs_jax.checkpoints import MODEL_CONFIG_FILE
 from pacs_jax.files import atomic_write_text
 from pacs_jax.models.config import QwenConfig
+from pacs_jax.rl.objectives import options_for
 from pacs_jax.training.config_check import ConfigError
 
 LOCK_FILE = "trainer.lock"
@@ -40,6 +42,9 @@ SESSIONS_FILE = "sessions.json"
 # QwenConfig fields that decide the parameters' names and shapes.
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")
+# The architecture fields of config.model, recorded in config.json as the run's model has them.
+ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings")
 
 
 class WorkdirLockedError(ConfigError):
@@ -232,10 +237,21 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
     return latest
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
-    """``workdir/config.json``: the run's config (process 0; after ``check_resume``)."""
+def recorded_config(config: ml_collections.ConfigDict, model_cfg: QwenConfig | None) -> dict:
+    """What config.json records of a run: ``config``, with ``algorithm`` the objective and the options
+    it runs with (``options``; the other objectives' namespaces left out) and ``model``'s architecture
+    fields those of ``model_cfg``, the model the run builds (None: unknown, the fields as configured)."""
+    record = json.loads(config.to_json_best_effort())
+    record["algorithm"] = {"objective": config.algorithm.objective, "options": options_for(config.algorithm)}
+    if model_cfg is not None:
+        record["model"].update({field: getattr(model_cfg, field) for field in ARCHITECTURE_FIELDS})
+    return record
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model_cfg: QwenConfig | None) -> None:
+    """``workdir/config.json``: ``recorded_config`` (process 0; after ``check_resume``)."""
     if jax.process_index() == 0:
-        atomic_write_text(epath.Path(workdir) / CONFIG_FILE, config.to_json_best_effort(indent=2))
+        atomic_write_text(epath.Path(workdir) / CONFIG_FILE, json.dumps(recorded_config(config, model_cfg), indent=2))
 
 
 def finished_summary(workdir: str | os.PathLike, step: int) -> dict | None:

@@ -1,0 +1,61 @@
+"""The model a training config asks for, read from the config alone (nothing loaded, no devices).
+
+    run_options(config)          the QwenConfig fields of how to run it (dtypes, remat, attention)
+    model_config(config)         the QwenConfig a run builds: model.path's config, a preset, or the fields
+
+Read by the run (training/run.py builds the model with them), the resume check, PPO's critic
+(``critic.path``) and tools/plan_memory.py.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_collections
+
+QWEN_VOCAB = 151936  # the vocabulary assumed when config.model.vocab_size is 0 (taken from the tokenizer)
+
+
+def run_options(config: ml_collections.ConfigDict, **overrides) -> dict:
+    """The QwenConfig fields of how to run the model (dtypes, remat, attention), from config.model."""
+    m = config.model
+    run = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
+               attention_block_size=m.attention_block_size)
+    run.update(overrides)
+    return run
+
+
+def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = None, **overrides):
+    """The QwenConfig a run of ``config`` builds (as training/run.build_model does), or None when
+    it cannot be known without loading anything (a model.path that holds no readable config).
+
+    model.path: its config.json (HF dir) or model_config.json (pacs_jax checkpoint); else
+    model.preset; else the architecture fields of config.model (vocab_size 0, "the tokenizer's",
+    becomes ``vocab_size`` or a Qwen vocabulary). ``overrides``: QwenConfig fields to replace.
+    """
+    from pacs_jax import models
+
+    m = config.model
+    run = run_options(config, **overrides)
+    if m.path:
+        path = pathlib.Path(m.path)
+        try:
+            if (path / "config.json").is_file():
+                return models.QwenConfig.from_hf_file(path, **run)
+            if (path / "model_config.json").is_file():
+                raw = json.loads((path / "model_config.json").read_text())
+                raw.pop("pacs_jax", None)
+                return models.QwenConfig.from_hf_dict(raw, source=str(path), **run)
+        except (OSError, ValueError):
+            return None
+        return None
+    if m.preset:
+        return models.preset(m.preset, **run)
+    fields = dict(
+        model_type=m.model_type, vocab_size=m.vocab_size or vocab_size or QWEN_VOCAB, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+        rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+        attention_bias=m.model_type == "qwen2", bos_token_id=None, eos_token_id=None)
+    return models.QwenConfig(**{**fields, **run})

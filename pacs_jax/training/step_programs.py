@@ -1,0 +1,303 @@
+"""Every program of a training step, made in one place from the config (docs/design.md section 3.6).
+
+    programs = StepPrograms(config, graphdef, params, stop_token_ids, rules=..., critic=...)
+    opt_state = programs.init_optimizer(params)
+    programs.compile()          # before step 1: every bucket's programs; XLA's memory of each, checked
+    programs.sample(...), programs.pi_old(...), programs.update(...), ...   # the step runs them
+
+The config is read here and nowhere else for the step's programs: the sampler's settings (rollout.*,
+``sampler_slots``), the prompt and response buckets, the pi_old and value micro-batches
+(``train.logprob_micro_batches``, 0: ``mini_batches x micro_batches``), the actor's update
+(objective, options, mini- and micro-batches, optim.*) and, for PPO, the critic's two programs. The
+state may be real arrays (the trainer) or ``jax.ShapeDtypeStruct``s with shardings (tools/plan_memory.py
+compiling for a TPU slice it cannot run on): the programs only read shapes and shardings.
+
+``programs()`` is the one list of a step's programs and their abstract arguments, in the order a
+step runs them (for each bucket): the trainer's warm-up compiles all of them, plan_memory the
+largest bucket's, and both read XLA's memory of each (training/memory_check.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from pacs_jax import hlo, sampling
+from pacs_jax.rl import micro_batched_logprobs, options_for
+from pacs_jax.sampling.engine import lower_sample
+from pacs_jax.sharding import MeshRules, batch_sharding, constrain
+from pacs_jax.training import memory_check
+from pacs_jax.training.config_check import sampler_slots
+from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
+from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.update_step import make_update_step
+
+
+def config_optimizer(config: ml_collections.ConfigDict):
+    """(AdamW transformation, learning-rate schedule) of ``config.optim`` over the run's updates."""
+    o = config.optim
+    return make_optimizer(o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, schedule=o.schedule,
+                          total_steps=config.train.steps * config.train.mini_batches, warmup_steps=o.warmup_steps,
+                          grad_clip=o.grad_clip)
+
+
+def logprob_micro_batches(config: ml_collections.ConfigDict) -> int:
+    """Forward passes of the pi_old pass and of PPO's values pass (``train.logprob_micro_batches``;
+    0: one per update micro-batch, ``mini_batches x micro_batches``)."""
+    tc = config.train
+    return tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches
+
+
+def sampling_settings(config: ml_collections.ConfigDict, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
+    """The training sampler's settings: ``rollout.*``; a sample stops at ``stop_token_ids`` (the model's
+    and tokenizer's) and at ``rollout.stop_token_ids``."""
+    rc = config.rollout
+    stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
+    return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
+                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
+                                     slots=sampler_slots(config))
+
+
+def abstract_optimizer_state(optimizer, params) -> object:
+    """AdamW's state for ``params`` (arrays or abstract), abstract: mu and nu sharded like the
+    parameters, the scalars (step counts) replicated over the mesh."""
+    params = abstract(params)
+    params_def = jax.tree.structure(params)
+    leaf_sharding = jax.tree.leaves(params)[0].sharding
+    replicated = (NamedSharding(leaf_sharding.mesh, PartitionSpec()) if isinstance(leaf_sharding, NamedSharding)
+                  else leaf_sharding)
+
+    def like_params(node) -> bool:
+        return jax.tree.structure(node) == params_def
+
+    def place(node):
+        if like_params(node):
+            return jax.tree.map(lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), node, params)
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated), node)
+
+    return jax.tree.map(place, jax.eval_shape(optimizer.init, params), is_leaf=like_params)
+
+
+def abstract(tree):
+    """``jax.ShapeDtypeStruct``s (with their shardings) of a tree of arrays or ShapeDtypeStructs."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of a step for one bucket: ``lower()`` lowers it on abstract ``args``.
+
+    name: a key of memory_check.FIELDS. shape: its shapes in words. outside: the training state
+    resident on the device during it but not among its arguments (bytes per device)."""
+
+    name: str
+    shape: str
+    lower: Callable[[], jax.stages.Lowered]
+    args: tuple
+    outside: int
+
+
+class StepPrograms:
+    """The jitted programs of one training step of ``config`` (see the module docstring).
+
+    Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, metrics [M])``;
+    ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
+    entropy)``; ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
+    PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``).
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
+                 stop_token_ids: Sequence[int], *, rules: MeshRules | None, critic: CriticState | None = None,
+                 chunk_size: int | None = None):
+        tc, rc = config.train, config.rollout
+        self.graphdef, self.rules, self.critic_state = graphdef, rules, critic
+        self.optimizer, self.lr_schedule = config_optimizer(config)
+        self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
+        self.settings = sampling_settings(config, stop_token_ids)
+        self.num_prompts, self.n = tc.prompts_per_step, rc.n
+        self.prompt_buckets = tuple(sorted(config.data.prompt_buckets))
+        self.response_buckets = tuple(sorted(rc.response_buckets)) or (rc.max_new_tokens,)
+        if self.response_buckets[-1] != rc.max_new_tokens:
+            raise ValueError(f"the largest response bucket ({self.response_buckets[-1]}) must equal "
+                             f"max_new_tokens ({rc.max_new_tokens})")
+        self.sampler_calls = rc.micro_batches
+        self.logprob_micro_batches = logprob_micro_batches(config)
+        self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
+        extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+        self.update = make_update_step(
+            graphdef, self.optimizer, config.algorithm.objective, group_size=rc.n,
+            objective_options=options_for(config.algorithm),
+            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
+            rules=rules, state_shardings=self.state_shardings, **extra)
+        self.pi_old = self._pi_old_program(extra)
+        rows = batch_sharding(rules, (0, 0))
+
+        def assemble(tokens, lengths, bucket):
+            """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
+            tokens = jnp.concatenate(tokens, axis=0)[:, :bucket]
+            lengths = jnp.concatenate(lengths, axis=0)
+            return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
+
+        self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
+        self.critic = None
+        if critic is not None:
+            self.critic = critic_programs(
+                critic.graphdef, critic.optimizer, rules, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
+                values_micro_batches=self.logprob_micro_batches, **config_critic_options(config))
+
+    def _pi_old_program(self, extra: dict) -> Callable:
+        graphdef, rules, settings, K = self.graphdef, self.rules, self.settings, self.logprob_micro_batches
+        rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
+        replicated = rows if rules is None else NamedSharding(rules.mesh, PartitionSpec())
+
+        def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask):
+            """[P, Tp] prompts + [P*n, R] responses -> the update batch (without rewards) + mean entropy."""
+            n = tokens.shape[0] // prompt_tokens.shape[0]
+            ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
+            mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
+            ids, mask = constrain(ids, rules, ("batch", None)), constrain(mask, rules, ("batch", None))
+            old_logp, entropy = micro_batched_logprobs(
+                nnx.merge(graphdef, params), ids, mask, tokens.shape[1], num_micro_batches=K,
+                temperature=settings.temperature, rules=rules, with_entropy=True, **extra)
+            response_mask = response_mask.astype(jnp.float32)
+            entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
+            return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
+                    "old_logp": old_logp}, entropy_mean
+
+        return jax.jit(pi_old, out_shardings=(
+            {"input_ids": rows, "attention_mask": rows, "response_mask": rows, "old_logp": rows}, replicated))
+
+    def init_optimizer(self, params):
+        """AdamW's initial state for ``params``, in the shardings the update keeps."""
+        return jax.jit(self.optimizer.init, out_shardings=self.state_shardings[1])(params)
+
+    @property
+    def state_shardings(self) -> tuple:
+        """The (params, opt_state) shardings every program keeps."""
+        return jax.tree.map(lambda x: x.sharding, self.state)
+
+    # ------------------------------------------------------------------------ the sampler
+    def sample(self, params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array) -> sampling.SampleArrays:
+        """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step)."""
+        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key)
+
+    @property
+    def slots(self) -> int:
+        """Decode slots of one sampler call."""
+        return self.settings.slots or self.num_prompts // self.sampler_calls * self.n
+
+    # ------------------------------------------------------------------------ abstract arguments
+    def batch_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return batch_sharding(self.rules, shape)
+
+    def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """A per-row array of a step, abstract, with its sharding."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding(shape))
+
+    def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The actor's update batch of a (prompt bucket, response bucket) (PPO: with advantages [B, R])."""
+        B, rows = self.num_prompts * self.n, self.abstract_rows
+        batch = {"input_ids": rows((B, prompt_bucket + response_bucket), jnp.int32),
+                 "attention_mask": rows((B, prompt_bucket + response_bucket), jnp.int32),
+                 "response_mask": rows((B, response_bucket), jnp.float32),
+                 "old_logp": rows((B, response_bucket), jnp.float32),
+                 "rewards": rows((B,), jnp.float32)}
+        if self.critic is not None:
+            batch["advantages"] = rows((B, response_bucket), jnp.float32)
+        return batch
+
+    # ------------------------------------------------------------------------ the list of programs
+    def programs(self, largest_only: bool = False) -> list[Program]:
+        """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
+        buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
+        critic_update, update."""
+        params, opt_state = self.state
+        P, n, K = self.num_prompts, self.n, self.sampler_calls
+        prompt_buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
+        response_buckets = self.response_buckets[-1:] if largest_only else self.response_buckets
+        critic_bytes = 0 if self.critic is None else memory_check.per_device_bytes(self.critic_state.state)
+        actor_bytes = memory_check.per_device_bytes(self.state)
+        opt_bytes = memory_check.per_device_bytes(opt_state)
+        rows, B = self.abstract_rows, P * n
+        micro_rows = B // self.mini_batches // self.micro_batches
+        out = []
+        for p in prompt_buckets:
+            chunk = rows((P // K, p), jnp.int32)
+            out.append(Program(
+                "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots x "
+                           f"{p + self.settings.max_new_tokens} cache slots per call ({K} calls)",
+                lambda chunk=chunk: lower_sample(self.graphdef, params, chunk, chunk, self.settings),
+                (params, chunk, chunk), opt_bytes + critic_bytes))
+        call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
+        call_lengths = (rows((B // K,), jnp.int32),) * K
+        for r in response_buckets:
+            out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
+                               lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
+                               (call_tokens, call_lengths), actor_bytes + critic_bytes))
+        for p in prompt_buckets:
+            for r in response_buckets:
+                prompts, responses = rows((P, p), jnp.int32), rows((B, r), jnp.int32)
+                passes = f"{B} rows x {p}+{r} tokens in {self.logprob_micro_batches} micro-batches of " \
+                         f"{B // self.logprob_micro_batches}"
+                out.append(Program("pi_old", passes, lambda a=(params, prompts, prompts, responses, responses):
+                                   self.pi_old.lower(*a), (params, prompts, prompts, responses, responses),
+                                   opt_bytes + critic_bytes))
+                batch = self.abstract_batch(p, r)
+                updates = f"{B} rows x {p}+{r} tokens, {self.mini_batches} mini-batches x {self.micro_batches} " \
+                          f"micro-batches of {micro_rows} rows"
+                if self.critic is not None:
+                    critic_params, critic_opt = self.critic_state.state
+                    critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
+                                    "old_values": batch["advantages"], "returns": batch["advantages"]}
+                    values_batch = {k: v for k, v in batch.items() if k != "advantages"}
+                    out.append(Program("critic_values", passes + ", then GAE",
+                                       lambda a=(critic_params, values_batch): self.critic.values.lower(*a),
+                                       (critic_params, values_batch),
+                                       actor_bytes + memory_check.per_device_bytes(critic_opt)))
+                    out.append(Program("critic_update", updates,
+                                       lambda a=(critic_params, critic_opt, critic_batch): self.critic.update.lower(*a),
+                                       (critic_params, critic_opt, critic_batch), actor_bytes))
+                out.append(Program("update", updates, lambda a=(params, opt_state, batch): self.update.lower(*a),
+                                   (params, opt_state, batch), critic_bytes))
+        return out
+
+    def compile(self, *, largest_only: bool = False, names: Collection[str] | None = None, progress: bool = True,
+                read_loops: bool = False, log: Callable[[str], None] | None = None) -> list[memory_check.ProgramMemory]:
+        """Compile (ahead of time, nothing runs) ``programs()`` and read XLA's memory of each; a program
+        XLA refuses for lack of memory comes back with its ``error`` (``memory_check.refused``).
+        names: only the programs of these names. read_loops: also read the sampler's HLO for parameter
+        all-gathers inside its loops."""
+        out = []
+        programs = [p for p in self.programs(largest_only) if names is None or p.name in names]
+        for program in tqdm(programs, desc="compiling programs", leave=False, disable=not progress):
+            if log is not None:
+                log(f"compiling {program.name} ({program.shape}) ...")
+            t0 = time.perf_counter()
+            try:
+                compiled = program.lower().compile()
+            except jax.errors.JaxRuntimeError as e:
+                if not memory_check.is_out_of_memory(e):
+                    raise
+                out.append(memory_check.refused(program.name, program.shape, memory_check.per_device_bytes(program.args),
+                                                str(e), program.outside, time.perf_counter() - t0))
+                continue
+            memory = memory_check.program_memory(program.name, program.shape, compiled, program.outside,
+                                                 time.perf_counter() - t0)
+            if read_loops and program.name == "sampler":  # a weight gathered inside the decode loop crosses the network every step
+                gathers = hlo.gathers_of_shapes_in_loops(compiled.as_text(), hlo.parameter_shapes(self.state[0]))
+                memory.loop_gathers = (f"{len(gathers)} parameter all-gathers inside its loops: "
+                                       + ", ".join(sorted({str(list(c.shape)) for c in gathers}))
+                                       if gathers else "no parameter all-gather inside its loops")
+            if log is not None:
+                log(f"  {program.name} compiled in {memory.compile_seconds:.1f} s: peak {memory.peak / memory_check.GiB:.2f} "
+                    f"GiB per device")
+            out.append(memory)
+        return out

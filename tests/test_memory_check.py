@@ -1,0 +1,190 @@
+"""Memory of a training step from XLA's compiled programs (training/memory_check.py): the trainer's
+check before step 1, and the ahead-of-time tool (tools/plan_memory.py) on the local CPU mesh."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pacs_jax import models, sampling
+from pacs_jax.sampling.engine import lower_sample, sample
+from pacs_jax.sharding import MeshRules, make_mesh
+from pacs_jax.training import memory_check
+from pacs_jax.training.config_check import ConfigError, validate_config
+from pacs_jax.training.memory_check import GiB
+from pacs_jax.training.step_programs import StepPrograms
+from train_helpers import REPO, train_env
+
+
+def load_config(file: str, arg: str | None = None):
+    spec = importlib.util.spec_from_file_location(f"_memory_test_config_{file}", REPO / "configs" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("plan_memory", REPO / "tools" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plan_memory"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_config():
+    """The demo config (qwen3 architecture: D 128, F 256, L 2, H 4, K 2, Dh 32, tied) with a 64-token
+    vocabulary on a (2, 2, 2) mesh: 8 prompts x 8 responses, prompts 56, responses 12 tokens."""
+    c = load_config("default.py")
+    c.model.vocab_size = 64
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+    c.train.prompts_per_step, c.train.mini_batches, c.train.micro_batches = 8, 2, 1
+    c.rollout.micro_batches = 2
+    return c
+
+
+def state_bytes(tree) -> int:
+    """Bytes per device of a tree of sharded arrays, counted shard by shard (not by memory_check)."""
+    return max(sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+                   if s.device == d) for d in jax.devices())
+
+
+def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each():
+    """Every program of every bucket compiled (the warm-up's list); each program's outside bytes are
+    the resident state it does not take: the AdamW state during the sampler and pi_old, nothing
+    during the update (it takes params and AdamW state, donated)."""
+    config = tiny_config()
+    config.data.prompt_buckets = (32, 56)
+    config.rollout.response_buckets = (6, 12)
+    model = models.init_random(models.QwenConfig(
+        model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True), make_mesh(2, 2, 2))
+    graphdef, params = nnx.split(model)
+    programs = StepPrograms(config, graphdef, params, (1,), rules=model.rules)
+    opt_state = programs.init_optimizer(params)
+    compiled = programs.compile(progress=False)
+    names = [p.name for p in compiled]
+    assert names == ["sampler", "sampler", "assemble", "assemble"] + ["pi_old", "update"] * 4, names
+    opt_bytes = state_bytes(opt_state)
+    for p in compiled:
+        assert p.argument > 0 and p.peak >= p.argument and not p.error, p
+        if p.name in ("sampler", "pi_old"):
+            assert p.outside == opt_bytes, p
+        if p.name == "update":
+            assert p.outside == 0 and p.alias >= state_bytes((params, opt_state)), p  # donated in place
+    memory_check.check_fits(compiled, 64 * GiB)  # fits: no error
+    update = max((p for p in compiled if p.name == "update"), key=lambda p: p.total)
+    fullest = max(compiled, key=lambda p: p.total)
+    with pytest.raises(ConfigError) as error:
+        memory_check.check_fits(compiled, fullest.total - 1)
+    field = memory_check.FIELDS[fullest.name].split(" / ")[0]
+    assert str(error.value).startswith(f"config.{field}: the step's {fullest.name} program"), error.value
+    assert f"{fullest.total / GiB:.2f} GiB per device" in str(error.value)
+    assert update.total <= fullest.total
+
+
+def test_the_trainer_refuses_a_step_that_does_not_fit_before_step_1(monkeypatch, tmp_path):
+    """A device that reports less memory than the step's fullest program: the run stops at the
+    warm-up with one ConfigError naming the fields, and trains nothing."""
+    from pacs_jax.training.run import run_training
+
+    config = load_config("default.py")
+    config.warmstart.steps, config.eval.before_rl, config.eval.sets = 0, False, ""
+    config.train.steps, config.train.prompts_per_step = 1, 8
+    config.data.arithmetic.problems, config.data.warmstart_problems, config.data.held_out_problems = 40, 0, 0
+    monkeypatch.setattr(memory_check, "device_memory_limit", lambda: 1 << 20)  # 1 MiB
+    with pytest.raises(ConfigError, match=r"^config\.(rollout\.slots|train\.micro_batches|"
+                                          r"train\.logprob_micro_batches|train\.prompts_per_step): the step's "):
+        run_training(config, tmp_path, make_mesh(8, 1, 1))
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+    checkpoints = tmp_path / "checkpoints"
+    assert not checkpoints.exists() or not any(p.name.isdigit() for p in checkpoints.iterdir())  # no step saved
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 1
+
+
+def test_validate_config_names_the_tensor_axis_when_heads_do_not_divide():
+    config = tiny_config()
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 8  # 4 query heads on tensor 8
+    with pytest.raises(ConfigError, match=r"^config\.mesh\.tensor: 8 does not divide the model's num_attention_heads"):
+        validate_config(config)
+
+
+def test_device_memory_limit_is_none_on_cpu():
+    assert memory_check.device_memory_limit() is None
+
+
+def test_tool_compiles_the_three_programs_on_the_cpu_mesh():
+    tool = load_tool()
+    config = tiny_config()
+    config.model.num_hidden_layers = 1
+    log = []
+    programs = tool.build_programs(config, jax.devices(), platform="cpu", log=log.append)
+    assert [p.name for p in programs] == ["sampler", "pi_old", "update"]
+    for p in programs:
+        assert p.argument > 0 and p.peak >= p.argument and not p.error, p
+    sampler, pi_old, update = programs
+    assert sampler.outside == pi_old.outside > 0 and update.outside == 0  # the AdamW state, outside the update only
+    assert update.alias > 0  # params and optimizer state donated
+    assert any("compiling update" in line for line in log)
+    assert sampler.loop_gathers == "no parameter all-gather inside its loops"  # the decode layout
+    text, fits = memory_check.report(programs, 16 * GiB, "cpu")
+    assert fits and "sampler: no parameter all-gather inside its loops" in text
+    assert re.fullmatch(r"peak per device: \d+\.\d\d GiB of 16\.00 GiB \(fits\)", text.splitlines()[-1])
+    text, fits = memory_check.report(programs, 1024, "cpu")
+    assert not fits and "to shrink the fullest (" in text
+
+
+def test_tool_compiles_the_critics_programs_for_ppo_on_the_cpu_mesh():
+    """PPO: the critic's values and update programs between pi_old and the actor's update (which reads
+    the advantages); the critic's state counted outside the actor's programs and the actor's outside
+    the critic's."""
+    tool = load_tool()
+    config = tiny_config()
+    config.model.num_hidden_layers = 1
+    config.algorithm.objective = "ppo"
+    programs = {p.name: p for p in tool.build_programs(config, jax.devices(), platform="cpu", log=lambda s: None)}
+    assert list(programs) == ["sampler", "pi_old", "critic_values", "critic_update", "update"]
+    for p in programs.values():
+        assert p.argument > 0 and p.peak >= p.argument and not p.error, p
+    critic_update, update = programs["critic_update"], programs["update"]
+    assert critic_update.alias > 0 and update.alias > 0  # each donates its own params and AdamW state
+    # outside the actor's update: the critic's state, which the critic's update donates (XLA's aliased
+    # bytes), and the other way round
+    assert update.outside == critic_update.alias > 0 and critic_update.outside == update.alias > 0
+    assert programs["sampler"].outside > update.outside  # the actor's AdamW state and the critic's state
+
+
+def test_tool_without_libtpu_says_how_to_install_it():
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("libtpu is installed here")
+    result = subprocess.run([sys.executable, "tools/plan_memory.py", "--topology=v5p-8"], cwd=REPO,
+                            env=train_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert 'pip install "jax[tpu]==' in result.stderr
+
+
+def test_sampler_lowered_on_abstract_arguments_is_the_program_a_call_runs():
+    """lower_sample makes nothing concrete (key, temperature, top_p, stop ids are abstract), and
+    the real call afterwards compiles nothing."""
+    cfg = models.QwenConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    mesh = make_mesh(4, 1, 2)
+    graphdef, state = nnx.split(models.init_random(cfg, mesh))
+    settings = sampling.SamplingSettings(max_new_tokens=4, n=2, temperature=1.0, stop_token_ids=(3,))
+    sharding = MeshRules(mesh).sharding(("batch", "length"), (8, 16))
+    prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding)
+    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    lowered = lower_sample(graphdef, abstract_state, prompts, prompts, settings)
+    lowered.compile()
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    tokens = jax.device_put(np.ones((8, 16), np.int32), sharding)
+    jax.block_until_ready(sample(graphdef, state, tokens, tokens, settings, jax.random.fold_in(jax.random.key(0), 1)))
+    assert events == []
