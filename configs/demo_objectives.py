@@ -4,38 +4,22 @@
 
 OBJECTIVE: pacs | grpo | rloo | drgrpo | ppo. Every objective samples the same prompts, n responses
 each, for the same number of steps, after the same warm-start; only the loss (and PPO's critic)
-differs. The baselines take the paper's settings (configs/paper.py: GRPO at verl's scale, PPO clip
-0.2 / dual clip 3, gradient clipping 1.0), scaled to the demo's response length. Used by
-tools/compare_objectives.py.
+differs. Each runs a setup of configs/algorithms.py (SETUPS), its losses' L_max the demo's response
+length, with the demo's gradient clipping 1.0: PACS as the paper's pacs_beta1, GRPO at verl's scale
+as the paper's, PPO-clip 0.2 / dual clip 3 for the others (RLOO and PPO at token-mean, Dr.GRPO
+seq-mean-token-sum-norm). Used by tools/compare_objectives.py.
 """
 
 import ml_collections
 
 from configs import default
 
-OBJECTIVES = ("pacs", "grpo", "rloo", "drgrpo", "ppo")
-
-
-def _options(objective: str, max_new_tokens: int) -> dict:
-    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
-    if objective == "grpo":
-        return dict(clip, loss_agg_mode="seq-mean-token-sum-norm", loss_scale="verl", verl_micro_batch_size=8,
-                    norm_length=max_new_tokens)
-    if objective == "rloo":
-        return dict(clip, loss_agg_mode="token-mean")
-    if objective == "drgrpo":
-        return dict(clip, loss_agg_mode="seq-mean-token-sum-norm", norm_length=max_new_tokens)
-    return dict(clip)  # ppo
+SETUPS = {"pacs": "pacs_beta1", "grpo": "grpo", "rloo": "rloo", "drgrpo": "drgrpo", "ppo": "ppo_token_mean"}
 
 
 def get_config(objective: str = "pacs") -> ml_collections.ConfigDict:
-    if objective not in OBJECTIVES:
-        raise ValueError(f"config arg {objective!r}: expected one of {OBJECTIVES}")
-    c = default.get_config()
+    if objective not in SETUPS:
+        raise ValueError(f"config arg {objective!r}: expected one of {tuple(SETUPS)}")
+    c = default.get_config(SETUPS[objective])
     c.workdir = f"workdir/demo_{objective}"
-    if objective == "pacs":
-        return c
-    c.algorithm.objective = objective
-    c.algorithm.options = ml_collections.ConfigDict(_options(objective, c.rollout.max_new_tokens))
-    c.optim.grad_clip = 1.0
     return c

@@ -6,7 +6,7 @@
 MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 slice: 32 chips of 95 GiB)
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
 ALGO:  pacs_beta1 | pacs_beta2 | pacs_beta1_noweight | pacs_beta2_noweight | grpo | ppo
-       PACS ablations (pacs_beta1 with one option changed; see ALGORITHMS): pacs_beta1_only_positive |
+       PACS ablations (pacs_beta1 with one option changed; configs/algorithms.py): pacs_beta1_only_positive |
        pacs_beta1_only_negative | pacs_beta1_reward2 | pacs_beta1_grpo_adv | pacs_beta1_naive_adv
 
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
@@ -29,8 +29,7 @@ critic initialised from the same model: AdamW lr 1e-5, value clip 0.5, grad clip
 
 import ml_collections
 
-from configs import default, paper_evaluation
-from pacs_jax.data.prompts import INSTRUCTION
+from configs import algorithms, base, paper_evaluation
 
 # Per model: the preset, the mesh (data, fsdp, tensor; -1 fills the slice) and the memory settings of
 # one step on the slice it is sized for (see the module docstring), each checked to fit with
@@ -61,43 +60,11 @@ MODELS = {
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }
 
-# PACS (the authors' src/pacs/pacs_core_algos.py: compute_reward, the rloo / grpo / naive advantages,
-# compute_weight, compute_pacs_loss). Options not named here take PACS_DEFAULTS, what the authors'
-# scripts/pacs/pacs_beta_{1.0,2.0}.sh pass: reward_method '1', ADV_ESTIMATOR=rloo, WEIGHT_MODE=question.
-#   pacs_beta1 / pacs_beta2: the two scripts (BETA=1.0 / 2.0, USE_WEIGHT=True)
-#   *_noweight: USE_WEIGHT=False, the "- w/o weight" row of the paper's Table 2 (arXiv 2509.02522v1, Qwen2.5-7B)
-PACS_DEFAULTS = dict(weight_mode="question", reward_method="1", adv_estimator="rloo")
-ALGORITHMS = {
-    "pacs_beta1": ("pacs", dict(beta=1.0, use_weight=True)),
-    "pacs_beta2": ("pacs", dict(beta=2.0, use_weight=True)),
-    "pacs_beta1_noweight": ("pacs", dict(beta=1.0, use_weight=False)),
-    "pacs_beta2_noweight": ("pacs", dict(beta=2.0, use_weight=False)),
-    # Ablations: pacs_beta1 with one option of the authors' code changed, each a value their code accepts
-    # (pacs_core_algos.py) and their scripts expose as a variable. Which of them the paper reports, and in
-    # which table or figure, could not be checked against the paper's text here (issue 26 item 6).
-    #   weight_mode (WEIGHT_MODE; compute_weight): "only_positive" w = y, "only_negative" w = 1 - y
-    "pacs_beta1_only_positive": ("pacs", dict(beta=1.0, use_weight=True, weight_mode="only_positive")),
-    "pacs_beta1_only_negative": ("pacs", dict(beta=1.0, use_weight=True, weight_mode="only_negative")),
-    #   reward_method '2' (+actor_rollout_ref.pacs.reward_method; compute_reward): beta * mean log pi_theta
-    #   over the response, no pi_old
-    "pacs_beta1_reward2": ("pacs", dict(beta=1.0, use_weight=True, reward_method="2")),
-    #   adv_estimator (ADV_ESTIMATOR): "grpo" (group mean and unbiased std, eps 1e-6: the scripts'
-    #   norm_adv_by_std_in_grpo=True), "naive" (psi = r)
-    "pacs_beta1_grpo_adv": ("pacs", dict(beta=1.0, use_weight=True, adv_estimator="grpo")),
-    "pacs_beta1_naive_adv": ("pacs", dict(beta=1.0, use_weight=True, adv_estimator="naive")),
-    # verl 0.3.1's scale (scripts/baseline/grpo.sh of the authors): micro-batches of 8 responses
-    # (ppo_micro_batch_size_per_gpu), seq-mean-token-sum-norm over the padded response width 4096.
-    "grpo": ("grpo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
-                          clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
-    # scripts/baseline/ppo.sh of the authors: the actor's loss as GRPO's, on the critic's GAE advantages
-    "ppo": ("ppo", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_low=0.2, clip_ratio_high=0.2,
-                        clip_ratio_c=3.0, loss_scale="verl", verl_micro_batch_size=8, norm_length=4096)),
-}
-# PPO's critic (the authors' configs/ppo_trainer.yaml and ppo.sh's critic.optim.lr /
-# critic.ppo_micro_batch_size_per_gpu): its value loss aggregated as the actor's (critic.loss_agg_mode:
-# ${actor_rollout_ref.actor.loss_agg_mode}, i.e. seq-mean-token-sum-norm over L_max 4096) at verl's scale
-PPO_CRITIC = dict(path="", lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0, clip_range_value=0.5,
-                  gamma=1.0, lam=1.0, loss_agg_mode="actor", loss_scale="verl", verl_micro_batch_size=8)
+# ALGO: the paper's setups of configs/algorithms.py (PACS, its ablations, GRPO and PPO), at L_max 4096
+ALGORITHMS = ("pacs_beta1", "pacs_beta2", "pacs_beta1_noweight", "pacs_beta2_noweight", "pacs_beta1_only_positive",
+              "pacs_beta1_only_negative", "pacs_beta1_reward2", "pacs_beta1_grpo_adv", "pacs_beta1_naive_adv", "grpo",
+              "ppo")
+MAX_NEW_TOKENS = 4096
 
 
 def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
@@ -109,23 +76,18 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
         raise ValueError(f"config arg algorithm {algo_name!r}: expected one of {sorted(ALGORITHMS)}")
     spec = MODELS[model_name]
     preset, (data, fsdp, tensor) = spec["preset"], spec["mesh"]
-    objective, options = ALGORITHMS[algo_name]
 
-    c = default.get_config()
+    c = base.get_config()
     c.workdir = f"workdir/{model_name}_{algo_name}"
-    c.model.preset = preset
     # A paper run starts from the released model: --config.model.path=DIR (its HF folder). Without it
-    # validate_config refuses the run, naming model.path; True trains the preset from random weights
-    # (no model.path needed), for throughput and memory checks only.
-    c.model.random_init = False
+    # validate_config refuses the run, naming model.path; --config.model.random_init=True trains the preset
+    # from random weights (no model.path needed), for throughput and memory checks only.
+    c.model.preset = preset
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat = spec["remat"]
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
     c.data.source = "files"
-    c.data.held_out_problems = 0
-    c.data.warmstart_problems = 0
-    c.data.instruction = INSTRUCTION
     # The full DeepScaleR-Preview set (40,315 rows, 6 without an answer: 40,309 problems), made by
     # `python tools/prepare_data.py deepscaler` (pacs_jax/data/deepscaler.py: DEFAULT_TRAIN_FILE);
     # validate_config says so when it is missing. The subset in the repository instead:
@@ -141,17 +103,13 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.rollout.n = 8
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
-    c.rollout.max_new_tokens = 4096
+    c.rollout.max_new_tokens = MAX_NEW_TOKENS
     c.rollout.response_buckets = (1024, 2048, 3072, 4096)
     c.rollout.micro_batches = spec["rollout_micro_batches"]
     c.rollout.sampler, c.rollout.slots = "continuous", spec["slots"]
-    c.algorithm.objective = objective
-    c.algorithm.options = ml_collections.ConfigDict(dict(PACS_DEFAULTS, **options) if objective == "pacs" else options)
+    algorithms.setup(algo_name, MAX_NEW_TOKENS).apply(c)
     c.optim.lr = 1e-6
     c.optim.schedule = "constant"
-    c.optim.grad_clip = 1.0 if objective in ("grpo", "ppo") else 0.0
-    if objective == "ppo":
-        c.critic.update(PPO_CRITIC)
     c.train.steps = 300
     c.train.prompts_per_step = 1024
     c.train.mini_batches = 4
@@ -169,7 +127,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     # AIME 2024 / 2025 and AMC23, 32 on MATH-500 (and GSM8K), at T = 0.6, top_p 0.95.
     c.eval.sets = "math_500,aime_2024,aime_2025,amc23,gsm8k"
     c.eval.max_new_tokens = paper_evaluation.MAX_NEW_TOKENS
-    c.eval.batch_size = 32
+    c.eval.batch_size, c.eval.slots = 32, 256
     c.eval.before_rl = True  # the tables' "Base" row (--config.eval.before_rl=False skips it)
     c.eval.periodic.update(every=5, n=1, temperature=0.0, top_p=1.0)
     c.eval.final.update(n=32, temperature=paper_evaluation.TEMPERATURE, top_p=paper_evaluation.TOP_P, greedy=False,

@@ -1,20 +1,22 @@
 """Evaluation CLI: pass@k of a checkpoint on the evaluation sets of a config (docs/design.md section 7.5).
 
-    python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=DIR [--config.n=16 --config.sets=math_500]
+    python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=DIR [--config.eval.final.n=16 --config.eval.sets=math_500]
 
 DIR is an HF model folder, a pacs_jax checkpoint, or a training workdir (its newest
 ``checkpoints/<step>``, else its ``hf_export``; a line says which: pacs_jax/evaluation/target.py). A
-checkpoint in a workdir is evaluated as it was trained: the tokenizer is ``config.tokenizer``, else the
-model folder's tokenizer files, else the run's ``data.tokenizer`` from the workdir's config.json (the
-demo's "char"); the prompts carry the run's ``data.instruction``; ``--config.sets=held_out`` is the
+checkpoint in a workdir is evaluated as it was trained: the tokenizer is ``config.data.tokenizer``, else
+the model folder's tokenizer files, else the run's ``data.tokenizer`` from the workdir's config.json (the
+demo's "char"); the prompts carry the run's ``data.instruction``; ``--config.eval.sets=held_out`` is the
 run's held-out problems. E.g. the demo's model:
 
-    python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=workdir/demo --config.sets=held_out \
-        --config.max_new_tokens=12 --config.dtype=float32
+    python -m pacs_jax.evaluate --config=configs/eval.py --checkpoint=workdir/demo --config.eval.sets=held_out \
+        --config.eval.max_new_tokens=12 --config.model.dtype=float32
 
-writes, in ``config.output_dir`` (default ``WORKDIR/eval/evaluate_step_<N>`` or ``.../evaluate_hf_export``
+The config is the training schema (configs/base.py): the sets and their settings are ``eval``'s (the
+final settings, ``eval.final``), the CLI's own fields ``evaluate``'s. It writes, in
+``config.evaluate.output_dir`` (default ``WORKDIR/eval/evaluate_step_<N>`` or ``.../evaluate_hf_export``
 for a workdir's model, else ``DIR/eval``), the files of pacs_jax/evaluation/outputs.py
-(eval_samples.jsonl, eval_metrics.json, pass_at_k.png). Relative set paths (``data_dir`` "data") are
+(eval_samples.jsonl, eval_metrics.json, pass_at_k.png). Relative set paths (``eval.data_dir`` "data") are
 read from the working directory, else from the repository root. The maths, the runner and the
 outputs are in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status
 78 (pacs_jax/errors.py).
@@ -41,24 +43,27 @@ from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import make_mesh
 
-HELD_OUT = "held_out"  # config.sets: the training run's held-out problems (its workdir's config.json)
+HELD_OUT = "held_out"  # config.eval.sets: the training run's held-out problems (its workdir's config.json)
 
 
 def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     """Evaluate ``checkpoint`` (an HF folder, a pacs_jax checkpoint or a training workdir:
     evaluation/target.py) as ``config`` (configs/eval.py) says; write the outputs; return the metrics."""
+    ec, cli = config.eval, config.evaluate
+    if ec.final.greedy:
+        raise UsageError("config.eval.final.greedy: the evaluation CLI samples at eval.final's settings only; for "
+                         "greedy decoding set eval.final.temperature=0 and eval.final.n=1")
     target = resolve_target(checkpoint)
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
     training = target.training_config
-    output_dir = pathlib.Path(config.output_dir) if config.output_dir else target.default_output_dir()
-    names = [n.strip() for n in config.sets.split(",") if n.strip()] if isinstance(config.sets, str) \
-        else list(config.sets)
+    output_dir = pathlib.Path(cli.output_dir) if cli.output_dir else target.default_output_dir()
+    names = [n.strip() for n in ec.sets.split(",") if n.strip()] if isinstance(ec.sets, str) else list(ec.sets)
     files = [n for n in names if n != HELD_OUT]
-    eval_sets = load_eval_sets(files, dict(config.set_files), config.data_dir, config.max_problems,
+    eval_sets = load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems,
                                config.reward.mode) if files else []
     if HELD_OUT in names:
-        eval_sets.append(_held_out_set(training, checkpoint, config.max_problems))
+        eval_sets.append(_held_out_set(training, checkpoint, ec.max_problems))
     tokenizer, tokenizer_source = _tokenizer(config, target)
     if tokenizer_source:
         print(f"pacs_jax.evaluate: tokenizer {tokenizer_source}", flush=True)
@@ -66,33 +71,33 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     instruction = training["data"].get("instruction", INSTRUCTION) if training else INSTRUCTION
     if isinstance(tokenizer, CharTokenizer):
         _check_char_tokenizer(tokenizer, eval_sets, instruction)
-    mesh = make_mesh(**config.mesh) if config.use_mesh else None
-    model = checkpoints.from_pretrained(target.model_dir, dtype=config.dtype, mesh=mesh)
+    mesh = make_mesh(**config.mesh) if cli.use_mesh else None
+    model = checkpoints.from_pretrained(target.model_dir, dtype=config.model.dtype, mesh=mesh)
     with RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
         rows, metrics = evaluate_per_set(
-            model, tokenizer, eval_sets, per_set_settings(config.per_set),
-            EvalSettings(config.n, config.temperature, config.top_p, config.max_new_tokens),
-            top_k=config.top_k, seed=config.seed,
-            stop_token_ids=tuple(config.stop_token_ids), batch_size=config.batch_size,
-            slots=config.slots if config.sampler == "continuous" else None, instruction=instruction,
-            max_prompt_length=config.max_prompt_length, reward_pool=pool, progress=config.progress)
+            model, tokenizer, eval_sets, per_set_settings(ec.final.per_set),
+            EvalSettings(ec.final.n, ec.final.temperature, ec.final.top_p, ec.max_new_tokens),
+            top_k=cli.top_k, seed=config.seed,
+            stop_token_ids=tuple(cli.stop_token_ids), batch_size=ec.batch_size,
+            slots=ec.slots if ec.sampler == "continuous" else None, instruction=instruction,
+            max_prompt_length=cli.max_prompt_length, reward_pool=pool, progress=cli.progress)
     write_outputs(output_dir, rows, metrics)
     for eval_set in eval_sets:
         evaluated = sum(row["data_source"] == eval_set.name for row in rows)
         if evaluated < len(eval_set.problems):
             logging.warning("%s: %d of %d prompts exceed max_prompt_length=%d and were not evaluated",
                             eval_set.name, len(eval_set.problems) - evaluated, len(eval_set.problems),
-                            config.max_prompt_length)
+                            cli.max_prompt_length)
     logging.info("wrote %s: %s", output_dir, json.dumps(metrics))
     return metrics
 
 
 def _tokenizer(config, target: Target):
-    """(tokenizer, where it came from or "" for the model folder's own files): ``config.tokenizer``, else
+    """(tokenizer, where it came from or "" for the model folder's own files): ``config.data.tokenizer``, else
     the tokenizer files in the model folder, else the training run's ``data.tokenizer`` (the run's
     config.json in its workdir; the demo's "char" tokenizer has no files)."""
-    if config.tokenizer:
-        return load_tokenizer(config.tokenizer), ""
+    if config.data.tokenizer:
+        return load_tokenizer(config.data.tokenizer), ""
     if (target.model_dir / "tokenizer_config.json").is_file():
         return load_tokenizer(target.model_dir), ""
     training = target.training_config or {}
@@ -104,18 +109,18 @@ def _tokenizer(config, target: Target):
         if (folder / "tokenizer_config.json").is_file():
             return load_tokenizer(folder), f"{folder} (the training run's data.tokenizer)"
         raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json), and the training run's "
-                         f"data.tokenizer {recorded!r} has none either; pass --config.tokenizer=DIR")
-    raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json); pass --config.tokenizer=DIR")
+                         f"data.tokenizer {recorded!r} has none either; pass --config.data.tokenizer=DIR")
+    raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json); pass --config.data.tokenizer=DIR")
 
 
 def _held_out_set(training: dict | None, checkpoint, max_problems: int) -> EvalSet:
     """The training run's held-out problems (data.held_out_problems; the demo's "held_out" set), rebuilt
     from its recorded config as the trainer split them, scored by its reward."""
     if training is None:
-        raise UsageError(f"config.sets: {HELD_OUT!r} is the held-out split of a training run, but --checkpoint="
+        raise UsageError(f"config.eval.sets: {HELD_OUT!r} is the held-out split of a training run, but --checkpoint="
                          f"{checkpoint} is in no training workdir (no config.json of a run beside checkpoints/)")
     if not training["data"].get("held_out_problems"):
-        raise UsageError(f"config.sets: {HELD_OUT!r}: the training run set no problems aside "
+        raise UsageError(f"config.eval.sets: {HELD_OUT!r}: the training run set no problems aside "
                          "(data.held_out_problems is 0)")
     _, _, held_out, _ = training_problems(training["data"], seed=training["seed"])
     problems = [dataclasses.replace(p, data_source=HELD_OUT) for p in held_out]
@@ -135,7 +140,7 @@ def _check_char_tokenizer(tokenizer: CharTokenizer, eval_sets, instruction: str)
                 raise UsageError(
                     f"evaluation set {eval_set.name!r}: problem {problem.index} has characters {unknown} that the "
                     f"character tokenizer (data.tokenizer \"{CHAR_TOKENIZER}\", the demo's) cannot encode; a demo "
-                    f"model is evaluated on its own task: --config.sets={HELD_OUT}")
+                    f"model is evaluated on its own task: --config.eval.sets={HELD_OUT}")
 
 
 def _cli() -> None:

@@ -61,9 +61,9 @@ def test_a_misspelled_override_is_one_line_naming_the_likely_field(tmp_path, con
 
 def test_evaluate_reports_a_misspelled_override_alike(tmp_path):
     line = _error_line(_run("pacs_jax.evaluate", "--config=configs/eval.py", f"--checkpoint={tmp_path}",
-                            "--config.max_new_tokenz=8"), "pacs_jax.evaluate")
-    assert line == ("pacs_jax.evaluate: error: --config.max_new_tokenz: config has no field 'max_new_tokenz'; "
-                    "did you mean --config.max_new_tokens?")
+                            "--config.eval.max_new_tokenz=8"), "pacs_jax.evaluate")
+    assert line == ("pacs_jax.evaluate: error: --config.eval.max_new_tokenz: config.eval has no field "
+                    "'max_new_tokenz'; did you mean --config.eval.max_new_tokens?")
 
 
 def test_unknown_config_field_leaves_other_errors_alone():

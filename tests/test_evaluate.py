@@ -41,11 +41,11 @@ def test_evaluate_cli_writes_both_files(tiny_qwen_dir, shared_data, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: fast on 2 cores
     result = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
-         f"--checkpoint={tiny_qwen_dir}", "--config.sets=math_500", f"--config.max_problems={PROBLEMS}",
-         f"--config.n={N}", f"--config.max_new_tokens={NEW_TOKENS}", "--config.temperature=1.0",
-         "--config.top_p=1.0",  # top_p < 1 sorts the 152k-token vocabulary per step: slow on CPU
-         "--config.dtype=float32", f"--config.data_dir={shared_data}", f"--config.output_dir={out}",
-         "--config.batch_size=20", "--config.reward.workers=1"],
+         f"--checkpoint={tiny_qwen_dir}", "--config.eval.sets=math_500", f"--config.eval.max_problems={PROBLEMS}",
+         f"--config.eval.final.n={N}", f"--config.eval.max_new_tokens={NEW_TOKENS}", "--config.eval.final.temperature=1.0",
+         "--config.eval.final.top_p=1.0",  # top_p < 1 sorts the 152k-token vocabulary per step: slow on CPU
+         "--config.model.dtype=float32", f"--config.eval.data_dir={shared_data}",
+         f"--config.evaluate.output_dir={out}", "--config.eval.batch_size=20", "--config.reward.workers=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{PROBLEMS}/{PROBLEMS}" in result.stderr  # the progress bar reached the end
@@ -129,9 +129,10 @@ def test_evaluate_cli_pass_at_k_on_known_scores(answers_seven_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
-         f"--checkpoint={answers_seven_dir}", "--config.sets=math_500,amc23", f"--config.n={N}",
-         "--config.max_new_tokens=4", "--config.temperature=1.0", "--config.top_p=1.0", "--config.dtype=float32",
-         f"--config.data_dir={data_dir}", f"--config.output_dir={out}", "--config.reward.workers=1"],
+         f"--checkpoint={answers_seven_dir}", "--config.eval.sets=math_500,amc23", f"--config.eval.final.n={N}",
+         "--config.eval.max_new_tokens=4", "--config.eval.final.temperature=1.0", "--config.eval.final.top_p=1.0",
+         "--config.model.dtype=float32", f"--config.eval.data_dir={data_dir}", f"--config.evaluate.output_dir={out}",
+         "--config.reward.workers=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
@@ -145,7 +146,7 @@ def test_evaluate_cli_pass_at_k_on_known_scores(answers_seven_dir, tmp_path):
 def test_bad_config_names_the_field(tiny_qwen_dir, shared_data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
-         f"--checkpoint={tiny_qwen_dir}", "--config.sets=math_501", f"--config.data_dir={shared_data}"],
+         f"--checkpoint={tiny_qwen_dir}", "--config.eval.sets=math_501", f"--config.eval.data_dir={shared_data}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "evaluation set 'math_501' has no entry in config.set_files" in result.stderr
@@ -160,7 +161,7 @@ def test_checkpoint_without_tokenizer_files(tmp_path, shared_data):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
-    config.data_dir = str(shared_data)
-    config.sets = "amc23"
-    with pytest.raises(ValueError, match="no tokenizer files .* pass --config.tokenizer=DIR"):
+    config.eval.data_dir = str(shared_data)
+    config.eval.sets = "amc23"
+    with pytest.raises(ValueError, match="no tokenizer files .* pass --config.data.tokenizer=DIR"):
         evaluate.run(config, tmp_path)

@@ -50,9 +50,9 @@ def test_evaluate_a_demo_workdir_from_outside_the_repository(demo_workdir, tmp_p
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     run = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
-         f"--checkpoint={demo_workdir}", "--config.sets=held_out", "--config.n=1", "--config.temperature=0",
-         "--config.max_new_tokens=12", "--config.dtype=float32", "--config.reward.workers=1",
-         "--config.progress=False"], cwd=tmp_path, env={**env, "JAX_PLATFORMS": "cpu"},
+         f"--checkpoint={demo_workdir}", "--config.eval.sets=held_out", "--config.eval.final.n=1",
+         "--config.eval.final.temperature=0", "--config.eval.max_new_tokens=12", "--config.model.dtype=float32",
+         "--config.reward.workers=1", "--config.evaluate.progress=False"], cwd=tmp_path, env={**env, "JAX_PLATFORMS": "cpu"},
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     newest = demo_workdir / "checkpoints" / str(STEPS)
@@ -66,10 +66,11 @@ def test_evaluate_a_demo_workdir_from_outside_the_repository(demo_workdir, tmp_p
         json.loads((demo_workdir / "eval" / "final_greedy" / "eval_metrics.json").read_text())
 
 
-def _eval_config(**fields):
+def _eval_config(tokenizer: str = "", **fields):
     config = load_config("eval.py")
-    config.update(dict(n=1, temperature=0.0, max_new_tokens=12, dtype="float32", use_mesh=False, progress=False,
-                       reward=dict(workers=1, item_timeout=5.0)), **fields)
+    config.update(dict(model=dict(dtype="float32"), data=dict(tokenizer=tokenizer),
+                       eval=dict(final=dict(n=1, temperature=0.0), max_new_tokens=12, **fields),
+                       evaluate=dict(use_mesh=False, progress=False), reward=dict(workers=1, item_timeout=5.0)))
     return config
 
 
@@ -99,13 +100,13 @@ def test_evaluate_the_export_and_a_checkpoint_of_a_demo_workdir(demo_workdir, tm
 def test_a_demo_model_on_math_sets_is_refused_naming_the_held_out_set(demo_workdir):
     """MATH-500's LaTeX is outside the character tokenizer's alphabet: one error before the model loads."""
     with pytest.raises(UsageError, match=r"^evaluation set 'math_500': problem \d+ has characters \[.*\] that the "
-                                         r"character tokenizer .* cannot encode; .*--config\.sets=held_out$"):
+                                         r"character tokenizer .* cannot encode; .*--config\.eval\.sets=held_out$"):
         evaluate.run(_eval_config(sets="math_500"), demo_workdir)
 
 
 def test_the_held_out_set_needs_a_training_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))  # an HF model folder
-    with pytest.raises(UsageError, match=r"^config\.sets: 'held_out' is the held-out split of a training run"):
+    with pytest.raises(UsageError, match=r"^config\.eval\.sets: 'held_out' is the held-out split of a training run"):
         evaluate.run(_eval_config(sets="held_out", tokenizer="char"), tmp_path)
 
 
@@ -113,7 +114,7 @@ def test_relative_data_paths_are_read_from_the_repository_root_or_named_with_the
     """configs/eval.py's data_dir "data" is the repository's: from another folder it is found there; a
     path found in neither place is one error naming it, the working directory and the repository."""
     monkeypatch.chdir(tmp_path)
-    files = dict(load_config("eval.py").set_files)
+    files = dict(load_config("eval.py").eval.set_files)
     (amc,) = load_eval_sets("amc23", files, "data")
     assert len(amc.problems) == 40
     with pytest.raises(UsageError) as error:

@@ -40,7 +40,7 @@ SHRUNK = [
     "--config.model.preset=", "--config.model.model_type=qwen2", "--config.model.hidden_size=64",
     "--config.model.intermediate_size=128", "--config.model.num_hidden_layers=2",
     "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2", "--config.model.head_dim=16",
-    "--config.model.vocab_size=0",
+    "--config.model.rope_theta=10000.0", "--config.model.tie_word_embeddings=True", "--config.model.vocab_size=0",
     "--config.data.max_prompt_length=256", "--config.data.prompt_buckets=(256,)",
     "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
     "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",

@@ -57,7 +57,7 @@ def test_defaults_are_the_losses_keyword_defaults():
 
 def test_the_demo_config_uses_the_registry_defaults():
     config = load_config("default.py")
-    assert dict(config.algorithm.options) == rl.OBJECTIVES[config.algorithm.objective].defaults
+    assert rl.options_for(config.algorithm) == rl.OBJECTIVES[config.algorithm.objective].defaults
 
 
 def _batch(group_size: int, rewards=None):
@@ -114,7 +114,6 @@ def test_option_errors_name_the_option():
 def test_the_config_check_reads_the_minimum_group_from_the_registry(name, monkeypatch):
     config = load_config("default.py")
     config.algorithm.objective = name
-    config.algorithm.options = type(config.algorithm.options)()
     spec = rl.OBJECTIVES[name]
     config.rollout.n = spec.min_group_size
     validate_config(config)

@@ -302,7 +302,7 @@ def test_paper_ppo_critic_inherits_the_actors_aggregation():
     config = paper.get_config("qwen25_7b,ppo")
     options = config_critic_options(config)
     assert config.critic.loss_agg_mode == "actor"
-    assert config.algorithm.options.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert config.algorithm.ppo.loss_agg_mode == "seq-mean-token-sum-norm"
     assert {k: options[k] for k in ("loss_agg_mode", "norm_length", "loss_scale", "verl_micro_batch_size")} == \
         dict(loss_agg_mode="seq-mean-token-sum-norm", norm_length=4096, loss_scale="verl", verl_micro_batch_size=8)
     demo = default.get_config()

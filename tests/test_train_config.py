@@ -45,24 +45,21 @@ def test_default_config_validates_without_a_mesh_and_gives_the_mesh_it_asks_for(
     assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}  # data=-1 fills the 8 test devices
 
 
-def test_demo_config_runs_any_objective_leaving_out_the_other_objectives_options():
-    """The demo's options are PACS's; another objective reads only its own (and an option no
-    objective takes is still refused: the ppo_unknown_option case below)."""
+def test_demo_config_runs_any_objective_with_its_own_options():
+    """Each objective runs with its own namespace, algorithm.<objective> (configs/base.py); the others'
+    options are not its own (setting one is refused: tests/test_configs.py)."""
     config = load_config("default.py")
-    pacs = dict(config.algorithm.options)
-    assert options_for("pacs", pacs) == pacs
+    assert options_for(config.algorithm) == dict(config.algorithm.pacs)
     for objective in ("ppo", "grpo", "rloo", "drgrpo"):
         config.algorithm.objective = objective
         validate_config(config)
-        assert options_for(objective, pacs) == {}
-    assert options_for("ppo", {**pacs, "clip_ratio_c": 2.0, "betta": 1}) == {"clip_ratio_c": 2.0, "betta": 1}
+        assert options_for(config.algorithm) == dict(config.algorithm[objective])
 
 
 # (field overrides on the demo config, the field the error must name)
 BAD_DEMO = {
     "n_1_pacs": ({"rollout.n": 1}, "rollout.n"),
-    "n_1_grpo": ({"rollout.n": 1, "algorithm.objective": "grpo",
-                  "algorithm.options": ml_collections.ConfigDict()}, "rollout.n"),
+    "n_1_grpo": ({"rollout.n": 1, "algorithm.objective": "grpo"}, "rollout.n"),
     "batch_vs_mesh": ({"mesh.data": 8, "train.prompts_per_step": 3, "rollout.n": 2, "train.mini_batches": 1},
                       "train.prompts_per_step"),
     "micro_batch_vs_mesh": ({"mesh.data": 4, "mesh.fsdp": 2, "train.prompts_per_step": 8, "rollout.n": 4,
@@ -79,17 +76,17 @@ BAD_DEMO = {
     "critic_verl_micro_batch": ({"algorithm.objective": "ppo", "critic.loss_scale": "verl",
                                  "critic.verl_micro_batch_size": 48}, "critic.verl_micro_batch_size"),
     "critic_path": ({"algorithm.objective": "ppo", "critic.path": "/nonexistent/critic"}, "critic.path"),
-    "ppo_unknown_option": ({"algorithm.objective": "ppo", "algorithm.options.clip_ratio_d": 3.0},
-                           "algorithm.options"),
-    "verl_micro_batch_not_dividing": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
-        dict(loss_scale="verl", verl_micro_batch_size=48))}, "algorithm.options.verl_micro_batch_size"),
-    "loss_scale": ({"algorithm.objective": "grpo", "algorithm.options": ml_collections.ConfigDict(
-        dict(loss_scale="sum"))}, "algorithm.options.loss_scale"),
+    "ppo_unknown_option": ({"algorithm.objective": "ppo", "algorithm.ppo.clip_ratio_d": 3.0}, "algorithm.ppo"),
+    "verl_micro_batch_not_dividing": ({"algorithm.objective": "grpo", "algorithm.grpo.loss_scale": "verl",
+                                       "algorithm.grpo.verl_micro_batch_size": 48},
+                                      "algorithm.grpo.verl_micro_batch_size"),
+    "loss_scale": ({"algorithm.objective": "grpo", "algorithm.grpo.loss_scale": "sum"}, "algorithm.grpo.loss_scale"),
+    "other_objectives_option": ({"algorithm.grpo.clip_ratio_high": 0.28}, "algorithm.grpo.clip_ratio_high"),
     "stop_token_ids": ({"rollout.stop_token_ids": (3, -1)}, "rollout.stop_token_ids"),
     "reward_mode": ({"reward.mode": "lenient"}, "reward.mode"),
     "max_unscored_fraction": ({"reward.max_unscored_fraction": 1.5}, "reward.max_unscored_fraction"),
-    "bad_objective_option": ({"algorithm.options.weight_mode": "sometimes"}, "algorithm.options.weight_mode"),
-    "unknown_objective_option": ({"algorithm.options.betta": 1.0}, "algorithm.options"),
+    "bad_objective_option": ({"algorithm.pacs.weight_mode": "sometimes"}, "algorithm.pacs.weight_mode"),
+    "unknown_objective_option": ({"algorithm.pacs.betta": 1.0}, "algorithm.pacs"),
     "mesh_not_fitting_devices": ({"mesh.data": 16}, "mesh"),
     "mesh_axis_not_dividing": ({"mesh.tensor": 3}, "mesh"),
     "mesh_zero": ({"mesh.fsdp": 0}, "mesh.fsdp"),
@@ -182,7 +179,14 @@ def test_architecture_fields_without_a_preset_still_initialise_at_random(in_repo
     config = _paper("qwen25_3b", "pacs_beta1", qwen_tokenizer_dir)
     config.model.random_init = False
     config.model.preset = ""
-    config.model.model_type = "qwen2"
+    with pytest.raises(ConfigError, match=r"^config\.model\.model_type: '' is not one of .*or set model\.path or "
+                                          r"model\.preset"):
+        validate_config(config)  # configs/base.py leaves the architecture to model.path / model.preset
+    config.model.update(model_type="qwen2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+    with pytest.raises(ConfigError, match=r"^config\.model\.num_hidden_layers: must be > 0 without model\.path"):
+        validate_config(config)
+    config.model.num_hidden_layers = 2
     validate_config(config)
     validate_config(load_config("default.py"))
 
@@ -266,7 +270,7 @@ def test_paper_config_has_section_6_values_and_validates(in_repo, qwen_tokenizer
     assert config.model.preset == PAPER_MODELS[model] and config.model.path == ""
     assert config.model.param_dtype == "float32"  # fp32 master weights
     assert config.algorithm.objective == objective
-    assert dict(config.algorithm.options) == options
+    assert options_for(config.algorithm) == options
     assert (config.optim.lr, config.optim.schedule, config.optim.warmup_steps) == (1e-6, "constant", 0)
     assert (config.optim.b1, config.optim.b2, config.optim.weight_decay) == (0.9, 0.999, 0.01)
     assert config.optim.grad_clip == (0.0 if objective == "pacs" else 1.0)
@@ -350,7 +354,7 @@ def _leaf_fields(tree: dict, prefix: str = ""):
     """Dotted paths of a config's leaves; dict-valued fields handed on whole (options, set files) are leaves."""
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and path not in ("algorithm.options", "eval.set_files"):
+        if isinstance(value, dict) and not re.fullmatch(r"algorithm\.\w+|eval\.set_files", path):
             yield from _leaf_fields(value, path + ".")
         else:
             yield path

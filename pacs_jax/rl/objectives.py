@@ -108,13 +108,13 @@ def objective_spec(name: str) -> ObjectiveSpec:
     return OBJECTIVES[name]
 
 
-def options_for(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``options`` that objective ``name`` reads: a config's options may also hold those
-    of other registered objectives (the demo's PACS options when it runs "ppo"), which are left out;
-    names no objective takes stay, so ``get_objective`` refuses them."""
-    mine = set(objective_spec(name).defaults)
-    others = set().union(*(spec.defaults for other, spec in OBJECTIVES.items() if other != name))
-    return {k: v for k, v in options.items() if k in mine or k not in others}
+def options_for(algorithm: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a config's ``algorithm`` section runs its objective with: the namespace named by
+    ``algorithm["objective"]`` (configs/base.py: one per registered objective, every option at its
+    default unless set); OptionError (option None) names the known objectives."""
+    name = algorithm["objective"]
+    objective_spec(name)
+    return dict(algorithm[name])
 
 
 def get_objective(name: str, **options) -> Callable[..., tuple]:

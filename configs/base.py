@@ -1,0 +1,176 @@
+"""The config schema: every field of a training run and of the evaluation CLI, at neutral defaults.
+
+The demo (configs/default.py), the paper's setups (configs/paper.py), the demo per objective
+(configs/demo_objectives.py) and the evaluation CLI's config (configs/eval.py) are overrides of it.
+The model's architecture fields are empty (0, ""): the model comes from ``model.path`` or
+``model.preset``, or a config names every architecture field for a model of its own at random init.
+``algorithm`` holds one namespace per objective of the registry (pacs_jax/rl/objectives.py), each
+with every option at the registry's default: ``--config.algorithm.objective=grpo
+--config.algorithm.grpo.clip_ratio_high=0.28``; validate_config refuses an option set in the
+namespace of an objective that does not run. Algorithm setups: configs/algorithms.py.
+"""
+
+import ml_collections
+
+from pacs_jax.data.prompts import INSTRUCTION
+from pacs_jax.rl.objectives import OBJECTIVES
+
+
+def objective_options() -> dict[str, ml_collections.ConfigDict]:
+    """{objective: its options at the registry's defaults}, one namespace per registered objective.
+    An option whose default is None (``norm_length``: the padded response width) takes an int."""
+    return {name: ml_collections.ConfigDict({
+        option: ml_collections.FieldReference(None, field_type=int) if default is None else default
+        for option, default in spec.defaults.items()}) for name, spec in OBJECTIVES.items()}
+
+
+def critic() -> dict:
+    """PPO's critic section at verl 0.3.1's defaults."""
+    return dict(
+        path="",                  # HF dir or pacs_jax checkpoint for its backbone; empty: a copy of the actor's
+        lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0,
+        clip_range_value=0.5,     # value clip around the values at rollout time
+        gamma=1.0, lam=1.0,       # GAE discount and lambda (the 0/1 reward sits on each response's last token)
+        # the value loss's aggregation: "actor" takes the actor's loss_agg_mode (and norm_length), as verl's
+        # critic does (critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}); or a mode of its own
+        loss_agg_mode="actor",
+        loss_scale="mean",        # value loss over the mini-batch ("mean") or at verl's micro-batch scale ("verl")
+        verl_micro_batch_size=0,  # with loss_scale "verl": verl's critic ppo_micro_batch_size_per_gpu
+    )
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.workdir = "workdir/run"
+
+    c.model = ml_collections.ConfigDict(dict(
+        path="",                  # HF dir or pacs_jax checkpoint
+        preset="",                # without a path: a models.PRESETS name, trained from random weights only
+        random_init=False,        # with random_init True (no path needed): for throughput and memory checks
+        # Architecture: "" and 0 come from model.path or model.preset; without either, name every field for a
+        # model of your own at random init. config.json in the workdir records the model the run builds.
+        model_type="", hidden_size=0, intermediate_size=0, num_hidden_layers=0,
+        num_attention_heads=0, num_key_value_heads=0, head_dim=0, rope_theta=0.0,
+        tie_word_embeddings=False, vocab_size=0,  # 0: the tokenizer's vocabulary size
+        dtype="bfloat16", param_dtype="float32", remat="none",
+        attention="auto",         # auto | xla | cudnn | splash (auto: splash on TPU, cudnn on GPU, xla elsewhere)
+        attention_block_size=512,
+    ))
+
+    c.mesh = ml_collections.ConfigDict(dict(
+        data=-1, fsdp=1, tensor=1,
+        device_order=(),          # positions in jax.devices() in mesh order; () = jax.make_mesh's topology-aware order
+    ))
+
+    c.data = ml_collections.ConfigDict(dict(
+        source="files",           # files: the problems of train_files | arithmetic: generated word problems
+        train_files=(),           # jsonl / json / parquet files, "tfds:NAME" (data/readers.py)
+        # with source "arithmetic": training problems to generate (the warm-start's included), operands 1..max_operand
+        arithmetic=ml_collections.ConfigDict(dict(problems=0, max_operand=0)),
+        held_out_problems=0,      # set aside, never trained on: the eval set "held_out" (data/sources.py)
+        warmstart_problems=0,     # set aside for the warm-start only, never sampled by RL; 0: the warm-start
+                                  # trains on RL's problems (data/sources.py)
+        tokenizer="",             # a Hugging Face tokenizer folder, "char" (data/char_tokenizer.py), or "": the
+                                  # model's own (model.path's tokenizer files: its chat template and eos)
+        tokenizer_force=False,    # True: use a tokenizer folder of another model family than model.path's
+        instruction=INSTRUCTION,  # follows the problem in the user message
+        max_prompt_length=512,
+        prompt_buckets=(512,),    # prompts are left-padded to the smallest bucket that holds the step's longest;
+                                  # the last bucket is max_prompt_length; one compiled program set per bucket
+        shuffle_seed=0, allow_skips=False,
+    ))
+
+    # Supervised phase before RL (training/warmstart.py): teacher-forced cross-entropy on each of its
+    # prompts (data.warmstart_problems) with `response` (the gold answer filled in) as its target; 0 steps: none.
+    c.warmstart = ml_collections.ConfigDict(dict(
+        steps=0,                  # at most this many optimizer steps
+        batch_size=32, lr=1e-5, weight_decay=0.01,
+        response="\\boxed{{{answer}}}",  # the target response, str.format'ted with answer=the gold answer
+        max_response_tokens=32,   # target responses are right-padded to this many tokens (eos included)
+        target_accuracy=0.0,      # > 0: stop once the greedy accuracy on the probe reaches it
+        check_every=20,           # steps between probes
+        probe_problems=128,       # the first this many of RL's prompts (unseen by the warm-start when
+                                  # data.warmstart_problems > 0)
+    ))
+
+    c.rollout = ml_collections.ConfigDict(dict(
+        n=8, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
+        stop_token_ids=(),        # stop ids added to the model's (config.json + generation_config.json) and the tokenizer's eos
+        response_buckets=(),      # responses are cut to the smallest bucket that holds the longest one before
+                                  # pi_old and the update; () = one bucket, max_new_tokens
+        micro_batches=1,          # sampler calls per step (bounds the KV cache: prompts_per_step / this prompts each)
+        sampler="continuous",     # continuous: `slots` decode slots per call, a slot whose response ends takes the next
+                                  # waiting one at once; static: every response its own slot until the longest ends
+        slots=128,                # continuous: decode slots per sampler call (capped at its responses, prompts_per_step /
+                                  # micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
+    ))
+
+    # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective
+    c.algorithm = ml_collections.ConfigDict(dict(objective="pacs", **objective_options()))
+
+    # PPO's critic (read only when algorithm.objective is "ppo"): a Qwen backbone with a scalar head, sharded
+    # like the actor, its own AdamW (constant lr), updated on the actor's mini-batches and micro-batches each
+    # step, checkpointed with the actor.
+    c.critic = ml_collections.ConfigDict(critic())
+
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-6, b1=0.9, b2=0.999, weight_decay=0.01, schedule="constant", warmup_steps=0,
+        grad_clip=0.0,            # global-norm clipping (0: none)
+    ))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=100,
+        prompts_per_step=32,
+        mini_batches=1,           # optimizer steps per training step (mini-batches of whole groups)
+        micro_batches=1,          # gradient accumulation inside a mini-batch
+        logprob_micro_batches=0,  # forward passes of the pi_old pass; 0 = mini_batches x micro_batches
+        precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
+        checkpoint_every=50,
+        keep_checkpoints=3,
+    ))
+
+    c.reward = ml_collections.ConfigDict(dict(
+        name="math",
+        mode="strict",            # strict: our checker (rewards/math.py); paper: the authors' math-verify call (rewards/paper.py)
+        item_timeout=5.0,
+        workers=0,                # scoring processes; 0: the CPU count
+        deadline=120.0,           # seconds to score a step's responses; the unscored ones get one more round
+        max_unscored_fraction=0.01,  # still unscored after it (they would score 0): above this the run stops
+    ))
+
+    # Evaluation (pacs_jax/evaluation/): pass@k and the mean sample reward per set. A training run evaluates
+    # before RL, every periodic.every steps and at the end, into workdir/eval/<name>/ and summary.json; the
+    # evaluation CLI (python -m pacs_jax.evaluate, configs/eval.py) evaluates a checkpoint at the final settings.
+    c.eval = ml_collections.ConfigDict(dict(
+        sets="",                  # comma-separated: names of set_files, and "held_out" (data.held_out_problems)
+        set_files=ml_collections.ConfigDict(dict(
+            math_500="math_500/test.jsonl", aime_2024="aime_2024/test.jsonl", aime_2025="aime_2025/test.jsonl",
+            amc23="amc23/test.jsonl", gsm8k="gsm8k/test.jsonl", minerva_math="minerva_math/test.jsonl",
+            olympiadbench="olympiadbench/test.jsonl")),
+        data_dir="data",          # set_files are relative to it (absolute paths and tfds:NAME also work)
+        max_new_tokens=1024,
+        max_problems=0,           # > 0: the first this many problems of each set
+        batch_size=32,            # prompts per sampler call
+        sampler="continuous",     # as rollout.sampler
+        slots=128,                # continuous: decode slots per sampler call (capped at batch_size x n)
+        before_rl=False,          # training: evaluate once before RL (after the warm-start) with the final settings
+        periodic=ml_collections.ConfigDict(dict(every=0, n=1, temperature=0.0, top_p=1.0)),  # every k RL steps; T 0: greedy
+        final=ml_collections.ConfigDict(dict(
+            n=1, temperature=0.0, top_p=1.0,  # samples per problem (pass@k for k = 1, 2, 4, ... <= n); T 0: greedy
+            greedy=False,         # training: also one greedy response per problem
+            per_set=ml_collections.ConfigDict(),  # {set: {n, temperature, top_p, max_new_tokens}}: a set's own
+                                  # settings (the paper's: configs/paper_evaluation.py); others use the above
+        )),
+    ))
+    # The evaluation CLI's own fields (training reads none of them); it also reads seed, model.dtype, mesh,
+    # data.tokenizer ("": the checkpoint's tokenizer files, else its training run's), reward and eval.
+    c.evaluate = ml_collections.ConfigDict(dict(
+        top_k=0,
+        max_prompt_length=2048,   # longer prompts are not evaluated (and reported)
+        stop_token_ids=(),        # (): the tokenizer's eos token and the model's eos ids
+        use_mesh=True,            # False: single device, no mesh
+        output_dir="",            # "": <checkpoint>/eval, or <workdir>/eval/evaluate_<which> for a workdir's model
+        progress=True,
+    ))
+    return c
