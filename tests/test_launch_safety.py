@@ -93,11 +93,12 @@ def test_malformed_training_data_exits_78(tmp_path):
 
 def test_evaluate_reports_a_usage_error_with_78(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
-                          f"--checkpoint={tmp_path}", "--config.sets=amc23", f"--config.data_dir={REPO / 'data'}"],
+                          f"--checkpoint={tmp_path}", "--config.eval.sets=amc23",
+                          f"--config.eval.data_dir={REPO / 'data'}"],
                          capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
     assert run.returncode == PERMANENT_ERROR_STATUS and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert run.stderr.strip().splitlines()[-1] == (f"pacs_jax.evaluate: error: {tmp_path}: no tokenizer files "
-                                                    "(tokenizer_config.json); pass --config.tokenizer=DIR")
+                                                    "(tokenizer_config.json); pass --config.data.tokenizer=DIR")
 
 
 def test_run_cli_reports_permanent_errors_and_leaves_crashes_alone(tmp_path):
