@@ -169,7 +169,7 @@ def get_config() -> ml_collections.ConfigDict:
         top_k=0,
         max_prompt_length=2048,   # longer prompts are not evaluated (and reported)
         stop_token_ids=(),        # (): the tokenizer's eos token and the model's eos ids
-        use_mesh=True,            # False: single device, no mesh
+        use_mesh=True,            # False: one device (a 1 x 1 x 1 mesh), whatever `mesh` says
         output_dir="",            # "": <checkpoint>/eval, or <workdir>/eval/evaluate_<which> for a workdir's model
         progress=True,
     ))

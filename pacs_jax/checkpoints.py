@@ -32,13 +32,13 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
-from jax.sharding import Mesh
 
 from pacs_jax.errors import PermanentError
 from pacs_jax.files import atomic_write_text, storage_error
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.loading import abstract_model, dotted, load_hf
 from pacs_jax.models.qwen import Qwen
+from pacs_jax.sharding import abstract
 
 MODEL_CONFIG_FILE = "model_config.json"
 PARAMS_ITEM = "params"
@@ -100,14 +100,11 @@ def find_params_dir(directory: str | os.PathLike) -> tuple[epath.Path, epath.Pat
     return directory, steps[-1][1] / PARAMS_ITEM
 
 
-def abstract_params(cfg: QwenConfig, mesh: Mesh | None) -> tuple[nnx.GraphDef, nnx.State, dict]:
-    """(graphdef, abstract state, {dotted path: ShapeDtypeStruct with sharding}) for restoring."""
-    graphdef, state = abstract_model(cfg, mesh)
-    device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {}
-    for path, var in nnx.to_flat_state(state):
-        a = var.get_value()
-        target[dotted(path)] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if mesh is not None else device_sharding)
+def abstract_params(cfg: QwenConfig) -> tuple[nnx.GraphDef, nnx.State, dict]:
+    """(graphdef, abstract state, {dotted path: ShapeDtypeStruct with sharding}) for restoring on the
+    mesh in context."""
+    graphdef, state = abstract_model(cfg)
+    target = {dotted(path): var.get_value() for path, var in nnx.to_flat_state(state)}
     return graphdef, state, target
 
 
@@ -119,17 +116,18 @@ def restore_flat_params(params_dir: epath.Path, target: dict) -> dict[str, jax.A
     missing = sorted(set(target) - stored_keys)
     if missing:
         raise ValueError(f"{params_dir}: parameters missing from the checkpoint: {missing[:5]}")
-    for key, abstract in target.items():
+    for key, wanted in target.items():
         meta = stored_tree[key]
-        if tuple(meta.shape) != tuple(abstract.shape):
+        if tuple(meta.shape) != tuple(wanted.shape):
             raise ValueError(f"{params_dir}: parameter {key} has shape {tuple(meta.shape)}, the config "
-                             f"needs {tuple(abstract.shape)}")
+                             f"needs {tuple(wanted.shape)}")
     return ocp.StandardCheckpointer().restore(params_dir, target)
 
 
-def load_model(directory: str | os.PathLike, mesh: Mesh | None = None, *, dtype: str | None = None,
+def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
                param_dtype: str | None = None, remat: str | None = None, **run_options) -> Qwen:
-    """Load a pacs_jax checkpoint (model dir or trainer root: latest step) into a (sharded) model.
+    """Load a pacs_jax checkpoint (model dir or trainer root: latest step) into a model sharded on the
+    mesh in context.
 
     ``None`` keeps the stored dtypes / remat policy.
     """
@@ -137,29 +135,25 @@ def load_model(directory: str | os.PathLike, mesh: Mesh | None = None, *, dtype:
     overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options).items()
                  if v is not None}
     cfg = read_model_config(config_dir, **overrides)
-    graphdef, state, target = abstract_params(cfg, mesh)
+    graphdef, state, target = abstract_params(cfg)
     return nnx.merge(graphdef, params_from_flat(state, restore_flat_params(params_dir, target)))
 
 
-def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None, *,
+def from_pretrained(path: str | os.PathLike, dtype: str = "float32", *,
                     param_dtype: str | None = "float32", remat: str = "none", **run_options) -> Qwen:
     """Load an HF directory (config.json + safetensors) or a pacs_jax Orbax checkpoint directory.
 
     dtype: compute dtype ("float32" for tests, "bfloat16" on accelerators); param_dtype: storage
     dtype of the parameters (fp32 master weights by default; None keeps the checkpoint's dtype).
-    With a mesh, parameters are created directly in their sharding (see pacs_jax/sharding.py).
+    Parameters are created directly in their sharding on the mesh in context (pacs_jax/sharding.py).
     run_options: other QwenConfig fields of how to run it (``attention``, ``attention_block_size``).
     """
     path = epath.Path(path)
     if (path / "config.json").is_file():
-        return load_hf(path, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     if path.is_dir():
-        return load_model(path, mesh, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
+        return load_model(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     raise FileNotFoundError(f"{path}: not an HF model directory (config.json) nor a pacs_jax checkpoint")
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 class CheckpointError(PermanentError):
@@ -250,11 +244,11 @@ class TrainCheckpointer:
         """Restore ``step`` into the shardings/dtypes of the given (template) params and opt_state (and
         the critic's): (params, opt_state, meta, (critic params, critic opt_state) or None)."""
         self._check_critic(critic)
-        items = dict(params=ocp.args.StandardRestore(_abstract(flat_params(params))),
-                     opt_state=ocp.args.StandardRestore(_abstract(opt_state)), meta=ocp.args.JsonRestore())
+        items = dict(params=ocp.args.StandardRestore(abstract(flat_params(params))),
+                     opt_state=ocp.args.StandardRestore(abstract(opt_state)), meta=ocp.args.JsonRestore())
         if critic is not None:
-            items.update(critic_params=ocp.args.StandardRestore(_abstract(flat_params(critic[0]))),
-                         critic_opt_state=ocp.args.StandardRestore(_abstract(critic[1])))
+            items.update(critic_params=ocp.args.StandardRestore(abstract(flat_params(critic[0]))),
+                         critic_opt_state=ocp.args.StandardRestore(abstract(critic[1])))
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         critic_state = None if critic is None else (params_from_flat(critic[0], restored["critic_params"]),
                                                     restored["critic_opt_state"])

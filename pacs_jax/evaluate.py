@@ -29,6 +29,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -71,9 +72,10 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     instruction = training["data"].get("instruction", INSTRUCTION) if training else INSTRUCTION
     if isinstance(tokenizer, CharTokenizer):
         _check_char_tokenizer(tokenizer, eval_sets, instruction)
-    mesh = make_mesh(**config.mesh) if cli.use_mesh else None
-    model = checkpoints.from_pretrained(target.model_dir, dtype=config.model.dtype, mesh=mesh)
-    with RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
+    # the evaluation's one mesh, set as the context for everything below (config.mesh; use_mesh False: one device)
+    mesh = make_mesh(**config.mesh) if cli.use_mesh else make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh), RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
+        model = checkpoints.from_pretrained(target.model_dir, dtype=config.model.dtype)
         rows, metrics = evaluate_per_set(
             model, tokenizer, eval_sets, per_set_settings(ec.final.per_set),
             EvalSettings(ec.final.n, ec.final.temperature, ec.final.top_p, ec.max_new_tokens),

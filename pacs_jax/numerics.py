@@ -12,7 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pacs_jax import sharding
+
 
 def batched_dot_operand(x: jax.Array) -> jax.Array:
     """``x`` as an operand of a float32-accumulated batched dot: float32 on CPU, unchanged elsewhere."""
-    return x.astype(jnp.float32) if jax.default_backend() == "cpu" and x.dtype != jnp.float32 else x
+    return x.astype(jnp.float32) if sharding.platform() == "cpu" and x.dtype != jnp.float32 else x

@@ -8,6 +8,12 @@ Mesh axis types: we build meshes with ``AxisType.Auto`` on purpose (GSPMD propag
 default). JAX 0.10's ``jax.make_mesh`` would otherwise give Explicit axes, under which every op needs
 its output sharding spelled out.
 
+The mesh is set once, where a run starts (``jax.set_mesh(mesh)``: the trainer's and the evaluator's
+CLIs, tools/plan_memory.py for compile-only devices), and read where it is needed:
+``current_mesh()`` for placing arrays, ``current_rules()`` (the abstract mesh in context, inside or
+outside ``jax.jit``) for constraints, ``platform()`` for kernel choices. Code run with no mesh set
+(a notebook, a unit test) runs on a 1 x 1 x 1 mesh over the first device.
+
 Divisibility: a logical axis whose size the mesh axes do not divide is replicated instead, except
 for the axes in ``MUST_DIVIDE`` (query heads, MLP width), where a silent replication would waste a
 factor of the tensor axis in memory; those raise. This is how K/V projections with fewer KV heads
@@ -17,6 +23,7 @@ than the tensor axis (Qwen2.5-7B: 4 KV heads on tensor=8) end up replicated, as 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -110,12 +117,38 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def config_mesh(mesh_config: Mapping) -> Mesh | None:
-    """The mesh a config's ``mesh`` fields (data, fsdp, tensor, device_order) ask for over all devices;
-    None when that is a single device (the model then runs unsharded)."""
-    mesh = make_mesh(mesh_config["data"], mesh_config["fsdp"], mesh_config["tensor"],
+def config_mesh(mesh_config: Mapping) -> Mesh:
+    """The mesh a config's ``mesh`` fields (data, fsdp, tensor, device_order) ask for over all devices
+    (1 x 1 x 1 on a single device)."""
+    return make_mesh(mesh_config["data"], mesh_config["fsdp"], mesh_config["tensor"],
                      device_order=tuple(mesh_config.get("device_order", ())))
-    return None if mesh.size == 1 else mesh
+
+
+@functools.cache
+def _single_device_mesh() -> Mesh:
+    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def current_mesh() -> Mesh:
+    """The mesh in context (``jax.set_mesh``), or a 1 x 1 x 1 mesh over the first device when none is
+    set; for placing arrays (outside ``jax.jit``)."""
+    mesh = jax.sharding.get_mesh()
+    return _single_device_mesh() if mesh.empty else mesh
+
+
+def current_rules() -> MeshRules:
+    """The logical rules over the abstract mesh in context (inside ``jax.jit`` too; inside a
+    ``shard_map`` its manual axes are marked), or over the single-device mesh when none is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return MeshRules(_single_device_mesh().abstract_mesh if mesh.empty else mesh)
+
+
+def platform() -> str:
+    """The platform of the mesh in context ("cpu", "gpu", "tpu"): what kernels and dot operand dtypes
+    are chosen for, also when compiling for devices this process cannot use (compile-only TPU devices
+    on a CPU host)."""
+    name = current_rules().mesh.abstract_device.platform
+    return "gpu" if name in ("cuda", "rocm") else name
 
 
 def partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], axis_sizes: Mapping[str, int],
@@ -158,9 +191,10 @@ def shard_count(spec: PartitionSpec, axis_sizes: Mapping[str, int]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MeshRules:
-    """A mesh plus the logical rules table: turns logical axis names into shardings."""
+    """A mesh (concrete, or abstract inside ``jax.jit``) plus the logical rules table: turns logical
+    axis names into shardings."""
 
-    mesh: Mesh
+    mesh: Mesh | jax.sharding.AbstractMesh
     rules: tuple[tuple[str, tuple[str, ...]], ...] = tuple(LOGICAL_RULES.items())  # hashable table
 
     def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
@@ -199,19 +233,65 @@ class MeshRules:
         return tuple(a for a in dict(self.rules)["batch"] if self.mesh.shape[a] > 1)
 
 
-def batch_sharding(rules: MeshRules | None, shape: tuple[int, ...]) -> jax.sharding.Sharding:
-    """The sharding of a per-row array of a training step: rows over the batch axes, the rest replicated
-    (all replicated when the rows do not divide, e.g. a few prompts on many devices).
+def placement(logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    """Where an array of ``shape`` whose dims carry ``logical_axes`` lives on the mesh in context."""
+    return MeshRules(current_mesh()).sharding(logical_axes, shape)
+
+
+def replicated() -> NamedSharding:
+    """A whole copy on every device of the mesh in context."""
+    return NamedSharding(current_mesh(), PartitionSpec())
+
+
+def batch_sharding(shape: tuple[int, ...]) -> NamedSharding:
+    """The sharding of a per-row array of a training step on the mesh in context: rows over the batch
+    axes, the rest replicated (all replicated when the rows do not divide, e.g. a few prompts on many
+    devices).
 
     The same objects place host arrays, pin the programs' outputs and compile them ahead of time,
     so every call finds its program already compiled.
     """
-    if rules is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    rules = MeshRules(current_mesh())
     axes = rules.batch_axes()
     if shape[0] % math.prod(rules.mesh.shape[a] for a in axes):
         axes = ()
     return NamedSharding(rules.mesh, PartitionSpec(axes or None, *([None] * (len(shape) - 1))))
+
+
+def batch_shards() -> int:
+    """Into how many pieces the batch axes of the mesh in context split a batch (inside ``jax.jit`` too)."""
+    rules = current_rules()
+    return math.prod(rules.mesh.shape[a] for a in rules.batch_axes())
+
+
+def state_shardings(tree):
+    """The shardings a training state (parameters, optimizer state) is committed to, which every later
+    program keeps (no recompilation on a layout change): each array's own, and replicated over the
+    mesh in context for the optimizer's scalars that live on one device."""
+    return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated(), tree)
+
+
+def abstract(tree):
+    """``jax.ShapeDtypeStruct``s (with their shardings) of a tree of arrays or ShapeDtypeStructs."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def abstract_optimizer_state(optimizer, params) -> object:
+    """AdamW's state for ``params`` (arrays or abstract), abstract: mu and nu sharded like the
+    parameters, the scalars (step counts) replicated over the mesh."""
+    params = abstract(params)
+    params_def = jax.tree.structure(params)
+    whole = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+
+    def like_params(node) -> bool:
+        return jax.tree.structure(node) == params_def
+
+    def place(node):
+        if like_params(node):
+            return jax.tree.map(lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), node, params)
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=whole), node)
+
+    return jax.tree.map(place, jax.eval_shape(optimizer.init, params), is_leaf=like_params)
 
 
 def manual_axes() -> frozenset[str]:
@@ -223,6 +303,9 @@ def manual_axes() -> frozenset[str]:
     return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
 
 
-def constrain(x: jax.Array, rules: MeshRules | None, logical_axes: Sequence[str | None]) -> jax.Array:
-    """Constrain ``x`` when a mesh is in use; a no-op on a single device (``rules is None``)."""
-    return x if rules is None else rules.constrain(x, logical_axes)
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``with_sharding_constraint`` of ``x`` by logical names on the mesh in context (an eager call,
+    e.g. a custom VJP's backward under an unjitted ``jax.grad``, constrains on the concrete mesh)."""
+    if isinstance(x, jax.core.Tracer):
+        return current_rules().constrain(x, logical_axes)
+    return jax.lax.with_sharding_constraint(x, placement(logical_axes, x.shape))

@@ -92,7 +92,8 @@ def main(argv: list[str]) -> None:
         _check_workdir(workdir, "--workdir" if _WORKDIR.value else "config.workdir")
     from pacs_jax.training.run import run_training
 
-    summary = run_training(config, workdir, mesh)
+    with jax.set_mesh(mesh):  # the one place the mesh is set; everything under the run reads it
+        summary = run_training(config, workdir)
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=2))
 

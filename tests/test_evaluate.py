@@ -149,7 +149,7 @@ def test_bad_config_names_the_field(tiny_qwen_dir, shared_data, tmp_path):
          f"--checkpoint={tiny_qwen_dir}", "--config.eval.sets=math_501", f"--config.eval.data_dir={shared_data}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
-    assert "evaluation set 'math_501' has no entry in config.set_files" in result.stderr
+    assert "evaluation set 'math_501' has no entry in config.eval.set_files" in result.stderr
 
 
 def test_checkpoint_without_tokenizer_files(tmp_path, shared_data):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -92,9 +93,10 @@ def test_from_pretrained_loads_our_checkpoint(roundtrips):
     from_ckpt = checkpoints.from_pretrained(ckpt)
     assert from_ckpt.embedding[...].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(forward(from_ckpt, tokens, mask)), from_hf)
-    sharded = checkpoints.from_pretrained(ckpt, mesh=make_mesh(2, 2, 2))
-    assert sharded.layers.attn.q_kernel[...].sharding.spec == P(None, "fsdp", "tensor", None)
-    np.testing.assert_allclose(np.asarray(forward(sharded, tokens, mask)), from_hf, rtol=1e-5, atol=1e-5)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        sharded = checkpoints.from_pretrained(ckpt)
+        assert sharded.layers.attn.q_kernel[...].sharding.spec == P(None, "fsdp", "tensor", None)
+        np.testing.assert_allclose(np.asarray(forward(sharded, tokens, mask)), from_hf, rtol=1e-5, atol=1e-5)
 
 
 def _hf_state(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from flax import nnx
 
 from pacs_jax import models, sampling
 from pacs_jax.sampling.engine import lower_sample, sample
-from pacs_jax.sharding import MeshRules, make_mesh
+from pacs_jax.sharding import make_mesh, placement
 from pacs_jax.training import memory_check
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.memory_check import GiB
@@ -62,13 +62,14 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each():
     config = tiny_config()
     config.data.prompt_buckets = (32, 56)
     config.rollout.response_buckets = (6, 12)
-    model = models.init_random(models.QwenConfig(
-        model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True), make_mesh(2, 2, 2))
-    graphdef, params = nnx.split(model)
-    programs = StepPrograms(config, graphdef, params, (1,), rules=model.rules)
-    opt_state = programs.init_optimizer(params)
-    compiled = programs.compile(progress=False)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        model = models.init_random(models.QwenConfig(
+            model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True))
+        graphdef, params = nnx.split(model)
+        programs = StepPrograms(config, graphdef, params, (1,))
+        opt_state = programs.init_optimizer(params)
+        compiled = programs.compile(progress=False)
     names = [p.name for p in compiled]
     assert names == ["sampler", "sampler", "assemble", "assemble"] + ["pi_old", "update"] * 4, names
     opt_bytes = state_bytes(opt_state)
@@ -101,7 +102,8 @@ def test_the_trainer_refuses_a_step_that_does_not_fit_before_step_1(monkeypatch,
     monkeypatch.setattr(memory_check, "device_memory_limit", lambda: 1 << 20)  # 1 MiB
     with pytest.raises(ConfigError, match=r"^config\.(rollout\.slots|train\.micro_batches|"
                                           r"train\.logprob_micro_batches|train\.prompts_per_step): the step's "):
-        run_training(config, tmp_path, make_mesh(8, 1, 1))
+        with jax.set_mesh(make_mesh(8, 1, 1)):
+            run_training(config, tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
     checkpoints = tmp_path / "checkpoints"
     assert not checkpoints.exists() or not any(p.name.isdigit() for p in checkpoints.iterdir())  # no step saved
@@ -124,11 +126,12 @@ def test_tool_compiles_the_three_programs_on_the_cpu_mesh():
     config = tiny_config()
     config.model.num_hidden_layers = 1
     log = []
-    programs = tool.build_programs(config, jax.devices(), platform="cpu", log=log.append)
-    assert [p.name for p in programs] == ["sampler", "pi_old", "update"]
+    programs = tool.build_programs(config, jax.devices(), log=log.append)
+    assert [p.name for p in programs] == ["warmstart", "sampler", "pi_old", "update"]  # the demo warm-starts
     for p in programs:
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p
-    sampler, pi_old, update = programs
+    warm, sampler, pi_old, update = programs
+    assert warm.outside == 0 and warm.alias > 0  # before RL: its own AdamW state, donated
     assert sampler.outside == pi_old.outside > 0 and update.outside == 0  # the AdamW state, outside the update only
     assert update.alias > 0  # params and optimizer state donated
     assert any("compiling update" in line for line in log)
@@ -148,8 +151,8 @@ def test_tool_compiles_the_critics_programs_for_ppo_on_the_cpu_mesh():
     config = tiny_config()
     config.model.num_hidden_layers = 1
     config.algorithm.objective = "ppo"
-    programs = {p.name: p for p in tool.build_programs(config, jax.devices(), platform="cpu", log=lambda s: None)}
-    assert list(programs) == ["sampler", "pi_old", "critic_values", "critic_update", "update"]
+    programs = {p.name: p for p in tool.build_programs(config, jax.devices(), log=lambda s: None)}
+    assert list(programs) == ["warmstart", "sampler", "pi_old", "critic_values", "critic_update", "update"]
     for p in programs.values():
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p
     critic_update, update = programs["critic_update"], programs["update"]
@@ -160,13 +163,39 @@ def test_tool_compiles_the_critics_programs_for_ppo_on_the_cpu_mesh():
     assert programs["sampler"].outside > update.outside  # the actor's AdamW state and the critic's state
 
 
-def test_tool_without_libtpu_says_how_to_install_it():
-    if importlib.util.find_spec("libtpu") is not None:
-        pytest.skip("libtpu is installed here")
-    result = subprocess.run([sys.executable, "tools/plan_memory.py", "--topology=v5p-8"], cwd=REPO,
-                            env=train_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert 'pip install "jax[tpu]==' in result.stderr
+def test_tool_without_libtpu_says_how_to_install_it(monkeypatch):
+    """Without the TPU compiler, the tool's devices say which pip command brings it (libtpu is a test
+    requirement, so its absence is simulated)."""
+    from pacs_jax import topologies
+
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(topologies, "_has_module", lambda name: False)
+    with pytest.raises(RuntimeError, match=r'needs libtpu, which is not installed.*pip install "jax\[tpu\]==0\.10\.2"'):
+        topologies.abstract_devices("v5p-64")
+
+
+@pytest.mark.slow(seconds=40)
+def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels():
+    """tools/plan_memory.py on the Qwen2.5-7B paper config (its mesh, slots, buckets, dtype and remat;
+    the model shrunk to one narrow layer with the real vocabulary) for the 32 chips of a v5p-64,
+    compile-only on this CPU: the mesh's TPU devices choose the kernels (splash attention), with
+    nothing patched, and the sampler gathers no parameter inside its decode loop."""
+    shrink = ["--config.model.preset=", "--config.model.random_init=True", "--config.model.model_type=qwen2",
+              "--config.model.hidden_size=256", "--config.model.intermediate_size=512",
+              "--config.model.num_hidden_layers=1", "--config.model.num_attention_heads=8",
+              "--config.model.num_key_value_heads=4", "--config.model.head_dim=32", "--config.model.vocab_size=151936",
+              "--config.model.rope_theta=1000000.0"]
+    result = subprocess.run([sys.executable, "tools/plan_memory.py", "--config=configs/paper.py:qwen25_7b,pacs_beta1",
+                             "--topology=v5p-64", "--programs=sampler", *shrink], cwd=REPO, env=train_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "[plan_memory] v5p-64: 32 compile-only TPU v5 devices, 95 GiB HBM each" in out
+    assert re.search(r"attention splash; mesh \{'data': 1, 'fsdp': 8, 'tensor': 4\} on 32 TPU v5 devices", out), out
+    assert "1024 prompts x 512 tokens, n=8: 8192 rows in 4096 decode slots x 4608 cache slots" in out
+    assert "sampler: no parameter all-gather inside its loops" in out
+    assert re.search(r"peak per device: \d+\.\d\d GiB of 95\.00 GiB \(fits\)", out)
+    assert "mock" not in (REPO / "tools" / "plan_memory.py").read_text()  # no backend patched
 
 
 def test_sampler_lowered_on_abstract_arguments_is_the_program_a_call_runs():
@@ -174,17 +203,19 @@ def test_sampler_lowered_on_abstract_arguments_is_the_program_a_call_runs():
     the real call afterwards compiles nothing."""
     cfg = models.QwenConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    mesh = make_mesh(4, 1, 2)
-    graphdef, state = nnx.split(models.init_random(cfg, mesh))
-    settings = sampling.SamplingSettings(max_new_tokens=4, n=2, temperature=1.0, stop_token_ids=(3,))
-    sharding = MeshRules(mesh).sharding(("batch", "length"), (8, 16))
-    prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding)
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    lowered = lower_sample(graphdef, abstract_state, prompts, prompts, settings)
-    lowered.compile()
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: events.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-    tokens = jax.device_put(np.ones((8, 16), np.int32), sharding)
-    jax.block_until_ready(sample(graphdef, state, tokens, tokens, settings, jax.random.fold_in(jax.random.key(0), 1)))
+    with jax.set_mesh(make_mesh(4, 1, 2)):
+        graphdef, state = nnx.split(models.init_random(cfg))
+        settings = sampling.SamplingSettings(max_new_tokens=4, n=2, temperature=1.0, stop_token_ids=(3,))
+        sharding = placement(("batch", "length"), (8, 16))
+        prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding)
+        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        lowered = lower_sample(graphdef, abstract_state, prompts, prompts, settings)
+        lowered.compile()
+        tokens = jax.device_put(np.ones((8, 16), np.int32), sharding)
+        key = jax.block_until_ready(jax.random.fold_in(jax.random.key(0), 1))  # its own eager programs, before
+        events = []
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, duration, **kw: events.append(event) if event == "/jax/core/compile/backend_compile_duration"
+            else None)
+        jax.block_until_ready(sample(graphdef, state, tokens, tokens, settings, key))
     assert events == []

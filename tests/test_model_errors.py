@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -98,16 +99,19 @@ def test_no_weights_file(broken):
 
 def test_mesh_must_divide_query_heads():
     """Qwen2.5-7B has 28 query heads: a tensor axis of 8 cannot split them."""
-    with pytest.raises(ValueError, match=r"num_attention_heads=28 is not divisible by mesh\.tensor=8"):
-        models.abstract_model(preset("Qwen2.5-7B"), make_mesh(1, 1, 8))
+    with jax.set_mesh(make_mesh(1, 1, 8)), \
+            pytest.raises(ValueError, match=r"num_attention_heads=28 is not divisible by mesh\.tensor=8"):
+        models.abstract_model(preset("Qwen2.5-7B"))
 
 
 def test_mesh_must_divide_mlp_width(tmp_path):
     directory = tmp_path / "mlp100"
     save_random_hf_model("qwen2_untied_bias", directory, seed=32, intermediate_size=100)
-    with pytest.raises(ValueError, match=r"intermediate_size=100 is not divisible by mesh\.tensor=8"):
-        checkpoints.from_pretrained(directory, mesh=make_mesh(1, 1, 8))
-    assert checkpoints.from_pretrained(directory, mesh=make_mesh(2, 1, 4)).cfg.intermediate_size == 100  # 4 divides it
+    with jax.set_mesh(make_mesh(1, 1, 8)), \
+            pytest.raises(ValueError, match=r"intermediate_size=100 is not divisible by mesh\.tensor=8"):
+        checkpoints.from_pretrained(directory)
+    with jax.set_mesh(make_mesh(2, 1, 4)):
+        assert checkpoints.from_pretrained(directory).cfg.intermediate_size == 100  # 4 divides it
 
 
 def test_mesh_sizes_must_fit_devices():

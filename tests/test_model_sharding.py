@@ -90,8 +90,9 @@ def single_device_logits(hf_models, batch):
     tokens, mask = batch
     out = {}
     for arch, (path, hf_model) in hf_models.items():
-        model = checkpoints.from_pretrained(path, mesh=make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-        logits = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
+        with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
+            model = checkpoints.from_pretrained(path)
+            logits = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
         assert max_rel_err(logits, hf_logits(hf_model, tokens, mask), mask) <= 1e-4
         out[arch] = logits
     return out
@@ -102,7 +103,8 @@ def single_device_logits(hf_models, batch):
 def test_sharded_logits_match(hf_models, batch, single_device_logits, arch, mesh_shape):
     path, hf_model = hf_models[arch]
     mesh = make_mesh(*mesh_shape)
-    model = checkpoints.from_pretrained(path, mesh=mesh)
+    with jax.set_mesh(mesh):
+        model = checkpoints.from_pretrained(path)
     params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     expected = {**EXPECTED_SPECS[mesh_shape], **EXPECTED_EXTRA.get((arch, mesh_shape), {})}
     for name, spec in expected.items():
@@ -115,7 +117,8 @@ def test_sharded_logits_match(hf_models, batch, single_device_logits, arch, mesh
         assert len(array.addressable_shards) == 8
 
     tokens, mask = batch
-    logits = forward(model, jnp.asarray(tokens), jnp.asarray(mask))
+    with jax.set_mesh(mesh):
+        logits = forward(model, jnp.asarray(tokens), jnp.asarray(mask))
     assert _spec(logits) == EXPECTED_LOGITS_SPEC[mesh_shape]
     logits = np.asarray(logits)
     assert np.isfinite(logits).all()
@@ -125,7 +128,8 @@ def test_sharded_logits_match(hf_models, batch, single_device_logits, arch, mesh
 
 def test_fewer_kv_heads_than_tensor_axis_on_published_shape():
     """Qwen2.5-3B (16 query heads, 2 KV heads) on tensor=8: K/V replicated, Q split (abstract, no memory)."""
-    _, state = models.abstract_model(models.preset("Qwen2.5-3B"), make_mesh(1, 1, 8))
+    with jax.set_mesh(make_mesh(1, 1, 8)):
+        _, state = models.abstract_model(models.preset("Qwen2.5-3B"))
     attn = state["layers"]["attn"]
     assert attn["q_kernel"].get_value().sharding.spec == P(None, None, "tensor", None)
     assert attn["q_bias"].get_value().sharding.spec == P(None, "tensor", None)

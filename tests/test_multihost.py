@@ -263,6 +263,8 @@ def test_gpu_node_dry_run_passes_multihost_under_slurm_and_keeps_flags_intact():
 def test_each_device_block_of_an_hf_tensor_is_read_alone_and_matches_transformers(arch, tmp_path, monkeypatch):
     """Loading onto a (2, 1, 4) mesh reads blocks, never a whole tensor that the tensor axis splits, and the
     sharded model's parameters equal the HF weights (the whole-tensor read on one device)."""
+    import jax
+
     from pacs_jax.models import hf_weights
     from pacs_jax.sharding import make_mesh
     from qwen_reference import save_random_hf_model
@@ -276,13 +278,14 @@ def test_each_device_block_of_an_hf_tensor_is_read_alone_and_matches_transformer
         return original(self, hf_name, index)
 
     monkeypatch.setattr(hf_weights.HFWeightReader, "read", recording)
-    sharded = checkpoints.from_pretrained(tmp_path, mesh=make_mesh(2, 1, 4))
+    with jax.set_mesh(make_mesh(2, 1, 4)):
+        sharded = checkpoints.from_pretrained(tmp_path)
     blocks = [(name, index) for name, index in reads if name == "model.layers.1.self_attn.q_proj.weight"]
     full_rows = 8 * sharded.cfg.head_dim  # 8 query heads
     assert len(blocks) == 4 and sorted((i[0].start, i[0].stop) for _, i in blocks) == [
         (k * full_rows // 4, (k + 1) * full_rows // 4) for k in range(4)]  # one head block per tensor shard
     reads.clear()
-    whole = checkpoints.from_pretrained(tmp_path, mesh=None)
+    whole = checkpoints.from_pretrained(tmp_path)  # no mesh set: one device
     assert all(index is None for _, index in reads)
     ours = dict(nnx.to_flat_state(nnx.state(sharded, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(whole, nnx.Param)):

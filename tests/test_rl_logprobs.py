@@ -124,20 +124,21 @@ def _collectives_by_computation(hlo_text):
 def test_sharded_equals_single_device(mesh_shape):
     hidden, lm_head, targets, a, b = inputs(B=8, T=20, D=16, V=512, seed=1)
     mesh = sharding.make_mesh(*mesh_shape)
-    rules = sharding.MeshRules(mesh)
 
-    def loss_and_grads(h, w, y, rules=None):
+    def loss_and_grads(h, w, y):
         def loss(h, w):
-            logp, ent = rl.token_logprobs_and_entropy(h, w, y, temperature=0.8, chunk_size=4, rules=rules)
+            logp, ent = rl.token_logprobs_and_entropy(h, w, y, temperature=0.8, chunk_size=4)
             return jnp.sum(a * logp) + jnp.sum(b * ent)
         return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
 
-    want = jax.jit(loss_and_grads)(hidden, lm_head, targets)
+    want = jax.jit(loss_and_grads)(hidden, lm_head, targets)  # no mesh set: one device
     batch = NamedSharding(mesh, P(("data", "fsdp")))
     args = (jax.device_put(hidden, batch), jax.device_put(lm_head, NamedSharding(mesh, P("fsdp", "tensor"))),
             jax.device_put(targets, batch))
-    sharded = jax.jit(lambda h, w, y: loss_and_grads(h, w, y, rules))
-    got = sharded(*args)
+    sharded = jax.jit(loss_and_grads)
+    with jax.set_mesh(mesh):
+        got = sharded(*args)
+        compiled_text = sharded.lower(*args).compile().as_text()
     assert got[1][1].sharding.num_devices == 8
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
     for g, w_ in zip(got[1], want[1]):
@@ -145,7 +146,7 @@ def test_sharded_equals_single_device(mesh_shape):
     # The [D, V]-sized lm_head gradient is reduced across devices once, outside the chunk loop (inside
     # it, only [B, C]- and [B, C, D]-sized reductions over the vocab shards, all smaller than D * V / 8).
     head_size = lm_head.size // mesh.shape["tensor"]
-    for name, ops in _collectives_by_computation(sharded.lower(*args).compile().as_text()).items():
+    for name, ops in _collectives_by_computation(compiled_text).items():
         if not name.startswith("%main"):
             assert all(size < head_size for _, size in ops), (name, ops)
 

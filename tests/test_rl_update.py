@@ -179,13 +179,13 @@ def test_sharded_update_equals_single_device(tiny, pacs_update, mesh_shape):
     want_loss, _, want_grads = pacs_update(params, batch)
 
     mesh = sharding.make_mesh(*mesh_shape)
-    mesh_graphdef, abstract = models.abstract_model(CFG, mesh)
-    mesh_params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
-    rows = NamedSharding(mesh, P(("data", "fsdp")))
-    mesh_batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
-    loss_and_grad = jitted_loss_and_grad(mesh_graphdef, num_micro_batches=2, objective_options=dict(beta=2.0),
-                                         rules=sharding.MeshRules(mesh))
-    loss, _, grads = loss_and_grad(mesh_params, mesh_batch)
+    with jax.set_mesh(mesh):
+        mesh_graphdef, abstract = models.abstract_model(CFG)
+        mesh_params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
+        rows = NamedSharding(mesh, P(("data", "fsdp")))
+        mesh_batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
+        loss_and_grad = jitted_loss_and_grad(mesh_graphdef, num_micro_batches=2, objective_options=dict(beta=2.0))
+        loss, _, grads = loss_and_grad(mesh_params, mesh_batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     for a, b in zip(_flat(grads), _flat(want_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -7,6 +7,7 @@ weights are drawn with std 0.2 so that greedy paths do not hinge on near-ties.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -102,13 +103,26 @@ def reference(hf, prompts):
 
 
 _loaded = {}
+_meshes = {}
+
+
+def on_mesh(mesh_name):
+    """The context a model loaded for ``mesh_name`` is loaded and called in: its mesh set (one mesh
+    object per shape), or none for the single device."""
+    shape = MESHES[mesh_name]
+    if shape is None:
+        return contextlib.nullcontext()
+    if shape not in _meshes:
+        _meshes[shape] = make_mesh(*shape)
+    return jax.set_mesh(_meshes[shape])
 
 
 def load(hf, kind, mesh_name):
+    """The model of ``kind`` on the mesh ``mesh_name`` (cached); call it inside ``on_mesh(mesh_name)``."""
     key = (kind, mesh_name)
     if key not in _loaded:
-        shape = MESHES[mesh_name]
-        _loaded[key] = checkpoints.from_pretrained(hf[kind][0], mesh=None if shape is None else make_mesh(*shape))
+        with on_mesh(mesh_name):
+            _loaded[key] = checkpoints.from_pretrained(hf[kind][0])
     return _loaded[key]
 
 
@@ -117,7 +131,8 @@ def load(hf, kind, mesh_name):
                                             ("qwen2", "1x1x8"), ("qwen3", "1dev"), ("qwen3", "2x2x2")])
 def test_greedy_equals_transformers(hf, prompts, reference, kind, mesh_name):
     ref_tokens, ref_logits = reference[kind]
-    out = sampling.generate(load(hf, kind, mesh_name), prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=())
+    with on_mesh(mesh_name):
+        out = sampling.generate(load(hf, kind, mesh_name), prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=())
     assert len(out.tokens) == len(prompts)
     for row in range(len(prompts)):
         np.testing.assert_array_equal(out.tokens[row], ref_tokens[row], err_msg=f"row {row}")
@@ -234,7 +249,8 @@ def test_sampling_on_a_mesh_equals_one_device(hf, prompts):
     """Random bits do not depend on the sharding, so a (2,2,2) mesh draws the same samples."""
     kwargs = dict(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=0.9, stop_token_ids=(), seed=7)
     one = sampling.generate(load(hf, "qwen2", "1dev"), prompts, **kwargs)
-    mesh = sampling.generate(load(hf, "qwen2", "2x2x2"), prompts, **kwargs)
+    with on_mesh("2x2x2"):
+        mesh = sampling.generate(load(hf, "qwen2", "2x2x2"), prompts, **kwargs)
     assert mesh.tokens == one.tokens
     np.testing.assert_allclose(np.concatenate(mesh.logprobs), np.concatenate(one.logprobs), atol=1e-5)
 

@@ -8,6 +8,7 @@ per-row budgets for the queue, and the compiled HLO for the decode layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pacs_jax import checkpoints, hlo, models, sampling
+from pacs_jax import checkpoints, hlo, models, sampling, sharding
 from pacs_jax.sampling import engine
 from pacs_jax.sharding import make_mesh
 from test_sampling import VOCAB, hf_greedy, save_random_hf
@@ -39,11 +40,24 @@ def prompts():
 
 
 _models = {}
+_meshes = {}
+
+
+def on_mesh(mesh_shape):
+    """The context a model loaded for ``mesh_shape`` is loaded and called in: that mesh set (one mesh
+    object per shape), or none for the single device (None)."""
+    if mesh_shape is None:
+        return contextlib.nullcontext()
+    if mesh_shape not in _meshes:
+        _meshes[mesh_shape] = make_mesh(*mesh_shape)
+    return jax.set_mesh(_meshes[mesh_shape])
 
 
 def load(hf, mesh_shape):
+    """The model on a mesh of ``mesh_shape`` (cached); call it inside ``on_mesh(mesh_shape)``."""
     if mesh_shape not in _models:
-        _models[mesh_shape] = checkpoints.from_pretrained(hf[0], mesh=None if mesh_shape is None else make_mesh(*mesh_shape))
+        with on_mesh(mesh_shape):
+            _models[mesh_shape] = checkpoints.from_pretrained(hf[0])
     return _models[mesh_shape]
 
 
@@ -61,23 +75,25 @@ def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case)
     one slot per row: the same tokens, finish reasons and log-probs (float32 round-off)."""
     model = load(hf, mesh_shape)
     kwargs = dict(max_new_tokens=24, stop_token_ids=STOPS, seed=3, **SETTINGS[case])
-    static = sampling.generate(model, prompts, **kwargs)
-    lengths = {len(t) for t in static.tokens}
-    assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
-    for slots in (4, 3):
-        continuous = sampling.generate(model, prompts, slots=slots, **kwargs)
-        assert continuous.tokens == static.tokens, slots
-        assert continuous.finish_reason == static.finish_reason
-        np.testing.assert_allclose(np.concatenate(continuous.logprobs), np.concatenate(static.logprobs),
-                                   rtol=1e-5, atol=1e-5)
+    with on_mesh(mesh_shape):
+        static = sampling.generate(model, prompts, **kwargs)
+        lengths = {len(t) for t in static.tokens}
+        assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
+        for slots in (4, 3):
+            continuous = sampling.generate(model, prompts, slots=slots, **kwargs)
+            assert continuous.tokens == static.tokens, slots
+            assert continuous.finish_reason == static.finish_reason
+            np.testing.assert_allclose(np.concatenate(continuous.logprobs), np.concatenate(static.logprobs),
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
 def test_greedy_continuous_with_per_prompt_budgets_equals_transformers(hf, prompts, mesh_shape):
     budgets = [30, 6, 19, 1, 12]
     reference, _ = hf_greedy(hf[1], prompts, 30)
-    out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=30, stop_token_ids=(), slots=2,
-                            budgets=budgets)
+    with on_mesh(mesh_shape):
+        out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=30, stop_token_ids=(), slots=2,
+                                budgets=budgets)
     for row, budget in enumerate(budgets):
         assert out.tokens[row] == reference[row, :budget].tolist(), row
     assert out.finish_reason == ["length"] * len(prompts)
@@ -139,8 +155,10 @@ def test_batch_padding_spreads_the_rows_over_the_shards(hf, prompts, places):
 
     def run(mesh_shape, slots):
         graphdef, state = nnx.split(load(hf, mesh_shape))
-        return jax.device_get(sampling.sample(graphdef, state, tokens, mask, dataclasses.replace(settings, slots=slots),
-                                              jax.random.key(5), budgets))
+        with on_mesh(mesh_shape):
+            out = sampling.sample(graphdef, state, tokens, mask, dataclasses.replace(settings, slots=slots),
+                                  jax.random.key(5), budgets)
+        return jax.device_get(out)
 
     spread, static = run((2, 2, 2), shards), run(None, None)
     assert int(spread.decode_steps) == len(places) * n // shards * (b - 1)
@@ -173,11 +191,12 @@ def test_decode_loop_all_gathers_no_parameter(mesh_shape):
     cfg = models.QwenConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     mesh = make_mesh(*mesh_shape)
-    model = models.init_random(cfg, mesh)
-    graphdef, state = nnx.split(model)
-    prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=model.rules.sharding(("batch", "length"), (8, 16)))
-    settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8)
-    text = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
+    with jax.set_mesh(mesh):
+        model = models.init_random(cfg)
+        graphdef, state = nnx.split(model)
+        prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding.placement(("batch", "length"), (8, 16)))
+        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8)
+        text = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     assert hlo.loop_computations(text)
     assert _parameter_gathers_in_loops(text, state) == []
 

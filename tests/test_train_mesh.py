@@ -42,12 +42,13 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def single_model():
-    return models.init_random(CFG, None, seed=SEED)
+    return models.init_random(CFG, seed=SEED)
 
 
 @pytest.fixture(scope="module")
 def mesh_model(mesh):
-    return models.init_random(CFG, mesh, seed=SEED)
+    with jax.set_mesh(mesh):
+        return models.init_random(CFG, seed=SEED)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def rollout_batch(single_model):
     config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, sampler="static")
     config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
     config.train.prompts_per_step, config.train.logprob_micro_batches = PROMPTS, 1
-    programs = StepPrograms(config, graphdef, params, (1,), rules=None)
+    programs = StepPrograms(config, graphdef, params, (1,))
     with RewardPool(1) as pool:
         collector = RolloutCollector.from_config(config, programs, decode=lambda ids: " ".join(map(str, ids)),
                                                  reward_pool=pool)
@@ -90,18 +91,18 @@ def test_same_seed_gives_the_same_weights_on_the_mesh_and_they_are_sharded(singl
     assert mlp.addressable_shards[0].data.size * 4 == mlp.size  # split over fsdp x tensor
 
 
-def _train_step(model, batch, rules, put):
-    """The loop's step on a fixed rollout: pi_old, then MINI_BATCHES AdamW updates. Returns
-    (old_logp, [loss per mini-batch], [metrics per mini-batch], updated params)."""
+def _train_step(model, batch, put):
+    """The loop's step on a fixed rollout (on the mesh in context): pi_old, then MINI_BATCHES AdamW
+    updates. Returns (old_logp, [loss per mini-batch], [metrics per mini-batch], updated params)."""
     graphdef, params = nnx.split(model)
     params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its inputs
-    old_logp = jax.jit(lambda p, ids, mask: rl.micro_batched_logprobs(nnx.merge(graphdef, p), ids, mask, MAX_NEW_TOKENS,
-                                                                      rules=rules))(
+    old_logp = jax.jit(lambda p, ids, mask: rl.micro_batched_logprobs(nnx.merge(graphdef, p), ids, mask,
+                                                                      MAX_NEW_TOKENS))(
         params, put(batch["input_ids"]), put(batch["attention_mask"]))
     optimizer, _ = make_optimizer(LR, weight_decay=0.01, total_steps=MINI_BATCHES)
     opt_state = jax.jit(optimizer.init)(params)
     update = make_update_step(graphdef, optimizer, "pacs", group_size=N, objective_options=OPTIONS,
-                              num_micro_batches=MICRO_BATCHES, rules=rules)
+                              num_micro_batches=MICRO_BATCHES)
     full = dict(batch, old_logp=np.asarray(old_logp))
     rows = PROMPTS * N // MINI_BATCHES
     metrics = []
@@ -113,10 +114,10 @@ def _train_step(model, batch, rules, put):
 
 
 def test_training_step_on_the_2x2x2_mesh_equals_one_device(single_model, mesh_model, mesh, rollout_batch):
-    one_logp, one_metrics, one_params = _train_step(single_model, rollout_batch, None, np.asarray)
+    one_logp, one_metrics, one_params = _train_step(single_model, rollout_batch, np.asarray)
     rows = NamedSharding(mesh, P(("data", "fsdp")))
-    mesh_logp, mesh_metrics, mesh_params = _train_step(mesh_model, rollout_batch, mesh_model.rules,
-                                                       lambda x: jax.device_put(x, rows))
+    with jax.set_mesh(mesh):
+        mesh_logp, mesh_metrics, mesh_params = _train_step(mesh_model, rollout_batch, lambda x: jax.device_put(x, rows))
 
     # the batch from the rollout: pi_old recomputed on the mesh matches the collector's own
     np.testing.assert_allclose(one_logp, rollout_batch["old_logp"], rtol=1e-5, atol=1e-6)

@@ -17,7 +17,7 @@ import pytest
 
 from pacs_jax import models
 from pacs_jax.rl import get_objective, options_for
-from pacs_jax.sharding import MeshRules, config_mesh
+from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from pacs_jax.training.step_programs import StepPrograms
@@ -64,7 +64,8 @@ def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(d
     validate_config(config)
     mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8 // tensor, "tensor": tensor}
-    summary = run_training(config, tmp_path, mesh)
+    with jax.set_mesh(mesh):
+        summary = run_training(config, tmp_path)
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["generated_tokens"] > 0
@@ -163,7 +164,8 @@ def test_the_reward_method_2_ablation_trains_shrunk(deepscaler_rows, qwen_tokeni
     config = setup_config(deepscaler_rows, qwen_tokenizer_dir, "qwen25_3b,pacs_beta1_reward2")
     assert config.algorithm.pacs.reward_method == "2"
     validate_config(config)
-    summary = run_training(config, tmp_path, config_mesh(config.mesh))
+    with jax.set_mesh(config_mesh(config.mesh)):
+        summary = run_training(config, tmp_path)
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
@@ -181,13 +183,18 @@ def _programs(num_layers: int, remat: str = "dots_with_no_batch_dims_saveable"):
                             num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             dtype="bfloat16", remat=remat, attention="xla", attention_block_size=BLOCK)
     mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    graphdef, params = models.abstract_model(cfg, mesh)
+    with jax.set_mesh(mesh):
+        return _compiled_programs(cfg)
+
+
+def _compiled_programs(cfg):
+    graphdef, params = models.abstract_model(cfg)
     config = load_config("default.py")
     config.rollout.update(n=N, max_new_tokens=R_LEN, temperature=1.0)
     config.data.max_prompt_length, config.data.prompt_buckets = P_LEN, (P_LEN,)
     config.train.update(prompts_per_step=PROMPTS, mini_batches=2, micro_batches=2, logprob_micro_batches=2)
     config.optim.update(lr=1e-6, grad_clip=0.0)
-    programs = {p.name: p for p in StepPrograms(config, graphdef, params, (), rules=MeshRules(mesh)).programs()}
+    programs = {p.name: p for p in StepPrograms(config, graphdef, params, ()).programs()}
     old = programs["pi_old"].lower().compile().as_text()
     new = programs["update"].lower().compile().as_text()
     return old, new, cfg

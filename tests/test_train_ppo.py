@@ -32,7 +32,7 @@ CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num
 PROMPT, ROWS, GAMMA, LAM = 4, 16, 0.9, 0.8
 
 
-def update_batch(rules, seed=0):
+def update_batch(seed=0):
     """A host update batch of ROWS rows (left-padded prompts of PROMPT tokens, right-padded responses of
     1 .. T tokens, 0/1 rewards) and its global arrays, rows sharded as the trainer shards them."""
     rs = np.random.RandomState(seed)
@@ -45,56 +45,56 @@ def update_batch(rules, seed=0):
     host = dict(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
                 old_logp=np.zeros((ROWS, T), np.float32), rewards=rs.randint(0, 2, ROWS).astype(np.float32))
     host["rewards"][:2] = 1.0, 0.0
-    return host, lengths, {k: distributed.put_rows(v, batch_sharding(rules, v.shape)) for k, v in host.items()}
+    return host, lengths, {k: distributed.put_rows(v, batch_sharding(v.shape)) for k, v in host.items()}
 
 
 @pytest.mark.slow
 def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
-    actor = models.init_random(CFG, sharding.make_mesh(2, 2, 2), seed=0)
-    rules = actor.rules
-    critic_model = value_model_from_actor(actor, seed=1)
-    host, lengths, batch = update_batch(rules)
-    # the reference: the critic's values in one plain forward pass (no micro-batches) times verl's critic
-    # mask (attention_mask[:, -T - 1:-1]), GAE in float64 as verl computes it
-    critic_mask = host["attention_mask"][:, -T - 1:-1].astype(np.float64)
-    values = np.asarray(jax.jit(response_values, static_argnums=3)(critic_model, batch["input_ids"],
-                                                                   batch["attention_mask"], T), np.float64)
-    values = values * critic_mask
-    token_rewards = np.zeros((ROWS, T))
-    token_rewards[np.arange(ROWS), lengths - 1] = host["rewards"]
-    want_adv, want_ret = ref_gae_verl(token_rewards, values, host["response_mask"], critic_mask, GAMMA, LAM)
-    before = {k: np.asarray(v) for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
-    shardings = {k: v.sharding for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
+    with jax.set_mesh(sharding.make_mesh(2, 2, 2)):
+        actor = models.init_random(CFG, seed=0)
+        critic_model = value_model_from_actor(actor, seed=1)
+        host, lengths, batch = update_batch()
+        # the reference: the critic's values in one plain forward pass (no micro-batches) times verl's critic
+        # mask (attention_mask[:, -T - 1:-1]), GAE in float64 as verl computes it
+        critic_mask = host["attention_mask"][:, -T - 1:-1].astype(np.float64)
+        values = np.asarray(jax.jit(response_values, static_argnums=3)(critic_model, batch["input_ids"],
+                                                                       batch["attention_mask"], T), np.float64)
+        values = values * critic_mask
+        token_rewards = np.zeros((ROWS, T))
+        token_rewards[np.arange(ROWS), lengths - 1] = host["rewards"]
+        want_adv, want_ret = ref_gae_verl(token_rewards, values, host["response_mask"], critic_mask, GAMMA, LAM)
+        before = {k: np.asarray(v) for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
+        shardings = {k: v.sharding for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
 
-    optimizer, _ = make_optimizer(1e-3, grad_clip=1.0)
-    critic = PPOCritic(critic_model, optimizer, rules)
-    programs = critic_programs(critic.graphdef, optimizer, rules, critic.shardings, gamma=GAMMA, lam=LAM,
-                               clip_range_value=0.5, loss_agg_mode="token-mean", loss_scale="mean",
-                               verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
-    actor_batch, metrics = critic.step(programs, batch)
+        optimizer, _ = make_optimizer(1e-3, grad_clip=1.0)
+        critic = PPOCritic(critic_model, optimizer)
+        programs = critic_programs(critic.graphdef, optimizer, critic.shardings, gamma=GAMMA, lam=LAM,
+                                   clip_range_value=0.5, loss_agg_mode="token-mean", loss_scale="mean",
+                                   verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
+        actor_batch, metrics = critic.step(programs, batch)
 
-    assert set(actor_batch) == set(batch) | {"advantages"}
-    advantages = actor_batch["advantages"]
-    assert advantages.sharding == batch_sharding(rules, (ROWS, T)) and advantages.sharding.spec[0] == ("data", "fsdp")
-    live = host["response_mask"] > 0
-    np.testing.assert_allclose(np.asarray(advantages)[live], want_adv[live], rtol=1e-4, atol=1e-4)
-    # one mini-batch: the loss is read before the update, where the values are the rollout's (no clip):
-    # verl's critic loss (no 1/2; token-mean over its mask, "mean" scale: one verl micro-batch of all rows);
-    # the explained variance is the mean of the 2 micro-batches' (rows 0, 2, ... and 1, 3, ...)
-    assert (critic_mask > host["response_mask"]).any()  # slots after responses shorter than T count
-    want_loss = verl_critic_mini_batch_loss(values, values, want_ret, host["attention_mask"], "token-mean", ROWS, 1)
-    np.testing.assert_allclose(float(metrics["value_loss"][0]), want_loss, rtol=1e-4)
-    residual, on = want_ret - values, critic_mask > 0
-    explained = [1 - residual[k::2][on[k::2]].var() / want_ret[k::2][on[k::2]].var() for k in range(2)]
-    np.testing.assert_allclose(float(metrics["explained_variance"][0]), np.mean(explained), rtol=1e-4)
-    assert float(metrics["value_clip_fraction"][0]) == 0.0 and float(metrics["critic_skipped"][0]) == 0.0
-    assert set(metrics) == {"value_loss", "explained_variance", "value_clip_fraction", "critic_grad_norm",
-                            "critic_skipped"}
+        assert set(actor_batch) == set(batch) | {"advantages"}
+        advantages = actor_batch["advantages"]
+        assert advantages.sharding == batch_sharding((ROWS, T)) and advantages.sharding.spec[0] == ("data", "fsdp")
+        live = host["response_mask"] > 0
+        np.testing.assert_allclose(np.asarray(advantages)[live], want_adv[live], rtol=1e-4, atol=1e-4)
+        # one mini-batch: the loss is read before the update, where the values are the rollout's (no clip):
+        # verl's critic loss (no 1/2; token-mean over its mask, "mean" scale: one verl micro-batch of all rows);
+        # the explained variance is the mean of the 2 micro-batches' (rows 0, 2, ... and 1, 3, ...)
+        assert (critic_mask > host["response_mask"]).any()  # slots after responses shorter than T count
+        want_loss = verl_critic_mini_batch_loss(values, values, want_ret, host["attention_mask"], "token-mean", ROWS, 1)
+        np.testing.assert_allclose(float(metrics["value_loss"][0]), want_loss, rtol=1e-4)
+        residual, on = want_ret - values, critic_mask > 0
+        explained = [1 - residual[k::2][on[k::2]].var() / want_ret[k::2][on[k::2]].var() for k in range(2)]
+        np.testing.assert_allclose(float(metrics["explained_variance"][0]), np.mean(explained), rtol=1e-4)
+        assert float(metrics["value_clip_fraction"][0]) == 0.0 and float(metrics["critic_skipped"][0]) == 0.0
+        assert set(metrics) == {"value_loss", "explained_variance", "value_clip_fraction", "critic_grad_norm",
+                                "critic_skipped"}
 
-    after = flat_params(critic.params)
-    assert {k: v.sharding for k, v in after.items()} == shardings  # updated in place, in its shardings
-    for name in ("value_kernel", "backbone.layers.mlp.down_kernel"):  # the head and the backbone learn
-        assert not np.array_equal(np.asarray(after[name]), before[name]), name
+        after = flat_params(critic.params)
+        assert {k: v.sharding for k, v in after.items()} == shardings  # updated in place, in its shardings
+        for name in ("value_kernel", "backbone.layers.mlp.down_kernel"):  # the head and the backbone learn
+            assert not np.array_equal(np.asarray(after[name]), before[name]), name
 
 
 @pytest.mark.slow
@@ -108,10 +108,10 @@ def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscale
     mesh = config_mesh(config.mesh)
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     tokenizer = data.load_tokenizer(config.data.tokenizer)
-    model = build_model(config, mesh, tokenizer)
-    prompts, _, _, _ = prompt_source(config, tokenizer)
-    actor = {k: v.sharding for k, v in flat_params(nnx.state(model, nnx.Param)).items()}
-    with RewardPool(config.reward.workers, config.reward.item_timeout) as pool:
+    with jax.set_mesh(mesh), RewardPool(config.reward.workers, config.reward.item_timeout) as pool:
+        model = build_model(config, tokenizer)
+        prompts, _, _, _ = prompt_source(config, tokenizer)
+        actor = {k: v.sharding for k, v in flat_params(nnx.state(model, nnx.Param)).items()}
         result = rl_train(config, tmp_path, model, prompts, stop_token_ids=evaluation.default_stop_ids(model, tokenizer),
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), reward_pool=pool)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -68,7 +69,8 @@ def _train(config, workdir, mesh_shape=(1, 8, 1)) -> list[dict]:
     validate_config(config)
     mesh = config_mesh(config.mesh)
     assert tuple(mesh.shape.values()) == mesh_shape  # the paper's (-1, 8, 1) on 8 devices unless shrunk otherwise
-    summary = run_training(config, workdir, mesh)
+    with jax.set_mesh(mesh):
+        summary = run_training(config, workdir)
     assert summary["final_step"] == config.train.steps
     recorded = json.loads((workdir / "config.json").read_text())  # the options that ran, the model built
     assert recorded["algorithm"] == {"objective": config.algorithm.objective, "options": options_for(config.algorithm)}
@@ -154,7 +156,8 @@ def test_the_demo_trains_alike_with_both_samplers(tmp_path):
         config.train.checkpoint_every, config.reward.workers, config.eval.sets = 0, 1, ""
         config.rollout.sampler, config.rollout.slots = sampler, 16
         validate_config(config)
-        run_training(config, tmp_path / sampler, config_mesh(config.mesh))
+        with jax.set_mesh(config_mesh(config.mesh)):
+            run_training(config, tmp_path / sampler)
         rows[sampler] = [json.loads(line) for line in (tmp_path / sampler / "metrics.jsonl").read_text().splitlines()]
     sampler_own = {"decode_steps", "slot_utilisation", "compilations", "tokens_per_second"}
     for continuous, static in zip(rows["continuous"], rows["static"]):

@@ -75,7 +75,7 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert np.abs(want - at_one)[live].max() > 0.1  # the temperature matters on these logits
 
     config = trainer_config(TEMPERATURE)
-    programs = StepPrograms(config, graphdef, params, (), rules=None)
+    programs = StepPrograms(config, graphdef, params, ())
     batch, _ = RolloutCollector.from_config(config, programs, decode=lambda ids: "", reward_pool=None).old_policy(
         params, sampled)
     np.testing.assert_allclose(np.asarray(batch["old_logp"])[live], want[live], atol=2e-5)
@@ -90,7 +90,7 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert float(metrics["pg/clipfrac"][0]) == 0.0
     # At T = 1 the same old log-probs are far from pi_theta: the check above can fail.
     config_one = trainer_config(1.0)
-    update_one = StepPrograms(config_one, graphdef, params, (), rules=None).update
+    update_one = StepPrograms(config_one, graphdef, params, ()).update
     fresh = jax.tree.map(np.array, params)
     _, _, metrics_one = update_one(fresh, jax.jit(optimizer.init)(fresh), batch)
     assert abs(float(metrics_one["pg/approx_kl_old"][0])) > 1e-2

@@ -30,7 +30,7 @@ def test_unscored_responses_are_counted_then_refused():
     config.reward.deadline = 0.0  # nothing can be scored in time, in either round
     with rewards.RewardPool(num_workers=1) as pool:
         config.reward.max_unscored_fraction = 1.0
-        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,), rules=None),
+        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,)),
                                                decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         rollout = collect(params, PROMPTS, jax.random.key(0))
         assert (rollout.metrics["reward_unscored"], rollout.metrics["reward_unscored_fraction"]) == (4.0, 1.0)
@@ -38,7 +38,7 @@ def test_unscored_responses_are_counted_then_refused():
         assert "reward_unscored" in KEY_METRICS  # on the progress bar
 
         config.reward.max_unscored_fraction = 0.5
-        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,), rules=None),
+        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,)),
                                                decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         with pytest.raises(rewards.UnscoredError, match="4 of 4 responses.*reward.max_unscored_fraction"):
             collect(params, PROMPTS, jax.random.key(0))

@@ -32,6 +32,12 @@ def task():
     return tokenizer, examples, responses
 
 
+def sft_program(model, wc):
+    """The warm-start step of ``wc`` for ``model``'s parameters (as the run's StepPrograms makes it)."""
+    graphdef, params = nnx.split(model)
+    return warmstart.sft_step(graphdef, wc, params)
+
+
 def test_batches_have_the_rollout_layout(task):
     tokenizer, examples, responses = task
     batch = warmstart.sft_batch(examples[:3], responses[:3], prompt_length=64, response_length=12)
@@ -51,11 +57,12 @@ def test_loss_is_the_token_mean_cross_entropy_of_transformers_logits(task, tmp_p
     tokens computed from transformers' logits of each unpadded sequence."""
     tokenizer, examples, responses = task
     hf_model = save_random_hf_model("qwen3_tied_head_dim24", tmp_path / "hf", seed=5, vocab_size=len(tokenizer))
-    model = checkpoints.from_pretrained(tmp_path / "hf", mesh=make_mesh(data=4, fsdp=2))
-    batch = warmstart.sft_batch(examples[:8], responses[:8], prompt_length=64, response_length=12)
-    graphdef, params = nnx.split(model)
-    step = warmstart.make_sft_step(graphdef, optax.sgd(0.0), 12, model.rules)
-    _, _, loss = step(params, optax.sgd(0.0).init(params), batch)
+    with jax.set_mesh(make_mesh(data=4, fsdp=2)):
+        model = checkpoints.from_pretrained(tmp_path / "hf")
+        batch = warmstart.sft_batch(examples[:8], responses[:8], prompt_length=64, response_length=12)
+        graphdef, params = nnx.split(model)
+        step = warmstart.make_sft_step(graphdef, optax.sgd(0.0), 12)
+        _, _, loss = step(params, optax.sgd(0.0).init(params), batch)
 
     total, count = 0.0, 0
     for example, response in zip(examples[:8], responses[:8]):
@@ -84,9 +91,10 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
     monkeypatch.setattr(warmstart, "probe_accuracy", fake_probe)
     model = models.init_random(models.QwenConfig(
         model_type="qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True), None, seed=0)
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True), seed=0)
     with RewardPool(1, 5.0) as pool:
-        model, result = warmstart.warm_start(model, examples, tokenizer, wc, probe=probe, prompt_length=64, seed=0,
+        model, result = warmstart.warm_start(model, examples, tokenizer, wc, program=sft_program(model, wc), probe=probe,
+                                             prompt_length=64, seed=0,
                                              pool=pool, reward_name="math", probe_max_new_tokens=12,
                                              stop_token_ids=(1,))
     assert (result.steps, result.probe_accuracy) == (6, 0.3)
@@ -97,7 +105,8 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
     monkeypatch.setattr(warmstart, "sft_batch", lambda ex, *a: seen.append(tuple(e.prompt_ids for e in ex))
                         or real_batch(ex, *a))
     with RewardPool(1, 5.0) as pool:
-        _, result = warmstart.warm_start(model, examples, tokenizer, wc, probe=probe, prompt_length=64, seed=0,
+        _, result = warmstart.warm_start(model, examples, tokenizer, wc, program=sft_program(model, wc), probe=probe,
+                                         prompt_length=64, seed=0,
                                          pool=pool, reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
     assert (result.steps, result.probe_accuracy, len(probed)) == (12, None, 3)
     epochs = [sorted(sum(seen[i:i + 4], ())) for i in (0, 4, 8)]  # 16 prompts in batches of 4: 4 steps an epoch
@@ -126,13 +135,13 @@ def test_the_step_compiles_once_on_the_demo_mesh(task, monkeypatch):
         return call
 
     monkeypatch.setattr(warmstart, "make_sft_step", counted_step)
-    model = models.init_random(models.QwenConfig(
-        model_type="qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
-        config_mesh(config.mesh), seed=0)
-    start_counting()
-    with RewardPool(1, 5.0) as pool:
-        warmstart.warm_start(model, examples, tokenizer, wc, probe=examples[:2], prompt_length=64, seed=0, pool=pool,
+    with jax.set_mesh(config_mesh(config.mesh)), RewardPool(1, 5.0) as pool:
+        model = models.init_random(models.QwenConfig(
+            model_type="qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True), seed=0)
+        start_counting()
+        warmstart.warm_start(model, examples, tokenizer, wc, program=sft_program(model, wc), probe=examples[:2],
+                             prompt_length=64, seed=0, pool=pool,
                              reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
     assert len(compiled_per_call) == 3 and compiled_per_call[0] >= 1
     assert compiled_per_call[1:] == [0, 0]
@@ -163,7 +172,8 @@ def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, t
                         or real_batch(ex, *a))
     monkeypatch.setattr(run, "rl_train", lambda *a, **k: (_ for _ in ()).throw(_AfterWarmStart()))
     with pytest.raises(_AfterWarmStart):
-        run.run_training(config, tmp_path, config_mesh(config.mesh))
+        with jax.set_mesh(config_mesh(config.mesh)):
+            run.run_training(config, tmp_path)
     rl, warm, _, _ = run.prompt_source(config, data.load_tokenizer("char"))
     assert probed == [[e.problem.problem for e in rl.examples[:16]]] * 2  # probed at steps 2 and 4
     assert trained and trained <= {e.problem.problem for e in warm} and trained.isdisjoint(probed[0])

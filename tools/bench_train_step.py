@@ -57,9 +57,9 @@ def main(argv) -> None:
         config.train.checkpoint_every = 0
         config.eval.sets = ""
     validate_config(config)
-    mesh = config_mesh(config.mesh)
+    jax.set_mesh(config_mesh(config.mesh))  # for the rest of this process, as the trainer's CLI sets it
     tokenizer = data.load_tokenizer(data.run_tokenizer(config.data, config.model.path))
-    model = build_model(config, mesh, tokenizer)
+    model = build_model(config, tokenizer)
     prompts, _, _, _ = prompt_source(config, tokenizer)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir, \

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import jax
 from flax import nnx
 
 from pacs_jax import checkpoints, models
@@ -55,9 +56,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def import_hf(hf_dir: pathlib.Path, out: pathlib.Path, *, param_dtype: str | None = None, dtype: str = "float32",
               mesh_shape: tuple[int, int, int] | None = None) -> models.Qwen:
     """Load ``hf_dir`` tensor by tensor and save it as a pacs_jax checkpoint at ``out``; returns the model."""
-    mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
-    model = models.load_hf(hf_dir, mesh, dtype=dtype, param_dtype=param_dtype)
-    checkpoints.save_model(model, out)
+    mesh = make_mesh(*mesh_shape) if mesh_shape is not None else make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        model = models.load_hf(hf_dir, dtype=dtype, param_dtype=param_dtype)
+        checkpoints.save_model(model, out)
     return model
 
 

@@ -13,7 +13,9 @@ compiles before step 1):
     pi_old   pi_old for the largest (prompt bucket, response bucket)
     update   the actor's update on the abstract update batch of that bucket pair
 
-and, for PPO (algorithm.objective "ppo"), the critic's two programs (training/critic_step.py) on the
+and the supervised warm-start's step before them (``warmstart``, when ``warmstart.steps`` > 0: its
+batch of ``warmstart.batch_size`` prompts, its own AdamW state), and, for PPO (algorithm.objective
+"ppo"), the critic's two programs (training/critic_step.py) on the
 same batch, its parameters and AdamW state abstract and sharded like the actor's:
 
     critic_values  the critic's values, GAE advantages and returns
@@ -32,77 +34,63 @@ parameters and AdamW state during the critic's). The last line is
 
 and the exit status is 0 iff it fits (2: the compiler for the topology is not installed).
 
-Attention: "auto" resolves for the target platform (splash on TPU, cudnn on GPU), and JAX's
-default backend is reported as the target's while the programs are traced (the model picks
-kernels and dot operand dtypes by it). The splash kernel runs sharded in ``shard_map`` under the
-mesh the model itself puts in context (models/qwen.py), as in the trainer: nothing else is set.
+The mesh over the compile-only devices is set as the context (``jax.set_mesh``), as the trainer's CLI
+sets its own: attention "auto" resolves for the platform of its devices (splash on TPU, cudnn on
+GPU), dot operand dtypes follow it too, and the splash kernel runs sharded in ``shard_map`` under
+it. Nothing is patched: the programs are the ones the trainer compiles on that slice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
 import sys
 from collections.abc import Callable
-from unittest import mock
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-@contextlib.contextmanager
-def _traced_as(platform: str):
-    """While tracing for ``platform`` from a host whose default backend differs, make the model's
-    ``jax.default_backend()`` checks (attention kernel choice, float32 dot operands on CPU, GPU
-    decode path) answer the target's platform; JAX itself never calls that public function."""
-    import jax
-
-    if jax.default_backend() == platform:
-        yield
-        return
-    with mock.patch.object(jax, "default_backend", lambda: platform):
-        yield
-
-
-PROGRAMS = ("sampler", "pi_old", "critic_values", "critic_update", "update")  # in the order a step runs them
+PROGRAMS = ("warmstart", "sampler", "pi_old", "critic_values", "critic_update", "update")  # in the order a run needs them
 CRITIC_PROGRAMS = ("critic_values", "critic_update")  # PPO only
 
 
-def build_programs(config, devices, *, platform: str, log: Callable[[str], None] = print,
+def build_programs(config, devices, *, log: Callable[[str], None] = print,
                    programs: tuple[str, ...] = PROGRAMS) -> list:
     """Compile (never run) the programs of a step of ``config`` for its largest buckets (those of
     ``PROGRAMS`` named in ``programs``; the critic's only for PPO), as the trainer makes them
     (training/step_programs.py) on abstract state, on a mesh over ``devices`` (compile-only or real)
-    of ``platform``; returns their memory_check.ProgramMemory."""
-    from pacs_jax import models
+    set as the context, as the trainer's CLI sets it; returns their memory_check.ProgramMemory."""
+    import jax
+
+    from pacs_jax import models, sharding
     from pacs_jax.models.attention import resolve_impl
     from pacs_jax.models.value import ValueModel
-    from pacs_jax.sharding import MeshRules, make_mesh
     from pacs_jax.training.critic_step import CriticState, config_critic_optimizer
     from pacs_jax.training.model_spec import model_config
-    from pacs_jax.training.step_programs import StepPrograms, abstract_optimizer_state
+    from pacs_jax.sharding import abstract_optimizer_state
+    from pacs_jax.training.step_programs import StepPrograms
 
     mc = config.mesh
-    attention = resolve_impl(config.model.attention, platform)
-    cfg = model_config(config, attention=attention)
+    cfg = model_config(config)
     if cfg is None:
         raise ValueError(f"config.model.path={config.model.path!r}: no config.json / model_config.json to read")
-    mesh = make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
-    log(f"model {config.model.preset or config.model.path or 'custom'}: {cfg.num_hidden_layers} layers, "
-        f"dtype {cfg.dtype}, params {cfg.param_dtype}, remat {cfg.remat}, attention {attention}; "
-        f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].device_kind} devices")
-    graphdef, params = models.abstract_model(cfg, mesh)
-    critic = None
-    if config.algorithm.objective == "ppo":  # as PPOCritic.from_config builds it, on abstract state
-        critic_graphdef, critic_params = models.abstract_model(cfg, mesh, cls=ValueModel)
-        critic_optimizer = config_critic_optimizer(config)
-        critic = CriticState(critic_graphdef, (critic_params, abstract_optimizer_state(critic_optimizer, critic_params)),
-                             critic_optimizer)
-    eos = cfg.eos_token_id
-    stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    step = StepPrograms(config, graphdef, params, stop_ids, rules=MeshRules(mesh), critic=critic)
-    with _traced_as(platform):
-        return step.compile(largest_only=True, names=programs, progress=False, read_loops=True, log=log)
+    mesh = sharding.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
+    with jax.set_mesh(mesh):  # the kernels and dot dtypes follow the platform of the mesh's devices
+        log(f"model {config.model.preset or config.model.path or 'custom'}: {cfg.num_hidden_layers} layers, "
+            f"dtype {cfg.dtype}, params {cfg.param_dtype}, remat {cfg.remat}, attention "
+            f"{resolve_impl(cfg.attention)}; mesh {dict(mesh.shape)} on {len(devices)} {devices[0].device_kind} devices")
+        graphdef, params = models.abstract_model(cfg)
+        critic = None
+        if config.algorithm.objective == "ppo":  # as PPOCritic.from_config builds it, on abstract state
+            critic_graphdef, critic_params = models.abstract_model(cfg, cls=ValueModel)
+            critic_optimizer = config_critic_optimizer(config)
+            critic = CriticState(critic_graphdef, (critic_params, abstract_optimizer_state(critic_optimizer, critic_params)),
+                                 critic_optimizer)
+        eos = cfg.eos_token_id
+        stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        step = StepPrograms(config, graphdef, params, stop_ids, critic=critic)
+        return step.compile(largest_only=True, with_warmstart=True, names=programs, progress=False, read_loops=True,
+                            log=log)
 
 
 def main(argv) -> int:
@@ -134,7 +122,7 @@ def main(argv) -> int:
                   f"algorithm.objective is {config.algorithm.objective!r}", flush=True)
         if not names:
             raise app.UsageError(f"--programs: nothing to compile for objective {config.algorithm.objective!r}")
-    programs = build_programs(config, devices, platform=topo.platform, programs=names,
+    programs = build_programs(config, devices, programs=names,
                               log=lambda s: print(f"[plan_memory] {s}", flush=True))
     text, fits = memory_check.report(programs, topo.hbm_bytes, f"{topo.name} ({devices[0].device_kind})")
     print(text, flush=True)

@@ -65,11 +65,11 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
     """
     names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
     if not names:
-        raise ValueError("no evaluation sets given (config.sets)")
+        raise ValueError("no evaluation sets given (config.eval.sets)")
     sets = []
     for name in names:
         if name not in files:
-            raise ValueError(f"evaluation set {name!r} has no entry in config.set_files (known: {sorted(files)})")
+            raise ValueError(f"evaluation set {name!r} has no entry in config.eval.set_files (known: {sorted(files)})")
         spec = files[name]
         if not spec.startswith("tfds:"):
             path = pathlib.Path(data_dir) / spec

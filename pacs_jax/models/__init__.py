@@ -1,6 +1,7 @@
 """Qwen2 / Qwen2.5 / Qwen3 models in Flax NNX: config, model, HF and Orbax loading, PPO's value model.
 
-    model = models.load_hf(path, dtype="float32", mesh=None)   # or checkpoints.from_pretrained
+    with jax.set_mesh(mesh):                           # optional: sharded on it (default: one device)
+        model = models.load_hf(path, dtype="float32")  # or checkpoints.from_pretrained
     logits = model(tokens, attention_mask=mask)        # [B, T, V] float32
     critic = models.value_model_from_actor(model)      # critic(tokens, mask) -> values [B, T] float32
 """

@@ -48,6 +48,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pacs_jax.numerics import batched_dot_operand
+from pacs_jax import sharding
 from pacs_jax.sharding import LOGICAL_RULES
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
@@ -59,14 +60,15 @@ _F32 = jnp.float32
 def resolve_impl(impl: str, platform: str | None = None) -> str:
     """'auto' -> 'splash' on TPU, 'cudnn' on GPU, 'xla' elsewhere; other names pass through.
 
-    platform: a JAX platform name ('cpu', 'gpu', 'cuda', 'tpu', ...); default jax.default_backend().
+    platform: a JAX platform name ('cpu', 'gpu', 'cuda', 'tpu', ...); default the mesh in context's
+    (sharding.platform()).
     Raises ValueError naming the allowed values for an unknown impl.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {impl!r}: expected one of {ATTENTION_IMPLS}")
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
+    platform = platform or sharding.platform()
     return {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
 
 
@@ -131,7 +133,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_va
         acc = acc * alpha[..., None] + _dot("bkgs,bksd->bkgd", p.astype(v_j.dtype), v_j)
         return m_new, l * alpha + p.sum(-1), acc
 
-    if jax.default_backend() == "gpu":
+    if sharding.platform() == "gpu":
         # One masked pass over all S slots: on GPU a loop with a dynamic trip count syncs with the host
         # every iteration (measured on an H100, B 8, S 4096: 67-294 us per decode step blockwise, 18 us
         # in one pass), which costs more than reading the unwritten slots.

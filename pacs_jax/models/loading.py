@@ -16,38 +16,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import HFWeightReader, read_param, weight_map, write_hf_dir
 from pacs_jax.models.qwen import Qwen, init_value
-from pacs_jax.sharding import MUST_DIVIDE, MeshRules
+from pacs_jax.sharding import MUST_DIVIDE, current_mesh, placement
 
 
 
-def check_mesh(cfg: QwenConfig, mesh: Mesh) -> None:
-    """Raise a ValueError naming the config field when the tensor axis does not divide it."""
-    tensor = mesh.shape["tensor"]
+def check_mesh(cfg: QwenConfig) -> None:
+    """Raise a ValueError naming the config field when the tensor axis of the mesh in context does
+    not divide it."""
+    tensor = current_mesh().shape["tensor"]
     sizes = {"heads": cfg.num_attention_heads, "mlp": cfg.intermediate_size}
     for logical, size in sizes.items():
         if size % tensor:
             raise ValueError(f"{MUST_DIVIDE[logical]}={size} is not divisible by mesh.tensor={tensor}")
 
 
-def abstract_model(cfg: QwenConfig, mesh: Mesh | None = None, cls: type[nnx.Module] = Qwen
-                   ) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: QwenConfig, cls: type[nnx.Module] = Qwen) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state) of ``cls(cfg)`` (a Qwen, or a module built on one such as
-    models.value.ValueModel) without allocating; values carry shardings."""
-    rules = None
-    if mesh is not None:
-        check_mesh(cfg, mesh)
-        rules = MeshRules(mesh)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), rules=rules)))
-    if rules is not None:
-        state = jax.tree.map(
-            lambda v: v.replace(value=jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rules.sharding(v.logical_axes, v.shape))),
-            state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    models.value.ValueModel) without allocating; values carry their shardings on the mesh in context."""
+    check_mesh(cfg)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+    state = jax.tree.map(
+        lambda v: v.replace(value=jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=placement(v.logical_axes, v.shape))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return graphdef, state
 
 
@@ -55,58 +50,52 @@ def dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def build_from_arrays(cfg: QwenConfig, mesh: Mesh | None,
-                      load: Callable[[str, jax.ShapeDtypeStruct, tuple[slice, ...] | None], np.ndarray], *,
+def build_from_arrays(cfg: QwenConfig, load: Callable[[str, jax.ShapeDtypeStruct, tuple[slice, ...] | None], np.ndarray], *,
                       progress: str | None = None) -> Qwen:
     """A model whose parameters come from ``load(dotted_path, abstract, index)``, one at a time.
 
-    index: None for the whole parameter (one device), else the block one of this process's devices
-    holds; each distinct block is loaded once per process, so a host reads only what it holds.
+    index: the block one of this process's devices holds (on the mesh in context); each distinct block
+    is loaded once per process, so a host reads only what it holds.
     """
-    graphdef, state = abstract_model(cfg, mesh)
-    device = None if mesh is not None else jax.devices()[0]
+    graphdef, state = abstract_model(cfg)
     items = []
     flat = list(nnx.to_flat_state(state))
     for path, var in tqdm(flat, desc=progress, disable=progress is None, leave=False):
         abstract = var.get_value()
         name = dotted(path)
-        if mesh is None:
-            array = jax.device_put(load(name, abstract, None), device)
-        else:
-            blocks: dict[tuple, np.ndarray] = {}
+        blocks: dict[tuple, np.ndarray] = {}
 
-            def block(index, name=name, abstract=abstract, blocks=blocks):
-                key = tuple(s.indices(n)[:2] for s, n in zip(index, abstract.shape))
-                if key not in blocks:
-                    blocks[key] = load(name, abstract, index)
-                return blocks[key]
+        def block(index, name=name, abstract=abstract, blocks=blocks):
+            key = tuple(s.indices(n)[:2] for s, n in zip(index, abstract.shape))
+            if key not in blocks:
+                blocks[key] = load(name, abstract, index)
+            return blocks[key]
 
-            array = jax.make_array_from_callback(abstract.shape, abstract.sharding, block)
-        items.append((path, var.replace(value=array)))
+        items.append((path, var.replace(value=jax.make_array_from_callback(abstract.shape, abstract.sharding, block))))
     return nnx.merge(graphdef, nnx.from_flat_state(items))
 
 
-def init_random(cfg: QwenConfig, mesh: Mesh | None = None, seed: int = 0) -> Qwen:
-    """A randomly initialised model (normal(0, 0.02) weights, norm scales 1, biases 0).
+def init_random(cfg: QwenConfig, seed: int = 0) -> Qwen:
+    """A randomly initialised model (normal(0, 0.02) weights, norm scales 1, biases 0) on the mesh in
+    context.
 
     Each parameter is created directly in its sharding by a small jitted initialiser (one compile
     per distinct shape / sharding, cached), not by one program over the whole model: seconds for
     billions of parameters, and every device computes only its own shard.
     """
-    graphdef, abstract = abstract_model(cfg, mesh)
+    graphdef, abstract = abstract_model(cfg)
     key = jax.random.key(seed)
-    items = [(path, var.replace(value=random_param(var, jax.random.fold_in(key, i), mesh)))
+    items = [(path, var.replace(value=random_param(var, jax.random.fold_in(key, i))))
              for i, (path, var) in enumerate(nnx.to_flat_state(abstract))]
     return nnx.merge(graphdef, nnx.from_flat_state(items))
 
 
-def random_param(var: nnx.Variable, key: jax.Array, mesh: Mesh | None) -> jax.Array:
+def random_param(var: nnx.Variable, key: jax.Array) -> jax.Array:
     """A fresh value for the abstract parameter ``var`` (an entry of ``abstract_model``'s state), drawn
     by its ``init_kind`` (normal(0, 0.02), ones or zeros): an array of its shape and dtype in its
-    sharding (with ``mesh``; else on the first device), made by a small jitted initialiser."""
+    sharding, made by a small jitted initialiser."""
     a = var.get_value()
-    sharding = a.sharding if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _initialiser(var.init_kind, a.shape, jnp.dtype(a.dtype), sharding)(key)
+    return _initialiser(var.init_kind, a.shape, jnp.dtype(a.dtype), a.sharding)(key)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,9 +108,9 @@ def _hf_param_dtype(hf_dir: pathlib.Path) -> str:
     return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
 
 
-def load_hf(hf_dir: str | pathlib.Path, mesh: Mesh | None = None, *, dtype: str = "float32",
+def load_hf(hf_dir: str | pathlib.Path, *, dtype: str = "float32",
             param_dtype: str | None = "float32", remat: str = "none", progress: bool = True, **run_options) -> Qwen:
-    """Load an HF directory (config.json + safetensors) into a (sharded) model.
+    """Load an HF directory (config.json + safetensors) into a model sharded on the mesh in context.
 
     ``param_dtype=None`` keeps the dtype the checkpoint declares (config.json "dtype").
     """
@@ -131,7 +120,7 @@ def load_hf(hf_dir: str | pathlib.Path, mesh: Mesh | None = None, *, dtype: str 
     reader = HFWeightReader(hf_dir)
     mapping = weight_map(cfg)
     return build_from_arrays(
-        cfg, mesh, lambda path, abstract, index: read_param(reader, path, mapping[path], abstract.shape,
+        cfg, lambda path, abstract, index: read_param(reader, path, mapping[path], abstract.shape,
                                                             abstract.dtype, index),
         progress=f"loading {hf_dir.name}" if progress else None)
 

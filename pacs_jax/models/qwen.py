@@ -20,7 +20,6 @@ prefill), and, in decode, attention over the filled slots of the cache only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -30,7 +29,7 @@ from flax import nnx
 
 from pacs_jax.models.attention import attention, decode_attention, resolve_impl
 from pacs_jax.models.config import QwenConfig
-from pacs_jax.sharding import MeshRules, constrain
+from pacs_jax.sharding import constrain, platform
 
 _REMAT_POLICIES = {
     "full": None,
@@ -99,9 +98,9 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention with rotary embeddings (+ q/k biases or q/k RMSNorm per head)."""
 
-    def __init__(self, cfg: QwenConfig, rules: MeshRules | None, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
         D, H, K, Dh, pd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.param_dtype
-        self.cfg, self.rules = cfg, rules
+        self.cfg = cfg
         param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
         self.q_kernel = param((D, H, Dh), ("embed", "heads", "head_dim"))
         self.k_kernel = param((D, K, Dh), ("embed", "kv_heads", "head_dim"))
@@ -138,7 +137,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary(q, positions, cfg.rope_theta)
         k = rotary(k, positions, cfg.rope_theta)
-        q = constrain(q, self.rules, ("batch", "length", "act_heads", None))
+        q = constrain(q, ("batch", "length", "act_heads", None))
         new_cache = None
         decode = cache is not None and q.shape[1] == 1
         if cache is not None:
@@ -146,15 +145,13 @@ class Attention(nnx.Module):
             write = _write_rows if decode else _write_prefill
             k_cache = write(k_cache, k.astype(k_cache.dtype), layer, cache_index)
             v_cache = write(v_cache, v.astype(v_cache.dtype), layer, cache_index)
-            new_cache = (constrain(k_cache, self.rules, CACHE_AXES), constrain(v_cache, self.rules, CACHE_AXES))
+            new_cache = (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
         if decode:  # the filled slots of this layer's cache, up to each row's own
             layer_kv = [jax.lax.dynamic_index_in_dim(c, layer, keepdims=False).astype(q.dtype) for c in new_cache]
             out = decode_attention(q, *layer_kv, kv_valid, cache_index + 1, block_size=cfg.attention_block_size)
         else:  # training, log-probs, prefill (from slot 0): the call's own tokens, causal
-            impl = resolve_impl(cfg.attention)
-            with _kernel_mesh(self.rules, impl):
-                out = attention(q, k, v, kv_valid[:, :q.shape[1]], impl=impl,
-                                block_size=cfg.attention_block_size)  # [B, T, H, Dh]
+            out = attention(q, k, v, kv_valid[:, :q.shape[1]], impl=resolve_impl(cfg.attention, platform()),
+                            block_size=cfg.attention_block_size)  # [B, T, H, Dh]
         out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype),
                          preferred_element_type=jnp.float32).astype(x.dtype)
         return out, new_cache
@@ -174,14 +171,6 @@ def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.
     return cache.at[layer, rows, :, slots].set(x[:, 0], mode="promise_in_bounds")
 
 
-def _kernel_mesh(rules: MeshRules | None, impl: str):
-    """The mesh as the tracing context of a Pallas kernel (splash runs per device under
-    ``shard_map`` and finds the mesh there); no context otherwise."""
-    if impl == "splash" and rules is not None:
-        return jax.sharding.use_abstract_mesh(rules.mesh.abstract_mesh)
-    return contextlib.nullcontext()
-
-
 def _matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x @ kernel accumulated and returned in float32 (bf16 x bf16 -> f32 is also the fast CPU path)."""
     return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
@@ -190,9 +179,8 @@ def _matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), [B, T, D] -> [B, T, D]."""
 
-    def __init__(self, cfg: QwenConfig, rules: MeshRules | None, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
         D, F, pd = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
-        self.rules = rules
         param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
         self.gate_kernel = param((D, F), ("embed", "mlp"))
         self.up_kernel = param((D, F), ("embed", "mlp"))
@@ -201,7 +189,7 @@ class MLP(nnx.Module):
     def __call__(self, x):
         gate = _matmul_f32(x, self.gate_kernel[...].astype(x.dtype))
         up = _matmul_f32(x, self.up_kernel[...].astype(x.dtype))
-        h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), self.rules, ("batch", "length", "act_mlp"))
+        h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "length", "act_mlp"))
         return _matmul_f32(h, self.down_kernel[...].astype(x.dtype)).astype(x.dtype)
 
 
@@ -212,19 +200,18 @@ class DecoderLayer(nnx.Module):
     scanned stack (``Qwen.forward``) runs it on one layer's slice at a time.
     """
 
-    def __init__(self, cfg: QwenConfig, rules: MeshRules | None, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
         norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs, layers)
         self.input_norm = norm()
-        self.attn = Attention(cfg, rules, rngs, layers)
+        self.attn = Attention(cfg, rngs, layers)
         self.post_attn_norm = norm()
-        self.mlp = MLP(cfg, rules, rngs, layers)
-        self.rules = rules
+        self.mlp = MLP(cfg, rngs, layers)
 
     def __call__(self, x, positions, kv_valid, cache, cache_index):
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index)
         x = x + attn_out
         x = x + self.mlp(self.post_attn_norm(x))
-        return constrain(x, self.rules, ("batch", "length", "act_embed")), cache
+        return constrain(x, ("batch", "length", "act_embed")), cache
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -236,10 +223,10 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
 class Qwen(nnx.Module):
     """Qwen causal LM. ``model(tokens, attention_mask)`` -> logits [B, T, V] (float32)."""
 
-    def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, rules: MeshRules | None = None):
-        self.cfg, self.rules = cfg, rules
+    def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = DecoderLayer(cfg, rules, rngs, layers=cfg.num_hidden_layers)  # stacked: [L, ...] params
+        self.layers = DecoderLayer(cfg, rngs, layers=cfg.num_hidden_layers)  # stacked: [L, ...] params
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
@@ -254,7 +241,7 @@ class Qwen(nnx.Module):
         """hidden [B, T, D] -> logits [B, T, V] in float32."""
         kernel = self.lm_head_kernel().astype(hidden.dtype)
         out = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
-        return constrain(out, self.rules, ("batch", "length", "act_vocab"))
+        return constrain(out, ("batch", "length", "act_vocab"))
 
     def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0):
         """The decoder stack: tokens [B, T] int -> (final-normed hidden [B, T, D], updated cache).
@@ -269,7 +256,7 @@ class Qwen(nnx.Module):
         """
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
-        x = constrain(x, self.rules, ("batch", "length", "act_embed"))
+        x = constrain(x, ("batch", "length", "act_embed"))
         layer_def, layer_params = nnx.split(self.layers)
 
         if cache is None:
@@ -306,11 +293,11 @@ class Qwen(nnx.Module):
         return hidden if return_hidden else self.logits(hidden)
 
     def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
-        """Zeroed KV cache, [L, B, K, S, Dh] each, in the compute dtype (sharded when a mesh is used)."""
+        """Zeroed KV cache, [L, B, K, S, Dh] each, in the compute dtype (sharded on the mesh in context)."""
         cfg = self.cfg
         shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cache_length, cfg.head_dim)
 
         def zeros():
-            return constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), self.rules, CACHE_AXES)
+            return constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), CACHE_AXES)
 
         return KVCache(zeros(), zeros())

@@ -23,15 +23,14 @@ from flax import nnx
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.loading import abstract_model, dotted, random_param
 from pacs_jax.models.qwen import Qwen, make_param
-from pacs_jax.sharding import MeshRules
 
 
 class ValueModel(nnx.Module):
     """Qwen backbone + scalar head: ``critic(tokens, attention_mask)`` -> values [B, T] float32."""
 
-    def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, rules: MeshRules | None = None):
-        self.cfg, self.rules = cfg, rules
-        self.backbone = Qwen(cfg.replace(tie_word_embeddings=True), rngs=rngs, rules=rules)
+    def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.backbone = Qwen(cfg.replace(tie_word_embeddings=True), rngs=rngs)
         self.value_kernel = make_param(rngs, (cfg.hidden_size,), ("embed",), cfg.param_dtype)
         self.value_bias = make_param(rngs, (), (), cfg.param_dtype, init="zeros")
 
@@ -57,17 +56,15 @@ def value_model_from_actor(actor: Qwen, seed: int = 0) -> ValueModel:
     The copies own their buffers: donating the critic's parameters to an update never invalidates
     the actor's.
     """
-    mesh = None if actor.rules is None else actor.rules.mesh
-    graphdef, abstract = abstract_model(actor.cfg, mesh, cls=ValueModel)
+    graphdef, abstract = abstract_model(actor.cfg, cls=ValueModel)
     actor_params = {dotted(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(actor, nnx.Param))}
     key = jax.random.key(seed)
     items = []
     for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
         if path[0] == "backbone":
             source = actor_params[dotted(path[1:])]
-            sharding = var.get_value().sharding if mesh is not None else source.sharding
-            value = jax.device_put(source, sharding, may_alias=False)
+            value = jax.device_put(source, var.get_value().sharding, may_alias=False)
         else:
-            value = random_param(var, jax.random.fold_in(key, i), mesh)
+            value = random_param(var, jax.random.fold_in(key, i))
         items.append((path, var.replace(value=value)))
     return nnx.merge(graphdef, nnx.from_flat_state(items))

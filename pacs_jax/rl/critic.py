@@ -31,7 +31,6 @@ from flax import nnx
 from pacs_jax.models.value import ValueModel, response_values
 from pacs_jax.rl.micro_batches import accumulate_micro_batches, map_micro_batches
 from pacs_jax.rl.ppo import value_loss
-from pacs_jax.sharding import MeshRules
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
@@ -45,8 +44,7 @@ def value_mask(attention_mask: jax.Array, response_length: int) -> jax.Array:
 
 def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 1, clip_range_value: float = 0.5,
                             loss_agg_mode: str = "token-mean", norm_length: int | None = None,
-                            loss_scale: str = "mean", verl_micro_batch_size: int = 0,
-                            rules: MeshRules | None = None) -> Callable[[nnx.State, Mapping[str, jax.Array]], tuple]:
+                            loss_scale: str = "mean", verl_micro_batch_size: int = 0) -> Callable[[nnx.State, Mapping[str, jax.Array]], tuple]:
     """The pure ``(critic params, batch) -> (loss, metrics, grads)`` of the value loss over verl's
     critic mask (``value_mask``), aggregated by ``loss_agg_mode`` (the trainer passes the actor's, as
     verl's critic inherits it; ``norm_length``: L_max of seq-mean-token-sum-norm) at
@@ -68,17 +66,16 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
             raise ValueError(f"the critic's batch takes exactly {list(CRITIC_KEYS)}, got {sorted(batch)}")
         # the loss's mask (and the token count of token-mean's totals) is verl's critic mask, not the response's
         batch = {**batch, "response_mask": value_mask(batch["attention_mask"], batch["response_mask"].shape[1])}
-        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
-                                        rules=rules)
+        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches)
 
     return loss_and_grad
 
 
 def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
-                         *, num_micro_batches: int = 1, rules: MeshRules | None = None) -> jax.Array:
+                         *, num_micro_batches: int = 1) -> jax.Array:
     """``models.response_values`` without gradient: input_ids, attention_mask [B, P + R] -> values [B, R]
     float32, as ``num_micro_batches`` forward passes of strided micro-batches of rows
     (``rl.micro_batches.map_micro_batches``, as ``rl.micro_batched_logprobs``), so activation memory
     is bounded by one."""
     return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),
-                             (input_ids, attention_mask), num_micro_batches=num_micro_batches, rules=rules)
+                             (input_ids, attention_mask), num_micro_batches=num_micro_batches)

@@ -14,8 +14,8 @@ d hidden and a contribution to d lm_head (accumulated in float32).
 Sharding: the chunk loop runs along T, so the batch axis keeps its ("data", "fsdp") sharding and
 the vocabulary axis of ``lm_head`` its "tensor" sharding; the per-chunk reductions over V become
 all-reduces that GSPMD inserts. The target logit is picked with a compare-and-sum over V (not a
-gather) for the same reason: a gather on a vocab-sharded array would all-gather it. With ``rules``
-(a mesh), the d lm_head accumulator keeps one partial sum per batch shard, [S, D, V] with S sharded
+gather) for the same reason: a gather on a vocab-sharded array would all-gather it. On a mesh (the
+one in context), the d lm_head accumulator keeps one partial sum per batch shard, [S, D, V] with S sharded
 like the batch, so the loop does no cross-device reduction of the [D, V] gradient: it is summed
 over the S shards once, after the loop (otherwise GSPMD all-reduces it in every chunk).
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,39 +31,37 @@ from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.rl.micro_batches import map_micro_batches
-from pacs_jax.sharding import MeshRules, constrain
+from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
 
 
 def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE, rules: MeshRules | None = None) -> jax.Array:
+                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
     """log softmax(hidden @ lm_head / temperature)[targets], without a [B, T, V] array.
 
     hidden [B, T, D] (any float dtype), lm_head [D, V], targets [B, T] int -> log-probs [B, T] float32.
     Differentiable w.r.t. hidden and lm_head (gradients come back in their dtypes). chunk_size: tokens
-    per sequence per loop step (each step holds [B, chunk_size, V] float32 logits). rules: the mesh
-    the arrays are sharded over, if any (see the module docstring).
+    per sequence per loop step (each step holds [B, chunk_size, V] float32 logits). Sharded on the mesh
+    in context (see the module docstring).
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
-    logp, _ = _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), False, rules)
+    logp, _ = _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), False)
     return logp
 
 
 def token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                               rules: MeshRules | None = None) -> tuple[jax.Array, jax.Array]:
+                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
     """Like ``token_logprobs``, plus the entropy of each token's distribution.
 
     Returns (log-probs [B, T] float32, entropy [B, T] float32); both are differentiable.
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
-    return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True, rules)
+    return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True)
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
-                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      rules: MeshRules | None = None, with_entropy: bool = False):
+                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
     """log pi(response token t | everything before it): input_ids, attention_mask [B, P + R] -> [B, R] float32.
 
     The one log-prob path of the trainer (pi_old after the rollout, pi_theta in the update, the
@@ -75,13 +72,13 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
     prompt_length = input_ids.shape[1] - response_length
     hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True)  # [B, L, D]
     args = (hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:])
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size, rules=rules)
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size)
     return token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
 
 
 def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                            *, num_micro_batches: int = 1, temperature: float = 1.0,
-                           chunk_size: int = DEFAULT_CHUNK_SIZE, rules: MeshRules | None = None,
+                           chunk_size: int = DEFAULT_CHUNK_SIZE,
                            with_entropy: bool = False):
     """``response_logprobs`` without gradient, as ``num_micro_batches`` forward passes of B / K strided
     rows each (``rl.micro_batches.map_micro_batches``), so activation memory is bounded by a
@@ -89,8 +86,8 @@ def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_ma
     """
     return map_micro_batches(
         lambda ids, mask: response_logprobs(model, ids, mask, response_length, temperature=temperature,
-                                            chunk_size=chunk_size, rules=rules, with_entropy=with_entropy),
-        (input_ids, attention_mask), num_micro_batches=num_micro_batches, rules=rules)
+                                            chunk_size=chunk_size, with_entropy=with_entropy),
+        (input_ids, attention_mask), num_micro_batches=num_micro_batches)
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:
@@ -155,32 +152,27 @@ def _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
     return acc["logp"][:, :T], (acc["ent"][:, :T] if with_entropy else None), acc["lse"][:, :T]
 
 
-def _batch_shards(batch: int, rules: MeshRules | None) -> int:
-    """How many devices the batch axis is split over (1 without a mesh or when they do not divide it)."""
-    if rules is None:
-        return 1
-    shards = math.prod(rules.mesh.shape[a] for a in dict(rules.rules).get("batch", ()))
-    return shards if batch % shards == 0 else 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fused(hidden, lm_head, targets, temperature, chunk_size, with_entropy, rules):
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
     logp, ent, _ = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
     return logp, ent
 
 
-def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy, rules):
+def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
     logp, ent, lse = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
     return (logp, ent), (hidden, lm_head, targets, lse, ent)
 
 
-def _fused_bwd(temperature, chunk_size, with_entropy, rules, residuals, cotangents):
+def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
     """d logp_t / d z_k = [k = y_t] - p_k;  d H_t / d z_k = -p_k (log p_k + H_t)."""
     hidden, lm_head, targets, lse, ent = residuals
     g_logp, g_ent = cotangents
     B, T, D = hidden.shape
     C = min(chunk_size, T)
-    S = _batch_shards(B, rules)
+    S = batch_shards() if B % batch_shards() == 0 else 1  # the batch's shards on the mesh in context
     h_all, y_all, n = _pad_to_chunks(hidden, targets, C)
     pad = ((0, 0), (0, n * C - T))
     g_logp, lse = jnp.pad(g_logp, pad), jnp.pad(lse, pad)
@@ -205,7 +197,7 @@ def _fused_bwd(temperature, chunk_size, with_entropy, rules, residuals, cotangen
                                batched_dot_operand(dz.reshape(S, B // S, C, -1)), preferred_element_type=jnp.float32)
         return d_hidden, d_head + per_shard
 
-    d_head = constrain(jnp.zeros((S, *lm_head.shape), jnp.float32), rules, ("batch", None, "vocab"))
+    d_head = constrain(jnp.zeros((S, *lm_head.shape), jnp.float32), ("batch", None, "vocab"))
     d_hidden, d_head = jax.lax.fori_loop(0, n, step, (jnp.zeros((B, n * C, D), hidden.dtype), d_head))
     return d_hidden[:, :T], jnp.sum(d_head, axis=0).astype(lm_head.dtype), None
 

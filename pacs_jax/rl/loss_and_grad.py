@@ -31,21 +31,19 @@ from flax import nnx
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, response_logprobs
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
 from pacs_jax.rl.objectives import get_objective
-from pacs_jax.sharding import MeshRules
 
 Batch = Mapping[str, jax.Array]
 
 
 def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
                      objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
-                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                     rules: MeshRules | None = None) -> Callable[[nnx.State, Batch], tuple]:
+                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[nnx.State, Batch], tuple]:
     """The pure (un-jitted) ``(params, batch) -> (loss, metrics, grads)``, to compose into a train step.
 
     graphdef/params: ``nnx.split(model)`` of a model whose state is all parameters. objective: a name
     in pacs_jax.rl.OBJECTIVES, with ``objective_options`` bound. grads: same structure as params, in
     float32. metrics: the objective's metrics averaged over micro-batches (means are exact; a
-    "_std" metric is the mean of the micro-batch stds). rules: shard micro-batches over the mesh.
+    "_std" metric is the mean of the micro-batch stds).
     """
     fn = get_objective(objective, **(objective_options or {}))
     K = num_micro_batches
@@ -54,7 +52,7 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         model = nnx.merge(graphdef, params)
         R = micro["response_mask"].shape[1]
         logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature=temperature,
-                                 chunk_size=chunk_size, rules=rules)
+                                 chunk_size=chunk_size)
         extra = {"advantages": micro["advantages"]} if "advantages" in micro else {}
         return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size, totals=totals,
                   **extra)
@@ -62,6 +60,6 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def loss_and_grad(params: nnx.State, batch: Batch):
-        return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K, rules=rules)
+        return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
 
     return loss_and_grad

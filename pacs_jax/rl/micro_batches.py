@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.rl.batch import BatchTotals
-from pacs_jax.sharding import MeshRules, constrain
+from pacs_jax.sharding import constrain
 
 
 def split_micro_batches(x: jax.Array, unit: int, num_micro_batches: int) -> jax.Array:
@@ -40,19 +40,18 @@ def merge_micro_batches(x: jax.Array, unit: int) -> jax.Array:
     return jnp.moveaxis(blocks, 0, 1).reshape(K * rows, *x.shape[2:])
 
 
-def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_batches: int,
-                      rules: MeshRules | None = None):
+def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_batches: int):
     """``fn(*arrays)`` without gradient, as ``num_micro_batches`` calls (``lax.map``) on strided
     micro-batches of rows (unit 1): arrays, each [B, L] -> fn's outputs (a pytree of [B, ...] arrays),
-    equal to one call on the whole batch. rules: shard each micro-batch's rows over the batch axes.
+    equal to one call on the whole batch. Each micro-batch's rows are sharded over the batch axes of the mesh in context.
     """
-    micro = tuple(constrain(split_micro_batches(x, 1, num_micro_batches), rules, (None, "batch", None)) for x in arrays)
+    micro = tuple(constrain(split_micro_batches(x, 1, num_micro_batches), (None, "batch", None)) for x in arrays)
     out = jax.lax.map(lambda xs: fn(*xs), micro)
     return jax.lax.stop_gradient(jax.tree.map(lambda x: merge_micro_batches(x, 1), out))
 
 
 def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch: Mapping[str, jax.Array], *, unit: int,
-                             num_micro_batches: int, rules: MeshRules | None = None
+                             num_micro_batches: int
                              ) -> tuple[jax.Array, dict, nnx.State]:
     """Gradient accumulation: ``grad_fn(params, micro_batch, totals) -> ((loss, metrics), grads)`` over
     ``num_micro_batches`` micro-batches of ``batch`` (each value [B, ...]; blocks of ``unit`` rows,
@@ -65,7 +64,7 @@ def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch: Mappin
     totals = BatchTotals(num_sequences=batch["response_mask"].shape[0],
                          num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
     micro = {k: split_micro_batches(v, unit, num_micro_batches) for k, v in batch.items()}
-    micro = {k: constrain(v, rules, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
+    micro = {k: constrain(v, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
 
     def step(acc, mb):
         loss_sum, grad_sum = acc

@@ -84,7 +84,7 @@ def aggregate(loss_mat: jax.Array, response_mask: jax.Array, mode: str, *, norm_
 
 def _check_verl_micro_batch(size: int, rows: int, num_sequences: int) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"loss_scale='verl' needs verl_micro_batch_size >= 1 (algorithm.options."
+        raise ValueError(f"loss_scale='verl' needs verl_micro_batch_size >= 1 (algorithm.<objective>."
                          f"verl_micro_batch_size, verl's ppo_micro_batch_size_per_gpu), got {size!r}")
     if rows % size or num_sequences % size:
         raise ValueError(f"verl_micro_batch_size={size} must divide the {rows} responses of an update "

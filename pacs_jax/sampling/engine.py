@@ -55,7 +55,7 @@ from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.settings import SamplingSettings
 from pacs_jax.sampling.selection import select_tokens
-from pacs_jax.sharding import MeshRules, constrain
+from pacs_jax.sharding import constrain, current_rules, replicated
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this, so changing them rarely recompiles
@@ -100,27 +100,28 @@ def slot_utilisation(lengths: np.ndarray, decode_steps: int, slots: int) -> floa
     return decoded / (slots * decode_steps) if decode_steps else 1.0
 
 
-def _decode_layout(state: nnx.State, rules: MeshRules | None, dtype) -> nnx.State:
-    """The parameters as decode reads them: floats in the compute dtype and, on a mesh, replicated
-    over the batch axes and split over "tensor" only (one gather per call, none per decode step)."""
-    decode_rules = None if rules is None else rules.without(*rules.batch_axes())
+def _decode_layout(state: nnx.State, dtype) -> nnx.State:
+    """The parameters as decode reads them: floats in the compute dtype, replicated over the batch
+    axes of the mesh in context and split over "tensor" only (one gather per call, none per decode
+    step)."""
+    rules = current_rules()
+    decode_rules = rules.without(*rules.batch_axes())
 
     def place(var: nnx.Variable) -> nnx.Variable:
         x = var.get_value()
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
-        if decode_rules is not None and getattr(var, "logical_axes", None) is not None:
+        if getattr(var, "logical_axes", None) is not None:
             x = jax.lax.with_sharding_constraint(x, decode_rules.sharding(var.logical_axes, x.shape))
         return var.replace(value=x)
 
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _queue_groups(rules: MeshRules | None, prompts: int, slots: int) -> tuple[str, ...]:
+def _queue_groups(prompts: int, slots: int) -> tuple[str, ...]:
     """The mesh axes the decode loop is split over (one queue per shard): the batch axes when they
     divide both the prompts and the slots, else none (one queue for the whole call)."""
-    if rules is None:
-        return ()
+    rules = current_rules()
     axes = rules.batch_axes()
     shards = math.prod(rules.mesh.shape[a] for a in axes)
     return axes if axes and prompts % shards == 0 and slots % shards == 0 else ()
@@ -242,9 +243,8 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
                      slots: int) -> SampleArrays:
     global _TRACE_COUNT
     _TRACE_COUNT += 1
-    merged = nnx.merge(graphdef, state)
-    cfg, rules = merged.cfg, merged.rules
-    model = nnx.merge(graphdef, _decode_layout(state, rules, jnp.dtype(cfg.dtype)))
+    cfg = nnx.merge(graphdef, state).cfg
+    model = nnx.merge(graphdef, _decode_layout(state, jnp.dtype(cfg.dtype)))
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     P, T = prompt_tokens.shape
     Q = P * n
@@ -253,7 +253,7 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
 
     # Position p holds samples first[p] .. first[p] + count[p] - 1 of prompt source[p]: spread evenly
     # over the positions when each batch shard runs its own queue (one queue needs no spreading).
-    axes = _queue_groups(rules, P, slots)
+    axes = _queue_groups(P, slots)
     if axes:
         source, first, count = spread_rows(real, n)
         prompt_tokens, prompt_mask = prompt_tokens[source], prompt_mask[source]
@@ -268,8 +268,8 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
 
     # Prefill. All-padding prompts (batch padding) get one visible slot so their attention is
     # defined; their rows come back empty.
-    prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), rules, ("batch", "length"))
-    prompt_real = constrain(prompt_mask.astype(bool), rules, ("batch", "length"))
+    prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), ("batch", "length"))
+    prompt_real = constrain(prompt_mask.astype(bool), ("batch", "length"))
     padding_row = ~jnp.any(prompt_real, axis=-1)  # [P]
     visible = prompt_real.at[:, -1].set(prompt_real[:, -1] | padding_row)
     hidden, prompt_cache = model.forward(prompt_tokens, positions_from_mask(visible), visible,
@@ -291,7 +291,8 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
     static = dict(n=n, slots=slots, max_new_tokens=max_new_tokens, top_k=top_k)
 
     if axes:
-        shards = math.prod(rules.mesh.shape[a] for a in axes)
+        mesh = current_rules().mesh
+        shards = math.prod(mesh.shape[a] for a in axes)
         split, whole = PartitionSpec(axes), PartitionSpec()
         cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
 
@@ -299,7 +300,7 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
             *out, steps = _decode_loop(nnx.merge(graphdef, state), *args, **{**static, "slots": slots // shards})
             return *out, steps[None]
 
-        decode = jax.shard_map(per_shard, mesh=rules.mesh,
+        decode = jax.shard_map(per_shard, mesh=mesh,
                                in_specs=(whole, cache_split, split, split, split, split, split, split, whole,
                                          whole, whole),
                                out_specs=(split,) * 5, axis_names=set(axes), check_vma=False)
@@ -307,7 +308,7 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
         steps = jnp.max(steps)
         # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
         tokens, logprobs, lengths, stopped = (
-            constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), rules, ("batch",) + (None,) * (x.ndim - 1))
+            constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), ("batch",) + (None,) * (x.ndim - 1))
             for x, empty in zip(outs, (PAD_ID, 0.0, 0, False)))
     else:
         tokens, logprobs, lengths, stopped, steps = _decode_loop(model, *loop_args, **static)
@@ -328,8 +329,10 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
 
     budgets: None (every row may use max_new_tokens) or [Q] ints in [1, max_new_tokens], each row's
     own budget (vLLM's per-request max_tokens).
-    abstract: the key, the budgets, the scalars and the stop ids come as ``jax.ShapeDtypeStruct``s
-    without a sharding (as the uncommitted arrays of a real call, so the lowering is the same program),
+    The key is placed replicated on the mesh in context (a real call's key may come committed or not).
+    abstract: the key (replicated), the budgets, the scalars and the stop ids come as
+    ``jax.ShapeDtypeStruct``s, the others without a sharding (as the uncommitted arrays of a real call,
+    so the lowering is the same program),
     and nothing is placed on any device: the program can be lowered for devices this process cannot
     use (compile-only TPU devices on a CPU host). ``key`` is then None (a typed key) or anything
     with the key's shape and dtype.
@@ -349,7 +352,7 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         spec = jax.ShapeDtypeStruct
-        args = (prompt_tokens, prompt_mask, spec((rows,), jnp.int32), spec(key.shape, key.dtype),
+        args = (prompt_tokens, prompt_mask, spec((rows,), jnp.int32), spec(key.shape, key.dtype, sharding=replicated()),
                 spec((), jnp.float32), spec((), jnp.float32), spec(stop_ids.shape, jnp.int32))
         return args, static
     if budgets is None:
@@ -361,7 +364,8 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
         raise ValueError(f"budgets: every row's budget must be in [1, max_new_tokens={settings.max_new_tokens}], "
                          f"got {int(budgets.min())} .. {int(budgets.max())}")
     # numpy, not jnp: made on the host without compiling anything (no eager op per call shape)
-    args = (prompt_tokens, prompt_mask, budgets.astype(np.int32), key, np.float32(settings.temperature),
+    args = (prompt_tokens, prompt_mask, budgets.astype(np.int32), jax.device_put(key, replicated()),
+            np.float32(settings.temperature),
             np.float32(settings.top_p), stop_ids)
     return args, static
 

@@ -6,7 +6,6 @@ Multi-process: every process calls it with the same prompts and gets every sampl
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Sequence
 
@@ -19,6 +18,7 @@ from pacs_jax.models.qwen import Qwen
 from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
 from pacs_jax.sampling.engine import sample
 from pacs_jax.sampling.settings import SamplingSettings, call_slots
+from pacs_jax.sharding import batch_shards, placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,6 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
                 raise ValueError(f"prompts[{i}][{j}]={token!r}: not a token id in [0, {vocab_size})")
         out.append([int(t) for t in prompt])
     return out
-
-
-def _batch_shards(model: Qwen) -> int:
-    if model.rules is None:
-        return 1
-    return math.prod(model.rules.mesh.shape[a] for a in ("data", "fsdp"))
 
 
 def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int = 1,
@@ -94,11 +88,10 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
     longest = max(len(p) for p in prompts)
     length = bucket_length(longest, length_multiple, cache_limit - max_new_tokens)
-    batch = bucket_batch(len(prompts), _batch_shards(model))
+    batch = bucket_batch(len(prompts), batch_shards())
     tokens, mask = left_pad(prompts, batch, length)
-    if model.rules is not None:
-        sharding = model.rules.sharding(("batch", "length"), tokens.shape)
-        tokens, mask = put_rows(tokens, sharding), put_rows(mask, sharding)
+    sharding = placement(("batch", "length"), tokens.shape)
+    tokens, mask = put_rows(tokens, sharding), put_rows(mask, sharding)
     if budgets is not None:
         if len(budgets) != len(prompts):
             raise ValueError(f"budgets: {len(budgets)} given for {len(prompts)} prompts")

@@ -210,12 +210,10 @@ def _check_tokenizer(dc: ml_collections.ConfigDict, m: ml_collections.ConfigDict
 
 
 def _check_model_source(m: ml_collections.ConfigDict) -> None:
-    """A config with ``model.random_init`` (configs/paper.py) trains a ``model.preset`` from random weights
-    only when asked to by name: a forgotten ``model.path`` must not cost a slice-day on a random 7B.
-    Configs without the field, and architecture fields with no preset (the demo, the tests' shrunk
-    paper configs, which name every field of their tiny model), initialise at random as before."""
-    if "random_init" not in m:
-        return
+    """``model.random_init`` trains a ``model.preset`` from random weights only when asked to by name: a
+    forgotten ``model.path`` must not cost a slice-day on a random 7B. Architecture fields with no
+    preset (the demo, the tests' shrunk paper configs, which name every field of their tiny model)
+    initialise at random."""
     _require(isinstance(m.random_init, bool), "model.random_init", f"must be True or False, got {m.random_init!r}")
     _require(not (m.random_init and m.path), "model.random_init",
              f"True, but model.path={m.path!r} is set too: one or the other")

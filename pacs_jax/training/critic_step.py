@@ -36,10 +36,10 @@ from pacs_jax import checkpoints
 from pacs_jax.models import Qwen, value_model_from_actor
 from pacs_jax.rl import (compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values,
                          options_for, value_mask)
-from pacs_jax.sharding import MeshRules, batch_sharding
+from pacs_jax.sharding import batch_sharding, state_shardings
 from pacs_jax.training.model_spec import run_options
 from pacs_jax.training.optim import make_optimizer
-from pacs_jax.training.update_step import scanned_update, state_shardings
+from pacs_jax.training.update_step import scanned_update
 
 # The critic update's metrics (scanned_update's and rl.value_loss's) -> the names a step reports. The value
 # loss is the mini-batch's (the sum of its micro-batches' shares); explained variance and clip fraction
@@ -70,11 +70,11 @@ class CriticState:
 class PPOCritic:
     """The critic's parameters and AdamW state (device arrays, updated in place by its programs)."""
 
-    def __init__(self, critic: nnx.Module, optimizer, rules: MeshRules | None):
+    def __init__(self, critic: nnx.Module, optimizer):
         self.graphdef, params = nnx.split(critic)
         self.optimizer = optimizer
         opt_state = jax.jit(optimizer.init)(params)
-        self.shardings = state_shardings((params, opt_state), rules)
+        self.shardings = state_shardings((params, opt_state))
         self.params, self.opt_state = jax.device_put((params, opt_state), self.shardings)
 
     @classmethod
@@ -84,12 +84,11 @@ class PPOCritic:
         cc = config.critic
         source = actor
         if cc.path:
-            mesh = None if actor.rules is None else actor.rules.mesh
-            source = checkpoints.from_pretrained(cc.path, mesh=mesh, **run_options(config))
+            source = checkpoints.from_pretrained(cc.path, **run_options(config))
             if source.cfg.vocab_size != actor.cfg.vocab_size:
                 raise ValueError(f"config.critic.path: {cc.path} has a vocabulary of {source.cfg.vocab_size} "
                                  f"tokens, the actor {actor.cfg.vocab_size}")
-        return cls(value_model_from_actor(source, seed=config.seed), config_critic_optimizer(config), actor.rules)
+        return cls(value_model_from_actor(source, seed=config.seed), config_critic_optimizer(config))
 
     def spec(self) -> CriticState:
         return CriticState(self.graphdef, (self.params, self.opt_state), self.optimizer)
@@ -134,7 +133,7 @@ def config_critic_options(config: ml_collections.ConfigDict) -> dict:
                 num_micro_batches=tc.micro_batches)
 
 
-def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, shardings, *, gamma: float,
+def critic_programs(graphdef: nnx.GraphDef, optimizer, shardings, *, gamma: float,
                     lam: float, clip_range_value: float, loss_scale: str, verl_micro_batch_size: int,
                     num_mini_batches: int, num_micro_batches: int, values_micro_batches: int,
                     loss_agg_mode: str = "token-mean", norm_length: int | None = None) -> CriticPrograms:
@@ -142,7 +141,7 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, 
     ``values(params, batch) -> (advantages, values, returns)`` and
     ``update(params, opt_state, critic_batch) -> (params, opt_state, metrics)``. ``shardings``: the
     (params, opt_state) shardings the update keeps. values_micro_batches: forward passes of the values pass."""
-    rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
+    rows = batch_sharding((0, 0))  # the update batch's rows always divide (validate_config)
 
     def values_and_advantages(params, batch):
         """The update batch -> (whitened advantages, values, returns), each [B, R] float32; values times
@@ -150,7 +149,7 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, 
         mask = batch["response_mask"].astype(jnp.float32)
         critic_mask = value_mask(batch["attention_mask"], mask.shape[1])
         values = micro_batched_values(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
-                                      mask.shape[1], num_micro_batches=values_micro_batches, rules=rules) * critic_mask
+                                      mask.shape[1], num_micro_batches=values_micro_batches) * critic_mask
         advantages, returns = compute_gae(last_token_rewards(batch["rewards"], mask), values, mask, gamma, lam,
                                           value_mask=critic_mask)
         return advantages, values, returns
@@ -159,7 +158,7 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, rules: MeshRules | None, 
     loss_and_grad = critic_loss_and_grad_fn(graphdef, num_micro_batches=num_micro_batches,
                                             clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode,
                                             norm_length=norm_length, loss_scale=loss_scale,
-                                            verl_micro_batch_size=verl_micro_batch_size, rules=rules)
-    update = scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches, rules=rules,
+                                            verl_micro_batch_size=verl_micro_batch_size)
+    update = scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
                             state_shardings=shardings)
     return CriticPrograms(values, update)

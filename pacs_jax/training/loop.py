@@ -77,13 +77,15 @@ def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
 
 def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
              decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
-             on_step: Callable[[int, Qwen, dict], None] | None = None) -> TrainResult:
+             on_step: Callable[[int, Qwen, dict], None] | None = None,
+             programs: StepPrograms | None = None) -> TrainResult:
     """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
 
     decode: generated ids -> text for the reward. reward_pool: the caller's pool; it scores the
     rollouts and the caller's evaluations (one pool per run). on_step(step, model, metrics): called
-    after each step (periodic evaluation hooks in here). Returns the trained model and the per-step
-    metrics.
+    after each step (periodic evaluation hooks in here). programs: the run's StepPrograms
+    (training/run.py makes them before the warm-start); None: made here. Returns the trained model
+    and the per-step metrics.
 
     SIGTERM / SIGINT (training/signals.py) from the start of this call: the step under way, or the
     first step when the signal comes before it, is finished and checkpointed, then the run stops
@@ -91,18 +93,20 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     """
     with stop_signals(multiprocess=jax.process_count() > 1) as signals, signals.deferred():
         return _rl_train(config, workdir, model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
-                         reward_pool=reward_pool, on_step=on_step)
+                         reward_pool=reward_pool, on_step=on_step, programs=programs)
 
 
 def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource,
               signals, *, decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
-              reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None) -> TrainResult:
+              reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None,
+              programs: StepPrograms | None) -> TrainResult:
     workdir = epath.Path(workdir)
     tc = config.train
     graphdef, params = nnx.split(model)
+    programs = programs or StepPrograms(config, graphdef, params, stop_token_ids)
     critic = PPOCritic.from_config(config, model) if config.algorithm.objective == "ppo" else None
-    programs = StepPrograms(config, graphdef, params, stop_token_ids, rules=model.rules,
-                            critic=None if critic is None else critic.spec())
+    if critic is not None:  # a copy of the actor as RL starts (after the warm-start)
+        programs.add_critic(critic.spec())
     opt_state = programs.init_optimizer(params)
 
     checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,

@@ -34,6 +34,7 @@ from flax import nnx
 
 from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, reward_for, score_metrics
+from pacs_jax.sharding import batch_sharding
 from pacs_jax.training.step_programs import StepPrograms
 
 
@@ -86,7 +87,7 @@ class RolloutCollector:
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host array of the global shape -> a global array sharded over the batch axes (each process
         copies only the rows its devices hold)."""
-        return distributed.put_rows(x, self.programs.batch_sharding(x.shape))
+        return distributed.put_rows(x, batch_sharding(x.shape))
 
     # ------------------------------------------------------------------------ one step
     def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array) -> dict:

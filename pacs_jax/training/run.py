@@ -34,7 +34,7 @@ import os
 import jax
 import ml_collections
 from etils import epath
-from jax.sharding import Mesh
+from flax import nnx
 
 from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
@@ -44,6 +44,7 @@ from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.signals import StopSignals
+from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.warmstart import WarmStartResult, warm_start
 from pacs_jax.training.workdir import SessionClock, WorkdirLock, agree, check_resume, finished_summary, write_config
 
@@ -83,15 +84,15 @@ def prompt_source(config: ml_collections.ConfigDict, tokenizer
             warm_examples if warm else examples, held_out, dict(counts, dropped_overlong=dropped + warm_dropped))
 
 
-def build_model(config: ml_collections.ConfigDict, mesh: Mesh | None, tokenizer) -> models.Qwen:
+def build_model(config: ml_collections.ConfigDict, tokenizer) -> models.Qwen:
     """The model of a run: model.path (HF dir or checkpoint), else model.preset at random init, else
     the architecture fields of ``config.model`` at random init (the demo; tests: a tiny model with the
     real vocabulary)."""
     if config.model.path:
-        return checkpoints.from_pretrained(config.model.path, mesh=mesh, **run_options(config))
+        return checkpoints.from_pretrained(config.model.path, **run_options(config))
     architecture = {} if config.model.preset else {"eos_token_id": tokenizer.eos_token_id}
     cfg = model_config(config, vocab_size=len(tokenizer), **architecture)
-    return models.init_random(cfg, mesh, seed=config.seed)
+    return models.init_random(cfg, seed=config.seed)
 
 
 def eval_sets(config: ml_collections.ConfigDict, held_out: list[data.Problem]) -> list[evaluation.EvalSet]:
@@ -129,8 +130,9 @@ def _planned_model(config: ml_collections.ConfigDict, tokenizer) -> models.QwenC
         return None
 
 
-def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: Mesh | None) -> dict:
-    """Train per ``config``; returns the summary written to workdir/summary.json (see the module docstring).
+def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+    """Train per ``config`` on the mesh in context (``jax.set_mesh``, set by ``python -m pacs_jax.train``);
+    returns the summary written to workdir/summary.json (see the module docstring).
 
     Holds the workdir lock and the run's signal handling throughout; a full disk or a permission
     error while writing becomes a ``StorageError`` (one line naming the path)."""
@@ -138,7 +140,7 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
     clock = SessionClock(workdir)
     try:
         with WorkdirLock(workdir), StopSignals(multiprocess=jax.process_count() > 1) as signals:
-            return _run(config, workdir, mesh, signals, clock)
+            return _run(config, workdir, signals, clock)
     except Exception as e:
         message = storage_error(e)
         if message is None:
@@ -147,7 +149,7 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
                            f"training resumes from the last checkpoint)") from None
 
 
-def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | None, signals: StopSignals,
+def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSignals,
          clock: SessionClock) -> dict:
     primary = jax.process_index() == 0
     dc, ec, wc = config.data, config.eval, config.warmstart
@@ -167,7 +169,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
             f"session stopped before the end: running the final evaluation and the export")
     write_config(config, workdir, planned)
     clock.update(force=True)
-    model = build_model(config, mesh, tokenizer)
+    model = build_model(config, tokenizer)
     prompts, warm_prompts, held_out, counts = prompt_source(config, tokenizer)
     if primary:
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
@@ -175,6 +177,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
     sets = eval_sets(config, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
+    programs = StepPrograms(config, *nnx.split(model), stop_ids)  # every program of the run's steps
     reward_name = reward_for(config.reward.name, config.reward.mode)
 
     def evaluate(name: str, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
@@ -209,7 +212,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
             if wc.steps > 0:
                 signals.exit_at_once("the warm-start, which is not checkpointed: a restart runs it again from its "
                                      "first step")
-                model, warm = warm_start(model, warm_prompts, tokenizer, wc,
+                model, warm = warm_start(model, warm_prompts, tokenizer, wc, program=programs.warmstart,
                                          probe=prompts.examples[:wc.probe_problems],
                                          prompt_length=dc.max_prompt_length,
                                          seed=config.seed, pool=pool, reward_name=reward_name,
@@ -232,7 +235,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, mesh: Mesh | No
 
         result = rl_train(config, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step)
+                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs)
         if result.stopped_by_signal:
             clock.update(force=True)
             return {"stopped_at_step": result.final_step}

@@ -1,6 +1,6 @@
 """Every program of a training step, made in one place from the config (docs/design.md section 3.6).
 
-    programs = StepPrograms(config, graphdef, params, stop_token_ids, rules=..., critic=...)
+    programs = StepPrograms(config, graphdef, params, stop_token_ids, critic=...)   # on the mesh in context
     opt_state = programs.init_optimizer(params)
     programs.compile()          # before step 1: every bucket's programs; XLA's memory of each, checked
     programs.sample(...), programs.pi_old(...), programs.update(...), ...   # the step runs them
@@ -27,14 +27,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from pacs_jax import hlo, sampling
+from pacs_jax import hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
 from pacs_jax.sampling.engine import lower_sample
-from pacs_jax.sharding import MeshRules, batch_sharding, constrain
-from pacs_jax.training import memory_check
+from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
+from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.config_check import sampler_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
@@ -66,31 +65,6 @@ def sampling_settings(config: ml_collections.ConfigDict, stop_token_ids: Sequenc
                                      slots=sampler_slots(config))
 
 
-def abstract_optimizer_state(optimizer, params) -> object:
-    """AdamW's state for ``params`` (arrays or abstract), abstract: mu and nu sharded like the
-    parameters, the scalars (step counts) replicated over the mesh."""
-    params = abstract(params)
-    params_def = jax.tree.structure(params)
-    leaf_sharding = jax.tree.leaves(params)[0].sharding
-    replicated = (NamedSharding(leaf_sharding.mesh, PartitionSpec()) if isinstance(leaf_sharding, NamedSharding)
-                  else leaf_sharding)
-
-    def like_params(node) -> bool:
-        return jax.tree.structure(node) == params_def
-
-    def place(node):
-        if like_params(node):
-            return jax.tree.map(lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), node, params)
-        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated), node)
-
-    return jax.tree.map(place, jax.eval_shape(optimizer.init, params), is_leaf=like_params)
-
-
-def abstract(tree):
-    """``jax.ShapeDtypeStruct``s (with their shardings) of a tree of arrays or ShapeDtypeStructs."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program of a step for one bucket: ``lower()`` lowers it on abstract ``args``.
@@ -111,14 +85,17 @@ class StepPrograms:
     Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, metrics [M])``;
     ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
     entropy)``; ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
-    PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``).
+    PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
+    made by ``add_critic`` once the critic exists (it copies the actor after the warm-start);
+    ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
+    None when ``warmstart.steps`` is 0).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
-                 stop_token_ids: Sequence[int], *, rules: MeshRules | None, critic: CriticState | None = None,
+                 stop_token_ids: Sequence[int], *, critic: CriticState | None = None,
                  chunk_size: int | None = None):
         tc, rc = config.train, config.rollout
-        self.graphdef, self.rules, self.critic_state = graphdef, rules, critic
+        self.config, self.graphdef = config, graphdef
         self.optimizer, self.lr_schedule = config_optimizer(config)
         self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
         self.settings = sampling_settings(config, stop_token_ids)
@@ -135,10 +112,9 @@ class StepPrograms:
         self.update = make_update_step(
             graphdef, self.optimizer, config.algorithm.objective, group_size=rc.n,
             objective_options=options_for(config.algorithm),
-            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
-            rules=rules, state_shardings=self.state_shardings, **extra)
+            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature, state_shardings=self.state_shardings, **extra)
         self.pi_old = self._pi_old_program(extra)
-        rows = batch_sharding(rules, (0, 0))
+        rows = batch_sharding((0, 0))
 
         def assemble(tokens, lengths, bucket):
             """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
@@ -147,26 +123,34 @@ class StepPrograms:
             return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
-        self.critic = None
+        self.critic_state = self.critic = None
         if critic is not None:
-            self.critic = critic_programs(
-                critic.graphdef, critic.optimizer, rules, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
-                values_micro_batches=self.logprob_micro_batches, **config_critic_options(config))
+            self.add_critic(critic)
+        wc = config.warmstart
+        self.warmstart = warmstart.sft_step(graphdef, wc, params) if wc.steps > 0 else None
+        self.warmstart_rows = (wc.batch_size, config.data.max_prompt_length, wc.max_response_tokens)
+
+    def add_critic(self, critic: CriticState) -> None:
+        """Make PPO's two critic programs for ``critic``'s graph, state shardings and optimizer."""
+        self.critic_state = critic
+        self.critic = critic_programs(
+            critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
+            values_micro_batches=self.logprob_micro_batches, **config_critic_options(self.config))
 
     def _pi_old_program(self, extra: dict) -> Callable:
-        graphdef, rules, settings, K = self.graphdef, self.rules, self.settings, self.logprob_micro_batches
-        rows = batch_sharding(rules, (0, 0))  # the update batch's rows always divide (validate_config)
-        replicated = rows if rules is None else NamedSharding(rules.mesh, PartitionSpec())
+        graphdef, settings, K = self.graphdef, self.settings, self.logprob_micro_batches
+        rows = batch_sharding((0, 0))  # the update batch's rows always divide (validate_config)
+        replicated = sharding.replicated()
 
         def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask):
             """[P, Tp] prompts + [P*n, R] responses -> the update batch (without rewards) + mean entropy."""
             n = tokens.shape[0] // prompt_tokens.shape[0]
             ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
             mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
-            ids, mask = constrain(ids, rules, ("batch", None)), constrain(mask, rules, ("batch", None))
+            ids, mask = constrain(ids, ("batch", None)), constrain(mask, ("batch", None))
             old_logp, entropy = micro_batched_logprobs(
                 nnx.merge(graphdef, params), ids, mask, tokens.shape[1], num_micro_batches=K,
-                temperature=settings.temperature, rules=rules, with_entropy=True, **extra)
+                temperature=settings.temperature, with_entropy=True, **extra)
             response_mask = response_mask.astype(jnp.float32)
             entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
             return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
@@ -195,12 +179,9 @@ class StepPrograms:
         return self.settings.slots or self.num_prompts // self.sampler_calls * self.n
 
     # ------------------------------------------------------------------------ abstract arguments
-    def batch_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
-        return batch_sharding(self.rules, shape)
-
     def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         """A per-row array of a step, abstract, with its sharding."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
 
     def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The actor's update batch of a (prompt bucket, response bucket) (PPO: with advantages [B, R])."""
@@ -215,10 +196,11 @@ class StepPrograms:
         return batch
 
     # ------------------------------------------------------------------------ the list of programs
-    def programs(self, largest_only: bool = False) -> list[Program]:
+    def programs(self, largest_only: bool = False, with_warmstart: bool = False) -> list[Program]:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
         buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
-        critic_update, update."""
+        critic_update, update; ``with_warmstart``: the warm-start's step first (a phase of its own
+        before RL, when ``warmstart.steps`` > 0)."""
         params, opt_state = self.state
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         prompt_buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
@@ -229,6 +211,17 @@ class StepPrograms:
         rows, B = self.abstract_rows, P * n
         micro_rows = B // self.mini_batches // self.micro_batches
         out = []
+        if with_warmstart and self.warmstart is not None:
+            batch_rows, prompt, response = self.warmstart_rows
+            warm_state = (params, jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
+                                               jax.eval_shape(self.warmstart.optimizer.init, params),
+                                               self.warmstart.opt_shardings))
+            warm_batch = {"input_ids": rows((batch_rows, prompt + response), jnp.int32),
+                          "attention_mask": rows((batch_rows, prompt + response), jnp.int32),
+                          "response_mask": rows((batch_rows, response), jnp.float32)}
+            out.append(Program("warmstart", f"{batch_rows} prompts x {prompt}+{response} tokens",
+                               lambda: self.warmstart.step.lower(*warm_state, warm_batch), (*warm_state, warm_batch),
+                               0))  # before RL: neither RL's AdamW state nor a critic exists yet
         for p in prompt_buckets:
             chunk = rows((P // K, p), jnp.int32)
             out.append(Program(
@@ -269,14 +262,15 @@ class StepPrograms:
                                    (params, opt_state, batch), critic_bytes))
         return out
 
-    def compile(self, *, largest_only: bool = False, names: Collection[str] | None = None, progress: bool = True,
-                read_loops: bool = False, log: Callable[[str], None] | None = None) -> list[memory_check.ProgramMemory]:
+    def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
+                progress: bool = True, read_loops: bool = False,
+                log: Callable[[str], None] | None = None) -> list[memory_check.ProgramMemory]:
         """Compile (ahead of time, nothing runs) ``programs()`` and read XLA's memory of each; a program
         XLA refuses for lack of memory comes back with its ``error`` (``memory_check.refused``).
         names: only the programs of these names. read_loops: also read the sampler's HLO for parameter
         all-gathers inside its loops."""
         out = []
-        programs = [p for p in self.programs(largest_only) if names is None or p.name in names]
+        programs = [p for p in self.programs(largest_only, with_warmstart) if names is None or p.name in names]
         for program in tqdm(programs, desc="compiling programs", leave=False, disable=not progress):
             if log is not None:
                 log(f"compiling {program.name} ({program.shape}) ...")

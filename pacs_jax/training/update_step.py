@@ -19,25 +19,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax.rl import loss_and_grad_fn
-from pacs_jax.sharding import MeshRules, constrain
+from pacs_jax.sharding import constrain
 
 
-def state_shardings(tree: Any, rules: MeshRules | None) -> Any:
-    """The shardings a training state (parameters, optimizer state) is committed to, which every later
-    program keeps (no recompilation on a layout change): each array's own, and replicated over the
-    mesh for the optimizer's scalars that live on one device."""
-    def placement(x: jax.Array) -> jax.sharding.Sharding:
-        on_mesh = rules is None or isinstance(x.sharding, NamedSharding)
-        return x.sharding if on_mesh else NamedSharding(rules.mesh, PartitionSpec())
-
-    return jax.tree.map(placement, tree)
-
-
-def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *, num_mini_batches: int = 1,
-                   rules: MeshRules | None = None, state_shardings: tuple | None = None) -> Callable:
+def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *, num_mini_batches: int = 1, state_shardings: tuple | None = None) -> Callable:
     """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches``
     optimizer steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of every [B, ...] array
     of the batch.
@@ -65,7 +52,7 @@ def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformat
         rows = batch["response_mask"].shape[0]
         if rows % M:
             raise ValueError(f"num_mini_batches={M} does not divide the batch of {rows} rows")
-        minis = {k: constrain(v.reshape(M, rows // M, *v.shape[1:]), rules, (None, "batch") + (None,) * (v.ndim - 1))
+        minis = {k: constrain(v.reshape(M, rows // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))
                  for k, v in batch.items()}
         (params, opt_state), metrics = jax.lax.scan(mini_batch_step, (params, opt_state), minis)
         return params, opt_state, metrics
@@ -77,7 +64,7 @@ def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformat
 def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: str, *,
                      group_size: int, objective_options: Mapping[str, Any] | None = None,
                      num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
-                     chunk_size: int | None = None, rules: MeshRules | None = None,
+                     chunk_size: int | None = None,
                      state_shardings: tuple | None = None) -> Callable:
     """The actor's update: a ``scanned_update`` of ``rl.loss_and_grad_fn`` (``objective``), i.e. jitted
     ``(params, opt_state, batch) -> (params, opt_state, metrics [M])``.
@@ -89,6 +76,6 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}
     loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
-                                     temperature=temperature, rules=rules, **extra)
-    return scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches, rules=rules,
+                                     temperature=temperature, **extra)
+    return scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
                           state_shardings=state_shardings)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,7 @@ from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import response_logprobs
 from pacs_jax.sampling.buckets import left_pad
-from pacs_jax.sharding import batch_sharding
-from pacs_jax.training.update_step import state_shardings
+from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +70,33 @@ def sft_batch(examples: Sequence[PromptExample], responses: Sequence[Sequence[in
             "response_mask": mask.astype(np.float32)}
 
 
-def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int, rules,
+class SFTStep(NamedTuple):
+    """The warm-start's program and its optimizer (training/step_programs.py makes a run's)."""
+
+    optimizer: optax.GradientTransformation
+    step: Callable  # jitted (params, opt_state, batch) -> (params, opt_state, loss); state donated
+    opt_shardings: object  # the AdamW state's shardings the step keeps
+
+
+def sft_step(graphdef: nnx.GraphDef, wc: ml_collections.ConfigDict, params) -> SFTStep:
+    """The warm-start step of ``wc`` (``config.warmstart``: AdamW at ``lr``, ``weight_decay``; responses
+    of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings)."""
+    optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
+    shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, params)))
+    return SFTStep(optimizer, make_sft_step(graphdef, optimizer, wc.max_response_tokens, shardings), shardings[1])
+
+
+def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int,
                   state_shardings: tuple | None = None):
     """A jitted (params, opt_state, batch) -> (params, opt_state, loss) step; state buffers donated.
 
-    state_shardings: the (params, opt_state) shardings its outputs keep (training/update_step.py
-    ``state_shardings``), so that step 2 runs the program step 1 compiled (default: XLA's choice, which
+    state_shardings: the (params, opt_state) shardings its outputs keep (``sharding.state_shardings``), so that step 2 runs the program step 1 compiled (default: XLA's choice, which
     can name the same layout differently, P() for P(None,), and compile the step a second time).
     """
 
     def loss_fn(params, batch):
         logp = response_logprobs(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
-                                 response_length, rules=rules)  # [B, R]
+                                 response_length)  # [B, R]
         mask = batch["response_mask"]
         return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
@@ -104,7 +119,7 @@ def probe_accuracy(model: Qwen, examples: Sequence[PromptExample], tokenizer, po
 
 
 def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml_collections.ConfigDict, *,
-               probe: Sequence[PromptExample], prompt_length: int, seed: int, pool: RewardPool, reward_name: str,
+               program: SFTStep, probe: Sequence[PromptExample], prompt_length: int, seed: int, pool: RewardPool, reward_name: str,
                probe_max_new_tokens: int, stop_token_ids: Sequence[int]) -> tuple[Qwen, WarmStartResult]:
     """Up to ``wc.steps`` supervised steps on ``examples``, stopping early once the greedy accuracy on
     ``probe`` reaches ``wc.target_accuracy`` (see the module docstring); returns the updated model and
@@ -117,11 +132,8 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml
                  + [eos]
                  for e in examples]
     graphdef, params = nnx.split(model)
-    optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
-    opt_state = jax.jit(optimizer.init)(params)
-    shardings = state_shardings((params, opt_state), model.rules)
-    params, opt_state = jax.device_put((params, opt_state), shardings)
-    step_fn = make_sft_step(graphdef, optimizer, wc.max_response_tokens, model.rules, shardings)
+    opt_state = jax.jit(program.optimizer.init, out_shardings=program.opt_shardings)(params)
+    step_fn = program.step
     probe_kwargs = dict(reward_name=reward_name, max_new_tokens=probe_max_new_tokens, stop_token_ids=stop_token_ids)
     per_epoch = len(examples) // wc.batch_size
     accuracy, steps = None, 0
@@ -133,7 +145,7 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml
         rows = order[position * wc.batch_size:(position + 1) * wc.batch_size]
         host = sft_batch([examples[i] for i in rows], [responses[i] for i in rows], prompt_length,
                          wc.max_response_tokens)
-        batch = {k: distributed.put_rows(v, batch_sharding(model.rules, v.shape)) for k, v in host.items()}
+        batch = {k: distributed.put_rows(v, batch_sharding(v.shape)) for k, v in host.items()}
         params, opt_state, loss = step_fn(params, opt_state, batch)
         if wc.target_accuracy > 0 and (steps % wc.check_every == 0 or steps == wc.steps):
             accuracy = probe_accuracy(nnx.merge(graphdef, params), probe, tokenizer, pool, **probe_kwargs)
