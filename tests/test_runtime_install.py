@@ -3,17 +3,45 @@
 The test requirements pull in torch, and torch pulls in jinja2, which transformers' apply_chat_template
 needs: the suite alone would never notice a runtime requirement missing. So requirements.txt and
 pyproject.toml are checked here, and CI (.ci/run) installs requirements.txt alone in a second, fresh
-virtual environment and renders a real chat prompt with it (.ci/runtime_check.py).
+virtual environment and, with it, renders a real chat prompt, runs a short real-tokenizer training with the
+trainer CLI and evaluates it with the evaluation CLI (.ci/runtime_check.py). The suite does not install
+that environment: it checks the wiring (CI's commands, the check's CLI commands and that their overrides
+make valid configs).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import re
 import shlex
 import subprocess
+import sys
 import tomllib
 
 from conftest import REPO
+from pacs_jax.training.config_check import validate_config
+from train_helpers import load_config
+
+
+def _runtime_check():
+    """.ci/runtime_check.py as a module (it imports pacs_jax only when it runs)."""
+    spec = importlib.util.spec_from_file_location("_ci_runtime_check", REPO / ".ci" / "runtime_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _apply(config, overrides: dict):
+    """``--config.FIELD=VALUE`` as config_flags applies it: every FIELD must exist already."""
+    for field, value in overrides.items():
+        *parents, leaf = field.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        assert leaf in node, f"{field}: no such config field"
+        node[leaf] = value
+    return config
 
 
 def _pinned(requirements: str) -> dict[str, str]:
@@ -54,6 +82,39 @@ def test_ci_runs_the_readme_tests_then_the_runtime_install_alone_in_a_fresh_venv
 
 def test_the_runtime_check_refuses_an_environment_with_the_test_extras():
     # here torch is installed (requirements-test.txt), which would hide a missing jinja2
-    check = subprocess.run(["python", str(REPO / ".ci" / "runtime_check.py")], capture_output=True, text=True,
+    check = subprocess.run([sys.executable, str(REPO / ".ci" / "runtime_check.py")], capture_output=True, text=True,
                            timeout=120, cwd=REPO)
     assert check.returncode == 1 and "torch is installed here" in check.stderr
+
+
+def test_the_runtime_check_trains_and_then_evaluates_with_the_real_tokenizer(tmp_path):
+    """The check runs the trainer CLI on the demo config with the shipped Qwen tokenizer, then the
+    evaluation CLI on that workdir, and checks their outputs; its overrides name real fields and make
+    a config that validate_config accepts (a typo there would show only in CI)."""
+    check = _runtime_check()
+    workdir = tmp_path / "workdir"
+    train = check.train_command(workdir)
+    assert train[:3] == [sys.executable, "-m", "pacs_jax.train"]
+    assert f"--config={REPO / 'configs' / 'default.py'}" in train and f"--workdir={workdir}" in train
+    assert f"--config.data.tokenizer={REPO / 'data' / 'tokenizers' / 'qwen3'}" in train
+    assert "--config.data.prompt_buckets=(64,)" in train  # a tuple, as config_flags parses it
+    evaluate = check.eval_command(workdir)
+    assert evaluate[:3] == [sys.executable, "-m", "pacs_jax.evaluate"]
+    assert f"--config={REPO / 'configs' / 'eval.py'}" in evaluate and f"--checkpoint={workdir}" in evaluate
+
+    config = _apply(load_config("default.py"), check.TRAIN_OVERRIDES)
+    assert config.data.source == "arithmetic" and config.model.vocab_size == 0  # the tokenizer's vocabulary
+    assert config.train.steps == check.TRAIN_STEPS and config.warmstart.steps >= 1 and "held_out" in config.eval.sets
+    validate_config(config)
+    eval_config = _apply(load_config("eval.py"), check.EVAL_OVERRIDES)
+    assert eval_config.eval.sets.split(",") == list(check.EVAL_SETS) and not eval_config.eval.final.greedy
+
+    # in that order: the prompt, the trainer and its outputs, the evaluator and its outputs
+    body = inspect.getsource(check.check)
+    steps = ["check_prompt(", "train_command(", "check_training(", "eval_command(", "check_evaluation("]
+    positions = [body.index(step) for step in steps]
+    assert positions == sorted(positions), body
+    training_checks = inspect.getsource(check.check_training)
+    for output in ("summary.json", "accuracy_before_rl", "accuracy_after_rl", "hf_export", "TOKENIZER_FILES"):
+        assert output in training_checks, output
+    assert "eval_metrics.json" in inspect.getsource(check.check_evaluation)
