@@ -1,12 +1,18 @@
 """Test setup: 8 simulated CPU devices (set before jax is imported) and paths to the repository's data."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent compilation cache for the whole run, shared by both xdist workers and every trainer
+# subprocess (they inherit the variable): the suite compiles many identical programs (each run's
+# StepPrograms, the demo in a dozen subprocesses). Programs that compile in under a second are not stored.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"pacs_jax_tests_jit_cache_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 
 import pathlib
 

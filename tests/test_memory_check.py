@@ -60,7 +60,6 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each():
     the resident state it does not take: the AdamW state during the sampler and pi_old, nothing
     during the update (it takes params and AdamW state, donated)."""
     config = tiny_config()
-    config.data.prompt_buckets = (32, 56)
     config.rollout.response_buckets = (6, 12)
     with jax.set_mesh(make_mesh(2, 2, 2)):
         model = models.init_random(models.QwenConfig(
@@ -71,7 +70,7 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each():
         opt_state = programs.init_optimizer(params)
         compiled = programs.compile(progress=False)
     names = [p.name for p in compiled]
-    assert names == ["sampler", "sampler", "assemble", "assemble"] + ["pi_old", "update"] * 4, names
+    assert names == ["sampler", "assemble", "assemble"] + ["pi_old", "update"] * 2, names
     opt_bytes = state_bytes(opt_state)
     for p in compiled:
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p

@@ -157,7 +157,7 @@ def test_a_qwen25_run_prompts_stops_and_exports_with_its_own_tokenizer(deepscale
     real_sample = rollout.RolloutCollector.sample
 
     def recording_sample(self, state, prompt_ids, key):
-        seen.append((self.settings.stop_token_ids, [list(p) for p in prompt_ids]))
+        seen.append((self.programs.settings.stop_token_ids, [list(p) for p in prompt_ids]))
         return real_sample(self, state, prompt_ids, key)
 
     monkeypatch.setattr(rollout.RolloutCollector, "sample", recording_sample)
