@@ -9,7 +9,9 @@ One process: both signals are handled alike, by the phase the run is in.
 - Every other phase (``immediate(what_is_lost)``): start-up, the warm-start and the evaluation before
   RL (neither is checkpointed), the final evaluation and the export. The first signal prints one
   line naming the phase and what a restart redoes, and exits (``SystemExit``, status 128 + the
-  signal's number, so the run's cleanup code runs: reward workers, the workdir lock).
+  signal's number, so the run's cleanup code runs: reward workers, the workdir lock). A signal that
+  lands inside a garbage-collector callback, where Python would print and drop the ``SystemExit``
+  (a warm-start once ran on for ten minutes that way), is raised again 50 ms later.
 
 Several processes: JAX's preemption service owns SIGTERM (every process stops at the same RL step,
 ``TrainCheckpointer.reached_preemption``); the first SIGINT is passed to it as a SIGTERM to the
@@ -23,6 +25,7 @@ stderr through ``os.write``, which is safe inside a signal handler.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -120,6 +123,9 @@ class StopSignals:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         if self._lost is not None:
+            if _in_gc_callback(frame):  # Python ignores exceptions there: deliver the signal again shortly
+                threading.Timer(0.05, signal.raise_signal, (signum,)).start()
+                return
             _say(f"{name} during {self._lost}; exiting")
             raise SystemExit(128 + signum)
         if self.requested is None:
@@ -128,6 +134,17 @@ class StopSignals:
                  f"SIGTERM or press Ctrl-C again to abort at once, losing the steps since the last checkpoint)")
             for other in self._previous:  # a second signal: the default action, at once
                 signal.signal(other, signal.SIG_DFL)
+
+
+def _in_gc_callback(frame) -> bool:
+    """Whether the interrupted ``frame`` runs inside a garbage-collector callback (JAX registers one),
+    where an exception raised by a signal handler is printed and ignored."""
+    codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
