@@ -213,9 +213,7 @@ class StepPrograms:
         out = []
         if with_warmstart and self.warmstart is not None:
             batch_rows, prompt, response = self.warmstart_rows
-            warm_state = (params, jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
-                                               jax.eval_shape(self.warmstart.optimizer.init, params),
-                                               self.warmstart.opt_shardings))
+            warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, params))
             warm_batch = {"input_ids": rows((batch_rows, prompt + response), jnp.int32),
                           "attention_mask": rows((batch_rows, prompt + response), jnp.int32),
                           "response_mask": rows((batch_rows, response), jnp.float32)}
