@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from pacs_jax.data.remote import local_folder
 from pacs_jax.errors import PermanentError
 from pacs_jax.files import atomic_write_text, storage_error
 from pacs_jax.models.config import QwenConfig
@@ -141,7 +142,9 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", *,
                     param_dtype: str | None = "float32", remat: str = "none", **run_options) -> Qwen:
-    """Load an HF directory (config.json + safetensors) or a pacs_jax Orbax checkpoint directory.
+    """Load an HF directory (config.json + safetensors) or a pacs_jax Orbax checkpoint directory; either
+    may be on ``gs://`` (an HF directory is copied to the host's cache once, data/remote.py; Orbax
+    reads the store).
 
     dtype: compute dtype ("float32" for tests, "bfloat16" on accelerators); param_dtype: storage
     dtype of the parameters (fp32 master weights by default; None keeps the checkpoint's dtype).
@@ -149,8 +152,9 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", *,
     run_options: other QwenConfig fields of how to run it (``attention``, ``attention_block_size``).
     """
     path = epath.Path(path)
-    if (path / "config.json").is_file():
-        return load_hf(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
+    if (path / "config.json").is_file():  # gs://: read from the host's local copy (data/remote.py)
+        local = epath.Path(local_folder(path) if "://" in str(path) else path)
+        return load_hf(local, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     if path.is_dir():
         return load_model(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     raise FileNotFoundError(f"{path}: not an HF model directory (config.json) nor a pacs_jax checkpoint")

@@ -17,7 +17,10 @@ final settings, ``eval.final``), the CLI's own fields ``evaluate``'s. It writes,
 ``config.evaluate.output_dir`` (default ``WORKDIR/eval/evaluate_step_<N>`` or ``.../evaluate_hf_export``
 for a workdir's model, else ``DIR/eval``), the files of pacs_jax/evaluation/outputs.py
 (eval_samples.jsonl, eval_metrics.json, pass_at_k.png). Relative set paths (``eval.data_dir`` "data") are
-read from the working directory, else from the repository root. The maths, the runner and the
+read from the working directory, else from the repository root. DIR may be on ``gs://``: what the
+evaluation reads of it (the model's files, a workdir's config.json and newest step's parameters) is
+copied to the host's cache first (data/remote.py), and the outputs' default folder is in that copy;
+data.tokenizer may be a ``gs://`` folder too. The maths, the runner and the
 outputs are in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status
 78 (pacs_jax/errors.py).
 """
@@ -34,6 +37,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from pacs_jax import checkpoints
+from pacs_jax.data import paths, remote
 from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, load_tokenizer, render_prompt,
                            run_tokenizer, training_problems)
 from pacs_jax.errors import UsageError, run_cli
@@ -54,7 +58,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if ec.final.greedy:
         raise UsageError("config.eval.final.greedy: the evaluation CLI samples at eval.final's settings only; for "
                          "greedy decoding set eval.final.temperature=0 and eval.final.n=1")
-    target = resolve_target(checkpoint)
+    target = resolve_target(_local_checkpoint(checkpoint))
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
     training = target.training_config
@@ -94,6 +98,45 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     return metrics
 
 
+NOT_EVALUATED = ("opt_state", "critic_params", "critic_opt_state", "eval")  # a step's or workdir's parts left out
+
+
+def _newest_step(folder) -> str | None:
+    """The largest numeric name among ``folder``'s entries (a trainer's checkpoint root), or None."""
+    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+    return str(max(steps)) if steps else None
+
+
+def _local_checkpoint(checkpoint: str) -> str:
+    """``--checkpoint`` itself when local; on ``gs://``, a local copy (data/remote.py) of what the evaluation
+    reads: an HF folder or a model checkpoint whole; a trainer's checkpoint root, a step of it or a
+    workdir with only the newest (or the named) step's parameters and the config files (no optimizer
+    state, no older steps, no evaluation outputs; a workdir's hf_export only when it has no checkpoint)."""
+    if not paths.is_remote(checkpoint):
+        return checkpoint
+    source = paths.path(checkpoint)
+    if not source.exists():
+        raise UsageError(f"--checkpoint={checkpoint}: {paths.missing(checkpoint)}")
+    step = None
+    if source.name.isdigit() and (source.parent / checkpoints.MODEL_CONFIG_FILE).is_file():  # <root>/<step>
+        source, step = source.parent, source.name
+    in_root, in_workdir = step or _newest_step(source), _newest_step(source / "checkpoints")
+
+    def keep(relative: str) -> bool:
+        parts = relative.split("/")
+        if parts[-1] in NOT_EVALUATED:
+            return False
+        if in_root and parts[0].isdigit():
+            return parts[0] == in_root
+        if in_workdir and parts[0] == "checkpoints" and len(parts) > 1 and parts[1].isdigit():
+            return parts[1] == in_workdir
+        return not (in_workdir and parts[0] == "hf_export")
+
+    local = remote.local_folder(str(source), keep=keep)
+    print(f"pacs_jax.evaluate: --checkpoint={checkpoint} read from its copy in {local}", flush=True)
+    return str(pathlib.Path(local) / step) if step else local
+
+
 def _tokenizer(config, target: Target):
     """(tokenizer, where it came from or "" for the model folder's own files): ``config.data.tokenizer``, else
     the tokenizer files in the model folder, else the training run's ``data.tokenizer`` (the run's
@@ -107,8 +150,8 @@ def _tokenizer(config, target: Target):
     if recorded == CHAR_TOKENIZER:
         return load_tokenizer(CHAR_TOKENIZER), f'"{CHAR_TOKENIZER}" (the training run\'s data.tokenizer)'
     if recorded is not None:  # "" is the run's model's own tokenizer (data.run_tokenizer)
-        folder = pathlib.Path(run_tokenizer(training["data"], training.get("model", {}).get("path", "")))
-        if (folder / "tokenizer_config.json").is_file():
+        folder = run_tokenizer(training["data"], training.get("model", {}).get("path", ""))  # local or gs://
+        if (paths.path(folder) / "tokenizer_config.json").is_file():
             return load_tokenizer(folder), f"{folder} (the training run's data.tokenizer)"
         raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json), and the training run's "
                          f"data.tokenizer {recorded!r} has none either; pass --config.data.tokenizer=DIR")

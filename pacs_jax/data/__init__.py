@@ -4,6 +4,7 @@
     train, warm, held_out, counts = data.training_problems(config.data, seed=config.seed)  # a config's data
     examples, dropped = data.build_prompts(train, tokenizer, max_prompt_length=512)
     batches = data.prompt_iterator(examples, data.PipelineConfig(batch_size=256, seed=0))
+    folder = data.local_folder("gs://bucket/tokenizer")   # a gs:// folder's local copy (data/remote.py)
 """
 
 from pacs_jax.data.pipeline import PipelineConfig, prompt_batches, prompt_iterator
@@ -14,8 +15,9 @@ from pacs_jax.data.sources import SOURCES, training_problems
 from pacs_jax.data.fields import FORMATS, FieldMap, ReadStats, convert_rows
 from pacs_jax.data.readers import load_problems, read_problems
 from pacs_jax.data.records import DataError, Problem
+from pacs_jax.data.remote import local_folder
 
 __all__ = ["Problem", "DataError", "FORMATS", "FieldMap", "ReadStats", "load_problems", "read_problems", "convert_rows",
            "INSTRUCTION", "PromptExample", "build_prompts", "load_tokenizer", "render_prompt", "user_message",
            "PipelineConfig", "prompt_batches", "prompt_iterator", "CHAR_TOKENIZER", "CharTokenizer", "SOURCES",
-           "training_problems", "MODEL_TOKENIZER", "TokenizerChoiceError", "run_tokenizer"]
+           "training_problems", "MODEL_TOKENIZER", "TokenizerChoiceError", "run_tokenizer", "local_folder"]

@@ -5,7 +5,9 @@ tokenizer of a run (``run_tokenizer``): ``data.tokenizer`` "" is the model's own
 in ``model.path``), whose chat template and end of sequence are the ones the model was released
 with (a Qwen2.5 base model's template puts its default system prompt before the user turn and ends
 at ``<|endoftext|>``; Qwen3's has no default system prompt and ends at ``<|im_end|>``). A folder of
-another model family than ``model.path``'s is refused unless ``data.tokenizer_force``.
+another model family than ``model.path``'s is refused unless ``data.tokenizer_force``. Both may be
+``gs://`` folders: their JSON files are read from the store, and ``load_tokenizer`` loads a local copy
+(data/remote.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import json
 import pathlib
 from collections.abc import Mapping, Sequence
 
-from pacs_jax.data import paths
+from etils import epath
+
+from pacs_jax.data import paths, remote
 from pacs_jax.data.char_tokenizer import CharTokenizer
 from pacs_jax.data.records import Problem
 
@@ -46,8 +50,8 @@ def load_tokenizer(path: str | pathlib.Path):
         return CharTokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(paths.resolve(path)))  # relative: the working directory's, else
-                                                                    # the repository root's (data/paths.py)
+    # relative: the working directory's, else the repository root's; gs://: a local copy (data/remote.py)
+    return AutoTokenizer.from_pretrained(str(remote.local_folder(path)))
 
 
 class TokenizerChoiceError(ValueError):
@@ -59,7 +63,14 @@ class TokenizerChoiceError(ValueError):
         self.field = field
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def _same_folder(a: str, b: str) -> bool:
+    """Whether folders ``a`` and ``b`` are one (local: after resolving links; gs://: the same name)."""
+    if paths.is_remote(a) or paths.is_remote(b):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return pathlib.Path(a).resolve() == pathlib.Path(b).resolve()
+
+
+def _read_json(path: epath.Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -70,7 +81,7 @@ def model_family(model_path: str | pathlib.Path) -> tuple[str | None, str]:
     """(model_type, where it was read) of the model in ``model_path``: its config.json (an HF folder) or
     model_config.json (a pacs_jax checkpoint: the folder, or the trainer root above one of its step
     folders); (None, "") when there is neither."""
-    folder = pathlib.Path(model_path)
+    folder = paths.path(model_path)
     for path in (folder / "config.json", folder / "model_config.json", folder.parent / "model_config.json"):
         model_type = _read_json(path).get("model_type") if path.is_file() else None
         if model_type:
@@ -83,7 +94,7 @@ def tokenizer_family(folder: str | pathlib.Path) -> tuple[str | None, str]:
     config.json beside it (a model folder says what it is), else its added tokens: Qwen3's include
     ``<think>``, Qwen2's and Qwen2.5's have ``<|im_start|>`` but not ``<think>``; (None, evidence) for
     a tokenizer with neither (not a Qwen one)."""
-    folder = pathlib.Path(folder)
+    folder = paths.path(folder)
     model_type, where = model_family(folder) if (folder / "config.json").is_file() else (None, "")
     if model_type:
         return model_type, f"the model folder's {where}"
@@ -124,14 +135,14 @@ def run_tokenizer(data_config: Mapping, model_path: str = "") -> str:
     if name == MODEL_TOKENIZER:
         if not model_path:
             return str(paths.resolve(REPOSITORY_TOKENIZER))
-        if not (pathlib.Path(model_path) / TOKENIZER_CONFIG).is_file():
+        if not (paths.path(model_path) / TOKENIZER_CONFIG).is_file():
             raise TokenizerChoiceError("data.tokenizer", f"empty, i.e. the model's own tokenizer, but model.path "
                                        f"{model_path} has no tokenizer files ({TOKENIZER_CONFIG}; a pacs_jax "
                                        f"checkpoint keeps none): set data.tokenizer to the folder of the model's "
                                        f"tokenizer")
         return str(model_path)
     folder = str(paths.resolve(name))
-    if not model_path or pathlib.Path(folder).resolve() == pathlib.Path(model_path).resolve():
+    if not model_path or _same_folder(folder, model_path):
         return folder
     model_type, where = model_family(model_path)
     family, evidence = tokenizer_family(folder)

@@ -7,6 +7,7 @@
 The format comes from the folder or file name (or ``format=``); its field map is in ``fields.py``.
 Malformed input raises ``DataError`` naming the file and line (JSON list: the line where the item
 starts; parquet: the row), or with ``on_error="skip"`` is skipped and counted in ``ReadStats``.
+A path may be a ``gs://`` object or folder (read through ``etils.epath``, data/paths.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pathlib
 import re
 from collections.abc import Iterator
 from typing import Any
+
+from etils import epath
 
 from pacs_jax.data import paths
 from pacs_jax.data.fields import FORMATS, ReadStats, convert_rows
@@ -38,7 +41,7 @@ def load_problems(spec: str | pathlib.Path, format: str = "auto", data_source: s
 def read_problems(path: str | pathlib.Path, format: str = "auto", data_source: str | None = None,
                   on_error: str = "raise") -> tuple[list[Problem], ReadStats]:
     """Read ``path`` (a .jsonl / .json / .parquet file, or a folder of them read in name order)."""
-    path = pathlib.Path(paths.resolve(path))  # a relative path missing here: the repository root's (data/paths.py)
+    path = paths.path(path)  # relative and missing here: the repository root's; gs://: read from the store
     if not path.exists():
         raise FileNotFoundError(paths.missing(path))
     files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES) if path.is_dir() else [path]
@@ -49,7 +52,7 @@ def read_problems(path: str | pathlib.Path, format: str = "auto", data_source: s
     return convert_rows(rows, fmt, data_source or _default_source(path, fmt), on_error)
 
 
-def _resolve_format(path: pathlib.Path, first_file: pathlib.Path, format: str) -> str:
+def _resolve_format(path: epath.Path, first_file: epath.Path, format: str) -> str:
     """``format``, or (auto) "pacs" when the rows are ours, else the known format the path is named after."""
     if format != "auto":
         if format not in FORMATS:
@@ -66,16 +69,16 @@ def _resolve_format(path: pathlib.Path, first_file: pathlib.Path, format: str) -
                     f"pass format= one of {sorted(FORMATS)}")
 
 
-def _default_source(path: pathlib.Path, format: str) -> str:
+def _default_source(path: epath.Path, format: str) -> str:
     if format != "pacs":
         return format
     return path.stem if path.is_file() else path.name
 
 
-def _rows(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+def _rows(path: epath.Path) -> Iterator[tuple[str, Any]]:
     """(location, decoded row) for each row of one file."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
+        with path.open("r", encoding="utf-8") as f:
             for line_number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -91,13 +94,15 @@ def _rows(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for row_number, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        with path.open("rb") as f:
+            table = pq.read_table(f)
+        for row_number, row in enumerate(table.to_pylist(), 1):
             yield f"{path}: row {row_number}", row
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of {SUFFIXES}")
 
 
-def _json_list_items(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+def _json_list_items(path: epath.Path) -> Iterator[tuple[str, Any]]:
     """Items of a JSON list file, each located by the line where it starts."""
     text = path.read_text(encoding="utf-8")
     decoder = json.JSONDecoder()

@@ -2,7 +2,8 @@
 
 Unknown keys are refused by ml_collections itself (configs are locked; ``--config.train.stepz=1``
 fails naming the key); this module checks values and how they fit together. Relative data paths are
-looked for as the readers look for them (data/paths.py: the working directory, then the repository).
+looked for as the readers look for them (data/paths.py: the working directory, then the repository);
+``gs://`` paths (model.path, data.tokenizer, data files, the evaluation sets' folder) in the store.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for field in ("dtype", "param_dtype"):
         _require(m[field] in ("float32", "bfloat16", "float16"), f"model.{field}", f"{m[field]!r} is not a float dtype")
     if m.path:
-        _require(pathlib.Path(m.path).exists(), "model.path", f"{m.path} does not exist")
+        _require(paths.path(m.path).exists(), "model.path", paths.missing(m.path))
     elif m.preset:
         _require(m.preset in PRESETS, "model.preset",
                  f"{m.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint, "
@@ -179,8 +180,8 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         files = list(dc.train_files)
         _require(bool(files), "data.train_files", "no training files given (data.source is \"files\")")
         for i, f in enumerate(files):
-            path = f.split(":", 1)[-1] if ":" in f and not pathlib.Path(f).exists() else f
-            _require(pathlib.Path(paths.resolve(path)).exists(), f"data.train_files[{i}]",
+            path = f.split(":", 1)[-1] if ":" in f and not paths.is_remote(f) and not pathlib.Path(f).exists() else f
+            _require(paths.path(path).exists(), f"data.train_files[{i}]",
                      paths.missing(path, deepscaler.missing_file_hint(path)))
     else:
         for field in ("problems", "max_operand"):
@@ -193,7 +194,7 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(dc.warmstart_problems < dc.arithmetic.problems, "data.warmstart_problems",
                  f"{dc.warmstart_problems} leaves RL none of the {dc.arithmetic.problems} training problems "
                  "(data.arithmetic.problems counts the warm-start's too)")
-    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or pathlib.Path(paths.resolve(dc.tokenizer)).is_dir(),
+    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or paths.path(dc.tokenizer).is_dir(),
              "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\", or "
              f"\"\" for model.path's own)")
     _require(isinstance(dc.tokenizer_force, bool), "data.tokenizer_force",
@@ -263,8 +264,8 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
         _require(name in ec.set_files, "eval.sets", f"{name!r} has no entry in eval.set_files (or \"held_out\")")
         spec = ec.set_files[name]
         if not spec.startswith("tfds:"):
-            path = pathlib.Path(ec.data_dir) / spec
-            _require(pathlib.Path(paths.resolve(path)).exists(), f"eval.set_files.{name}", paths.missing(path))
+            path = paths.join(ec.data_dir, spec)
+            _require(paths.path(path).exists(), f"eval.set_files.{name}", paths.missing(path))
     _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
     for field in ("max_new_tokens", "batch_size", "slots"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
@@ -314,7 +315,7 @@ def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
     if cc.loss_scale == "verl":
         _check_verl_micro_batch(cc.verl_micro_batch_size, micro_rows, "critic")
     if cc.path:
-        _require(pathlib.Path(cc.path).exists(), "critic.path", f"{cc.path} does not exist")
+        _require(paths.path(cc.path).exists(), "critic.path", paths.missing(cc.path))
 
 
 def _check_tensor_axis(config: ml_collections.ConfigDict, tensor: int) -> None:

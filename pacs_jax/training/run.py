@@ -22,7 +22,10 @@ run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of
 (sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
 ``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
 ``train.steps`` without a summary runs the final evaluation and export the last session did not
-finish. A full disk or a permission error while writing is a ``StorageError`` naming the path.
+finish. model.path, data.tokenizer and the data files may be ``gs://`` paths: an HF model folder or
+a tokenizer on ``gs://`` is copied to the host's cache once (data/remote.py), data files are read
+from the store; a ``gs://`` workdir is written through etils.epath and Orbax. A full disk or a
+permission error while writing is a ``StorageError`` naming the path.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from etils import epath
 from flax import nnx
 
 from pacs_jax import checkpoints, data, evaluation, models
+from pacs_jax.data import paths
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training.model_spec import model_config, run_options
@@ -122,6 +126,20 @@ def _accuracy(metrics: dict[str, dict[str, float]]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _with_local_model(config: ml_collections.ConfigDict, say) -> ml_collections.ConfigDict:
+    """``config``, or a copy whose model.path is the local copy of an HF model folder on ``gs://``
+    (data/remote.py; every process copies to its host's cache). A pacs_jax checkpoint on ``gs://`` stays
+    as it is: Orbax reads the store."""
+    path = config.model.path
+    if not (path and paths.is_remote(path) and (paths.path(path) / "config.json").is_file()):
+        return config
+    local = config.copy_and_resolve_references()
+    local.model.path = str(data.local_folder(path))
+    say(f"model.path {path}: read from its copy in {local.model.path} (copied once; refreshed when the store's "
+        f"files change)")
+    return local
+
+
 def _planned_model(config: ml_collections.ConfigDict, tokenizer) -> models.QwenConfig | None:
     """The model config the run will build (None: not known before loading the model)."""
     try:
@@ -152,9 +170,10 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike) 
 def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSignals,
          clock: SessionClock) -> dict:
     primary = jax.process_index() == 0
-    dc, ec, wc = config.data, config.eval, config.warmstart
     say = (lambda line: print(line, flush=True)) if primary else (lambda line: None)
     signals.exit_at_once("the start-up (this session has trained nothing yet)")
+    recorded, config = config, _with_local_model(config, say)  # config.json keeps the gs:// model.path
+    dc, ec, wc = config.data, config.eval, config.warmstart
     tokenizer_source = data.run_tokenizer(dc, config.model.path)  # "char" or a folder ("": model.path's own)
     tokenizer = data.load_tokenizer(tokenizer_source)
     planned = _planned_model(config, tokenizer)
@@ -167,7 +186,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             return done or {"final_step": latest}
         say(f"all {latest} steps of train.steps are checkpointed in {workdir / 'checkpoints'}, but the last "
             f"session stopped before the end: running the final evaluation and the export")
-    write_config(config, workdir, planned)
+    write_config(recorded, workdir, planned)
     clock.update(force=True)
     model = build_model(config, tokenizer)
     prompts, warm_prompts, held_out, counts = prompt_source(config, tokenizer)
@@ -242,7 +261,8 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
         signals.exit_at_once(f"the final evaluation or the export: all {result.final_step} steps are checkpointed, "
                              f"and a restart runs only the final evaluation and the export again")
         after = evaluate_final("final", result.model, pool) if sets else {}
-    tokenizer_dir = None if tokenizer_source == data.CHAR_TOKENIZER else tokenizer_source  # "char": no files
+    tokenizer_dir = (None if tokenizer_source == data.CHAR_TOKENIZER  # "char": no files; gs://: the local copy
+                     else data.local_folder(tokenizer_source))
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
     history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
     summary = _summary(config, before, after, history, sets)
