@@ -4,9 +4,13 @@
 - ``WorkdirLock``: ``<workdir>/trainer.lock`` holds the host and pid of the trainer using the
   workdir; a second trainer refuses to start, naming them. A lock whose holder is gone (same host,
   that pid no longer running, or running a process started after the lock) is taken over with a
-  message. A lock from another host is never guessed stale: the message says to delete the file if
-  that trainer is gone. Only process 0 of a multi-process run takes it (the others learn whether it
-  did), and only on a local file system: an object store (``gs://``) has no exclusive create.
+  message. The holder's pid cannot be looked up from another host (a workdir on a shared file
+  system), so the holder refreshes the lock file's modification time every ``heartbeat`` seconds
+  (60, from a thread of its own: a long step or compilation does not delay it); a lock from another
+  host is stale when its last refresh is older than ``stale_after`` seconds (600), and is then taken
+  over with a message naming its host, pid and the age of its last refresh. Only process 0 of a
+  multi-process run takes it (the others learn whether it did), and only on a local file system: an
+  object store (``gs://``) has no exclusive create.
 - ``check_resume``: before anything is written, a workdir with checkpoints is refused (one
   ``ConfigError`` naming every differing field) when this config's model shapes (the architecture
   fields, the vocabulary), objective or critic differ from the checkpoints' run, or when
@@ -23,6 +27,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 import time
 
 import jax
@@ -85,13 +90,18 @@ def agree(ok: bool) -> bool:
 class WorkdirLock:
     """``with WorkdirLock(workdir):`` holds ``workdir/trainer.lock`` (see the module docstring).
 
-    Raises ``WorkdirLockedError`` (a permanent error) when another live trainer holds it.
+    heartbeat: seconds between the holder's refreshes of the lock file's modification time;
+    stale_after: seconds without a refresh after which another host's lock is taken over. Raises
+    ``WorkdirLockedError`` (a permanent error) when another live trainer holds it.
     """
 
-    def __init__(self, workdir: str | os.PathLike):
+    def __init__(self, workdir: str | os.PathLike, *, heartbeat: float = 60.0, stale_after: float = 600.0):
         self.workdir = epath.Path(workdir)
         self.path = self.workdir / LOCK_FILE
+        self.heartbeat, self.stale_after = heartbeat, stale_after
         self.held = False
+        self._stop = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def _record(self) -> str:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
@@ -113,9 +123,30 @@ class WorkdirLock:
         except (OSError, ValueError):
             return {}
 
+    def _age(self) -> float | None:
+        """Seconds since the holder last refreshed the lock file (None: no file)."""
+        try:
+            return max(time.time() - os.stat(self.path).st_mtime, 0.0)
+        except OSError:
+            return None
+
+    def _beat(self) -> None:
+        """The heartbeat thread: refresh the lock file's modification time until ``release``."""
+        while not self._stop.wait(self.heartbeat):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
     def _stale(self, holder: dict) -> str | None:
         """Why the holder is gone (None: it may be running)."""
-        if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        if holder.get("host") != socket.gethostname():
+            age = self._age()
+            if age is None or age <= self.stale_after:
+                return None
+            return (f"no heartbeat for {age:.0f} s; a running trainer refreshes its lock every {self.heartbeat:g} s, "
+                    f"and another host's lock is stale after {self.stale_after:g} s")
+        if not isinstance(holder.get("pid"), int):
             return None
         pid = holder["pid"]
         if not _alive(pid):
@@ -132,14 +163,21 @@ class WorkdirLock:
             for _ in range(3):  # a takeover races another one at most this often
                 if self._create():
                     self.held = True
+                    self._stop.clear()
+                    self._beating = threading.Thread(target=self._beat, name="workdir-lock-heartbeat", daemon=True)
+                    self._beating.start()
                     break
                 holder = self._holder()
                 reason = self._stale(holder)
                 if reason is None and holder:
                     ok = False
+                    age = self._age()
+                    elsewhere = ("" if holder.get("host") == socket.gethostname() or age is None else
+                                 f"; another host: its last heartbeat was {age:.0f} s ago, and its lock is taken over "
+                                 f"once that is over {self.stale_after:g} s")
                     message = (f"{self.workdir}: another trainer is using this workdir: pid {holder.get('pid')} on "
-                               f"host {holder.get('host')} (since {holder.get('since')}; lock file {self.path}). "
-                               f"Use another --workdir, or delete the lock file if that trainer is gone")
+                               f"host {holder.get('host')} (since {holder.get('since')}; lock file {self.path}"
+                               f"{elsewhere}). Use another --workdir, or delete the lock file if that trainer is gone")
                     break
                 if not holder:  # unreadable: being written right now, or damaged
                     time.sleep(0.5)
@@ -159,6 +197,10 @@ class WorkdirLock:
     def release(self) -> None:
         if self.held:
             self.held = False
+            self._stop.set()
+            if self._beating is not None:
+                self._beating.join()
+                self._beating = None
             try:
                 if self._holder().get("pid") == os.getpid():
                     os.unlink(self.path)
