@@ -52,24 +52,36 @@ def _pacs(**options) -> Setup:
 def setups(response_length: int) -> dict[str, Setup]:
     """Every setup by name, at ``response_length``."""
     return {
-        # the two scripts (BETA=1.0 / 2.0, USE_WEIGHT=True); *_noweight: USE_WEIGHT=False, the "- w/o weight"
-        # row of the paper's Table 2 (arXiv 2509.02522v1, Qwen2.5-7B)
+        # PACS as the paper reports it (arXiv 2509.02522). v1 (Sep 2025): Tables 1 and 2, Qwen2.5-3B / 7B;
+        # v2 (Feb 2026): Tables 1, 2, 6-8, Qwen3-4B / 8B, and section 5's ablations. configs/paper.py's
+        # PAPER_SOURCES names, for every ALGO, where the paper reports it.
+        #   the authors' scripts/pacs/pacs_beta_{1.0,2.0}.sh (BETA=1.0 / 2.0, USE_WEIGHT=True); v2 section 4.1:
+        #   "For PACS, beta is set to 1.0"
         "pacs_beta1": _pacs(beta=1.0, use_weight=True),
         "pacs_beta2": _pacs(beta=2.0, use_weight=True),
+        #   USE_WEIGHT=False: the "w/o weight" rows (v1 Table 2; v2 section 5.3, Tables 2 and 6-8)
         "pacs_beta1_noweight": _pacs(beta=1.0, use_weight=False),
+        #   not reported (pacs_beta_2.0.sh with USE_WEIGHT=False): kept as an ALGO of earlier releases
         "pacs_beta2_noweight": _pacs(beta=2.0, use_weight=False),
-        # Ablations: pacs_beta1 with one option of the authors' code changed, each a value their code accepts
-        # (pacs_core_algos.py) and their scripts expose as a variable. Which of them the paper reports, and in
-        # which table or figure, could not be checked against the paper's text here (issue 26 item 6).
+        #   v2 section 5.1 "Different beta", Figure 4: beta in {0.1, 0.5, 1, 2, 10} (1 and 2 above)
+        "pacs_beta0p1": _pacs(beta=0.1, use_weight=True),
+        "pacs_beta0p5": _pacs(beta=0.5, use_weight=True),
+        "pacs_beta10": _pacs(beta=10.0, use_weight=True),
+        #   v2 section 5.2 "Different score function" (Appendix D.3, Tables 9-13, Qwen3-4B): psi by GRPO's
+        #   estimator, (r - mean) / (std + 1e-6) with torch's unbiased std (the authors' adv_estimator=grpo,
+        #   norm_adv_by_std_in_grpo=True), or Dr. GRPO's, r - mean (their grpo with
+        #   norm_adv_by_std_in_grpo=False; eq. (10) of v2)
+        "pacs_beta1_grpo_adv": _pacs(beta=1.0, use_weight=True, adv_estimator="grpo"),
+        "pacs_beta1_drgrpo_adv": _pacs(beta=1.0, use_weight=True, adv_estimator="drgrpo"),
+        # Options of the authors' code (src/pacs/pacs_core_algos.py) that the paper does not report (neither
+        # v1's tables nor v2's text): pacs_beta1 with that one option changed, for exploration only.
         #   weight_mode (WEIGHT_MODE; compute_weight): "only_positive" w = y, "only_negative" w = 1 - y
         "pacs_beta1_only_positive": _pacs(beta=1.0, use_weight=True, weight_mode="only_positive"),
         "pacs_beta1_only_negative": _pacs(beta=1.0, use_weight=True, weight_mode="only_negative"),
         #   reward_method '2' (+actor_rollout_ref.pacs.reward_method; compute_reward): beta * mean log pi_theta
         #   over the response, no pi_old
         "pacs_beta1_reward2": _pacs(beta=1.0, use_weight=True, reward_method="2"),
-        #   adv_estimator (ADV_ESTIMATOR): "grpo" (group mean and unbiased std, eps 1e-6: the scripts'
-        #   norm_adv_by_std_in_grpo=True), "naive" (psi = r)
-        "pacs_beta1_grpo_adv": _pacs(beta=1.0, use_weight=True, adv_estimator="grpo"),
+        #   adv_estimator "naive" (ADV_ESTIMATOR; compute_naive_advantage): psi = r
         "pacs_beta1_naive_adv": _pacs(beta=1.0, use_weight=True, adv_estimator="naive"),
         # the authors' scripts/baseline/grpo.sh (verl 0.3.1)
         "grpo": Setup("grpo", _verl_actor(response_length), grad_clip=1.0),

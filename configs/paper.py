@@ -5,9 +5,14 @@
 
 MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 slice: 32 chips of 95 GiB)
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
-ALGO:  pacs_beta1 | pacs_beta2 | pacs_beta1_noweight | pacs_beta2_noweight | grpo | ppo
-       PACS ablations (pacs_beta1 with one option changed; configs/algorithms.py): pacs_beta1_only_positive |
-       pacs_beta1_only_negative | pacs_beta1_reward2 | pacs_beta1_grpo_adv | pacs_beta1_naive_adv
+ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of the tables: PACS, PACS w/o weight,
+                                                                 GRPO, PPO)
+       pacs_beta0p1 | pacs_beta0p5 | pacs_beta2 | pacs_beta10     (ablation, beta: v2 section 5.1, Figure 4)
+       pacs_beta1_grpo_adv | pacs_beta1_drgrpo_adv                (ablation, score function: v2 section 5.2,
+                                                                 Appendix D.3, Tables 9-13)
+       not in the paper, options of the authors' code only: pacs_beta2_noweight | pacs_beta1_only_positive |
+       pacs_beta1_only_negative | pacs_beta1_reward2 | pacs_beta1_naive_adv
+       PAPER_SOURCES below names where the paper reports each ALGO; configs/algorithms.py defines them.
 
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
 named after it. Another slice: pick the nearest entry and override --config.mesh.* /
@@ -60,10 +65,33 @@ MODELS = {
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }
 
-# ALGO: the paper's setups of configs/algorithms.py (PACS, its ablations, GRPO and PPO), at L_max 4096
-ALGORITHMS = ("pacs_beta1", "pacs_beta2", "pacs_beta1_noweight", "pacs_beta2_noweight", "pacs_beta1_only_positive",
-              "pacs_beta1_only_negative", "pacs_beta1_reward2", "pacs_beta1_grpo_adv", "pacs_beta1_naive_adv", "grpo",
-              "ppo")
+# ALGO: the paper's setups of configs/algorithms.py, at L_max 4096, with where arXiv 2509.02522 reports each
+# (v1, Sep 2025: Tables 1 and 2 on Qwen2.5-3B / 7B, read from the authors' README images; v2, Feb 2026: the
+# same methods on Qwen3-4B / 8B and section 5's ablations, all of them on Qwen3 models). Every PACS ablation
+# is pacs_beta1 with one option changed. The v2 runs differ from these configs beyond the ALGO: prompts
+# <= 1024 and responses <= 8192 tokens, 120 steps (Qwen3-4B) / 320 (Qwen3-8B), pass@k up to 64 from 128
+# samples at <= 8192 tokens, and BeyondAIME among the sets (v2 Appendix C, Tables 4 and 5; section 4.1).
+PAPER_SOURCES = {
+    "pacs_beta1": "v1 Tables 1-2 and v2 Tables 2, 6-8, row PACS (beta = 1: v2 section 4.1)",
+    "pacs_beta1_noweight": "v1 Table 2 and v2 Tables 2, 6-8, row 'w/o weight' (v2 section 5.3, weight integration)",
+    "grpo": "v1 Tables 1-2 and v2 Tables 2, 6-8, row GRPO",
+    "ppo": "v1 Tables 1-2 and v2 Tables 2, 6-8, row PPO",
+    # v2 section 5.1 "Different beta": beta in {0.1, 0.5, 1, 2, 10}, pass@k (k = 1..64) on AMC23, AIME 2024,
+    # AIME 2025 and BeyondAIME as 3D heatmaps (Figure 4; no numbers printed); beta 1 chosen for pass@1
+    "pacs_beta0p1": "v2 section 5.1, Figure 4 (beta = 0.1)",
+    "pacs_beta0p5": "v2 section 5.1, Figure 4 (beta = 0.5)",
+    "pacs_beta2": "v2 section 5.1, Figure 4 (beta = 2); the authors' scripts/pacs/pacs_beta_2.0.sh",
+    "pacs_beta10": "v2 section 5.1, Figure 4 (beta = 10)",
+    # v2 section 5.2 "Different score function": RLOO (pacs_beta1) against GRPO's and Dr. GRPO's estimators,
+    # Qwen3-4B, pass@k (k = 1..64) on MATH 500, AMC23, AIME 2024, AIME 2025, BeyondAIME
+    "pacs_beta1_grpo_adv": "v2 section 5.2, Appendix D.3, Tables 9-13, row '- GRPO' (Qwen3-4B)",
+    "pacs_beta1_drgrpo_adv": "v2 section 5.2, Appendix D.3, Tables 9-13, row '- Dr. GRPO' (Qwen3-4B)",
+}
+# Options of the authors' code (src/pacs/pacs_core_algos.py, the scripts' variables) that neither version of
+# the paper reports: pacs_beta1 (pacs_beta2 for the first) with one option changed, for exploration.
+NOT_IN_PAPER = ("pacs_beta2_noweight", "pacs_beta1_only_positive", "pacs_beta1_only_negative", "pacs_beta1_reward2",
+                "pacs_beta1_naive_adv")
+ALGORITHMS = tuple(PAPER_SOURCES) + NOT_IN_PAPER
 MAX_NEW_TOKENS = 4096
 
 

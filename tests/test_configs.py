@@ -105,3 +105,20 @@ def test_config_json_records_the_paper_model_and_the_options_that_ran(tmp_path):
         norm_length=4096, loss_scale="verl", verl_micro_batch_size=8)}
     # a model not known before loading it: the fields as configured
     assert recorded_config(config, None)["model"]["hidden_size"] == 0
+
+
+def test_every_paper_algo_is_a_command_line_config_that_validates(qwen_tokenizer_dir, monkeypatch):
+    """Each ALGO of configs/paper.py (the tables' rows, the paper's ablations, the authors' other options) is
+    a ``--config=configs/paper.py:MODEL,ALGO`` the trainer's flag parsing loads and validate_config accepts, and
+    its workdir is named after it; an unknown ALGO is refused naming the known ones."""
+    import configs.paper
+
+    monkeypatch.chdir(REPO)
+    file, fixed = CONFIGS["paper"]
+    for algo in configs.paper.ALGORITHMS:
+        config = _parse(f"--config={file.rsplit(':', 1)[0]}:qwen25_7b,{algo}", *fixed,
+                        f"--config.data.tokenizer={qwen_tokenizer_dir}")
+        assert config.workdir == f"workdir/qwen25_7b_{algo}"
+        validate_config(config)
+    with pytest.raises(ValueError, match=r"pacs_beta0p5.*pacs_beta1_drgrpo_adv"):
+        configs.paper.get_config("qwen25_7b,pacs_beta3")

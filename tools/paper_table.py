@@ -7,13 +7,16 @@ Each RUN_DIR is a training workdir (its final evaluation, WORKDIR/eval/final, is
 evaluation before RL, WORKDIR/eval/before_rl, the "Base" row) or one evaluation's output folder (the
 one holding eval_metrics.json, e.g. the folder `python -m pacs_jax.evaluate` wrote). A row's method
 comes from the workdir's config.json (objective "grpo": GRPO, "ppo": PPO, "pacs" as the paper runs
-it: PACS, or "PACS w/o weight" with use_weight False; anything else its ALGO-like description);
+it: PACS, or "PACS w/o weight" with use_weight False; PACS with other options names them, e.g. "PACS
+(adv_estimator=grpo)" or "PACS (beta=0.5)", as the published ablation rows do; anything else its objective);
 LABEL=RUN_DIR names it instead (e.g. Base=/models/Qwen2.5-7B/eval). The Base row is the first one
 given: an explicit Base=..., else the first workdir with an evaluation before RL.
 
-The published numbers (``--published``, default data/paper_results/pacs_2509.02522.json: the
-paper's Tables 1 and 2 with the table and row of each number) are those of ``--model`` (default: the
-runs' model.preset, Qwen2.5-3B -> Table 1, Qwen2.5-7B -> Table 2). Writes OUT/paper_table.md (per
+The published numbers (``--published``, default data/paper_results/pacs_2509.02522.json: v1's Tables 1
+and 2, v2's Tables 2 and 6-13, with the table and row of each number) are those of ``--model`` (default:
+the runs' model.preset: Qwen2.5-3B -> v1 Table 1, Qwen2.5-7B -> v1 Table 2, Qwen3-4B -> v2 Tables 6, 7
+and the score-function ablation's 9-13, Qwen3-8B -> v2 Tables 2 and 8). A table may carry its own sets
+and k (``k``, ``set_names``: v2 reports k = 1 ... 64 and BeyondAIME), else the file's. Writes OUT/paper_table.md (per
 set, as the paper lays it out: rows the methods, columns pass@k for the k the paper reports, each
 cell "ours / paper (ours - paper)" in percent), OUT/paper_table.json (the same numbers) and
 OUT/pass_at_k.png (pass@k against k per set: ours solid, the paper's dashed).
@@ -37,10 +40,12 @@ from pacs_jax.files import atomic_write, atomic_write_text  # noqa: E402
 DEFAULT_PUBLISHED = REPO / "data" / "paper_results" / "pacs_2509.02522.json"
 METRICS_FILE = "eval_metrics.json"
 BASE = "Base"
-# The paper's order of rows; methods of ours that it does not report come after them.
-PAPER_METHODS = (BASE, "PPO", "GRPO", "PACS", "PACS w/o weight")
-# configs/paper.py's PACS as the tables run it: the authors' scripts/pacs/pacs_beta_*.sh
-PAPER_PACS = dict(weight_mode="question", reward_method="1", adv_estimator="rloo")
+# The paper's order of rows (v2's Tables 9-13 after Tables 2 and 6); methods of ours that it does not report
+# come after them.
+PAPER_METHODS = (BASE, "PPO", "GRPO", "PACS", "PACS w/o weight", "PACS (adv_estimator=grpo)",
+                 "PACS (adv_estimator=drgrpo)")
+# configs/paper.py's PACS as the tables run it: the authors' scripts/pacs/pacs_beta_1.0.sh (v2 section 4.1: beta 1)
+PAPER_PACS = dict(beta="1.0", weight_mode="question", reward_method="1", adv_estimator="rloo")
 
 
 class TableError(Exception):
@@ -85,6 +90,8 @@ def method_of(config: Mapping[str, Any]) -> str:
         return objective.upper()
     if objective != "pacs":
         return objective
+    if "beta" in options:
+        options["beta"] = float(options["beta"])  # 1 and 1.0 alike
     if all(str(options.get(k, v)) == v for k, v in PAPER_PACS.items()):
         return "PACS" if options.get("use_weight", True) else "PACS w/o weight"
     changed = ", ".join(f"{k}={options[k]}" for k in sorted(PAPER_PACS) if str(options.get(k, PAPER_PACS[k]))
@@ -163,16 +170,22 @@ def collect_rows(arguments: Sequence[str]) -> list[Row]:
 
 
 
+def table_k(published: Mapping[str, Any], model: str) -> dict[str, list[int]]:
+    """{set: the k of its columns} of one published table: the table's own "k", else the file's."""
+    return published["tables"][model].get("k", published["k"])
+
+
 def load_published(path: pathlib.Path) -> dict:
     """The published numbers' file (see data/paper_results/), checked for the fields this tool reads."""
     data = _read_json(path, "the published numbers")
     try:
         for model, table in data["tables"].items():
+            ks = table_k(data, model)
             for method, row in table["rows"].items():
                 for name, values in row.items():
-                    if name != "source" and len(values) != len(data["k"][name]):
+                    if name != "source" and len(values) != len(ks[name]):
                         raise TableError(f"{path}: {model} {method} {name}: {len(values)} numbers for "
-                                         f"k = {data['k'][name]}")
+                                         f"k = {ks[name]}")
                 if "source" not in row:
                     raise TableError(f"{path}: {model} {method}: no 'source' (the table and row it is from)")
     except (KeyError, TypeError, AttributeError) as error:
@@ -202,7 +215,9 @@ def build(rows: Sequence[Row], published: dict, model: str | None) -> dict:
     "paper", "diff"}], "ours_from", "paper_source"}]}]}; numbers in percent, None where there is none."""
     table = published["tables"][model] if model else {"rows": {}}
     paper_rows = table["rows"]
-    paper_sets = list(published["k"]) if model else []
+    paper_k = table_k(published, model) if model else {}
+    set_names = {**published["set_names"], **table.get("set_names", {})}
+    paper_sets = list(paper_k)
     our_sets = [s for r in rows for s in r.metrics if s not in paper_sets]
     methods = [m for m in PAPER_METHODS if m in paper_rows or any(r.method == m for r in rows)]
     methods += [r.method for r in rows if r.method not in methods]
@@ -210,7 +225,7 @@ def build(rows: Sequence[Row], published: dict, model: str | None) -> dict:
     sets = []
     for name in paper_sets + list(dict.fromkeys(our_sets)):
         if name in paper_sets:
-            ks = list(published["k"][name])
+            ks = list(paper_k[name])
         else:
             ks = sorted({k for r in rows for k in r.metrics.get(name, {})})
         out_rows = []
@@ -228,7 +243,7 @@ def build(rows: Sequence[Row], published: dict, model: str | None) -> dict:
                 cells.append(dict(k=k, ours=our_value, paper=paper_value, diff=diff))
             out_rows.append(dict(method=method, cells=cells, ours_from=str(ours.folder) if ours and name in ours.metrics else None,
                                  paper_source=paper.get("source") if name in paper else None))
-        sets.append(dict(name=name, title=published["set_names"].get(name, name) if model else name, k=ks,
+        sets.append(dict(name=name, title=set_names.get(name, name) if model else name, k=ks,
                          rows=out_rows))
     return dict(model=model, source=table.get("source"), sets=sets)
 
@@ -308,8 +323,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="a training workdir or an evaluation's output folder, optionally named LABEL")
     parser.add_argument("--out", default="paper_table", help="output folder (default: ./paper_table)")
     parser.add_argument("--model", default=None,
-                        help="the published table to compare with (Qwen2.5-3B: Table 1, Qwen2.5-7B: Table 2); "
-                             "default: the runs' model.preset")
+                        help="the published table to compare with (Qwen2.5-3B: v1 Table 1, Qwen2.5-7B: v1 Table 2, "
+                             "Qwen3-4B: v2 Tables 6, 7, 9-13, Qwen3-8B: v2 Tables 2, 8); default: the runs' "
+                             "model.preset")
     parser.add_argument("--published", default=str(DEFAULT_PUBLISHED), help="the published numbers (JSON)")
     return parser.parse_args(argv)
 
