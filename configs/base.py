@@ -104,6 +104,9 @@ def get_config() -> ml_collections.ConfigDict:
                                   # waiting one at once; static: every response its own slot until the longest ends
         slots=128,                # continuous: decode slots per sampler call (capped at its responses, prompts_per_step /
                                   # micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
+        tail_slots=0,             # continuous: > 0, once no response waits the decode batch narrows as responses end,
+                                  # down to this many slots (each width 2/3-3/4 of the one before: one compiled loop
+                                  # each); 0: all `slots` decode to the call's end
     ))
 
     # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective
@@ -154,6 +157,7 @@ def get_config() -> ml_collections.ConfigDict:
         batch_size=32,            # prompts per sampler call
         sampler="continuous",     # as rollout.sampler
         slots=128,                # continuous: decode slots per sampler call (capped at batch_size x n)
+        tail_slots=0,             # as rollout.tail_slots
         before_rl=False,          # training: evaluate once before RL (after the warm-start) with the final settings
         periodic=ml_collections.ConfigDict(dict(every=0, n=1, temperature=0.0, top_p=1.0)),  # every k RL steps; T 0: greedy
         final=ml_collections.ConfigDict(dict(

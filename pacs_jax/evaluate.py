@@ -41,7 +41,7 @@ from pacs_jax.data import paths, remote
 from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, load_tokenizer, render_prompt,
                            run_tokenizer, training_problems)
 from pacs_jax.errors import UsageError, run_cli
-from pacs_jax.evaluation import (EvalSet, EvalSettings, evaluate_per_set, load_eval_sets, per_set_settings,
+from pacs_jax.evaluation import (EvalSet, EvalSettings, eval_slots, evaluate_per_set, load_eval_sets, per_set_settings,
                                  write_outputs)
 from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
@@ -85,7 +85,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
             EvalSettings(ec.final.n, ec.final.temperature, ec.final.top_p, ec.max_new_tokens),
             top_k=cli.top_k, seed=config.seed,
             stop_token_ids=tuple(cli.stop_token_ids), batch_size=ec.batch_size,
-            slots=ec.slots if ec.sampler == "continuous" else None, instruction=instruction,
+            **eval_slots(ec), instruction=instruction,
             max_prompt_length=cli.max_prompt_length, reward_pool=pool, progress=cli.progress)
     write_outputs(output_dir, rows, metrics)
     for eval_set in eval_sets:

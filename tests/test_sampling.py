@@ -272,16 +272,17 @@ def test_similar_prompts_do_not_recompile(hf, prompts):
     assert sampling.compile_count() == before + 1
 
 
-@pytest.mark.parametrize("slots", [None, 3])
-def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slots):
+@pytest.mark.parametrize("slots, tail_slots", [(None, None), (3, None), (6, 1)])
+def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slots, tail_slots):
     """HLO facts: the [L, C, K, S, Dh] decode cache is never copied (decode steps scatter each slot's
-    new K/V into it, refills update a slot's prompt part), the prefill has no [P, T, V] logits, and
-    token 0 of the P x n rows is selected from [P, V] logits, never [P n, V]."""
+    new K/V into it, refills update a slot's prompt part, a narrowing moves running rows within it),
+    the prefill has no [P, T, V] logits, and token 0 of the P x n rows is selected from [P, V]
+    logits, never [P n, V]."""
     graphdef, state = nnx.split(load(hf, "qwen2", "1dev"))
     P, T, n, N, V = 2, 64, 4, 16, VOCAB
     C = P * n if slots is None else slots
     prompts = jax.ShapeDtypeStruct((P, T), jnp.int32)
-    settings = sampling.SamplingSettings(n=n, max_new_tokens=N, temperature=1.0, slots=slots)
+    settings = sampling.SamplingSettings(n=n, max_new_tokens=N, temperature=1.0, slots=slots, tail_slots=tail_slots)
     hlo = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     L = graphdef_layers(state)
     cache_shape = re.escape(f"f32[{L},{C},2,{T + N},8]")
@@ -294,6 +295,8 @@ def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slot
     if C != P * n:  # token 0 from [P, V] logits: no [P n, V] buffer (with one slot per row, decode has one)
         assert f"f32[{P * n},{V}]" not in hlo
     assert re.search(rf"f32\[{C},(1,)?{V}\]", hlo)  # the decode logits, to show the pattern works
+    if tail_slots:  # and those of the narrowest decode batch: its own loop
+        assert re.search(rf"f32\[{tail_slots},(1,)?{V}\]", hlo)
 
 
 def graphdef_layers(state) -> int:

@@ -71,16 +71,17 @@ SETTINGS = {
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
 @pytest.mark.parametrize("case", sorted(SETTINGS))
 def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case):
-    """Rows of different lengths (stop ids) run in 4 slots (1 per batch shard on the mesh) and in
-    one slot per row: the same tokens, finish reasons and log-probs (float32 round-off)."""
+    """Rows of different lengths (stop ids) run in 4 slots (1 per batch shard on the mesh), in 3, in
+    8 narrowing to 1 in the tail (2 to 1 per shard on the mesh) and in one slot per row: the same
+    tokens, finish reasons and log-probs (float32 round-off)."""
     model = load(hf, mesh_shape)
     kwargs = dict(max_new_tokens=24, stop_token_ids=STOPS, seed=3, **SETTINGS[case])
     with on_mesh(mesh_shape):
         static = sampling.generate(model, prompts, **kwargs)
         lengths = {len(t) for t in static.tokens}
         assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
-        for slots in (4, 3):
-            continuous = sampling.generate(model, prompts, slots=slots, **kwargs)
+        for slots, tail_slots in ((4, None), (3, None), (8, 1)):
+            continuous = sampling.generate(model, prompts, slots=slots, tail_slots=tail_slots, **kwargs)
             assert continuous.tokens == static.tokens, slots
             assert continuous.finish_reason == static.finish_reason
             np.testing.assert_allclose(np.concatenate(continuous.logprobs), np.concatenate(static.logprobs),
@@ -99,10 +100,11 @@ def test_greedy_continuous_with_per_prompt_budgets_equals_transformers(hf, promp
     assert out.finish_reason == ["length"] * len(prompts)
 
 
-def _sample(model, prompts, budgets, n, slots, stops=()):
+def _sample(model, prompts, budgets, n, slots, stops=(), tail_slots=None):
     tokens, mask = sampling.left_pad(prompts, 8, 16)
     graphdef, state = nnx.split(model)
-    settings = sampling.SamplingSettings(max_new_tokens=12, n=n, stop_token_ids=stops, slots=slots)
+    settings = sampling.SamplingSettings(max_new_tokens=12, n=n, stop_token_ids=stops, slots=slots,
+                                         tail_slots=tail_slots)
     rows = np.repeat(np.asarray(budgets + [1] * (8 - len(budgets))), n)
     return jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), rows))
 
@@ -116,8 +118,8 @@ def test_a_freed_slot_takes_the_next_row_in_the_same_step_and_the_queue_ends_exa
     budgets, n = [4, 1, 7, 2, 5], 2
     needed = n * sum(b - 1 for b in budgets)
     out = _sample(model, prompts, budgets, n, slots=1)
-    assert int(out.decode_steps) == needed
-    assert sampling.slot_utilisation(out.lengths, int(out.decode_steps), 1) == 1.0
+    assert int(out.decode_steps) == int(out.slot_steps) == needed
+    assert sampling.slot_utilisation(out.lengths, int(out.slot_steps)) == 1.0
     np.testing.assert_array_equal(out.lengths, np.repeat(budgets + [0, 0, 0], n))
     assert not out.stopped.any()
     for row, length in enumerate(out.lengths):
@@ -125,6 +127,49 @@ def test_a_freed_slot_takes_the_next_row_in_the_same_step_and_the_queue_ends_exa
     three = _sample(model, prompts, budgets, n, slots=3)
     assert needed / 3 <= int(three.decode_steps) < needed  # the slots run side by side
     np.testing.assert_array_equal(three.tokens, out.tokens)
+
+
+def _schedule(needs: list[int], widths: tuple[int, ...]) -> tuple[int, int]:
+    """Reference schedule of one queue: rows needing ``needs`` decode steps each (in queue order), the
+    first width refilled from the queue, each next width taking over once no row waits and the
+    running rows fit it. Returns (decode steps, slot steps)."""
+    queue, running, width, steps, slot_steps = [d for d in needs if d > 0], [], 0, 0, 0
+    while queue or running:
+        while len(running) < widths[width] and queue and width == 0:
+            running.append(queue.pop(0))
+        steps, slot_steps = steps + 1, slot_steps + widths[width]
+        running = [d - 1 for d in running if d > 1]
+        while not queue and width + 1 < len(widths) and len(running) <= widths[width + 1]:
+            width += 1
+    return steps, slot_steps
+
+
+def test_the_decode_batch_narrows_in_the_tail():
+    """The widths: the 2^k / 3 x 2^(k-1) ladder below the slots down to tail_slots."""
+    assert engine.narrowing_widths(32, 1) == (32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
+    assert engine.narrowing_widths(512, 64) == (512, 384, 256, 192, 128, 96, 64)
+    assert engine.narrowing_widths(5, 2) == (5, 4, 3, 2)
+    assert engine.narrowing_widths(8, None) == engine.narrowing_widths(8, 8) == (8,)
+
+
+@pytest.mark.parametrize("slots, tail_slots", [(3, 1), (6, 2)])
+def test_a_narrowing_queue_decodes_only_its_running_rows_and_keeps_their_tokens(hf, prompts, slots, tail_slots):
+    """Long-tailed budgets (one row of 12 among short ones): once no row waits, the decode batch
+    narrows as rows end, so the call's slot steps (slots decoded a step, summed) are those of the
+    reference schedule at the narrowing widths, fewer than slots x decode steps, and its rows keep
+    the tokens, log-probs and lengths of one slot per row."""
+    model = load(hf, None)
+    budgets, n = [12, 2, 3, 5, 2], 2
+    static = _sample(model, prompts, budgets, n, slots=None)
+    out = _sample(model, prompts, budgets, n, slots=slots, tail_slots=tail_slots)
+    np.testing.assert_array_equal(out.tokens, static.tokens)
+    np.testing.assert_allclose(out.logprobs, static.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.lengths, np.repeat(budgets + [0, 0, 0], n))
+    needs = [b - 1 for b in np.repeat(budgets, n)]
+    steps, slot_steps = _schedule(needs, engine.narrowing_widths(slots, tail_slots))
+    assert (int(out.decode_steps), int(out.slot_steps)) == (steps, slot_steps)
+    assert slot_steps < slots * steps
+    assert sampling.slot_utilisation(out.lengths, int(out.slot_steps)) == sum(needs) / slot_steps
 
 
 def test_a_stop_at_the_first_token_never_takes_a_slot(hf, prompts):
@@ -195,7 +240,7 @@ def test_decode_loop_all_gathers_no_parameter(mesh_shape):
         model = models.init_random(cfg)
         graphdef, state = nnx.split(model)
         prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding.placement(("batch", "length"), (8, 16)))
-        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8)
+        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8, tail_slots=1)
         text = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     assert hlo.loop_computations(text)
     assert _parameter_gathers_in_loops(text, state) == []
@@ -224,3 +269,6 @@ def test_slots_beyond_the_rows_are_refused(hf, prompts):
                         jax.random.key(0), np.full(16, 5))
     with pytest.raises(ValueError, match="slots"):
         sampling.SamplingSettings(max_new_tokens=4, slots=0)
+    for tail_slots, slots in ((0, 4), (5, 4), (2, None)):
+        with pytest.raises(ValueError, match=f"tail_slots={tail_slots}"):
+            sampling.SamplingSettings(max_new_tokens=4, slots=slots, tail_slots=tail_slots)

@@ -4,17 +4,18 @@ or (``--compare``) our continuous-batching sampler vs our static one on long-tai
     python tools/bench_sampling.py [--preset Qwen2.5-0.5B] [--batch 32] [--prompt 64] [--new 64]
                                    [--dtypes float32,bfloat16] [--rounds 3]
     python tools/bench_sampling.py --compare [--preset Qwen2.5-0.5B] [--batch 16] [--n 4] [--slots 32]
-                                   [--new 512] [--dtypes float32]
+                                   [--tail-slots 1] [--new 512] [--dtypes float32]
 
 ``--compare``: ``batch`` random prompts x ``n`` samples, greedy, no stop id; each row's budget is drawn
 from a log-normal with median new / 8 and sigma 1, rounded and clipped to [1, new] (RL response
 lengths are right-skewed: most answers end far below the budget, a few run into it; with 64 rows about
 one in three calls has a row at the budget). Both samplers run the same rows with the same budgets
 (the tokens are checked equal); the static one gives every row its own slot and runs until the
-longest row ends, the continuous one runs ``slots`` slots, each taking the next row when its row ends.
-Prints each one's decode steps, slot utilisation (tokens made by decode steps / (slots x decode
-steps)) and tokens/s (generated tokens / wall time, prefill included; best of ``rounds``, the program
-compiled ahead of time first), and ends with ``continuous vs static: utilisation U_c vs U_s, tokens/s ratio R``.
+longest row ends, the continuous one runs ``slots`` slots, each taking the next row when its row ends,
+and once no row waits narrows its decode batch down to ``tail-slots`` as rows end (0: never).
+Prints each one's decode steps, slot utilisation (tokens made by decode steps / slot steps, the
+slots decoded at each step summed) and tokens/s (generated tokens / wall time, prefill included; best
+of ``rounds``, the program compiled ahead of time first), and ends with ``continuous vs static: utilisation U_c vs U_s, tokens/s ratio R``.
 
 Greedy decoding of ``batch`` random prompts of ``prompt`` tokens, exactly ``new`` new tokens each (no
 stop id), both sides on the same weights (random, exported with models.export_hf).
@@ -119,6 +120,8 @@ def compare(args) -> None:
     rows = args.batch * args.n
     if not 1 <= args.slots <= rows:
         raise SystemExit(f"--slots {args.slots}: must be in [1, {rows}] (--batch x --n)")
+    if not 0 <= args.tail_slots <= args.slots:
+        raise SystemExit(f"--tail-slots {args.tail_slots}: must be in [0, --slots {args.slots}]")
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, size=(args.batch, args.prompt)).tolist()
     budgets = long_tailed_budgets(rows, args.new)
@@ -132,7 +135,8 @@ def compare(args) -> None:
     tokens, mask = jax.device_put(host_tokens, placed), jax.device_put(host_mask, placed)
     results = {}
     for name, slots in (("static", None), ("continuous", args.slots)):
-        settings = sampling.SamplingSettings(max_new_tokens=args.new, n=args.n, slots=slots)
+        tail_slots = (args.tail_slots or None) if slots else None
+        settings = sampling.SamplingSettings(max_new_tokens=args.new, n=args.n, slots=slots, tail_slots=tail_slots)
 
         def run():
             return jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), budgets))
@@ -146,9 +150,9 @@ def compare(args) -> None:
             out = run()
             seconds = min(seconds, time.perf_counter() - start)
         steps = int(out.decode_steps)
-        results[name] = (out, steps, sampling.slot_utilisation(out.lengths, steps, slots or rows),
+        results[name] = (out, steps, sampling.slot_utilisation(out.lengths, int(out.slot_steps)),
                          int(out.lengths.sum()) / seconds)
-        print(f"{name:<11} slots {slots or rows:>5}  decode steps {steps:>6}  utilisation "
+        print(f"{name:<11} slots {slots or rows:>5} (tail {tail_slots or '-'})  decode steps {steps:>6}  utilisation "
               f"{results[name][2]:.3f}  {seconds:8.2f} s  {results[name][3]:9.1f} tokens/s  (compiled in "
               f"{compile_s:.1f} s)", flush=True)
     (static, _, u_s, r_s), (cont, _, u_c, r_c) = results["static"], results["continuous"]
@@ -164,6 +168,8 @@ def main():
     parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; --compare: 16)")
     parser.add_argument("--n", type=int, default=4, help="--compare: samples per prompt")
     parser.add_argument("--slots", type=int, default=32, help="--compare: the continuous sampler's slots")
+    parser.add_argument("--tail-slots", type=int, default=1,
+                        help="--compare: the narrowest decode batch once no row waits (0: no narrowing)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=None, help="new tokens (default 64; --compare: 512)")
     parser.add_argument("--dtypes", default=None, help="default float32,bfloat16; --compare: float32")

@@ -126,7 +126,8 @@ class Attention(nnx.Module):
 
         cache: None, or (k, v, layer): the stacked caches [L, B, K, S, Dh] and this layer's index;
         the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``; in decode
-        (T = 1) cache_index may be [B], each row's own slot.
+        (T = 1) cache_index may be [B], each row's own slot, and the caches may hold more than B rows
+        (a sampler's narrowed decode batch): the call's rows are their first B.
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
         """
         cfg = self.cfg
@@ -146,8 +147,9 @@ class Attention(nnx.Module):
             k_cache = write(k_cache, k.astype(k_cache.dtype), layer, cache_index)
             v_cache = write(v_cache, v.astype(v_cache.dtype), layer, cache_index)
             new_cache = (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
-        if decode:  # the filled slots of this layer's cache, up to each row's own
-            layer_kv = [jax.lax.dynamic_index_in_dim(c, layer, keepdims=False).astype(q.dtype) for c in new_cache]
+        if decode:  # the filled slots of this layer's cache, up to each row's own; its first B rows
+            layer_kv = [jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:q.shape[0]].astype(q.dtype)
+                        for c in new_cache]
             out = decode_attention(q, *layer_kv, kv_valid, cache_index + 1, block_size=cfg.attention_block_size)
         else:  # training, log-probs, prefill (from slot 0): the call's own tokens, causal
             out = attention(q, k, v, kv_valid[:, :q.shape[1]], impl=resolve_impl(cfg.attention, platform()),
@@ -249,7 +251,8 @@ class Qwen(nnx.Module):
         positions [B, T] int; kv_valid [B, S] bool marks keys that may be attended to (S = T without
         a cache); the tokens are written into cache slots cache_index .. cache_index + T - 1. A call
         with T > 1 tokens and a cache is a prefill: it must start at cache_index 0. A decode call
-        (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching).
+        (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching), and a
+        cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
 
         The layers run as one ``lax.scan`` over the stacked parameters; without a cache (the
         gradient path) its body is rematerialised per ``config.remat``.

@@ -15,6 +15,10 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
              token t. A row that stops (stop id, or its own budget) frees its slot in that step, and
              the slot takes the next waiting row at once: that row's prompt K/V is copied into the
              slot's first T cache slots. The loop ends when no row is left waiting or running.
+    tail     with ``settings.tail_slots``, once no row is waiting the decode batch narrows as rows
+             end (``narrowing_widths``): the running rows move to the first w slots of the cache
+             and a loop of width w goes on, so the long tail does not decode C mostly idle slots
+             (vLLM's batch shrinks the same way as its requests finish).
 
 Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
 ``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
@@ -34,7 +38,7 @@ float round-off of a matmul over a different batch).
 
 The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model
 is ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
-reuse one compilation. Static: shapes, n, max_new_tokens, top_k, slots. Traced: temperature
+reuse one compilation. Static: shapes, n, max_new_tokens, top_k, slots, tail_slots. Traced: temperature
 (0 = greedy), top_p, the key, the per-row budgets and the stop ids, so greedy evaluation and sampled
 training share a program. The KV cache is allocated inside the program and freed when it returns.
 """
@@ -80,6 +84,9 @@ class SampleArrays(NamedTuple):
                    prefilled once; one spread to several batch positions, once at each, where
                    batch-padding prompts would have been)
     decode_steps:  [] int32, decode steps of the call (of its slowest queue when the batch is sharded)
+    slot_steps:    [] int32, decode slots x decode steps, summed over the decode batch widths (a queue
+                   narrowing in its tail runs fewer slots a step); the slowest queue's times the queues
+                   when the batch is sharded (the others wait for it)
     """
 
     tokens: jax.Array
@@ -89,15 +96,17 @@ class SampleArrays(NamedTuple):
     stopped: jax.Array
     prefill_tokens: jax.Array
     decode_steps: jax.Array
+    slot_steps: jax.Array
 
 
-def slot_utilisation(lengths: np.ndarray, decode_steps: int, slots: int) -> float:
-    """Tokens made by decode steps / (slots x decode steps): how full the slots were (1 = never idle).
+def slot_utilisation(lengths: np.ndarray, slot_steps: int) -> float:
+    """Tokens made by decode steps / slot steps (``SampleArrays.slot_steps``: slots x decode steps at
+    each decode batch width): how full the decoded slots were (1 = never idle).
 
     lengths: [Q] generated tokens per row; token 0 of each row comes from the prefill, not a decode step.
     """
     decoded = int(np.sum(np.maximum(np.asarray(lengths, np.int64) - 1, 0)))
-    return decoded / (slots * decode_steps) if decode_steps else 1.0
+    return decoded / slot_steps if slot_steps else 1.0
 
 
 def _decode_layout(state: nnx.State, dtype) -> nnx.State:
@@ -152,17 +161,38 @@ def spread_rows(real: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Arra
     return ranked[jnp.clip(k, 0, P - 1)], first, count
 
 
+def narrowing_widths(slots: int, tail_slots: int | None) -> tuple[int, ...]:
+    """The decode batch widths of one queue, widest first: ``slots`` while rows wait, then, once the
+    queue is empty, each width of the ladder 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 x 2^(k-1):
+    each about 2/3 or 3/4 of the one above) below ``slots`` and at least ``tail_slots``. A width
+    takes over when the rows still running fit it. ``tail_slots`` None (or >= slots): no narrowing.
+    """
+    if tail_slots is None or tail_slots >= slots:
+        return (slots,)
+    ladder = {w for k in range(slots.bit_length()) for w in (2 ** k, 3 * 2 ** k // 2)}
+    return (slots, *sorted((w for w in ladder if max(tail_slots, 1) <= w < slots), reverse=True))
+
+
 def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, first_logp, budgets, row_keys,
-                 temperature, top_p, stop_ids, *, n: int, slots: int, max_new_tokens: int, top_k: int):
+                 temperature, top_p, stop_ids, *, n: int, slots: int, tail_slots: int | None, max_new_tokens: int,
+                 top_k: int):
     """The decode loop of one queue: all rows of a call, or one batch shard's rows under shard_map.
 
     prompt_cache: K/V [L, P, T, K, Dh] of the prefill; prompt_real [P, T] bool; real [Q] bool, False
     for rows that hold no sample (those of batch-padding prompts); first_tokens, first_logp, budgets
     [Q]; row_keys [Q] PRNG keys.
-    Returns (tokens [Q, N], logprobs [Q, N], lengths [Q], stopped [Q], decode steps []).
+
+    One ``while_loop`` a width of ``narrowing_widths(slots, tail_slots)``: the first runs all C slots
+    and refills them from the queue; once the queue is empty and the rows still running fit the next
+    width w, they move to the first w slots (their K/V rows copied inside the one [L, C, K, S, Dh]
+    cache, in place) and the next loop decodes only those w slots, so the long tail of a call costs
+    w, not C, slots a step. A row's tokens do not depend on the width it ran at.
+    Returns (tokens [Q, N], logprobs [Q, N], lengths [Q], stopped [Q], decode steps [], slot steps []:
+    the widths' slots x decode steps, summed).
     """
     P, T = prompt_real.shape
     Q, C, N = P * n, slots, max_new_tokens
+    widths = narrowing_widths(C, tail_slots)
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
 
     def is_stop(tokens):
@@ -178,6 +208,15 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
     logprobs = jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0))
     lengths, stopped = real.astype(jnp.int32), first_stop
 
+    def copy_rows(cache, sources, targets, count):
+        """cache rows sources[k] -> cache rows targets[k] (one [L, 1, K, S, Dh] slice each), k < count."""
+        def copy(k, cache):
+            at = (0, targets[k], 0, 0, 0)
+            return KVCache(*(jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(src, s, 1, axis=1), at)
+                             for c, src, s in ((cache.k, sources.k, sources.index[k]),
+                                               (cache.v, sources.v, sources.index[k]))))
+        return jax.lax.fori_loop(0, count, copy, cache)
+
     def refill(free, row, t, last, cache, kv_valid, taken):
         """Free slots take the next waiting rows (in queue order); slots left without one go idle
         (row Q). A taken slot gets its row's token 0 as its last token and its prompt's K/V."""
@@ -186,29 +225,18 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
         row = jnp.where(take, order[jnp.minimum(taken + rank, Q - 1)], jnp.where(free, Q, row))
         t = jnp.where(take, 1, t)
         last = jnp.where(take, first_tokens[jnp.minimum(row, Q - 1)], last)
-        fill = jnp.argsort(~take, stable=True)  # the taken slots first
+        fill = jnp.argsort(~take, stable=True).astype(jnp.int32)  # the taken slots first
+        count = jnp.sum(take, dtype=jnp.int32)
+        prompt = jnp.minimum(row, Q - 1) // n  # [C]
+        cache = copy_rows(cache, _Rows(prompt_cache.k, prompt_cache.v, prompt[fill]), fill, count)
+        kv_valid = kv_valid.at[:, :T].set(jnp.where(take[:, None], prompt_real[prompt], kv_valid[:, :T]))
+        return row, t, last, cache, kv_valid, taken + count
 
-        def copy(k, carry):
-            k_cache, v_cache, kv_valid = carry
-            slot, prompt = fill[k], row[fill[k]] // n
-            at = (0, slot, 0, 0, 0)
-            k_cache = jax.lax.dynamic_update_slice(
-                k_cache, jax.lax.dynamic_slice_in_dim(prompt_cache.k, prompt, 1, axis=1), at)
-            v_cache = jax.lax.dynamic_update_slice(
-                v_cache, jax.lax.dynamic_slice_in_dim(prompt_cache.v, prompt, 1, axis=1), at)
-            kv_valid = jax.lax.dynamic_update_slice(
-                kv_valid, jax.lax.dynamic_slice_in_dim(prompt_real, prompt, 1, axis=0), (slot, 0))
-            return k_cache, v_cache, kv_valid
-
-        k_cache, v_cache, kv_valid = jax.lax.fori_loop(0, jnp.sum(take, dtype=jnp.int32), copy,
-                                                       (cache.k, cache.v, kv_valid))
-        return row, t, last, KVCache(k_cache, v_cache), kv_valid, taken + jnp.sum(take, dtype=jnp.int32)
-
-    def decode_step(carry):
+    def decode_step(carry, refills: bool):
         steps, row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped = carry
         busy = row < Q
         r = jnp.minimum(row, Q - 1)
-        positions = prompt_lengths[r // n] + t - 1  # [C]: the position of each slot's last token
+        positions = prompt_lengths[r // n] + t - 1  # [w]: the position of each slot's last token
         hidden, cache = model.forward(last[:, None], positions[:, None], kv_valid, cache, T + t - 1)
         keys = jax.vmap(jax.random.fold_in)(row_keys[r], t)
         token, logp = select(model.logits(hidden)[:, 0], keys)
@@ -219,9 +247,23 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
         t = jnp.where(busy, t + 1, t)
         lengths = lengths.at[out].set(t, mode="drop")
         stopped = stopped.at[out].set(hit, mode="drop")
-        free = ~busy | hit | (t >= budgets[r])
-        row, t, last, cache, kv_valid, taken = refill(free, row, t, token, cache, kv_valid, taken)
+        done = hit | (t >= budgets[r])
+        if refills:
+            row, t, last, cache, kv_valid, taken = refill(~busy | done, row, t, token, cache, kv_valid, taken)
+        else:
+            row, last = jnp.where(done, Q, row), token
         return steps + 1, row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped
+
+    def narrow(carry, width: int):
+        """The running rows to slots 0 .. width - 1 (in slot order), their K/V rows with them."""
+        steps, row, t, last, cache, kv_valid, *rest = carry
+        busy = row < Q
+        moved = jnp.argsort(~busy, stable=True).astype(jnp.int32)  # the busy slots first
+        # in place: a row moves to a slot before its own, and the slots are filled in order
+        cache = copy_rows(cache, _Rows(cache.k, cache.v, moved), jnp.arange(width, dtype=jnp.int32),
+                          jnp.sum(busy, dtype=jnp.int32))
+        keep = moved[:width]
+        return (steps, row[keep], t[keep], last[keep], cache, kv_valid[keep], *rest)
 
     cache = model.init_cache(C, T + N)
     kv_valid = jnp.concatenate([jnp.zeros((C, T), bool), jnp.ones((C, N), bool)], axis=1)  # [C, S]
@@ -230,17 +272,37 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
     row, t, last, cache, kv_valid, taken = refill(jnp.ones((C,), bool), idle, zeros, zeros, cache, kv_valid,
                                                   jnp.int32(0))
     carry = (jnp.int32(0), row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped)
-    carry = jax.lax.while_loop(lambda c: jnp.any(c[1] < Q), decode_step, carry)
+    slot_steps = jnp.int32(0)
+    for k, width in enumerate(widths):
+        following = widths[k + 1] if k + 1 < len(widths) else 0
+
+        def more(c, following=following):  # rows left that do not fit the next width, or waiting ones
+            running = jnp.sum(c[1] < Q, dtype=jnp.int32)
+            return (running > following) | ((c[6] < queued) & (running > 0))
+
+        if k:
+            carry = narrow(carry, width)
+        start = carry[0]
+        carry = jax.lax.while_loop(more, functools.partial(decode_step, refills=k == 0), carry)
+        slot_steps = slot_steps + width * (carry[0] - start)
     steps, tokens, logprobs, lengths, stopped = carry[0], *carry[7:]
-    return tokens, logprobs, lengths, stopped, steps
+    return tokens, logprobs, lengths, stopped, steps, slot_steps
+
+
+class _Rows(NamedTuple):
+    """Rows ``index`` of K/V buffers [L, B, K, S, Dh] (copied into a cache by ``copy_rows``)."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
 
 
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("n", "max_new_tokens", "top_k", "slots"))
+                   static_argnames=("n", "max_new_tokens", "top_k", "slots", "tail_slots"))
 def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                      prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, temperature: jax.Array,
                      top_p: jax.Array, stop_ids: jax.Array, *, n: int, max_new_tokens: int, top_k: int,
-                     slots: int) -> SampleArrays:
+                     slots: int, tail_slots: int | None) -> SampleArrays:
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     cfg = nnx.merge(graphdef, state).cfg
@@ -288,7 +350,7 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
     rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
     loop_args = (prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
                  row_keys.reshape(Q), temperature, top_p, stop_ids)
-    static = dict(n=n, slots=slots, max_new_tokens=max_new_tokens, top_k=top_k)
+    static = dict(n=n, slots=slots, tail_slots=tail_slots, max_new_tokens=max_new_tokens, top_k=top_k)
 
     if axes:
         mesh = current_rules().mesh
@@ -296,24 +358,26 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
         split, whole = PartitionSpec(axes), PartitionSpec()
         cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
 
+        per_queue = dict(slots=slots // shards, tail_slots=None if tail_slots is None else max(tail_slots // shards, 1))
+
         def per_shard(state, *args):
-            *out, steps = _decode_loop(nnx.merge(graphdef, state), *args, **{**static, "slots": slots // shards})
-            return *out, steps[None]
+            *out, steps, slot_steps = _decode_loop(nnx.merge(graphdef, state), *args, **{**static, **per_queue})
+            return *out, steps[None], slot_steps[None]
 
         decode = jax.shard_map(per_shard, mesh=mesh,
                                in_specs=(whole, cache_split, split, split, split, split, split, split, whole,
                                          whole, whole),
-                               out_specs=(split,) * 5, axis_names=set(axes), check_vma=False)
-        *outs, steps = decode(nnx.state(model), *loop_args)
-        steps = jnp.max(steps)
+                               out_specs=(split,) * 6, axis_names=set(axes), check_vma=False)
+        *outs, steps, slot_steps = decode(nnx.state(model), *loop_args)
+        steps, slot_steps = jnp.max(steps), jnp.max(slot_steps) * shards
         # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
         tokens, logprobs, lengths, stopped = (
             constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), ("batch",) + (None,) * (x.ndim - 1))
             for x, empty in zip(outs, (PAD_ID, 0.0, 0, False)))
     else:
-        tokens, logprobs, lengths, stopped, steps = _decode_loop(model, *loop_args, **static)
+        tokens, logprobs, lengths, stopped, steps, slot_steps = _decode_loop(model, *loop_args, **static)
     response_mask = (jnp.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(jnp.int32)
-    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens, steps)
+    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens, steps, slot_steps)
 
 
 def stop_id_array(stop_token_ids) -> np.ndarray:
@@ -348,7 +412,9 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
         raise ValueError(f"slots={slots}: more decode slots than rows ({prompt_tokens.shape[0]} prompts x "
                          f"n={settings.n}); use at most {rows}")
     stop_ids = stop_id_array(settings.stop_token_ids)
-    static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k, slots=slots)
+    tail_slots = None if settings.tail_slots is None or settings.tail_slots >= slots else settings.tail_slots
+    static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k, slots=slots,
+                  tail_slots=tail_slots)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         spec = jax.ShapeDtypeStruct

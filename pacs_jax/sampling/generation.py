@@ -56,12 +56,13 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
 def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] | int | None = None, seed: int = 0, *,
-             slots: int | None = None, budgets: Sequence[int] | None = None,
+             slots: int | None = None, tail_slots: int | None = None, budgets: Sequence[int] | None = None,
              length_multiple: int = 64, max_cache_length: int | None = None) -> GenerateOutput:
     """Sample ``n`` continuations of each prompt (token-id lists) with a KV cache.
 
     temperature 0 is greedy; stop_token_ids None means the model's eos_token_id(s), () means none.
     slots: decode slots (continuous batching; capped at the call's rows); None: one per row (static).
+    tail_slots: with slots, the narrowest the decode batch gets once no row waits (SamplingSettings).
     budgets: per prompt, its samples' new-token budget (<= max_new_tokens, vLLM's per-request
     max_tokens); None: max_new_tokens for all. The samples do not depend on ``slots``.
     Prompts are left-padded to a multiple of ``length_multiple`` and their count to a power of two
@@ -97,7 +98,8 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             raise ValueError(f"budgets: {len(budgets)} given for {len(prompts)} prompts")
         budgets = np.repeat(np.pad(np.asarray(budgets), (0, batch - len(prompts)), constant_values=1), n)
     if slots is not None:
-        settings = dataclasses.replace(settings, slots=call_slots(slots, batch * n))
+        slots = call_slots(slots, batch * n)
+        settings = dataclasses.replace(settings, slots=slots, tail_slots=None if tail_slots is None else min(tail_slots, slots))
     graphdef, state = nnx.split(model)
     out = sample(graphdef, state, tokens, mask, settings, jax.random.key(seed), budgets)
 

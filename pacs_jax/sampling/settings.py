@@ -27,6 +27,10 @@ class SamplingSettings:
     row); None gives every row its own slot (static batching: the call runs until its longest row
     ends). At most the call's rows (prompts x n); on a mesh, a multiple of the batch shards keeps
     one queue per shard.
+    tail_slots: once no row is waiting, the decode batch narrows as its rows end, width by width
+    (``engine.narrowing_widths``: 2/3 to 3/4 of the width above each time) down to ``tail_slots``, so
+    a call's long tail decodes only the slots still running; None: the call runs all its slots to
+    the end. At most ``slots``; on a mesh, per queue it is tail_slots / batch shards (at least 1).
     """
 
     max_new_tokens: int
@@ -36,6 +40,7 @@ class SamplingSettings:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     slots: int | None = None
+    tail_slots: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -51,6 +56,10 @@ class SamplingSettings:
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)")
         if self.slots is not None and (not _is_int(self.slots) or self.slots < 1):
             raise ValueError(f"slots={self.slots!r}: must be an integer >= 1 (or None: one per row)")
+        if self.tail_slots is not None and (not _is_int(self.tail_slots) or self.tail_slots < 1
+                                            or self.slots is None or self.tail_slots > self.slots):
+            raise ValueError(f"tail_slots={self.tail_slots!r}: must be an integer in [1, slots={self.slots}] "
+                             "(continuous batching), or None: no narrowing")
         stops = self.stop_token_ids
         if isinstance(stops, numbers.Integral):
             stops = (stops,)

@@ -156,6 +156,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                  f"{rc.slots!r} must be an integer >= 1 whose value, capped at a sampler call's {slots} responses "
                  f"(prompts_per_step / rollout.micro_batches x rollout.n), is a multiple of the mesh's "
                  f"data x fsdp = {batch_shards} (one queue per batch shard)")
+        _require(isinstance(rc.tail_slots, int) and rc.tail_slots >= 0, "rollout.tail_slots",
+                 f"{rc.tail_slots!r} must be an integer >= 0 (0: the decode batch never narrows)")
     _check_tensor_axis(config, tensor)
 
 
@@ -269,6 +271,8 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
     _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
     for field in ("max_new_tokens", "batch_size", "slots"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
+    _require(isinstance(ec.tail_slots, int) and ec.tail_slots >= 0, "eval.tail_slots",
+             f"must be an integer >= 0 (0: the decode batch never narrows), got {ec.tail_slots!r}")
     _require(isinstance(ec.periodic.every, int) and ec.periodic.every >= 0, "eval.periodic.every",
              f"must be an integer >= 0 (0: none), got {ec.periodic.every!r}")
     for section in ("periodic", "final"):
@@ -332,6 +336,13 @@ def _check_tensor_axis(config: ml_collections.ConfigDict, tensor: int) -> None:
         _require(getattr(cfg, field) % tensor == 0, "mesh.tensor",
                  f"{tensor} does not divide the model's {field} ({getattr(cfg, field)}); choose a tensor axis "
                  f"that divides it")
+
+
+def sampler_tail_slots(config: ml_collections.ConfigDict) -> int | None:
+    """The narrowest decode batch of a training sampler call (``rollout.tail_slots`` capped at its
+    slots); None without narrowing (tail_slots 0, or the static sampler)."""
+    slots = sampler_slots(config)
+    return None if slots is None or not config.rollout.tail_slots else min(config.rollout.tail_slots, slots)
 
 
 def sampler_slots(config: ml_collections.ConfigDict) -> int | None:

@@ -96,7 +96,7 @@ class RolloutCollector:
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
         bucket), tokens, response_mask [P*n, R] (cut to the response bucket), host arrays lengths,
         stopped [P*n] (every row's, on every process), and the calls' decode steps (summed) and slot
-        utilisation (decoded tokens / (slots x decode steps)).
+        utilisation (decoded tokens / slot steps: slots x decode steps at each decode batch width).
         """
         programs = self.programs
         K = programs.sampler_calls
@@ -110,15 +110,16 @@ class RolloutCollector:
                                 jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
         # one transfer for all calls
-        host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps) for o in outs])
+        host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
         lengths, stopped = (np.concatenate(parts) for parts in list(zip(*host_calls))[:2])
-        decode_steps = sum(int(steps) for _, _, steps in host_calls)
+        decode_steps = sum(int(call[2]) for call in host_calls)
+        slot_steps = sum(int(call[3]) for call in host_calls)
         R = pick_bucket(int(lengths.max()), programs.response_buckets, "a response")
         tokens, response_mask = programs.assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs), R)
         return {"prompt_tokens": self._put(tokens_np), "prompt_mask": self._put(mask_np), "tokens": tokens,
                 "response_mask": response_mask, "lengths": lengths, "stopped": stopped,
                 "decode_steps": decode_steps,
-                "slot_utilisation": sampling.slot_utilisation(lengths, decode_steps, programs.slots)}
+                "slot_utilisation": sampling.slot_utilisation(lengths, slot_steps)}
 
     def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array]:
         """Dispatch the pi_old program on a ``sample`` result (asynchronous): (update batch without
@@ -174,7 +175,7 @@ class RolloutCollector:
             "entropy": entropy_mean,
             "generated_tokens": float(lengths.sum()),
             "decode_steps": float(sampled["decode_steps"]),  # of the step's sampler calls, summed
-            "slot_utilisation": sampled["slot_utilisation"],  # decoded tokens / (slots x decode steps)
+            "slot_utilisation": sampled["slot_utilisation"],  # decoded tokens / slot steps
             # identifies the sampled tokens (resume and multi-process tests compare it across runs)
             "sampled_tokens_checksum": float(np.sum(checksum.astype(np.int64))),
             **{f"reward_{k}": v for k, v in reward_metrics.items()},

@@ -204,7 +204,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
         """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``."""
         rows, metrics = evaluation.evaluate_per_set(
             current, tokenizer, sets, per_set or {}, evaluation.EvalSettings(n, temperature, top_p, ec.max_new_tokens),
-            seed=config.seed, batch_size=ec.batch_size, slots=ec.slots if ec.sampler == "continuous" else None,
+            seed=config.seed, batch_size=ec.batch_size, **evaluation.eval_slots(ec),
             reward_pool=pool, instruction=dc.instruction,
             stop_token_ids=stop_ids, progress=primary)
         if primary:
