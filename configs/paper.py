@@ -135,6 +135,10 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.rollout.response_buckets = (1024, 2048, 3072, 4096)
     c.rollout.micro_batches = spec["rollout_micro_batches"]
     c.rollout.sampler, c.rollout.slots = "continuous", spec["slots"]
+    # Once no response waits, the decode batch narrows as responses end, to slots / 8 (64 a batch shard on
+    # v5p-64): below that a decode step's cost is mostly the weights' HBM reads, so narrower widths save
+    # little, and each width is one more compiled decode loop.
+    c.rollout.tail_slots = spec["slots"] // 8
     algorithms.setup(algo_name, MAX_NEW_TOKENS).apply(c)
     c.optim.lr = 1e-6
     c.optim.schedule = "constant"
@@ -155,7 +159,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     # AIME 2024 / 2025 and AMC23, 32 on MATH-500 (and GSM8K), at T = 0.6, top_p 0.95.
     c.eval.sets = "math_500,aime_2024,aime_2025,amc23,gsm8k"
     c.eval.max_new_tokens = paper_evaluation.MAX_NEW_TOKENS
-    c.eval.batch_size, c.eval.slots = 32, 256
+    c.eval.batch_size, c.eval.slots, c.eval.tail_slots = 32, 256, 32
     c.eval.before_rl = True  # the tables' "Base" row (--config.eval.before_rl=False skips it)
     c.eval.periodic.update(every=5, n=1, temperature=0.0, top_p=1.0)
     c.eval.final.update(n=32, temperature=paper_evaluation.TEMPERATURE, top_p=paper_evaluation.TOP_P, greedy=False,

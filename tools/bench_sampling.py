@@ -10,12 +10,15 @@ or (``--compare``) our continuous-batching sampler vs our static one on long-tai
 from a log-normal with median new / 8 and sigma 1, rounded and clipped to [1, new] (RL response
 lengths are right-skewed: most answers end far below the budget, a few run into it; with 64 rows about
 one in three calls has a row at the budget). Both samplers run the same rows with the same budgets
-(the tokens are checked equal); the static one gives every row its own slot and runs until the
-longest row ends, the continuous one runs ``slots`` slots, each taking the next row when its row ends,
-and once no row waits narrows its decode batch down to ``tail-slots`` as rows end (0: never).
+(the tokens are checked equal) in the same KV-cache memory, ``slots`` decode slots: static batching
+runs the rows in calls of ``slots`` rows, each call until its longest row ends (the trainer's static
+sampler with ``rollout.micro_batches``); the continuous sampler runs them all in one call, a slot
+taking the next row when its row ends, and once no row waits narrows its decode batch down to
+``tail-slots`` as rows end (0: never).
 Prints each one's decode steps, slot utilisation (tokens made by decode steps / slot steps, the
 slots decoded at each step summed) and tokens/s (generated tokens / wall time, prefill included; best
-of ``rounds``, the program compiled ahead of time first), and ends with ``continuous vs static: utilisation U_c vs U_s, tokens/s ratio R``.
+of ``rounds``, the program compiled ahead of time first), and ends with
+``continuous vs static: utilisation U_c vs U_s, tokens/s ratio R``.
 
 Greedy decoding of ``batch`` random prompts of ``prompt`` tokens, exactly ``new`` new tokens each (no
 stop id), both sides on the same weights (random, exported with models.export_hf).
@@ -114,12 +117,14 @@ def long_tailed_budgets(rows: int, new: int, seed: int = 0) -> np.ndarray:
 
 
 def compare(args) -> None:
-    """The continuous sampler against the static one on the same rows and long-tailed budgets."""
+    """The continuous sampler against static batching on the same rows, long-tailed budgets and
+    decode slots (the same KV-cache memory)."""
     dtype = args.dtypes.split(",")[0]
     cfg = models.preset(args.preset, eos_token_id=None, dtype=dtype, param_dtype=dtype)
     rows = args.batch * args.n
-    if not 1 <= args.slots <= rows:
-        raise SystemExit(f"--slots {args.slots}: must be in [1, {rows}] (--batch x --n)")
+    if not 1 <= args.slots <= rows or args.slots % args.n or rows % args.slots:
+        raise SystemExit(f"--slots {args.slots}: must divide the {rows} rows (--batch x --n) and be a multiple of "
+                         f"--n {args.n} (static batching runs --slots / --n prompts a call)")
     if not 0 <= args.tail_slots <= args.slots:
         raise SystemExit(f"--tail-slots {args.tail_slots}: must be in [0, --slots {args.slots}]")
     rng = np.random.default_rng(0)
@@ -130,34 +135,47 @@ def compare(args) -> None:
           f"{budgets.max()}; jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus)")
     model = models.init_random(cfg, seed=0)
     graphdef, state = nnx.split(model)
-    host_tokens, host_mask = sampling.left_pad(prompts, args.batch, round_up(args.prompt, 64))
-    placed = sharding.placement(("batch", "length"), host_tokens.shape)
-    tokens, mask = jax.device_put(host_tokens, placed), jax.device_put(host_mask, placed)
+
+    def calls(prompts_a_call: int) -> list[tuple[jax.Array, jax.Array, np.ndarray]]:
+        """(tokens, mask, budgets) of each sampler call of ``prompts_a_call`` prompts."""
+        out = []
+        for first in range(0, args.batch, prompts_a_call):
+            host_tokens, host_mask = sampling.left_pad(prompts[first:first + prompts_a_call], prompts_a_call,
+                                                       round_up(args.prompt, 64))
+            placed = sharding.placement(("batch", "length"), host_tokens.shape)
+            out.append((jax.device_put(host_tokens, placed), jax.device_put(host_mask, placed),
+                        budgets[first * args.n:(first + prompts_a_call) * args.n]))
+        return out
+
+    sides = {"static": (calls(args.slots // args.n), None, None),
+             "continuous": (calls(args.batch), args.slots, args.tail_slots or None)}
     results = {}
-    for name, slots in (("static", None), ("continuous", args.slots)):
-        tail_slots = (args.tail_slots or None) if slots else None
+    for name, (side_calls, slots, tail_slots) in sides.items():
         settings = sampling.SamplingSettings(max_new_tokens=args.new, n=args.n, slots=slots, tail_slots=tail_slots)
 
         def run():
-            return jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), budgets))
+            return [jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), b))
+                    for tokens, mask, b in side_calls]
 
         # compiled ahead of time (the program a call runs), so no untimed sampling run is needed
+        tokens, mask, _ = side_calls[0]
         compile_s = _timed(lambda: lower_sample(graphdef, sharding.abstract(state), sharding.abstract(tokens),
                                                 sharding.abstract(mask), settings).compile())
-        seconds, out = float("inf"), None
+        seconds, outs = float("inf"), None
         for _ in range(args.rounds):
             start = time.perf_counter()
-            out = run()
+            outs = run()
             seconds = min(seconds, time.perf_counter() - start)
-        steps = int(out.decode_steps)
-        results[name] = (out, steps, sampling.slot_utilisation(out.lengths, int(out.slot_steps)),
-                         int(out.lengths.sum()) / seconds)
-        print(f"{name:<11} slots {slots or rows:>5} (tail {tail_slots or '-'})  decode steps {steps:>6}  utilisation "
-              f"{results[name][2]:.3f}  {seconds:8.2f} s  {results[name][3]:9.1f} tokens/s  (compiled in "
-              f"{compile_s:.1f} s)", flush=True)
-    (static, _, u_s, r_s), (cont, _, u_c, r_c) = results["static"], results["continuous"]
-    np.testing.assert_array_equal(cont.tokens, static.tokens)
-    np.testing.assert_array_equal(cont.lengths, budgets)
+        lengths = np.concatenate([o.lengths for o in outs])
+        steps = sum(int(o.decode_steps) for o in outs)
+        utilisation = sampling.slot_utilisation(lengths, sum(int(o.slot_steps) for o in outs))
+        results[name] = (np.concatenate([o.tokens for o in outs]), lengths, utilisation, int(lengths.sum()) / seconds)
+        print(f"{name:<11} {len(outs)} call(s) of {rows // len(outs)} rows in {args.slots} slots (narrowing to "
+              f"{tail_slots or '-'})  decode steps {steps:>5}  utilisation {utilisation:.3f}  {seconds:7.1f} s  "
+              f"{results[name][3]:7.1f} tokens/s  (compiled in {compile_s:.1f} s)", flush=True)
+    (static_tokens, _, u_s, r_s), (tokens, lengths, u_c, r_c) = results["static"], results["continuous"]
+    np.testing.assert_array_equal(tokens, static_tokens)
+    np.testing.assert_array_equal(lengths, budgets)
     print(f"continuous vs static: utilisation {u_c:.3f} vs {u_s:.3f}, tokens/s ratio {r_c / r_s:.2f}")
 
 

@@ -173,6 +173,14 @@ def narrowing_widths(slots: int, tail_slots: int | None) -> tuple[int, ...]:
     return (slots, *sorted((w for w in ladder if max(tail_slots, 1) <= w < slots), reverse=True))
 
 
+class _Rows(NamedTuple):
+    """Rows ``index`` [count] of K/V buffers [L, B, K, S, Dh], or of the cache being written (k, v None)."""
+
+    k: jax.Array | None
+    v: jax.Array | None
+    index: jax.Array
+
+
 def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, first_logp, budgets, row_keys,
                  temperature, top_p, stop_ids, *, n: int, slots: int, tail_slots: int | None, max_new_tokens: int,
                  top_k: int):
@@ -208,13 +216,16 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
     logprobs = jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0))
     lengths, stopped = real.astype(jnp.int32), first_stop
 
-    def copy_rows(cache, sources, targets, count):
-        """cache rows sources[k] -> cache rows targets[k] (one [L, 1, K, S, Dh] slice each), k < count."""
+    def copy_rows(cache, rows: _Rows, targets, count):
+        """Rows rows.index[k] of rows.k / rows.v (None: of the cache itself) -> cache rows targets[k]
+        (one [L, 1, K, S', Dh] slice each, S' <= S), for k < count. Within the cache the copies read
+        the loop's own buffer, so no second cache is kept for them; each source row must still hold
+        its value when its turn comes."""
         def copy(k, cache):
             at = (0, targets[k], 0, 0, 0)
-            return KVCache(*(jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(src, s, 1, axis=1), at)
-                             for c, src, s in ((cache.k, sources.k, sources.index[k]),
-                                               (cache.v, sources.v, sources.index[k]))))
+            return KVCache(*(jax.lax.dynamic_update_slice(
+                c, jax.lax.dynamic_slice_in_dim(c if src is None else src, rows.index[k], 1, axis=1), at)
+                for c, src in ((cache.k, rows.k), (cache.v, rows.v))))
         return jax.lax.fori_loop(0, count, copy, cache)
 
     def refill(free, row, t, last, cache, kv_valid, taken):
@@ -260,7 +271,7 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
         busy = row < Q
         moved = jnp.argsort(~busy, stable=True).astype(jnp.int32)  # the busy slots first
         # in place: a row moves to a slot before its own, and the slots are filled in order
-        cache = copy_rows(cache, _Rows(cache.k, cache.v, moved), jnp.arange(width, dtype=jnp.int32),
+        cache = copy_rows(cache, _Rows(None, None, moved), jnp.arange(width, dtype=jnp.int32),
                           jnp.sum(busy, dtype=jnp.int32))
         keep = moved[:width]
         return (steps, row[keep], t[keep], last[keep], cache, kv_valid[keep], *rest)
@@ -287,14 +298,6 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
         slot_steps = slot_steps + width * (carry[0] - start)
     steps, tokens, logprobs, lengths, stopped = carry[0], *carry[7:]
     return tokens, logprobs, lengths, stopped, steps, slot_steps
-
-
-class _Rows(NamedTuple):
-    """Rows ``index`` of K/V buffers [L, B, K, S, Dh] (copied into a cache by ``copy_rows``)."""
-
-    k: jax.Array
-    v: jax.Array
-    index: jax.Array
 
 
 @functools.partial(jax.jit, static_argnums=0,
