@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pacs_jax import checkpoints, data, evaluate, models
 from pacs_jax.data import remote
 from pacs_jax.evaluation.target import resolve as resolve_target
-from pacs_jax.sharding import config_mesh
+from pacs_jax.sharding import make_mesh
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.run import run_training
 from test_train_real_config import TINY, deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
@@ -106,17 +106,33 @@ def test_the_config_check_reads_gs_paths_and_names_a_missing_one(store, hf_model
         assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-@pytest.mark.slow(seconds=60)
+def _short_rows(deepscaler_rows, path):
+    """The rows of deepscaler_rows whose prompts fit one 256-token bucket (its 24 shortest), written to path."""
+    rows = json.loads(deepscaler_rows.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sorted(rows, key=lambda r: len(r["problem"]))[:24]))
+
+
+@pytest.mark.slow(seconds=20)
 def test_a_run_reads_its_model_tokenizer_and_data_from_gs_and_evaluate_reads_its_workdir(
         store, hf_model_dir, deepscaler_rows, tmp_path, capsys):
+    """The trainer as a run calls it (the config check's lookups, then run_training: model.path's cached
+    copy, the tokenizer and data read through it, config.json, the export's tokenizer), on the cheapest run
+    that writes two checkpoints: one device, 2 steps of 2 prompts x 8 responses of 4 tokens, one prompt
+    bucket, no evaluation, no ahead-of-time compilation."""
     shutil.copytree(hf_model_dir, store / "bucket" / "models" / "tiny")
-    (store / "bucket" / "data").mkdir()
-    shutil.copy(deepscaler_rows, store / "bucket" / "data" / "deepscaler.json")
+    _short_rows(deepscaler_rows, store / "bucket" / "data" / "deepscaler.json")
     config = _config("gs://bucket/data/deepscaler.json", "gs://bucket/models/tiny", steps=2)
     config.train.checkpoint_every = 1
-    validate_config(config)
+    config.train.prompts_per_step, config.train.mini_batches, config.train.micro_batches = 2, 1, 1
+    config.rollout.max_new_tokens, config.rollout.response_buckets = 4, (4,)
+    config.data.max_prompt_length, config.data.prompt_buckets = 256, (256,)
+    config.eval.before_rl = False
+    validate_config(config)  # with the paper's mesh over the 8 test devices; the run on one device
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    config.train.precompile = False  # each program compiled at its first use (the ahead-of-time pass took 2x as long)
     workdir = tmp_path / "run"
-    with jax.set_mesh(config_mesh(config.mesh)):
+    with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
         summary = run_training(config, workdir)
     assert summary["final_step"] == 2
     copy = tmp_path / "cache" / "remote" / "gs" / "bucket" / "models" / "tiny"
