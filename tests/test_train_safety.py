@@ -32,24 +32,9 @@ def _log_has(workdir, log_name: str, text: str):
 
 
 # ---------------------------------------------------------------------------------------------- signals
-@pytest.mark.slow(seconds=60)
-def test_sigint_writes_a_checkpoint_at_the_end_of_the_step(tmp_path_factory):
-    env = train_env(compile_cache_dir(tmp_path_factory))
-    root = tmp_path_factory.mktemp("sigint")
-    once = root / "once"
-    flags = (*FAST_DEMO_FLAGS, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=0")
-
-    process = start_train(once, *flags, env=env, log_name="once", new_session=True)
-    wait_for(lambda: len(metrics_rows(once)) >= 1, process, "the first RL step")
-    os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: the whole foreground group, reward workers too
-    assert finish(process) == 0, logs(once, "once")
-    output = logs(once, "once")
-    last = metrics_rows(once)[-1]["step"]
-    assert checkpoint_steps(once) == [last] and last < LONG
-    assert "SIGINT: finishing the current step, then writing its checkpoint and exiting" in output
-    assert f"SIGINT: checkpoint of step {last} written, exiting" in output
-    assert not (once / LOCK_FILE).exists()  # released on the way out
-
+# The shrunk demo straight into RL: no warm-start and no evaluation (the signal tests need only RL steps).
+RL_ONLY_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=0", "--config.data.warmstart_problems=0",
+                 "--config.eval.sets=")
 
 # The trainer with its forced saves (the one a stop signal asks for, or the last step's) announced and held
 # for a minute before they run: a signal sent after the announcement lands inside that save, however loaded
@@ -69,26 +54,40 @@ runpy.run_module("pacs_jax.train", run_name="__main__")
 """
 
 
-@pytest.mark.slow(seconds=30)
-def test_a_second_sigint_during_the_checkpoint_aborts_at_once(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sigint_twice")
-    workdir = root / "run"
-    flags = (*FAST_DEMO_FLAGS, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=0")
-    with open(root / "run.out", "w") as out, open(root / "run.err", "w") as err:
-        process = subprocess.Popen([sys.executable, "-c", SLOW_FORCED_SAVE, f"--workdir={workdir}", *flags],
-                                   cwd=REPO, env=train_env(compile_cache_dir(tmp_path_factory)), stdout=out,
-                                   stderr=err, start_new_session=True)
+@pytest.mark.slow(seconds=45)
+def test_sigint_checkpoints_the_step_and_a_second_sigint_during_that_checkpoint_aborts(tmp_path_factory):
+    """One workdir, two sessions: Ctrl-C once writes the checkpoint of the step under way and exits 0; the
+    resume (its programs from the first session's compilation cache), Ctrl-C'd again, then once more
+    inside the checkpoint that asked for, aborts at once and writes nothing."""
+    env = train_env(compile_cache_dir(tmp_path_factory))
+    workdir = tmp_path_factory.mktemp("sigint") / "run"
+    flags = (*RL_ONLY_FLAGS, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=0")
+
+    process = start_train(workdir, *flags, env=env, log_name="once", new_session=True)
     wait_for(lambda: len(metrics_rows(workdir)) >= 1, process, "the first RL step")
+    os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: the whole foreground group, reward workers too
+    assert finish(process) == 0, logs(workdir, "once")
+    output = logs(workdir, "once")
+    last = metrics_rows(workdir)[-1]["step"]
+    assert checkpoint_steps(workdir) == [last] and last < LONG
+    assert "SIGINT: finishing the current step, then writing its checkpoint and exiting (send SIGTERM or press " \
+           "Ctrl-C again to abort at once" in output
+    assert f"SIGINT: checkpoint of step {last} written, exiting" in output
+    assert not (workdir / LOCK_FILE).exists()  # released on the way out
+
+    with open(workdir.parent / "twice.out", "w") as out, open(workdir.parent / "twice.err", "w") as err:
+        process = subprocess.Popen([sys.executable, "-c", SLOW_FORCED_SAVE, f"--workdir={workdir}", *flags],
+                                   cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+    wait_for(lambda: len(metrics_rows(workdir)) > last, process, "a step after the resume")
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the step under way finishes, then its checkpoint
-    wait_for(_log_has(workdir, "run", "forced save of step"), process, "the checkpoint after the first SIGINT")
+    wait_for(_log_has(workdir, "twice", "forced save of step"), process, "the checkpoint after the first SIGINT")
     sent = time.monotonic()
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C again, inside that save: abort
     assert finish(process, timeout=30) == -signal.SIGINT
     assert time.monotonic() - sent < 10  # at once, not after the held save
-    output = logs(workdir, "run")
-    assert "SIGINT: finishing the current step, then writing its checkpoint and exiting (send SIGTERM or press " \
-           "Ctrl-C again to abort at once" in output
-    assert checkpoint_steps(workdir) == [] and "checkpoint of step" not in output
+    output = logs(workdir, "twice")
+    assert f"resumed from step {last} " in output and "SIGINT: finishing the current step" in output
+    assert checkpoint_steps(workdir) == [last] and "checkpoint of step" not in output
 
 
 @pytest.mark.slow(seconds=40)
