@@ -8,6 +8,11 @@
 # start-up barrier), JAX_NUM_PROCESSES=K, JAX_PROCESS_ID=i, D CPU devices and gloo collectives;
 # pacs_jax.train reads those variables. Every output line is prefixed with "[i] ". When a process
 # fails, the others are stopped and this script exits with the failing process's status.
+#
+# Ctrl-C (SIGINT) or SIGTERM reaching this script is passed on to every process (with its children, as
+# a terminal's Ctrl-C would), and the script waits for them with their output still flowing: the
+# trainers finish the step under way, write its checkpoint and exit (the same step on every process).
+# Ctrl-C again aborts them at once.
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -47,10 +52,23 @@ EOF
 fi
 
 pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+signal_all() {  # $1: the signal, to each process's group (the prefixing sed ignores INT and TERM)
+  for pid in "${pids[@]}"; do kill "-$1" -- "-$pid" 2>/dev/null || true; done
 }
-trap 'cleanup; exit 130' INT TERM
+cleanup() { signal_all TERM; }
+interrupts=0
+forward() {  # a stop signal to this script: the processes get it too; this script keeps waiting for them
+  interrupts=$((interrupts + 1))
+  if [ "$interrupts" -eq 1 ]; then
+    echo "local.sh: $1: passed on to the $processes processes; waiting for them to write their checkpoint" \
+         "and exit (Ctrl-C again to abort at once)" >&2
+  else
+    echo "local.sh: $1 again: passed on; the processes abort" >&2
+  fi
+  signal_all "$1"
+}
+trap 'forward INT' INT
+trap 'forward TERM' TERM
 
 set -m  # each process in its own process group, so that stopping it stops its children too
 for ((i = 0; i < processes; i++)); do
@@ -59,7 +77,7 @@ for ((i = 0; i < processes; i++)); do
     JAX_COORDINATOR_ADDRESS="localhost:$port" JAX_NUM_PROCESSES="$processes" JAX_PROCESS_ID="$i" \
       JAX_PLATFORMS=cpu JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo \
       XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices" \
-      "$@" 2>&1 | sed -u "s/^/[$i] /"
+      "$@" 2>&1 | (trap '' INT TERM; exec sed -u "s/^/[$i] /")  # sed ends when the process's output does
   ) &
   pids+=($!)
 done
@@ -69,6 +87,7 @@ running=("${pids[@]}")
 while [ "${#running[@]}" -gt 0 ]; do
   finished="" status=0
   wait -n -p finished "${running[@]}" || status=$?
+  [ -n "${finished:-}" ] || continue  # a trapped signal interrupted the wait (and unset finished): keep waiting
   still=()
   for pid in "${running[@]}"; do [ "$pid" = "$finished" ] || still+=("$pid"); done
   running=("${still[@]}")

@@ -168,6 +168,9 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
             signal_name = (signals.requested if single_process else
                            "preemption (at the same step on every process)")
             logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
+            if not primary:  # every host's log says where it stopped (the logger writes on process 0 only)
+                print(f"process {jax.process_index()}: {signal_name}: checkpoint of step {step} written, exiting",
+                      flush=True)
             stopped = True
             break
     if single_process and not stopped and signals.requested is not None:  # no step was under way

@@ -117,8 +117,9 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.multiprocess:  # SIGINT: ask JAX's preemption service for an agreed stop
             self.requested = name
-            _say(f"{name}: every process stops after the next RL step and writes its checkpoint "
-                 f"(press Ctrl-C again to abort at once, losing the steps since the last checkpoint)")
+            _say(f"{name}: every process stops at the same RL step (the first that all of them reach after "
+                 f"this notice) and writes its checkpoint (press Ctrl-C again to abort at once, losing the "
+                 f"steps since the last checkpoint)")
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
