@@ -119,7 +119,7 @@ def test_a_run_reads_its_model_tokenizer_and_data_from_gs_and_evaluate_reads_its
     """The trainer as a run calls it (the config check's lookups, then run_training: model.path's cached
     copy, the tokenizer and data read through it, config.json, the export's tokenizer), on the cheapest run
     that writes two checkpoints: one device, 2 steps of 2 prompts x 8 responses of 4 tokens, one prompt
-    bucket, no evaluation, no ahead-of-time compilation."""
+    bucket, no evaluation."""
     shutil.copytree(hf_model_dir, store / "bucket" / "models" / "tiny")
     _short_rows(deepscaler_rows, store / "bucket" / "data" / "deepscaler.json")
     config = _config("gs://bucket/data/deepscaler.json", "gs://bucket/models/tiny", steps=2)
@@ -130,7 +130,6 @@ def test_a_run_reads_its_model_tokenizer_and_data_from_gs_and_evaluate_reads_its
     config.eval.before_rl = False
     validate_config(config)  # with the paper's mesh over the 8 test devices; the run on one device
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    config.train.precompile = False  # each program compiled at its first use (the ahead-of-time pass took 2x as long)
     workdir = tmp_path / "run"
     with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
         summary = run_training(config, workdir)
