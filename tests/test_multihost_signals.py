@@ -54,9 +54,10 @@ def test_ctrl_c_on_local_sh_stops_every_process_at_one_checkpointed_step_and_the
     for i in (0, 1):  # each trainer got it and handed it to JAX's preemption service
         assert f"[{i}] SIGINT: every process stops at the same RL step" in output, output[-5000:]
     stopped = r"preemption \(at the same step on every process\): checkpoint of step (\d+) written, exiting$"
-    # process 0's line comes through its progress bar (not prefixed: after the bar's own line), process 1's as a line
-    stops = [re.findall(rf"^{stopped}", output, re.MULTILINE), re.findall(rf"^\[1\] process 1: {stopped}", output,
-                                                                         re.MULTILINE)]
+    # process 0's line comes through its progress bar (after the bar's carriage returns, often not prefixed),
+    # process 1's as a line of its own
+    stops = [re.findall(rf"(?:^|\r)(?:\[0\] )?[ \t]*{stopped}", output, re.MULTILINE),
+             re.findall(rf"^\[1\] process 1: {stopped}", output, re.MULTILINE)]
     assert [len(s) for s in stops] == [1, 1] and stops[0] == stops[1], output[-5000:]  # one step, the same
     step = int(stops[0][0])
     assert 1 <= step < LONG and checkpoint_steps(workdir) == [step]
