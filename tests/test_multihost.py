@@ -59,6 +59,8 @@ def _env(cache_dir=None, **extra) -> dict:
 
 
 def _train(workdir, data_file, *, processes: int, cache_dir) -> None:
+    """A run of SHRUNK in ``workdir``: 1 process x 8 devices reading and writing the session's compilation
+    cache ``cache_dir``, or 2 processes x 4 devices, each with a cache of its own (``_process_caches``)."""
     flags = [*SHRUNK, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
     if processes == 1:  # the static sampler (one slot per response) against the 2 processes' continuous one
@@ -66,11 +68,29 @@ def _train(workdir, data_file, *, processes: int, cache_dir) -> None:
         env = _env(cache_dir, XLA_FLAGS="--xla_force_host_platform_device_count=8")
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:
-        # no shared compilation cache here: processes writing and reading the same entries at once is
-        # what a cache shared by one process's runs never does (an abort seen once in CI)
+        caches = _process_caches(cache_dir, processes)
+        command = ["bash", "-c", 'JAX_COMPILATION_CACHE_DIR="$0/$JAX_PROCESS_ID" exec "$@"', str(caches), *command]
         run = subprocess.run([str(LOCAL), "--processes", str(processes), "--devices_per_process", str(8 // processes),
-                              "--", *command], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+                              "--", *command], cwd=REPO, env=_env(caches), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:5000] + run.stderr[-5000:]
+
+
+def _process_caches(cache_dir, processes: int) -> pathlib.Path:
+    """The folder of the 2-process runs' compilation caches, one per process (``<folder>/<process id>``).
+
+    A cache shared by processes running at once is what a cache shared by one process's runs never is:
+    processes writing and reading the same entries at once (an abort seen once in CI). Here each process
+    reads only its own folder, and JAX writes entries from process 0 only: the first 2-process run (the
+    fixture's) compiles every program in both processes, as a run on a pod does, and leaves process 0's
+    programs in its folder; a later run starts each process with a copy of them (the executables of one
+    SPMD program, as JAX's own share_binary_between_hosts hands them from process 0 to the others), so the
+    2-process resume below reads the straight run's programs instead of compiling them again."""
+    caches = pathlib.Path(cache_dir).parent / f"multihost_caches_{processes}"
+    if (caches / "0").is_dir():
+        for i in range(1, processes):
+            shutil.rmtree(caches / str(i), ignore_errors=True)
+            shutil.copytree(caches / "0", caches / str(i))
+    return caches
 
 
 def _metrics(workdir) -> dict[int, dict]:
