@@ -1,8 +1,8 @@
 """The paper's setups, shrunk as in test_train_real_config.py (a tiny random Qwen of each model's
 family with the real vocabulary, the real tokenizer and DeepScaleR rows): each MODEL of
-configs/paper.py takes a step at its own remat, dtype and tensor axis on the 8-device CPU mesh; and the
-compiled pi_old and update programs hold no [B, H, T, T] or [B, T, V] buffer and do not grow with
-depth."""
+configs/paper.py takes a step at its own remat, dtype and tensor axis on the 8-device CPU mesh (the
+qwen25_7b run evaluated before and after RL as the paper's tables are); and the compiled pi_old and
+update programs hold no [B, H, T, T] or [B, T, V] buffer and do not grow with depth."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 from pacs_jax import models
+from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import get_objective, options_for
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
-from test_train_real_config import deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
+from test_train_real_config import deepscaler_rows, one_prompt_bucket, shrunk_paper_config  # noqa: F401 (a fixture)
 
 
 def setup_config(data_file, tokenizer_dir, arg: str):
@@ -31,7 +32,7 @@ def setup_config(data_file, tokenizer_dir, arg: str):
     config = shrunk_paper_config(data_file, tokenizer_dir, steps=1, arg=arg)
     tensor = load_config("paper.py", arg).mesh.tensor
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 8 // tensor, tensor
-    config.data.prompt_buckets, config.rollout.response_buckets = (512,), (16,)
+    one_prompt_bucket(config).rollout.response_buckets = (16,)
     return config
 
 
@@ -47,28 +48,87 @@ def test_the_v6e_setup_shrunk_is_the_7b_setup_shrunk(tmp_path):
     assert a == b
 
 
+# The setup whose run is also evaluated as the paper's tables are (configs/paper_evaluation.py), below
+EVALUATED = "qwen25_7b,pacs_beta1"
+
+
+@pytest.fixture(scope="module")
+def setup_runs(deepscaler_rows, qwen_tokenizer_dir, tmp_path_factory):
+    """run(arg): (summary, the metrics rows, the workdir, the reward calls) of setup_config's 1-step run
+    of ``arg``, trained once a module. EVALUATED's run evaluates 2 problems of AMC23 and GSM8K before RL
+    and after, at the paper's per-set settings (1 token a sample); the reward calls are the (number of
+    texts, reward names) of its every RewardPool.score."""
+    done: dict[str, tuple] = {}
+
+    def run(arg: str) -> tuple:
+        if arg not in done:
+            config = setup_config(deepscaler_rows, qwen_tokenizer_dir, arg)
+            reference = load_config("paper.py", arg)
+            assert (config.model.remat, config.model.dtype) == (reference.model.remat, reference.model.dtype) == \
+                ("dots_with_no_batch_dims_saveable", "bfloat16")
+            if arg == EVALUATED:
+                _evaluate_as_the_paper(config)
+            validate_config(config)
+            mesh = config_mesh(config.mesh)
+            tensor = reference.mesh.tensor
+            assert dict(mesh.shape) == {"data": 1, "fsdp": 8 // tensor, "tensor": tensor}
+            workdir = tmp_path_factory.mktemp(arg.replace(",", "_"))
+            scored = []
+            real_score = RewardPool.score
+
+            def recording_score(self, texts, golds, reward, *args, **kwargs):
+                scored.append((len(texts), tuple(sorted(set([reward] if isinstance(reward, str) else reward)))))
+                return real_score(self, texts, golds, reward, *args, **kwargs)
+
+            with pytest.MonkeyPatch.context() as patch, jax.set_mesh(mesh):
+                patch.setattr(RewardPool, "score", recording_score)
+                summary = run_training(config, workdir)
+            rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+            done[arg] = summary, rows, workdir, scored
+        return done[arg]
+
+    return run
+
+
+def _evaluate_as_the_paper(config) -> None:
+    """EVALUATED's evaluation: AMC23 with its 256 samples per problem and GSM8K with the final default
+    32, 2 problems a set (the 2 batch shards of its (1, 2, 4) mesh: both queues busy), one token a
+    sample (the samples and their scoring, not their decoding, are what is checked)."""
+    assert config.eval.before_rl and config.eval.final.per_set.amc23.n == 256 and config.reward.mode == "paper"
+    config.eval.sets, config.eval.max_problems, config.eval.max_new_tokens = "amc23,gsm8k", 2, 1
+    config.eval.final.per_set.amc23.max_new_tokens = 1
+    config.reward.item_timeout = 2.0
+    config.eval.periodic.every = 0
+
+
 @pytest.mark.slow(seconds=40)
-@pytest.mark.parametrize("arg", ["qwen25_7b,pacs_beta1", "qwen3_4b,pacs_beta2_noweight", "qwen3_8b,pacs_beta1",
-                                 "qwen25_3b,grpo"])
-def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(deepscaler_rows, qwen_tokenizer_dir,
-                                                                                 tmp_path, arg):
+@pytest.mark.parametrize("arg", [EVALUATED, "qwen3_4b,pacs_beta2_noweight", "qwen3_8b,pacs_beta1", "qwen25_3b,grpo"])
+def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(setup_runs, arg):
     """Each MODEL of configs/paper.py (and the GRPO baseline), shrunk: its remat, bf16 and its tensor
     axis (4 for the 7B / 8B meshes) kept, fsdp reduced to fill the 8 test devices (qwen25_7b_v6e is
     qwen25_7b then: see above; qwen25_3b with PACS trains in test_train_real_config.py, with PPO in
     test_train_ppo.py)."""
-    config = setup_config(deepscaler_rows, qwen_tokenizer_dir, arg)
-    reference = load_config("paper.py", arg)
-    assert (config.model.remat, config.model.dtype) == (reference.model.remat, reference.model.dtype) == \
-        ("dots_with_no_batch_dims_saveable", "bfloat16")
-    tensor = reference.mesh.tensor
-    validate_config(config)
-    mesh = config_mesh(config.mesh)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 8 // tensor, "tensor": tensor}
-    with jax.set_mesh(mesh):
-        summary = run_training(config, tmp_path)
-    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    summary, rows, _, _ = setup_runs(arg)
+    (row,) = rows
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["generated_tokens"] > 0
+
+
+@pytest.mark.slow(seconds=40)  # the evaluation of the qwen25_7b run
+def test_paper_evaluation_draws_each_sets_own_samples_before_and_after_rl(setup_runs):
+    """The shrunk qwen25_7b setup's run (above, at its own remat, bf16 and mesh), evaluated as the
+    paper's tables are (configs/paper_evaluation.py): AMC23 with its 256 samples per problem (pass@256 in
+    eval_metrics.json) and GSM8K with the final default 32, before RL (the "Base" row, on by default) and
+    after; every sample of every set scored by the authors' math-verify call ("paper"), GSM8K included."""
+    _, _, workdir, scored = setup_runs(EVALUATED)
+    for name in ("before_rl", "final"):
+        metrics = json.loads((workdir / "eval" / name / "eval_metrics.json").read_text())
+        assert "pass@256" in metrics["amc23"] and "mean@256" in metrics["amc23"], metrics["amc23"]
+        assert "pass@32" in metrics["gsm8k"] and "pass@64" not in metrics["gsm8k"], metrics["gsm8k"]
+        rows = [json.loads(line) for line in (workdir / "eval" / name / "eval_samples.jsonl").read_text().splitlines()]
+        assert sorted(len(r["samples"]) for r in rows) == [32] * 2 + [256] * 2
+    evaluation_calls = [names for count, names in scored if count in (2 * 32, 2 * 256)]
+    assert len(evaluation_calls) == 4 and all(names == ("paper",) for names in evaluation_calls), scored
 
 
 # ------------------------------------------------------------------------------------ PACS ablations

@@ -25,7 +25,7 @@ from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.run import build_model, prompt_source
 from pacs_jax.sharding import batch_sharding
 from test_rl_ppo import T, ref_gae_verl, verl_critic_mini_batch_loss
-from test_train_real_config import deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
+from test_train_real_config import deepscaler_rows, one_prompt_bucket, shrunk_paper_config  # noqa: F401 (a fixture)
 
 CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=4)
@@ -101,7 +101,7 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
 def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscaler_rows, qwen_tokenizer_dir,
                                                                       tmp_path):
     config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")
-    config.data.prompt_buckets, config.rollout.response_buckets = (512,), (8, 16)
+    one_prompt_bucket(config).rollout.response_buckets = (8, 16)
     assert (config.critic.loss_agg_mode, config.critic.loss_scale, config.critic.verl_micro_batch_size,
             config.optim.grad_clip) == ("actor", "verl", 8, 1.0)
     validate_config(config)
