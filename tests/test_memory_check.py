@@ -178,20 +178,23 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels():
     """tools/plan_memory.py on the Qwen2.5-7B paper config (its mesh, slots, buckets, dtype and remat;
     the model shrunk to one narrow layer with the real vocabulary) for the 32 chips of a v5p-64,
     compile-only on this CPU: the mesh's TPU devices choose the kernels (splash attention), with
-    nothing patched, and the sampler gathers no parameter inside its decode loop."""
+    nothing patched, and the sampler gathers no parameter inside its decode loops. Its tail narrows to
+    3072 slots (widths 512 and 384 a batch shard) rather than the config's 512 (seven widths, each one
+    more loop to compile: 37 -> 129 s on this CPU), enough to compile a narrowed loop for the TPU."""
     shrink = ["--config.model.preset=", "--config.model.random_init=True", "--config.model.model_type=qwen2",
               "--config.model.hidden_size=256", "--config.model.intermediate_size=512",
               "--config.model.num_hidden_layers=1", "--config.model.num_attention_heads=8",
               "--config.model.num_key_value_heads=4", "--config.model.head_dim=32", "--config.model.vocab_size=151936",
               "--config.model.rope_theta=1000000.0"]
     result = subprocess.run([sys.executable, "tools/plan_memory.py", "--config=configs/paper.py:qwen25_7b,pacs_beta1",
-                             "--topology=v5p-64", "--programs=sampler", *shrink], cwd=REPO, env=train_env(),
+                             "--topology=v5p-64", "--programs=sampler", *shrink, "--config.rollout.tail_slots=3072"],
+                            cwd=REPO, env=train_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "[plan_memory] v5p-64: 32 compile-only TPU v5 devices, 95 GiB HBM each" in out
     assert re.search(r"attention splash; mesh \{'data': 1, 'fsdp': 8, 'tensor': 4\} on 32 TPU v5 devices", out), out
-    assert "1024 prompts x 512 tokens, n=8: 8192 rows in 4096 decode slots x 4608 cache slots" in out
+    assert "1024 prompts x 512 tokens, n=8: 8192 rows in 4096 decode slots (narrowing to 3072) x 4608 cache slots" in out
     assert "sampler: no parameter all-gather inside its loops" in out
     assert re.search(r"peak per device: \d+\.\d\d GiB of 95\.00 GiB \(fits\)", out)
     assert "mock" not in (REPO / "tools" / "plan_memory.py").read_text()  # no backend patched

@@ -223,8 +223,9 @@ class StepPrograms:
         for p in prompt_buckets:
             chunk = rows((P // K, p), jnp.int32)
             out.append(Program(
-                "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots x "
-                           f"{p + self.settings.max_new_tokens} cache slots per call ({K} calls)",
+                "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots"
+                           + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
+                           + f" x {p + self.settings.max_new_tokens} cache slots per call ({K} calls)",
                 lambda chunk=chunk: lower_sample(self.graphdef, params, chunk, chunk, self.settings),
                 (params, chunk, chunk), opt_bytes + critic_bytes))
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
