@@ -22,6 +22,7 @@ from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from pacs_jax.training.step_programs import StepPrograms
+from test_paper_ablations import authors_pacs_loss  # the float64 statement of the authors' compute_pacs_loss
 from test_train_config import load_config
 from test_train_real_config import deepscaler_rows, one_prompt_bucket, shrunk_paper_config  # noqa: F401 (a fixture)
 
@@ -144,38 +145,6 @@ ABLATIONS = {
 PACS_BETA1 = dict(beta=1.0, use_weight=True, weight_mode="question", reward_method="1", adv_estimator="rloo")
 
 
-def _authors_pacs_loss(logp, old_logp, mask, labels, n, *, beta, use_weight, weight_mode, reward_method,
-                       adv_estimator):
-    """float64 NumPy statement of the authors' compute_pacs_loss (src/pacs/pacs_core_algos.py) over the
-    response tokens: compute_reward, the rloo / grpo (norm_adv_by_std_in_grpo, torch's unbiased std,
-    eps 1e-6) / naive advantage, compute_weight (sklearn's "balanced" class weights per question,
-    n_samples / (n_classes * count), for mixed groups) and BCEWithLogitsLoss(weight=w), a mean over B."""
-    logp, old_logp, mask, y = (np.asarray(a, np.float64) for a in (logp, old_logp, mask, labels))
-    if reward_method == "1":
-        r = beta * ((logp - old_logp) * mask).sum(-1)
-    else:
-        r = beta * (logp * mask).sum(-1) / mask.sum(-1)
-    g = r.reshape(-1, n)
-    if adv_estimator == "rloo":
-        psi = g - (g.sum(1, keepdims=True) - g) / (n - 1)
-    elif adv_estimator == "grpo":
-        psi = (g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)
-    else:
-        psi = g
-    psi = psi.reshape(-1)
-    w = np.ones_like(y)
-    if use_weight and weight_mode == "question":
-        for start in range(0, len(y), n):
-            chunk = y[start:start + n]
-            classes, counts = np.unique(chunk, return_counts=True)
-            if len(classes) > 1:
-                balanced = dict(zip(classes, len(chunk) / (len(classes) * counts)))
-                w[start:start + n] = [balanced[label] for label in chunk]
-    elif use_weight:
-        w = y if weight_mode == "only_positive" else 1.0 - y
-    return float(np.mean(w * (np.logaddexp(0.0, psi) - y * psi)))
-
-
 def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(deepscaler_rows, qwen_tokenizer_dir,
                                                                                   tmp_path):
     """Each ablation is its own ALGO of configs/paper.py: pacs_beta1 with its one option changed and
@@ -208,7 +177,7 @@ def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(
         loss, _ = get_objective("pacs", **bound)(jnp.asarray(logp, jnp.float32), jnp.asarray(old_logp, jnp.float32),
                                                   jnp.asarray(mask), jnp.asarray(labels), n)
         losses[name] = float(loss)
-        np.testing.assert_allclose(losses[name], _authors_pacs_loss(logp, old_logp, mask, labels, n, **options),
+        np.testing.assert_allclose(losses[name], authors_pacs_loss(logp, old_logp, mask, labels, n, **options),
                                    rtol=2e-5, err_msg=name)
     values = sorted(losses.values())
     assert all(b - a > 1e-3 for a, b in zip(values, values[1:])), losses  # each option changes the loss
