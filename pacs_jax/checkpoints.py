@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from pacs_jax.data.paths import is_remote
 from pacs_jax.data.remote import local_folder
 from pacs_jax.errors import PermanentError
 from pacs_jax.files import atomic_write_text, storage_error
@@ -153,7 +154,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", *,
     """
     path = epath.Path(path)
     if (path / "config.json").is_file():  # gs://: read from the host's local copy (data/remote.py)
-        local = epath.Path(local_folder(path) if "://" in str(path) else path)
+        local = epath.Path(local_folder(path)) if is_remote(path) else path
         return load_hf(local, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     if path.is_dir():
         return load_model(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)

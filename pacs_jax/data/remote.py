@@ -7,7 +7,7 @@ transformers' tokenizers and the HF weights loader (models/loading.py) open file
 ``gs://`` model or tokenizer folder is copied once into the cache (``$PACS_JAX_CACHE``, else
 ``~/.cache/pacs_jax``; under ``remote/<scheme>/<bucket>/<key>``) and read from there. The copy is
 written to a temporary folder beside it and renamed into place, so a reader never sees half a copy
-and processes of one host that copy at once keep one whole copy. ``manifest.json`` inside records
+and processes of one host that copy at once keep one whole copy. ``MANIFEST`` inside records
 each file's size: a later call copies again only when the store's listing differs. Local paths are
 returned as they are (``paths.resolve``). Orbax checkpoints on ``gs://`` are not copied: Orbax reads
 the store itself.
