@@ -38,7 +38,16 @@ def _start(workdir, cache, log, *flags: str) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([str(LOCAL), "--processes", "2", "--devices_per_process", "1", "--", "bash", "-c",
                                  TRAIN, sys.executable, f"--workdir={workdir}", *FLAGS, *flags], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_terminal_signals)
+
+
+def _terminal_signals() -> None:
+    """SIGINT and SIGTERM at their default action in the child, as a terminal starts local.sh: bash cannot
+    trap a signal ignored when it started, and this test's process may have inherited them ignored (one
+    full suite run lost local.sh's SIGINT that way: the run trained all its steps)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @pytest.mark.slow(seconds=60)
