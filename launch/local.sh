@@ -10,9 +10,11 @@
 # fails, the others are stopped and this script exits with the failing process's status.
 #
 # Ctrl-C (SIGINT) or SIGTERM reaching this script is passed on to every process (with its children, as
-# a terminal's Ctrl-C would), and the script waits for them with their output still flowing: the
-# trainers finish the step under way, write its checkpoint and exit (the same step on every process).
-# Ctrl-C again aborts them at once.
+# a terminal's Ctrl-C would), and the script waits for every one of them with their output still
+# flowing: the trainers stop together at their next warm-start step (exiting with status 128 + the
+# signal's number) or RL step (after writing its checkpoint; status 0). A process that exits non-zero
+# after that is named, and the script exits with the first such status once all have exited. Ctrl-C
+# again aborts them at once.
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -60,8 +62,8 @@ interrupts=0
 forward() {  # a stop signal to this script: the processes get it too; this script keeps waiting for them
   interrupts=$((interrupts + 1))
   if [ "$interrupts" -eq 1 ]; then
-    echo "local.sh: $1: passed on to the $processes processes; waiting for them to write their checkpoint" \
-         "and exit (Ctrl-C again to abort at once)" >&2
+    echo "local.sh: $1: passed on to the $processes processes; waiting for them to stop at their next" \
+         "warm-start or RL step (Ctrl-C again to abort at once)" >&2
   else
     echo "local.sh: $1 again: passed on; the processes abort" >&2
   fi
@@ -84,6 +86,7 @@ done
 set +m
 
 running=("${pids[@]}")
+stopped=0  # after a stop signal: the first non-zero status of a process
 while [ "${#running[@]}" -gt 0 ]; do
   finished="" status=0
   wait -n -p finished "${running[@]}" || status=$?
@@ -91,10 +94,16 @@ while [ "${#running[@]}" -gt 0 ]; do
   still=()
   for pid in "${running[@]}"; do [ "$pid" = "$finished" ] || still+=("$pid"); done
   running=("${still[@]}")
-  if [ "$status" -ne 0 ]; then
-    echo "local.sh: a process (pid $finished) exited with status $status; stopping the others" >&2
-    cleanup
-    wait || true
-    exit "$status"
+  [ "$status" -ne 0 ] || continue
+  if [ "$interrupts" -gt 0 ]; then  # stopping on a signal: the others stop on their own
+    for ((i = 0; i < processes; i++)); do [ "${pids[i]}" != "$finished" ] || break; done
+    echo "local.sh: process $i exited with status $status" >&2
+    [ "$stopped" -ne 0 ] || stopped=$status
+    continue
   fi
+  echo "local.sh: a process (pid $finished) exited with status $status; stopping the others" >&2
+  cleanup
+  wait || true
+  exit "$status"
 done
+[ "$stopped" -eq 0 ] || exit "$stopped"  # the first non-zero status after a stop signal

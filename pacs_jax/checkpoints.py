@@ -196,6 +196,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:400] if text else ''}"
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's CheckpointManager, whose own question at each save (was a preemption reached at this
+    step? for its logs) does not reach JAX's preemption sync point: the run's safe points are its one
+    caller, with a count of safe points rather than a step (training/signals.py), and a call with a
+    step number, from a save or its finalizing thread, would move the counter the processes agree on."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class TrainCheckpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest.
 
@@ -208,17 +218,12 @@ class TrainCheckpointer:
         self.directory = epath.Path(directory).absolute()
         self.every = every
         self.with_critic = with_critic
-        self.manager = ocp.CheckpointManager(
+        self.manager = _Manager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
             item_names=("params", "opt_state", "meta") + (("critic_params", "critic_opt_state") if with_critic else ()))
         if jax.process_index() == 0:
             write_model_config(self.directory, model_config)
         logging.getLogger("absl").addFilter(_QUIET)
-
-    def reached_preemption(self, step: int) -> bool:
-        """Whether a preemption was signalled (multi-process: JAX's preemption sync point, so that
-        every process answers True at the same step; every process must call it every step)."""
-        return self.manager.reached_preemption(step)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

@@ -157,7 +157,7 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         logger.log(step, metrics)
         meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
         critic_state = None if critic is None else (critic.params, critic.opt_state)
-        preempted = signals.requested is not None if single_process else checkpointer.reached_preemption(step)
+        preempted = signals.safe_point()  # several processes: the same step on every one
         checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state)
         if on_step is not None:
             on_step(step, nnx.merge(graphdef, params), metrics)

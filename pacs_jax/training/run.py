@@ -235,7 +235,8 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
                                          probe=prompts.examples[:wc.probe_problems],
                                          prompt_length=dc.max_prompt_length,
                                          seed=config.seed, pool=pool, reward_name=reward_name,
-                                         probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids)
+                                         probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids,
+                                         safe_point=signals.safe_point)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
                 if primary:

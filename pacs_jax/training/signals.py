@@ -13,10 +13,20 @@ One process: both signals are handled alike, by the phase the run is in.
   lands inside a garbage-collector callback, where Python would print and drop the ``SystemExit``
   (a warm-start once ran on for ten minutes that way), is raised again 50 ms later.
 
-Several processes: JAX's preemption service owns SIGTERM (every process stops at the same RL step,
-``TrainCheckpointer.reached_preemption``); the first SIGINT is passed to it as a SIGTERM to the
-process itself, so Ctrl-C on a local multi-process run (launch/local.sh) stops it the same way; a
-second SIGINT takes the default action.
+Several processes: no process may stop alone (the others would wait for it in their next collective),
+so they stop together at a safe point: ``safe_point()``, which every process calls in the same order
+before each warm-start step and after each RL step. JAX's preemption service owns SIGTERM: a SIGTERM
+to any process is a notice to all of them, and its sync point, asked with the count of this
+session's safe points (1, 2, ...), answers True on every process at the same one (the first that
+none of them has passed when the notice is shared). The first SIGINT is passed to it as a SIGTERM to
+the process itself, so Ctrl-C on a local multi-process run (launch/local.sh) stops it the same way;
+a second SIGINT takes the default action. At that safe point a warm-start step exits as a single
+process does (the phase's line, status 128 + the signal's number; a process that received no signal
+itself names SIGTERM, the notice's), and an RL step is finished and checkpointed on every process.
+A signal during the evaluation before RL stops at the first RL step (which keeps the warm-start), one
+after the last RL step (the final evaluation, the export) lets the run finish. The sync point's
+counter must be the safe points' alone: checkpoints.py keeps Orbax's own calls with step numbers
+away from it.
 
 Handlers are installed only from the main thread; elsewhere nothing is handled. Messages go to
 stderr through ``os.write``, which is safe inside a signal handler.
@@ -62,15 +72,15 @@ class StopSignals:
         self.requested: str | None = None
         self._lost: str | None = None  # immediate phase: what a restart redoes; None: deferred
         self._previous: dict[int, object] = {}
+        self._synced = multiprocess and _preemption_service()  # several processes stop at the sync point
+        self._safe_points = 0  # safe points passed in this session: the sync point's counter
 
     # -------------------------------------------------------------------- install / uninstall
     def __enter__(self) -> StopSignals:
         global _active
         if threading.current_thread() is not threading.main_thread():
             return self
-        handled = (signal.SIGINT,) if self.multiprocess else _HANDLED
-        if self.multiprocess and not _preemption_service():
-            handled = ()
+        handled = _HANDLED if not self.multiprocess else (signal.SIGINT,) if self._synced else ()
         for signum in handled:
             self._previous[signum] = signal.signal(signum, self._handle)
         _active = self
@@ -87,12 +97,14 @@ class StopSignals:
     # -------------------------------------------------------------------- phases
     def exit_at_once(self, lost: str) -> None:
         """From now on (until a ``deferred`` block), a signal prints "SIGNAL during ``lost``; exiting"
-        and exits at once. lost: the phase and what a restart redoes."""
+        and exits at once (several processes: see the module docstring). lost: the phase and what a
+        restart redoes."""
         self._lost = lost
 
     @contextlib.contextmanager
     def immediate(self, lost: str):
-        """Within: a signal prints "SIGNAL during ``lost``; exiting" and exits at once.
+        """Within: a signal prints "SIGNAL during ``lost``; exiting" and exits at once (several
+        processes: see the module docstring).
 
         lost: the phase and what a restart redoes, e.g. "the warm-start (not checkpointed: a restart
         runs it again)".
@@ -112,14 +124,36 @@ class StopSignals:
         finally:
             self._lost = previous
 
+    # -------------------------------------------------------------------- safe points
+    def safe_point(self) -> bool:
+        """A point where the run may stop, called by every process in the same order (before each
+        warm-start step, after each RL step): whether to stop here.
+
+        One process: whether a signal came (in an immediate phase the handler has exited already).
+        Several: whether JAX's preemption sync point is this one (the same on every process); in an
+        immediate phase it prints "SIGNAL during ``lost``; exiting" and exits here instead.
+        """
+        if not self._synced:
+            return self.requested is not None
+        from jax.experimental import multihost_utils
+
+        self._safe_points += 1
+        if not multihost_utils.reached_preemption_sync_point(self._safe_points):
+            return False
+        self.requested = self.requested or "SIGTERM"
+        if self._lost is not None:
+            _say(f"{self.requested} during {self._lost}; exiting")
+            raise SystemExit(128 + signal.Signals[self.requested])
+        return True
+
     # -------------------------------------------------------------------- the handler
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.multiprocess:  # SIGINT: ask JAX's preemption service for an agreed stop
             self.requested = name
-            _say(f"{name}: every process stops at the same RL step (the first that all of them reach after "
-                 f"this notice) and writes its checkpoint (press Ctrl-C again to abort at once, losing the "
-                 f"steps since the last checkpoint)")
+            _say(f"{name}: every process stops together at the next warm-start or RL step that all of them reach "
+                 f"after this notice (an RL step writes its checkpoint first; press Ctrl-C again to abort at once, "
+                 f"losing the steps since the last checkpoint)")
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return

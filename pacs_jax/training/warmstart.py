@@ -15,6 +15,10 @@ passes the first ``probe_problems`` of RL's prompts, which the warm-start does n
 phase stops once it reaches the target. Where the model starts to generalise, and how far, differs
 between seeds and machines (the floating-point path of the updates differs): stopping at an accuracy
 on prompts it never trained on makes RL start from the same skill level on any of them.
+
+Before each step the warm-start calls the caller's ``safe_point`` (training/run.py passes the run's
+``StopSignals.safe_point``: on several processes a stop signal ends the run there, on every process at
+the same step; training/signals.py).
 """
 
 from __future__ import annotations
@@ -120,10 +124,13 @@ def probe_accuracy(model: Qwen, examples: Sequence[PromptExample], tokenizer, po
 
 def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml_collections.ConfigDict, *,
                program: SFTStep, probe: Sequence[PromptExample], prompt_length: int, seed: int, pool: RewardPool, reward_name: str,
-               probe_max_new_tokens: int, stop_token_ids: Sequence[int]) -> tuple[Qwen, WarmStartResult]:
+               probe_max_new_tokens: int, stop_token_ids: Sequence[int],
+               safe_point: Callable[[], object] | None = None) -> tuple[Qwen, WarmStartResult]:
     """Up to ``wc.steps`` supervised steps on ``examples``, stopping early once the greedy accuracy on
     ``probe`` reaches ``wc.target_accuracy`` (see the module docstring); returns the updated model and
-    what the phase did. The buffers of ``model`` are donated: use the returned one."""
+    what the phase did. The buffers of ``model`` are donated: use the returned one.
+
+    safe_point: called before each step, on every process in the same order (see the module docstring)."""
     t0 = time.perf_counter()
     if len(examples) < wc.batch_size:
         raise ValueError(f"warmstart.batch_size={wc.batch_size}: only {len(examples)} training prompts")
@@ -139,6 +146,8 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml
     accuracy, steps = None, 0
     bar = tqdm(range(1, wc.steps + 1), desc="warm-start", dynamic_ncols=True)
     for steps in bar:
+        if safe_point is not None:
+            safe_point()
         epoch, position = divmod(steps - 1, per_epoch)
         if position == 0:  # each epoch a fresh permutation of (seed, epoch): the same order on every machine
             order = np.random.default_rng([seed, epoch]).permutation(len(examples))
