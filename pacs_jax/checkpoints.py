@@ -75,9 +75,16 @@ def params_from_flat(template: nnx.State, flat: dict[str, jax.Array]) -> nnx.Sta
     return nnx.from_flat_state(items)
 
 
+def _absolute(directory: str | os.PathLike) -> epath.Path:
+    """``directory`` as the absolute path Orbax wants; a store's (``gs://...``) as it is (``absolute()``
+    would put the working directory in front of it)."""
+    directory = epath.Path(directory)
+    return directory if is_remote(directory) else directory.absolute()
+
+
 def save_model(model: Qwen, directory: str | os.PathLike) -> epath.Path:
     """Save ``model`` as ``directory/{model_config.json, params/}`` (every process takes part)."""
-    directory = epath.Path(directory).absolute()
+    directory = _absolute(directory)
     if (directory / PARAMS_ITEM).exists():
         raise FileExistsError(f"{directory / PARAMS_ITEM}: already exists")
     checkpointer = ocp.StandardCheckpointer()
@@ -91,7 +98,7 @@ def save_model(model: Qwen, directory: str | os.PathLike) -> epath.Path:
 def find_params_dir(directory: str | os.PathLike) -> tuple[epath.Path, epath.Path]:
     """(dir holding model_config.json, params dir) for a model checkpoint, a manager root (its latest
     step) or one ``<root>/<step>`` of it."""
-    directory = epath.Path(directory).absolute()
+    directory = _absolute(directory)
     if (directory / PARAMS_ITEM).is_dir():  # a model checkpoint, or one step of a manager root
         step_of_root = directory.name.isdigit() and not (directory / MODEL_CONFIG_FILE).is_file()
         return (directory.parent if step_of_root else directory), directory / PARAMS_ITEM
@@ -215,7 +222,7 @@ class TrainCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, model_config: QwenConfig, *, every: int, keep: int,
                  with_critic: bool = False):
-        self.directory = epath.Path(directory).absolute()
+        self.directory = _absolute(directory)
         self.every = every
         self.with_critic = with_critic
         self.manager = _Manager(

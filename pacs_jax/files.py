@@ -12,6 +12,7 @@ in one line naming the path (``StorageError``) rather than in a long traceback.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 import pathlib
@@ -77,17 +78,20 @@ def publish_mode(path: str | os.PathLike | int, *, directory: bool = False) -> N
         os.chmod(path, mode)
 
 
-def atomic_write(path: str | pathlib.Path, write: Callable[[IO], None], *, binary: bool = False) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary: bool = False) -> None:
     """Call ``write(file)`` on a temporary file in ``path``'s folder, then rename it over ``path``.
 
     The folder is created if missing; on any error the temporary file is removed and ``path`` is
     left as it was. The file gets the mode ``open()`` would give it (``publish_mode``). On an object
-    store (``gs://...``) the object is written directly: a store publishes an object whole when it
-    is closed.
+    store (``gs://...``; ``path`` a string or an ``epath.Path``) ``write`` fills a buffer in memory,
+    which is then uploaded as the object: a store publishes an object only when its upload is
+    complete, and an error in ``write`` uploads nothing.
     """
     if "://" in str(path):
-        with epath.Path(path).open("wb" if binary else "w") as f:
-            write(f)
+        buffer = io.BytesIO() if binary else io.StringIO()
+        write(buffer)
+        data = buffer.getvalue()
+        epath.Path(path).write_bytes(data if binary else data.encode("utf-8"))
         return
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +108,6 @@ def atomic_write(path: str | pathlib.Path, write: Callable[[IO], None], *, binar
         raise
 
 
-def atomic_write_text(path: str | pathlib.Path, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """``atomic_write`` of a UTF-8 string."""
     atomic_write(path, lambda f: f.write(text))

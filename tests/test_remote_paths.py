@@ -1,30 +1,41 @@
-"""gs:// paths wherever a path is read (issue 28 item 9): model.path, data.tokenizer, the data files, and the
-evaluation CLI's --checkpoint.
+"""gs:// paths wherever a path is read (issue 28 item 9): model.path, data.tokenizer, the data files, the
+evaluation CLI's --checkpoint, and the workdir.
 
 There is no network here, so ``gs://`` is served by ``FakeGCS``: an fsspec file system registered for the
 "gs" / "gcs" protocols (the ones etils.epath asks fsspec for) whose objects are files under a local folder.
 Everything above fsspec is the real code: the config check, data/remote.py's cache copy, the readers, the
-tokenizer and model loaders, the trainer and the evaluation CLI's copy of a workdir.
+tokenizer and model loaders, the trainer and the evaluation CLI's copy of a workdir. A workdir on
+``gs://`` is written by Orbax through tensorstore too, which fsspec cannot serve: its test runs against a
+local GCS emulator (tests/gcs_emulator.py) that both clients talk to, gcsfs and tensorstore.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
+import fsspec
 import jax
 import pytest
+from etils import epath
 from etils.epath import backend as epath_backend
 from fsspec.registry import _registry as fsspec_implementations
 from fsspec.implementations.local import LocalFileSystem
+from tensorboardX.record_writer import GCSRecordWriter
 
+from gcs_emulator import gcs_emulator, point_clients_at
 from pacs_jax import checkpoints, data, evaluate, models
 from pacs_jax.data import remote
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.sharding import make_mesh
 from pacs_jax.training.config_check import ConfigError, validate_config
+from pacs_jax.training.metrics import read_rows
+from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.run import run_training
+from pacs_jax.training.workdir import LOCK_FILE, WorkdirLockedError, checkpoint_steps
 from test_train_real_config import TINY, deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
+from train_helpers import load_config
 
 
 class FakeGCS(LocalFileSystem):
@@ -166,3 +177,93 @@ def test_a_run_reads_its_model_tokenizer_and_data_from_gs_and_evaluate_reads_its
     assert checkpoints.from_pretrained("gs://bucket/models/tiny").cfg.hidden_size == TINY["hidden_size"]
     with pytest.raises(Exception, match="--checkpoint=gs://bucket/runs/two: gs://bucket/runs/two does not exist"):
         evaluate._local_checkpoint("gs://bucket/runs/two")
+
+
+def test_the_model_config_of_a_gs_model_path_is_read_from_the_store(store, hf_model_dir):
+    """training/model_spec.model_config (what the resume check compares a checkpoint's shapes with) reads a
+    gs:// model.path as a local one: an HF folder's config.json and generation_config.json, a pacs_jax
+    checkpoint's model_config.json."""
+    shutil.copytree(hf_model_dir, store / "bucket" / "hf")
+    config = _config("gs://bucket/data.json", "gs://bucket/hf", steps=1)
+    local = models.QwenConfig.from_hf_file(hf_model_dir, **run_options(config))
+    assert model_config(config) == local
+    checkpoints.write_model_config(store / "bucket" / "checkpoint", local)
+    config.model.path = "gs://bucket/checkpoint"
+    assert model_config(config) == local
+    config.model.path = "gs://bucket/nothing"
+    assert model_config(config) is None
+
+
+@pytest.fixture
+def gcs(tmp_path, monkeypatch):
+    """A GCS emulator (tests/gcs_emulator.py) holding the empty bucket "bucket", every client of gs:// sent to
+    it, etils' and fsspec's file systems made afresh; stopped after the test. The cache of local copies is
+    tmp_path / "cache"."""
+    monkeypatch.setenv(remote.CACHE_ENV, str(tmp_path / "cache"))
+    gcs_class = fsspec.get_filesystem_class("gs")
+    with gcs_emulator("bucket") as url:
+        point_clients_at(url, monkeypatch)
+        epath_backend.fsspec_backend._get_filesystem.cache_clear()
+        gcs_class.clear_instance_cache()
+        yield url
+        # tensorboardX keeps its writers (an atexit hook) until the interpreter exits, when each uploads its
+        # events once more: to this store, gone by then, for 2 minutes of retries. Their uploads are done.
+        for writer in gc.get_objects():
+            if type(writer) is GCSRecordWriter:
+                writer.flush = lambda: None
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    gcs_class.clear_instance_cache()
+
+
+@pytest.mark.slow(seconds=35)
+def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_path, capsys):
+    """The demo's task shrunk (a 1-layer model of the character tokenizer, 8 prompts a step, no warm-start,
+    the final evaluation on 8 held-out problems) trains 2 steps in gs://bucket/run, then resumes there to
+    step 3: the lock, config.json, metrics, Orbax checkpoints, TensorBoard, the evaluation outputs, the
+    HF export and the summary are all in the store; then the evaluation CLI reads the workdir from it."""
+    config = load_config("default.py")
+    config.model.num_hidden_layers = 1
+    config.warmstart.steps, config.data.warmstart_problems = 0, 0
+    config.data.arithmetic.problems, config.data.held_out_problems = 64, 8
+    config.eval.update(batch_size=8, slots=8)
+    config.eval.final.update(n=1, greedy=False)
+    config.train.update(steps=2, checkpoint_every=1, prompts_per_step=8, mini_batches=2)
+    config.reward.workers = 1
+    validate_config(config)  # on the 8 test devices; the run on one
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
+    workdir = epath.Path("gs://bucket/run")
+    (workdir / LOCK_FILE).write_text(json.dumps({"host": "node-7", "pid": 4242}))  # another host's, fresh
+    with pytest.raises(WorkdirLockedError, match="pid 4242 on host node-7"):
+        run_training(config, workdir)
+    (workdir / LOCK_FILE).unlink()
+    with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
+        assert run_training(config, workdir)["final_step"] == 2
+        assert checkpoint_steps(workdir) == [1, 2]
+        config.train.steps = 3
+        summary = run_training(config, workdir)
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert (summary["final_step"], summary["sessions"], summary["hf_export"]) == (3, 2, "gs://bucket/run/hf_export")
+    assert checkpoint_steps(workdir) == [1, 2, 3]
+    assert [row["step"] for row in read_rows(workdir / "metrics.jsonl")] == [1, 2, 3]
+    assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
+    assert json.loads((workdir / "summary.json").read_text())["final_step"] == 3
+    assert len(json.loads((workdir / "sessions.json").read_text())["sessions"]) == 2
+    assert not (workdir / LOCK_FILE).exists()
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (workdir / "hf_export").iterdir()}
+    assert (workdir / "eval" / "final" / "eval_metrics.json").is_file()
+    assert len(list((workdir / "tensorboard").iterdir())) == 2  # an event file a session
+
+    metrics = evaluate.run(_eval_config(), "gs://bucket/run")
+    assert set(metrics) == {"held_out"}
+    copied = tmp_path / "cache" / "remote" / "gs" / "bucket" / "run"
+    assert sorted(p.name for p in (copied / "checkpoints").iterdir()) == ["3", "model_config.json"]
+    assert (copied / "eval" / "evaluate_step_3" / "eval_metrics.json").is_file()
+
+
+def _eval_config():
+    """configs/eval.py on the run's held-out problems: greedy, 12 new tokens, one device."""
+    config = load_config("eval.py")
+    config.update(dict(model=dict(dtype="float32"), eval=dict(sets="held_out", max_new_tokens=12,
+                                                              final=dict(n=1, temperature=0.0)),
+                       evaluate=dict(use_mesh=False, progress=False), reward=dict(workers=1, item_timeout=5.0)))
+    return config

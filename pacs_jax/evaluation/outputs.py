@@ -8,18 +8,20 @@
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from etils import epath
 
 from pacs_jax.files import atomic_write
 
 
-def write_outputs(output_dir: str | pathlib.Path, rows: Sequence[Mapping[str, Any]],
+def write_outputs(output_dir: str | os.PathLike, rows: Sequence[Mapping[str, Any]],
                   metrics: Mapping[str, Mapping[str, float]]) -> None:
-    """eval_samples.jsonl, eval_metrics.json and pass_at_k.png in ``output_dir``, each written atomically."""
-    output_dir = pathlib.Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    """eval_samples.jsonl, eval_metrics.json and pass_at_k.png in ``output_dir`` (a local folder, made if
+    missing, or one on ``gs://``), each written atomically."""
+    output_dir = epath.Path(output_dir)
     atomic_write(output_dir / "eval_samples.jsonl",
                  lambda f: f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     atomic_write(output_dir / "eval_metrics.json", lambda f: json.dump(metrics, f, indent=2, sort_keys=True))

@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 
 import numpy as np
+from etils import epath
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -228,17 +229,19 @@ class NotAnExportError(FileExistsError):
     """The folder an export would replace is not a previous HF export; the message names it and why."""
 
 
-def check_export_target(out_dir: str | pathlib.Path, *, overwrite: bool) -> None:
+def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     """Refuse to write an HF export over anything but nothing, an empty folder or (with ``overwrite``)
     a previous export: config.json and weights (``*.safetensors`` / ``pytorch_model*.bin``) and
     nothing of a workdir or a checkpoint (``WORKDIR_MARKERS``, step folders, other subfolders).
 
     Used by ``write_hf_dir`` (``tools/export_hf.py`` and the trainer's workdir/hf_export), so that an
     ``--out`` pointing at a training workdir or its checkpoints is never deleted.
-    Raises ``NotAnExportError`` (a ``FileExistsError``) with one line naming ``out_dir``.
+    Raises ``NotAnExportError`` (a ``FileExistsError``) with one line naming ``out_dir``, a local folder
+    or one on a store (``gs://``).
     """
-    out_dir = pathlib.Path(out_dir)
-    if not out_dir.exists() and not out_dir.is_symlink():
+    local = "://" not in str(out_dir)
+    out_dir = pathlib.Path(out_dir) if local else epath.Path(out_dir)
+    if not out_dir.exists() and not (local and out_dir.is_symlink()):
         return
     if not out_dir.is_dir():
         raise NotAnExportError(f"{out_dir}: exists and is not a folder; not replacing it with an HF export")
@@ -247,7 +250,7 @@ def check_export_target(out_dir: str | pathlib.Path, *, overwrite: bool) -> None
         return
     if not overwrite:
         raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True / --overwrite)")
-    if out_dir.is_symlink():
+    if local and out_dir.is_symlink():
         raise NotAnExportError(f"{out_dir}: is a symbolic link; not replacing it with an HF export")
     workdir_like = [e.name for e in entries if e.name in WORKDIR_MARKERS
                     or (e.is_dir() and e.name not in EXPORT_SUBFOLDERS)]
@@ -265,18 +268,28 @@ def check_export_target(out_dir: str | pathlib.Path, *, overwrite: bool) -> None
             "weights); not replacing it: choose another output folder or empty it first")
 
 
-def write_hf_dir(out_dir: str | pathlib.Path, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
+def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
                  fmt: str = "safetensors", max_shard_bytes: int = 4 * 1024**3,
-                 tokenizer_dir: str | pathlib.Path | None = None, overwrite: bool = False) -> pathlib.Path:
+                 tokenizer_dir: str | pathlib.Path | None = None, overwrite: bool = False
+                 ) -> pathlib.Path | epath.Path:
     """Write an HF model directory atomically: into a temp dir beside ``out_dir``, then rename.
 
     ``tensors`` yields (hf_name, array) pairs, consumed shard by shard. ``fmt`` is "safetensors"
     or "bin" (pytorch_model*.bin for older tooling). A failure leaves nothing at ``out_dir``. An
     existing ``out_dir`` is replaced only with ``overwrite`` and only if it is a previous export
     (``check_export_target``). The folder and its files get the modes ``mkdir()`` / ``open()`` give.
+
+    ``out_dir`` on a store (``gs://...``): the export is written to a local temporary folder (as big
+    as the model), then uploaded (``_upload``); returns ``out_dir`` as an ``epath.Path``.
     """
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"format={fmt!r}: expected 'safetensors' or 'bin'")
+    if "://" in str(out_dir):
+        check_export_target(out_dir, overwrite=overwrite)
+        with tempfile.TemporaryDirectory(prefix="pacs_jax_export.") as local:
+            written = write_hf_dir(pathlib.Path(local) / "export", cfg, tensors, fmt=fmt,
+                                   max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir)
+            return _upload(written, epath.Path(out_dir), overwrite=overwrite)
     out_dir = pathlib.Path(out_dir)
     check_export_target(out_dir, overwrite=overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -325,4 +338,28 @@ def write_hf_dir(out_dir: str | pathlib.Path, cfg: QwenConfig, tensors: Iterator
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out_dir
+
+
+def _upload(export: pathlib.Path, out_dir: epath.Path, *, overwrite: bool) -> epath.Path:
+    """Copy the local HF export ``export`` to ``out_dir`` on a store, replacing a previous export there.
+
+    A store has no rename, so this is not atomic: the weights are uploaded first, then the other files
+    (config.json among them), then what a previous export holds that this one lacks is deleted. An
+    upload cut short leaves a previous export recognisable (config.json and weights, old or new), so a
+    rerun replaces it; a first export cut short leaves weights without config.json, which a rerun
+    refuses to replace (``check_export_target``) until the folder is deleted.
+    """
+    check_export_target(out_dir, overwrite=overwrite)  # again: it may have changed while writing
+    previous = {entry.name for entry in out_dir.iterdir()} if out_dir.exists() else set()
+    files = sorted(export.iterdir(), key=lambda f: f.suffix not in (".safetensors", ".bin"))  # weights first
+    for file in files:
+        with open(file, "rb") as src, (out_dir / file.name).open("wb") as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
+    for name in previous - {file.name for file in files}:  # as a local export replaces the folder whole
+        stale = out_dir / name
+        if stale.is_dir():
+            stale.rmtree()
+        else:
+            stale.unlink()
     return out_dir

@@ -3,7 +3,9 @@
 Only process 0 writes; other processes get a logger that does nothing. A resumed run's logger first
 rewrites metrics.jsonl (atomically) with the rows of the steps up to the checkpoint it resumed from,
 the last row of each step: the steps it runs again replace those a killed session had logged after
-its last checkpoint, and no step appears twice.
+its last checkpoint, and no step appears twice. A local metrics.jsonl is appended to, a line a
+step; an object store (a ``gs://`` workdir) has no appends, so there the object is uploaded again,
+whole, at every step.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ class MetricsLogger:
         self.path = self.workdir / "metrics.jsonl"
         if initial_step > 0:
             self.earlier = keep_rows_up_to(self.path, initial_step)
-        self.jsonl = self.path.open("a")
+        local = "://" not in str(self.path)
+        self.jsonl = self.path.open("a") if local else None
+        self.text = "" if local or not self.path.exists() else self.path.read_text()  # a store's object
         self.writer = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -87,11 +91,16 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items()}
-        try:
-            self.jsonl.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
-            self.jsonl.flush()
-        except OSError as e:  # name the file (a failed flush does not)
-            raise OSError(e.errno, e.strerror, str(self.path)) from e
+        line = _jsonl_line({"step": step, **clean})
+        if self.jsonl is None:  # on a store: the whole object again
+            self.text += line
+            atomic_write_text(self.path, self.text)
+        else:
+            try:
+                self.jsonl.write(line)
+                self.jsonl.flush()
+            except OSError as e:  # name the file (a failed flush does not)
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self.writer is not None:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
@@ -109,6 +118,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.bar.close()
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.writer is not None:
             self.writer.close()

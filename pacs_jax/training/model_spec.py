@@ -4,15 +4,18 @@
     model_config(config)         the QwenConfig a run builds: model.path's config, a preset, or the fields
 
 Read by the run (training/run.py builds the model with them), the resume check, PPO's critic
-(``critic.path``) and tools/plan_memory.py.
+(``critic.path``) and tools/plan_memory.py. model.path is read through ``data.paths.path``: a local
+folder, or one on ``gs://`` (its JSON files only, read from the store).
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
 
 import ml_collections
+from etils import epath
+
+from pacs_jax.data import paths
 
 QWEN_VOCAB = 151936  # the vocabulary assumed when config.model.vocab_size is 0 (taken from the tokenizer)
 
@@ -39,14 +42,14 @@ def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = 
     m = config.model
     run = run_options(config, **overrides)
     if m.path:
-        path = pathlib.Path(m.path)
+        folder = paths.path(m.path)
         try:
-            if (path / "config.json").is_file():
-                return models.QwenConfig.from_hf_file(path, **run)
-            if (path / "model_config.json").is_file():
-                raw = json.loads((path / "model_config.json").read_text())
+            if (folder / "config.json").is_file():
+                return _hf_config(folder, run)
+            if (folder / "model_config.json").is_file():
+                raw = json.loads((folder / "model_config.json").read_text())
                 raw.pop("pacs_jax", None)
-                return models.QwenConfig.from_hf_dict(raw, source=str(path), **run)
+                return models.QwenConfig.from_hf_dict(raw, source=str(folder), **run)
         except (OSError, ValueError):
             return None
         return None
@@ -59,3 +62,17 @@ def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = 
         rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
         attention_bias=m.model_type == "qwen2", bos_token_id=None, eos_token_id=None)
     return models.QwenConfig(**{**fields, **run})
+
+
+def _hf_config(folder: epath.Path, run: dict):
+    """The QwenConfig of the HF model folder ``folder`` (an ``epath.Path``, local or on a store), as
+    ``QwenConfig.from_hf_file`` reads a local one: config.json, with generation_config.json's
+    eos_token_id(s) added to the stop ids."""
+    from pacs_jax.models.config import QwenConfig, merge_eos_ids
+
+    hf = json.loads((folder / "config.json").read_text())
+    generation = folder / "generation_config.json"
+    if generation.is_file() and "eos_token_id" not in run:
+        stop = json.loads(generation.read_text()).get("eos_token_id")
+        run = {**run, "eos_token_id": merge_eos_ids(hf.get("eos_token_id"), stop)}
+    return QwenConfig.from_hf_dict(hf, source=str(folder / "config.json"), **run)

@@ -9,8 +9,11 @@
   (60, from a thread of its own: a long step or compilation does not delay it); a lock from another
   host is stale when its last refresh is older than ``stale_after`` seconds (600), and is then taken
   over with a message naming its host, pid and the age of its last refresh. Only process 0 of a
-  multi-process run takes it (the others learn whether it did), and only on a local file system: an
-  object store (``gs://``) has no exclusive create.
+  multi-process run takes it (the others learn whether it did). On an object store (a ``gs://``
+  workdir) the lock is an object created only if absent (GCS's ``ifGenerationMatch=0``, through
+  fsspec), and the heartbeat uploads it again (a store cannot set an object's modification time).
+  A takeover of a stale lock deletes it and creates it again, on a store as on a file system: two
+  trainers taking over the same stale lock at the same moment may both start.
 - ``check_resume``: before anything is written, a workdir with checkpoints is refused (one
   ``ConfigError`` naming every differing field) when this config's model shapes (the architecture
   fields, the vocabulary), objective or critic differ from the checkpoints' run, or when
@@ -30,6 +33,7 @@ import socket
 import threading
 import time
 
+import fsspec
 import jax
 import ml_collections
 import numpy as np
@@ -87,6 +91,70 @@ def agree(ok: bool) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
 
 
+class _LocalLockFile:
+    """The lock file on a file system (local or shared): created with ``O_EXCL``; a refresh sets its
+    modification time."""
+
+    def __init__(self, path: epath.Path):
+        self.path = os.fspath(path)
+
+    def create(self, record: str) -> bool:
+        """Create the file holding ``record``; False when it exists."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(record)
+        return True
+
+    def read(self) -> str:
+        with open(self.path, encoding="utf-8") as f:
+            return f.read()
+
+    def modified(self) -> float:
+        """When it was created or last refreshed (seconds since the epoch)."""
+        return os.stat(self.path).st_mtime
+
+    def refresh(self, record: str) -> None:
+        os.utime(self.path)
+
+    def remove(self) -> None:
+        os.unlink(self.path)
+
+
+class _StoreLockFile:
+    """The lock file as an object on a store (``gs://``), through fsspec: created only if absent
+    (``pipe_file(mode="create")``; gcsfs sends it with ``ifGenerationMatch=0``, which GCS refuses when
+    the object exists); a store cannot set an object's modification time, so a refresh uploads the
+    holder's record again."""
+
+    def __init__(self, path: epath.Path):
+        self.fs, self.key = fsspec.core.url_to_fs(str(path))
+
+    def create(self, record: str) -> bool:
+        """Create the object holding ``record``; False when it exists."""
+        try:
+            self.fs.pipe_file(self.key, record.encode(), mode="create")
+        except FileExistsError:
+            return False
+        return True
+
+    def read(self) -> str:
+        return self.fs.cat_file(self.key).decode()
+
+    def modified(self) -> float:
+        """When it was created or last refreshed (seconds since the epoch)."""
+        mtime = self.fs.info(self.key)["mtime"]
+        return mtime.timestamp() if isinstance(mtime, datetime.datetime) else float(mtime)
+
+    def refresh(self, record: str) -> None:
+        self.fs.pipe_file(self.key, record.encode())
+
+    def remove(self) -> None:
+        self.fs.rm_file(self.key)
+
+
 class WorkdirLock:
     """``with WorkdirLock(workdir):`` holds ``workdir/trainer.lock`` (see the module docstring).
 
@@ -99,6 +167,7 @@ class WorkdirLock:
         self.workdir = epath.Path(workdir)
         self.path = self.workdir / LOCK_FILE
         self.heartbeat, self.stale_after = heartbeat, stale_after
+        self._file = _LocalLockFile(self.path) if _local(self.workdir) else _StoreLockFile(self.path)
         self.held = False
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
@@ -107,35 +176,26 @@ class WorkdirLock:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
                            "since": datetime.datetime.now().isoformat(timespec="seconds")})
 
-    def _create(self) -> bool:
-        """Create the lock file exclusively; False when it exists."""
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(self._record())
-        return True
-
     def _holder(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
+            return json.loads(self._file.read())
         except (OSError, ValueError):
             return {}
 
     def _age(self) -> float | None:
         """Seconds since the holder last refreshed the lock file (None: no file)."""
         try:
-            return max(time.time() - os.stat(self.path).st_mtime, 0.0)
+            return max(time.time() - self._file.modified(), 0.0)
         except OSError:
             return None
 
-    def _beat(self) -> None:
-        """The heartbeat thread: refresh the lock file's modification time until ``release``."""
+    def _beat(self, record: str) -> None:
+        """The heartbeat thread: refresh the lock file (``record``, this holder's) until ``release``; a
+        refresh that fails (a file system or a store out of reach) is tried again at the next beat."""
         while not self._stop.wait(self.heartbeat):
             try:
-                os.utime(self.path)
-            except OSError:
+                self._file.refresh(record)
+            except Exception:  # noqa: BLE001 -- a store client raises its own errors, not only OSError
                 pass
 
     def _stale(self, holder: dict) -> str | None:
@@ -158,13 +218,15 @@ class WorkdirLock:
 
     def acquire(self) -> None:
         ok, message = True, None
-        if jax.process_index() == 0 and _local(self.workdir):
+        if jax.process_index() == 0:
             self.workdir.mkdir(parents=True, exist_ok=True)
             for _ in range(3):  # a takeover races another one at most this often
-                if self._create():
+                record = self._record()
+                if self._file.create(record):
                     self.held = True
                     self._stop.clear()
-                    self._beating = threading.Thread(target=self._beat, name="workdir-lock-heartbeat", daemon=True)
+                    self._beating = threading.Thread(target=self._beat, args=(record,), name="workdir-lock-heartbeat",
+                                                     daemon=True)
                     self._beating.start()
                     break
                 holder = self._holder()
@@ -187,7 +249,7 @@ class WorkdirLock:
                     print(f"{self.workdir}: taking over the lock of a trainer that is gone (pid {holder.get('pid')} "
                           f"on host {holder.get('host')}: {reason})", flush=True)
                     try:
-                        os.unlink(self.path)
+                        self._file.remove()
                     except FileNotFoundError:
                         pass
         if not agree(ok):
@@ -203,7 +265,7 @@ class WorkdirLock:
                 self._beating = None
             try:
                 if self._holder().get("pid") == os.getpid():
-                    os.unlink(self.path)
+                    self._file.remove()
             except OSError:
                 pass
 
