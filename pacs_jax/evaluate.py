@@ -19,8 +19,9 @@ for a workdir's model, else ``DIR/eval``), the files of pacs_jax/evaluation/outp
 (eval_samples.jsonl, eval_metrics.json, pass_at_k.png). Relative set paths (``eval.data_dir`` "data") are
 read from the working directory, else from the repository root. DIR may be on ``gs://``: what the
 evaluation reads of it (the model's files, a workdir's config.json and newest step's parameters) is
-copied to the host's cache first (data/remote.py), and the outputs' default folder is in that copy;
-data.tokenizer may be a ``gs://`` folder too. The maths, the runner and the
+copied to the host's cache first (data/remote.py), and the outputs' default folder is the same place
+on the store (``gs://.../eval/evaluate_step_<N>``); data.tokenizer and ``config.evaluate.output_dir``
+may be on ``gs://`` too. The maths, the runner and the
 outputs are in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status
 78 (pacs_jax/errors.py).
 """
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 
 import jax
 from absl import app, flags, logging
+from etils import epath
 from ml_collections import config_flags
 
 from pacs_jax import checkpoints
@@ -62,7 +64,8 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
     training = target.training_config
-    output_dir = pathlib.Path(cli.output_dir) if cli.output_dir else target.default_output_dir()
+    output_dir = epath.Path(cli.output_dir or remote.store_path(target.default_output_dir())
+                            or target.default_output_dir())  # a gs:// checkpoint's: on the store, not in its copy
     names = [n.strip() for n in ec.sets.split(",") if n.strip()] if isinstance(ec.sets, str) else list(ec.sets)
     files = [n for n in names if n != HELD_OUT]
     eval_sets = load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems,

@@ -257,7 +257,8 @@ def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_pa
     assert set(metrics) == {"held_out"}
     copied = tmp_path / "cache" / "remote" / "gs" / "bucket" / "run"
     assert sorted(p.name for p in (copied / "checkpoints").iterdir()) == ["3", "model_config.json"]
-    assert (copied / "eval" / "evaluate_step_3" / "eval_metrics.json").is_file()
+    assert json.loads((workdir / "eval" / "evaluate_step_3" / "eval_metrics.json").read_text()) == metrics
+    assert not (copied / "eval" / "evaluate_step_3").exists()  # the outputs are the workdir's, not the copy's
 
 
 def _eval_config():

@@ -2,6 +2,7 @@
 
     folder = local_folder("gs://bucket/models/Qwen2.5-3B")   # ~/.cache/pacs_jax/remote/gs/bucket/models/Qwen2.5-3B
     AutoTokenizer.from_pretrained(folder)
+    store_path(f"{folder}/eval")                            # "gs://bucket/models/Qwen2.5-3B/eval"
 
 transformers' tokenizers and the HF weights loader (models/loading.py) open files by local path. A
 ``gs://`` model or tokenizer folder is copied once into the cache (``$PACS_JAX_CACHE``, else
@@ -93,3 +94,15 @@ def local_folder(folder: str | os.PathLike, *, keep: Callable[[str], bool] = lam
         for leftover in (tmp, target.parent / f".{target.name}.old.{os.getpid()}"):
             shutil.rmtree(leftover, ignore_errors=True)
     return str(target)
+
+
+def store_path(local: str | os.PathLike) -> str | None:
+    """The store path that ``local``, a path inside a copy ``local_folder`` made, stands for
+    (``<cache>/remote/gs/bucket/key/x`` -> ``gs://bucket/key/x``: the cache mirrors the store's layout),
+    or None when ``local`` is not inside the cache's copies."""
+    copies = cache_root() / "remote"
+    try:
+        scheme, *key = pathlib.Path(local).relative_to(copies).parts
+    except ValueError:
+        return None
+    return f"{scheme}://{'/'.join(key)}" if key else None
