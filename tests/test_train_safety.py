@@ -246,7 +246,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("full") / "run"
     workdir.mkdir()
     (workdir / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
-    process = start_train(workdir, *FAST_DEMO_FLAGS, "--config.train.steps=2",
+    process = start_train(workdir, *RL_ONLY_FLAGS, "--config.train.steps=2",  # the first write: step 1's row
                           env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run")
     assert finish(process) == 78
     output = logs(workdir, "run")
