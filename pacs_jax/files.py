@@ -27,6 +27,11 @@ from pacs_jax.errors import PermanentError
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names an object on a store (``gs://...``, any ``scheme://``), not a local file."""
+    return "://" in str(path)
+
+
 class StorageError(PermanentError):
     """A write failed for a full disk, a quota or a permission; the message names the path. Permanent:
     a restart fails the same way until space is freed or the permission fixed (it then resumes from
@@ -87,7 +92,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary
     which is then uploaded as the object: a store publishes an object only when its upload is
     complete, and an error in ``write`` uploads nothing.
     """
-    if "://" in str(path):
+    if is_remote(path):
         buffer = io.BytesIO() if binary else io.StringIO()
         write(buffer)
         data = buffer.getvalue()

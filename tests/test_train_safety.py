@@ -117,7 +117,7 @@ def sessions(tmp_path_factory):
     disk between."""
     env = train_env(compile_cache_dir(tmp_path_factory))
     workdir = tmp_path_factory.mktemp("sessions") / "run"
-    flags = (*FAST_DEMO_FLAGS, "--config.train.keep_checkpoints=10")
+    flags = (*RL_ONLY_FLAGS, "--config.train.keep_checkpoints=10")  # the sessions need RL steps only
     out = {"workdir": workdir}
 
     first = start_train(workdir, *flags, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=3",

@@ -17,12 +17,9 @@ import pathlib
 
 from etils import epath
 
+from pacs_jax.files import is_remote  # noqa: F401 (also read as paths.is_remote)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # pacs_jax/data/paths.py -> the repository
-
-
-def is_remote(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names an object on a store (``gs://...``, any ``scheme://``), not a local file."""
-    return "://" in str(path)
 
 
 def resolve(path: str | os.PathLike) -> str | os.PathLike:

@@ -22,7 +22,7 @@ from etils import epath
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from pacs_jax.files import publish_mode
+from pacs_jax.files import is_remote, publish_mode
 from pacs_jax.models.config import QwenConfig
 
 SAFE_SINGLE = "model.safetensors"
@@ -239,7 +239,7 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     Raises ``NotAnExportError`` (a ``FileExistsError``) with one line naming ``out_dir``, a local folder
     or one on a store (``gs://``).
     """
-    local = "://" not in str(out_dir)
+    local = not is_remote(out_dir)
     out_dir = pathlib.Path(out_dir) if local else epath.Path(out_dir)
     if not out_dir.exists() and not (local and out_dir.is_symlink()):
         return
@@ -284,7 +284,7 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
     """
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"format={fmt!r}: expected 'safetensors' or 'bin'")
-    if "://" in str(out_dir):
+    if is_remote(out_dir):
         check_export_target(out_dir, overwrite=overwrite)
         with tempfile.TemporaryDirectory(prefix="pacs_jax_export.") as local:
             written = write_hf_dir(pathlib.Path(local) / "export", cfg, tensors, fmt=fmt,

@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 from tqdm.auto import tqdm
 
+from pacs_jax.files import is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import HFWeightReader, read_param, weight_map, write_hf_dir
 from pacs_jax.models.qwen import Qwen, init_value
@@ -137,8 +139,9 @@ def host_params(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
 
 def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetensors",
               max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | pathlib.Path | None = None,
-              overwrite: bool = False, progress: bool = False) -> pathlib.Path:
-    """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved).
+              overwrite: bool = False, progress: bool = False) -> pathlib.Path | epath.Path:
+    """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved); returns
+    the folder (``out_dir`` local or on ``gs://``: ``write_hf_dir``).
 
     Multi-process: every process must call it (each tensor is gathered); process 0 writes."""
     cfg = model.cfg
@@ -149,6 +152,6 @@ def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetenso
     if jax.process_index() != 0:  # every process takes part in gathering each tensor; process 0 writes
         for _ in tensors:
             pass
-        return pathlib.Path(out_dir)
+        return epath.Path(out_dir) if is_remote(out_dir) else pathlib.Path(out_dir)
     return write_hf_dir(out_dir, cfg, tensors, fmt=fmt, max_shard_bytes=max_shard_bytes,
                         tokenizer_dir=tokenizer_dir, overwrite=overwrite)

@@ -18,7 +18,7 @@ import jax
 from etils import epath
 from tqdm.auto import tqdm
 
-from pacs_jax.files import atomic_write_text
+from pacs_jax.files import atomic_write_text, is_remote
 
 # Shown on the progress bar (when present), in this order.
 KEY_METRICS = ("reward_mean", "accuracy", "loss", "response_length_mean", "grad_norm", "tokens_per_second",
@@ -78,7 +78,7 @@ class MetricsLogger:
         self.path = self.workdir / "metrics.jsonl"
         if initial_step > 0:
             self.earlier = keep_rows_up_to(self.path, initial_step)
-        local = "://" not in str(self.path)
+        local = not is_remote(self.path)
         self.jsonl = self.path.open("a") if local else None
         self.text = "" if local or not self.path.exists() else self.path.read_text()  # a store's object
         self.writer = None

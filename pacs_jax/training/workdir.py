@@ -40,7 +40,7 @@ import numpy as np
 from etils import epath
 
 from pacs_jax.checkpoints import MODEL_CONFIG_FILE
-from pacs_jax.files import atomic_write_text
+from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.rl.objectives import options_for
 from pacs_jax.training.config_check import ConfigError
@@ -58,10 +58,6 @@ ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_
 
 class WorkdirLockedError(ConfigError):
     """Another trainer holds the workdir (its host and pid are in the message)."""
-
-
-def _local(path: epath.Path) -> bool:
-    return "://" not in str(path)
 
 
 def _process_start(pid: int) -> str | None:
@@ -167,7 +163,7 @@ class WorkdirLock:
         self.workdir = epath.Path(workdir)
         self.path = self.workdir / LOCK_FILE
         self.heartbeat, self.stale_after = heartbeat, stale_after
-        self._file = _LocalLockFile(self.path) if _local(self.workdir) else _StoreLockFile(self.path)
+        self._file = _StoreLockFile(self.path) if is_remote(self.workdir) else _LocalLockFile(self.path)
         self.held = False
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
