@@ -82,15 +82,20 @@ def _fail(program: str, message: str) -> None:
 
 
 def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str] | None = None,
-            permanent: tuple[type[BaseException], ...] = ()) -> None:
+            permanent: tuple[type[BaseException], ...] = (),
+            prepare: Callable[[list[str]], list[str]] | None = None) -> None:
     """``absl.app.run(main)``, except that flag errors, ``app.UsageError``, ``PermanentError`` and the
     ``permanent`` exception types print "``program``: error: MESSAGE" on stderr and exit with
-    ``PERMANENT_ERROR_STATUS`` (no traceback, no flag listing)."""
+    ``PERMANENT_ERROR_STATUS`` (no traceback, no flag listing). prepare: rewrites the command line
+    before the flags are parsed (the CLIs': ``data.paths.config_file_args``); a ``PermanentError`` it
+    raises is reported alike."""
     from absl import app, flags
 
     def parse_flags(args: list[str]) -> list[str]:
         try:
-            return flags.FLAGS(args)
+            return flags.FLAGS(prepare(args) if prepare else args)
+        except PermanentError as e:
+            _fail(program, str(e))
         except flags.Error as e:
             _fail(program, f"{e} (--helpshort lists the flags)")
         except (KeyError, AttributeError) as e:  # an override naming a field the --config file lacks

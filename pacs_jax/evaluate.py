@@ -203,7 +203,7 @@ def _cli() -> None:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         run(config_flag.value, checkpoint_flag.value)
 
-    run_cli("pacs_jax.evaluate", main)  # flag, usage and data errors: one line, exit status 78
+    run_cli("pacs_jax.evaluate", main, prepare=paths.config_file_args)  # flag, usage, data errors: one line, status 78
 
 
 if __name__ == "__main__":

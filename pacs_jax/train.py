@@ -19,6 +19,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from pacs_jax.data import paths
 from pacs_jax.errors import UsageError, exit_on_unknown_config_field, run_cli
 
 
@@ -118,7 +119,7 @@ def _check_workdir(workdir, field: str) -> None:
 def cli() -> None:
     """Run ``main``; config, flag and data errors print one line and exit with status 78
     (``errors.PERMANENT_ERROR_STATUS``), which launch/supervise.sh does not retry."""
-    run_cli("pacs_jax.train", main, sys.argv)
+    run_cli("pacs_jax.train", main, sys.argv, prepare=paths.config_file_args)
 
 
 if __name__ == "__main__":

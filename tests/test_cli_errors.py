@@ -25,9 +25,9 @@ def _env() -> dict:
     return {**env, "JAX_PLATFORMS": "cpu"}
 
 
-def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+def _run(module: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
-                          cwd=REPO, env=_env())
+                          cwd=cwd, env=_env())
 
 
 def _error_line(run: subprocess.CompletedProcess, program: str) -> str:
@@ -124,3 +124,19 @@ def test_a_workdir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path):
     folder = _unwritable_folder(tmp_path)
     line = _error_line(_run("pacs_jax.train", f"--workdir={folder}", *flags), "pacs_jax.train")
     assert line.startswith(f"pacs_jax.train: error: --workdir={folder}: cannot write in it (")
+
+
+def test_the_readme_config_paths_work_from_any_folder_and_a_missing_one_is_one_line(tmp_path):
+    """``--config=configs/...`` (the README's commands) from a folder other than the repository's: the file
+    is read from the repository (it was a traceback from ml_collections); a config file that exists
+    nowhere is one line naming the flag and where it was looked for, for both CLIs."""
+    found = _error_line(_run("pacs_jax.train", "--config=configs/paper.py:qwen25_3b,pacs_beta1",
+                             "--config.data.train_files=('missing.jsonl',)", f"--workdir={tmp_path / 'w'}",
+                             cwd=tmp_path), "pacs_jax.train")
+    assert found.startswith("pacs_jax.train: error: config.data.train_files[0]: missing.jsonl does not exist")
+    for module, args in (("pacs_jax.train", ("--config=configs/papr.py:qwen25_3b,grpo",)),
+                         ("pacs_jax.evaluate", ("--config=configs/evl.py", "--checkpoint=x"))):
+        line = _error_line(_run(module, *args, cwd=tmp_path), module)
+        assert line == (f"{module}: error: {args[0]}: {args[0].split('=')[1].split(':')[0]} does not exist (a "
+                        f"relative path: looked for in the working directory {tmp_path}, then in the repository "
+                        f"root {REPO})")

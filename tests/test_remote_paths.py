@@ -14,6 +14,8 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import subprocess
+import sys
 
 import fsspec
 import jax
@@ -35,7 +37,7 @@ from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.run import run_training
 from pacs_jax.training.workdir import LOCK_FILE, WorkdirLockedError, checkpoint_steps
 from test_train_real_config import TINY, deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
-from train_helpers import load_config
+from train_helpers import load_config, train_env
 
 
 class FakeGCS(LocalFileSystem):
@@ -200,35 +202,40 @@ def gcs(tmp_path, monkeypatch):
     it, etils' and fsspec's file systems made afresh; stopped after the test. The cache of local copies is
     tmp_path / "cache"."""
     monkeypatch.setenv(remote.CACHE_ENV, str(tmp_path / "cache"))
-    gcs_class = fsspec.get_filesystem_class("gs")
     with gcs_emulator("bucket") as url:
         point_clients_at(url, monkeypatch)
-        epath_backend.fsspec_backend._get_filesystem.cache_clear()
-        gcs_class.clear_instance_cache()
+        _forget_listings()
         yield url
         # tensorboardX keeps its writers (an atexit hook) until the interpreter exits, when each uploads its
         # events once more: to this store, gone by then, for 2 minutes of retries. Their uploads are done.
         for writer in gc.get_objects():
             if type(writer) is GCSRecordWriter:
                 writer.flush = lambda: None
+    _forget_listings()
+
+
+def _forget_listings() -> None:
+    """New etils and gcsfs file systems for gs://, without the listings the old ones cached (gcsfs keeps a
+    folder's listing until it writes there itself: another process's objects would not show)."""
     epath_backend.fsspec_backend._get_filesystem.cache_clear()
-    gcs_class.clear_instance_cache()
+    fsspec.get_filesystem_class("gs").clear_instance_cache()
 
 
-@pytest.mark.slow(seconds=35)
-def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_path, capsys):
-    """The demo's task shrunk (a 1-layer model of the character tokenizer, 8 prompts a step, no warm-start,
-    the final evaluation on 8 held-out problems) trains 2 steps in gs://bucket/run, then resumes there to
-    step 3: the lock, config.json, metrics, Orbax checkpoints, TensorBoard, the evaluation outputs, the
+# The demo's task shrunk for the gs:// workdir run: a 1-layer model of the character tokenizer, 8 prompts a
+# step, no warm-start, the final evaluation on 8 held-out problems (sampled once each).
+GS_RUN = {"model.num_hidden_layers": 1, "warmstart.steps": 0, "data.warmstart_problems": 0,
+          "data.arithmetic.problems": 64, "data.held_out_problems": 8, "eval.batch_size": 8, "eval.slots": 8,
+          "eval.final.n": 1, "eval.final.greedy": False, "train.steps": 2, "train.checkpoint_every": 1,
+          "train.prompts_per_step": 8, "train.mini_batches": 2, "reward.workers": 1}
+
+
+@pytest.mark.slow(seconds=40)
+def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_path):
+    """GS_RUN trains 2 steps in gs://bucket/run, then the trainer CLI, in a process of its own, resumes
+    there to step 3: the lock, config.json, metrics, Orbax checkpoints, TensorBoard, the evaluation outputs, the
     HF export and the summary are all in the store; then the evaluation CLI reads the workdir from it."""
     config = load_config("default.py")
-    config.model.num_hidden_layers = 1
-    config.warmstart.steps, config.data.warmstart_problems = 0, 0
-    config.data.arithmetic.problems, config.data.held_out_problems = 64, 8
-    config.eval.update(batch_size=8, slots=8)
-    config.eval.final.update(n=1, greedy=False)
-    config.train.update(steps=2, checkpoint_every=1, prompts_per_step=8, mini_batches=2)
-    config.reward.workers = 1
+    config.update_from_flattened_dict(GS_RUN)
     validate_config(config)  # on the 8 test devices; the run on one
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
     workdir = epath.Path("gs://bucket/run")
@@ -238,10 +245,16 @@ def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_pa
     (workdir / LOCK_FILE).unlink()
     with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
         assert run_training(config, workdir)["final_step"] == 2
-        assert checkpoint_steps(workdir) == [1, 2]
-        config.train.steps = 3
-        summary = run_training(config, workdir)
-    assert "resumed from step 2" in capsys.readouterr().out
+    assert checkpoint_steps(workdir) == [1, 2]
+    # the resume: the trainer CLI in a process of its own, reading the store over HTTP as on another host
+    flags = [f"--config.{key}={value}" for key, value in GS_RUN.items()]
+    resume = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--workdir=gs://bucket/run", *flags,
+                             "--config.train.steps=3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env=train_env())  # one device; the store's and the cache's variables (gcs, tmp_path)
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    assert "resumed from step 2" in resume.stdout
+    _forget_listings()
+    summary = json.loads((workdir / "summary.json").read_text())
     assert (summary["final_step"], summary["sessions"], summary["hf_export"]) == (3, 2, "gs://bucket/run/hf_export")
     assert checkpoint_steps(workdir) == [1, 2, 3]
     assert [row["step"] for row in read_rows(workdir / "metrics.jsonl")] == [1, 2, 3]

@@ -17,6 +17,7 @@ import pathlib
 
 from etils import epath
 
+from pacs_jax.errors import UsageError
 from pacs_jax.files import is_remote  # noqa: F401 (also read as paths.is_remote)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # pacs_jax/data/paths.py -> the repository
@@ -45,6 +46,24 @@ def join(folder: str | os.PathLike, name: str | os.PathLike) -> str:
     if is_remote(name) or pathlib.PurePath(name).is_absolute():
         return str(name)
     return str(epath.Path(folder) / name)
+
+
+def config_file_args(argv: list[str], flag: str = "config") -> list[str]:
+    """``argv`` with its ``--FLAG=FILE[:ARG]`` (FILE relative) naming the file ``resolve`` finds: the
+    README's ``--config=configs/paper.py:...`` works from any folder, as the configs' data paths do.
+    Raises ``UsageError`` (one line, naming the flag and where FILE was looked for) when FILE exists in
+    neither place."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if eq and name in (f"--{flag}", f"-{flag}") and value:
+            file, colon, rest = value.partition(":")
+            found = resolve(file)
+            if not pathlib.Path(found).is_file():
+                raise UsageError(f"{name}={value}: {missing(file)}")
+            arg = f"{name}={found}{colon}{rest}"
+        out.append(arg)
+    return out
 
 
 def missing(path: str | os.PathLike, hint: str = "") -> str:
