@@ -105,14 +105,14 @@ def test_deadline_misses_are_retried_once_then_counted_or_refused():
         responses, golds = ["\\boxed{1}", HANGING, "\\boxed{2}"], ["1", "3", "2"]
         # Round 1: the hanging item holds the only worker past the deadline, the third never starts.
         # Round 2 (fresh deadline): the never-started item first, then the hanging one again.
-        scores, statuses, metrics = slow.score(responses, golds, deadline=6.0, deadline_retries=1)
+        scores, statuses, metrics = slow.score(responses, golds, deadline=4.0, deadline_retries=1)
         assert statuses == [verdict.OK, verdict.DEADLINE, verdict.OK]
         assert scores.tolist() == [1.0, 0.0, 1.0]
         assert (metrics["unscored"], metrics["unscored_fraction"], metrics["deadline_retried"]) == (1, 1 / 3, 2)
         assert metrics["seconds"] < 60
-        slow.score(responses, golds, deadline=6.0, deadline_retries=1, max_unscored_fraction=0.34)  # 1/3 is allowed
+        slow.score(responses, golds, deadline=4.0, deadline_retries=1, max_unscored_fraction=0.34)  # 1/3 is allowed
         with pytest.raises(rewards.UnscoredError, match=r"1 of 3 responses \(33.3%\).*reward.max_unscored_fraction"):
-            slow.score(responses, golds, deadline=6.0, deadline_retries=1, max_unscored_fraction=0.2)
+            slow.score(responses, golds, deadline=4.0, deadline_retries=1, max_unscored_fraction=0.2)
         assert slow.score(["\\boxed{2}"], ["2"]).scores.tolist() == [1.0]
 
 
