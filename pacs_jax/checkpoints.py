@@ -33,10 +33,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from pacs_jax.data.paths import is_remote
 from pacs_jax.data.remote import local_folder
 from pacs_jax.errors import PermanentError
-from pacs_jax.files import atomic_write_text, storage_error
+from pacs_jax.files import atomic_write_text, is_remote, storage_error
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.loading import abstract_model, dotted, load_hf
 from pacs_jax.models.qwen import Qwen

@@ -64,8 +64,8 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
     training = target.training_config
-    output_dir = epath.Path(cli.output_dir or remote.store_path(target.default_output_dir())
-                            or target.default_output_dir())  # a gs:// checkpoint's: on the store, not in its copy
+    default = target.default_output_dir()  # a gs:// checkpoint's: the same place on the store, not in its copy
+    output_dir = epath.Path(cli.output_dir or remote.store_path(default) or default)
     names = [n.strip() for n in ec.sets.split(",") if n.strip()] if isinstance(ec.sets, str) else list(ec.sets)
     files = [n for n in names if n != HELD_OUT]
     eval_sets = load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems,

@@ -18,7 +18,7 @@ import pathlib
 from etils import epath
 
 from pacs_jax.errors import UsageError
-from pacs_jax.files import is_remote  # noqa: F401 (also read as paths.is_remote)
+from pacs_jax.files import is_remote
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # pacs_jax/data/paths.py -> the repository
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
+import os
 from typing import Any
+
+from etils import epath
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -110,11 +112,12 @@ class QwenConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_hf_file(cls, path: str | pathlib.Path, **overrides) -> QwenConfig:
-        """The config of an HF model directory (or its config.json). A generation_config.json beside it
-        adds its eos_token_id(s) to the stop ids (``eos_token_id``), as transformers' generate stops
-        on them: Qwen3 lists [151645, 151643] there and only 151645 in config.json."""
-        path = pathlib.Path(path)
+    def from_hf_file(cls, path: str | os.PathLike, **overrides) -> QwenConfig:
+        """The config of an HF model directory (or its config.json), local or on a store (``gs://``, read
+        through ``etils.epath``). A generation_config.json beside it adds its eos_token_id(s) to the stop
+        ids (``eos_token_id``), as transformers' generate stops on them: Qwen3 lists [151645, 151643]
+        there and only 151645 in config.json."""
+        path = epath.Path(path)
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
@@ -158,7 +161,7 @@ class QwenConfig:
         return out
 
 
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
+def _read_json(path: epath.Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import ml_collections
-from etils import epath
 
 from pacs_jax.data import paths
 
@@ -45,7 +44,7 @@ def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = 
         folder = paths.path(m.path)
         try:
             if (folder / "config.json").is_file():
-                return _hf_config(folder, run)
+                return models.QwenConfig.from_hf_file(folder, **run)
             if (folder / "model_config.json").is_file():
                 raw = json.loads((folder / "model_config.json").read_text())
                 raw.pop("pacs_jax", None)
@@ -63,16 +62,3 @@ def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = 
         attention_bias=m.model_type == "qwen2", bos_token_id=None, eos_token_id=None)
     return models.QwenConfig(**{**fields, **run})
 
-
-def _hf_config(folder: epath.Path, run: dict):
-    """The QwenConfig of the HF model folder ``folder`` (an ``epath.Path``, local or on a store), as
-    ``QwenConfig.from_hf_file`` reads a local one: config.json, with generation_config.json's
-    eos_token_id(s) added to the stop ids."""
-    from pacs_jax.models.config import QwenConfig, merge_eos_ids
-
-    hf = json.loads((folder / "config.json").read_text())
-    generation = folder / "generation_config.json"
-    if generation.is_file() and "eos_token_id" not in run:
-        stop = json.loads(generation.read_text()).get("eos_token_id")
-        run = {**run, "eos_token_id": merge_eos_ids(hf.get("eos_token_id"), stop)}
-    return QwenConfig.from_hf_dict(hf, source=str(folder / "config.json"), **run)
