@@ -128,6 +128,13 @@ def get_config() -> ml_collections.ConfigDict:
         mini_batches=1,           # optimizer steps per training step (mini-batches of whole groups)
         micro_batches=1,          # gradient accumulation inside a mini-batch
         logprob_micro_batches=0,  # forward passes of the pi_old pass; 0 = mini_batches x micro_batches
+        packing=True,             # pi_old, the update and PPO's critic compute only real tokens: each micro-batch's
+                                  # sequences (prompt without padding + response) packed into rows (rl/packing.py);
+                                  # False: every row padded to its prompt bucket + response bucket
+        packed_length=0,          # tokens per packed row; 0 = the largest prompt bucket + rollout.max_new_tokens
+        packed_row_fractions=(0.5,),  # packed rows per micro-batch and batch shard, as fractions of its padded
+                                  # rows (1.0 always added: one sequence a row); the smallest that holds a step's
+                                  # packing is used: one compiled program of each pass per fraction
         precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
         checkpoint_every=50,
         keep_checkpoints=3,

@@ -6,6 +6,9 @@ Dh head size, S cache slots, b a block of ``block_size`` tokens, n = T / b block
 Masking: query t of row r sees key s iff ``kv_valid[r, s]`` and s <= t. ``kv_valid`` holds one
 contiguous run of True per row (left-padded prompt + right-padded response, or a left-padded
 prompt), or none (batch padding). A query that sees no key returns zeros, with zero gradient.
+Packed rows (several sequences in one row, training only): with ``segment_ids`` [B, T] int32 (0 on
+padding, each sequence its own id, ``kv_valid = segment_ids > 0``) query t also needs
+``segment_ids[r, s] == segment_ids[r, t]``: attention stays within a sequence.
 
 Implementations (``attention(impl=...)``; "auto" picks by backend, see ``resolve_impl``):
 
@@ -22,14 +25,17 @@ Implementations (``attention(impl=...)``; "auto" picks by backend, see ``resolve
       dk_j += ds^T q_i * scale,  dq_i += ds k_j * scale        with D = rowsum(dout * out)
   The largest intermediates are [B, K, G, b, b] score blocks and [B, T, K, G, Dh] accumulators.
   T is padded up to a multiple of the block internally. All dots keep the batch and head dims as
-  batch dims, so batch and head shardings (GSPMD) propagate through unchanged.
+  batch dims, so batch and head shardings (GSPMD) propagate through unchanged. With segment ids,
+  the key blocks before the first segment that a query block holds (in any row) are skipped too,
+  and in the backward pass the query blocks after the last segment a key block holds.
 * "cudnn" (NVIDIA GPU): ``jax.nn.dot_product_attention(implementation="cudnn")``, whose masks are
-  causal plus per-row *lengths* (right padding only). Each row is rolled left by its number of
+  causal plus per-row *lengths* (right padding only); packed rows (segment ids) go to the "xla"
+  path there, as cuDNN's masks through ``jax.nn`` take no segment ids. Each row is rolled left by its number of
   leading pads so that its real tokens start at slot 0; queries get length T - start (a query in
   the right padding still sees every real token) and keys the number of real tokens; the output is
   rolled back and the queries that see no key are zeroed.
 * "splash" (TPU): the Pallas splash-attention kernel (heads-major, causal mask block-sparse) with
-  segment ids for the padding, one kernel call per batch row (``jax.vmap``), under ``shard_map``
+  segment ids for the padding (and for the sequences of packed rows), one kernel call per batch row (``jax.vmap``), under ``shard_map``
   when a mesh is set with ``jax.set_mesh``.
 
 ``decode_attention`` is the one-query step against a KV cache: an online softmax over the first
@@ -41,6 +47,7 @@ the whole cache instead (a dynamic-trip-count loop syncs with the host there; se
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +79,13 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     return {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "xla")
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *, impl: str = "auto",
-              block_size: int = 512) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *, segment_ids: jax.Array | None = None,
+              impl: str = "auto", block_size: int = 512) -> jax.Array:
     """Causal self-attention over one sequence layout (training forward, log-prob pass, prefill).
 
     q [B, T, H, Dh], k and v [B, T, K, Dh] (H a multiple of K), kv_valid [B, T] bool.
-    Query t sees key s iff kv_valid[b, s] and s <= t; scale Dh**-0.5; softmax in float32.
+    Query t sees key s iff kv_valid[b, s] and s <= t (and, with segment_ids [B, T] int32 for packed
+    rows, segment_ids[b, s] == segment_ids[b, t]); scale Dh**-0.5; softmax in float32.
     block_size: the query/key block of the "xla" implementation.
     Returns [B, T, H, Dh] in q.dtype; zeros (and zero gradients) for queries that see no key.
     """
@@ -87,13 +95,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *, 
                          "q [B, T, H, Dh], k = v [B, T, K, Dh] with H a multiple of K")
     if kv_valid.shape != (B, T):
         raise ValueError(f"attention: kv_valid {kv_valid.shape}, expected {(B, T)}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"attention: segment_ids {segment_ids.shape}, expected {(B, T)}")
     kv_valid = kv_valid.astype(bool)
     impl = resolve_impl(impl)
-    if impl == "xla":
-        return _xla_attention(q, k, v, kv_valid, block_size)
+    if impl == "xla" or (impl == "cudnn" and segment_ids is not None):
+        return _xla_attention(q, k, v, kv_valid, block_size, segment_ids)
     if impl == "cudnn":
         return _rolled_attention(q, k, v, kv_valid, _cudnn_core)
-    return _splash_attention(q, k, v, kv_valid)
+    return _splash_attention(q, k, v, kv_valid, segment_ids=segment_ids)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kv_valid: jax.Array,
@@ -163,8 +173,9 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=_F32)
 
 
-def _xla_attention(q, k, v, kv_valid, block_size):
-    """q [B, T, H, Dh], k/v [B, T, K, Dh], kv_valid [B, T] -> [B, T, H, Dh] (pads T to the block)."""
+def _xla_attention(q, k, v, kv_valid, block_size, segment_ids=None):
+    """q [B, T, H, Dh], k/v [B, T, K, Dh], kv_valid [B, T], segment_ids None or [B, T] int32
+    -> [B, T, H, Dh] (pads T to the block)."""
     B, T, H, Dh = q.shape
     K = k.shape[2]
     block = min(block_size, T)
@@ -172,25 +183,55 @@ def _xla_attention(q, k, v, kv_valid, block_size):
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         kv_valid = jnp.pad(kv_valid, ((0, 0), (0, pad)))
-    out = _flash(q.reshape(B, T + pad, K, H // K, Dh), k, v, kv_valid, block)
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    segments = None if segment_ids is None else _Segments.of(segment_ids.astype(jnp.int32), block)
+    out = _flash(q.reshape(B, T + pad, K, H // K, Dh), k, v, kv_valid, segments, block)
     return out.reshape(B, T + pad, H, Dh)[:, :T]
 
 
-def _block_mask(kv_valid, i, j, block):
+class _Segments(NamedTuple):
+    """Packed rows' segments for the "xla" path: ids [B, T] int32, and per block of ``block`` tokens
+    the first key block any of its queries sees (``first_key``, [n]) and the last query block that
+    sees any of its keys (``last_query``, [n]), over all rows."""
+
+    ids: jax.Array
+    first_key: jax.Array
+    last_query: jax.Array
+
+    @staticmethod
+    def of(ids: jax.Array, block: int) -> "_Segments":
+        B, T = ids.shape
+        t = jnp.arange(T)
+        starts = jnp.concatenate([jnp.ones((B, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+        ends = jnp.concatenate([ids[:, 1:] != ids[:, :-1], jnp.ones((B, 1), bool)], axis=1)
+        first = lax.cummax(jnp.where(starts, t, 0), axis=1)  # [B, T]: where t's segment starts
+        last = lax.cummin(jnp.where(ends, t, T - 1), axis=1, reverse=True)  # where it ends
+        first_key = jnp.min(first[:, ::block], axis=0) // block  # [n], of each block's first query
+        last_query = jnp.max(last[:, block - 1::block], axis=0) // block  # [n], of each block's last key
+        return _Segments(ids, first_key.astype(jnp.int32), last_query.astype(jnp.int32))
+
+
+def _block_mask(kv_valid, i, j, block, segments=None):
     """[B, 1, 1, b(query), b(key)] bool: key visible to query, for query block i and key block j."""
     offsets = jnp.arange(block)
     causal = (j * block + offsets)[None, :] <= (i * block + offsets)[:, None]
     valid = lax.dynamic_slice_in_dim(kv_valid, j * block, block, axis=1)
-    return valid[:, None, None, None, :] & causal
+    mask = valid[:, None, None, None, :] & causal
+    if segments is None:
+        return mask
+    same = _take(segments.ids, i, block)[:, :, None] == _take(segments.ids, j, block)[:, None, :]  # [B, b, b]
+    return mask & same[:, None, None]
 
 
 def _take(x, i, block, axis=1):
     return lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
 
 
-def _flash_forward(q, k, v, kv_valid, block):
-    """q [B, T, K, G, Dh], k/v [B, T, K, Dh], kv_valid [B, T] (T a multiple of block)
-    -> out [B, T, K, G, Dh] float32, lse [B, K, G, T] float32 (0 for a query that sees no key)."""
+def _flash_forward(q, k, v, kv_valid, segments, block):
+    """q [B, T, K, G, Dh], k/v [B, T, K, Dh], kv_valid [B, T] (T a multiple of block), segments None
+    or ``_Segments`` -> out [B, T, K, G, Dh] float32, lse [B, K, G, T] float32 (0 for a query that
+    sees no key)."""
     B, T, K, G, Dh = q.shape
     n = T // block
     scale = Dh ** -0.5
@@ -202,7 +243,7 @@ def _flash_forward(q, k, v, kv_valid, block):
         def key_block(j, carry):
             m, l, acc = carry
             v_j = _take(v, j, block)
-            mask = _block_mask(kv_valid, i, j, block)
+            mask = _block_mask(kv_valid, i, j, block, segments)
             s = _dot("bqkgd,bskd->bkgqs", q_i, _take(k, j, block)) * scale
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, K, G, b, b]
@@ -212,7 +253,8 @@ def _flash_forward(q, k, v, kv_valid, block):
 
         init = (jnp.full((B, K, G, block), _NEG, _F32), jnp.zeros((B, K, G, block), _F32),
                 jnp.zeros((B, K, G, block, Dh), _F32))
-        m, l, acc = lax.fori_loop(0, i + 1, key_block, init)  # key blocks up to the diagonal
+        first = 0 if segments is None else segments.first_key[i]
+        m, l, acc = lax.fori_loop(first, i + 1, key_block, init)  # key blocks up to the diagonal
         out = acc / jnp.where(l == 0, 1.0, l)[..., None]
         lse = jnp.where(l == 0, 0.0, m + jnp.log(jnp.where(l == 0, 1.0, l)))
         return out, lse
@@ -223,20 +265,21 @@ def _flash_forward(q, k, v, kv_valid, block):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, kv_valid, block):
-    """q [B, T, K, G, Dh], k/v [B, T, K, Dh], kv_valid [B, T] bool -> out [B, T, K, G, Dh] in q.dtype."""
-    return _flash_forward(q, k, v, kv_valid, block)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, kv_valid, segments, block):
+    """q [B, T, K, G, Dh], k/v [B, T, K, Dh], kv_valid [B, T] bool, segments None or ``_Segments``
+    -> out [B, T, K, G, Dh] in q.dtype."""
+    return _flash_forward(q, k, v, kv_valid, segments, block)[0].astype(q.dtype)
 
 
-def _flash_fwd(q, k, v, kv_valid, block):
-    out, lse = _flash_forward(q, k, v, kv_valid, block)
+def _flash_fwd(q, k, v, kv_valid, segments, block):
+    out, lse = _flash_forward(q, k, v, kv_valid, segments, block)
     out = out.astype(q.dtype)
-    return out, (q, k, v, kv_valid, out, lse)
+    return out, (q, k, v, kv_valid, segments, out, lse)
 
 
 def _flash_bwd(block, residuals, dout):
-    q, k, v, kv_valid, out, lse = residuals
+    q, k, v, kv_valid, segments, out, lse = residuals
     B, T, K, G, Dh = q.shape
     n = T // block
     scale = Dh ** -0.5
@@ -250,7 +293,7 @@ def _flash_bwd(block, residuals, dout):
             dq, dk_j, dv_j = carry
             q_i, do_i = _take(qd, i, block), _take(dod, i, block)  # [B, b, K, G, Dh]
             lse_i, delta_i = _take(lse, i, block, axis=3), _take(delta, i, block, axis=3)
-            mask = _block_mask(kv_valid, i, j, block)
+            mask = _block_mask(kv_valid, i, j, block, segments)
             s = _dot("bqkgd,bskd->bkgqs", q_i, k_j) * scale
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)  # [B, K, G, b, b]
             dv_j = dv_j + _dot("bkgqs,bqkgd->bskd", p.astype(dod.dtype), do_i)
@@ -261,12 +304,13 @@ def _flash_bwd(block, residuals, dout):
             return lax.dynamic_update_slice_in_dim(dq, dq_i, i * block, axis=1), dk_j, dv_j
 
         zeros = jnp.zeros((B, block, K, Dh), _F32)
-        dq, dk_j, dv_j = lax.fori_loop(j, n, query_block, (dq, zeros, zeros))  # diagonal and below
+        last = n if segments is None else segments.last_query[j] + 1
+        dq, dk_j, dv_j = lax.fori_loop(j, last, query_block, (dq, zeros, zeros))  # diagonal and below
         return dq, (dk_j, dv_j)
 
     dq, (dk, dv) = lax.scan(key_block, jnp.zeros(q.shape, _F32), jnp.arange(n))
     dk, dv = (x.transpose(1, 0, 2, 3, 4).reshape(B, T, K, Dh) for x in (dk, dv))  # from [n, B, b, K, Dh]
-    return (dq * scale).astype(q.dtype), (dk * scale).astype(k.dtype), dv.astype(v.dtype), None
+    return (dq * scale).astype(q.dtype), (dk * scale).astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -334,14 +378,16 @@ def _cudnn_core(q, k, v, q_len, kv_len):
 _SPLASH_LANES = 128  # the kernel's sequence blocks are multiples of this
 
 
-def _splash_attention(q, k, v, kv_valid, *, interpret: bool = False):
-    """q [B, T, H, Dh], k/v [B, T, K, Dh], kv_valid [B, T] bool -> [B, T, H, Dh] in q.dtype.
+def _splash_attention(q, k, v, kv_valid, *, segment_ids=None, interpret: bool = False):
+    """q [B, T, H, Dh], k/v [B, T, K, Dh], kv_valid [B, T] bool, segment_ids None or [B, T] int32
+    (packed rows, 0 on padding) -> [B, T, H, Dh] in q.dtype.
 
     T is padded to a multiple of 128. Segment ids encode the padding: a query is in segment 1 iff
     some real key is at or before it (else 0; the padded tail continues its row's last query), a
     key iff it is real (else 0); with the causal mask, query t then sees exactly the real keys
     s <= t, and a query of segment 0 sees itself (a key of segment 0), so no softmax row is empty;
-    those queries are zeroed afterwards.
+    those queries are zeroed afterwards. Packed rows pass their own ids for queries and keys alike
+    (a padding query, segment 0, sees the padding before it and is zeroed).
     Under a mesh set with ``jax.set_mesh``, the kernel runs in ``shard_map``: batch over the mesh
     axes of the logical "batch" rule, heads over those of "act_heads" (each only if it divides);
     K/V heads are repeated to H heads when their count does not divide over the head axes.
@@ -350,11 +396,15 @@ def _splash_attention(q, k, v, kv_valid, *, interpret: bool = False):
     B, T, H, Dh = q.shape
     K, dtype = k.shape[2], q.dtype
     pad = -T % _SPLASH_LANES
-    sees = jnp.cumsum(kv_valid, axis=1) > 0
+    if segment_ids is None:
+        sees = jnp.cumsum(kv_valid, axis=1) > 0
+        q_segment = jnp.pad(sees, ((0, 0), (0, pad)), mode="edge").astype(jnp.int32)
+        kv_segment = jnp.pad(kv_valid, ((0, 0), (0, pad))).astype(jnp.int32)
+    else:
+        sees = segment_ids > 0
+        q_segment = kv_segment = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
     q = (q.astype(_F32) * Dh ** -0.5).astype(dtype)  # the kernel does not scale
     q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (q, k, v))
-    q_segment = jnp.pad(sees, ((0, 0), (0, pad)), mode="edge").astype(jnp.int32)
-    kv_segment = jnp.pad(kv_valid, ((0, 0), (0, pad))).astype(jnp.int32)
     kernel = functools.partial(_splash_rows, interpret=interpret)
 
     mesh = jax.sharding.get_abstract_mesh()

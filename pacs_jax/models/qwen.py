@@ -121,8 +121,9 @@ class Attention(nnx.Module):
             out = out + getattr(self, bias_name)[...].astype(x.dtype)
         return out
 
-    def __call__(self, x, positions, kv_valid, cache, cache_index):
-        """x [B, T, D], positions [B, T], kv_valid [B, S] bool (S = T without a cache).
+    def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None):
+        """x [B, T, D], positions [B, T], kv_valid [B, S] bool (S = T without a cache); segment_ids
+        None or [B, T] int32 (packed rows, no cache: attention within a segment only).
 
         cache: None, or (k, v, layer): the stacked caches [L, B, K, S, Dh] and this layer's index;
         the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``; in decode
@@ -152,7 +153,8 @@ class Attention(nnx.Module):
                         for c in new_cache]
             out = decode_attention(q, *layer_kv, kv_valid, cache_index + 1, block_size=cfg.attention_block_size)
         else:  # training, log-probs, prefill (from slot 0): the call's own tokens, causal
-            out = attention(q, k, v, kv_valid[:, :q.shape[1]], impl=resolve_impl(cfg.attention, platform()),
+            out = attention(q, k, v, kv_valid[:, :q.shape[1]], segment_ids=segment_ids,
+                            impl=resolve_impl(cfg.attention, platform()),
                             block_size=cfg.attention_block_size)  # [B, T, H, Dh]
         out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype),
                          preferred_element_type=jnp.float32).astype(x.dtype)
@@ -209,8 +211,8 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = norm()
         self.mlp = MLP(cfg, rngs, layers)
 
-    def __call__(self, x, positions, kv_valid, cache, cache_index):
-        attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index)
+    def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None):
+        attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
         x = x + attn_out
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed")), cache
@@ -245,11 +247,12 @@ class Qwen(nnx.Module):
         out = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "length", "act_vocab"))
 
-    def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0):
+    def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0, segment_ids=None):
         """The decoder stack: tokens [B, T] int -> (final-normed hidden [B, T, D], updated cache).
 
         positions [B, T] int; kv_valid [B, S] bool marks keys that may be attended to (S = T without
-        a cache); the tokens are written into cache slots cache_index .. cache_index + T - 1. A call
+        a cache); segment_ids None or [B, T] int32: packed rows (without a cache), a token attends
+        only within its segment; the tokens are written into cache slots cache_index .. cache_index + T - 1. A call
         with T > 1 tokens and a cache is a prefill: it must start at cache_index 0. A decode call
         (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching), and a
         cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
@@ -264,7 +267,7 @@ class Qwen(nnx.Module):
 
         if cache is None:
             def body(x, params):
-                x, _ = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index)
+                x, _ = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index, segment_ids)
                 return x, None
 
             if cfg.remat != "none":
@@ -284,12 +287,19 @@ class Qwen(nnx.Module):
         return self.final_norm(x), KVCache(k_cache, v_cache)
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                  return_hidden: bool = False) -> jax.Array:
         """tokens [B, T] int, attention_mask [B, T] (1 = real token; left or right padding).
 
+        Packed rows (several sequences in a row, rl/packing.py) give instead segment_ids [B, T]
+        int32 (0 on padding, one id per sequence) and positions [B, T] (each token's position in
+        its own sequence): a token then attends only within its sequence, at its own positions.
         Returns logits [B, T, V] in float32, or the final-normed hidden states [B, T, D] in the
         compute dtype when ``return_hidden`` (for the fused log-prob loss).
         """
+        if segment_ids is not None:
+            hidden, _ = self.forward(tokens, positions, segment_ids > 0, segment_ids=segment_ids)
+            return hidden if return_hidden else self.logits(hidden)
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, jnp.int32)
         hidden, _ = self.forward(tokens, positions_from_mask(attention_mask), attention_mask.astype(bool))

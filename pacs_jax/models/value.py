@@ -34,9 +34,12 @@ class ValueModel(nnx.Module):
         self.value_kernel = make_param(rngs, (cfg.hidden_size,), ("embed",), cfg.param_dtype)
         self.value_bias = make_param(rngs, (), (), cfg.param_dtype, init="zeros")
 
-    def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
-        """tokens, attention_mask [B, T] -> values [B, T] float32 (one per position)."""
-        hidden = self.backbone(tokens, attention_mask, return_hidden=True)  # [B, T, D]
+    def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> jax.Array:
+        """tokens, attention_mask [B, T] -> values [B, T] float32 (one per position); packed rows give
+        segment_ids and positions [B, T] instead of the mask (``Qwen.__call__``)."""
+        hidden = self.backbone(tokens, attention_mask, segment_ids=segment_ids, positions=positions,
+                               return_hidden=True)  # [B, T, D]
         values = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), self.value_kernel[...].astype(jnp.float32))
         return values + self.value_bias[...].astype(jnp.float32)
 

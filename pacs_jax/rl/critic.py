@@ -9,6 +9,8 @@ Batch (the update batch's layout, L = P + R):
   old_values      [B, R] float   the critic's values at rollout time, times ``value_mask`` (what
                                  ``rl.compute_gae`` used)
   returns         [B, R] float   ``rl.compute_gae``'s returns
+  pack_index, unpack_index       optional: a packing plan of this layout (rl/packing.py): every
+                                 micro-batch then runs on its packed rows, read from input_ids
 
 Which values are compared with which returns (verl's dp_critic.py in the authors' copy, 0.3.1.dev:
 ``values[:, -R - 1:-1]`` in ``_forward_micro_batch``, mask ``attention_mask[:, -R - 1:-1]`` in
@@ -29,10 +31,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.value import ValueModel, response_values
+from pacs_jax.rl.loss_and_grad import packed_units
 from pacs_jax.rl.micro_batches import accumulate_micro_batches, map_micro_batches
+from pacs_jax.rl.packing import packed_inputs, packed_unit, unpack
 from pacs_jax.rl.ppo import value_loss
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+PACKING_KEYS = ("pack_index", "unpack_index")
 
 
 def value_mask(attention_mask: jax.Array, response_length: int) -> jax.Array:
@@ -54,7 +59,12 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
 
     def micro_loss(params, micro, totals):
         critic = nnx.merge(graphdef, params)
-        values = response_values(critic, micro["input_ids"], micro["attention_mask"], micro["response_mask"].shape[1])
+        if "pack_index" in micro:
+            values = packed_response_values(critic, micro["input_ids"], micro["attention_mask"], micro["pack_index"],
+                                            micro["unpack_index"])
+        else:
+            values = response_values(critic, micro["input_ids"], micro["attention_mask"],
+                                     micro["response_mask"].shape[1])
         return value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
                           clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode, norm_length=norm_length,
                           loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size, totals=totals)
@@ -62,20 +72,36 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def loss_and_grad(params: nnx.State, batch: Mapping[str, jax.Array]):
-        if sorted(batch) != sorted(CRITIC_KEYS):
-            raise ValueError(f"the critic's batch takes exactly {list(CRITIC_KEYS)}, got {sorted(batch)}")
+        if sorted(set(batch) - set(PACKING_KEYS)) != sorted(CRITIC_KEYS):
+            raise ValueError(f"the critic's batch takes exactly {list(CRITIC_KEYS)} (and a packing plan's "
+                             f"{list(PACKING_KEYS)}), got {sorted(batch)}")
         # the loss's mask (and the token count of token-mean's totals) is verl's critic mask, not the response's
         batch = {**batch, "response_mask": value_mask(batch["attention_mask"], batch["response_mask"].shape[1])}
-        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches)
+        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
+                                        units=packed_units(batch, num_micro_batches))
 
     return loss_and_grad
 
 
+def packed_response_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array,
+                           pack_index: jax.Array, unpack_index: jax.Array) -> jax.Array:
+    """``models.response_values`` of one micro-batch computed on its packed rows (rl/packing.py):
+    input_ids, attention_mask [B, P + R] read through pack_index [S N, Lp] -> values [B, R] through
+    unpack_index [B, R] (value t read at the token before response token t, within the sequence)."""
+    tokens, segment_ids, positions, _ = packed_inputs(input_ids, attention_mask, pack_index)
+    return unpack(critic(tokens, segment_ids=segment_ids, positions=positions), unpack_index)
+
+
 def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
-                         *, num_micro_batches: int = 1) -> jax.Array:
+                         *, num_micro_batches: int = 1, packing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """``models.response_values`` without gradient: input_ids, attention_mask [B, P + R] -> values [B, R]
     float32, as ``num_micro_batches`` forward passes of strided micro-batches of rows
     (``rl.micro_batches.map_micro_batches``, as ``rl.micro_batched_logprobs``), so activation memory
     is bounded by one."""
-    return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),
-                             (input_ids, attention_mask), num_micro_batches=num_micro_batches)
+    if packing is None:
+        return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),
+                                 (input_ids, attention_mask), num_micro_batches=num_micro_batches)
+    pack_index, unpack_index = packing
+    return map_micro_batches(lambda ids, mask, pack, unpack_at: packed_response_values(critic, ids, mask, pack, unpack_at),
+                             (input_ids, attention_mask, pack_index, unpack_index), num_micro_batches=num_micro_batches,
+                             units=(1, 1, packed_unit(pack_index, input_ids.shape[0], num_micro_batches), 1))

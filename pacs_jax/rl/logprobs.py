@@ -31,6 +31,7 @@ from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.rl.micro_batches import map_micro_batches
+from pacs_jax.rl.packing import packed_inputs, packed_unit, unpack
 from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
@@ -76,18 +77,42 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
     return token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
 
 
+def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
+                             pack_index: jax.Array, unpack_index: jax.Array, *, temperature: float = 1.0,
+                             chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+    """``response_logprobs`` of one micro-batch computed on its packed rows (rl/packing.py): input_ids,
+    attention_mask [B, P + R] (the padded rows, read through ``pack_index`` [S N, Lp]) -> [B, R]
+    float32 through ``unpack_index`` [B, R] (and entropy [B, R]); the same numbers as the padded
+    rows' at every response token, from S N x Lp computed tokens instead of B x (P + R).
+    """
+    tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, pack_index)
+    hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True)  # [S N, Lp, D]
+    args = (hidden, model.lm_head_kernel(), targets)
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size)
+    if not with_entropy:
+        return unpack(token_logprobs(*args, **kwargs), unpack_index)
+    logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
+    return unpack(logp, unpack_index), unpack(entropy, unpack_index)
+
+
 def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                            *, num_micro_batches: int = 1, temperature: float = 1.0,
                            chunk_size: int = DEFAULT_CHUNK_SIZE,
-                           with_entropy: bool = False):
+                           with_entropy: bool = False, packing: tuple[jax.Array, jax.Array] | None = None):
     """``response_logprobs`` without gradient, as ``num_micro_batches`` forward passes of B / K strided
     rows each (``rl.micro_batches.map_micro_batches``), so activation memory is bounded by a
     micro-batch, not the batch. Returns [B, R] (and entropy [B, R]).
+    packing: (pack_index [K S N, Lp], unpack_index [B, R]), a plan of rl/packing.py for this layout
+    (one mini-batch, K micro-batches of unit 1): each micro-batch runs on its packed rows.
     """
-    return map_micro_batches(
-        lambda ids, mask: response_logprobs(model, ids, mask, response_length, temperature=temperature,
-                                            chunk_size=chunk_size, with_entropy=with_entropy),
-        (input_ids, attention_mask), num_micro_batches=num_micro_batches)
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    if packing is None:
+        return map_micro_batches(lambda ids, mask: response_logprobs(model, ids, mask, response_length, **kwargs),
+                                 (input_ids, attention_mask), num_micro_batches=num_micro_batches)
+    pack_index, unpack_index = packing
+    return map_micro_batches(lambda ids, mask, pack, unpack_at: packed_response_logprobs(
+        model, ids, mask, pack, unpack_at, **kwargs), (input_ids, attention_mask, pack_index, unpack_index),
+        num_micro_batches=num_micro_batches, units=(1, 1, packed_unit(pack_index, input_ids.shape[0], num_micro_batches), 1))
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:

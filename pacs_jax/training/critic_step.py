@@ -53,7 +53,7 @@ CRITIC_INPUTS = ("input_ids", "attention_mask", "response_mask")  # what the cri
 class CriticPrograms(NamedTuple):
     """The critic's two jitted programs of a step (``critic_programs``)."""
 
-    values: Callable  # (params, batch) -> (advantages, values, returns), each [B, R]
+    values: Callable  # (params, batch, packing) -> (advantages, values, returns), each [B, R]
     update: Callable  # (params, opt_state, critic_batch) -> (params, opt_state, metrics [M])
 
 
@@ -93,13 +93,19 @@ class PPOCritic:
     def spec(self) -> CriticState:
         return CriticState(self.graphdef, (self.params, self.opt_state), self.optimizer)
 
-    def step(self, programs: CriticPrograms, batch: dict[str, jax.Array]
+    def step(self, programs: CriticPrograms, batch: dict[str, jax.Array], packing: dict | None = None
              ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         """Values, GAE and the critic's update on the update ``batch`` (input_ids, attention_mask
-        [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). Returns the
-        actor's batch (``batch`` plus advantages [B, R]) and the critic's metrics, each [M]."""
-        advantages, values, returns = programs.values(self.params, batch)
-        critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns}
+        [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). packing: the
+        step's plans (training/rollout.py ``Rollout.packing``: "logprob" for the values, "critic" for
+        the update, each (pack_index, unpack_index)) or None. Returns the actor's batch (``batch`` plus
+        advantages [B, R]) and the critic's metrics, each [M]."""
+        packing = packing or {}
+        advantages, values, returns = programs.values(self.params, {k: v for k, v in batch.items() if k not in
+                                                                    ("pack_index", "unpack_index")},
+                                                      packing.get("logprob"))
+        critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns,
+                        **(dict(zip(("pack_index", "unpack_index"), packing["critic"])) if "critic" in packing else {})}
         self.params, self.opt_state, metrics = programs.update(self.params, self.opt_state, critic_batch)
         return {**batch, "advantages": advantages}, {name: metrics[key] for key, name in METRIC_NAMES.items()}
 
@@ -138,18 +144,20 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, shardings, *, gamma: floa
                     num_mini_batches: int, num_micro_batches: int, values_micro_batches: int,
                     loss_agg_mode: str = "token-mean", norm_length: int | None = None) -> CriticPrograms:
     """The critic's two jitted programs (the module docstring), for real or abstract state:
-    ``values(params, batch) -> (advantages, values, returns)`` and
+    ``values(params, batch, packing=None) -> (advantages, values, returns)`` and
     ``update(params, opt_state, critic_batch) -> (params, opt_state, metrics)``. ``shardings``: the
     (params, opt_state) shardings the update keeps. values_micro_batches: forward passes of the values pass."""
     rows = batch_sharding((0, 0))  # the update batch's rows always divide (validate_config)
 
-    def values_and_advantages(params, batch):
+    def values_and_advantages(params, batch, packing=None):
         """The update batch -> (whitened advantages, values, returns), each [B, R] float32; values times
-        verl's critic mask (what verl's compute_values returns: the value loss's old values)."""
+        verl's critic mask (what verl's compute_values returns: the value loss's old values). packing:
+        None or the values pass's plan (pack_index, unpack_index), rl/packing.py."""
         mask = batch["response_mask"].astype(jnp.float32)
         critic_mask = value_mask(batch["attention_mask"], mask.shape[1])
         values = micro_batched_values(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
-                                      mask.shape[1], num_micro_batches=values_micro_batches) * critic_mask
+                                      mask.shape[1], num_micro_batches=values_micro_batches,
+                                      packing=packing) * critic_mask
         advantages, returns = compute_gae(last_token_rewards(batch["rewards"], mask), values, mask, gamma, lam,
                                           value_mask=critic_mask)
         return advantages, values, returns

@@ -141,7 +141,7 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         t0 = time.perf_counter()
         batch, critic_metrics = rollout.batch, {}
         if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-            batch, per_minibatch = critic.step(programs.critic, batch)
+            batch, per_minibatch = critic.step(programs.critic, batch, rollout.packing)
             critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
             t0 = time.perf_counter()
         params, opt_state, per_minibatch = programs.update(params, opt_state, batch)

@@ -9,7 +9,10 @@ the step's programs (training/step_programs.py):
     pi_old   one jitted program per (prompt bucket, response bucket): assemble [B, P + R] rows on the
              device and compute pi_old and the entropy at the rollout temperature (logits / T, as
              verl), in micro-batches of rows
-             (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored
+             (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored; packed
+             (``train.packing``): the rows are the largest buckets' and every pass runs on its packed
+             rows (one program per packed-row count): each process plans the packing of every pass from
+             every row's prompt and response lengths (host arrays all processes hold: no collective)
     reward   each process decodes and scores the rows its devices hold (read from its addressable
              shards; the ids never leave their host) while the device computes pi_old; what the
              deadline leaves unscored gets one more round, then counts (``reward_unscored``) or,
@@ -54,9 +57,12 @@ class PromptBatch:
 class Rollout:
     """One step's rollout: the update batch (global device arrays) and what the host saw."""
 
-    batch: dict[str, jax.Array]  # input_ids, attention_mask [B, P+R]; response_mask, old_logp [B, R]; rewards [B]
+    batch: dict[str, jax.Array]  # input_ids, attention_mask [B, P+R]; response_mask, old_logp [B, R]; rewards [B];
+    #                              packed: the update's pack_index, unpack_index (rl/packing.py)
     rewards: np.ndarray  # [B] every row's reward (the same on every process)
     metrics: dict[str, float]  # over all rows of all processes
+    packing: dict[str, tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
+    #                              plans ("logprob": the values, "critic": its update), when packed
 
 
 def pick_bucket(length: int, buckets: Sequence[int], what: str) -> int:
@@ -94,8 +100,9 @@ class RolloutCollector:
         """Sample n responses per prompt (every process passes the same ``prompt_ids``).
 
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
-        bucket), tokens, response_mask [P*n, R] (cut to the response bucket), host arrays lengths,
-        stopped [P*n] (every row's, on every process), and the calls' decode steps (summed) and slot
+        bucket), tokens, response_mask [P*n, R] (cut to the response bucket; packed passes: Tp and R
+        the largest buckets), host arrays lengths, stopped, prompt_lengths [P*n] (every row's, on
+        every process), the response bucket R, and the calls' decode steps (summed) and slot
         utilisation (decoded tokens / slot steps: slots x decode steps at each decode batch width).
         """
         programs = self.programs
@@ -105,6 +112,9 @@ class RolloutCollector:
             raise ValueError(f"{num_prompts} prompts cannot be split into {K} sampler micro-batches")
         length = pick_bucket(max(len(p) for p in prompt_ids), programs.prompt_buckets, "a prompt")
         tokens_np, mask_np = sampling.left_pad(prompt_ids, num_prompts, length)
+        # the passes' prompts: the sampler's, or packed, the largest bucket's (one program per packed-row count)
+        pass_tokens, pass_mask = (sampling.left_pad(prompt_ids, num_prompts, programs.pass_widths[0])
+                                  if programs.packing else (tokens_np, mask_np))
         per_call = num_prompts // K
         outs = [programs.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                                 jax.random.fold_in(key, c))
@@ -115,16 +125,34 @@ class RolloutCollector:
         decode_steps = sum(int(call[2]) for call in host_calls)
         slot_steps = sum(int(call[3]) for call in host_calls)
         R = pick_bucket(int(lengths.max()), programs.response_buckets, "a response")
-        tokens, response_mask = programs.assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs), R)
-        return {"prompt_tokens": self._put(tokens_np), "prompt_mask": self._put(mask_np), "tokens": tokens,
+        tokens, response_mask = programs.assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs),
+                                                  programs.pass_widths[1] if programs.packing else R)
+        return {"prompt_tokens": self._put(pass_tokens), "prompt_mask": self._put(pass_mask), "tokens": tokens,
+                "prompt_lengths": np.repeat([len(p) for p in prompt_ids], self.programs.n), "response_bucket": R,
                 "response_mask": response_mask, "lengths": lengths, "stopped": stopped,
                 "decode_steps": decode_steps,
                 "slot_utilisation": sampling.slot_utilisation(lengths, slot_steps)}
 
-    def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array]:
+    def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array, dict, dict]:
         """Dispatch the pi_old program on a ``sample`` result (asynchronous): (update batch without
-        rewards, mean entropy of the responses)."""
-        return self.programs.pi_old(state, *(sampled[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "response_mask")))
+        rewards, mean entropy of the responses, the passes' packing plans on the device (by pass, as
+        ``StepPrograms.packing_plans``; {} when padded), the packing metrics)."""
+        programs = self.programs
+        args = [sampled[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "response_mask")]
+        B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
+        real = int(np.sum(sampled["prompt_lengths"]) + np.sum(sampled["lengths"]))
+        passes = 2 if programs.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
+        if not programs.packing:
+            batch, entropy = programs.pi_old(state, *args)
+            return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
+        plans = programs.packing_plans(sampled["prompt_lengths"], sampled["lengths"])
+        on_device = {name: (self._put(plan.pack_index), self._put(plan.unpack_index)) for name, plan in plans.items()}
+        batch, entropy = programs.pi_old(state, *args, on_device["logprob"])
+        batch = {**batch, **dict(zip(("pack_index", "unpack_index"), on_device.pop("update")))}
+        computed = plans["logprob"].tokens_computed * (passes // 2) + plans["update"].tokens_computed
+        if "critic" in plans:
+            computed += plans["critic"].tokens_computed
+        return batch, entropy, on_device, packing_metrics(passes * real, computed)
 
     def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array) -> Rollout:
         n = self.programs.n
@@ -136,7 +164,7 @@ class RolloutCollector:
         times["time_sample"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        batch, entropy_mean = self.old_policy(state, sampled)  # runs on the device while the host scores
+        batch, entropy_mean, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
         texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
         golds = [prompts.ground_truths[row // n] for row in rows]
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
@@ -146,7 +174,8 @@ class RolloutCollector:
         entropy_mean = float(entropy_mean)  # waits for pi_old
         times["time_old_logprob"] = time.perf_counter() - t0
 
-        B, R = sampled["tokens"].shape
+        B, R = sampled["tokens"].shape[0], sampled["response_bucket"]
+        local_tokens = local_tokens[:, :R]  # packed passes take the budget's width; the checksum the bucket's
         rewards_np, status_np, checksum_np = np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.int32)
         rewards_np[rows] = scored.scores
         status_np[rows] = [STATUSES.index(status) for status in scored.statuses]
@@ -169,7 +198,8 @@ class RolloutCollector:
             "groups_all_equal": float((per_prompt.min(1) == per_prompt.max(1)).mean()),
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
-            "response_bucket": float(R),
+            "response_bucket": float(sampled["response_bucket"]),
+            **packing_stats,
             "prompt_bucket": float(sampled["prompt_tokens"].shape[1]),
             "truncated_fraction": float(1.0 - stopped.mean()),  # responses cut at max_new_tokens
             "entropy": entropy_mean,
@@ -181,4 +211,12 @@ class RolloutCollector:
             **{f"reward_{k}": v for k, v in reward_metrics.items()},
             **times,
         }
-        return Rollout(batch, rewards, metrics)
+        return Rollout(batch, rewards, metrics, packing)
+
+
+def packing_metrics(tokens_real: int, tokens_computed: int) -> dict[str, float]:
+    """A step's ``tokens_real`` (the prompt and response tokens of its sequences, once per pass:
+    pi_old and the update, PPO's values and critic update), ``tokens_computed`` (the rows x length the
+    device ran in those passes, padded or packed) and ``packing_efficiency`` (real / computed)."""
+    return {"tokens_real": float(tokens_real), "tokens_computed": float(tokens_computed),
+            "packing_efficiency": tokens_real / max(tokens_computed, 1)}

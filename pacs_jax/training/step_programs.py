@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
+from pacs_jax.rl.packing import PackedPlan, plan_packing, row_buckets, shards_for
 from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
@@ -108,6 +109,10 @@ class StepPrograms:
         self.sampler_calls = rc.micro_batches
         self.logprob_micro_batches = logprob_micro_batches(config)
         self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
+        self.packing = tc.packing
+        if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
+            self.packed_length = tc.packed_length or self.prompt_buckets[-1] + rc.max_new_tokens
+            self.packed_row_fractions = tuple(tc.packed_row_fractions)
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
         self.update = make_update_step(
             graphdef, self.optimizer, config.algorithm.objective, group_size=rc.n,
@@ -142,15 +147,16 @@ class StepPrograms:
         rows = batch_sharding((0, 0))  # the update batch's rows always divide (validate_config)
         replicated = sharding.replicated()
 
-        def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask):
-            """[P, Tp] prompts + [P*n, R] responses -> the update batch (without rewards) + mean entropy."""
+        def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None):
+            """[P, Tp] prompts + [P*n, R] responses -> the update batch (without rewards) + mean entropy.
+            packing: None, or (pack_index, unpack_index) of the pass's plan (``packing_plans``)."""
             n = tokens.shape[0] // prompt_tokens.shape[0]
             ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
             mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
             ids, mask = constrain(ids, ("batch", None)), constrain(mask, ("batch", None))
             old_logp, entropy = micro_batched_logprobs(
                 nnx.merge(graphdef, params), ids, mask, tokens.shape[1], num_micro_batches=K,
-                temperature=settings.temperature, with_entropy=True, **extra)
+                temperature=settings.temperature, with_entropy=True, packing=packing, **extra)
             response_mask = response_mask.astype(jnp.float32)
             entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
             return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
@@ -158,6 +164,44 @@ class StepPrograms:
 
         return jax.jit(pi_old, out_shardings=(
             {"input_ids": rows, "attention_mask": rows, "response_mask": rows, "old_logp": rows}, replicated))
+
+    # ------------------------------------------------------------------------ packing (train.packing)
+    @property
+    def pass_widths(self) -> tuple[int, int]:
+        """Packed: the (prompt, response) widths of the passes' padded rows, the largest buckets."""
+        return self.prompt_buckets[-1], self.settings.max_new_tokens
+
+    def _layouts(self) -> dict[str, dict]:
+        """Each packed pass's micro-batch layout (rl/packing.py micro_batch_layout's arguments): the
+        pi_old pass (also PPO's values), the actor's update and PPO's critic update."""
+        B = self.num_prompts * self.n
+        M, K, L = self.mini_batches, self.micro_batches, self.logprob_micro_batches
+        layouts = {"logprob": dict(mini_batches=1, micro_batches=L, unit=1, shards=shards_for(B // L))}
+        if self.critic is not None:
+            layouts["critic"] = dict(mini_batches=M, micro_batches=K, unit=1, shards=shards_for(B // M // K))
+        layouts["update"] = dict(mini_batches=M, micro_batches=K, unit=self.n, shards=shards_for(B // M // K))
+        return layouts
+
+    def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
+        """The step's packing plans, by pass ("logprob", "update", PPO's "critic"), from every row's
+        prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
+        P, R = self.pass_widths
+        return {name: plan_packing(prompt_lengths, response_lengths, prompt_width=P, response_width=R,
+                                   packed_length=self.packed_length, fractions=self.packed_row_fractions, **layout)
+                for name, layout in self._layouts().items()}
+
+    def packed_row_buckets(self) -> dict[str, tuple[int, ...]]:
+        """By pass, the packed-row counts N its programs are compiled for (``rl.packing.row_buckets``)."""
+        B = self.num_prompts * self.n
+        return {name: row_buckets(B // (lay["mini_batches"] * lay["micro_batches"] * lay["shards"]),
+                                  self.packed_row_fractions) for name, lay in self._layouts().items()}
+
+    def abstract_packing(self, name: str, rows: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """(pack_index, unpack_index) of pass ``name`` at ``rows`` packed rows, abstract."""
+        lay = self._layouts()[name]
+        packed = lay["mini_batches"] * lay["micro_batches"] * lay["shards"] * rows
+        return (self.abstract_rows((packed, self.packed_length), jnp.int32),
+                self.abstract_rows((self.num_prompts * self.n, self.pass_widths[1]), jnp.int32))
 
     def init_optimizer(self, params):
         """AdamW's initial state for ``params``, in the shardings the update keeps."""
@@ -200,7 +244,9 @@ class StepPrograms:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
         buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
         critic_update, update; ``with_warmstart``: the warm-start's step first (a phase of its own
-        before RL, when ``warmstart.steps`` > 0)."""
+        before RL, when ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once
+        per packed-row count of ``packed_row_buckets`` (``largest_only``: the largest, every sequence
+        in a row of its own), on the largest buckets' padded rows."""
         params, opt_state = self.state
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         prompt_buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
@@ -230,35 +276,65 @@ class StepPrograms:
                 (params, chunk, chunk), opt_bytes + critic_bytes))
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
         call_lengths = (rows((B // K,), jnp.int32),) * K
+        if self.packing:  # the passes' padded rows are always the largest buckets; one program per packed-row count
+            prompt_buckets, response_buckets = self.pass_widths[:1], self.pass_widths[1:]
         for r in response_buckets:
             out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
                                lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
                                (call_tokens, call_lengths), actor_bytes + critic_bytes))
+        passes = f"{self.logprob_micro_batches} micro-batches of {B // self.logprob_micro_batches} rows"
+        updates = f"{self.mini_batches} mini-batches x {self.micro_batches} micro-batches of {micro_rows} rows"
         for p in prompt_buckets:
             for r in response_buckets:
-                prompts, responses = rows((P, p), jnp.int32), rows((B, r), jnp.int32)
-                passes = f"{B} rows x {p}+{r} tokens in {self.logprob_micro_batches} micro-batches of " \
-                         f"{B // self.logprob_micro_batches}"
-                out.append(Program("pi_old", passes, lambda a=(params, prompts, prompts, responses, responses):
-                                   self.pi_old.lower(*a), (params, prompts, prompts, responses, responses),
-                                   opt_bytes + critic_bytes))
-                batch = self.abstract_batch(p, r)
-                updates = f"{B} rows x {p}+{r} tokens, {self.mini_batches} mini-batches x {self.micro_batches} " \
-                          f"micro-batches of {micro_rows} rows"
-                if self.critic is not None:
-                    critic_params, critic_opt = self.critic_state.state
-                    critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
-                                    "old_values": batch["advantages"], "returns": batch["advantages"]}
-                    values_batch = {k: v for k, v in batch.items() if k != "advantages"}
-                    out.append(Program("critic_values", passes + ", then GAE",
-                                       lambda a=(critic_params, values_batch): self.critic.values.lower(*a),
-                                       (critic_params, values_batch),
-                                       actor_bytes + memory_check.per_device_bytes(critic_opt)))
-                    out.append(Program("critic_update", updates,
-                                       lambda a=(critic_params, critic_opt, critic_batch): self.critic.update.lower(*a),
-                                       (critic_params, critic_opt, critic_batch), actor_bytes))
-                out.append(Program("update", updates, lambda a=(params, opt_state, batch): self.update.lower(*a),
-                                   (params, opt_state, batch), critic_bytes))
+                shape = f"{B} rows x {p}+{r} tokens"
+                if not self.packing:
+                    out += self._pass_programs(self.abstract_batch(p, r), f"{shape}, {passes}", f"{shape}, {updates}",
+                                               {}, opt_bytes, actor_bytes, critic_bytes)
+                    continue
+                for name, buckets in self.packed_row_buckets().items():
+                    for rows_per_shard in (buckets[-1:] if largest_only else buckets):
+                        plan = self.abstract_packing(name, rows_per_shard)
+                        packed = (f"packed into {plan[0].shape[0]} rows x {self.packed_length} tokens "
+                                  f"({rows_per_shard} a micro-batch and shard)")
+                        out += self._pass_programs(self.abstract_batch(p, r), f"{shape} {packed}, {passes}",
+                                                   f"{shape} {packed}, {updates}", {name: plan}, opt_bytes,
+                                                   actor_bytes, critic_bytes)
+        return out
+
+    def _pass_programs(self, batch: dict, passes: str, updates: str, plans: dict, opt_bytes: int, actor_bytes: int,
+                       critic_bytes: int) -> list[Program]:
+        """The programs of the passes over an update batch, in a step's order: pi_old, PPO's critic_values
+        and critic_update, update. Padded (``plans`` empty): all of them; packed: those of the pass whose
+        plan ``plans`` holds ({pass name: (pack_index, unpack_index)}: "logprob" makes pi_old and
+        critic_values, "critic" critic_update, "update" the update)."""
+        params, opt_state = self.state
+        packed = bool(plans)
+        out = []
+        prompts = self.abstract_rows((self.num_prompts, batch["input_ids"].shape[1] - batch["old_logp"].shape[1]),
+                                     jnp.int32)
+        responses = self.abstract_rows(batch["old_logp"].shape, jnp.int32)
+        if not packed or "logprob" in plans:
+            extra = (plans["logprob"],) if packed else ()
+            args = (params, prompts, prompts, responses, responses, *extra)
+            out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
+        if self.critic is not None:
+            critic_params, critic_opt = self.critic_state.state
+            if not packed or "logprob" in plans:
+                values_batch = {k: v for k, v in batch.items() if k != "advantages"}
+                args = (critic_params, values_batch, plans.get("logprob"))
+                out.append(Program("critic_values", passes + ", then GAE", lambda a=args: self.critic.values.lower(*a),
+                                   args, actor_bytes + memory_check.per_device_bytes(critic_opt)))
+            if not packed or "critic" in plans:
+                critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
+                                "old_values": batch["advantages"], "returns": batch["advantages"],
+                                **(dict(zip(("pack_index", "unpack_index"), plans["critic"])) if packed else {})}
+                args = (critic_params, critic_opt, critic_batch)
+                out.append(Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args,
+                                   actor_bytes))
+        if not packed or "update" in plans:
+            actor_batch = {**batch, **(dict(zip(("pack_index", "unpack_index"), plans["update"])) if packed else {})}
+            args = (params, opt_state, actor_batch)
+            out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
         return out
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,

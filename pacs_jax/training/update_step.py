@@ -27,7 +27,7 @@ from pacs_jax.sharding import constrain
 def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *, num_mini_batches: int = 1, state_shardings: tuple | None = None) -> Callable:
     """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches``
     optimizer steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of every [B, ...] array
-    of the batch.
+    of the batch (of a packing plan's pack_index [M S K N, Lp]: its k-th M-th, rl/packing.py).
 
     loss_and_grad: pure ``(params, mini-batch) -> (loss, metrics, float32 grads)``. metrics: its
     metrics plus loss, grad_norm and skipped (0/1), each [M] (one per mini-batch).
@@ -52,7 +52,7 @@ def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformat
         rows = batch["response_mask"].shape[0]
         if rows % M:
             raise ValueError(f"num_mini_batches={M} does not divide the batch of {rows} rows")
-        minis = {k: constrain(v.reshape(M, rows // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))
+        minis = {k: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))
                  for k, v in batch.items()}
         (params, opt_state), metrics = jax.lax.scan(mini_batch_step, (params, opt_state), minis)
         return params, opt_state, metrics
