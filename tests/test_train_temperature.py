@@ -37,7 +37,8 @@ def models_and_batch(tmp_path_factory):
     tokens = rs.randint(0, vocab, (PROMPTS * N, RESPONSE_LEN)).astype(np.int32)
     lengths = np.array([6, 1, 4, 2, 5, 6, 3, 2])
     response_mask = (np.arange(RESPONSE_LEN)[None] < lengths[:, None]).astype(np.int32)
-    sampled = dict(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, response_mask=response_mask)
+    sampled = dict(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, response_mask=response_mask,
+                   lengths=lengths, prompt_lengths=np.repeat(prompt_mask.sum(axis=1), N))
     return hf_model, model, sampled
 
 
@@ -76,8 +77,8 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
 
     config = trainer_config(TEMPERATURE)
     programs = StepPrograms(config, graphdef, params, ())
-    batch, _ = RolloutCollector.from_config(config, programs, decode=lambda ids: "", reward_pool=None).old_policy(
-        params, sampled)
+    batch, *_ = RolloutCollector.from_config(config, programs, decode=lambda ids: "", reward_pool=None).old_policy(
+        params, sampled)  # the config's passes run packed (train.packing)
     np.testing.assert_allclose(np.asarray(batch["old_logp"])[live], want[live], atol=2e-5)
 
     # The update's log pi_theta at T: with pi_old = the reference at T, the ratio is 1 on every token.

@@ -2,6 +2,7 @@
 
     python tools/bench_update.py                       # Qwen2.5-0.5B widths, 2 layers, 8 x (64 + 64) tokens
     python tools/bench_update.py --layers 24 --prompts 2
+    python tools/bench_update.py --packing             # padded vs packed rows (tools/bench_update_packing.py)
 
 Runs training/update_step.make_update_step (fused log-probs, PACS loss, gradient, AdamW, in place)
 on a random model and a synthetic mini-batch of whole groups. The FLOP rate counts useful work,
@@ -43,6 +44,10 @@ def synthetic_batch(cfg: models.QwenConfig, prompts: int, n: int, prompt_len: in
 
 
 def main(argv=None) -> dict[str, float]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--packing" in argv:  # the padded-vs-packed comparison has options of its own
+        from bench_update_packing import main as packing_main
+        return {"packing comparison": 1.0} if packing_main(argv) == 0 else {}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="Qwen2.5-0.5B", choices=sorted(models.PRESETS))
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2: keeps a CPU run short)")

@@ -1,0 +1,134 @@
+"""One optimizer step of PACS on padded rows against the same step on packed rows (train.packing):
+``python tools/bench_update.py --packing`` runs this.
+
+    python tools/bench_update.py --packing                 # the defaults below: about 5 min on 2 CPU cores
+    python tools/bench_update.py --packing --prompts 16 --budget 2048 --preset Qwen2.5-1.5B   # an accelerator
+
+Shaped like a paper step: prompts drawn from the DeepScaleR problems shipped in data/ in the model's
+chat template (the Qwen tokenizer in data/tokenizers/qwen3), left-padded to the paper's 512-token
+bucket; n = 8 responses each of random tokens whose lengths are log-normal (median budget / 8,
+sigma 1) clipped to the budget; the response bucket is the budget (one response of a paper step
+almost always reaches it). Both runs compute the same loss (PACS, beta 1, RLOO, class weights) and
+AdamW step on the same rows in the same micro-batches; the packed run packs each micro-batch's
+sequences into rows of prompt bucket + budget tokens (rl/packing.py, ``--fractions`` as
+train.packed_row_fractions). Prints each run's time (one step, after compiling it) and tokens,
+then the line
+    packed vs padded: tokens computed ratio X, time ratio Y, loss difference D
+(X, Y: padded / packed; D: |loss packed - loss padded|, float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from configs import base
+from pacs_jax import data, models
+from pacs_jax.rl import packing
+from pacs_jax.training.update_step import make_update_step
+
+REPO_DATA = data.__file__.rsplit("/pacs_jax/", 1)[0] + "/data"
+PROMPT_BUCKET = 512
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--packing", action="store_true", required=True,
+                        help="compare padded and packed rows (the one comparison this tool makes)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts (x n responses) in the step (default: 8)")
+    parser.add_argument("--n", type=int, default=8, help="responses per prompt (default: 8)")
+    parser.add_argument("--budget", type=int, default=1024, help="max new tokens: the response bucket (default: 1024)")
+    parser.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches (default: 2)")
+    parser.add_argument("--fractions", type=float, nargs="*", default=None,
+                        help="packed rows per micro-batch as fractions of its rows (default: the config's, "
+                             f"{tuple(base.get_config().train.packed_row_fractions)})")
+    parser.add_argument("--preset", default="", choices=["", *sorted(models.PRESETS)],
+                        help="model shape (default: a 2-layer, 128-wide Qwen3 with the real vocabulary)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def model_config(preset: str) -> models.QwenConfig:
+    if preset:
+        return models.PRESETS[preset].replace(dtype="bfloat16", param_dtype="float32")
+    return models.QwenConfig(vocab_size=151936, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, model_type="qwen3",
+                             tie_word_embeddings=True, dtype="float32", param_dtype="float32")
+
+
+def step_rows(args: argparse.Namespace, vocab: int) -> dict[str, np.ndarray]:
+    """The step's padded rows: prompts from the DeepScaleR subset in the chat template, log-normal responses."""
+    rs = np.random.RandomState(args.seed)
+    tokenizer = data.load_tokenizer(f"{REPO_DATA}/tokenizers/qwen3")
+    problems, _ = data.load_problems(f"{REPO_DATA}/deepscaler_subset/math.json", on_error="skip")
+    chosen = [problems[i] for i in rs.choice(len(problems), args.prompts * 4, replace=False)]
+    examples, _ = data.build_prompts(chosen, tokenizer, PROMPT_BUCKET)
+    prompts = [e.prompt_ids for e in examples[:args.prompts]]
+    B, P, R = args.prompts * args.n, PROMPT_BUCKET, args.budget
+    responses = np.minimum(np.round(rs.lognormal(np.log(args.budget / 8), 1.0, B)), R).astype(np.int64)
+    ids, mask = np.zeros((B, P + R), np.int32), np.zeros((B, P + R), np.int32)
+    prompt_lengths = np.repeat([len(p) for p in prompts], args.n)
+    for b in range(B):
+        ids[b, P - prompt_lengths[b]:P] = prompts[b // args.n]
+        ids[b, P:P + responses[b]] = rs.randint(0, vocab, responses[b])
+        mask[b, P - prompt_lengths[b]:P + responses[b]] = 1
+    response_mask = (np.arange(R)[None] < responses[:, None]).astype(np.float32)
+    old_logp = (rs.randn(B, R) * 0.2 - np.log(vocab)).astype(np.float32) * response_mask
+    rewards = rs.randint(0, 2, B).astype(np.float32)
+    return dict(input_ids=ids, attention_mask=mask, response_mask=response_mask, old_logp=old_logp, rewards=rewards,
+                prompt_lengths=prompt_lengths, response_lengths=responses)
+
+
+def timed_step(update, params, batch) -> tuple[float, float, str]:
+    """(seconds of one step after compiling it, its loss, compile seconds)."""
+    state = (jax.tree.map(jnp.array, params), optax.adamw(1e-6).init(params))
+    t0 = time.perf_counter()
+    compiled = update.lower(*state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, _, metrics = jax.block_until_ready(compiled(*state, batch))
+    return time.perf_counter() - t0, float(metrics["loss"][0]), f"{compile_s:.0f} s"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    fractions = tuple(base.get_config().train.packed_row_fractions if args.fractions is None else args.fractions)
+    cfg = model_config(args.preset)
+    graphdef, params = nnx.split(models.Qwen(cfg, rngs=nnx.Rngs(args.seed)))
+    rows = step_rows(args, cfg.vocab_size)
+    P, R, B, K = PROMPT_BUCKET, args.budget, args.prompts * args.n, args.micro_batches
+    update = make_update_step(graphdef, optax.adamw(1e-6), "pacs", group_size=args.n, num_micro_batches=K)
+    batch = {k: jnp.asarray(rows[k]) for k in ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")}
+    plan = packing.plan_packing(rows["prompt_lengths"], rows["response_lengths"], prompt_width=P, response_width=R,
+                                packed_length=P + R, mini_batches=1, micro_batches=K, unit=args.n,
+                                shards=packing.shards_for(B // K), fractions=fractions)
+    packed = dict(batch, pack_index=jnp.asarray(plan.pack_index), unpack_index=jnp.asarray(plan.unpack_index))
+    real = plan.tokens_real
+    print(f"{jax.devices()[0].device_kind} x {jax.device_count()}: {args.prompts} prompts x {args.n} responses, "
+          f"prompts {rows['prompt_lengths'].min()}-{rows['prompt_lengths'].max()} tokens (bucket {P}), responses "
+          f"median {np.median(rows['response_lengths']):.0f}, max {rows['response_lengths'].max()} (budget {R}), "
+          f"{K} micro-batches; model {args.preset or 'tiny Qwen3, real vocabulary'}", flush=True)
+    t_pad, loss_pad, c_pad = timed_step(update, params, batch)
+    padded_tokens = B * (P + R)
+    print(f"padded  {B} rows x {P + R} tokens: {padded_tokens} computed, {real} real "
+          f"(efficiency {real / padded_tokens:.3f}); step {t_pad:.2f} s (compiled in {c_pad}), loss {loss_pad:.6f}",
+          flush=True)
+    t_pack, loss_pack, c_pack = timed_step(update, params, packed)
+    print(f"packed  {plan.pack_index.shape[0]} rows x {P + R} tokens ({plan.rows} a micro-batch): "
+          f"{plan.tokens_computed} computed, {real} real (efficiency {real / plan.tokens_computed:.3f}); "
+          f"step {t_pack:.2f} s (compiled in {c_pack}), loss {loss_pack:.6f}")
+    print(f"packed vs padded: tokens computed ratio {padded_tokens / plan.tokens_computed:.2f}, "
+          f"time ratio {t_pad / t_pack:.2f}, loss difference {abs(loss_pack - loss_pad):.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
