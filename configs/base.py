@@ -132,9 +132,9 @@ def get_config() -> ml_collections.ConfigDict:
                                   # sequences (prompt without padding + response) packed into rows (rl/packing.py);
                                   # False: every row padded to its prompt bucket + response bucket
         packed_length=0,          # tokens per packed row; 0 = the largest prompt bucket + rollout.max_new_tokens
-        packed_row_fractions=(0.5,),  # packed rows per micro-batch and batch shard, as fractions of its padded
-                                  # rows (1.0 always added: one sequence a row); the smallest that holds a step's
-                                  # packing is used: one compiled program of each pass per fraction
+        packed_row_buckets=16,    # packed rows per micro-batch and batch shard: at most this many counts N, evenly
+                                  # spaced up to its padded rows r (every count when r <= 16); a step uses the
+                                  # smallest that holds its packing: one compiled program of each pass per count
         precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
         checkpoint_every=50,
         keep_checkpoints=3,

@@ -51,8 +51,8 @@ def get_config(algorithm: str = "pacs_beta1") -> ml_collections.ConfigDict:
         steps=240,                # the demo: held-out accuracy measured every 25 steps chose it (README)
         mini_batches=4,
         # the demo's rows are 92 % real tokens already (56-token prompts, answers of at most 12): its passes run
-        # packed (train.packing) with one sequence a row, one program each, rather than a program per fraction
-        packed_row_fractions=())
+        # packed (train.packing) with one sequence a row, one program each, rather than a program per row count
+        packed_row_buckets=1)
 
     c.reward.workers = 2
 

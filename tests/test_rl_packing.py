@@ -67,9 +67,10 @@ def test_plan_reads_every_real_token_once_and_unpacks_to_the_predicting_position
     if case == "batch_padding":  # rows of a padding prompt: 1 token, no response
         prompts[-n:], responses[-n:] = 1, 0
     plan = packing.plan_packing(prompts, responses, prompt_width=P, response_width=R, packed_length=Lp, mini_batches=2,
-                                micro_batches=2, unit=n, shards=1, fractions=(0.25, 0.5))
+                                micro_batches=2, unit=n, shards=1, buckets=4)
     layout = packing.micro_batch_layout(16, mini_batches=2, micro_batches=2, unit=n, shards=1)
     index = plan.pack_index.reshape(2, 1, 2, plan.rows, Lp)
+    stream = plan.stream_index.reshape(2, 1, 2, plan.rows * Lp)
     W = P + R
     for m in range(2):
         for k in range(2):
@@ -78,18 +79,20 @@ def test_plan_reads_every_real_token_once_and_unpacks_to_the_predicting_position
             want = np.sort(np.concatenate([j * W + np.arange(P - prompts[b], P + responses[b]) for j, b in enumerate(rows)]))
             np.testing.assert_array_equal(got, want)  # every real token exactly once, nothing else
             flat = index[m, 0, k].reshape(-1)
+            streamed = sum(min(responses[b], R - 1) + 1 for b in rows)  # each response and the slot after it
+            assert plan.stream_length[m * 2 + k, 0] == streamed
             for j, b in enumerate(rows):
-                for t in range(responses[b] + 1 if responses[b] < R else R):
-                    source = flat[plan.unpack_index[b, t]]  # the position that predicts token t: the token before it
+                for t in range(min(responses[b], R - 1) + 1):
+                    source = flat[stream[m, 0, k, plan.unpack_index[b, t]]]  # the token before t predicts it
                     assert source == j * W + P - 1 + t
-    assert plan.rows in packing.row_buckets(4, (0.25, 0.5))
+    assert plan.rows in packing.row_buckets(4, 4)
     assert plan.tokens_real == int((prompts + responses).sum()) and plan.tokens_computed == 4 * plan.rows * Lp
 
 
 def test_plan_refuses_a_sequence_longer_than_a_packed_row():
     with pytest.raises(ValueError, match="does not fit packed rows of 9"):
         packing.plan_packing(np.array([4, 4]), np.array([6, 1]), prompt_width=4, response_width=6, packed_length=9,
-                             mini_batches=1, micro_batches=1, unit=1, shards=1, fractions=())
+                             mini_batches=1, micro_batches=1, unit=1, shards=1, buckets=1)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -159,8 +162,8 @@ def _forward_and_grads(model_cls, rows):
     put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(x.shape))  # noqa: E731
     plans = {k: packing.plan_packing(rows["prompts"], rows["responses"], prompt_width=P, response_width=R,
                                      packed_length=P + R + 5, mini_batches=1, micro_batches=k, unit=1,
-                                     shards=packing.shards_for(B // k), fractions=(0.25, 0.5)) for k in (1, 2)}
-    on_device = {k: (put(p.pack_index), put(p.unpack_index)) for k, p in plans.items()}
+                                     shards=packing.shards_for(B // k), buckets=4) for k in (1, 2)}
+    on_device = {k: {name: put(a) for name, a in p.arrays().items()} for k, p in plans.items()}
     ids, mask = put(rows["ids"]), put(rows["mask"])
     live = np.arange(R)[None] <= rows["responses"][:, None] if model_cls is ValueModel else rows["rmask"] > 0
     cotangent = put((np.random.RandomState(5).randn(B, R) * live).astype(np.float32))  # masked tokens: no gradient
@@ -174,9 +177,9 @@ def _forward_and_grads(model_cls, rows):
     def differentiable(params, packed):
         m = nnx.merge(graphdef, params)
         if model_cls is Qwen:
-            return (rl.logprobs.packed_response_logprobs(m, ids, mask, *on_device[1]) if packed
+            return (rl.logprobs.packed_response_logprobs(m, ids, mask, on_device[1]) if packed
                     else rl.response_logprobs(m, ids, mask, R))
-        return (rl.critic.packed_response_values(m, ids, mask, *on_device[1]) if packed
+        return (rl.critic.packed_response_values(m, ids, mask, on_device[1]) if packed
                 else response_values(m, ids, mask, R))
 
     def both(params):
@@ -228,11 +231,11 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
         M, K, B = 2, 2, 32
         plan = packing.plan_packing(rows["prompts"], rows["responses"], prompt_width=rows["P"], response_width=rows["R"],
                                     packed_length=rows["P"] + rows["R"], mini_batches=M, micro_batches=K, unit=N_GROUP,
-                                    shards=packing.shards_for(B // M // K), fractions=(0.5,))
+                                    shards=packing.shards_for(B // M // K), buckets=2)
         put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
         batch = {k: put(rows[v]) for k, v in (("input_ids", "ids"), ("attention_mask", "mask"), ("response_mask", "rmask"),
                                                ("old_logp", "old_logp"), ("rewards", "rewards"))}
-        packed = dict(batch, pack_index=put(plan.pack_index), unpack_index=put(plan.unpack_index))
+        packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
         for name, options in OBJECTIVES:
             fn = rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options, num_micro_batches=K)
             mini = lambda b, m: {k: v.reshape(M, v.shape[0] // M, *v.shape[1:])[m] for k, v in b.items()}  # noqa: E731
@@ -248,3 +251,73 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
                 except AssertionError as e:
                     failures.append(f"{name} {options}: {e}")
     assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------------------------ the trainer's programs
+
+
+def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
+    """``steps`` steps of the trainer's own programs (training/step_programs.py, on the config's mesh):
+    the real sampler on the config's real prompts, pi_old, and the update with rewards fixed to a mixed
+    pattern (a random model earns none, and all-equal groups leave PACS a gradient of round-off only,
+    which AdamW's first steps would blow up to full steps). Returns each step's metrics and the final
+    parameters (host arrays)."""
+    from pacs_jax import data
+    from pacs_jax.sharding import config_mesh
+    from pacs_jax.training.rollout import RolloutCollector
+    from pacs_jax.training.run import build_model, prompt_source
+    from pacs_jax.training.step_programs import StepPrograms
+
+    tokenizer = data.load_tokenizer(config.data.tokenizer)
+    history = []
+    with jax.set_mesh(config_mesh(config.mesh)):
+        source = prompt_source(config, tokenizer)[0]
+        graphdef, params = nnx.split(build_model(config, tokenizer))
+        programs = StepPrograms(config, graphdef, params, (0,))
+        opt_state = programs.init_optimizer(params)
+        collector = RolloutCollector(programs, decode=lambda ids: "", reward_pool=None, reward_name="math")
+        B = config.train.prompts_per_step * config.rollout.n
+        rewards = jax.device_put(jnp.asarray(np.arange(B) % 3 == 0, jnp.float32), batch_sharding((B,)))
+        for step in range(steps):
+            sampled = collector.sample(params, source.next_batch().prompt_ids, jax.random.key(step))
+            batch, entropy, _, stats = collector.old_policy(params, sampled)
+            params, opt_state, metrics = programs.update(params, opt_state, dict(batch, rewards=rewards))
+            history.append({"entropy": float(entropy), **{k: float(np.mean(v)) for k, v in metrics.items()},
+                            "length": float(sampled["lengths"].mean()), **stats})
+        return history, jax.tree.map(np.asarray, params)
+
+
+@pytest.mark.slow(seconds=90)
+@pytest.mark.parametrize("setup", ["demo", "paper_qwen25_7b"])
+def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_dir, tmp_path):
+    """The demo (float32) and the Qwen2.5-7B paper setup shrunk (bfloat16, its remat, the (1, 8, 1)
+    mesh: 8 rows a micro-batch over 8 shards) train alike packed and padded: every step's metrics and
+    the final parameters agree to the dtype's round-off, and the packed passes compute fewer tokens."""
+    from test_train_real_config import shrunk_paper_config
+    from train_helpers import load_config
+
+    if setup == "demo":
+        config = load_config("default.py")
+        config.model.num_hidden_layers = 1
+        config.train.prompts_per_step, config.train.mini_batches = 8, 2
+        config.data.arithmetic.problems, config.data.warmstart_problems, config.data.held_out_problems = 64, 0, 8
+        tolerance = dict(rtol=1e-4, atol=1e-5)
+    else:
+        config = shrunk_paper_config(shared_data / "deepscaler_subset" / "math.json", qwen_tokenizer_dir, steps=3,
+                                     arg="qwen25_7b,pacs_beta1")
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 8, 1
+        config.rollout.response_buckets = (8, 16)  # padded: the bucket of each step's longest; packed: 16
+        tolerance = dict(rtol=3e-2, atol=3e-3)
+    runs = {}
+    for packing_on in (False, True):
+        config.train.packing = packing_on
+        runs[packing_on] = _train_steps(config)
+    (padded, params_padded), (packed, params_packed) = runs[False], runs[True]
+    for step, (a, b) in enumerate(zip(padded, packed)):
+        assert a["length"] == b["length"], step  # the same samples
+        for key in a:
+            if key not in ("tokens_real", "tokens_computed", "packing_efficiency"):
+                np.testing.assert_allclose(b[key], a[key], err_msg=f"step {step + 1} {key}", **tolerance)
+        assert b["tokens_real"] == a["tokens_real"] and b["tokens_computed"] <= a["tokens_computed"]
+    for x, y in zip(jax.tree.leaves(params_padded), jax.tree.leaves(params_packed)):
+        np.testing.assert_allclose(y, x, **tolerance)

@@ -10,8 +10,8 @@ bucket; n = 8 responses each of random tokens whose lengths are log-normal (medi
 sigma 1) clipped to the budget; the response bucket is the budget (one response of a paper step
 almost always reaches it). Both runs compute the same loss (PACS, beta 1, RLOO, class weights) and
 AdamW step on the same rows in the same micro-batches; the packed run packs each micro-batch's
-sequences into rows of prompt bucket + budget tokens (rl/packing.py, ``--fractions`` as
-train.packed_row_fractions). Prints each run's time (one step, after compiling it) and tokens,
+sequences into rows of prompt bucket + budget tokens (rl/packing.py; its row count the smallest of
+``--buckets`` counts, as train.packed_row_buckets, that holds it). Prints each run's time (one step, after compiling it) and tokens,
 then the line
     packed vs padded: tokens computed ratio X, time ratio Y, loss difference D
 (X, Y: padded / packed; D: |loss packed - loss padded|, float32).
@@ -43,15 +43,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--packing", action="store_true", required=True,
                         help="compare padded and packed rows (the one comparison this tool makes)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts (x n responses) in the step (default: 8)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts (x n responses) in the step (default: 4)")
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (default: 8)")
     parser.add_argument("--budget", type=int, default=1024, help="max new tokens: the response bucket (default: 1024)")
     parser.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches (default: 2)")
-    parser.add_argument("--fractions", type=float, nargs="*", default=None,
-                        help="packed rows per micro-batch as fractions of its rows (default: the config's, "
-                             f"{tuple(base.get_config().train.packed_row_fractions)})")
+    parser.add_argument("--buckets", type=int, default=base.get_config().train.packed_row_buckets,
+                        help="packed-row counts per micro-batch (default: the config's train.packed_row_buckets)")
     parser.add_argument("--preset", default="", choices=["", *sorted(models.PRESETS)],
-                        help="model shape (default: a 2-layer, 128-wide Qwen3 with the real vocabulary)")
+                        help="model shape (default: a 2-layer, 64-wide Qwen3 with the real vocabulary)")
+    parser.add_argument("--chunk", type=int, default=64,
+                        help="tokens per row per step of the fused log-probs (bounds the [rows, chunk, vocab] logits)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -59,8 +60,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def model_config(preset: str) -> models.QwenConfig:
     if preset:
         return models.PRESETS[preset].replace(dtype="bfloat16", param_dtype="float32")
-    return models.QwenConfig(vocab_size=151936, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, model_type="qwen3",
+    return models.QwenConfig(vocab_size=151936, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type="qwen3",
                              tie_word_embeddings=True, dtype="float32", param_dtype="float32")
 
 
@@ -100,17 +101,17 @@ def timed_step(update, params, batch) -> tuple[float, float, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    fractions = tuple(base.get_config().train.packed_row_fractions if args.fractions is None else args.fractions)
     cfg = model_config(args.preset)
     graphdef, params = nnx.split(models.Qwen(cfg, rngs=nnx.Rngs(args.seed)))
     rows = step_rows(args, cfg.vocab_size)
     P, R, B, K = PROMPT_BUCKET, args.budget, args.prompts * args.n, args.micro_batches
-    update = make_update_step(graphdef, optax.adamw(1e-6), "pacs", group_size=args.n, num_micro_batches=K)
+    update = make_update_step(graphdef, optax.adamw(1e-6), "pacs", group_size=args.n, num_micro_batches=K,
+                              chunk_size=args.chunk)
     batch = {k: jnp.asarray(rows[k]) for k in ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")}
     plan = packing.plan_packing(rows["prompt_lengths"], rows["response_lengths"], prompt_width=P, response_width=R,
                                 packed_length=P + R, mini_batches=1, micro_batches=K, unit=args.n,
-                                shards=packing.shards_for(B // K), fractions=fractions)
-    packed = dict(batch, pack_index=jnp.asarray(plan.pack_index), unpack_index=jnp.asarray(plan.unpack_index))
+                                shards=packing.shards_for(B // K), buckets=args.buckets)
+    packed = dict(batch, **{k: jnp.asarray(v) for k, v in plan.arrays().items()})
     real = plan.tokens_real
     print(f"{jax.devices()[0].device_kind} x {jax.device_count()}: {args.prompts} prompts x {args.n} responses, "
           f"prompts {rows['prompt_lengths'].min()}-{rows['prompt_lengths'].max()} tokens (bucket {P}), responses "

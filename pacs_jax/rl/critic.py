@@ -9,8 +9,8 @@ Batch (the update batch's layout, L = P + R):
   old_values      [B, R] float   the critic's values at rollout time, times ``value_mask`` (what
                                  ``rl.compute_gae`` used)
   returns         [B, R] float   ``rl.compute_gae``'s returns
-  pack_index, unpack_index       optional: a packing plan of this layout (rl/packing.py): every
-                                 micro-batch then runs on its packed rows, read from input_ids
+  pack_index, stream_index, stream_length, unpack_index   optional: a packing plan of this layout
+                                 (rl/packing.py): every micro-batch then runs on its packed rows
 
 Which values are compared with which returns (verl's dp_critic.py in the authors' copy, 0.3.1.dev:
 ``values[:, -R - 1:-1]`` in ``_forward_micro_batch``, mask ``attention_mask[:, -R - 1:-1]`` in
@@ -31,13 +31,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.value import ValueModel, response_values
-from pacs_jax.rl.loss_and_grad import packed_units
+from pacs_jax.rl.loss_and_grad import packed_block_sizes
 from pacs_jax.rl.micro_batches import accumulate_micro_batches, map_micro_batches
-from pacs_jax.rl.packing import packed_inputs, packed_unit, unpack
+from pacs_jax.rl.logprobs import micro_batch_units
+from pacs_jax.rl.packing import PACKING_KEYS, packed_inputs, response_stream, shards_for, unpack
 from pacs_jax.rl.ppo import value_loss
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
-PACKING_KEYS = ("pack_index", "unpack_index")
+
 
 
 def value_mask(attention_mask: jax.Array, response_length: int) -> jax.Array:
@@ -60,8 +61,8 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
     def micro_loss(params, micro, totals):
         critic = nnx.merge(graphdef, params)
         if "pack_index" in micro:
-            values = packed_response_values(critic, micro["input_ids"], micro["attention_mask"], micro["pack_index"],
-                                            micro["unpack_index"])
+            values = packed_response_values(critic, micro["input_ids"], micro["attention_mask"],
+                                            {k: micro[k] for k in PACKING_KEYS})
         else:
             values = response_values(critic, micro["input_ids"], micro["attention_mask"],
                                      micro["response_mask"].shape[1])
@@ -78,22 +79,24 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
         # the loss's mask (and the token count of token-mean's totals) is verl's critic mask, not the response's
         batch = {**batch, "response_mask": value_mask(batch["attention_mask"], batch["response_mask"].shape[1])}
         return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
-                                        units=packed_units(batch, num_micro_batches))
+                                        units=packed_block_sizes(batch, num_micro_batches))
 
     return loss_and_grad
 
 
 def packed_response_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array,
-                           pack_index: jax.Array, unpack_index: jax.Array) -> jax.Array:
-    """``models.response_values`` of one micro-batch computed on its packed rows (rl/packing.py):
-    input_ids, attention_mask [B, P + R] read through pack_index [S N, Lp] -> values [B, R] through
-    unpack_index [B, R] (value t read at the token before response token t, within the sequence)."""
-    tokens, segment_ids, positions, _ = packed_inputs(input_ids, attention_mask, pack_index)
-    return unpack(critic(tokens, segment_ids=segment_ids, positions=positions), unpack_index)
+                           plan: dict[str, jax.Array]) -> jax.Array:
+    """``models.response_values`` of one micro-batch computed on its packed rows (rl/packing.py, the
+    micro-batch's arrays of ``PACKING_KEYS``): input_ids, attention_mask [B, P + R] -> values [B, R]
+    (value t read at the token before response token t, within the sequence)."""
+    tokens, segment_ids, positions, _ = packed_inputs(input_ids, attention_mask, plan["pack_index"])
+    values = critic(tokens, segment_ids=segment_ids, positions=positions)  # [S N, Lp]
+    stream = response_stream(values, plan["stream_index"], shards_for(input_ids.shape[0]))
+    return unpack(stream, plan["unpack_index"])
 
 
 def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
-                         *, num_micro_batches: int = 1, packing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                         *, num_micro_batches: int = 1, packing: dict[str, jax.Array] | None = None) -> jax.Array:
     """``models.response_values`` without gradient: input_ids, attention_mask [B, P + R] -> values [B, R]
     float32, as ``num_micro_batches`` forward passes of strided micro-batches of rows
     (``rl.micro_batches.map_micro_batches``, as ``rl.micro_batched_logprobs``), so activation memory
@@ -101,7 +104,7 @@ def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mas
     if packing is None:
         return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),
                                  (input_ids, attention_mask), num_micro_batches=num_micro_batches)
-    pack_index, unpack_index = packing
-    return map_micro_batches(lambda ids, mask, pack, unpack_at: packed_response_values(critic, ids, mask, pack, unpack_at),
-                             (input_ids, attention_mask, pack_index, unpack_index), num_micro_batches=num_micro_batches,
-                             units=(1, 1, packed_unit(pack_index, input_ids.shape[0], num_micro_batches), 1))
+    return map_micro_batches(
+        lambda ids, mask, *arrays: packed_response_values(critic, ids, mask, dict(zip(PACKING_KEYS, arrays))),
+        (input_ids, attention_mask, *(packing[k] for k in PACKING_KEYS)), num_micro_batches=num_micro_batches,
+        units=micro_batch_units(packing, input_ids.shape[0], num_micro_batches))

@@ -31,34 +31,42 @@ from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.rl.micro_batches import map_micro_batches
-from pacs_jax.rl.packing import packed_inputs, packed_unit, unpack
+from pacs_jax.rl.packing import PACKING_KEYS, packed_inputs, packed_units, response_stream, shards_for, unpack
 from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
 
 
 def token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, valid: jax.Array | None = None) -> jax.Array:
     """log softmax(hidden @ lm_head / temperature)[targets], without a [B, T, V] array.
 
     hidden [B, T, D] (any float dtype), lm_head [D, V], targets [B, T] int -> log-probs [B, T] float32.
     Differentiable w.r.t. hidden and lm_head (gradients come back in their dtypes). chunk_size: tokens
     per sequence per loop step (each step holds [B, chunk_size, V] float32 logits). Sharded on the mesh
-    in context (see the module docstring).
+    in context (see the module docstring). valid: None, or an int32 scalar (may be traced): only the
+    chunks holding positions < valid are computed (a loop with that many trips; later positions are
+    0, with zero gradient), for a stream whose real positions come first (packed rows' responses).
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
-    logp, _ = _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), False)
+    logp, _ = _fused(hidden, lm_head, targets, _valid(valid, hidden), float(temperature), int(chunk_size), False)
     return logp
 
 
 def token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+                               temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                               valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Like ``token_logprobs``, plus the entropy of each token's distribution.
 
     Returns (log-probs [B, T] float32, entropy [B, T] float32); both are differentiable.
     """
     _check(hidden, lm_head, targets, temperature, chunk_size)
-    return _fused(hidden, lm_head, targets, float(temperature), int(chunk_size), True)
+    return _fused(hidden, lm_head, targets, _valid(valid, hidden), float(temperature), int(chunk_size), True)
+
+
+def _valid(valid, hidden) -> jax.Array | None:
+    """The number of leading positions to compute, int32 [] (None: all of T, a loop of static length)."""
+    return None if valid is None else jnp.asarray(valid, jnp.int32)
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
@@ -78,41 +86,50 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
 
 
 def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
-                             pack_index: jax.Array, unpack_index: jax.Array, *, temperature: float = 1.0,
+                             plan: dict[str, jax.Array], *, temperature: float = 1.0,
                              chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
     """``response_logprobs`` of one micro-batch computed on its packed rows (rl/packing.py): input_ids,
-    attention_mask [B, P + R] (the padded rows, read through ``pack_index`` [S N, Lp]) -> [B, R]
-    float32 through ``unpack_index`` [B, R] (and entropy [B, R]); the same numbers as the padded
-    rows' at every response token, from S N x Lp computed tokens instead of B x (P + R).
+    attention_mask [B, P + R] (the padded rows, read through ``plan["pack_index"]`` [S N, Lp]) ->
+    [B, R] float32 (and entropy [B, R]); the same numbers as the padded rows' at every response token,
+    from S N x Lp tokens through the decoder and only the response stream through the LM head.
+    plan: the micro-batch's arrays of ``rl.packing.PACKING_KEYS``.
     """
-    tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, pack_index)
+    tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan["pack_index"])
     hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True)  # [S N, Lp, D]
-    args = (hidden, model.lm_head_kernel(), targets)
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size)
+    shards = shards_for(input_ids.shape[0])
+    args = (response_stream(hidden, plan["stream_index"], shards), model.lm_head_kernel(),
+            response_stream(targets, plan["stream_index"], shards))  # [S, N Lp, D], [D, V], [S, N Lp]
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, valid=plan["stream_length"].reshape(()))
     if not with_entropy:
-        return unpack(token_logprobs(*args, **kwargs), unpack_index)
+        return unpack(token_logprobs(*args, **kwargs), plan["unpack_index"])
     logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
-    return unpack(logp, unpack_index), unpack(entropy, unpack_index)
+    return unpack(logp, plan["unpack_index"]), unpack(entropy, plan["unpack_index"])
 
 
 def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                            *, num_micro_batches: int = 1, temperature: float = 1.0,
                            chunk_size: int = DEFAULT_CHUNK_SIZE,
-                           with_entropy: bool = False, packing: tuple[jax.Array, jax.Array] | None = None):
+                           with_entropy: bool = False, packing: dict[str, jax.Array] | None = None):
     """``response_logprobs`` without gradient, as ``num_micro_batches`` forward passes of B / K strided
     rows each (``rl.micro_batches.map_micro_batches``), so activation memory is bounded by a
     micro-batch, not the batch. Returns [B, R] (and entropy [B, R]).
-    packing: (pack_index [K S N, Lp], unpack_index [B, R]), a plan of rl/packing.py for this layout
-    (one mini-batch, K micro-batches of unit 1): each micro-batch runs on its packed rows.
+    packing: a plan of rl/packing.py for this layout (one mini-batch, K micro-batches of unit 1), its
+    arrays by ``PACKING_KEYS``: each micro-batch runs on its packed rows.
     """
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
     if packing is None:
         return map_micro_batches(lambda ids, mask: response_logprobs(model, ids, mask, response_length, **kwargs),
                                  (input_ids, attention_mask), num_micro_batches=num_micro_batches)
-    pack_index, unpack_index = packing
-    return map_micro_batches(lambda ids, mask, pack, unpack_at: packed_response_logprobs(
-        model, ids, mask, pack, unpack_at, **kwargs), (input_ids, attention_mask, pack_index, unpack_index),
-        num_micro_batches=num_micro_batches, units=(1, 1, packed_unit(pack_index, input_ids.shape[0], num_micro_batches), 1))
+    plan = tuple(packing[k] for k in PACKING_KEYS)
+    return map_micro_batches(lambda ids, mask, *arrays: packed_response_logprobs(
+        model, ids, mask, dict(zip(PACKING_KEYS, arrays)), **kwargs), (input_ids, attention_mask, *plan),
+        num_micro_batches=num_micro_batches, units=micro_batch_units(packing, input_ids.shape[0], num_micro_batches))
+
+
+def micro_batch_units(packing: dict, num_rows: int, num_micro_batches: int) -> tuple[int, ...]:
+    """``map_micro_batches``' block sizes of (input_ids, attention_mask, *the plan's arrays)."""
+    units = packed_units(packing, num_rows, num_micro_batches)
+    return (1, 1, *(units.get(k, 1) for k in PACKING_KEYS))
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:
@@ -155,7 +172,12 @@ def _pad_to_chunks(hidden, targets, chunk):
     return hidden, targets, n
 
 
-def _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
+def _trips(valid, C: int, n: int):
+    """Chunks of C positions to compute: those holding positions < valid (at most n; n when None)."""
+    return n if valid is None else jnp.minimum((valid + C - 1) // C, n)
+
+
+def _forward(hidden, lm_head, targets, valid, temperature, chunk_size, with_entropy):
     """Returns (logp [B, T], entropy [B, T] or None, lse [B, T]) all float32."""
     B, T, _ = hidden.shape
     C = min(chunk_size, T)
@@ -173,27 +195,27 @@ def _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
         return {k: jax.lax.dynamic_update_slice_in_dim(acc[k], v, i * C, axis=1) for k, v in out.items()}
 
     names = ("logp", "lse", "ent") if with_entropy else ("logp", "lse")
-    acc = jax.lax.fori_loop(0, n, step, {k: jnp.zeros((B, n * C), jnp.float32) for k in names})
+    acc = jax.lax.fori_loop(0, _trips(valid, C, n), step, {k: jnp.zeros((B, n * C), jnp.float32) for k in names})
     return acc["logp"][:, :T], (acc["ent"][:, :T] if with_entropy else None), acc["lse"][:, :T]
 
 
 
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
-    logp, ent, _ = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused(hidden, lm_head, targets, valid, temperature, chunk_size, with_entropy):
+    logp, ent, _ = _forward(hidden, lm_head, targets, valid, temperature, chunk_size, with_entropy)
     return logp, ent
 
 
-def _fused_fwd(hidden, lm_head, targets, temperature, chunk_size, with_entropy):
-    logp, ent, lse = _forward(hidden, lm_head, targets, temperature, chunk_size, with_entropy)
-    return (logp, ent), (hidden, lm_head, targets, lse, ent)
+def _fused_fwd(hidden, lm_head, targets, valid, temperature, chunk_size, with_entropy):
+    logp, ent, lse = _forward(hidden, lm_head, targets, valid, temperature, chunk_size, with_entropy)
+    return (logp, ent), (hidden, lm_head, targets, valid, lse, ent)
 
 
 def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
     """d logp_t / d z_k = [k = y_t] - p_k;  d H_t / d z_k = -p_k (log p_k + H_t)."""
-    hidden, lm_head, targets, lse, ent = residuals
+    hidden, lm_head, targets, valid, lse, ent = residuals
     g_logp, g_ent = cotangents
     B, T, D = hidden.shape
     C = min(chunk_size, T)
@@ -223,8 +245,8 @@ def _fused_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
         return d_hidden, d_head + per_shard
 
     d_head = constrain(jnp.zeros((S, *lm_head.shape), jnp.float32), ("batch", None, "vocab"))
-    d_hidden, d_head = jax.lax.fori_loop(0, n, step, (jnp.zeros((B, n * C, D), hidden.dtype), d_head))
-    return d_hidden[:, :T], jnp.sum(d_head, axis=0).astype(lm_head.dtype), None
+    d_hidden, d_head = jax.lax.fori_loop(0, _trips(valid, C, n), step, (jnp.zeros((B, n * C, D), hidden.dtype), d_head))
+    return d_hidden[:, :T], jnp.sum(d_head, axis=0).astype(lm_head.dtype), None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -8,8 +8,8 @@ Batch layout (the verl layout; L = P + R):
   old_logp        [B, R] float   log pi_old of the response tokens (``micro_batched_logprobs``)
   rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
   advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
-  pack_index, unpack_index       optional: a packing plan of this layout (rl/packing.py): every
-                                 micro-batch then runs on its packed rows, read from input_ids
+  pack_index, stream_index, stream_length, unpack_index   optional: a packing plan of this layout
+                                 (rl/packing.py): every micro-batch then runs on its packed rows
 The hidden state at position P - 1 + t predicts response token t: log pi_theta of the response
 tokens is ``rl.logprobs.response_logprobs`` (packed: ``packed_response_logprobs``), the same path
 as pi_old's.
@@ -34,7 +34,7 @@ from flax import nnx
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, packed_response_logprobs, response_logprobs
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
 from pacs_jax.rl.objectives import get_objective
-from pacs_jax.rl.packing import packed_unit
+from pacs_jax.rl.packing import PACKING_KEYS, packed_units
 
 Batch = Mapping[str, jax.Array]
 
@@ -57,8 +57,8 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         R = micro["response_mask"].shape[1]
         kwargs = dict(temperature=temperature, chunk_size=chunk_size)
         if "pack_index" in micro:
-            logp = packed_response_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["pack_index"],
-                                            micro["unpack_index"], **kwargs)
+            logp = packed_response_logprobs(model, micro["input_ids"], micro["attention_mask"],
+                                            {k: micro[k] for k in PACKING_KEYS}, **kwargs)
         else:
             logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, **kwargs)
         extra = {"advantages": micro["advantages"]} if "advantages" in micro else {}
@@ -68,15 +68,15 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def loss_and_grad(params: nnx.State, batch: Batch):
-        units = packed_units(batch, K)
+        units = packed_block_sizes(batch, K)
         return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K, units=units)
 
     return loss_and_grad
 
 
-def packed_units(batch: Batch, num_micro_batches: int) -> dict[str, int]:
-    """The block size of a packed batch's pack_index (its packed rows per micro-batch and shard) for
-    ``accumulate_micro_batches``; {} for a padded batch."""
+def packed_block_sizes(batch: Batch, num_micro_batches: int) -> dict[str, int]:
+    """The block sizes of a packed batch's plan arrays (rl/packing.py) for ``accumulate_micro_batches``;
+    {} for a padded batch."""
     if "pack_index" not in batch:
         return {}
-    return {"pack_index": packed_unit(batch["pack_index"], batch["response_mask"].shape[0], num_micro_batches)}
+    return packed_units(batch, batch["response_mask"].shape[0], num_micro_batches)

@@ -17,13 +17,19 @@ local to each shard:
     pack_index    [M S K N, Lp] int32, rows in (mini-batch, shard, micro-batch, packed row) order:
                   for each packed token, its flat index j W + c into the shard's padded rows
                   [r, W] of that micro-batch (row j, column c), or -1 (padding)
+    stream_index  [M S K N, Lp] int32, the same order: the response stream, the flat indices
+                  n Lp + c into the shard's packed rows [N, Lp] of the positions that predict a
+                  response token (the token before it; t = 0 .. min(length, R - 1) of each
+                  sequence, the last one the value's slot after the response), first, then 0s
+    stream_length [M K, 1] int32: per micro-batch, the longest of its shards' streams
     unpack_index  [B, R] int32, in the rows' own order: for response token t of row b (t <= its
-                  length), the flat index n Lp + c into the shard's packed rows [N, Lp] of the
-                  position that predicts it (the token before it); 0 elsewhere (masked)
+                  length), its place in the shard's stream; 0 elsewhere (masked)
 
-Split by ``rl.micro_batches`` with blocks of N rows (pack_index) and of ``unit`` rows (the [B, ...]
-arrays), micro-batch k of mini-batch m finds its own packed rows, shard by shard, where its padded
-rows are. On the device, a packed token's segment id is its padded row's local index + 1 (0:
+The LM head (the fused log-probs, a loop of ceil(stream_length / chunk) trips) runs on the stream
+only: on the response tokens, not on the prompts nor the padding. Split by ``rl.micro_batches``
+with blocks of N rows (pack_index, stream_index) and of ``unit`` rows (the [B, ...] arrays and
+stream_length), micro-batch k of mini-batch m finds its own packed rows, shard by shard, where its
+padded rows are. On the device, a packed token's segment id is its padded row's local index + 1 (0:
 padding) and its position its position in the padded row (``models.positions_from_mask``), so RoPE
 sees exactly the unpacked row's positions.
 """
@@ -43,17 +49,26 @@ from pacs_jax.rl.micro_batches import split_micro_batches
 from pacs_jax.sharding import batch_shards, constrain
 
 
+PACKING_KEYS = ("pack_index", "stream_index", "stream_length", "unpack_index")  # a plan's arrays, by name
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedPlan:
-    """One pass's plan (see the module docstring): pack_index [M S K N, Lp], unpack_index [B, R] (host
-    arrays, the same on every process), rows = N, and the tokens the pass computes: real (prompt +
-    response tokens of every sequence) and computed (M K S N Lp)."""
+    """One pass's plan (see the module docstring): its arrays (``PACKING_KEYS``, host arrays, the same
+    on every process), rows = N, and the tokens the pass computes: real (prompt + response tokens of
+    every sequence) and computed (M K S N Lp)."""
 
     pack_index: np.ndarray
+    stream_index: np.ndarray
+    stream_length: np.ndarray
     unpack_index: np.ndarray
     rows: int
     tokens_real: int
     tokens_computed: int
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The plan's arrays by ``PACKING_KEYS``."""
+        return {k: getattr(self, k) for k in PACKING_KEYS}
 
 
 def shards_for(rows: int) -> int:
@@ -63,16 +78,20 @@ def shards_for(rows: int) -> int:
     return shards if rows % shards == 0 else 1
 
 
-def packed_unit(pack_index: jax.Array, num_rows: int, num_micro_batches: int) -> int:
-    """N, the packed rows of one micro-batch on one shard, of a pack_index [K S N, Lp] for K =
-    ``num_micro_batches`` micro-batches of ``num_rows`` rows in all (static: from shapes)."""
-    return pack_index.shape[0] // (num_micro_batches * shards_for(num_rows // num_micro_batches))
+def packed_units(plan: dict, num_rows: int, num_micro_batches: int) -> dict[str, int]:
+    """The block sizes of a plan's own arrays for ``rl.micro_batches`` over K = ``num_micro_batches``
+    micro-batches of ``num_rows`` rows in all: N (the packed rows of a micro-batch on a shard, from
+    pack_index [K S N, Lp]) for pack_index and stream_index, 1 for stream_length [K, 1]; unpack_index
+    [B, R] is split as the rows are."""
+    N = plan["pack_index"].shape[0] // (num_micro_batches * shards_for(num_rows // num_micro_batches))
+    return {"pack_index": N, "stream_index": N, "stream_length": 1}
 
 
-def row_buckets(rows: int, fractions: Sequence[float]) -> tuple[int, ...]:
-    """The packed-row counts N a pass may use for micro-batches of ``rows`` rows a shard:
-    ceil(rows x f) for each fraction f (1.0 always among them: one sequence per row always fits)."""
-    return tuple(sorted({max(1, math.ceil(rows * f - 1e-9)) for f in (*fractions, 1.0)}))
+def row_buckets(rows: int, count: int) -> tuple[int, ...]:
+    """The packed-row counts N a pass may use for micro-batches of ``rows`` rows a shard: at most
+    ``count`` of them, ceil(rows x j / count) for j = 1 .. count (every count 1 .. rows when rows <=
+    count; ``rows`` always among them: one sequence a row always fits)."""
+    return tuple(sorted({math.ceil(rows * j / count) for j in range(1, count + 1)}))
 
 
 def micro_batch_layout(num_rows: int, *, mini_batches: int, micro_batches: int, unit: int, shards: int) -> np.ndarray:
@@ -102,12 +121,12 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[tuple[in
 
 def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, prompt_width: int,
                  response_width: int, packed_length: int, mini_batches: int, micro_batches: int, unit: int,
-                 shards: int, fractions: Sequence[float]) -> PackedPlan:
+                 shards: int, buckets: int) -> PackedPlan:
     """The plan of one pass over B sequences: prompt_lengths, response_lengths [B] (real tokens;
     prompts left-padded to ``prompt_width``, responses right-padded to ``response_width`` in the
     padded rows), rows in ``micro_batch_layout`` (``mini_batches`` x ``micro_batches`` micro-batches
     of ``unit``-row blocks over ``shards`` shards), packed into rows of ``packed_length`` tokens, N the
-    smallest of ``row_buckets`` that holds every micro-batch's packing on every shard.
+    smallest of ``row_buckets(r, buckets)`` that holds every micro-batch's packing on every shard.
     """
     prompt_lengths, response_lengths = np.asarray(prompt_lengths, np.int64), np.asarray(response_lengths, np.int64)
     B, W, R, Lp = len(prompt_lengths), prompt_width + response_width, response_width, packed_length
@@ -121,19 +140,25 @@ def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, pr
     placed = {(m, k, s): first_fit_decreasing(seq_lengths[layout[m, k, s]].tolist(), Lp)
               for m in range(M) for k in range(K) for s in range(S)}
     needed = max(b + 1 for bins in placed.values() for b, _ in bins)
-    N = next(n for n in row_buckets(r, fractions) if n >= needed)
+    N = next(n for n in row_buckets(r, buckets) if n >= needed)
     pack_index = np.full((M, S, K, N, Lp), -1, np.int32)
+    stream_index = np.zeros((M, S, K, N * Lp), np.int32)
+    stream_length = np.zeros((M, K), np.int32)
     unpack_index = np.zeros((B, R), np.int32)
-    t = np.arange(R)
     for (m, k, s), bins in placed.items():
+        used = 0
         for j, (row, (b, offset)) in enumerate(zip(layout[m, k, s], bins)):
             length, prompt = int(seq_lengths[row]), int(prompt_lengths[row])
             start = j * W + prompt_width - prompt  # the row's first real token, flat in [r, W]
             pack_index[m, s, k, b, offset:offset + length] = start + np.arange(length)
             # response token t sits at offset + prompt + t; the token before it predicts it
-            unpack_index[row] = np.where(t <= response_lengths[row], b * Lp + offset + prompt - 1 + t, 0)
-    return PackedPlan(pack_index.reshape(M * S * K * N, Lp), unpack_index, N, int(seq_lengths.sum()),
-                      M * K * S * N * Lp)
+            t = np.arange(min(int(response_lengths[row]), R - 1) + 1)
+            stream_index[m, s, k, used:used + len(t)] = b * Lp + offset + prompt - 1 + t
+            unpack_index[row, :len(t)] = used + t
+            used += len(t)
+        stream_length[m, k] = max(stream_length[m, k], used)
+    return PackedPlan(pack_index.reshape(M * S * K * N, Lp), stream_index.reshape(M * S * K * N, Lp),
+                      stream_length.reshape(M * K, 1), unpack_index, N, int(seq_lengths.sum()), M * K * S * N * Lp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,6 +190,16 @@ def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: j
     return tokens, segment_ids, positions, targets
 
 
-def unpack(packed: jax.Array, unpack_index: jax.Array) -> jax.Array:
-    """Per-token values of the packed rows [S N, Lp] -> [S r, R] at ``unpack_index`` (one micro-batch)."""
-    return _local_gather(packed, unpack_index, shards_for(unpack_index.shape[0]))
+def response_stream(x: jax.Array, stream_index: jax.Array, shards: int) -> jax.Array:
+    """Per-position values of one micro-batch's packed rows, x [S N, Lp, ...], -> its response stream
+    [S, N Lp, ...] (``stream_index`` [S N, Lp]; a gather within each of the S = ``shards`` shards)."""
+    flat = x.reshape(shards, -1, *x.shape[2:])
+    index = stream_index.reshape(shards, -1)
+    out = jnp.take_along_axis(flat, index.reshape(index.shape + (1,) * (flat.ndim - 2)), axis=1)
+    return constrain(out, ("batch",) + (None,) * (out.ndim - 1))
+
+
+def unpack(stream: jax.Array, unpack_index: jax.Array) -> jax.Array:
+    """Per-position values of a micro-batch's response stream [S, N Lp] -> [S r, R] at
+    ``unpack_index`` [S r, R]."""
+    return _local_gather(stream, unpack_index, shards_for(unpack_index.shape[0]))

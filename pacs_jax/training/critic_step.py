@@ -36,6 +36,7 @@ from pacs_jax import checkpoints
 from pacs_jax.models import Qwen, value_model_from_actor
 from pacs_jax.rl import (compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values,
                          options_for, value_mask)
+from pacs_jax.rl.packing import PACKING_KEYS
 from pacs_jax.sharding import batch_sharding, state_shardings
 from pacs_jax.training.model_spec import run_options
 from pacs_jax.training.optim import make_optimizer
@@ -98,14 +99,13 @@ class PPOCritic:
         """Values, GAE and the critic's update on the update ``batch`` (input_ids, attention_mask
         [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). packing: the
         step's plans (training/rollout.py ``Rollout.packing``: "logprob" for the values, "critic" for
-        the update, each (pack_index, unpack_index)) or None. Returns the actor's batch (``batch`` plus
+        the update, each its arrays by rl/packing.py PACKING_KEYS) or None. Returns the actor's batch (``batch`` plus
         advantages [B, R]) and the critic's metrics, each [M]."""
         packing = packing or {}
-        advantages, values, returns = programs.values(self.params, {k: v for k, v in batch.items() if k not in
-                                                                    ("pack_index", "unpack_index")},
-                                                      packing.get("logprob"))
+        advantages, values, returns = programs.values(
+            self.params, {k: v for k, v in batch.items() if k not in PACKING_KEYS}, packing.get("logprob"))
         critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns,
-                        **(dict(zip(("pack_index", "unpack_index"), packing["critic"])) if "critic" in packing else {})}
+                        **packing.get("critic", {})}
         self.params, self.opt_state, metrics = programs.update(self.params, self.opt_state, critic_batch)
         return {**batch, "advantages": advantages}, {name: metrics[key] for key, name in METRIC_NAMES.items()}
 
@@ -152,7 +152,7 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, shardings, *, gamma: floa
     def values_and_advantages(params, batch, packing=None):
         """The update batch -> (whitened advantages, values, returns), each [B, R] float32; values times
         verl's critic mask (what verl's compute_values returns: the value loss's old values). packing:
-        None or the values pass's plan (pack_index, unpack_index), rl/packing.py."""
+        None or the values pass's plan arrays (rl/packing.py PACKING_KEYS)."""
         mask = batch["response_mask"].astype(jnp.float32)
         critic_mask = value_mask(batch["attention_mask"], mask.shape[1])
         values = micro_batched_values(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],

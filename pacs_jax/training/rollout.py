@@ -58,10 +58,10 @@ class Rollout:
     """One step's rollout: the update batch (global device arrays) and what the host saw."""
 
     batch: dict[str, jax.Array]  # input_ids, attention_mask [B, P+R]; response_mask, old_logp [B, R]; rewards [B];
-    #                              packed: the update's pack_index, unpack_index (rl/packing.py)
+    #                              packed: the update's plan arrays (rl/packing.py PACKING_KEYS)
     rewards: np.ndarray  # [B] every row's reward (the same on every process)
     metrics: dict[str, float]  # over all rows of all processes
-    packing: dict[str, tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
+    packing: dict[str, dict[str, jax.Array]] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
     #                              plans ("logprob": the values, "critic": its update), when packed
 
 
@@ -146,9 +146,9 @@ class RolloutCollector:
             batch, entropy = programs.pi_old(state, *args)
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
         plans = programs.packing_plans(sampled["prompt_lengths"], sampled["lengths"])
-        on_device = {name: (self._put(plan.pack_index), self._put(plan.unpack_index)) for name, plan in plans.items()}
+        on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
         batch, entropy = programs.pi_old(state, *args, on_device["logprob"])
-        batch = {**batch, **dict(zip(("pack_index", "unpack_index"), on_device.pop("update")))}
+        batch = {**batch, **on_device.pop("update")}
         computed = plans["logprob"].tokens_computed * (passes // 2) + plans["update"].tokens_computed
         if "critic" in plans:
             computed += plans["critic"].tokens_computed

@@ -112,7 +112,7 @@ class StepPrograms:
         self.packing = tc.packing
         if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
             self.packed_length = tc.packed_length or self.prompt_buckets[-1] + rc.max_new_tokens
-            self.packed_row_fractions = tuple(tc.packed_row_fractions)
+            self.packed_row_buckets_count = tc.packed_row_buckets
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
         self.update = make_update_step(
             graphdef, self.optimizer, config.algorithm.objective, group_size=rc.n,
@@ -149,7 +149,7 @@ class StepPrograms:
 
         def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None):
             """[P, Tp] prompts + [P*n, R] responses -> the update batch (without rewards) + mean entropy.
-            packing: None, or (pack_index, unpack_index) of the pass's plan (``packing_plans``)."""
+            packing: None, or the pass's plan arrays (``packing_plans``, rl/packing.py PACKING_KEYS)."""
             n = tokens.shape[0] // prompt_tokens.shape[0]
             ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
             mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
@@ -187,14 +187,14 @@ class StepPrograms:
         prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
         P, R = self.pass_widths
         return {name: plan_packing(prompt_lengths, response_lengths, prompt_width=P, response_width=R,
-                                   packed_length=self.packed_length, fractions=self.packed_row_fractions, **layout)
+                                   packed_length=self.packed_length, buckets=self.packed_row_buckets_count, **layout)
                 for name, layout in self._layouts().items()}
 
     def packed_row_buckets(self) -> dict[str, tuple[int, ...]]:
         """By pass, the packed-row counts N its programs are compiled for (``rl.packing.row_buckets``)."""
         B = self.num_prompts * self.n
         return {name: row_buckets(B // (lay["mini_batches"] * lay["micro_batches"] * lay["shards"]),
-                                  self.packed_row_fractions) for name, lay in self._layouts().items()}
+                                  self.packed_row_buckets_count) for name, lay in self._layouts().items()}
 
     def abstract_packing(self, name: str, rows: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         """(pack_index, unpack_index) of pass ``name`` at ``rows`` packed rows, abstract."""
@@ -305,7 +305,7 @@ class StepPrograms:
                        critic_bytes: int) -> list[Program]:
         """The programs of the passes over an update batch, in a step's order: pi_old, PPO's critic_values
         and critic_update, update. Padded (``plans`` empty): all of them; packed: those of the pass whose
-        plan ``plans`` holds ({pass name: (pack_index, unpack_index)}: "logprob" makes pi_old and
+        plan ``plans`` holds ({pass name: its plan arrays by name}: "logprob" makes pi_old and
         critic_values, "critic" critic_update, "update" the update)."""
         params, opt_state = self.state
         packed = bool(plans)
