@@ -287,12 +287,12 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
         return history, jax.tree.map(np.asarray, params)
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=150)
 @pytest.mark.parametrize("setup", ["demo", "paper_qwen25_7b"])
 def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_dir, tmp_path):
     """The demo (float32) and the Qwen2.5-7B paper setup shrunk (bfloat16, its remat, the (1, 8, 1)
     mesh: 8 rows a micro-batch over 8 shards) train alike packed and padded: every step's metrics and
-    the final parameters agree to the dtype's round-off, and the packed passes compute fewer tokens."""
+    the final parameters agree to the dtype's round-off, and the demo's packed passes compute fewer tokens."""
     from test_train_real_config import shrunk_paper_config
     from train_helpers import load_config
 
@@ -311,13 +311,20 @@ def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_di
     runs = {}
     for packing_on in (False, True):
         config.train.packing = packing_on
-        runs[packing_on] = _train_steps(config)
+        runs[packing_on] = _train_steps(config, steps=3 if setup == "demo" else 2)
     (padded, params_padded), (packed, params_packed) = runs[False], runs[True]
     for step, (a, b) in enumerate(zip(padded, packed)):
         assert a["length"] == b["length"], step  # the same samples
         for key in a:
-            if key not in ("tokens_real", "tokens_computed", "packing_efficiency"):
-                np.testing.assert_allclose(b[key], a[key], err_msg=f"step {step + 1} {key}", **tolerance)
-        assert b["tokens_real"] == a["tokens_real"] and b["tokens_computed"] <= a["tokens_computed"]
+            if key in ("tokens_real", "tokens_computed", "packing_efficiency"):
+                continue
+            # the classifier's accuracy counts signs of psi, which is round-off at the first mini-batch (pi_theta =
+            # pi_old): in bfloat16 a response or two may flip
+            allowed = dict(rtol=0, atol=2.5 / 32) if key.endswith("accuracy") and setup != "demo" else tolerance
+            np.testing.assert_allclose(b[key], a[key], err_msg=f"step {step + 1} {key}", **allowed)
+        assert b["tokens_real"] == a["tokens_real"]
+        # packed rows hold the largest buckets' width; with one row a micro-batch and shard (the shrunk paper setup)
+        # nothing packs, and a step whose prompts fit the 256 bucket computes fewer tokens padded
+        assert b["tokens_computed"] <= a["tokens_computed"] or setup != "demo"
     for x, y in zip(jax.tree.leaves(params_padded), jax.tree.leaves(params_packed)):
         np.testing.assert_allclose(y, x, **tolerance)
