@@ -160,6 +160,59 @@ class HFWeightReader:
             return f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
 
 
+def safetensors_header(path: epath.Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file, from its header alone (8 bytes of length, then JSON;
+    local or on a store). Raises ``ValueError`` naming the file (its name: the caller names the folder) when the header is unreadable or the
+    file is shorter than the tensors the header places in it (a copy cut short)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length < 100 * 2**20:
+            raise ValueError(f"{path.name}: not a safetensors file (no header)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise ValueError(f"{path.name}: not a safetensors file (its header is not JSON)") from None
+    header.pop("__metadata__", None)
+    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0) + 8 + length
+    stat = path.stat()  # epath's StatResult (length) or os.stat_result (st_size)
+    size = stat.length if hasattr(stat, "length") else stat.st_size
+    if size < end:
+        raise ValueError(f"{path.name}: holds {size} bytes of the {end} its header describes (a copy cut short?)")
+    return {name: tuple(t["shape"]) for name, t in header.items()}
+
+
+def hf_weight_shapes(hf_dir: epath.Path, *, read_headers: bool = True) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of the safetensors weights in ``hf_dir`` (model.safetensors, or the shards
+    model.safetensors.index.json lists), read from the files' headers only; with ``read_headers``
+    False (a folder on a store), {name: ()} (shape unknown) from the index after checking each shard
+    exists, {} for a single file. Raises
+    ``FileNotFoundError`` / ``ValueError`` naming the missing or unreadable file."""
+    index = hf_dir / SAFE_INDEX
+    if index.is_file():
+        try:
+            files = {k: hf_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index.name}: not a safetensors index (no weight_map: {e!r})") from None
+    elif (hf_dir / SAFE_SINGLE).is_file():
+        if not read_headers:
+            return {}
+        return safetensors_header(hf_dir / SAFE_SINGLE)
+    else:
+        bins = sorted(p.name for p in hf_dir.iterdir() if p.name.startswith("pytorch_model") and p.suffix == ".bin")
+        raise FileNotFoundError(
+            f"no weights: neither {SAFE_SINGLE} nor {SAFE_INDEX}"
+            + (f" (it holds {', '.join(bins[:3])}: PyTorch weights, which are not read; save them as safetensors)"
+               if bins else ""))
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for shard in sorted(set(files.values())):
+        if not shard.is_file():
+            raise FileNotFoundError(f"{shard.name} (a shard {SAFE_INDEX} lists) is missing")
+        if read_headers:
+            shapes.update(safetensors_header(shard))
+    return shapes if read_headers else dict.fromkeys(files, ())
+
+
 def _read_one(reader: HFWeightReader, hf_name: str, tmap: TensorMap, path: str, shape: tuple[int, ...],
               index: Index) -> np.ndarray:
     """Block ``index`` of one (per-layer) parameter of ``shape`` from the HF tensor ``hf_name``."""

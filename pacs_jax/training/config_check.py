@@ -13,6 +13,7 @@ import pathlib
 import jax
 import ml_collections
 
+from pacs_jax import checkpoints
 from pacs_jax.data import deepscaler, paths
 from pacs_jax.errors import PermanentError
 from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
@@ -119,6 +120,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         _require(m[field] in ("float32", "bfloat16", "float16"), f"model.{field}", f"{m[field]!r} is not a float dtype")
     if m.path:
         _require(paths.path(m.path).exists(), "model.path", paths.missing(m.path))
+        _check_model_folder(m.path, "model.path")
     elif m.preset:
         _require(m.preset in PRESETS, "model.preset",
                  f"{m.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint, "
@@ -136,6 +138,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check_warmstart(config.warmstart, config.data)
     _check_model_source(m)
     _check_tokenizer(config.data, m)
+    _check_context(config)
 
     mc = config.mesh
     try:
@@ -150,14 +153,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
+    _check_slots(rc, "rollout")
     if rc.sampler == "continuous":
         slots = sampler_slots(config)
-        _require(isinstance(rc.slots, int) and rc.slots >= 1 and slots % batch_shards == 0, "rollout.slots",
-                 f"{rc.slots!r} must be an integer >= 1 whose value, capped at a sampler call's {slots} responses "
-                 f"(prompts_per_step / rollout.micro_batches x rollout.n), is a multiple of the mesh's "
-                 f"data x fsdp = {batch_shards} (one queue per batch shard)")
-        _require(isinstance(rc.tail_slots, int) and rc.tail_slots >= 0, "rollout.tail_slots",
-                 f"{rc.tail_slots!r} must be an integer >= 0 (0: the decode batch never narrows)")
+        _require(slots % batch_shards == 0, "rollout.slots",
+                 f"{rc.slots}, capped at a sampler call's {slots} responses (prompts_per_step / "
+                 f"rollout.micro_batches x rollout.n), must be a multiple of the mesh's data x fsdp = {batch_shards} "
+                 "(one queue per batch shard)")
     _check_tensor_axis(config, tensor)
 
 
@@ -268,11 +270,9 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
         if not spec.startswith("tfds:"):
             path = paths.join(ec.data_dir, spec)
             _require(paths.path(path).exists(), f"eval.set_files.{name}", paths.missing(path))
-    _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
-    for field in ("max_new_tokens", "batch_size", "slots"):
+    for field in ("max_new_tokens", "batch_size"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
-    _require(isinstance(ec.tail_slots, int) and ec.tail_slots >= 0, "eval.tail_slots",
-             f"must be an integer >= 0 (0: the decode batch never narrows), got {ec.tail_slots!r}")
+    _check_slots(ec, "eval")
     _require(isinstance(ec.periodic.every, int) and ec.periodic.every >= 0, "eval.periodic.every",
              f"must be an integer >= 0 (0: none), got {ec.periodic.every!r}")
     for section in ("periodic", "final"):
@@ -299,6 +299,58 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
                  f"{field}.max_new_tokens", f"must be an integer >= 1, got {settings.max_new_tokens!r}")
 
 
+def _check_slots(section: ml_collections.ConfigDict, name: str) -> None:
+    """A sampler section's (``rollout``, ``eval``) sampler, slots and tail_slots, against each other:
+    tail_slots narrows the continuous sampler's slots, so it is at most slots, and the static sampler
+    (a slot per response, no narrowing) takes none."""
+    _require(section.sampler in SAMPLERS, f"{name}.sampler", f"{section.sampler!r} is not one of {SAMPLERS}")
+    _require(isinstance(section.slots, int) and section.slots >= 1, f"{name}.slots",
+             f"must be an integer >= 1 (decode slots per sampler call), got {section.slots!r}")
+    tail = section.tail_slots
+    _require(isinstance(tail, int) and tail >= 0, f"{name}.tail_slots",
+             f"must be an integer >= 0 (0: the decode batch never narrows), got {tail!r}")
+    _require(not tail or section.sampler == "continuous", f"{name}.tail_slots",
+             f"{tail}, but {name}.sampler is {section.sampler!r}, which gives every response its own slot and never "
+             f"narrows: set {name}.tail_slots=0, or {name}.sampler=continuous")
+    _require(tail <= section.slots, f"{name}.tail_slots",
+             f"{tail} is more than {name}.slots={section.slots}: the decode batch narrows from slots down to "
+             f"tail_slots; set it to at most {section.slots} (0: no narrowing)")
+
+
+def _check_model_folder(path: str, field: str):
+    """The model folder ``field`` names (model.path, critic.path): ``checkpoints.check_model_dir`` (config,
+    weights and their shapes, read without loading them); returns its QwenConfig."""
+    try:
+        return checkpoints.check_model_dir(paths.resolve(path))
+    except checkpoints.ModelFolderError as e:
+        raise ConfigError(f"config.{field}: {e}") from None
+
+
+def _check_context(config: ml_collections.ConfigDict) -> None:
+    """Every length a run samples or trains against the model's context (max_position_embeddings of
+    model.path's config.json, the preset, or the default of a model of the config's own): a prompt of
+    data.max_prompt_length tokens plus rollout.max_new_tokens, eval.max_new_tokens, each
+    eval.final.per_set entry's and warmstart.max_response_tokens must fit, or the sampler's KV cache
+    (and the rotary positions) would run past it."""
+    try:
+        cfg = model_config(config)
+    except (OSError, ValueError):
+        return  # the model source is checked (and named) by _check_model_source
+    if cfg is None:
+        return
+    context, prompt = cfg.max_position_embeddings, config.data.max_prompt_length
+    lengths = [("rollout.max_new_tokens", config.rollout.max_new_tokens),
+               ("eval.max_new_tokens", config.eval.max_new_tokens)]
+    lengths += [(f"eval.final.per_set.{name}.max_new_tokens", settings.max_new_tokens)
+                for name, settings in config.eval.final.per_set.items()]
+    if config.warmstart.steps:
+        lengths.append(("warmstart.max_response_tokens", config.warmstart.max_response_tokens))
+    for field, length in lengths:
+        _require(prompt + length <= context, field,
+                 f"{length} with data.max_prompt_length={prompt} is {prompt + length} tokens, beyond the model's "
+                 f"context of {context} (max_position_embeddings): set it to at most {max(context - prompt, 0)}")
+
+
 def _check_verl_micro_batch(size, micro_rows: int, section: str) -> None:
     _require(isinstance(size, int) and size >= 1 and micro_rows % size == 0, f"{section}.verl_micro_batch_size",
              f"{size!r} must be an integer >= 1 dividing the {micro_rows} responses of an update micro-batch "
@@ -320,6 +372,7 @@ def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
         _check_verl_micro_batch(cc.verl_micro_batch_size, micro_rows, "critic")
     if cc.path:
         _require(paths.path(cc.path).exists(), "critic.path", paths.missing(cc.path))
+        _check_model_folder(cc.path, "critic.path")
 
 
 def _check_tensor_axis(config: ml_collections.ConfigDict, tensor: int) -> None:
