@@ -8,16 +8,18 @@ looked for as the readers look for them (data/paths.py: the working directory, t
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import ml_collections
 
 from pacs_jax import checkpoints
 from pacs_jax.data import deepscaler, paths
 from pacs_jax.errors import PermanentError
+from pacs_jax.evaluation.runner import load_eval_sets
 from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
-from pacs_jax.data.sources import SOURCES
+from pacs_jax.data.fields import FORMATS
+from pacs_jax.data.readers import split_format
+from pacs_jax.data.records import DataError
+from pacs_jax.data.sources import SOURCES, training_problems
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
@@ -163,6 +165,31 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check_tensor_axis(config, tensor)
 
 
+def check_inputs(config: ml_collections.ConfigDict) -> None:
+    """``validate_config``, then every input a run reads, read as the run reads it, before anything is
+    built: the training problems (each file parsed, each row with its format's fields, enough of them
+    for the held-out and warm-start splits and one step's prompts) and the evaluation sets' files. The
+    trainer runs it before it creates its workdir; every failure is one line naming the field or file
+    (``ConfigError``, ``DataError``: permanent, status 78)."""
+    validate_config(config)
+    dc, prompts = config.data, config.train.prompts_per_step
+    try:
+        train, _, _, counts = training_problems(dc, seed=config.seed)
+    except DataError as e:
+        raise ConfigError(f"config.data.train_files: {e}") from None
+    _require(len(train) >= prompts, "train.prompts_per_step",
+             f"{prompts} is more than the {len(train)} problems RL samples from ({counts['rows']} read, "
+             f"{counts['held_out']} held out, {counts['warmstart']} for the warm-start only): a step takes "
+             f"{prompts} distinct prompts; lower it or the splits, or add problems")
+    ec = config.eval
+    for name in (n.strip() for n in ec.sets.split(",") if n.strip()):
+        if name != "held_out" and not ec.set_files[name].startswith("tfds:"):
+            try:
+                load_eval_sets([name], dict(ec.set_files), ec.data_dir)
+            except DataError as e:
+                raise ConfigError(f"config.eval.set_files.{name}: {e}") from None
+
+
 def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
     """Refuse an option set in the namespace of an objective that does not run (it would be dropped):
     every namespace but ``algorithm.objective``'s holds the registry's defaults."""
@@ -179,15 +206,29 @@ def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
 
 
 def _check_data(dc: ml_collections.ConfigDict) -> None:
+    """The data section's values; a field the chosen source does not read is refused, naming the source
+    (the files' with the generated task, data.arithmetic with files): it would be dropped silently."""
     _require(dc.source in SOURCES, "data.source", f"{dc.source!r} is not one of {SOURCES}")
+    _require(dc.format == "auto" or dc.format in FORMATS, "data.format",
+             f"{dc.format!r} is not 'auto' nor one of {sorted(FORMATS)}")
     if dc.source == "files":
         files = list(dc.train_files)
         _require(bool(files), "data.train_files", "no training files given (data.source is \"files\")")
         for i, f in enumerate(files):
-            path = f.split(":", 1)[-1] if ":" in f and not paths.is_remote(f) and not pathlib.Path(f).exists() else f
-            _require(paths.path(path).exists(), f"data.train_files[{i}]",
-                     paths.missing(path, deepscaler.missing_file_hint(path)))
+            path, _ = split_format(f)
+            if not path.startswith("tfds:"):
+                _require(paths.path(path).exists(), f"data.train_files[{i}]",
+                         paths.missing(path, deepscaler.missing_file_hint(path)))
+        for field in ("problems", "max_operand"):
+            _require(not dc.arithmetic[field], f"data.arithmetic.{field}",
+                     f"{dc.arithmetic[field]!r} is set, but data.source is \"files\", which does not read "
+                     "data.arithmetic (the generated task): set data.source=arithmetic, or leave it at 0")
     else:
+        for field, unset in (("train_files", ()), ("format", "auto")):
+            value = tuple(dc[field]) if field == "train_files" else dc[field]
+            _require(value == unset, f"data.{field}",
+                     f"{value!r} is set, but data.source is {dc.source!r}, which does not read it (it generates its "
+                     "problems): set data.source=files to train on files, or leave it unset")
         for field in ("problems", "max_operand"):
             value = dc.arithmetic[field]
             _require(isinstance(value, int) and value >= 1, f"data.arithmetic.{field}",
