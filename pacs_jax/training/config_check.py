@@ -122,7 +122,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         _require(m[field] in ("float32", "bfloat16", "float16"), f"model.{field}", f"{m[field]!r} is not a float dtype")
     if m.path:
         _require(paths.path(m.path).exists(), "model.path", paths.missing(m.path))
-        _check_model_folder(m.path, "model.path")
     elif m.preset:
         _require(m.preset in PRESETS, "model.preset",
                  f"{m.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint, "
@@ -259,7 +258,8 @@ def _check_model_source(m: ml_collections.ConfigDict) -> None:
     """``model.random_init`` trains a ``model.preset`` from random weights only when asked to by name: a
     forgotten ``model.path`` must not cost a slice-day on a random 7B. Architecture fields with no
     preset (the demo, the tests' shrunk paper configs, which name every field of their tiny model)
-    initialise at random."""
+    initialise at random. Then model.path's folder: its config and weights (``_check_model_folder``), before
+    the tokenizer is looked for in it."""
     _require(isinstance(m.random_init, bool), "model.random_init", f"must be True or False, got {m.random_init!r}")
     _require(not (m.random_init and m.path), "model.random_init",
              f"True, but model.path={m.path!r} is set too: one or the other")
@@ -267,6 +267,8 @@ def _check_model_source(m: ml_collections.ConfigDict) -> None:
              f"not set: the {m.preset} preset would train from random weights; pass the released model's folder "
              f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
              f"--config.model.random_init=True to train it from random weights on purpose")
+    if m.path:
+        _check_model_folder(m.path, "model.path")
 
 
 def _check_warmstart(wc: ml_collections.ConfigDict, dc: ml_collections.ConfigDict) -> None:
