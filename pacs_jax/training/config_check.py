@@ -372,8 +372,8 @@ def _check_model_folder(path: str, field: str):
 def _check_context(config: ml_collections.ConfigDict) -> None:
     """Every length a run samples or trains against the model's context (max_position_embeddings of
     model.path's config.json, the preset, or the default of a model of the config's own): a prompt of
-    data.max_prompt_length tokens plus rollout.max_new_tokens, eval.max_new_tokens, each
-    eval.final.per_set entry's and warmstart.max_response_tokens must fit, or the sampler's KV cache
+    data.max_prompt_length tokens plus rollout.max_new_tokens, warmstart.max_response_tokens (with a
+    warm-start) and, when eval.sets names sets, eval.max_new_tokens and their eval.final.per_set entries' must fit, or the sampler's KV cache
     (and the rotary positions) would run past it."""
     try:
         cfg = model_config(config)
@@ -382,10 +382,12 @@ def _check_context(config: ml_collections.ConfigDict) -> None:
     if cfg is None:
         return
     context, prompt = cfg.max_position_embeddings, config.data.max_prompt_length
-    lengths = [("rollout.max_new_tokens", config.rollout.max_new_tokens),
-               ("eval.max_new_tokens", config.eval.max_new_tokens)]
+    lengths = [("rollout.max_new_tokens", config.rollout.max_new_tokens)]
+    evaluated = [n.strip() for n in config.eval.sets.split(",") if n.strip()]
+    if evaluated:
+        lengths.append(("eval.max_new_tokens", config.eval.max_new_tokens))
     lengths += [(f"eval.final.per_set.{name}.max_new_tokens", settings.max_new_tokens)
-                for name, settings in config.eval.final.per_set.items()]
+                for name, settings in config.eval.final.per_set.items() if name in evaluated]
     if config.warmstart.steps:
         lengths.append(("warmstart.max_response_tokens", config.warmstart.max_response_tokens))
     for field, length in lengths:
