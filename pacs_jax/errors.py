@@ -76,6 +76,18 @@ def exit_on_unknown_config_field(program: str, define: Callable[[], T], argv: Se
         _fail(program, message)
 
 
+def flag_error_line(error: BaseException) -> str:
+    """One line for a flag-parsing error. ml_collections reports a config file whose ``get_config`` raised
+    (a misspelled setup name: ``configs/paper.py:qwen25_7b,pacs_bet1``) with the whole traceback in the
+    message; the line keeps the flag and the exception's own last line."""
+    text = str(error)
+    if "Traceback (most recent call last)" not in text:
+        return f"{text} (--helpshort lists the flags)"
+    flag = text.split(": Error whilst parsing config file", 1)[0]
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    return f"{flag}: {re.sub(r'^[A-Za-z_.]*(Error|Exception): ', '', last.strip())}"
+
+
 def _fail(program: str, message: str) -> None:
     print(f"{program}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(PERMANENT_ERROR_STATUS)
@@ -97,7 +109,7 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
         except PermanentError as e:
             _fail(program, str(e))
         except flags.Error as e:
-            _fail(program, f"{e} (--helpshort lists the flags)")
+            _fail(program, flag_error_line(e))
         except (KeyError, AttributeError) as e:  # an override naming a field the --config file lacks
             message = unknown_config_field(e, args)
             if message is None:
