@@ -93,6 +93,15 @@ def _fail(program: str, message: str) -> None:
     sys.exit(PERMANENT_ERROR_STATUS)
 
 
+def run_main(program: str, main: Callable[..., T], *args) -> T:
+    """``main(*args)``, except that a ``PermanentError`` prints "``program``: error: MESSAGE" on stderr and
+    exits with ``PERMANENT_ERROR_STATUS`` (the argparse tools': tools/export_hf.py)."""
+    try:
+        return main(*args)
+    except PermanentError as e:
+        _fail(program, str(e))
+
+
 def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str] | None = None,
             permanent: tuple[type[BaseException], ...] = (),
             prepare: Callable[[list[str]], list[str]] | None = None) -> None:

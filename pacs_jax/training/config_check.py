@@ -313,6 +313,14 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
         if not spec.startswith("tfds:"):
             path = paths.join(ec.data_dir, spec)
             _require(paths.path(path).exists(), f"eval.set_files.{name}", paths.missing(path))
+    check_eval_settings(config)
+
+
+def check_eval_settings(config: ml_collections.ConfigDict) -> None:
+    """The eval section's sampling settings (the training run's and the evaluation CLI's, which checks
+    its sets as it reads them): sizes, the sampler's slots, the periodic and final settings and the
+    per-set entries."""
+    ec = config.eval
     for field in ("max_new_tokens", "batch_size"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
     _check_slots(ec, "eval")
