@@ -33,11 +33,11 @@ import pathlib
 from collections.abc import Sequence
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from etils import epath
 from ml_collections import config_flags
 
-from pacs_jax import checkpoints
+from pacs_jax import checkpoints, console
 from pacs_jax.data import paths, remote
 from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, build_prompts, load_tokenizer,
                            render_prompt, run_tokenizer, training_problems)
@@ -238,6 +238,7 @@ def _cli() -> None:
     def main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        console.setup()  # Orbax's INFO lines off unless --verbosity; plain progress lines in a log file
         run(config_flag.value, checkpoint_flag.value)
 
     run_cli("pacs_jax.evaluate", main, prepare=paths.config_file_args)  # flag, usage, data errors: one line, status 78

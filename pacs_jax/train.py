@@ -17,9 +17,10 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from pacs_jax import console
 from pacs_jax.data import paths
 from pacs_jax.errors import UsageError, exit_on_unknown_config_field, run_cli
 
@@ -59,7 +60,7 @@ _STARTUP_TIMEOUT = flags.DEFINE_float("startup_timeout", 300.0,
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
+    console.setup()  # Orbax's INFO lines off unless --verbosity; plain progress lines in a log file
     import jax  # after flag parsing, so --help is fast
 
     from etils import epath

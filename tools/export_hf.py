@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pacs_jax import checkpoints, models
+from pacs_jax import checkpoints, console, models
 from pacs_jax.errors import UsageError, run_main
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.models.hf_weights import check_export_target
@@ -111,4 +111,5 @@ def _export(args: argparse.Namespace) -> pathlib.Path:
 
 
 if __name__ == "__main__":
+    console.setup([])  # Orbax's INFO lines off; plain progress lines in a log file
     main(sys.argv[1:])

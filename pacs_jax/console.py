@@ -1,0 +1,66 @@
+"""What the command-line programs print for a person: their own lines, not other libraries' logs, and
+progress bars that stay readable in a log file.
+
+``setup()``, called by the CLIs once their flags are parsed:
+
+- Third-party INFO logs (Orbax's lines about every checkpoint it reads or writes, JAX's) are off: absl's
+  verbosity is WARNING unless the command line gives ``--verbosity`` (``--verbosity=0``: INFO, as absl
+  defines it).
+- When stderr is not a terminal (a log file, a pipe, ``launch/supervise.sh``'s ``tpu_pod.sh`` log), tqdm's
+  bars become plain lines: at most one refresh every ``LOG_INTERVAL_S`` seconds (``TQDM_MININTERVAL``,
+  which tqdm reads for every bar that does not set it), each written as a line of its own, with the
+  cursor movements of nested bars (``ESC[A``) and the carriage returns left out.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+
+LOG_INTERVAL_S = 30
+_CURSOR_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class PlainLines(io.TextIOBase):
+    """A text stream that writes to ``stream`` what a terminal would show as separate lines: every
+    carriage return ends a line, terminal control codes are dropped, blank lines are left out."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+        self.open = False  # a line is started and not yet ended
+
+    def write(self, text: str) -> int:
+        for piece in re.split(r"(\n)", _CURSOR_CODES.sub("", text).replace("\r", "\n")):
+            if piece == "\n":
+                if self.open:
+                    self.stream.write("\n")
+                    self.open = False
+            elif piece and (self.open or piece.strip()):  # a bar cleared with spaces leaves no blank line
+                self.stream.write(piece)
+                self.open = True
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def setup(argv: list[str] | None = None) -> None:
+    """Quiet third-party INFO logs unless ``--verbosity`` is on the command line, and make progress
+    bars write plain lines when stderr is not a terminal (see the module docstring)."""
+    from absl import logging
+
+    argv = sys.argv if argv is None else argv
+    if not any(arg.split("=")[0] in ("--verbosity", "-v") for arg in argv):
+        logging.set_verbosity(logging.WARNING)
+    if not sys.stderr.isatty() and not isinstance(sys.stderr, PlainLines):
+        os.environ.setdefault("TQDM_MININTERVAL", str(LOG_INTERVAL_S))
+        sys.stderr = PlainLines(sys.stderr)
