@@ -29,6 +29,7 @@ from conftest import REPO
 from pacs_jax.data import DataError, training_problems
 from pacs_jax.errors import PERMANENT_ERROR_STATUS, PermanentError, unknown_config_field
 from pacs_jax.models import QwenConfig
+from pacs_jax.models.hf_weights import check_export_target
 from pacs_jax.models.loading import hf_shapes
 from pacs_jax.training.config_check import ConfigError, check_inputs, validate_config
 from train_helpers import load_config
@@ -366,3 +367,29 @@ def test_export_hf_refuses_to_replace_a_downloaded_model(tmp_path):
         "README.md, config.json, merges.txt, model.safetensors, tokenizer_config.json, ... (6 in all)); not "
         "replacing it: choose another output folder, or empty it first")
     assert {p.name: p.read_bytes() for p in downloaded.iterdir()} == before
+
+
+def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
+    """Item 5: --checkpoint WORKDIR (it was a traceback) exports the workdir's newest checkpoint, as the
+    evaluation CLI evaluates it; the export lists its files in pacs_jax_export.json, so --overwrite may
+    replace it."""
+    import orbax.checkpoint as ocp
+
+    from pacs_jax import checkpoints
+    from pacs_jax.models.loading import param_shapes
+    from qwen_reference import load_tool
+
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    with ocp.StandardCheckpointer() as checkpointer:  # zeros: nothing compiles
+        checkpointer.save(workdir / "checkpoints" / "3" / "params",
+                          {name: np.zeros(shape, np.float32) for name, shape in param_shapes(TINY).items()})
+    checkpoints.write_model_config(workdir / "checkpoints", TINY)
+    out = tmp_path / "export"
+    load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
+    assert f"export_hf: {workdir} is a training workdir: exporting {workdir / 'checkpoints' / '3'}" in capsys.readouterr().out
+    assert json.loads((out / "pacs_jax_export.json").read_text())["files"] == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    assert checkpoints.check_model_dir(out) == TINY
+    check_export_target(out, overwrite=True)  # an export of its own: --overwrite may replace it

@@ -83,8 +83,8 @@ def check_args(args: argparse.Namespace) -> pathlib.Path:
     if args.tokenizer is not None and not args.tokenizer.is_dir():
         raise UsageError(f"--tokenizer {args.tokenizer}: not a directory")
     target = resolve_target(args.checkpoint)
-    if target.note:
-        print(f"export_hf: {target.note}", flush=True)
+    if target.note:  # a workdir: its newest checkpoint, else its export
+        print(f"export_hf: {args.checkpoint} is a training workdir: exporting {target.model_dir}", flush=True)
     try:
         checkpoints.check_model_dir(target.model_dir)
     except checkpoints.ModelFolderError as e:
