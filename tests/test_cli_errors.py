@@ -109,7 +109,7 @@ def test_a_malformed_training_row_names_data_allow_skips(tmp_path):
     assert len(train) == 2 and counts["skipped"] == 1
     # a file whose format cannot be told is no row's fault: allow_skips would not help, so it is not named
     unknown = tmp_path / "other.jsonl"
-    unknown.write_text(json.dumps({"question": "1 + 1", "answer": "2"}) + "\n")
+    unknown.write_text(json.dumps({"q": "1 + 1", "a": "2"}) + "\n")
     with pytest.raises(DataError) as error:
         training_problems(_data_config(unknown, allow_skips=False), seed=0)
     assert "allow_skips" not in str(error.value)
