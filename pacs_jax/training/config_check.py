@@ -8,6 +8,8 @@ looked for as the readers look for them (data/paths.py: the working directory, t
 
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import ml_collections
 
@@ -55,9 +57,11 @@ def _check_buckets(buckets, field: str, largest: int, largest_field: str, allow_
     _require(buckets[-1] == largest, field, f"the largest bucket ({buckets[-1]}) must equal {largest_field}={largest}")
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Check ``config`` against the devices there are (it builds nothing: ``sharding.config_mesh``
-    then makes its mesh). Objective facts come from the registry, rl/objectives.py."""
+def validate_config(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
+    """Check ``config`` against the devices there are, or ``device_count`` of them (it builds nothing:
+    ``sharding.config_mesh`` then makes its mesh). Objective facts come from the registry,
+    rl/objectives.py."""
+    devices = device_count or jax.device_count()
     tc, rc, oc = config.train, config.rollout, config.optim
     for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
         _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
@@ -120,7 +124,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
     for field in ("dtype", "param_dtype"):
         _require(m[field] in ("float32", "bfloat16", "float16"), f"model.{field}", f"{m[field]!r} is not a float dtype")
-    if m.path:
+    if m.path and not _elsewhere(m.path, "model.path"):
         _require(paths.path(m.path).exists(), "model.path", paths.missing(m.path))
     elif m.preset:
         _require(m.preset in PRESETS, "model.preset",
@@ -143,10 +147,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
     mc = config.mesh
     try:
-        data, fsdp, tensor = mesh_shape(mc.data, mc.fsdp, mc.tensor, jax.device_count())
-        if tuple(mc.device_order) and sorted(mc.device_order) != list(range(jax.device_count())):
+        data, fsdp, tensor = mesh_shape(mc.data, mc.fsdp, mc.tensor, devices)
+        if tuple(mc.device_order) and sorted(mc.device_order) != list(range(devices)):
             raise ValueError(f"mesh.device_order={tuple(mc.device_order)}: must list each of the positions "
-                             f"0..{jax.device_count() - 1} of the devices once")
+                             f"0..{devices - 1} of the devices once")
     except ValueError as e:
         raise ConfigError(f"config.{e}") from e
     batch_shards = data * fsdp
@@ -164,29 +168,62 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check_tensor_axis(config, tensor)
 
 
-def check_inputs(config: ml_collections.ConfigDict) -> None:
+def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
     """``validate_config``, then every input a run reads, read as the run reads it, before anything is
     built: the training problems (each file parsed, each row with its format's fields, enough of them
     for the held-out and warm-start splits and one step's prompts) and the evaluation sets' files. The
     trainer runs it before it creates its workdir; every failure is one line naming the field or file
-    (``ConfigError``, ``DataError``: permanent, status 78)."""
-    validate_config(config)
+    (``ConfigError``, ``DataError``: permanent, status 78). ``device_count``: as ``validate_config``."""
+    validate_config(config, device_count)
     dc, prompts = config.data, config.train.prompts_per_step
-    try:
-        train, _, _, counts = training_problems(dc, seed=config.seed)
-    except DataError as e:
-        raise ConfigError(f"config.data.train_files: {e}") from None
-    _require(len(train) >= prompts, "train.prompts_per_step",
-             f"{prompts} is more than the {len(train)} problems RL samples from ({counts['rows']} read, "
-             f"{counts['held_out']} held out, {counts['warmstart']} for the warm-start only): a step takes "
-             f"{prompts} distinct prompts; lower it or the splits, or add problems")
+    absent = dc.source == "files" and any([_elsewhere(split_format(f)[0], f"data.train_files[{i}]")
+                                           for i, f in enumerate(dc.train_files)])
+    if not absent:
+        try:
+            train, _, _, counts = training_problems(dc, seed=config.seed)
+        except DataError as e:
+            raise ConfigError(f"config.data.train_files: {e}") from None
+        _require(len(train) >= prompts, "train.prompts_per_step",
+                 f"{prompts} is more than the {len(train)} problems RL samples from ({counts['rows']} read, "
+                 f"{counts['held_out']} held out, {counts['warmstart']} for the warm-start only): a step takes "
+                 f"{prompts} distinct prompts; lower it or the splits, or add problems")
     ec = config.eval
-    for name in (n.strip() for n in ec.sets.split(",") if n.strip()):
-        if name != "held_out" and not ec.set_files[name].startswith("tfds:"):
+    for name in (n.strip() for n in ec.sets.split(",") if n.strip() not in ("", "held_out")):
+        spec = ec.set_files[name]
+        if not spec.startswith("tfds:") and not _elsewhere(paths.join(ec.data_dir, spec), f"eval.set_files.{name}"):
             try:
                 load_eval_sets([name], dict(ec.set_files), ec.data_dir)
             except DataError as e:
                 raise ConfigError(f"config.eval.set_files.{name}: {e}") from None
+
+
+def check_for_slice(config: ml_collections.ConfigDict, device_count: int) -> list[str]:
+    """``check_inputs`` on the machine that launches a run on a slice of ``device_count`` devices
+    (launch/tpu_pod.sh, through pacs_jax/check_config.py): the mesh against the slice, and a local path
+    that is not on this machine (model.path, data.tokenizer, data files on the workers' disks) left
+    unchecked; what is there (``gs://`` paths included) is read as the trainer reads it. Returns the
+    paths left unchecked ("field=path"), which the trainer checks on the workers."""
+    skipped: list[str] = []
+    token = _ON_WORKERS.set(skipped)
+    try:
+        check_inputs(config, device_count)
+    finally:
+        _ON_WORKERS.reset(token)
+    return list(dict.fromkeys(skipped))
+
+
+# While check_for_slice runs: the fields whose local paths are not on this machine (else None)
+_ON_WORKERS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("on_workers", default=None)
+
+
+def _elsewhere(path: str, field: str) -> bool:
+    """Whether ``path`` (named by ``field``) is left unchecked: while ``check_for_slice`` runs, a local
+    path this machine does not have (it is noted); never otherwise."""
+    skipped = _ON_WORKERS.get()
+    if skipped is None or not path or paths.is_remote(path) or paths.path(path).exists():
+        return False
+    skipped.append(f"{field}={path}")
+    return True
 
 
 def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
@@ -215,7 +252,7 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(bool(files), "data.train_files", "no training files given (data.source is \"files\")")
         for i, f in enumerate(files):
             path, _ = split_format(f)
-            if not path.startswith("tfds:"):
+            if not path.startswith("tfds:") and not _elsewhere(path, f"data.train_files[{i}]"):
                 _require(paths.path(path).exists(), f"data.train_files[{i}]",
                          paths.missing(path, deepscaler.missing_file_hint(path)))
         for field in ("problems", "max_operand"):
@@ -238,7 +275,8 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(dc.warmstart_problems < dc.arithmetic.problems, "data.warmstart_problems",
                  f"{dc.warmstart_problems} leaves RL none of the {dc.arithmetic.problems} training problems "
                  "(data.arithmetic.problems counts the warm-start's too)")
-    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or paths.path(dc.tokenizer).is_dir(),
+    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or _elsewhere(dc.tokenizer, "data.tokenizer")
+             or paths.path(dc.tokenizer).is_dir(),
              "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\", or "
              f"\"\" for model.path's own)")
     _require(isinstance(dc.tokenizer_force, bool), "data.tokenizer_force",
@@ -248,6 +286,9 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
 def _check_tokenizer(dc: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
     """The run's tokenizer (data/prompts.py run_tokenizer): "" needs model.path with tokenizer files, and
     a folder of another model family than model.path's is refused unless data.tokenizer_force."""
+    if _elsewhere(m.path, "model.path") or (dc.tokenizer not in (CHAR_TOKENIZER, MODEL_TOKENIZER)
+                                            and _elsewhere(dc.tokenizer, "data.tokenizer")):
+        return
     try:
         run_tokenizer(dc, m.path)
     except TokenizerChoiceError as e:
@@ -267,7 +308,7 @@ def _check_model_source(m: ml_collections.ConfigDict) -> None:
              f"not set: the {m.preset} preset would train from random weights; pass the released model's folder "
              f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
              f"--config.model.random_init=True to train it from random weights on purpose")
-    if m.path:
+    if m.path and not _elsewhere(m.path, "model.path"):
         _check_model_folder(m.path, "model.path")
 
 
@@ -310,8 +351,8 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
             continue
         _require(name in ec.set_files, "eval.sets", f"{name!r} has no entry in eval.set_files (or \"held_out\")")
         spec = ec.set_files[name]
-        if not spec.startswith("tfds:"):
-            path = paths.join(ec.data_dir, spec)
+        path = paths.join(ec.data_dir, spec)
+        if not spec.startswith("tfds:") and not _elsewhere(path, f"eval.set_files.{name}"):
             _require(paths.path(path).exists(), f"eval.set_files.{name}", paths.missing(path))
     check_eval_settings(config)
 
@@ -423,7 +464,7 @@ def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
     _require(cc.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{cc.loss_scale!r} is not one of {LOSS_SCALES}")
     if cc.loss_scale == "verl":
         _check_verl_micro_batch(cc.verl_micro_batch_size, micro_rows, "critic")
-    if cc.path:
+    if cc.path and not _elsewhere(cc.path, "critic.path"):
         _require(paths.path(cc.path).exists(), "critic.path", paths.missing(cc.path))
         _check_model_folder(cc.path, "critic.path")
 
