@@ -262,8 +262,7 @@ def test_lengths_beyond_the_context_and_slots_that_cannot_work_name_their_field(
 
 def _files_config(*files: str, prompts: int = 8):
     config = load_config("default.py")
-    config.data.update(source="files", train_files=files, arithmetic=dict(problems=0, max_operand=0),
-                       warmstart_problems=0, held_out_problems=4)
+    config.data.update(source="files", train_files=files, warmstart_problems=0, held_out_problems=4)
     config.warmstart.steps, config.train.prompts_per_step = 0, prompts
     return config
 
@@ -301,9 +300,6 @@ def test_training_data_is_read_before_anything_runs(tmp_path):
     assert _refusal(demo) == (
         f"config.data.train_files: ('{named}',) is set, but data.source is 'arithmetic', which does not read it (it "
         "generates its problems): set data.source=files to train on files, or leave it unset")
-    config = _files_config(str(named))
-    config.data.arithmetic.problems = 100
-    assert _refusal(config).startswith("config.data.arithmetic.problems: 100 is set, but data.source is \"files\"")
 
 
 def _supervised(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -326,8 +322,7 @@ def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp
     for flags, line in (
             (("--config.rollout.max_new_tokens=100000",), "config.rollout.max_new_tokens: 100000 with "
                                                           "data.max_prompt_length=56 is 100056 tokens, beyond"),
-            ((f"--config.data.train_files=('{empty}',)", "--config.data.source=files",
-              "--config.data.arithmetic.problems=0", "--config.data.arithmetic.max_operand=0"),
+            ((f"--config.data.train_files=('{empty}',)", "--config.data.source=files"),
              f"config.data.train_files: {empty}: holds no rows (an empty file?)"),
             ((f"--config.data.train_files=('{empty}',)",), "config.data.train_files: "),
             (("--config=configs/paper.py:qwen25_7b,pacs_bet1",), "flag --config="),

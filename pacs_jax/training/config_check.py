@@ -242,8 +242,8 @@ def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
 
 
 def _check_data(dc: ml_collections.ConfigDict) -> None:
-    """The data section's values; a field the chosen source does not read is refused, naming the source
-    (the files' with the generated task, data.arithmetic with files): it would be dropped silently."""
+    """The data section's values; a files field (train_files, format) set for the generated task, which
+    does not read it, is refused naming the source: it would be dropped silently."""
     _require(dc.source in SOURCES, "data.source", f"{dc.source!r} is not one of {SOURCES}")
     _require(dc.format == "auto" or dc.format in FORMATS, "data.format",
              f"{dc.format!r} is not 'auto' nor one of {sorted(FORMATS)}")
@@ -255,10 +255,6 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
             if not path.startswith("tfds:") and not _elsewhere(path, f"data.train_files[{i}]"):
                 _require(paths.path(path).exists(), f"data.train_files[{i}]",
                          paths.missing(path, deepscaler.missing_file_hint(path)))
-        for field in ("problems", "max_operand"):
-            _require(not dc.arithmetic[field], f"data.arithmetic.{field}",
-                     f"{dc.arithmetic[field]!r} is set, but data.source is \"files\", which does not read "
-                     "data.arithmetic (the generated task): set data.source=arithmetic, or leave it at 0")
     else:
         for field, unset in (("train_files", ()), ("format", "auto")):
             value = tuple(dc[field]) if field == "train_files" else dc[field]
