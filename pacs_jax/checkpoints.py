@@ -207,6 +207,7 @@ def check_model_dir(path: str | os.PathLike) -> QwenConfig:
         needed = hf_shapes(cfg) if found or not is_remote(folder) else {}  # a store's single file: not read
         _check_shapes(path, {name: found.get(name) for name in needed}, needed, "the weights",
                       "config.json's model")
+        _check_stop_ids(path, cfg)
         return cfg
     try:
         config_dir, params_dir = find_params_dir(folder)
@@ -223,7 +224,18 @@ def check_model_dir(path: str | os.PathLike) -> QwenConfig:
     needed = param_shapes(cfg)
     _check_shapes(str(params_dir), {k: shapes.get(k) for k in needed}, needed, "the checkpoint",
                   f"{MODEL_CONFIG_FILE}'s model")
+    _check_stop_ids(path, cfg)
     return cfg
+
+
+def _check_stop_ids(where, cfg: QwenConfig) -> None:
+    """Refuse eos ids (config.json's and generation_config.json's) outside the model's vocabulary: the
+    sampler stops on them and would refuse them mid-run."""
+    eos = cfg.eos_token_id
+    for token in () if eos is None else (eos,) if isinstance(eos, int) else eos:
+        if not 0 <= token < cfg.vocab_size:
+            raise ModelFolderError(f"{where}: eos_token_id {token} (config.json / generation_config.json) is outside "
+                                   f"the model's vocabulary of {cfg.vocab_size}: a config of another model?")
 
 
 def _check_shapes(where: str, found: dict, needed: dict[str, tuple[int, ...]], holder: str, model: str) -> None:

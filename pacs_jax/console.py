@@ -31,16 +31,19 @@ class PlainLines(io.TextIOBase):
         super().__init__()
         self.stream = stream
         self.open = False  # a line is started and not yet ended
+        self.blank = ""    # the spaces a line starts with, written once something else follows them
 
     def write(self, text: str) -> int:
         for piece in re.split(r"(\n)", _CURSOR_CODES.sub("", text).replace("\r", "\n")):
             if piece == "\n":
                 if self.open:
                     self.stream.write("\n")
-                    self.open = False
-            elif piece and (self.open or piece.strip()):  # a bar cleared with spaces leaves no blank line
-                self.stream.write(piece)
-                self.open = True
+                self.open, self.blank = False, ""  # a line of spaces only (a bar cleared) is left out
+            elif not self.open and not piece.strip():
+                self.blank += piece
+            elif piece:
+                self.stream.write(self.blank + piece)
+                self.open, self.blank = True, ""
         return len(text)
 
     def flush(self) -> None:

@@ -84,7 +84,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     instruction = training["data"].get("instruction", INSTRUCTION) if training else INSTRUCTION
     if isinstance(tokenizer, CharTokenizer):
         _check_char_tokenizer(tokenizer, eval_sets, instruction)
-    _check_context(config, eval_sets, tokenizer, instruction, model_config.max_position_embeddings)
+    _check_prompts(config, eval_sets, tokenizer, instruction, model_config)
     # the evaluation's one mesh, set as the context for everything below (config.mesh; use_mesh False: one device)
     mesh = make_mesh(**config.mesh) if cli.use_mesh else make_mesh(1, 1, 1, devices=jax.devices()[:1])
     with jax.set_mesh(mesh), RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
@@ -121,20 +121,27 @@ def metrics_table(metrics: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _check_context(config, eval_sets, tokenizer, instruction: str, context: int) -> None:
-    """Each set's longest evaluated prompt (at most evaluate.max_prompt_length tokens) plus its
-    max_new_tokens (eval.max_new_tokens, or its eval.final.per_set entry's) within the model's
-    context (max_position_embeddings): found before the model loads, naming the field."""
-    ec, limit = config.eval, config.evaluate.max_prompt_length
+def _check_prompts(config, eval_sets, tokenizer, instruction: str, model_config) -> None:
+    """Each set's prompts, tokenized as the evaluation will, against the model (found before it loads,
+    naming the field): their token ids within its vocabulary (a tokenizer of another model otherwise),
+    and the longest evaluated prompt (at most evaluate.max_prompt_length tokens) plus the set's
+    max_new_tokens (eval.max_new_tokens, or its eval.final.per_set entry's) within its context
+    (max_position_embeddings)."""
+    ec, limit, context = config.eval, config.evaluate.max_prompt_length, model_config.max_position_embeddings
     for eval_set in eval_sets:
         kept, _ = build_prompts(eval_set.problems, tokenizer, limit, instruction)
+        largest = max((max(e.prompt_ids, default=0) for e in kept), default=0)
+        if largest >= model_config.vocab_size:
+            raise UsageError(f"config.data.tokenizer: the prompts of set {eval_set.name!r} hold token id {largest}, outside "
+                             f"the model's vocabulary of {model_config.vocab_size}: the tokenizer is not the model's "
+                             "(leave data.tokenizer empty for the model folder's own)")
         longest = max((len(e.prompt_ids) for e in kept), default=0)
         own = eval_set.name in ec.final.per_set
         field = f"eval.final.per_set.{eval_set.name}.max_new_tokens" if own else "eval.max_new_tokens"
         new_tokens = ec.final.per_set[eval_set.name].max_new_tokens if own else ec.max_new_tokens
         if longest + new_tokens > context:
-            raise UsageError(f"config.{field}: {new_tokens} with set {eval_set.name!r}'s longest prompt of {longest} "
-                             f"tokens is {longest + new_tokens}, beyond the model's context of {context} "
+            raise UsageError(f"config.{field}: {new_tokens} with the longest prompt of set {eval_set.name!r} ({longest} "
+                             f"tokens) is {longest + new_tokens}, beyond the model's context of {context} "
                              f"(max_position_embeddings): set it to at most {max(context - longest, 0)}")
 
 

@@ -159,7 +159,7 @@ def test_the_readme_config_paths_work_from_any_folder_and_a_missing_one_is_one_l
 # ------------------------------------------------------------------------------------------ issue 35
 TINY = QwenConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
-                  max_position_embeddings=256)
+                  max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
 
 
 def _model_folder(path: pathlib.Path, *, weights: bool = True, cfg: QwenConfig = TINY) -> pathlib.Path:
