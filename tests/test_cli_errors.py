@@ -309,7 +309,7 @@ def _supervised(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp_path):
-    """Items 1, 2, 3, 6 through the CLI: status 78, one line naming the field or file, no workdir, and
+    """Items 1, 2 and 3 through the CLI: status 78, one line naming the field or file, no workdir, and
     supervise.sh stops at once instead of restarting."""
     workdir = tmp_path / "workdir"
     model = _model_folder(tmp_path / "model", weights=False)
@@ -324,15 +324,9 @@ def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp
                                                           "data.max_prompt_length=56 is 100056 tokens, beyond"),
             ((f"--config.data.train_files=('{empty}',)", "--config.data.source=files"),
              f"config.data.train_files: {empty}: holds no rows (an empty file?)"),
-            ((f"--config.data.train_files=('{empty}',)",), "config.data.train_files: "),
-            (("--config=configs/paper.py:qwen25_7b,pacs_bet1",), "flag --config="),
-    ):
+    ):  # the other cases of items 3 and 6 in-process above; a misspelled setup name: tests/test_launch_safety.py
         error = _error_line(_run("pacs_jax.train", *flags, f"--workdir={workdir}", cwd=tmp_path), "pacs_jax.train")
         assert error.startswith(f"pacs_jax.train: error: {line}"), error
-    assert error.endswith(": config arg algorithm 'pacs_bet1': expected one of ['grpo', 'pacs_beta0p1', "
-                          "'pacs_beta0p5', 'pacs_beta1', 'pacs_beta10', 'pacs_beta1_drgrpo_adv', 'pacs_beta1_grpo_adv', "
-                          "'pacs_beta1_naive_adv', 'pacs_beta1_noweight', 'pacs_beta1_only_negative', "
-                          "'pacs_beta1_only_positive', 'pacs_beta1_reward2', 'pacs_beta2', 'pacs_beta2_noweight', 'ppo']")
     assert not workdir.exists()
 
 
