@@ -6,6 +6,8 @@ command-line programs (``python -m pacs_jax.train``, ``python -m pacs_jax.evalua
 traceback; ``launch/supervise.sh`` then stops at once instead of restarting the run. Every other
 failure (a crash, a preemption, a lost coordinator) keeps its usual status and is restarted.
 
+The argparse tools (tools/export_hf.py) report one alike with ``run_main``.
+
 Permanent: ``PermanentError`` and its subclasses (``UsageError``, ``pacs_jax.data.DataError``: malformed data),
 absl's ``app.UsageError`` (the trainer raises it for config errors, ``ConfigError`` of
 pacs_jax/training/config_check.py, and for bad flags), flag-parsing errors and config overrides that

@@ -22,8 +22,12 @@ evaluation reads of it (the model's files, a workdir's config.json and newest st
 copied to the host's cache first (data/remote.py), and the outputs' default folder is the same place
 on the store (``gs://.../eval/evaluate_step_<N>``); data.tokenizer and ``config.evaluate.output_dir``
 may be on ``gs://`` too. The maths, the runner and the
-outputs are in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status
-78 (pacs_jax/errors.py).
+outputs are in pacs_jax/evaluation/. Before the sets or the tokenizer are read, DIR's model folder
+is checked (its config and weight headers: checkpoints.check_model_dir), then every set's prompts
+against the model (token ids within its vocabulary, the longest plus max_new_tokens within its
+context). The result is printed as a table; third-party INFO logs are off unless --verbosity=0
+(pacs_jax/console.py). Flag, usage and data errors print one line and exit with status 78
+(pacs_jax/errors.py).
 """
 
 from __future__ import annotations

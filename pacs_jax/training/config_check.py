@@ -1,9 +1,14 @@
-"""Validate a training config before anything compiles; every error names its field.
+"""The check before anything runs (docs/design.md section 3.0); every error names its field.
 
 Unknown keys are refused by ml_collections itself (configs are locked; ``--config.train.stepz=1``
-fails naming the key); this module checks values and how they fit together. Relative data paths are
-looked for as the readers look for them (data/paths.py: the working directory, then the repository);
-``gs://`` paths (model.path, data.tokenizer, data files, the evaluation sets' folder) in the store.
+fails naming the key); ``validate_config`` checks values, how they fit together, the model folder
+(config and weight headers, ``checkpoints.check_model_dir``) and every length against the model's
+context; ``check_inputs`` (the trainer, before its workdir exists) also reads the training data and the
+evaluation sets as the run will; ``check_for_slice`` (tools/plan_memory.py, pacs_jax/check_config.py for
+launch/tpu_pod.sh) runs it for a slice's devices on a machine that may lack the workers' files. Relative
+data paths are looked for as the readers look for them (data/paths.py: the working directory, then the
+repository); ``gs://`` paths (model.path, data.tokenizer, data files, the evaluation sets' folder) in
+the store.
 """
 
 from __future__ import annotations
@@ -339,6 +344,8 @@ def _check_warmstart(wc: ml_collections.ConfigDict, dc: ml_collections.ConfigDic
 
 
 def _check_eval(config: ml_collections.ConfigDict) -> None:
+    """The training run's evaluation: its sets (held_out needs held-out problems, the others an entry
+    of eval.set_files whose file exists), then ``check_eval_settings``."""
     ec = config.eval
     for name in (n.strip() for n in ec.sets.split(",") if n.strip()):
         if name == "held_out":
