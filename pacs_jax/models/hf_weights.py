@@ -162,8 +162,9 @@ class HFWeightReader:
 
 def safetensors_header(path: epath.Path) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of a safetensors file, from its header alone (8 bytes of length, then JSON;
-    local or on a store). Raises ``ValueError`` naming the file (its name: the caller names the folder) when the header is unreadable or the
-    file is shorter than the tensors the header places in it (a copy cut short)."""
+    local or on a store). Raises ``ValueError`` naming the file (by its name: the caller names the
+    folder) when the header is unreadable or the file is shorter than the tensors the header places in
+    it (a copy cut short)."""
     with path.open("rb") as f:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -173,13 +174,18 @@ def safetensors_header(path: epath.Path) -> dict[str, tuple[int, ...]]:
             header = json.loads(f.read(length))
         except ValueError:
             raise ValueError(f"{path.name}: not a safetensors file (its header is not JSON)") from None
-    header.pop("__metadata__", None)
-    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0) + 8 + length
+    try:
+        header.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0) + 8 + length
+        shapes = {name: tuple(int(n) for n in t["shape"]) for name, t in header.items()}
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise ValueError(f"{path.name}: not a safetensors file (its header lists no tensors' offsets and "
+                         "shapes)") from None
     stat = path.stat()  # epath's StatResult (length) or os.stat_result (st_size)
     size = stat.length if hasattr(stat, "length") else stat.st_size
     if size < end:
         raise ValueError(f"{path.name}: holds {size} bytes of the {end} its header describes (a copy cut short?)")
-    return {name: tuple(t["shape"]) for name, t in header.items()}
+    return shapes
 
 
 def hf_weight_shapes(hf_dir: epath.Path, *, read_headers: bool = True) -> dict[str, tuple[int, ...]]:

@@ -20,13 +20,13 @@ import ml_collections
 
 from pacs_jax import checkpoints
 from pacs_jax.data import deepscaler, paths
-from pacs_jax.errors import PermanentError
-from pacs_jax.evaluation.runner import load_eval_sets
-from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
 from pacs_jax.data.fields import FORMATS
+from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
 from pacs_jax.data.readers import split_format
 from pacs_jax.data.records import DataError
 from pacs_jax.data.sources import SOURCES, training_problems
+from pacs_jax.errors import PermanentError
+from pacs_jax.evaluation.runner import load_eval_sets
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
@@ -181,7 +181,7 @@ def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = N
     (``ConfigError``, ``DataError``: permanent, status 78). ``device_count``: as ``validate_config``."""
     validate_config(config, device_count)
     dc, prompts = config.data, config.train.prompts_per_step
-    absent = dc.source == "files" and any([_elsewhere(split_format(f)[0], f"data.train_files[{i}]")
+    absent = dc.source == "files" and any([_elsewhere(split_format(f)[0], f"data.train_files[{i}]")  # each noted
                                            for i, f in enumerate(dc.train_files)])
     if not absent:
         try:
@@ -412,11 +412,11 @@ def _check_slots(section: ml_collections.ConfigDict, name: str) -> None:
              f"tail_slots; set it to at most {section.slots} (0: no narrowing)")
 
 
-def _check_model_folder(path: str, field: str):
+def _check_model_folder(path: str, field: str) -> None:
     """The model folder ``field`` names (model.path, critic.path): ``checkpoints.check_model_dir`` (config,
-    weights and their shapes, read without loading them); returns its QwenConfig."""
+    weights and their shapes, read without loading them)."""
     try:
-        return checkpoints.check_model_dir(paths.resolve(path))
+        checkpoints.check_model_dir(paths.resolve(path))
     except checkpoints.ModelFolderError as e:
         raise ConfigError(f"config.{field}: {e}") from None
 
