@@ -56,8 +56,8 @@ def read_problems(path: str | pathlib.Path, format: str = "auto", data_source: s
                   on_error: str = "raise") -> tuple[list[Problem], ReadStats]:
     """Read ``path`` (a .jsonl / .json / .parquet file, or a folder of them read in name order)."""
     path = paths.path(path)  # relative and missing here: the repository root's; gs://: read from the store
-    if not path.exists():
-        raise FileNotFoundError(paths.missing(path))
+    if not path.exists():  # a DataError: one line, status 78 in the CLIs, even for a file gone since the check
+        raise DataError(paths.missing(path))
     files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES) if path.is_dir() else [path]
     if not files:
         raise DataError(f"{path}: no {'/'.join(SUFFIXES)} files in this folder")
