@@ -5,7 +5,8 @@ progress bars that stay readable in a log file.
 
 - Third-party INFO logs (Orbax's lines about every checkpoint it reads or writes, JAX's) are off: absl's
   verbosity is WARNING unless the command line gives ``--verbosity`` (``--verbosity=0``: INFO, as absl
-  defines it).
+  defines it); so are gcsfs's logs of its retries (a traceback each) unless ``--verbosity`` is given: a
+  store that never answers is the CLI's one line (errors.unreachable_store).
 - When stderr is not a terminal (a log file, a pipe, ``launch/supervise.sh``'s ``tpu_pod.sh`` log), tqdm's
   bars become plain lines: at most one refresh every ``LOG_INTERVAL_S`` seconds (``TQDM_MININTERVAL``,
   which tqdm reads for every bar that does not set it), each written as a line of its own, with the
@@ -15,6 +16,7 @@ progress bars that stay readable in a log file.
 from __future__ import annotations
 
 import io
+import logging as python_logging
 import os
 import re
 import sys
@@ -64,6 +66,7 @@ def setup(argv: list[str] | None = None) -> None:
     argv = sys.argv if argv is None else argv
     if not any(arg.split("=")[0] in ("--verbosity", "-v") for arg in argv):
         logging.set_verbosity(logging.WARNING)
+        python_logging.getLogger("gcsfs").setLevel(python_logging.CRITICAL)
     if not sys.stderr.isatty() and not isinstance(sys.stderr, PlainLines):
         os.environ.setdefault("TQDM_MININTERVAL", str(LOG_INTERVAL_S))
         sys.stderr = PlainLines(sys.stderr)

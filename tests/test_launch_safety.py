@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import REPO
-from pacs_jax.errors import PERMANENT_ERROR_STATUS
+from pacs_jax.errors import PERMANENT_ERROR_STATUS, UNREACHABLE_STORE_STATUS
 
 SUPERVISE = REPO / "launch" / "supervise.sh"
 TPU_POD = REPO / "launch" / "tpu_pod.sh"
@@ -104,15 +104,27 @@ def test_evaluate_reports_a_usage_error_with_78(tmp_path):
 
 
 def test_run_cli_reports_permanent_errors_and_leaves_crashes_alone(tmp_path):
+    """Issue 35 item 6: a store that does not answer (a gs:// path with no network: gcsfs's connection
+    error, after its retries) is one line saying how long it tried, status 75, which supervise.sh
+    restarts; a connection error elsewhere (a worker's pipe) stays a crash."""
     script = ("import sys; from pacs_jax.errors import run_cli; from pacs_jax.data import DataError\n"
+              "exec(compile('def read():\\n    raise ConnectionRefusedError(111, \"Connect call failed\")\\n',\n"
+              "             '/venv/lib/python3.11/site-packages/gcsfs/core.py', 'exec'))  # as if gcsfs raised it\n"
               "def main(argv):\n"
               "    if sys.argv[-1] == 'data': raise DataError('rows.jsonl:3: field problem is empty')\n"
+              "    if sys.argv[-1] == 'store': read()\n"
+              "    if sys.argv[-1] == 'pipe': raise BrokenPipeError('a worker')\n"
               "    raise RuntimeError('a crash')\n"
               "run_cli('prog', main, sys.argv[:1])\n")
     data = subprocess.run([sys.executable, "-c", script, "data"], capture_output=True, text=True, timeout=60)
     assert data.returncode == 78 and data.stderr == "prog: error: rows.jsonl:3: field problem is empty\n"
-    crash = subprocess.run([sys.executable, "-c", script, "crash"], capture_output=True, text=True, timeout=60)
-    assert crash.returncode == 1 and "Traceback" in crash.stderr and "RuntimeError: a crash" in crash.stderr
+    store = subprocess.run([sys.executable, "-c", script, "store"], capture_output=True, text=True, timeout=60)
+    assert store.returncode == UNREACHABLE_STORE_STATUS and store.stderr == (
+        "prog: error: a store (gs://) did not answer; gave up after 0 s (ConnectionRefusedError: [Errno 111] Connect "
+        "call failed): check the network and the credentials (gcloud auth application-default login)\n")
+    for case, error in (("crash", "RuntimeError: a crash"), ("pipe", "BrokenPipeError: a worker")):
+        crash = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=60)
+        assert crash.returncode == 1 and "Traceback" in crash.stderr and error in crash.stderr
 
 
 # ----------------------------------------------------------------------------------- tpu_pod.sh
