@@ -276,20 +276,21 @@ logs() {
   run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=0 --command="tail -n 200 -F ~/pacs_train.log"
 }
 
-check_config() {  # the trainer's check on this machine (see the header); exits with its status on a refusal
-  local root python overrides=() flag
+check_config() {  # the trainer's check on this machine (see the header); exits 78 on a refusal
+  local root python overrides=() flag status=0
   root=$(cd "$(dirname "$0")/.." && pwd)
   python=${PACS_PYTHON:-}
   if [ -z "$python" ]; then
     if [ -x "$root/.venv/bin/python" ]; then python=$root/.venv/bin/python; else python=python3; fi
   fi
-  PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" -c "import pacs_jax.check_config" 2>/dev/null \
-    || die "the config check needs a Python with pacs_jax installed ($python has none): set PACS_PYTHON"
   for flag in "${train_flags[@]}"; do
     case "$flag" in --config.*) overrides+=("$flag") ;; esac
   done
   PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pacs_jax.check_config "--accelerator=$accelerator" \
-    "--config=$config" "${overrides[@]}" >&2 || exit $?
+    "--config=$config" "${overrides[@]}" >&2 || status=$?
+  [ "$status" -ne 78 ] || exit 78  # its one line names the field or file
+  [ "$status" -eq 0 ] || die "the config check could not run with $python (status $status; the lines above say" \
+    "why): set PACS_PYTHON to a Python with pacs_jax installed"
 }
 
 # ----------------------------------------------------------------------------------- commands
