@@ -295,6 +295,12 @@ def test_training_data_is_read_before_anything_runs(tmp_path):
     assert _refusal(_files_config(str(named), prompts=32), check_inputs) == (
         "config.train.prompts_per_step: 32 is more than the 16 problems RL samples from (20 read, 4 held out, 0 for "
         "the warm-start only): a step takes 32 distinct prompts; lower it or the splits, or add problems")
+    config = _files_config(str(named))
+    config.warmstart.steps = 5  # on RL's 16 problems (data.warmstart_problems 0), 32 a batch
+    assert _refusal(config, check_inputs) == (
+        "config.warmstart.batch_size: 32 is more than the 16 problems the warm-start trains on (RL's, "
+        "data.warmstart_problems being 0): a warm-start step takes that many distinct prompts; lower it, or set more "
+        "problems aside")
     demo = load_config("default.py")
     demo.data.train_files = (str(named),)
     assert _refusal(demo) == (

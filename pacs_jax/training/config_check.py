@@ -176,7 +176,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
 def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
     """``validate_config``, then every input a run reads, read as the run reads it, before anything is
     built: the training problems (each file parsed, each row with its format's fields, enough of them
-    for the held-out and warm-start splits and one step's prompts) and the evaluation sets' files. The
+    for the held-out and warm-start splits, one step's prompts and one warm-start batch) and the
+    evaluation sets' files. The
     trainer runs it before it creates its workdir; every failure is one line naming the field or file
     (``ConfigError``, ``DataError``: permanent, status 78). ``device_count``: as ``validate_config``."""
     validate_config(config, device_count)
@@ -185,13 +186,19 @@ def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = N
                                            for i, f in enumerate(dc.train_files)])
     if not absent:
         try:
-            train, _, _, counts = training_problems(dc, seed=config.seed)
+            train, warm, _, counts = training_problems(dc, seed=config.seed)
         except DataError as e:
             raise ConfigError(f"config.data.train_files: {e}") from None
         _require(len(train) >= prompts, "train.prompts_per_step",
                  f"{prompts} is more than the {len(train)} problems RL samples from ({counts['rows']} read, "
                  f"{counts['held_out']} held out, {counts['warmstart']} for the warm-start only): a step takes "
                  f"{prompts} distinct prompts; lower it or the splits, or add problems")
+        wc = config.warmstart
+        warm_count, whose = (len(warm), "data.warmstart_problems") if warm else (
+            len(train), "RL's, data.warmstart_problems being 0")
+        _require(not wc.steps or warm_count >= wc.batch_size, "warmstart.batch_size",
+                 f"{wc.batch_size} is more than the {warm_count} problems the warm-start trains on ({whose}): a "
+                 "warm-start step takes that many distinct prompts; lower it, or set more problems aside")
     ec = config.eval
     for name in (n.strip() for n in ec.sets.split(",") if n.strip() not in ("", "held_out")):
         spec = ec.set_files[name]
