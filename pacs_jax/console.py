@@ -27,7 +27,8 @@ _CURSOR_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 class PlainLines(io.TextIOBase):
     """A text stream that writes to ``stream`` what a terminal would show as separate lines: every
-    carriage return ends a line, terminal control codes are dropped, blank lines are left out."""
+    carriage return ends a line (a progress bar's refresh is a line of its own), terminal control codes
+    are dropped, blank lines are left out."""
 
     def __init__(self, stream):
         super().__init__()
@@ -36,7 +37,9 @@ class PlainLines(io.TextIOBase):
         self.blank = ""    # the spaces a line starts with, written once something else follows them
 
     def write(self, text: str) -> int:
+        refresh = "\r" in text  # a progress bar's: its padding is dropped too
         for piece in re.split(r"(\n)", _CURSOR_CODES.sub("", text).replace("\r", "\n")):
+            piece = piece.rstrip(" ") if refresh and piece != "\n" else piece
             if piece == "\n":
                 if self.open:
                     self.stream.write("\n")
@@ -46,6 +49,9 @@ class PlainLines(io.TextIOBase):
             elif piece:
                 self.stream.write(self.blank + piece)
                 self.open, self.blank = True, ""
+        if refresh and self.open:  # a bar's refresh is a whole line: a log line after it starts its own
+            self.stream.write("\n")
+            self.open = False
         return len(text)
 
     def flush(self) -> None:

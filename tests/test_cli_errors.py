@@ -388,3 +388,26 @@ def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
         "config.json", "generation_config.json", "model.safetensors"]
     assert checkpoints.check_model_dir(out) == TINY
     check_export_target(out, overwrite=True)  # an export of its own: --overwrite may replace it
+
+
+def test_progress_bars_write_plain_lines_into_a_log_file():
+    """Item 6: nested tqdm bars in a file (a pod's log) left ESC[A cursor moves and carriage returns; through
+    console.PlainLines each refresh is a line of its own, a bar cleared leaves no blank line, and a line
+    written between refreshes starts on its own line."""
+    import io
+
+    from tqdm import tqdm
+
+    from pacs_jax.console import PlainLines
+
+    log = io.StringIO()
+    stream = PlainLines(log)
+    for _ in tqdm(range(2), desc="outer", file=stream, mininterval=0):
+        stream.write("a log line\n")
+        for _ in tqdm(range(3), desc="inner", file=stream, mininterval=0, leave=False, position=1):
+            pass
+    lines = log.getvalue().splitlines()
+    assert "\x1b" not in log.getvalue() and "\r" not in log.getvalue() and all(line.strip() for line in lines)
+    assert lines[:3] == ["outer:   0%|          | 0/2 [00:00<?, ?it/s]", "a log line",
+                         "inner:   0%|          | 0/3 [00:00<?, ?it/s]"], lines
+    assert lines[-1].startswith("outer: 100%|##########| 2/2") and lines.count("a log line") == 2
