@@ -65,7 +65,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(dict(
         source="files",           # files: the problems of train_files | arithmetic: generated word problems
-        train_files=(),           # jsonl / json / parquet files, "tfds:NAME" (data/readers.py)
+        train_files=(),           # jsonl / json / parquet files, "tfds:NAME" (data/readers.py); FILE:FORMAT names
+                                  # one file's format (a name of data/fields.py FORMATS)
+        format="auto",            # the train files' format; auto: from a file's name (deepscaler, gsm8k, ...), else
+                                  # from its rows' fields ({problem, answer}, {question, answer}, {prompt, ground_truth})
         # with source "arithmetic": training problems to generate (the warm-start's included), operands 1..max_operand
         arithmetic=ml_collections.ConfigDict(dict(problems=0, max_operand=0)),
         held_out_problems=0,      # set aside, never trained on: the eval set "held_out" (data/sources.py)

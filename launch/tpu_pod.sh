@@ -19,7 +19,13 @@
 #   status   the slice's state and the last lines of worker 0's log
 #
 # Every argument is checked before anything is created (`run` needs --config, and --repo or an
-# 'origin' remote that is a URL the workers can clone, not a local path). `create` (also when `run` or --keep-alive creates) records how it created the
+# 'origin' remote that is a URL the workers can clone, not a local path). `run` then runs the trainer's
+# own check of the config and its inputs on this machine (python -m pacs_jax.check_config: the setup
+# name, every override, every value, the mesh against --accelerator's devices, and the model folder and
+# data files that are on this machine or on gs://; paths only on the workers' disks are left to the
+# trainer), before gcloud is asked for anything: a refusal is one line naming the field or file and exit
+# status 78. PACS_PYTHON names the Python with pacs_jax installed (default: this checkout's .venv/bin/python,
+# else python3). `create` (also when `run` or --keep-alive creates) records how it created the
 # slice (--mode, --spot, --accelerator, --runtime-version) in a state file, one key=value a line:
 # $PACS_TPU_POD_STATE_DIR (default ~/.local/state/pacs_jax/tpu_pod)/PROJECT_ZONE_NAME (PROJECT:
 # --project or "default"). Later commands on that slice use the recorded values for the options they
@@ -46,11 +52,12 @@
 #   --dry-run              print every command instead of running it
 #   TRAIN_FLAGS            passed to pacs_jax.train unchanged, e.g. --config.model.path=/data/Qwen2.5-7B;
 #                          model.path, data.tokenizer, critic.path and the data files (data.train_files,
-#                          eval.set_files) are paths on every worker's disk: the config check refuses
-#                          gs:// ones. Only --workdir may be gs://
+#                          eval.set_files) are paths on every worker's disk, or gs:// paths (an HF folder
+#                          there is copied to each host's cache once), as --workdir may be
 #
 # Example (model.path and data.tokenizer are folders on every worker's disk, e.g. copied there with
-# `gcloud compute tpus tpu-vm ssh NAME --worker=all --command="gcloud storage cp -r gs://... ~/"`):
+# `gcloud compute tpus tpu-vm ssh NAME --worker=all --command="gcloud storage cp -r gs://... ~/"`; gs://
+# folders work too):
 #   launch/tpu_pod.sh run --name pacs-7b --zone us-east5-a --accelerator v5p-64 \
 #       --config configs/paper.py:qwen25_7b,pacs_beta1 --workdir gs://my-bucket/pacs_7b -- \
 #       --config.model.path=/home/$USER/Qwen2.5-7B --config.data.tokenizer=/home/$USER/Qwen2.5-7B
@@ -269,6 +276,23 @@ logs() {
   run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=0 --command="tail -n 200 -F ~/pacs_train.log"
 }
 
+check_config() {  # the trainer's check on this machine (see the header); exits 78 on a refusal
+  local root python overrides=() flag status=0
+  root=$(cd "$(dirname "$0")/.." && pwd)
+  python=${PACS_PYTHON:-}
+  if [ -z "$python" ]; then
+    if [ -x "$root/.venv/bin/python" ]; then python=$root/.venv/bin/python; else python=python3; fi
+  fi
+  for flag in "${train_flags[@]}"; do
+    case "$flag" in --config.*) overrides+=("$flag") ;; esac
+  done
+  PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pacs_jax.check_config "--accelerator=$accelerator" \
+    "--config=$config" "${overrides[@]}" >&2 || status=$?
+  [ "$status" -ne 78 ] || exit 78  # its one line names the field or file
+  [ "$status" -eq 0 ] || die "the config check could not run with $python (status $status; the lines above say" \
+    "why): set PACS_PYTHON to a Python with pacs_jax installed"
+}
+
 # ----------------------------------------------------------------------------------- commands
 case "$command" in
   create) create ;;
@@ -280,6 +304,7 @@ case "$command" in
     run gcloud compute tpus tpu-vm ssh "$name" "${scope[@]}" --worker=0 --command="tail -n 20 ~/pacs_train.log" ;;
   logs) logs ;;
   run)
+    check_config
     if [ "$(state)" = NOT_FOUND ]; then
       create
       setup

@@ -37,7 +37,8 @@ from pacs_jax.data.remote import local_folder
 from pacs_jax.errors import PermanentError
 from pacs_jax.files import atomic_write_text, is_remote, storage_error
 from pacs_jax.models.config import QwenConfig
-from pacs_jax.models.loading import abstract_model, dotted, load_hf
+from pacs_jax.models.hf_weights import hf_weight_shapes
+from pacs_jax.models.loading import abstract_model, dotted, hf_shapes, load_hf, param_shapes
 from pacs_jax.models.qwen import Qwen
 from pacs_jax.sharding import abstract
 
@@ -165,6 +166,89 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", *,
     if path.is_dir():
         return load_model(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options)
     raise FileNotFoundError(f"{path}: not an HF model directory (config.json) nor a pacs_jax checkpoint")
+
+
+class ModelFolderError(PermanentError):
+    """A folder given as a model is not one that loads; the message starts with the folder and says what
+    it lacks. Callers put the flag or field that named it in front."""
+
+
+def _is_training_config(path: epath.Path) -> bool:
+    """Whether ``path`` (a config.json) is a training run's config (a workdir's), not an HF model's."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and all(isinstance(config.get(k), dict) for k in ("model", "data", "train"))
+
+
+def check_model_dir(path: str | os.PathLike) -> QwenConfig:
+    """The config of the model ``from_pretrained(path)`` would load, after checking, without loading a
+    weight, that it loads: an HF folder's config.json parses and its safetensors (model.safetensors, or
+    the shards of model.safetensors.index.json) hold every tensor the config's model needs at its
+    shape (read from the files' headers: a copy cut short is caught too; on a store, only that the
+    files exist); a pacs_jax checkpoint's model_config.json parses and its Orbax metadata lists every
+    parameter at its shape. Raises ``ModelFolderError`` naming the folder and what is wrong."""
+    folder = epath.Path(path)
+    if not folder.is_dir():
+        raise ModelFolderError(f"{path}: {'is a file, not a model folder' if folder.exists() else 'does not exist'}")
+    if (folder / "config.json").is_file():
+        if _is_training_config(folder / "config.json"):
+            raise ModelFolderError(f"{path}: a training workdir, not a model: name its checkpoints/ (the newest "
+                                   "step), checkpoints/<step> or hf_export/")
+        try:
+            cfg = QwenConfig.from_hf_file(folder)
+            found = hf_weight_shapes(folder, read_headers=not is_remote(folder))
+        except FileNotFoundError as e:
+            raise ModelFolderError(f"{path}: holds config.json but {e}: copy the model's *.safetensors files (and "
+                                   "model.safetensors.index.json) into it") from None
+        except (OSError, ValueError) as e:
+            raise ModelFolderError(f"{path}: {e}") from None
+        needed = hf_shapes(cfg) if found or not is_remote(folder) else {}  # a store's single file: not read
+        _check_shapes(path, {name: found.get(name) for name in needed}, needed, "the weights",
+                      "config.json's model")
+        _check_stop_ids(path, cfg)
+        return cfg
+    try:
+        config_dir, params_dir = find_params_dir(folder)
+    except FileNotFoundError:
+        raise ModelFolderError(f"{path}: not a model: no config.json (an HF model folder), no {PARAMS_ITEM}/ (a "
+                               f"pacs_jax checkpoint) and no <step>/{PARAMS_ITEM}/ (a trainer's checkpoints/)") from None
+    try:
+        cfg = read_model_config(config_dir)
+        stored = ocp.StandardCheckpointer().metadata(params_dir)
+    except (OSError, ValueError) as e:
+        raise ModelFolderError(f"{path}: {_first_line(e).split(': ', 1)[-1]}") from None
+    tree = getattr(stored, "item_metadata", stored)
+    shapes = {key: tuple(meta.shape) for key, meta in tree.items()} if hasattr(tree, "items") else {}
+    needed = param_shapes(cfg)
+    _check_shapes(str(params_dir), {k: shapes.get(k) for k in needed}, needed, "the checkpoint",
+                  f"{MODEL_CONFIG_FILE}'s model")
+    _check_stop_ids(path, cfg)
+    return cfg
+
+
+def _check_stop_ids(where, cfg: QwenConfig) -> None:
+    """Refuse eos ids (config.json's and generation_config.json's) outside the model's vocabulary: the
+    sampler stops on them and would refuse them mid-run."""
+    eos = cfg.eos_token_id
+    for token in () if eos is None else (eos,) if isinstance(eos, int) else eos:
+        if not 0 <= token < cfg.vocab_size:
+            raise ModelFolderError(f"{where}: eos_token_id {token} (config.json / generation_config.json) is outside "
+                                   f"the model's vocabulary of {cfg.vocab_size}: a config of another model?")
+
+
+def _check_shapes(where: str, found: dict, needed: dict[str, tuple[int, ...]], holder: str, model: str) -> None:
+    """Refuse (``ModelFolderError`` naming ``where``) when ``found`` lacks a name of ``needed`` (value None)
+    or holds it at another shape (an empty shape: not known, not compared)."""
+    missing = [name for name, shape in found.items() if shape is None]
+    if missing:
+        raise ModelFolderError(f"{where}: {holder} lack {len(missing)} of the {len(needed)} tensors {model} needs "
+                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an incomplete copy?")
+    for name, shape in found.items():
+        if shape and tuple(shape) != tuple(needed[name]):
+            raise ModelFolderError(f"{where}: tensor {name} has shape {tuple(shape)}, {model} needs "
+                                   f"{tuple(needed[name])}: weights of another model?")
 
 
 class CheckpointError(PermanentError):

@@ -6,6 +6,11 @@ command-line programs (``python -m pacs_jax.train``, ``python -m pacs_jax.evalua
 traceback; ``launch/supervise.sh`` then stops at once instead of restarting the run. Every other
 failure (a crash, a preemption, a lost coordinator) keeps its usual status and is restarted.
 
+The argparse tools (tools/export_hf.py) report one alike with ``run_main``.
+
+A ``gs://`` store that does not answer (no network, no credentials) is one line too, with status 75
+(``UNREACHABLE_STORE_STATUS``, EX_TEMPFAIL), which supervise.sh restarts.
+
 Permanent: ``PermanentError`` and its subclasses (``UsageError``, ``pacs_jax.data.DataError``: malformed data),
 absl's ``app.UsageError`` (the trainer raises it for config errors, ``ConfigError`` of
 pacs_jax/training/config_check.py, and for bad flags), flag-parsing errors and config overrides that
@@ -22,6 +27,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 PERMANENT_ERROR_STATUS = 78  # launch/supervise.sh does not restart a command that exits with it
+UNREACHABLE_STORE_STATUS = 75  # EX_TEMPFAIL: a store (gs://) that did not answer; supervise.sh restarts it
+# Where a store's client code lives: an error raised through these is the store's (or the network's)
+_STORE_CLIENTS = ("/gcsfs/", "/fsspec/", "/google/auth/", "/google/cloud/", "/aiohttp/")
 
 
 class PermanentError(Exception):
@@ -76,9 +84,49 @@ def exit_on_unknown_config_field(program: str, define: Callable[[], T], argv: Se
         _fail(program, message)
 
 
+def flag_error_line(error: BaseException) -> str:
+    """One line for a flag-parsing error. ml_collections reports a config file whose ``get_config`` raised
+    (a misspelled setup name: ``configs/paper.py:qwen25_7b,pacs_bet1``) with the whole traceback in the
+    message; the line keeps the flag and the exception's own last line."""
+    text = str(error)
+    if "Traceback (most recent call last)" not in text:
+        return f"{text} (--helpshort lists the flags)"
+    flag = text.split(": Error whilst parsing config file", 1)[0]
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    return f"{flag}: {re.sub(r'^[A-Za-z_.]*(Error|Exception): ', '', last.strip())}"
+
+
 def _fail(program: str, message: str) -> None:
     print(f"{program}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(PERMANENT_ERROR_STATUS)
+
+
+def run_main(program: str, main: Callable[..., T], *args) -> T:
+    """``main(*args)``, except that a ``PermanentError`` prints "``program``: error: MESSAGE" on stderr and
+    exits with ``PERMANENT_ERROR_STATUS`` (the argparse tools': tools/export_hf.py)."""
+    try:
+        return main(*args)
+    except PermanentError as e:
+        _fail(program, str(e))
+
+
+def unreachable_store(error: BaseException) -> str | None:
+    """"TypeName: message" when ``error`` (or an exception it was raised from) is a connection error or
+    time-out raised inside a store's client (gcsfs, fsspec, google-auth, aiohttp: a ``gs://`` path with
+    no network, or no credentials to reach it); else None."""
+    import traceback
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        network = isinstance(error, (ConnectionError, TimeoutError)) or type(error).__module__.split(".")[0] in (
+            "aiohttp", "google", "gcsfs")
+        frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+        if network and any(part in frame.filename for frame in frames for part in _STORE_CLIENTS):
+            text = str(error).strip().splitlines()
+            return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str] | None = None,
@@ -88,8 +136,13 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
     ``permanent`` exception types print "``program``: error: MESSAGE" on stderr and exit with
     ``PERMANENT_ERROR_STATUS`` (no traceback, no flag listing). prepare: rewrites the command line
     before the flags are parsed (the CLIs': ``data.paths.config_file_args``); a ``PermanentError`` it
-    raises is reported alike."""
+    raises is reported alike. A store that does not answer (``unreachable_store``) is one line too,
+    saying how long the command ran, with ``UNREACHABLE_STORE_STATUS``: a restart may find it again."""
+    import time
+
     from absl import app, flags
+
+    start = time.monotonic()
 
     def parse_flags(args: list[str]) -> list[str]:
         try:
@@ -97,7 +150,7 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
         except PermanentError as e:
             _fail(program, str(e))
         except flags.Error as e:
-            _fail(program, f"{e} (--helpshort lists the flags)")
+            _fail(program, flag_error_line(e))
         except (KeyError, AttributeError) as e:  # an override naming a field the --config file lacks
             message = unknown_config_field(e, args)
             if message is None:
@@ -109,5 +162,13 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
             main(args)
         except (PermanentError, app.UsageError, *permanent) as e:
             _fail(program, str(e))
+        except Exception as e:
+            detail = unreachable_store(e)
+            if detail is None:
+                raise
+            print(f"{program}: error: a store (gs://) did not answer; gave up after {time.monotonic() - start:.0f} s "
+                  f"({detail}): check the network and the credentials (gcloud auth application-default login)",
+                  file=sys.stderr, flush=True)
+            sys.exit(UNREACHABLE_STORE_STATUS)
 
     app.run(checked_main, argv=list(sys.argv if argv is None else argv), flags_parser=parse_flags)

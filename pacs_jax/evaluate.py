@@ -22,26 +22,29 @@ evaluation reads of it (the model's files, a workdir's config.json and newest st
 copied to the host's cache first (data/remote.py), and the outputs' default folder is the same place
 on the store (``gs://.../eval/evaluate_step_<N>``); data.tokenizer and ``config.evaluate.output_dir``
 may be on ``gs://`` too. The maths, the runner and the
-outputs are in pacs_jax/evaluation/. Flag, usage and data errors print one line and exit with status
-78 (pacs_jax/errors.py).
+outputs are in pacs_jax/evaluation/. Before the sets or the tokenizer are read, DIR's model folder
+is checked (its config and weight headers: checkpoints.check_model_dir), then every set's prompts
+against the model (token ids within its vocabulary, the longest plus max_new_tokens within its
+context). The result is printed as a table; third-party INFO logs are off unless --verbosity=0
+(pacs_jax/console.py). Flag, usage and data errors print one line and exit with status 78
+(pacs_jax/errors.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Sequence
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from etils import epath
 from ml_collections import config_flags
 
-from pacs_jax import checkpoints
+from pacs_jax import checkpoints, console
 from pacs_jax.data import paths, remote
-from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, load_tokenizer, render_prompt,
-                           run_tokenizer, training_problems)
+from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, build_prompts, load_tokenizer,
+                           render_prompt, run_tokenizer, training_problems)
 from pacs_jax.errors import UsageError, run_cli
 from pacs_jax.evaluation import (EvalSet, EvalSettings, eval_slots, evaluate_per_set, load_eval_sets, per_set_settings,
                                  write_outputs)
@@ -49,6 +52,7 @@ from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import make_mesh
+from pacs_jax.training.config_check import check_eval_settings
 
 HELD_OUT = "held_out"  # config.eval.sets: the training run's held-out problems (its workdir's config.json)
 
@@ -60,9 +64,14 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if ec.final.greedy:
         raise UsageError("config.eval.final.greedy: the evaluation CLI samples at eval.final's settings only; for "
                          "greedy decoding set eval.final.temperature=0 and eval.final.n=1")
+    check_eval_settings(config)
     target = resolve_target(_local_checkpoint(checkpoint))
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
+    try:  # before the sets, the tokenizer and the held-out split are looked for: a folder that is no model says so
+        model_config = checkpoints.check_model_dir(target.model_dir)
+    except checkpoints.ModelFolderError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
     training = target.training_config
     default = target.default_output_dir()  # a gs:// checkpoint's: the same place on the store, not in its copy
     output_dir = epath.Path(cli.output_dir or remote.store_path(default) or default)
@@ -79,6 +88,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     instruction = training["data"].get("instruction", INSTRUCTION) if training else INSTRUCTION
     if isinstance(tokenizer, CharTokenizer):
         _check_char_tokenizer(tokenizer, eval_sets, instruction)
+    _check_prompts(config, eval_sets, tokenizer, instruction, model_config)
     # the evaluation's one mesh, set as the context for everything below (config.mesh; use_mesh False: one device)
     mesh = make_mesh(**config.mesh) if cli.use_mesh else make_mesh(1, 1, 1, devices=jax.devices()[:1])
     with jax.set_mesh(mesh), RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
@@ -91,14 +101,52 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
             **eval_slots(ec), instruction=instruction,
             max_prompt_length=cli.max_prompt_length, reward_pool=pool, progress=cli.progress)
     write_outputs(output_dir, rows, metrics)
+    print(metrics_table(metrics), flush=True)
     for eval_set in eval_sets:
         evaluated = sum(row["data_source"] == eval_set.name for row in rows)
         if evaluated < len(eval_set.problems):
-            logging.warning("%s: %d of %d prompts exceed max_prompt_length=%d and were not evaluated",
-                            eval_set.name, len(eval_set.problems) - evaluated, len(eval_set.problems),
-                            cli.max_prompt_length)
-    logging.info("wrote %s: %s", output_dir, json.dumps(metrics))
+            print(f"pacs_jax.evaluate: {eval_set.name}: {len(eval_set.problems) - evaluated} of "
+                  f"{len(eval_set.problems)} prompts exceed evaluate.max_prompt_length={cli.max_prompt_length} and "
+                  "were not evaluated", flush=True)
+    print(f"pacs_jax.evaluate: wrote {output_dir} (eval_samples.jsonl, eval_metrics.json, pass_at_k.png)", flush=True)
     return metrics
+
+
+def metrics_table(metrics: dict[str, dict[str, float]]) -> str:
+    """The metrics as a table for a person: a row per set, a column per metric (pass@k by k, then
+    mean@n), empty where a set has none (each set's k go up to its own n)."""
+    columns = sorted({name for values in metrics.values() for name in values},
+                     key=lambda name: (name.startswith("mean@"), int(name.split("@")[1])))
+    width = max([len("set")] + [len(name) for name in metrics])
+    lines = ["  ".join([f"{'set':<{width}}", *(f"{c:>8}" for c in columns)])]
+    for name, values in metrics.items():
+        lines.append("  ".join([f"{name:<{width}}", *(f"{values[c]:>8.4f}" if c in values else " " * 8
+                                                       for c in columns)]))
+    return "\n".join(lines)
+
+
+def _check_prompts(config, eval_sets, tokenizer, instruction: str, model_config) -> None:
+    """Each set's prompts, tokenized as the evaluation will, against the model (found before it loads,
+    naming the field): their token ids within its vocabulary (a tokenizer of another model otherwise),
+    and the longest evaluated prompt (at most evaluate.max_prompt_length tokens) plus the set's
+    max_new_tokens (eval.max_new_tokens, or its eval.final.per_set entry's) within its context
+    (max_position_embeddings)."""
+    ec, limit, context = config.eval, config.evaluate.max_prompt_length, model_config.max_position_embeddings
+    for eval_set in eval_sets:
+        kept, _ = build_prompts(eval_set.problems, tokenizer, limit, instruction)
+        largest = max((max(e.prompt_ids, default=0) for e in kept), default=0)
+        if largest >= model_config.vocab_size:
+            raise UsageError(f"config.data.tokenizer: the prompts of set {eval_set.name!r} hold token id {largest}, outside "
+                             f"the model's vocabulary of {model_config.vocab_size}: the tokenizer is not the model's "
+                             "(leave data.tokenizer empty for the model folder's own)")
+        longest = max((len(e.prompt_ids) for e in kept), default=0)
+        own = eval_set.name in ec.final.per_set
+        field = f"eval.final.per_set.{eval_set.name}.max_new_tokens" if own else "eval.max_new_tokens"
+        new_tokens = ec.final.per_set[eval_set.name].max_new_tokens if own else ec.max_new_tokens
+        if longest + new_tokens > context:
+            raise UsageError(f"config.{field}: {new_tokens} with the longest prompt of set {eval_set.name!r} ({longest} "
+                             f"tokens) is {longest + new_tokens}, beyond the model's context of {context} "
+                             f"(max_position_embeddings): set it to at most {max(context - longest, 0)}")
 
 
 NOT_EVALUATED = ("opt_state", "critic_params", "critic_opt_state", "eval")  # a step's or workdir's parts left out
@@ -201,6 +249,7 @@ def _cli() -> None:
     def main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        console.setup()  # Orbax's INFO lines off unless --verbosity; plain progress lines in a log file
         run(config_flag.value, checkpoint_flag.value)
 
     run_cli("pacs_jax.evaluate", main, prepare=paths.config_file_args)  # flag, usage, data errors: one line, status 78

@@ -1,8 +1,9 @@
 """python -m pacs_jax.train --config=configs/FILE.py[:ARG] --config.a.b=VALUE --workdir=DIR
 
 With no flags it runs the CPU demo (configs/default.py: the same trainer on a generated arithmetic
-task). The whole config is validated before anything compiles; a restarted run resumes from its
-workdir's checkpoints by itself.
+task). The whole config and every input it names (the model folder's config and weight headers, the
+training data, the evaluation sets: training/config_check.py ``check_inputs``) are checked before the
+workdir is created or anything compiles; a restarted run resumes from its workdir's checkpoints by itself.
 
 Exit status: 0 on success; 78 (pacs_jax/errors.py ``PERMANENT_ERROR_STATUS``) with one line on stderr
 for an error a restart cannot fix: a config value (``ConfigError``), a flag, malformed data
@@ -16,9 +17,10 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from pacs_jax import console
 from pacs_jax.data import paths
 from pacs_jax.errors import UsageError, exit_on_unknown_config_field, run_cli
 
@@ -58,7 +60,7 @@ _STARTUP_TIMEOUT = flags.DEFINE_float("startup_timeout", 300.0,
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
+    console.setup()  # Orbax's INFO lines off unless --verbosity; plain progress lines in a log file
     import jax  # after flag parsing, so --help is fast
 
     from etils import epath
@@ -77,14 +79,11 @@ def main(argv: list[str]) -> None:
         distributed.initialize()
 
     from pacs_jax.sharding import config_mesh
-    from pacs_jax.training.config_check import ConfigError, validate_config
+    from pacs_jax.training.config_check import check_inputs
 
     config = _CONFIG.value
     workdir = epath.Path(_WORKDIR.value or config.workdir)  # a local folder or gs://...
-    try:
-        validate_config(config)
-    except ConfigError as e:
-        raise app.UsageError(str(e)) from None
+    check_inputs(config)  # every input read, before the workdir exists: a ConfigError is one line, status 78
     try:
         mesh = config_mesh(config.mesh)
     except ValueError as e:  # a shape the slice's physical topology cannot take

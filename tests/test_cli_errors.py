@@ -2,7 +2,16 @@
 names the likely field and exits with status 78 (it used to be a 50-line traceback and status 1,
 raised while the flags were defined, before the CLI's error handler); a malformed training row says
 that ``data.allow_skips`` would skip it; a workdir that is a file or cannot be written is one line
-naming the path."""
+naming the path.
+
+Issue 35: bad input is caught before anything runs. The check the trainer runs before it creates its
+workdir (config_check.check_inputs) reads every input: a model folder without weights, with a copy cut
+short or of another model (item 1), lengths beyond the model's context (item 2), training data that is
+empty, of one's own format or not read by the chosen source (item 3), the samplers' slots (item 6);
+the evaluation CLI checks its checkpoint alike (item 1), export_hf takes a workdir and replaces only
+an export of its own (item 5), a misspelled setup name is one line (item 6). Most cases call the check
+in-process; a few run the CLIs as a user does: status 78, one line naming the field or file, nothing
+written, and launch/supervise.sh does not restart it."""
 
 from __future__ import annotations
 
@@ -12,11 +21,17 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from conftest import REPO
 from pacs_jax.data import DataError, training_problems
-from pacs_jax.errors import PERMANENT_ERROR_STATUS, unknown_config_field
+from pacs_jax.errors import PERMANENT_ERROR_STATUS, PermanentError, unknown_config_field
+from pacs_jax.models import QwenConfig
+from pacs_jax.models.hf_weights import check_export_target
+from pacs_jax.models.loading import hf_shapes
+from pacs_jax.training.config_check import ConfigError, check_inputs, validate_config
 from train_helpers import load_config
 
 
@@ -94,7 +109,7 @@ def test_a_malformed_training_row_names_data_allow_skips(tmp_path):
     assert len(train) == 2 and counts["skipped"] == 1
     # a file whose format cannot be told is no row's fault: allow_skips would not help, so it is not named
     unknown = tmp_path / "other.jsonl"
-    unknown.write_text(json.dumps({"question": "1 + 1", "answer": "2"}) + "\n")
+    unknown.write_text(json.dumps({"q": "1 + 1", "a": "2"}) + "\n")
     with pytest.raises(DataError) as error:
         training_problems(_data_config(unknown, allow_skips=False), seed=0)
     assert "allow_skips" not in str(error.value)
@@ -139,3 +154,260 @@ def test_the_readme_config_paths_work_from_any_folder_and_a_missing_one_is_one_l
         assert line == (f"{module}: error: {args[0]}: {args[0].split('=')[1].split(':')[0]} does not exist (a "
                         f"relative path: looked for in the working directory {tmp_path}, then in the repository "
                         f"root {REPO})")
+
+
+# ------------------------------------------------------------------------------------------ issue 35
+TINY = QwenConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
+                  max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+
+
+def _model_folder(path: pathlib.Path, *, weights: bool = True, cfg: QwenConfig = TINY) -> pathlib.Path:
+    """An HF model folder of ``cfg`` (config.json, zero weights in model.safetensors, the repository's Qwen3
+    tokenizer files), written without JAX: nothing compiles."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    if weights:
+        save_file({name: np.zeros(shape, np.float32) for name, shape in hf_shapes(cfg).items()},
+                  str(path / "model.safetensors"))
+    for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
+        (path / name).write_bytes((REPO / "data" / "tokenizers" / "qwen3" / name).read_bytes())
+    return path
+
+
+def _refusal(config, check=validate_config) -> str:
+    with pytest.raises(PermanentError) as error:
+        check(config)
+    return str(error.value)
+
+
+def _model_config(model_path) -> "ml_collections.ConfigDict":
+    config = load_config("default.py")
+    config.model.path, config.data.tokenizer = str(model_path), ""
+    return config
+
+
+def test_a_model_folder_is_read_before_anything_runs(tmp_path):
+    """Item 1: config.json, the safetensors headers (every tensor the config needs, at its shape; a copy cut
+    short) and the folder's kind are read by the check, before the tokenizer is looked for in it."""
+    good = _model_folder(tmp_path / "good")
+    validate_config(_model_config(good))
+    no_weights = _model_folder(tmp_path / "no_weights", weights=False)
+    assert _refusal(_model_config(no_weights)) == (
+        f"config.model.path: {no_weights}: holds config.json but no weights: neither model.safetensors nor "
+        "model.safetensors.index.json: copy the model's *.safetensors files (and model.safetensors.index.json) into it")
+    cut = _model_folder(tmp_path / "cut")
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    assert _refusal(_model_config(cut)).startswith(
+        f"config.model.path: {cut}: model.safetensors: holds {len(weights) // 2} bytes of the {len(weights)} its "
+        "header describes (a copy cut short?)")
+    other = _model_folder(tmp_path / "other", cfg=TINY.replace(num_hidden_layers=3))
+    (other / "model.safetensors").write_bytes(weights)  # a 2-layer model's weights under a 3-layer config.json
+    assert _refusal(_model_config(other)).startswith(
+        f"config.model.path: {other}: the weights lack 11 of the 35 tensors config.json's model needs "
+        "(model.layers.2.self_attn.q_proj.weight, ")
+    wide = _model_folder(tmp_path / "wide", cfg=TINY.replace(hidden_size=48))
+    (wide / "model.safetensors").write_bytes(weights)
+    assert "tensor model.embed_tokens.weight has shape (64, 32), config.json's model needs (64, 48)" in _refusal(
+        _model_config(wide))
+    sharded = _model_folder(tmp_path / "sharded")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    assert _refusal(_model_config(sharded)) == (
+        f"config.model.path: {sharded}: holds config.json but model-00002-of-00002.safetensors (a shard "
+        "model.safetensors.index.json lists) is missing: copy the model's *.safetensors files (and "
+        "model.safetensors.index.json) into it")
+    empty = tmp_path / "empty"
+    empty.mkdir()  # it used to be refused for data.tokenizer first
+    assert _refusal(_model_config(empty)) == (
+        f"config.model.path: {empty}: not a model: no config.json (an HF model folder), no params/ (a pacs_jax "
+        "checkpoint) and no <step>/params/ (a trainer's checkpoints/)")
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    assert _refusal(_model_config(workdir)).startswith(f"config.model.path: {workdir}: a training workdir, not a model")
+
+
+def test_lengths_beyond_the_context_and_slots_that_cannot_work_name_their_field(tmp_path):
+    """Item 2: every length against the model's context (the demo's own model: 32768 positions, model.path's
+    config.json); item 6: slots and tail_slots against each other and the sampler."""
+    def refusal(**changes) -> str:
+        config = load_config("default.py")
+        for dotted, value in changes.items():
+            section, field = dotted.split("__")
+            config[section][field] = value
+        return _refusal(config)
+
+    assert refusal(rollout__max_new_tokens=100000) == (
+        "config.rollout.max_new_tokens: 100000 with data.max_prompt_length=56 is 100056 tokens, beyond the model's "
+        "context of 32768 (max_position_embeddings): set it to at most 32712")
+    assert refusal(eval__max_new_tokens=32760).startswith("config.eval.max_new_tokens: 32760 with data.max_prompt_length")
+    assert refusal(warmstart__max_response_tokens=40000).startswith("config.warmstart.max_response_tokens: 40000")
+    config = _model_config(_model_folder(tmp_path / "model"))
+    config.rollout.max_new_tokens = 256
+    assert _refusal(config).startswith("config.rollout.max_new_tokens: 256 with data.max_prompt_length=56 is 312 "
+                                       "tokens, beyond the model's context of 256")
+    assert refusal(rollout__slots=0) == (
+        "config.rollout.slots: must be an integer >= 1 (decode slots per sampler call), got 0")
+    assert refusal(rollout__tail_slots=200) == (
+        "config.rollout.tail_slots: 200 is more than rollout.slots=128: the decode batch narrows from slots down to "
+        "tail_slots; set it to at most 128 (0: no narrowing)")
+    assert refusal(rollout__sampler="static", rollout__tail_slots=8) == (
+        "config.rollout.tail_slots: 8, but rollout.sampler is 'static', which gives every response its own slot and "
+        "never narrows: set rollout.tail_slots=0, or rollout.sampler=continuous")
+    assert refusal(eval__sampler="static", eval__tail_slots=8).startswith("config.eval.tail_slots: 8, but eval.sampler")
+
+
+def _files_config(*files: str, prompts: int = 8):
+    config = load_config("default.py")
+    config.data.update(source="files", train_files=files, warmstart_problems=0, held_out_problems=4)
+    config.warmstart.steps, config.train.prompts_per_step = 0, prompts
+    return config
+
+
+def test_training_data_is_read_before_anything_runs(tmp_path):
+    """Item 3: rows of one's own format train whatever the file's name ({problem, answer}, {question,
+    answer}, {prompt, ground_truth}); other fields need a format (data.format or FILE:FORMAT); an empty file,
+    too few problems for a step, and a data field the source does not read are refused naming the field."""
+    rows = lambda fields: "".join(json.dumps(dict(zip(fields, (f"{i} + 1?", str(i + 1))))) + "\n"  # noqa: E731
+                                  for i in range(20))
+    for fields in (("problem", "answer"), ("question", "answer"), ("prompt", "ground_truth")):
+        mine = tmp_path / f"my_{'_'.join(fields)}.jsonl"
+        mine.write_text(rows(fields))
+        check_inputs(_files_config(str(mine)))
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(rows(("q", "a")))
+    assert _refusal(_files_config(str(odd)), check_inputs).startswith(
+        f"config.data.train_files: {odd}:1: cannot tell the dataset format from its name or fields (its first row "
+        "has the fields ['a', 'q']); name it, as PATH:FORMAT (or the trainer's data.format)")
+    named = tmp_path / "named.jsonl"
+    named.write_text(rows(("question", "answer")).replace('"answer": "', '"answer": "#### '))
+    check_inputs(_files_config(f"{named}:gsm8k"))  # the file's own format
+    config = _files_config(str(named))
+    config.data.format = "gsm8k"
+    check_inputs(config)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert _refusal(_files_config(str(empty)), check_inputs) == (
+        f"config.data.train_files: {empty}: holds no rows (an empty file?)")
+    assert _refusal(_files_config(str(named), prompts=32), check_inputs) == (
+        "config.train.prompts_per_step: 32 is more than the 16 problems RL samples from (20 read, 4 held out, 0 for "
+        "the warm-start only): a step takes 32 distinct prompts; lower it or the splits, or add problems")
+    config = _files_config(str(named))
+    config.warmstart.steps = 5  # on RL's 16 problems (data.warmstart_problems 0), 32 a batch
+    assert _refusal(config, check_inputs) == (
+        "config.warmstart.batch_size: 32 is more than the 16 problems the warm-start trains on (RL's, "
+        "data.warmstart_problems being 0): a warm-start step takes that many distinct prompts; lower it, or set more "
+        "problems aside")
+    demo = load_config("default.py")
+    demo.data.train_files = (str(named),)
+    assert _refusal(demo) == (
+        f"config.data.train_files: ('{named}',) is set, but data.source is 'arithmetic', which does not read it (it "
+        "generates its problems): set data.source=files to train on files, or leave it unset")
+
+
+def _supervised(*args: str, cwd) -> subprocess.CompletedProcess:
+    """The trainer under launch/supervise.sh, as the launch scripts run it (no delay before a restart)."""
+    return subprocess.run(["bash", str(REPO / "launch" / "supervise.sh"), "--delay", "0", "--", sys.executable, "-m",
+                           "pacs_jax.train", *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=_env())
+
+
+def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp_path):
+    """Items 1, 2 and 3 through the CLI: status 78, one line naming the field or file, no workdir, and
+    supervise.sh stops at once instead of restarting."""
+    workdir = tmp_path / "workdir"
+    model = _model_folder(tmp_path / "model", weights=False)
+    run = _supervised(f"--config.model.path={model}", "--config.data.tokenizer=", f"--workdir={workdir}", cwd=tmp_path)
+    assert run.returncode == PERMANENT_ERROR_STATUS and run.stderr.count("pacs_jax.train: error:") == 1, run.stderr
+    assert f"pacs_jax.train: error: config.model.path: {model}: holds config.json but no weights" in run.stderr
+    assert run.stdout.count("attempt") == 1 and "not restarting" in run.stderr, run.stdout + run.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for flags, line in (
+            (("--config.rollout.max_new_tokens=100000",), "config.rollout.max_new_tokens: 100000 with "
+                                                          "data.max_prompt_length=56 is 100056 tokens, beyond"),
+            ((f"--config.data.train_files=('{empty}',)", "--config.data.source=files"),
+             f"config.data.train_files: {empty}: holds no rows (an empty file?)"),
+    ):  # the other cases of items 3 and 6 in-process above; a misspelled setup name: tests/test_launch_safety.py
+        error = _error_line(_run("pacs_jax.train", *flags, f"--workdir={workdir}", cwd=tmp_path), "pacs_jax.train")
+        assert error.startswith(f"pacs_jax.train: error: {line}"), error
+    assert not workdir.exists()
+
+
+def test_the_evaluation_cli_reads_its_checkpoint_before_the_sets_or_the_tokenizer(tmp_path):
+    """Item 1 for the evaluation CLI: a folder with config.json and tokenizer files but no weights, and a
+    folder with no model, are one line naming --checkpoint and what the folder lacks; no eval/ is written."""
+    model = _model_folder(tmp_path / "model", weights=False)
+    line = _error_line(_run("pacs_jax.evaluate", "--config=configs/eval.py", f"--checkpoint={model}", cwd=tmp_path),
+                       "pacs_jax.evaluate")
+    assert line == (f"pacs_jax.evaluate: error: --checkpoint: {model}: holds config.json but no weights: neither "
+                    "model.safetensors nor model.safetensors.index.json: copy the model's *.safetensors files (and "
+                    "model.safetensors.index.json) into it")
+    assert not (model / "eval").exists()
+
+
+def test_export_hf_refuses_to_replace_a_downloaded_model(tmp_path):
+    """Item 5: --overwrite onto a folder holding a downloaded HF model (no pacs_jax_export.json) is one line
+    naming what it holds, status 78, every file kept."""
+    downloaded = _model_folder(tmp_path / "Qwen3-tiny")
+    (downloaded / "README.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in downloaded.iterdir()}
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), "--checkpoint", str(tmp_path / "ckpt"),
+                          "--out", str(downloaded), "--overwrite"], capture_output=True, text=True, timeout=300,
+                         env=_env(), cwd=tmp_path)
+    assert _error_line(run, "export_hf") == (
+        f"export_hf: error: --out {downloaded}: not an export pacs_jax wrote (no pacs_jax_export.json; it holds "
+        "README.md, config.json, merges.txt, model.safetensors, tokenizer_config.json, ... (6 in all)); not "
+        "replacing it: choose another output folder, or empty it first")
+    assert {p.name: p.read_bytes() for p in downloaded.iterdir()} == before
+
+
+def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
+    """Item 5: --checkpoint WORKDIR (it was a traceback) exports the workdir's newest checkpoint, as the
+    evaluation CLI evaluates it; the export lists its files in pacs_jax_export.json, so --overwrite may
+    replace it."""
+    import orbax.checkpoint as ocp
+
+    from pacs_jax import checkpoints
+    from pacs_jax.models.loading import param_shapes
+    from qwen_reference import load_tool
+
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    with ocp.StandardCheckpointer() as checkpointer:  # zeros: nothing compiles
+        checkpointer.save(workdir / "checkpoints" / "3" / "params",
+                          {name: np.zeros(shape, np.float32) for name, shape in param_shapes(TINY).items()})
+    checkpoints.write_model_config(workdir / "checkpoints", TINY)
+    out = tmp_path / "export"
+    load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
+    assert f"export_hf: {workdir} is a training workdir: exporting {workdir / 'checkpoints' / '3'}" in capsys.readouterr().out
+    assert json.loads((out / "pacs_jax_export.json").read_text())["files"] == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    assert checkpoints.check_model_dir(out) == TINY
+    check_export_target(out, overwrite=True)  # an export of its own: --overwrite may replace it
+
+
+def test_progress_bars_write_plain_lines_into_a_log_file():
+    """Item 6: nested tqdm bars in a file (a pod's log) left ESC[A cursor moves and carriage returns; through
+    console.PlainLines each refresh is a line of its own, a bar cleared leaves no blank line, and a line
+    written between refreshes starts on its own line."""
+    import io
+
+    from tqdm import tqdm
+
+    from pacs_jax.console import PlainLines
+
+    log = io.StringIO()
+    stream = PlainLines(log)
+    for _ in tqdm(range(2), desc="outer", file=stream, mininterval=0):
+        stream.write("a log line\n")
+        for _ in tqdm(range(3), desc="inner", file=stream, mininterval=0, leave=False, position=1):
+            pass
+    lines = log.getvalue().splitlines()
+    assert "\x1b" not in log.getvalue() and "\r" not in log.getvalue() and all(line.strip() for line in lines)
+    assert lines[:3] == ["outer:   0%|          | 0/2 [00:00<?, ?it/s]", "a log line",
+                         "inner:   0%|          | 0/3 [00:00<?, ?it/s]"], lines
+    assert lines[-1].startswith("outer: 100%|##########| 2/2") and lines.count("a log line") == 2

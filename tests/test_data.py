@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -122,10 +123,31 @@ def test_field_mapping_alternatives(tmp_path):
     amc = _write_jsonl(tmp_path / "amc.jsonl", [json.dumps({"question": "Q?", "problem": "P?", "answer": 0.25})])
     [problem], _ = data.load_problems(amc, format="amc23")
     assert (problem.problem, problem.ground_truth, problem.extra) == ("Q?", "0.25", {"problem": "P?"})
-    with pytest.raises(DataError, match="cannot tell the dataset format"):
-        data.load_problems(amc)
+    [problem], _ = data.load_problems(f"{amc}:amc23")  # a spec's own format, as data.train_files takes it
+    assert problem.problem == "Q?"
     with pytest.raises(ValueError, match="format='nope'"):
         data.load_problems(amc, format="nope")
+
+
+def test_rows_of_ones_own_format_are_read_by_their_fields_whatever_the_file_name(tmp_path):
+    """Issue 35 item 3: a file named after no dataset whose rows have the usual fields trains, its problems'
+    data_source its name; rows with other fields are refused naming the file, the fields and how to name
+    the format; an empty file names itself."""
+    for fields, expected in ((("problem", "answer"), "problem_answer"), (("question", "answer"), "question_answer"),
+                             (("prompt", "ground_truth"), "prompt_ground_truth")):
+        path = _write_jsonl(tmp_path / f"mine_{expected}.jsonl", [json.dumps(dict(zip(fields, ("1 + 1?", "2"))))])
+        [problem], _ = data.load_problems(path)
+        assert (problem.data_source, problem.problem, problem.ground_truth) == (path.stem, "1 + 1?", "2"), expected
+    both = _write_jsonl(tmp_path / "both.jsonl", [json.dumps({"question": "Q?", "problem": "P?", "answer": 0.25})])
+    assert data.load_problems(both)[0][0].problem == "P?"  # {problem, answer} comes first
+    odd = _write_jsonl(tmp_path / "odd.jsonl", [json.dumps({"q": "Q?", "a": "1"})])
+    with pytest.raises(DataError, match=rf"^{re.escape(str(odd))}:1: cannot tell the dataset format from its name or "
+                                        r"fields \(its first row has the fields \['a', 'q'\]\); name it, as PATH:FORMAT"):
+        data.load_problems(odd)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(empty))}: holds no rows \(an empty file\?\)$"):
+        data.load_problems(empty)
 
 
 def test_our_jsonl_round_trips(tmp_path, shared_data):

@@ -43,7 +43,7 @@ def test_the_demo_holds_out_problems_it_never_trains_on_and_gives_rl_problems_th
                       "held_out": dc.held_out_problems, "warmstart": dc.warmstart_problems}
     equations = lambda ps: {tuple(re.findall(r"\d+", p.problem)) + (_solve(p.problem),) for p in ps}  # noqa: E731
     assert len(equations(warm) | equations(train) | equations(held_out)) == counts["rows"]  # pairwise disjoint
-    with pytest.raises(ValueError, match="data.warmstart_problems=2200 with data.held_out_problems=200 leaves no RL"):
+    with pytest.raises(ValueError, match="config.data.warmstart_problems: 2200 with data.held_out_problems=200 leaves no RL"):
         data.training_problems(dict(dc, warmstart_problems=dc.arithmetic.problems), seed=1)
 
 
@@ -70,9 +70,9 @@ def test_files_source_reads_every_file_and_splits_off_seeded_held_out_and_warm_s
     assert (len(warm), len(rl), counts["warmstart"]) == (20, 40, 20)
     assert [key(p) for p in held] == [key(p) for p in held_out]  # the same held-out rows with a warm-start split
     assert keys(warm) | keys(rl) == keys(train) and not keys(warm) & keys(rl)
-    with pytest.raises(ValueError, match="data.held_out_problems=70 leaves no training problems"):
+    with pytest.raises(ValueError, match="config.data.held_out_problems: 70 leaves no training problems"):
         data.training_problems(_files_config(shared_data, 70), seed=0)
-    with pytest.raises(ValueError, match="data.warmstart_problems=60 with data.held_out_problems=10 leaves no RL"):
+    with pytest.raises(ValueError, match="config.data.warmstart_problems: 60 with data.held_out_problems=10 leaves no RL"):
         data.training_problems(_files_config(shared_data, 10, warmstart=60), seed=0)
 
 

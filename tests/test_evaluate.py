@@ -152,7 +152,7 @@ def test_bad_config_names_the_field(tiny_qwen_dir, shared_data, tmp_path):
     assert "evaluation set 'math_501' has no entry in config.eval.set_files" in result.stderr
 
 
-def test_checkpoint_without_tokenizer_files(tmp_path, shared_data):
+def test_checkpoint_without_tokenizer_files(tiny_qwen_dir, tmp_path, shared_data):
     import importlib.util
 
     from pacs_jax import evaluate
@@ -163,5 +163,7 @@ def test_checkpoint_without_tokenizer_files(tmp_path, shared_data):
     config = module.get_config()
     config.eval.data_dir = str(shared_data)
     config.eval.sets = "amc23"
+    for name in ("config.json", "model.safetensors"):  # the model without its tokenizer files
+        shutil.copy(tiny_qwen_dir / name, tmp_path / name)
     with pytest.raises(ValueError, match="no tokenizer files .* pass --config.data.tokenizer=DIR"):
         evaluate.run(config, tmp_path)

@@ -104,10 +104,10 @@ def test_a_demo_model_on_math_sets_is_refused_naming_the_held_out_set(demo_workd
         evaluate.run(_eval_config(sets="math_500"), demo_workdir)
 
 
-def test_the_held_out_set_needs_a_training_run(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))  # an HF model folder
+def test_the_held_out_set_needs_a_training_run(demo_workdir, tmp_path):
+    model = shutil.copytree(demo_workdir / "hf_export", tmp_path / "model")  # an HF model folder in no workdir
     with pytest.raises(UsageError, match=r"^config\.eval\.sets: 'held_out' is the held-out split of a training run"):
-        evaluate.run(_eval_config(sets="held_out", tokenizer="char"), tmp_path)
+        evaluate.run(_eval_config(sets="held_out", tokenizer="char"), model)
 
 
 def test_relative_data_paths_are_read_from_the_repository_root_or_named_with_the_cwd(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import stat
 import numpy as np
 import pytest
 
+from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.files import atomic_write, atomic_write_text, current_umask
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import NotAnExportError, check_export_target, write_hf_dir
@@ -53,11 +54,13 @@ def test_overwrite_refuses_a_workdir_and_its_checkpoints(tmp_path, target):
 
 
 def test_overwrite_refuses_a_folder_without_an_export_and_replaces_a_previous_export(tmp_path):
-    notes = tmp_path / "notes"
-    notes.mkdir()
-    (notes / "config.json").write_text("{}")  # a config but no weights
-    with pytest.raises(NotAnExportError, match="no config.json with .*safetensors"):
-        check_export_target(notes, overwrite=True)
+    downloaded = tmp_path / "Qwen2.5-0.5B"  # issue 35: a downloaded HF model is no export of ours
+    downloaded.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        (downloaded / name).write_text("{}")
+    with pytest.raises(NotAnExportError, match=rf"^{downloaded}: not an export pacs_jax wrote \(no pacs_jax_export\.json; "
+                                               r"it holds README\.md, config\.json, model\.safetensors, tokenizer\.json\)"):
+        check_export_target(downloaded, overwrite=True)
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(NotAnExportError, match="not a folder"):
@@ -67,10 +70,15 @@ def test_overwrite_refuses_a_folder_without_an_export_and_replaces_a_previous_ex
     (out / "eval").mkdir()  # python -m pacs_jax.evaluate --checkpoint=export writes there
     (out / "model.safetensors").write_bytes(b"old")
     write_hf_dir(out, CFG, _tensors(), overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "pacs_jax_export.json"]
     assert (out / "model.safetensors").read_bytes() != b"old"
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         write_hf_dir(out, CFG, _tensors())
+    (out / "notes.txt").write_text("mine")  # a file of someone's own in an export: named, the folder kept
+    with pytest.raises(NotAnExportError, match=rf"^{out}: holds notes\.txt besides the export pacs_jax wrote there"):
+        write_hf_dir(out, CFG, _tensors(), overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_export_tool_refuses_the_workdir_before_loading_anything(tmp_path, capsys):
@@ -79,12 +87,12 @@ def test_export_tool_refuses_the_workdir_before_loading_anything(tmp_path, capsy
     before = _contents(workdir)
     for out in (workdir, workdir / "checkpoints"):
         with pytest.raises(SystemExit) as exit_info:  # the checkpoint is never read: it does not exist
-            export_hf.parse_args(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(out), "--overwrite"])
-        assert exit_info.value.code == 2
-        error = capsys.readouterr().err.strip().splitlines()[-1]
-        assert error.endswith(f"error: --out {out}: not a previous HF export (it holds "
-                              + ("checkpoints, metrics.jsonl" if out == workdir else "3")
-                              + ": a training workdir or checkpoint?); not replacing it: choose another output folder")
+            export_hf.main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(out), "--overwrite"])
+        assert exit_info.value.code == PERMANENT_ERROR_STATUS
+        assert capsys.readouterr().err.strip() == (
+            f"export_hf: error: --out {out}: not a previous HF export (it holds "
+            + ("checkpoints, metrics.jsonl" if out == workdir else "3")
+            + ": a training workdir or checkpoint?); not replacing it: choose another output folder")
     assert _contents(workdir) == before
 
 

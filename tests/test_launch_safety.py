@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import REPO
-from pacs_jax.errors import PERMANENT_ERROR_STATUS
+from pacs_jax.errors import PERMANENT_ERROR_STATUS, UNREACHABLE_STORE_STATUS
 
 SUPERVISE = REPO / "launch" / "supervise.sh"
 TPU_POD = REPO / "launch" / "tpu_pod.sh"
@@ -84,11 +84,12 @@ def test_a_bad_flag_exits_78(tmp_path):
 
 def test_malformed_training_data_exits_78(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "1 + 1", "answer": "2"}\n')
+    bad.write_text('{"q": "1 + 1", "a": "2"}\n')
     run = _train(tmp_path, "--config.data.source=files", f"--config.data.train_files=('{bad}',)",
                  f"--config.data.tokenizer={REPO / 'data' / 'tokenizers' / 'qwen3'}", "--config.warmstart.steps=0",
                  "--config.data.warmstart_problems=0")
-    assert _one_error_line(run).startswith(f"pacs_jax.train: error: {bad}: cannot tell the dataset format")
+    assert _one_error_line(run).startswith(f"pacs_jax.train: error: config.data.train_files: {bad}:1: cannot tell the "
+                                           "dataset format")
 
 
 def test_evaluate_reports_a_usage_error_with_78(tmp_path):
@@ -97,26 +98,47 @@ def test_evaluate_reports_a_usage_error_with_78(tmp_path):
                           f"--config.eval.data_dir={REPO / 'data'}"],
                          capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
     assert run.returncode == PERMANENT_ERROR_STATUS and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stderr.strip().splitlines()[-1] == (f"pacs_jax.evaluate: error: {tmp_path}: no tokenizer files "
-                                                    "(tokenizer_config.json); pass --config.data.tokenizer=DIR")
+    assert run.stderr.strip().splitlines()[-1] == (f"pacs_jax.evaluate: error: --checkpoint: {tmp_path}: not a model: "
+                                                    "no config.json (an HF model folder), no params/ (a pacs_jax "
+                                                    "checkpoint) and no <step>/params/ (a trainer's checkpoints/)")
 
 
 def test_run_cli_reports_permanent_errors_and_leaves_crashes_alone(tmp_path):
+    """Issue 35 item 6: a store that does not answer (a gs:// path with no network: gcsfs's connection
+    error, after its retries) is one line saying how long it tried, status 75, which supervise.sh
+    restarts; a connection error elsewhere (a worker's pipe) stays a crash."""
     script = ("import sys; from pacs_jax.errors import run_cli; from pacs_jax.data import DataError\n"
+              "exec(compile('def read():\\n    raise ConnectionRefusedError(111, \"Connect call failed\")\\n',\n"
+              "             '/venv/lib/python3.11/site-packages/gcsfs/core.py', 'exec'))  # as if gcsfs raised it\n"
               "def main(argv):\n"
               "    if sys.argv[-1] == 'data': raise DataError('rows.jsonl:3: field problem is empty')\n"
+              "    if sys.argv[-1] == 'store': read()\n"
+              "    if sys.argv[-1] == 'pipe': raise BrokenPipeError('a worker')\n"
               "    raise RuntimeError('a crash')\n"
               "run_cli('prog', main, sys.argv[:1])\n")
     data = subprocess.run([sys.executable, "-c", script, "data"], capture_output=True, text=True, timeout=60)
     assert data.returncode == 78 and data.stderr == "prog: error: rows.jsonl:3: field problem is empty\n"
-    crash = subprocess.run([sys.executable, "-c", script, "crash"], capture_output=True, text=True, timeout=60)
-    assert crash.returncode == 1 and "Traceback" in crash.stderr and "RuntimeError: a crash" in crash.stderr
+    store = subprocess.run([sys.executable, "-c", script, "store"], capture_output=True, text=True, timeout=60)
+    assert store.returncode == UNREACHABLE_STORE_STATUS and store.stderr == (
+        "prog: error: a store (gs://) did not answer; gave up after 0 s (ConnectionRefusedError: [Errno 111] Connect "
+        "call failed): check the network and the credentials (gcloud auth application-default login)\n")
+    for case, error in (("crash", "RuntimeError: a crash"), ("pipe", "BrokenPipeError: a worker")):
+        crash = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=60)
+        assert crash.returncode == 1 and "Traceback" in crash.stderr and error in crash.stderr
 
 
 # ----------------------------------------------------------------------------------- tpu_pod.sh
+MODEL_ON_WORKERS = ("--", "--config.model.path=/home/me/Qwen2.5-7B")  # not on this machine: left to the trainer
+
+
+def _pod_env(env: dict | None = None, **more: str) -> dict:
+    """The environment of a tpu_pod.sh run: its config check runs with this Python (PACS_PYTHON)."""
+    return {**(env or os.environ), "PACS_PYTHON": sys.executable, **more}
+
+
 def _tpu_pod(state_dir, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(TPU_POD), *args], capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env={**(env or os.environ), "PACS_TPU_POD_STATE_DIR": str(state_dir)})
+                          env=_pod_env(env, PACS_TPU_POD_STATE_DIR=str(state_dir)))
 
 
 def _gcloud_lines(run: subprocess.CompletedProcess) -> list[list[str]]:
@@ -151,7 +173,26 @@ def test_tpu_pod_usage_example_passes_local_model_paths():
     header = TPU_POD.read_text().split("\nset -euo")[0]
     example = header[header.index("# Example"):]
     assert "--config.model.path=/" in example and "--config.data.tokenizer=/" in example
-    assert "model.path=gs://" not in example and "tokenizer=gs://" not in example  # config_check refuses gs://
+    assert "refuses" not in header  # gs:// model paths are read (issue 35 item 4: the help said otherwise)
+
+
+def test_tpu_pod_run_checks_the_config_on_this_machine_before_asking_gcloud(tmp_path):
+    """Issue 35 item 4: `run` checked only that --config was given, then created and set up a slice for a
+    misspelled setup name or override. Now the trainer's check runs here first: one line, status 78, no
+    gcloud command, nothing recorded; a path that is only on the workers is left to the trainer."""
+    base = ["run", "--dry-run", "--name", "n", "--zone", "z", "--repo", "https://example.org/p.git"]
+    for config, flags, line in (
+            ("configs/paper.py:qwen25_7b,pacs_bet1", MODEL_ON_WORKERS,
+             "pacs_jax.check_config: error: flag --config=configs/paper.py:qwen25_7b,pacs_bet1: config arg algorithm "
+             "'pacs_bet1': expected one of ['grpo', "),
+            ("configs/paper.py:qwen25_7b,pacs_beta1", (*MODEL_ON_WORKERS, "--config.rollout.slotz=0"),
+             "pacs_jax.check_config: error: --config.rollout.slotz: config.rollout has no field 'slotz'; did you mean "
+             "--config.rollout.slots?"),
+    ):  # a value that cannot work (rollout.slots=0) is the trainer's line: tests/test_cli_errors.py
+        run = _tpu_pod(tmp_path, *base, "--config", config, *flags)
+        assert run.returncode == PERMANENT_ERROR_STATUS and run.stderr.startswith(line), run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1 and _gcloud_lines(run) == [], run.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def _fake_gcloud(tmp_path) -> dict:
@@ -183,7 +224,8 @@ def test_tpu_pod_remembers_a_queued_spot_slice_for_keep_alive_and_delete(tmp_pat
 
     # run --keep-alive without --mode: a re-created slice (here: not found) is a queued spot resource again
     run = _tpu_pod(state, "run", "--dry-run", "--keep-alive", "--name", "pacs-7b", "--zone", "us-east5-a",
-                   "--config", "configs/paper.py:qwen25_7b_v6e,pacs_beta1", "--repo", "https://example.org/p.git")
+                   "--config", "configs/paper.py:qwen25_7b_v6e,pacs_beta1", "--repo", "https://example.org/p.git",
+                   *MODEL_ON_WORKERS)
     assert run.returncode == 0, run.stderr
     assert "pacs-7b was created with --mode queued --spot --accelerator v6e-64" in run.stderr
     create = [c for c in _gcloud_lines(run) if c[3:5] == ["queued-resources", "create"]]
@@ -235,7 +277,7 @@ def test_tpu_pod_does_not_default_repo_to_a_local_origin(tmp_path, command):
     """Issue 28 item 9: an 'origin' that is a path on this machine cannot be cloned by the workers; the
     error says to pass --repo URL, before anything is created. A URL origin is still the default."""
     args = ["--dry-run", "--name", "n", "--zone", "z", "--config", "configs/paper.py:qwen25_7b,pacs_beta1"]
-    state = {**os.environ, "PACS_TPU_POD_STATE_DIR": str(tmp_path / "state")}
+    state = _pod_env(PACS_TPU_POD_STATE_DIR=str(tmp_path / "state"))
     for local in ("/home/me/src/pacs_jax", "../pacs_jax", "file:///home/me/pacs_jax.git"):
         checkout = _checkout(tmp_path / local.replace("/", "_"), local)
         run = subprocess.run(["bash", str(checkout / "launch" / "tpu_pod.sh"), command, *args], capture_output=True,
@@ -244,8 +286,8 @@ def test_tpu_pod_does_not_default_repo_to_a_local_origin(tmp_path, command):
         assert (f"--repo is required: this checkout's 'origin' remote is a local path ({local}), which the workers "
                 "cannot clone; pass --repo URL") in run.stderr
     checkout = _checkout(tmp_path / "url", "git@github.com:org/pacs_jax.git")
-    run = subprocess.run(["bash", str(checkout / "launch" / "tpu_pod.sh"), command, *args], capture_output=True,
-                         text=True, timeout=60, cwd=checkout, env=state)
+    run = subprocess.run(["bash", str(checkout / "launch" / "tpu_pod.sh"), command, *args, *MODEL_ON_WORKERS],
+                         capture_output=True, text=True, timeout=60, cwd=checkout, env=state)
     assert run.returncode == 0, run.stderr
     assert "git clone git@github.com:org/pacs_jax.git ~/pacs_jax" in _setup_command(run)
     given = _tpu_pod(tmp_path / "state", command, *args, "--repo", "/home/me/src/pacs_jax")
@@ -261,8 +303,10 @@ def test_tpu_pod_setup_puts_the_training_data_on_every_worker(tmp_path):
     made = _setup_command(_tpu_pod(tmp_path, "setup", *base))
     step = "[ -f data/deepscaler/train.jsonl ] || .venv/bin/python tools/prepare_data.py deepscaler"
     assert made.endswith(step + "; ") and made.index("uv pip install") < made.index(step)
-    run = _tpu_pod(tmp_path, "run", *base, "--config", "configs/paper.py:qwen25_7b,pacs_beta1")
+    run = _tpu_pod(tmp_path, "run", *base, "--config", "configs/paper.py:qwen25_7b,pacs_beta1", *MODEL_ON_WORKERS)
     assert run.returncode == 0 and step in _setup_command(run)  # a new slice is set up with its data
+    assert ("the config and its inputs pass the trainer's check for v5p-64 (32 devices); not on this machine, left "
+            "to the trainer on the workers: model.path=/home/me/Qwen2.5-7B") in run.stderr  # its check ran first
     copied = _setup_command(_tpu_pod(tmp_path, "setup", *base, "--data", "gs://bucket/deep scaler/train.jsonl"))
     assert "gcloud storage cp gs://bucket/deep\\ scaler/train.jsonl data/deepscaler/train.jsonl" in copied
     assert "prepare_data" not in copied

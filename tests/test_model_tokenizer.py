@@ -236,7 +236,8 @@ def test_the_models_own_tokenizer_needs_a_model_folder_with_tokenizer_files(deep
     config = _config(deepscaler_rows, qwen25_dir)
     bare = tmp_path / "weights_only"
     bare.mkdir()
-    shutil.copy(qwen25_dir / "config.json", bare / "config.json")
+    for name in ("config.json", "model.safetensors"):  # a model, without tokenizer files
+        shutil.copy(qwen25_dir / name, bare / name)
     config.model.path = str(bare)
     with pytest.raises(ConfigError, match=rf"^config\.data\.tokenizer: empty, .* model\.path {bare} has no tokenizer "
                                           r"files \(tokenizer_config\.json"):

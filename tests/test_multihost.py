@@ -193,7 +193,8 @@ def test_local_launcher_prefixes_lines_and_stops_everything_when_one_process_fai
 
 def _dry_run(*args: str) -> list[list[str]]:
     run = subprocess.run(["bash", str(TPU_POD), args[0], "--dry-run", *args[1:]], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=60, cwd=REPO)  # in the order printed
+                         stderr=subprocess.STDOUT, text=True, timeout=60, cwd=REPO,  # in the order printed
+                         env=_env(PACS_PYTHON=sys.executable))  # `run` checks the config with this Python
     assert run.returncode == 0, run.stdout
     return [shlex.split(line) for line in run.stdout.splitlines() if line.startswith("gcloud ")]
 
@@ -208,7 +209,8 @@ def test_tpu_pod_run_dry_run_prints_the_whole_gcloud_sequence():
     override = "--config.data.train_files=('/data/deep scaler.json','/data/b, c.json')"
     commands = _dry_run("run", "--name", "pacs-7b", "--zone", "us-east5-a", "--accelerator", "v5p-64",
                         "--config", "configs/paper.py:qwen25_7b,pacs_beta1", "--repo", "https://example.org/pacs_jax.git",
-                        "--workdir", "gs://bucket/run 1", "--", override, "--config.optim.lr=1e-6")
+                        "--workdir", "gs://bucket/run 1", "--", override, "--config.optim.lr=1e-6",
+                        "--config.model.path=/home/me/Qwen2.5-7B")  # on the workers' disks: left to the trainer
     verbs = [" ".join(c[1:5]) for c in commands]
     assert verbs == ["compute tpus tpu-vm describe", "compute tpus tpu-vm create", "compute tpus tpu-vm ssh",
                      "compute tpus tpu-vm ssh", "compute tpus tpu-vm ssh"]

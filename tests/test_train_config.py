@@ -166,11 +166,13 @@ def test_paper_config_without_model_path_is_refused_unless_random_init_is_asked_
         validate_config(config)
     config.model.random_init = True  # asked for by name
     validate_config(config)
-    config.model.path = str(tmp_path)  # a model folder (the check is that it exists; loading reads it)
+    config.model.path = str(tmp_path)
     with pytest.raises(ConfigError, match=r"^config\.model\.random_init: True, but model\.path="):
         validate_config(config)
-    config.model.random_init = False
-    validate_config(config)
+    config.model.random_init = False  # then the folder is read (issue 35): an empty one is no model
+    with pytest.raises(ConfigError, match=rf"^config\.model\.path: {re.escape(str(tmp_path))}: not a model: no "
+                                          r"config\.json"):
+        validate_config(config)
 
 
 def test_architecture_fields_without_a_preset_still_initialise_at_random(in_repo, qwen_tokenizer_dir):

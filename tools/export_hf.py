@@ -1,14 +1,19 @@
-"""pacs_jax Orbax checkpoint -> Hugging Face directory that transformers loads.
+"""pacs_jax checkpoint -> Hugging Face directory that transformers loads.
 
-    python tools/export_hf.py --checkpoint ckpt/run1 --out hf/run1 --tokenizer ~/hf/Qwen2.5-0.5B
+    python tools/export_hf.py --checkpoint workdir/run1 --out hf/run1 --tokenizer ~/hf/Qwen2.5-0.5B
 
---checkpoint is a model checkpoint (model_config.json + params/) or a trainer checkpoint root (the
-latest <step>/params is exported). The output holds config.json, generation_config.json, the
-weights (model.safetensors, or shards + model.safetensors.index.json above --max_shard_size;
-pytorch_model*.bin with --format bin) and the tokenizer files of --tokenizer. It is written to a
-temporary directory beside --out and renamed at the end: a failed export leaves nothing at --out.
---overwrite replaces only a previous export (config.json and weights, nothing of a training workdir
-or checkpoint): pointing --out at a workdir or its checkpoints/ is refused, naming the folder.
+--checkpoint is what ``python -m pacs_jax.evaluate`` takes (pacs_jax/evaluation/target.py): a training
+workdir (its newest checkpoints/<step>, else its hf_export), a trainer checkpoint root (its latest
+<step>), one <step>, or a model checkpoint (model_config.json + params/); it is checked (its config,
+and every parameter at its shape in the checkpoint's metadata) before anything loads. The output holds
+config.json, generation_config.json, the weights (model.safetensors, or shards +
+model.safetensors.index.json above --max_shard_size; pytorch_model*.bin with --format bin), the
+tokenizer files of --tokenizer and pacs_jax_export.json, the list of the files the export wrote. It is
+written to a temporary directory beside --out and renamed at the end: a failed export leaves nothing
+at --out. --overwrite replaces only a folder this tool (or the trainer's export) wrote, holding
+nothing but the files its pacs_jax_export.json lists: a downloaded HF model, a workdir or anything
+else is refused, naming what it holds. Errors in what was given (a folder that is no checkpoint, an
+--out that may not be replaced) are one line and exit status 78 (pacs_jax/errors.py).
 Parameters are loaded on one device; for models larger than one accelerator's memory, run on the
 host CPU (JAX_PLATFORMS=cpu).
 """
@@ -22,7 +27,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from pacs_jax import checkpoints, models
+from pacs_jax import checkpoints, console, models
+from pacs_jax.errors import UsageError, run_main
+from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.models.hf_weights import check_export_target
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -44,7 +51,8 @@ def parse_size(text: str) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, type=pathlib.Path,
-                        help="pacs_jax checkpoint directory (model dir or trainer root)")
+                        help="a training workdir (its newest checkpoint), a trainer checkpoint root or step, or a "
+                             "model checkpoint directory")
     parser.add_argument("--out", required=True, type=pathlib.Path, help="HF directory to write")
     parser.add_argument("--tokenizer", type=pathlib.Path, default=None,
                         help="directory whose tokenizer files (tokenizer.json, vocab.json, merges.txt, "
@@ -56,30 +64,52 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--param_dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
                         help="dtype of the exported weights; 'keep' (default) keeps the checkpoint's dtype")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace --out if it is a previous HF export (a workdir or checkpoint never is)")
-    args = parser.parse_args(argv)
+                        help="replace --out if it is an export this tool wrote (pacs_jax_export.json lists its "
+                             "files); anything else is refused")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> pathlib.Path:
+    """Everything the export reads and replaces, before anything loads: --out (empty, or with
+    --overwrite an export this tool wrote), --tokenizer (a folder), --checkpoint (resolved as the
+    evaluation CLI resolves it; its config and parameter shapes read). Returns the model folder to
+    load; raises ``UsageError`` naming the flag."""
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())) and not args.overwrite:
-        parser.error(f"--out {args.out}: exists and is not empty (pass --overwrite to replace it)")
+        raise UsageError(f"--out {args.out}: exists and is not empty (pass --overwrite to replace a previous export)")
     try:  # before loading the checkpoint: --overwrite replaces only a previous export, never a workdir
         check_export_target(args.out, overwrite=args.overwrite)
     except FileExistsError as e:
-        parser.error(f"--out {e}")
+        raise UsageError(f"--out {e}") from None
     if args.tokenizer is not None and not args.tokenizer.is_dir():
-        parser.error(f"--tokenizer {args.tokenizer}: not a directory")
-    return args
+        raise UsageError(f"--tokenizer {args.tokenizer}: not a directory")
+    target = resolve_target(args.checkpoint)
+    if target.note:  # a workdir: its newest checkpoint, else its export
+        print(f"export_hf: {args.checkpoint} is a training workdir: exporting {target.model_dir}", flush=True)
+    try:
+        checkpoints.check_model_dir(target.model_dir)
+    except checkpoints.ModelFolderError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+    return target.model_dir
 
 
 def main(argv: Sequence[str] | None = None) -> pathlib.Path:
+    """Export; an error in what was given is one line on stderr and exit status 78."""
     args = parse_args(argv)
+    return run_main("export_hf", _export, args)
+
+
+def _export(args: argparse.Namespace) -> pathlib.Path:
+    model_dir = check_args(args)
     start = time.perf_counter()
-    model = checkpoints.load_model(args.checkpoint, param_dtype=None if args.param_dtype == "keep" else args.param_dtype)
+    model = checkpoints.from_pretrained(model_dir, param_dtype=None if args.param_dtype == "keep" else args.param_dtype)
     out = models.export_hf(model, args.out, fmt=args.format, max_shard_bytes=args.max_shard_size,
                            tokenizer_dir=args.tokenizer, overwrite=args.overwrite, progress=True)
     files = sorted(p.name for p in out.iterdir())
-    print(f"{args.checkpoint} -> {out}: {model.cfg.model_type} in {model.cfg.param_dtype}, "
+    print(f"{model_dir} -> {out}: {model.cfg.model_type} in {model.cfg.param_dtype}, "
           f"{len(files)} files ({', '.join(files)}), {time.perf_counter() - start:.1f} s")
     return out
 
 
 if __name__ == "__main__":
+    console.setup([])  # Orbax's INFO lines off; plain progress lines in a log file
     main(sys.argv[1:])

@@ -32,7 +32,11 @@ parameters and AdamW state during the critic's). The last line is
     to shrink the fullest (PROGRAM): the config fields that shrink it
     peak per device: X GiB of Y GiB (fits)        or        ... (does not fit)
 
-and the exit status is 0 iff it fits (2: the compiler for the topology is not installed).
+and the exit status is 0 iff it fits (2: the compiler for the topology is not installed). Before
+anything compiles, the config passes the trainer's check (training/config_check.py ``check_for_slice``:
+its values, the mesh against the topology's devices, the data and model files on this machine; a
+preset without model.path plans as ``model.random_init``): a refusal is one line naming the field and
+exit status 78 (pacs_jax/errors.py).
 
 The mesh over the compile-only devices is set as the context (``jax.set_mesh``), as the trainer's CLI
 sets its own: attention "auto" resolves for the platform of its devices (splash on TPU, cudnn on
@@ -101,8 +105,18 @@ def main(argv) -> int:
     from pacs_jax import topologies
     from pacs_jax.training import memory_check
 
+    from pacs_jax.training.config_check import check_for_slice
+
     config = _CONFIG.value
-    topo = topologies.get_topology(_TOPOLOGY.value)
+    try:
+        topo = topologies.get_topology(_TOPOLOGY.value)
+    except ValueError as e:
+        raise app.UsageError(f"--topology: {e}") from None
+    if not config.model.path:  # the plan compiles abstract weights: a preset needs no released folder here
+        config.model.random_init = True
+    elsewhere = check_for_slice(config, topo.num_devices)  # the trainer's check, before anything compiles
+    if elsewhere:
+        print(f"[plan_memory] not on this machine, left unchecked: {', '.join(elsewhere)}", flush=True)
     try:
         devices = topologies.abstract_devices(topo)
     except RuntimeError as e:
@@ -141,4 +155,12 @@ if __name__ == "__main__":
     _PROGRAMS = flags.DEFINE_string("programs", ",".join(PROGRAMS), "which programs to compile (comma-separated; "
                                                                    "the verdict covers only those; the critic's "
                                                                    "are compiled for PPO only)")
-    app.run(lambda argv: sys.exit(main(argv)))
+    from pacs_jax import console
+    from pacs_jax.data import paths
+    from pacs_jax.errors import run_cli
+
+    def _main(argv) -> None:
+        console.setup()
+        sys.exit(main(argv))
+
+    run_cli("plan_memory", _main, sys.argv, prepare=paths.config_file_args)  # config errors: one line, status 78

@@ -12,6 +12,13 @@ Shared by the file readers (``readers.py``) and the TFDS source (``tfds_source.p
     gsm8k        question             answer: the text after the last "####" ("1,600" read as "1600")
     pacs         problem              ground_truth (our own jsonl, written by tools/prepare_data.py)
 
+and, for files of one's own (named after no dataset), formats named by their fields, which a reader
+picks from the first row's fields (``GENERIC_FORMATS``, in this order):
+
+    problem_answer       problem          answer
+    question_answer      question         answer
+    prompt_ground_truth  prompt           ground_truth
+
 An answer may be a string or a number; anything else (list, object, null, boolean) is malformed, and
 so is an empty one (the DeepScaleR MATH file has two null and two empty answers: a problem nobody
 can score would only teach the policy that everything is wrong). Malformed rows raise ``DataError``
@@ -46,7 +53,25 @@ FORMATS: dict[str, FieldMap] = {
     "aime_2025": FieldMap(("problem",), ("answer",)),
     "amc23": FieldMap(("question", "problem"), ("answer",)),
     "gsm8k": FieldMap(("question",), ("answer",), answer_after="####"),
+    "problem_answer": FieldMap(("problem",), ("answer",)),
+    "question_answer": FieldMap(("question",), ("answer",)),
+    "prompt_ground_truth": FieldMap(("prompt",), ("ground_truth",)),
 }
+# Formats named by their fields, not by a dataset: a file of one's own whose rows have them is read by
+# them whatever its name (readers._resolve_format), and its problems' data_source is the file's name.
+GENERIC_FORMATS = ("problem_answer", "question_answer", "prompt_ground_truth")
+
+
+def format_of_fields(row: Any) -> str | None:
+    """The first of ``GENERIC_FORMATS`` whose problem and answer fields ``row`` (a decoded row) has, or
+    None."""
+    if not isinstance(row, dict):
+        return None
+    for name in GENERIC_FORMATS:
+        fields = FORMATS[name]
+        if any(k in row for k in fields.problem) and any(k in row for k in fields.answer):
+            return name
+    return None
 
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 

@@ -4,7 +4,9 @@
     problems, stats = load_problems("data/deepscaler_subset", format="deepscaler")
     problems, stats = load_problems("tfds:gsm8k:test")                              # needs the 'tfds' extra
 
-The format comes from the folder or file name (or ``format=``); its field map is in ``fields.py``.
+The format comes from the folder or file name, else from the first row's fields (a file of one's own
+with {problem, answer}, {question, answer} or {prompt, ground_truth} rows), or ``format=``; a spec
+``PATH:FORMAT`` names it for one file (``split_format``). The field maps are in ``fields.py``.
 Malformed input raises ``DataError`` naming the file and line (JSON list: the line where the item
 starts; parquet: the row), or with ``on_error="skip"`` is skipped and counted in ``ReadStats``.
 A path may be a ``gs://`` object or folder (read through ``etils.epath``, data/paths.py).
@@ -21,16 +23,28 @@ from typing import Any
 from etils import epath
 
 from pacs_jax.data import paths
-from pacs_jax.data.fields import FORMATS, ReadStats, convert_rows
+from pacs_jax.data.fields import FORMATS, GENERIC_FORMATS, ReadStats, convert_rows, format_of_fields
 from pacs_jax.data.records import DataError, Problem
 from pacs_jax.data.tfds_source import read_tfds
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def split_format(spec: str) -> tuple[str, str | None]:
+    """(path, format) of a data spec ``PATH:FORMAT`` (FORMAT a name of ``FORMATS``); (spec, None) for a
+    spec without one (``tfds:NAME[:SPLIT]`` included)."""
+    path, colon, name = str(spec).rpartition(":")
+    if colon and name in FORMATS and path and not str(spec).startswith("tfds:"):
+        return path, name
+    return str(spec), None
+
+
 def load_problems(spec: str | pathlib.Path, format: str = "auto", data_source: str | None = None,
                   on_error: str = "raise") -> tuple[list[Problem], ReadStats]:
-    """Read a file, a folder of files, or ``tfds:NAME[:SPLIT]`` (split defaults to "test")."""
+    """Read a file, a folder of files, or ``tfds:NAME[:SPLIT]`` (split defaults to "test"); a spec
+    ``PATH:FORMAT`` reads PATH in FORMAT whatever ``format`` says."""
+    spec, named = split_format(spec) if isinstance(spec, str) else (spec, None)
+    format = named or format
     if isinstance(spec, str) and spec.startswith("tfds:"):
         name, _, split = spec[len("tfds:"):].partition(":")
         return read_tfds(name, split or "test", format=None if format == "auto" else format,
@@ -42,18 +56,21 @@ def read_problems(path: str | pathlib.Path, format: str = "auto", data_source: s
                   on_error: str = "raise") -> tuple[list[Problem], ReadStats]:
     """Read ``path`` (a .jsonl / .json / .parquet file, or a folder of them read in name order)."""
     path = paths.path(path)  # relative and missing here: the repository root's; gs://: read from the store
-    if not path.exists():
-        raise FileNotFoundError(paths.missing(path))
+    if not path.exists():  # a DataError: one line, status 78 in the CLIs, even for a file gone since the check
+        raise DataError(paths.missing(path))
     files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES) if path.is_dir() else [path]
     if not files:
         raise DataError(f"{path}: no {'/'.join(SUFFIXES)} files in this folder")
+    if next((row for file in files for row in _rows(file)), None) is None:
+        raise DataError(f"{path}: holds no rows (an empty {'folder of files' if path.is_dir() else 'file'}?)")
     fmt = _resolve_format(path, files[0], format)
     rows = (row for file in files for row in _rows(file))
     return convert_rows(rows, fmt, data_source or _default_source(path, fmt), on_error)
 
 
 def _resolve_format(path: epath.Path, first_file: epath.Path, format: str) -> str:
-    """``format``, or (auto) "pacs" when the rows are ours, else the known format the path is named after."""
+    """``format``, or (auto) "pacs" when the rows are ours, else the known format the path is named after,
+    else the format the first row's fields name (``fields.format_of_fields``)."""
     if format != "auto":
         if format not in FORMATS:
             raise ValueError(f"format={format!r}: expected 'auto' or one of {sorted(FORMATS)}")
@@ -65,12 +82,19 @@ def _resolve_format(path: epath.Path, first_file: epath.Path, format: str) -> st
         for known in FORMATS:
             if name == known or name.startswith(known + "_"):
                 return known
-    raise DataError(f"{path}: cannot tell the dataset format from its name or fields; "
-                    f"pass format= one of {sorted(FORMATS)}")
+    by_fields = format_of_fields(row)
+    if by_fields:
+        return by_fields
+    fields = f"its first row has the fields {sorted(row)[:8]}" if isinstance(row, dict) else \
+        "its first row is not a JSON object"
+    raise DataError(f"{where}: cannot tell the dataset format from its name or fields ({fields}); name it, as "
+                    f"PATH:FORMAT (or the trainer's data.format) with FORMAT one of {sorted(FORMATS)}")
 
 
 def _default_source(path: epath.Path, format: str) -> str:
-    if format != "pacs":
+    """The data_source of a file's problems: its format's dataset, or the file's own name for our rows
+    and for rows read by their fields."""
+    if format != "pacs" and format not in GENERIC_FORMATS:
         return format
     return path.stem if path.is_file() else path.name
 

@@ -3,7 +3,8 @@
     train, warm, held_out, counts = training_problems(config.data, seed=config.seed)
     examples, dropped = build_prompts(train, tokenizer, config.data.max_prompt_length, config.data.instruction)
 
-``data.source`` is "files" (the problems of ``data.train_files``, readers.load_problems) or
+``data.source`` is "files" (the problems of ``data.train_files``, readers.load_problems, each in the
+format its name or its rows' fields say, ``data.format`` when set, or its own ``FILE:FORMAT``) or
 "arithmetic" (generated word problems, data/arithmetic.py). The problems are split three ways, in
 this order:
 
@@ -25,6 +26,7 @@ import numpy as np
 from pacs_jax.data import arithmetic
 from pacs_jax.data.readers import load_problems
 from pacs_jax.data.records import DataError, Problem
+from pacs_jax.errors import UsageError
 
 SOURCES = ("files", "arithmetic")
 
@@ -42,7 +44,8 @@ def training_problems(data_config: Mapping, seed: int
         problems, skipped = [], 0
         for spec in data_config["train_files"]:
             try:
-                read, stats = load_problems(spec, on_error="skip" if data_config["allow_skips"] else "raise")
+                read, stats = load_problems(spec, format=data_config.get("format", "auto"),
+                                            on_error="skip" if data_config["allow_skips"] else "raise")
             except DataError as error:
                 if not error.skippable:
                     raise
@@ -55,10 +58,11 @@ def training_problems(data_config: Mapping, seed: int
     else:
         raise ValueError(f"data.source={source!r}: expected one of {SOURCES}")
     if held >= len(problems):
-        raise ValueError(f"data.held_out_problems={held} leaves no training problems of the {len(problems)} read")
+        raise UsageError(f"config.data.held_out_problems: {held} leaves no training problems of the {len(problems)} "
+                         f"read; set it below {len(problems)}")
     if warm + held >= len(problems):
-        raise ValueError(f"data.warmstart_problems={warm} with data.held_out_problems={held} leaves no RL problems "
-                         f"of the {len(problems)} read")
+        raise UsageError(f"config.data.warmstart_problems: {warm} with data.held_out_problems={held} leaves no RL "
+                         f"problems of the {len(problems)} read; set them to less than {len(problems)} together")
     cut = len(problems) - held
     counts = {"rows": len(problems), "skipped": skipped, "held_out": held, "warmstart": warm}
     return problems[warm:cut], problems[:warm], problems[cut:], counts

@@ -160,6 +160,65 @@ class HFWeightReader:
             return f.get_tensor(hf_name) if index is None else f.get_slice(hf_name)[index]
 
 
+def safetensors_header(path: epath.Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file, from its header alone (8 bytes of length, then JSON;
+    local or on a store). Raises ``ValueError`` naming the file (by its name: the caller names the
+    folder) when the header is unreadable or the file is shorter than the tensors the header places in
+    it (a copy cut short)."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length < 100 * 2**20:
+            raise ValueError(f"{path.name}: not a safetensors file (no header)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise ValueError(f"{path.name}: not a safetensors file (its header is not JSON)") from None
+    try:
+        header.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0) + 8 + length
+        shapes = {name: tuple(int(n) for n in t["shape"]) for name, t in header.items()}
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise ValueError(f"{path.name}: not a safetensors file (its header lists no tensors' offsets and "
+                         "shapes)") from None
+    stat = path.stat()  # epath's StatResult (length) or os.stat_result (st_size)
+    size = stat.length if hasattr(stat, "length") else stat.st_size
+    if size < end:
+        raise ValueError(f"{path.name}: holds {size} bytes of the {end} its header describes (a copy cut short?)")
+    return shapes
+
+
+def hf_weight_shapes(hf_dir: epath.Path, *, read_headers: bool = True) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of the safetensors weights in ``hf_dir`` (model.safetensors, or the shards
+    model.safetensors.index.json lists), read from the files' headers only; with ``read_headers``
+    False (a folder on a store), {name: ()} (shape unknown) from the index after checking each shard
+    exists, {} for a single file. Raises
+    ``FileNotFoundError`` / ``ValueError`` naming the missing or unreadable file."""
+    index = hf_dir / SAFE_INDEX
+    if index.is_file():
+        try:
+            files = {k: hf_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index.name}: not a safetensors index (no weight_map: {e!r})") from None
+    elif (hf_dir / SAFE_SINGLE).is_file():
+        if not read_headers:
+            return {}
+        return safetensors_header(hf_dir / SAFE_SINGLE)
+    else:
+        bins = sorted(p.name for p in hf_dir.iterdir() if p.name.startswith("pytorch_model") and p.suffix == ".bin")
+        raise FileNotFoundError(
+            f"no weights: neither {SAFE_SINGLE} nor {SAFE_INDEX}"
+            + (f" (it holds {', '.join(bins[:3])}: PyTorch weights, which are not read; save them as safetensors)"
+               if bins else ""))
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for shard in sorted(set(files.values())):
+        if not shard.is_file():
+            raise FileNotFoundError(f"{shard.name} (a shard {SAFE_INDEX} lists) is missing")
+        if read_headers:
+            shapes.update(safetensors_header(shard))
+    return shapes if read_headers else dict.fromkeys(files, ())
+
+
 def _read_one(reader: HFWeightReader, hf_name: str, tmap: TensorMap, path: str, shape: tuple[int, ...],
               index: Index) -> np.ndarray:
     """Block ``index`` of one (per-layer) parameter of ``shape`` from the HF tensor ``hf_name``."""
@@ -219,23 +278,29 @@ def _save_bin(shard: dict[str, np.ndarray], path: pathlib.Path) -> None:
 
 
 # What a training workdir, a checkpoint folder or a pacs_jax model checkpoint holds, and an HF export
-# never does: an export replaces only a folder with none of them (and no other subfolder).
+# never does: named when a folder holding them is refused.
 WORKDIR_MARKERS = ("checkpoints", "metrics.jsonl", "summary.json", "warmstart.json", "tensorboard", "hf_export",
                    "curves.png", "model_config.json", "params", "_CHECKPOINT_METADATA")
 EXPORT_SUBFOLDERS = ("eval",)  # python -m pacs_jax.evaluate --checkpoint=EXPORT writes EXPORT/eval
+EXPORT_MARKER = "pacs_jax_export.json"  # written into every export: {"files": [...]}, what an overwrite may replace
 
 
 class NotAnExportError(FileExistsError):
     """The folder an export would replace is not a previous HF export; the message names it and why."""
 
 
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+
+
 def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     """Refuse to write an HF export over anything but nothing, an empty folder or (with ``overwrite``)
-    a previous export: config.json and weights (``*.safetensors`` / ``pytorch_model*.bin``) and
-    nothing of a workdir or a checkpoint (``WORKDIR_MARKERS``, step folders, other subfolders).
+    an export this code wrote: a folder with ``EXPORT_MARKER`` that holds only the files it lists (and
+    the evaluation CLI's ``eval/``). Anything else, a downloaded HF model, a training workdir or a
+    checkpoint included, is refused naming what it holds, before anything is read or written.
 
     Used by ``write_hf_dir`` (``tools/export_hf.py`` and the trainer's workdir/hf_export), so that an
-    ``--out`` pointing at a training workdir or its checkpoints is never deleted.
+    ``--out`` pointing at a folder of someone's files is never deleted.
     Raises ``NotAnExportError`` (a ``FileExistsError``) with one line naming ``out_dir``, a local folder
     or one on a store (``gs://``).
     """
@@ -252,6 +317,7 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
         raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True / --overwrite)")
     if local and out_dir.is_symlink():
         raise NotAnExportError(f"{out_dir}: is a symbolic link; not replacing it with an HF export")
+    names = [e.name for e in entries]
     workdir_like = [e.name for e in entries if e.name in WORKDIR_MARKERS
                     or (e.is_dir() and e.name not in EXPORT_SUBFOLDERS)]
     if workdir_like:
@@ -259,13 +325,20 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
             f"{out_dir}: not a previous HF export (it holds {', '.join(workdir_like[:4])}"
             f"{', ...' if len(workdir_like) > 4 else ''}: a training workdir or checkpoint?); "
             "not replacing it: choose another output folder")
-    names = {e.name for e in entries if e.is_file()}
-    has_weights = any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
-                      for n in names)
-    if "config.json" not in names or not has_weights:
+    if EXPORT_MARKER not in names:
         raise NotAnExportError(
-            f"{out_dir}: not a previous HF export (no config.json with *.safetensors or pytorch_model*.bin "
-            "weights); not replacing it: choose another output folder or empty it first")
+            f"{out_dir}: not an export pacs_jax wrote (no {EXPORT_MARKER}; it holds {_listing(names)}); "
+            "not replacing it: choose another output folder, or empty it first")
+    try:
+        written = set(json.loads((out_dir / EXPORT_MARKER).read_text())["files"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise NotAnExportError(f"{out_dir}: {EXPORT_MARKER} is unreadable ({e!r}); not replacing the folder: "
+                               "choose another output folder, or empty it first") from None
+    others = [name for name in names if name not in written | {EXPORT_MARKER, *EXPORT_SUBFOLDERS}]
+    if others:
+        raise NotAnExportError(
+            f"{out_dir}: holds {_listing(others)} besides the export pacs_jax wrote there ({EXPORT_MARKER}); "
+            "not replacing it: move them out, or choose another output folder")
 
 
 def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
@@ -277,7 +350,8 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
     ``tensors`` yields (hf_name, array) pairs, consumed shard by shard. ``fmt`` is "safetensors"
     or "bin" (pytorch_model*.bin for older tooling). A failure leaves nothing at ``out_dir``. An
     existing ``out_dir`` is replaced only with ``overwrite`` and only if it is a previous export
-    (``check_export_target``). The folder and its files get the modes ``mkdir()`` / ``open()`` give.
+    (``check_export_target``; the export lists its files in ``EXPORT_MARKER``). The folder and its
+    files get the modes ``mkdir()`` / ``open()`` give.
 
     ``out_dir`` on a store (``gs://...``): the export is written to a local temporary folder (as big
     as the model), then uploaded (``_upload``); returns ``out_dir`` as an ``epath.Path``.
@@ -328,6 +402,8 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
                 raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
             for f in found:
                 shutil.copy2(tokenizer_dir / f, tmp / f)
+        (tmp / EXPORT_MARKER).write_text(json.dumps(
+            {"written_by": "pacs_jax", "files": sorted(p.name for p in tmp.iterdir())}, indent=2))
         for path in tmp.iterdir():  # safetensors writes 0600 files, mkdtemp a 0700 folder
             publish_mode(path)
         publish_mode(tmp, directory=True)  # -> what open() and mkdir() give
@@ -344,15 +420,18 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
 def _upload(export: pathlib.Path, out_dir: epath.Path, *, overwrite: bool) -> epath.Path:
     """Copy the local HF export ``export`` to ``out_dir`` on a store, replacing a previous export there.
 
-    A store has no rename, so this is not atomic: the weights are uploaded first, then the other files
-    (config.json among them), then what a previous export holds that this one lacks is deleted. An
-    upload cut short leaves a previous export recognisable (config.json and weights, old or new), so a
-    rerun replaces it; a first export cut short leaves weights without config.json, which a rerun
-    refuses to replace (``check_export_target``) until the folder is deleted.
+    A store has no rename, so this is not atomic: a marker listing the previous export's files and this
+    one's is uploaded first, then the weights, the other files and this export's own marker, then
+    what a previous export holds that this one lacks is deleted. An upload cut short leaves a folder
+    whose marker lists every file in it, which a rerun replaces (``check_export_target``).
     """
     check_export_target(out_dir, overwrite=overwrite)  # again: it may have changed while writing
     previous = {entry.name for entry in out_dir.iterdir()} if out_dir.exists() else set()
-    files = sorted(export.iterdir(), key=lambda f: f.suffix not in (".safetensors", ".bin"))  # weights first
+    files = sorted(export.iterdir(), key=lambda f: (f.name == EXPORT_MARKER, f.suffix not in (".safetensors", ".bin")))
+    # first a marker listing the old files and the new (weights next, the export's own marker last): an upload
+    # cut short leaves a folder a rerun recognises and replaces
+    (out_dir / EXPORT_MARKER).write_text(json.dumps(
+        {"written_by": "pacs_jax", "files": sorted((previous | {f.name for f in files}) - {EXPORT_MARKER})}, indent=2))
     for file in files:
         with open(file, "rb") as src, (out_dir / file.name).open("wb") as dst:
             shutil.copyfileobj(src, dst, 16 << 20)

@@ -52,6 +52,27 @@ def dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def param_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """{dotted path: shape} of every parameter of ``Qwen(cfg)``, traced abstractly (nothing allocated,
+    no mesh needed)."""
+    state = nnx.state(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    return {dotted(path): tuple(var.get_value().shape) for path, var in nnx.to_flat_state(state)}
+
+
+def hf_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of every tensor an HF checkpoint of ``cfg``'s model holds (what
+    ``load_hf`` reads)."""
+    ours = param_shapes(cfg)
+    out = {}
+    for path, tmap in weight_map(cfg).items():
+        if tmap.num_layers is None:
+            out[tmap.hf_name] = tuple(tmap.hf_shape(ours[path]))
+        else:
+            out.update({tmap.hf_name.format(layer=layer): tuple(tmap.hf_shape(ours[path][1:]))
+                        for layer in range(tmap.num_layers)})
+    return out
+
+
 def build_from_arrays(cfg: QwenConfig, load: Callable[[str, jax.ShapeDtypeStruct, tuple[slice, ...] | None], np.ndarray], *,
                       progress: str | None = None) -> Qwen:
     """A model whose parameters come from ``load(dotted_path, abstract, index)``, one at a time.

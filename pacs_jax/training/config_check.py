@@ -1,22 +1,32 @@
-"""Validate a training config before anything compiles; every error names its field.
+"""The check before anything runs (docs/design.md section 3.0); every error names its field.
 
 Unknown keys are refused by ml_collections itself (configs are locked; ``--config.train.stepz=1``
-fails naming the key); this module checks values and how they fit together. Relative data paths are
-looked for as the readers look for them (data/paths.py: the working directory, then the repository);
-``gs://`` paths (model.path, data.tokenizer, data files, the evaluation sets' folder) in the store.
+fails naming the key); ``validate_config`` checks values, how they fit together, the model folder
+(config and weight headers, ``checkpoints.check_model_dir``) and every length against the model's
+context; ``check_inputs`` (the trainer, before its workdir exists) also reads the training data and the
+evaluation sets as the run will; ``check_for_slice`` (tools/plan_memory.py, pacs_jax/check_config.py for
+launch/tpu_pod.sh) runs it for a slice's devices on a machine that may lack the workers' files. Relative
+data paths are looked for as the readers look for them (data/paths.py: the working directory, then the
+repository); ``gs://`` paths (model.path, data.tokenizer, data files, the evaluation sets' folder) in
+the store.
 """
 
 from __future__ import annotations
 
-import pathlib
+import contextvars
 
 import jax
 import ml_collections
 
+from pacs_jax import checkpoints
 from pacs_jax.data import deepscaler, paths
-from pacs_jax.errors import PermanentError
+from pacs_jax.data.fields import FORMATS
 from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
-from pacs_jax.data.sources import SOURCES
+from pacs_jax.data.readers import split_format
+from pacs_jax.data.records import DataError
+from pacs_jax.data.sources import SOURCES, training_problems
+from pacs_jax.errors import PermanentError
+from pacs_jax.evaluation.runner import load_eval_sets
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
@@ -52,9 +62,11 @@ def _check_buckets(buckets, field: str, largest: int, largest_field: str, allow_
     _require(buckets[-1] == largest, field, f"the largest bucket ({buckets[-1]}) must equal {largest_field}={largest}")
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Check ``config`` against the devices there are (it builds nothing: ``sharding.config_mesh``
-    then makes its mesh). Objective facts come from the registry, rl/objectives.py."""
+def validate_config(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
+    """Check ``config`` against the devices there are, or ``device_count`` of them (it builds nothing:
+    ``sharding.config_mesh`` then makes its mesh). Objective facts come from the registry,
+    rl/objectives.py."""
+    devices = device_count or jax.device_count()
     tc, rc, oc = config.train, config.rollout, config.optim
     for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
         _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
@@ -124,7 +136,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(m.remat in REMAT_POLICIES, "model.remat", f"{m.remat!r} is not one of {REMAT_POLICIES}")
     for field in ("dtype", "param_dtype"):
         _require(m[field] in ("float32", "bfloat16", "float16"), f"model.{field}", f"{m[field]!r} is not a float dtype")
-    if m.path:
+    if m.path and not _elsewhere(m.path, "model.path"):
         _require(paths.path(m.path).exists(), "model.path", paths.missing(m.path))
     elif m.preset:
         _require(m.preset in PRESETS, "model.preset",
@@ -143,13 +155,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _check_warmstart(config.warmstart, config.data)
     _check_model_source(m)
     _check_tokenizer(config.data, m)
+    _check_context(config)
 
     mc = config.mesh
     try:
-        data, fsdp, tensor = mesh_shape(mc.data, mc.fsdp, mc.tensor, jax.device_count())
-        if tuple(mc.device_order) and sorted(mc.device_order) != list(range(jax.device_count())):
+        data, fsdp, tensor = mesh_shape(mc.data, mc.fsdp, mc.tensor, devices)
+        if tuple(mc.device_order) and sorted(mc.device_order) != list(range(devices)):
             raise ValueError(f"mesh.device_order={tuple(mc.device_order)}: must list each of the positions "
-                             f"0..{jax.device_count() - 1} of the devices once")
+                             f"0..{devices - 1} of the devices once")
     except ValueError as e:
         raise ConfigError(f"config.{e}") from e
     batch_shards = data * fsdp
@@ -157,15 +170,79 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
+    _check_slots(rc, "rollout")
     if rc.sampler == "continuous":
         slots = sampler_slots(config)
-        _require(isinstance(rc.slots, int) and rc.slots >= 1 and slots % batch_shards == 0, "rollout.slots",
-                 f"{rc.slots!r} must be an integer >= 1 whose value, capped at a sampler call's {slots} responses "
-                 f"(prompts_per_step / rollout.micro_batches x rollout.n), is a multiple of the mesh's "
-                 f"data x fsdp = {batch_shards} (one queue per batch shard)")
-        _require(isinstance(rc.tail_slots, int) and rc.tail_slots >= 0, "rollout.tail_slots",
-                 f"{rc.tail_slots!r} must be an integer >= 0 (0: the decode batch never narrows)")
+        _require(slots % batch_shards == 0, "rollout.slots",
+                 f"{rc.slots}, capped at a sampler call's {slots} responses (prompts_per_step / "
+                 f"rollout.micro_batches x rollout.n), must be a multiple of the mesh's data x fsdp = {batch_shards} "
+                 "(one queue per batch shard)")
     _check_tensor_axis(config, tensor)
+
+
+def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
+    """``validate_config``, then every input a run reads, read as the run reads it, before anything is
+    built: the training problems (each file parsed, each row with its format's fields, enough of them
+    for the held-out and warm-start splits, one step's prompts and one warm-start batch) and the
+    evaluation sets' files. The
+    trainer runs it before it creates its workdir; every failure is one line naming the field or file
+    (``ConfigError``, ``DataError``: permanent, status 78). ``device_count``: as ``validate_config``."""
+    validate_config(config, device_count)
+    dc, prompts = config.data, config.train.prompts_per_step
+    absent = dc.source == "files" and any([_elsewhere(split_format(f)[0], f"data.train_files[{i}]")  # each noted
+                                           for i, f in enumerate(dc.train_files)])
+    if not absent:
+        try:
+            train, warm, _, counts = training_problems(dc, seed=config.seed)
+        except DataError as e:
+            raise ConfigError(f"config.data.train_files: {e}") from None
+        _require(len(train) >= prompts, "train.prompts_per_step",
+                 f"{prompts} is more than the {len(train)} problems RL samples from ({counts['rows']} read, "
+                 f"{counts['held_out']} held out, {counts['warmstart']} for the warm-start only): a step takes "
+                 f"{prompts} distinct prompts; lower it or the splits, or add problems")
+        wc = config.warmstart
+        warm_count, whose = (len(warm), "data.warmstart_problems") if warm else (
+            len(train), "RL's, data.warmstart_problems being 0")
+        _require(not wc.steps or warm_count >= wc.batch_size, "warmstart.batch_size",
+                 f"{wc.batch_size} is more than the {warm_count} problems the warm-start trains on ({whose}): a "
+                 "warm-start step takes that many distinct prompts; lower it, or set more problems aside")
+    ec = config.eval
+    for name in (n.strip() for n in ec.sets.split(",") if n.strip() not in ("", "held_out")):
+        spec = ec.set_files[name]
+        if not spec.startswith("tfds:") and not _elsewhere(paths.join(ec.data_dir, spec), f"eval.set_files.{name}"):
+            try:
+                load_eval_sets([name], dict(ec.set_files), ec.data_dir)
+            except DataError as e:
+                raise ConfigError(f"config.eval.set_files.{name}: {e}") from None
+
+
+def check_for_slice(config: ml_collections.ConfigDict, device_count: int) -> list[str]:
+    """``check_inputs`` on the machine that launches a run on a slice of ``device_count`` devices
+    (launch/tpu_pod.sh, through pacs_jax/check_config.py): the mesh against the slice, and a local path
+    that is not on this machine (model.path, data.tokenizer, data files on the workers' disks) left
+    unchecked; what is there (``gs://`` paths included) is read as the trainer reads it. Returns the
+    paths left unchecked ("field=path"), which the trainer checks on the workers."""
+    skipped: list[str] = []
+    token = _ON_WORKERS.set(skipped)
+    try:
+        check_inputs(config, device_count)
+    finally:
+        _ON_WORKERS.reset(token)
+    return list(dict.fromkeys(skipped))
+
+
+# While check_for_slice runs: the fields whose local paths are not on this machine (else None)
+_ON_WORKERS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("on_workers", default=None)
+
+
+def _elsewhere(path: str, field: str) -> bool:
+    """Whether ``path`` (named by ``field``) is left unchecked: while ``check_for_slice`` runs, a local
+    path this machine does not have (it is noted); never otherwise."""
+    skipped = _ON_WORKERS.get()
+    if skipped is None or not path or paths.is_remote(path) or paths.path(path).exists():
+        return False
+    skipped.append(f"{field}={path}")
+    return True
 
 
 def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
@@ -184,15 +261,25 @@ def _check_other_objectives(algorithm: ml_collections.ConfigDict) -> None:
 
 
 def _check_data(dc: ml_collections.ConfigDict) -> None:
+    """The data section's values; a files field (train_files, format) set for the generated task, which
+    does not read it, is refused naming the source: it would be dropped silently."""
     _require(dc.source in SOURCES, "data.source", f"{dc.source!r} is not one of {SOURCES}")
+    _require(dc.format == "auto" or dc.format in FORMATS, "data.format",
+             f"{dc.format!r} is not 'auto' nor one of {sorted(FORMATS)}")
     if dc.source == "files":
         files = list(dc.train_files)
         _require(bool(files), "data.train_files", "no training files given (data.source is \"files\")")
         for i, f in enumerate(files):
-            path = f.split(":", 1)[-1] if ":" in f and not paths.is_remote(f) and not pathlib.Path(f).exists() else f
-            _require(paths.path(path).exists(), f"data.train_files[{i}]",
-                     paths.missing(path, deepscaler.missing_file_hint(path)))
+            path, _ = split_format(f)
+            if not path.startswith("tfds:") and not _elsewhere(path, f"data.train_files[{i}]"):
+                _require(paths.path(path).exists(), f"data.train_files[{i}]",
+                         paths.missing(path, deepscaler.missing_file_hint(path)))
     else:
+        for field, unset in (("train_files", ()), ("format", "auto")):
+            value = tuple(dc[field]) if field == "train_files" else dc[field]
+            _require(value == unset, f"data.{field}",
+                     f"{value!r} is set, but data.source is {dc.source!r}, which does not read it (it generates its "
+                     "problems): set data.source=files to train on files, or leave it unset")
         for field in ("problems", "max_operand"):
             value = dc.arithmetic[field]
             _require(isinstance(value, int) and value >= 1, f"data.arithmetic.{field}",
@@ -203,7 +290,8 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
         _require(dc.warmstart_problems < dc.arithmetic.problems, "data.warmstart_problems",
                  f"{dc.warmstart_problems} leaves RL none of the {dc.arithmetic.problems} training problems "
                  "(data.arithmetic.problems counts the warm-start's too)")
-    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or paths.path(dc.tokenizer).is_dir(),
+    _require(dc.tokenizer in (CHAR_TOKENIZER, MODEL_TOKENIZER) or _elsewhere(dc.tokenizer, "data.tokenizer")
+             or paths.path(dc.tokenizer).is_dir(),
              "data.tokenizer", f"tokenizer directory {dc.tokenizer!r} does not exist (or \"{CHAR_TOKENIZER}\", or "
              f"\"\" for model.path's own)")
     _require(isinstance(dc.tokenizer_force, bool), "data.tokenizer_force",
@@ -213,6 +301,9 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
 def _check_tokenizer(dc: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
     """The run's tokenizer (data/prompts.py run_tokenizer): "" needs model.path with tokenizer files, and
     a folder of another model family than model.path's is refused unless data.tokenizer_force."""
+    if _elsewhere(m.path, "model.path") or (dc.tokenizer not in (CHAR_TOKENIZER, MODEL_TOKENIZER)
+                                            and _elsewhere(dc.tokenizer, "data.tokenizer")):
+        return
     try:
         run_tokenizer(dc, m.path)
     except TokenizerChoiceError as e:
@@ -223,7 +314,8 @@ def _check_model_source(m: ml_collections.ConfigDict) -> None:
     """``model.random_init`` trains a ``model.preset`` from random weights only when asked to by name: a
     forgotten ``model.path`` must not cost a slice-day on a random 7B. Architecture fields with no
     preset (the demo, the tests' shrunk paper configs, which name every field of their tiny model)
-    initialise at random."""
+    initialise at random. Then model.path's folder: its config and weights (``_check_model_folder``), before
+    the tokenizer is looked for in it."""
     _require(isinstance(m.random_init, bool), "model.random_init", f"must be True or False, got {m.random_init!r}")
     _require(not (m.random_init and m.path), "model.random_init",
              f"True, but model.path={m.path!r} is set too: one or the other")
@@ -231,6 +323,8 @@ def _check_model_source(m: ml_collections.ConfigDict) -> None:
              f"not set: the {m.preset} preset would train from random weights; pass the released model's folder "
              f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
              f"--config.model.random_init=True to train it from random weights on purpose")
+    if m.path and not _elsewhere(m.path, "model.path"):
+        _check_model_folder(m.path, "model.path")
 
 
 def _check_warmstart(wc: ml_collections.ConfigDict, dc: ml_collections.ConfigDict) -> None:
@@ -264,6 +358,8 @@ def _check_warmstart(wc: ml_collections.ConfigDict, dc: ml_collections.ConfigDic
 
 
 def _check_eval(config: ml_collections.ConfigDict) -> None:
+    """The training run's evaluation: its sets (held_out needs held-out problems, the others an entry
+    of eval.set_files whose file exists), then ``check_eval_settings``."""
     ec = config.eval
     for name in (n.strip() for n in ec.sets.split(",") if n.strip()):
         if name == "held_out":
@@ -272,14 +368,20 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
             continue
         _require(name in ec.set_files, "eval.sets", f"{name!r} has no entry in eval.set_files (or \"held_out\")")
         spec = ec.set_files[name]
-        if not spec.startswith("tfds:"):
-            path = paths.join(ec.data_dir, spec)
+        path = paths.join(ec.data_dir, spec)
+        if not spec.startswith("tfds:") and not _elsewhere(path, f"eval.set_files.{name}"):
             _require(paths.path(path).exists(), f"eval.set_files.{name}", paths.missing(path))
-    _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
-    for field in ("max_new_tokens", "batch_size", "slots"):
+    check_eval_settings(config)
+
+
+def check_eval_settings(config: ml_collections.ConfigDict) -> None:
+    """The eval section's sampling settings (the training run's and the evaluation CLI's, which checks
+    its sets as it reads them): sizes, the sampler's slots, the periodic and final settings and the
+    per-set entries."""
+    ec = config.eval
+    for field in ("max_new_tokens", "batch_size"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
-    _require(isinstance(ec.tail_slots, int) and ec.tail_slots >= 0, "eval.tail_slots",
-             f"must be an integer >= 0 (0: the decode batch never narrows), got {ec.tail_slots!r}")
+    _check_slots(ec, "eval")
     _require(isinstance(ec.periodic.every, int) and ec.periodic.every >= 0, "eval.periodic.every",
              f"must be an integer >= 0 (0: none), got {ec.periodic.every!r}")
     for section in ("periodic", "final"):
@@ -306,6 +408,60 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
                  f"{field}.max_new_tokens", f"must be an integer >= 1, got {settings.max_new_tokens!r}")
 
 
+def _check_slots(section: ml_collections.ConfigDict, name: str) -> None:
+    """A sampler section's (``rollout``, ``eval``) sampler, slots and tail_slots, against each other:
+    tail_slots narrows the continuous sampler's slots, so it is at most slots, and the static sampler
+    (a slot per response, no narrowing) takes none."""
+    _require(section.sampler in SAMPLERS, f"{name}.sampler", f"{section.sampler!r} is not one of {SAMPLERS}")
+    _require(isinstance(section.slots, int) and section.slots >= 1, f"{name}.slots",
+             f"must be an integer >= 1 (decode slots per sampler call), got {section.slots!r}")
+    tail = section.tail_slots
+    _require(isinstance(tail, int) and tail >= 0, f"{name}.tail_slots",
+             f"must be an integer >= 0 (0: the decode batch never narrows), got {tail!r}")
+    _require(not tail or section.sampler == "continuous", f"{name}.tail_slots",
+             f"{tail}, but {name}.sampler is {section.sampler!r}, which gives every response its own slot and never "
+             f"narrows: set {name}.tail_slots=0, or {name}.sampler=continuous")
+    _require(tail <= section.slots, f"{name}.tail_slots",
+             f"{tail} is more than {name}.slots={section.slots}: the decode batch narrows from slots down to "
+             f"tail_slots; set it to at most {section.slots} (0: no narrowing)")
+
+
+def _check_model_folder(path: str, field: str) -> None:
+    """The model folder ``field`` names (model.path, critic.path): ``checkpoints.check_model_dir`` (config,
+    weights and their shapes, read without loading them)."""
+    try:
+        checkpoints.check_model_dir(paths.resolve(path))
+    except checkpoints.ModelFolderError as e:
+        raise ConfigError(f"config.{field}: {e}") from None
+
+
+def _check_context(config: ml_collections.ConfigDict) -> None:
+    """Every length a run samples or trains against the model's context (max_position_embeddings of
+    model.path's config.json, the preset, or the default of a model of the config's own): a prompt of
+    data.max_prompt_length tokens plus rollout.max_new_tokens, warmstart.max_response_tokens (with a
+    warm-start) and, when eval.sets names sets, eval.max_new_tokens and their eval.final.per_set entries' must fit, or the sampler's KV cache
+    (and the rotary positions) would run past it."""
+    try:
+        cfg = model_config(config)
+    except (OSError, ValueError):
+        return  # the model source is checked (and named) by _check_model_source
+    if cfg is None:
+        return
+    context, prompt = cfg.max_position_embeddings, config.data.max_prompt_length
+    lengths = [("rollout.max_new_tokens", config.rollout.max_new_tokens)]
+    evaluated = [n.strip() for n in config.eval.sets.split(",") if n.strip()]
+    if evaluated:
+        lengths.append(("eval.max_new_tokens", config.eval.max_new_tokens))
+    lengths += [(f"eval.final.per_set.{name}.max_new_tokens", settings.max_new_tokens)
+                for name, settings in config.eval.final.per_set.items() if name in evaluated]
+    if config.warmstart.steps:
+        lengths.append(("warmstart.max_response_tokens", config.warmstart.max_response_tokens))
+    for field, length in lengths:
+        _require(prompt + length <= context, field,
+                 f"{length} with data.max_prompt_length={prompt} is {prompt + length} tokens, beyond the model's "
+                 f"context of {context} (max_position_embeddings): set it to at most {max(context - prompt, 0)}")
+
+
 def _check_verl_micro_batch(size, micro_rows: int, section: str) -> None:
     _require(isinstance(size, int) and size >= 1 and micro_rows % size == 0, f"{section}.verl_micro_batch_size",
              f"{size!r} must be an integer >= 1 dividing the {micro_rows} responses of an update micro-batch "
@@ -325,8 +481,9 @@ def _check_critic(cc: ml_collections.ConfigDict, micro_rows: int) -> None:
     _require(cc.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{cc.loss_scale!r} is not one of {LOSS_SCALES}")
     if cc.loss_scale == "verl":
         _check_verl_micro_batch(cc.verl_micro_batch_size, micro_rows, "critic")
-    if cc.path:
+    if cc.path and not _elsewhere(cc.path, "critic.path"):
         _require(paths.path(cc.path).exists(), "critic.path", paths.missing(cc.path))
+        _check_model_folder(cc.path, "critic.path")
 
 
 def _check_tensor_axis(config: ml_collections.ConfigDict, tensor: int) -> None:

@@ -132,10 +132,18 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
     stopped = False
     single_process = jax.process_count() == 1
     collector = RolloutCollector.from_config(config, programs, decode=decode, reward_pool=reward_pool)
+    rc = config.rollout
     if tc.precompile:  # every program of every bucket: no step compiles, and a step that cannot fit stops here
+        if primary:
+            print("compiling every program of a step, for every bucket, before step 1 (train.precompile; minutes on "
+                  "a large model)", flush=True)
         memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
     step = start
     for step in range(start + 1, tc.steps + 1):
+        if primary and step == start + 1:  # a long first step says what it is doing: the bar moves when it ends
+            print(f"step {step}: sampling {tc.prompts_per_step} prompts x {rc.n} responses of up to "
+                  f"{rc.max_new_tokens} tokens, scoring them, then the update; the progress bar moves at each "
+                  "step's end", flush=True)
         t_step = time.perf_counter()
         rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step))
         t0 = time.perf_counter()

@@ -1,0 +1,78 @@
+"""What the command-line programs print for a person: their own lines, not other libraries' logs, and
+progress bars that stay readable in a log file.
+
+``setup()``, called by the CLIs once their flags are parsed:
+
+- Third-party INFO logs (Orbax's lines about every checkpoint it reads or writes, JAX's) are off: absl's
+  verbosity is WARNING unless the command line gives ``--verbosity`` (``--verbosity=0``: INFO, as absl
+  defines it); so are gcsfs's logs of its retries (a traceback each) unless ``--verbosity`` is given: a
+  store that never answers is the CLI's one line (errors.unreachable_store).
+- When stderr is not a terminal (a log file, a pipe, ``launch/supervise.sh``'s ``tpu_pod.sh`` log), tqdm's
+  bars become plain lines: at most one refresh every ``LOG_INTERVAL_S`` seconds (``TQDM_MININTERVAL``,
+  which tqdm reads for every bar that does not set it), each written as a line of its own, with the
+  cursor movements of nested bars (``ESC[A``) and the carriage returns left out.
+"""
+
+from __future__ import annotations
+
+import io
+import logging as python_logging
+import os
+import re
+import sys
+
+LOG_INTERVAL_S = 30
+_CURSOR_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class PlainLines(io.TextIOBase):
+    """A text stream that writes to ``stream`` what a terminal would show as separate lines: every
+    carriage return ends a line (a progress bar's refresh is a line of its own), terminal control codes
+    are dropped, blank lines are left out."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream = stream
+        self.open = False  # a line is started and not yet ended
+        self.blank = ""    # the spaces a line starts with, written once something else follows them
+
+    def write(self, text: str) -> int:
+        refresh = "\r" in text  # a progress bar's: its padding is dropped too
+        for piece in re.split(r"(\n)", _CURSOR_CODES.sub("", text).replace("\r", "\n")):
+            piece = piece.rstrip(" ") if refresh and piece != "\n" else piece
+            if piece == "\n":
+                if self.open:
+                    self.stream.write("\n")
+                self.open, self.blank = False, ""  # a line of spaces only (a bar cleared) is left out
+            elif not self.open and not piece.strip():
+                self.blank += piece
+            elif piece:
+                self.stream.write(self.blank + piece)
+                self.open, self.blank = True, ""
+        if refresh and self.open:  # a bar's refresh is a whole line: a log line after it starts its own
+            self.stream.write("\n")
+            self.open = False
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def setup(argv: list[str] | None = None) -> None:
+    """Quiet third-party INFO logs unless ``--verbosity`` is on the command line, and make progress
+    bars write plain lines when stderr is not a terminal (see the module docstring)."""
+    from absl import logging
+
+    argv = sys.argv if argv is None else argv
+    if not any(arg.split("=")[0] in ("--verbosity", "-v") for arg in argv):
+        logging.set_verbosity(logging.WARNING)
+        python_logging.getLogger("gcsfs").setLevel(python_logging.CRITICAL)
+    if not sys.stderr.isatty() and not isinstance(sys.stderr, PlainLines):
+        os.environ.setdefault("TQDM_MININTERVAL", str(LOG_INTERVAL_S))
+        sys.stderr = PlainLines(sys.stderr)
