@@ -107,6 +107,8 @@ def get_config() -> ml_collections.ConfigDict:
         tail_slots=0,             # continuous: > 0, once no response waits the decode batch narrows as responses end,
                                   # down to this many slots (each width 2/3-3/4 of the one before: one compiled loop
                                   # each); 0: all `slots` decode to the call's end
+        max_logprob_diff=0.0,     # > 0: refuse a step whose sampler log-probs differ from pi_old by more than this on
+                                  # some response token (metric rollout_logprob_diff_max); 0: only report
     ))
 
     # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective

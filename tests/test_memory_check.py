@@ -70,7 +70,7 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each():
         opt_state = programs.init_optimizer(params)
         compiled = programs.compile(progress=False)
     names = [p.name for p in compiled]
-    assert names == ["sampler", "assemble", "assemble"] + ["pi_old", "update"] * 2, names
+    assert names == ["sampler", "assemble", "assemble"] + ["pi_old", "update"] * 2 + ["rollout_consistency"] * 2, names
     opt_bytes = state_bytes(opt_state)
     for p in compiled:
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p

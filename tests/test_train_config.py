@@ -93,6 +93,7 @@ BAD_DEMO = {
     "zero_steps": ({"train.steps": 0}, "train.steps"),
     "greedy_rollout": ({"rollout.temperature": 0.0}, "rollout.temperature"),
     "top_p": ({"rollout.top_p": 1.5}, "rollout.top_p"),
+    "max_logprob_diff": ({"rollout.max_logprob_diff": -1.0}, "rollout.max_logprob_diff"),
     "schedule": ({"optim.schedule": "cosin"}, "optim.schedule"),
     "negative_lr": ({"optim.lr": -1e-6}, "optim.lr"),
     "reward": ({"reward.name": "maths"}, "reward.name"),

@@ -17,6 +17,7 @@ import pytest
 from pacs_jax.models.config import REMAT_POLICIES
 from pacs_jax.rl import options_for
 from pacs_jax.sharding import config_mesh
+from pacs_jax.training import rollout_consistency
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from test_train_config import load_config
@@ -184,7 +185,8 @@ def test_the_demo_trains_alike_with_both_samplers(tmp_path):
     """The demo (configs/default.py) shrunk to 2 RL steps of 8 prompts x 8 responses (no warm-start: its
     few steps would leave the model as random as it starts), with 16 decode slots (2 per batch shard of
     its 8-way data mesh) narrowing to 8 (1 a shard) in each call's tail, and with one slot per
-    response: the same per-step metrics but the sampler's own (decode steps, slot utilisation, times)."""
+    response: the same per-step metrics but the sampler's own (decode steps, slot utilisation, times),
+    and the sampler's log-probs within 1e-4 of pi_old's (float32)."""
     rows = {}
     for sampler in ("continuous", "static"):
         config = load_config("default.py")
@@ -197,7 +199,10 @@ def test_the_demo_trains_alike_with_both_samplers(tmp_path):
         with jax.set_mesh(config_mesh(config.mesh)):
             run_training(config, tmp_path / sampler)
         rows[sampler] = [json.loads(line) for line in (tmp_path / sampler / "metrics.jsonl").read_text().splitlines()]
-    sampler_own = {"decode_steps", "slot_utilisation", "compilations", "tokens_per_second"}
+    sampler_own = {"decode_steps", "slot_utilisation", "compilations", "tokens_per_second",
+                   *rollout_consistency.METRICS}  # round-off, which the sampler's batch widths shape
+    for row in rows["continuous"] + rows["static"]:  # float32: the sampler's log-probs are pi_old's
+        assert 0 <= row["rollout_kl"] <= row["rollout_logprob_diff_mean"] <= row["rollout_logprob_diff_max"] < 1e-4
     for continuous, static in zip(rows["continuous"], rows["static"]):
         assert continuous.keys() == static.keys()
         for key in continuous.keys() - sampler_own:

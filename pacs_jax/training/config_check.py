@@ -83,6 +83,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                    "data.max_prompt_length", allow_empty=False)
     _check_buckets(rc.response_buckets, "rollout.response_buckets", rc.max_new_tokens, "rollout.max_new_tokens",
                    allow_empty=True)
+    _require(rc.max_logprob_diff >= 0, "rollout.max_logprob_diff",
+             f"must be >= 0 (0: report the sampler / pi_old mismatch only), got {rc.max_logprob_diff}")
     _require(rc.sampler in SAMPLERS, "rollout.sampler", f"{rc.sampler!r} is not one of {SAMPLERS}")
     _require(isinstance(rc.micro_batches, int) and rc.micro_batches >= 1 and tc.prompts_per_step % rc.micro_batches == 0,
              "rollout.micro_batches", f"{rc.micro_batches!r} must be an integer >= 1 dividing "

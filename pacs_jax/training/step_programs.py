@@ -34,6 +34,7 @@ from pacs_jax.rl import micro_batched_logprobs, options_for
 from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
+from pacs_jax.training.rollout_consistency import consistency_program
 from pacs_jax.training.config_check import sampler_slots, sampler_tail_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
@@ -85,6 +86,8 @@ class StepPrograms:
     Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, metrics [M])``;
     ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
     entropy)``; ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
+    ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
+    (training/rollout_consistency.py);
     PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
     made by ``add_critic`` once the critic exists (it copies the actor after the warm-start);
     ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
@@ -123,6 +126,7 @@ class StepPrograms:
             return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
+        self.rollout_consistency = consistency_program()
         self.critic_state = self.critic = None
         if critic is not None:
             self.add_critic(critic)
@@ -199,7 +203,8 @@ class StepPrograms:
     def programs(self, largest_only: bool = False, with_warmstart: bool = False) -> list[Program]:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
         buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
-        critic_update, update; ``with_warmstart``: the warm-start's step first (a phase of its own
+        critic_update, update (then the small rollout_consistency check, which runs after pi_old);
+        ``with_warmstart``: the warm-start's step first (a phase of its own
         before RL, when ``warmstart.steps`` > 0)."""
         params, opt_state = self.state
         P, n, K = self.num_prompts, self.n, self.sampler_calls
@@ -259,6 +264,12 @@ class StepPrograms:
                                        (critic_params, critic_opt, critic_batch), actor_bytes))
                 out.append(Program("update", updates, lambda a=(params, opt_state, batch): self.update.lower(*a),
                                    (params, opt_state, batch), critic_bytes))
+        call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
+        for r in response_buckets:
+            per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
+            out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
+                               lambda a=(call_logp, *per_row): self.rollout_consistency.lower(*a),
+                               (call_logp, *per_row), actor_bytes + critic_bytes))
         return out
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
