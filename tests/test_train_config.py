@@ -94,6 +94,8 @@ BAD_DEMO = {
     "greedy_rollout": ({"rollout.temperature": 0.0}, "rollout.temperature"),
     "top_p": ({"rollout.top_p": 1.5}, "rollout.top_p"),
     "max_logprob_diff": ({"rollout.max_logprob_diff": -1.0}, "rollout.max_logprob_diff"),
+    "page_size": ({"rollout.sampler": "paged", "rollout.page_size": 0}, "rollout.page_size"),
+    "pages_below_one_response": ({"rollout.sampler": "paged", "rollout.pages": 1}, "rollout.pages"),
     "schedule": ({"optim.schedule": "cosin"}, "optim.schedule"),
     "negative_lr": ({"optim.lr": -1e-6}, "optim.lr"),
     "reward": ({"reward.name": "maths"}, "reward.name"),

@@ -21,7 +21,7 @@ from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUP
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
-from pacs_jax.sampling.settings import SAMPLERS
+from pacs_jax.sampling.settings import SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training.model_spec import model_config
 from pacs_jax.training.optim import SCHEDULES
@@ -152,7 +152,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
-    if rc.sampler == "continuous":
+    _require(isinstance(rc.page_size, int) and rc.page_size >= 1, "rollout.page_size",
+             f"must be an integer >= 1 (tokens a K/V page), got {rc.page_size!r}")
+    _require(isinstance(rc.pages, int) and (rc.pages == 0 or rc.pages >= row_pages(rc.page_size, rc.max_new_tokens)),
+             "rollout.pages", f"must be 0 (every slot's longest response) or hold one response's "
+             f"{row_pages(rc.page_size, rc.max_new_tokens)} pages (rollout.max_new_tokens / page_size), got {rc.pages!r}")
+    if rc.sampler != "static":
         slots = sampler_slots(config)
         _require(isinstance(rc.slots, int) and rc.slots >= 1 and slots % batch_shards == 0, "rollout.slots",
                  f"{rc.slots!r} must be an integer >= 1 whose value, capped at a sampler call's {slots} responses "
@@ -273,6 +278,10 @@ def _check_eval(config: ml_collections.ConfigDict) -> None:
     _require(ec.sampler in SAMPLERS, "eval.sampler", f"{ec.sampler!r} is not one of {SAMPLERS}")
     for field in ("max_new_tokens", "batch_size", "slots"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
+    _require(isinstance(ec.page_size, int) and ec.page_size >= 1, "eval.page_size",
+             f"must be an integer >= 1 (tokens a K/V page), got {ec.page_size!r}")
+    _require(isinstance(ec.pages, int) and ec.pages >= 0, "eval.pages",
+             f"must be an integer >= 0 (0: every slot's longest response), got {ec.pages!r}")
     _require(isinstance(ec.tail_slots, int) and ec.tail_slots >= 0, "eval.tail_slots",
              f"must be an integer >= 0 (0: the decode batch never narrows), got {ec.tail_slots!r}")
     _require(isinstance(ec.periodic.every, int) and ec.periodic.every >= 0, "eval.periodic.every",
@@ -347,10 +356,19 @@ def sampler_tail_slots(config: ml_collections.ConfigDict) -> int | None:
     return None if slots is None or not config.rollout.tail_slots else min(config.rollout.tail_slots, slots)
 
 
+def sampler_pages(config: ml_collections.ConfigDict) -> dict[str, int | None]:
+    """The training sampler's ``SamplingSettings`` page_size and pages: both None but for the paged
+    sampler (``rollout.page_size``; ``rollout.pages``, 0: None, every slot's longest response)."""
+    rc = config.rollout
+    if rc.sampler != "paged":
+        return dict(page_size=None, pages=None)
+    return dict(page_size=rc.page_size, pages=rc.pages or None)
+
+
 def sampler_slots(config: ml_collections.ConfigDict) -> int | None:
     """The decode slots of a training sampler call: ``rollout.slots`` capped at the call's responses
-    (continuous); None (one slot per response) for the static sampler."""
+    (continuous, paged); None (one slot per response) for the static sampler."""
     rc = config.rollout
-    if rc.sampler != "continuous":
+    if rc.sampler == "static":
         return None
     return min(rc.slots, config.train.prompts_per_step // rc.micro_batches * rc.n)

@@ -35,7 +35,7 @@ from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.rollout_consistency import consistency_program
-from pacs_jax.training.config_check import sampler_slots, sampler_tail_slots
+from pacs_jax.training.config_check import sampler_pages, sampler_slots, sampler_tail_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.update_step import make_update_step
@@ -63,7 +63,8 @@ def sampling_settings(config: ml_collections.ConfigDict, stop_token_ids: Sequenc
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
-                                     slots=sampler_slots(config), tail_slots=sampler_tail_slots(config))
+                                     slots=sampler_slots(config), tail_slots=sampler_tail_slots(config),
+                                     **sampler_pages(config))
 
 
 @dataclasses.dataclass(frozen=True)
