@@ -61,8 +61,8 @@ class PageView(NamedTuple):
 
 def write(pool: jax.Array, x: jax.Array, layer: jax.Array, view: PageView) -> jax.Array:
     """pool [L, K, N, s, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at (write_page[b],
-    write_slot[b]): one scatter, in place in the decode loop. Rows write distinct (page, slot) pairs
-    (idle rows: one of their own pages, never another row's)."""
+    write_slot[b]): one scatter, in place in the decode loop. Busy rows write distinct (page, slot)
+    pairs; the sampler's idle rows all write into one scratch page that no row reads."""
     heads = jnp.arange(x.shape[2])
     return pool.at[layer, heads[None, :], view.write_page[:, None], view.write_slot[:, None]].set(
         x[:, 0], mode="promise_in_bounds")

@@ -19,6 +19,9 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
              end (``narrowing_widths``): the running rows move to the first w slots of the cache
              and a loop of width w goes on, so the long tail does not decode C mostly idle slots
              (vLLM's batch shrinks the same way as its requests finish).
+    paged    with ``settings.page_size``, the same queue and tail over a K/V page pool instead of the
+             [C, S] cache: each prompt's K/V stored once for its n rows, a row's pages taken as it
+             grows and returned when it ends, narrowing moving page tables, not K/V (sampling/paged.py).
 
 Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
 ``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
