@@ -74,8 +74,8 @@ SETTINGS = {
 def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case):
     """Rows of different lengths (stop ids) run in 3 slots (one queue on the mesh too: 3 is no multiple
     of its 4 batch shards), in 8 narrowing to 1 in the tail (one queue a shard on the mesh, 2 slots
-    narrowing to 1), in 8 over a page pool of 4-token pages (the paged sampler: one pool a shard on
-    the mesh) and in one slot per row: the same tokens, finish reasons and log-probs (float32
+    narrowing to 1), in 8 narrowing to 4 over a page pool of 4-token pages (the paged sampler: a
+    pool a shard on the mesh, 2 slots narrowing to 1) and in one slot per row: the same tokens, finish reasons and log-probs (float32
     round-off), as on a CPU they must (on a GPU or TPU they may differ: docs/design.md 3.2); the same
     call again gives the same tokens. Every setting on one device; on the mesh the one that exercises every part (n 8,
     temperature, top-p, top-k), as the settings differ only in the selection, which is per row and
@@ -86,7 +86,7 @@ def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case)
         static = sampling.generate(model, prompts, **kwargs)
         lengths = {len(t) for t in static.tokens}
         assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
-        for slots, tail_slots, page_size in ((3, None, None), (8, 1, None), (8, None, 4)):
+        for slots, tail_slots, page_size in ((3, None, None), (8, 1, None), (8, 4, 4)):
             continuous = sampling.generate(model, prompts, slots=slots, tail_slots=tail_slots, page_size=page_size,
                                            **kwargs)
             assert continuous.tokens == static.tokens, (slots, page_size)
