@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -236,11 +237,12 @@ def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Collectiv
     return hlo.gathers_of_shapes_in_loops(compiled_text, hlo.parameter_shapes(state))
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
-def test_decode_loop_all_gathers_no_parameter(mesh_shape):
+@pytest.mark.parametrize("mesh_shape, page_size", [((1, 8, 1), None), ((2, 2, 2), None), ((2, 2, 2), 4)],
+                         ids=["1x8x1", "2x2x2", "2x2x2-paged"])
+def test_decode_loop_all_gathers_no_parameter(mesh_shape, page_size):
     """Compiled for an FSDP mesh, the sampler gathers the parameters once per call (the decode layout),
     never inside its decode loop; the check finds such gathers where they exist (a layer scan over
-    FSDP-sharded weights)."""
+    FSDP-sharded weights). The paged sampler holds no [L, slots, K, prompt + max_new, Dh] cache at all."""
     cfg = models.QwenConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     mesh = make_mesh(*mesh_shape)
@@ -248,10 +250,13 @@ def test_decode_loop_all_gathers_no_parameter(mesh_shape):
         model = models.init_random(cfg)
         graphdef, state = nnx.split(model)
         prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding.placement(("batch", "length"), (8, 16)))
-        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8, tail_slots=1)
+        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8, tail_slots=1,
+                                             page_size=page_size)
         text = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     assert hlo.loop_computations(text)
     assert _parameter_gathers_in_loops(text, state) == []
+    contiguous_cache = re.search(r"\[2,\d+,\d,24,16\]", text)  # [L, slots, K / tensor, 16 + 8, Dh]
+    assert (contiguous_cache is None) == (page_size is not None), contiguous_cache
 
     kernel = state["layers"]["mlp"]["up_kernel"].get_value()  # [L, D, F], D over fsdp
     replicated = NamedSharding(mesh, PartitionSpec())

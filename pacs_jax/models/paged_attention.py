@@ -32,8 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pacs_jax.numerics import batched_dot_operand
+from pacs_jax.sharding import constrain
 
 PAGED_IMPLS = ("xla", "tpu", "gpu")
+POOL_AXES = ("layers", "act_kv_heads", None, None, None)  # a pool's heads split as the attention's
 _NEG = -1e30  # score of a masked entry: finite, so (masked - masked) is 0, never NaN
 _F32 = jnp.float32
 
@@ -63,9 +65,8 @@ def write(pool: jax.Array, x: jax.Array, layer: jax.Array, view: PageView) -> ja
     """pool [L, K, N, s, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at (write_page[b],
     write_slot[b]): one scatter, in place in the decode loop. Busy rows write distinct (page, slot)
     pairs; the sampler's idle rows all write into one scratch page that no row reads."""
-    heads = jnp.arange(x.shape[2])
-    return pool.at[layer, heads[None, :], view.write_page[:, None], view.write_slot[:, None]].set(
-        x[:, 0], mode="promise_in_bounds")
+    pool = pool.at[layer, :, view.write_page, view.write_slot].set(x[:, 0], mode="promise_in_bounds")
+    return constrain(pool, POOL_AXES)
 
 
 def resolve_paged_impl(attention_impl: str) -> str:

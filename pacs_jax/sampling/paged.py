@@ -34,10 +34,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.models.paged_attention import PagedKVCache, PageView
+from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache, PageView
 from pacs_jax.models.qwen import KVCache
 from pacs_jax.sampling.selection import select_tokens
 from pacs_jax.sampling.settings import row_pages
+from pacs_jax.sharding import constrain
 
 
 def default_pages(slots: int, page_size: int, max_new_tokens: int) -> int:
@@ -78,7 +79,7 @@ def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int,
         x = jnp.take_along_axis(x, source[None, :, None, :, None], axis=3)
         x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, TP * page_size - T), (0, 0)))
         x = x.reshape(L, P, K, TP, page_size, Dh).transpose(0, 2, 1, 3, 4, 5).reshape(L, K, P * TP, page_size, Dh)
-        return jnp.concatenate([x, jnp.zeros((L, K, pages + 1, page_size, Dh), x.dtype)], axis=2)
+        return constrain(jnp.concatenate([x, jnp.zeros((L, K, pages + 1, page_size, Dh), x.dtype)], axis=2), POOL_AXES)
 
     return PagedKVCache(paged(prompt_cache.k), paged(prompt_cache.v))
 
