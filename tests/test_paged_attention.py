@@ -72,3 +72,19 @@ def test_library_kernel_equals_the_xla_path_in_interpret_mode(impl):
         out = paged_decode_attention(q, k_pool, v_pool, 1, view, impl=impl, block_pages=1, interpret=True)
     tolerance = 1e-2 if impl == "tpu" else 1e-5
     np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_gpu_kernel_runs_per_head_shard_on_a_mesh_and_equals_the_xla_path():
+    """On the 2x2x2 mesh, the pool's heads split over "tensor": the kernel runs in shard_map over it
+    (each device its own KV heads), inside jit, as in the sampler's decode step."""
+    from pacs_jax.models.paged_attention import POOL_AXES
+    from pacs_jax.sharding import constrain, make_mesh
+
+    q, k_pool, v_pool, table, lengths = _case(3)
+    view = PageView(table, lengths, np.zeros(B, np.int32), np.zeros(B, np.int32))
+    expected = paged_decode_attention(q, k_pool, v_pool, 0, view)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        run = jax.jit(lambda q, k, v: paged_decode_attention(q, constrain(k, POOL_AXES), constrain(v, POOL_AXES), 0,
+                                                             view, impl="gpu", block_pages=1, interpret=True))
+        out = run(q, k_pool, v_pool)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

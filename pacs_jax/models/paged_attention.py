@@ -19,20 +19,25 @@ never read, or read and masked).
   each row's live pages).
 * "gpu": ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton).
 The kernels take one layer's pages, so a layer's [K, N, s, Dh] slice of the pool is their operand;
-neither scales q, so q comes scaled by Dh**-0.5. ``interpret=True`` runs a kernel in the Pallas
+neither scales q, so q comes scaled by Dh**-0.5. Under a mesh whose "act_kv_heads" axes ("tensor")
+divide K, a kernel runs in ``shard_map`` over those axes (each device its own heads' pages, as the
+pool is split: ``POOL_AXES``), since GSPMD cannot split a kernel call. ``interpret=True`` runs a kernel in the Pallas
 interpreter (tests on CPU; the TPU kernel under ``pltpu.force_tpu_interpret_mode``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from pacs_jax.models.attention import _mesh_axes
 from pacs_jax.numerics import batched_dot_operand
-from pacs_jax.sharding import constrain
+from pacs_jax.sharding import LOGICAL_RULES, constrain
 
 PAGED_IMPLS = ("xla", "tpu", "gpu")
 POOL_AXES = ("layers", "act_kv_heads", None, None, None)  # a pool's heads split as the attention's
@@ -98,17 +103,29 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         return _xla_paged(q, k_pool, v_pool, layer, view.table, lengths, block)
     scaled = (q[:, 0].astype(_F32) * Dh ** -0.5).astype(q.dtype)  # [B, H, Dh]
     k_layer, v_layer = (lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in (k_pool, v_pool))
+    kernel = functools.partial(_kernel, impl=impl, block=block, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads = None if mesh.empty else _mesh_axes(mesh, LOGICAL_RULES["act_kv_heads"], K)
+    if heads is not None:
+        axes = {heads} if isinstance(heads, str) else set(heads)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(P(None, heads), P(heads), P(heads), P(), P()),
+                               out_specs=P(None, heads), axis_names=axes, check_vma=False)
+    out = kernel(scaled, k_layer, v_layer, lengths, view.table)
+    out = jnp.where((lengths > 0)[:, None, None], out, 0)
+    return out[:, None].astype(q.dtype)
+
+
+def _kernel(q, k_pages, v_pages, lengths, table, *, impl: str, block: int, interpret: bool) -> jax.Array:
+    """A library kernel: q [B, H, Dh] (scaled), k/v pages [K, N, s, Dh], lengths [B], table [B, M]
+    -> [B, H, Dh]."""
     if impl == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-        out = paged_attention(scaled, k_layer, v_layer, lengths, view.table, pages_per_compute_block=block)
-    else:
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        return paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        out = paged_attention(scaled, k_layer, v_layer, view.table, lengths, pages_per_compute_block=block,
-                              k_splits=1, interpret=interpret)
-    out = jnp.where((lengths > 0)[:, None, None], out, 0)
-    return out[:, None].astype(q.dtype)
+    return paged_attention(q, k_pages, v_pages, table, lengths, pages_per_compute_block=block, k_splits=1,
+                           interpret=interpret)
 
 
 def _xla_paged(q, k_pool, v_pool, layer, table, lengths, block: int) -> jax.Array:
