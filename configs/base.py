@@ -104,12 +104,18 @@ def get_config() -> ml_collections.ConfigDict:
                                   # pi_old and the update; () = one bucket, max_new_tokens
         micro_batches=1,          # sampler calls per step (bounds the KV cache: prompts_per_step / this prompts each)
         sampler="continuous",     # continuous: `slots` decode slots per call, a slot whose response ends takes the next
-                                  # waiting one at once; static: every response its own slot until the longest ends
+                                  # waiting one at once; static: every response its own slot until the longest ends;
+                                  # paged: as continuous, the K/V in a page pool per batch shard (each prompt stored
+                                  # once for its n responses, a response's pages taken as it grows, returned at its end)
+        page_size=16,             # paged: tokens a K/V page
+        pages=0,                  # paged: response pages of a batch shard's pool; 0: every slot's longest response at once
         slots=128,                # continuous: decode slots per sampler call (capped at its responses, prompts_per_step /
                                   # micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
         tail_slots=0,             # continuous: > 0, once no response waits the decode batch narrows as responses end,
                                   # down to this many slots (each width 2/3-3/4 of the one before: one compiled loop
                                   # each); 0: all `slots` decode to the call's end
+        max_logprob_diff=0.0,     # > 0: refuse a step whose sampler log-probs differ from pi_old by more than this on
+                                  # some response token (metric rollout_logprob_diff_max); 0: only report
     ))
 
     # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective
@@ -166,8 +172,9 @@ def get_config() -> ml_collections.ConfigDict:
         max_problems=0,           # > 0: the first this many problems of each set
         batch_size=32,            # prompts per sampler call
         sampler="continuous",     # as rollout.sampler
-        slots=128,                # continuous: decode slots per sampler call (capped at batch_size x n)
+        slots=128,                # continuous, paged: decode slots per sampler call (capped at batch_size x n)
         tail_slots=0,             # as rollout.tail_slots
+        page_size=16, pages=0,    # as rollout.page_size, rollout.pages
         before_rl=False,          # training: evaluate once before RL (after the warm-start) with the final settings
         periodic=ml_collections.ConfigDict(dict(every=0, n=1, temperature=0.0, top_p=1.0)),  # every k RL steps; T 0: greedy
         final=ml_collections.ConfigDict(dict(

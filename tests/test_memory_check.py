@@ -78,9 +78,10 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(pack
     if packing:  # 64 rows in 2 micro-batches of pi_old (2 mini-batches of the update) on 4 batch shards: 8 rows
         # a micro-batch and shard, packed into 4 or 8 rows (2 buckets)
         assert programs.packed_row_buckets() == {"logprob": (4, 8), "update": (4, 8)}
-        assert names == ["sampler", "assemble", "pi_old", "pi_old", "update", "update"], names
+        assert names == ["sampler", "assemble", "pi_old", "pi_old", "update", "update", "rollout_consistency"], names
     else:
-        assert names == ["sampler", "assemble", "assemble"] + ["pi_old", "update"] * 2, names
+        assert names == (["sampler", "assemble", "assemble"] + ["pi_old", "update"] * 2
+                         + ["rollout_consistency"] * 2), names
     opt_bytes = state_bytes(opt_state)
     for p in compiled:
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p

@@ -1,5 +1,6 @@
 """The continuous-batching sampler (pacs_jax/sampling/engine.py): a fixed number of decode slots, a
-slot whose row ends taking the next waiting row in the same decode step.
+slot whose row ends taking the next waiting row in the same decode step (its paged variant's page
+accounting: tests/test_sampling_paged.py).
 
 References: the static sampler (one slot per row) for scheduling independence, Hugging Face
 ``transformers`` greedy generate (PyTorch CPU) for the tokens, exact step counts derived from the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +75,10 @@ SETTINGS = {
 def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case):
     """Rows of different lengths (stop ids) run in 3 slots (one queue on the mesh too: 3 is no multiple
     of its 4 batch shards), in 8 narrowing to 1 in the tail (one queue a shard on the mesh, 2 slots
-    narrowing to 1) and in one slot per row: the same tokens, finish reasons and log-probs (float32
-    round-off). Every setting on one device; on the mesh the one that exercises every part (n 8,
+    narrowing to 1), in 8 narrowing to 4 over a page pool of 4-token pages (the paged sampler: a
+    pool a shard on the mesh, 2 slots narrowing to 1) and in one slot per row: the same tokens, finish reasons and log-probs (float32
+    round-off), as on a CPU they must (on a GPU or TPU they may differ: docs/design.md 3.2); the same
+    call again gives the same tokens. Every setting on one device; on the mesh the one that exercises every part (n 8,
     temperature, top-p, top-k), as the settings differ only in the selection, which is per row and
     the same code on both (each mesh shape compiles its own programs: 17 s a setting here)."""
     model = load(hf, mesh_shape)
@@ -83,12 +87,14 @@ def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case)
         static = sampling.generate(model, prompts, **kwargs)
         lengths = {len(t) for t in static.tokens}
         assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
-        for slots, tail_slots in ((3, None), (8, 1)):
-            continuous = sampling.generate(model, prompts, slots=slots, tail_slots=tail_slots, **kwargs)
-            assert continuous.tokens == static.tokens, slots
+        for slots, tail_slots, page_size in ((3, None, None), (8, 1, None), (8, 4, 4)):
+            continuous = sampling.generate(model, prompts, slots=slots, tail_slots=tail_slots, page_size=page_size,
+                                           **kwargs)
+            assert continuous.tokens == static.tokens, (slots, page_size)
             assert continuous.finish_reason == static.finish_reason
             np.testing.assert_allclose(np.concatenate(continuous.logprobs), np.concatenate(static.logprobs),
                                        rtol=1e-5, atol=1e-5)
+        assert sampling.generate(model, prompts, **kwargs).tokens == static.tokens  # the same call again
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
@@ -231,11 +237,12 @@ def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Collectiv
     return hlo.gathers_of_shapes_in_loops(compiled_text, hlo.parameter_shapes(state))
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
-def test_decode_loop_all_gathers_no_parameter(mesh_shape):
+@pytest.mark.parametrize("mesh_shape, page_size", [((1, 8, 1), None), ((2, 2, 2), None), ((2, 2, 2), 4)],
+                         ids=["1x8x1", "2x2x2", "2x2x2-paged"])
+def test_decode_loop_all_gathers_no_parameter(mesh_shape, page_size):
     """Compiled for an FSDP mesh, the sampler gathers the parameters once per call (the decode layout),
     never inside its decode loop; the check finds such gathers where they exist (a layer scan over
-    FSDP-sharded weights)."""
+    FSDP-sharded weights). The paged sampler holds no [L, slots, K, prompt + max_new, Dh] cache at all."""
     cfg = models.QwenConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     mesh = make_mesh(*mesh_shape)
@@ -243,10 +250,13 @@ def test_decode_loop_all_gathers_no_parameter(mesh_shape):
         model = models.init_random(cfg)
         graphdef, state = nnx.split(model)
         prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding.placement(("batch", "length"), (8, 16)))
-        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8, tail_slots=1)
+        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8, tail_slots=1,
+                                             page_size=page_size)
         text = engine.lower_sample(graphdef, state, prompts, prompts, settings).compile().as_text()
     assert hlo.loop_computations(text)
     assert _parameter_gathers_in_loops(text, state) == []
+    contiguous_cache = re.search(r"\[2,\d+,\d,24,16\]", text)  # [L, slots, K / tensor, 16 + 8, Dh]
+    assert (contiguous_cache is None) == (page_size is not None), contiguous_cache
 
     kernel = state["layers"]["mlp"]["up_kernel"].get_value()  # [L, D, F], D over fsdp
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -42,6 +42,7 @@ def test_the_ppo_demo_runs_end_to_end(runs):
     for r in rows:
         assert np.isfinite([r["value_loss"], r["explained_variance"], r["value_clip_fraction"], r["loss"]]).all()
         assert r["skipped"] == r["critic_skipped"] == 0.0
+        assert 0 <= r["rollout_kl"] and r["rollout_logprob_diff_max"] < 1e-4  # the demo's float32
     assert len({r["compilations"] for r in rows}) == 1
     critic = _stored(runs["a"], 4, "critic_params")
     assert {"value_kernel", "value_bias", "backbone.embedding"} <= set(critic)

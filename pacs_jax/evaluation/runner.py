@@ -108,17 +108,20 @@ def evaluate_per_set(model, tokenizer, eval_sets: Sequence[EvalSet], settings: M
 
 
 def eval_slots(ec) -> dict[str, int | None]:
-    """``evaluate_sets``'s ``slots`` and ``tail_slots`` from a config's ``eval`` section (sampler,
-    slots, tail_slots): both None (one slot per response) for the static sampler."""
-    if ec.sampler != "continuous":
-        return dict(slots=None, tail_slots=None)
-    return dict(slots=ec.slots, tail_slots=ec.tail_slots or None)
+    """``evaluate_sets``'s ``slots``, ``tail_slots``, ``page_size`` and ``pages`` from a config's
+    ``eval`` section (sampler, slots, tail_slots, page_size, pages): slots None (one slot per
+    response) for the static sampler, page_size None but for the paged one."""
+    if ec.sampler == "static":
+        return dict(slots=None, tail_slots=None, page_size=None, pages=None)
+    paged = ec.sampler == "paged"
+    return dict(slots=ec.slots, tail_slots=ec.tail_slots or None, page_size=ec.page_size if paged else None,
+                pages=(ec.pages or None) if paged else None)
 
 
 def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, temperature: float, top_p: float,
                   max_new_tokens: int, seed: int = 0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
                   batch_size: int = 32, slots: int | None = None, tail_slots: int | None = None,
-                  max_prompt_length: int = 2048,
+                  page_size: int | None = None, pages: int | None = None, max_prompt_length: int = 2048,
                   instruction: str = INSTRUCTION,
                   reward_pool: RewardPool, progress: bool = False) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """Sample ``n`` responses per problem, score them, and compute pass@k per data source.
@@ -129,6 +132,7 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
     batch_size: prompts per ``sampling.generate`` call (batch_size * n sequences).
     slots: decode slots per call (continuous batching, capped at the call's rows); None: one per row.
     tail_slots: with slots, the narrowest the decode batch gets in a call's tail (SamplingSettings).
+    page_size, pages: the paged sampler's pages (SamplingSettings); page_size None: no pages.
     reward_pool: the caller's RewardPool (the trainer's own during training: no second pool).
     Problems whose prompt exceeds max_prompt_length tokens get no row (keep it large for evaluation).
 
@@ -150,7 +154,8 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
             batch = examples[start:start + batch_size]
             out = sampling.generate(model, [list(e.prompt_ids) for e in batch], max_new_tokens=max_new_tokens,
                                     n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    stop_token_ids=stops, seed=seed + chunk, slots=slots, tail_slots=tail_slots)
+                                    stop_token_ids=stops, seed=seed + chunk, slots=slots, tail_slots=tail_slots,
+                                    page_size=page_size, pages=pages)
             texts = [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in out.tokens]
             golds = [e.problem.ground_truth for e in batch for _ in range(n)]
             reward_names = [r for r in rewards_of[start:start + batch_size] for _ in range(n)]

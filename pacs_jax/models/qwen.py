@@ -29,6 +29,7 @@ from flax import nnx
 
 from pacs_jax.models.attention import attention, decode_attention, resolve_impl
 from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.paged_attention import PageView, paged_decode_attention, resolve_paged_impl, write as write_pages
 from pacs_jax.sharding import constrain, platform
 
 _REMAT_POLICIES = {
@@ -128,7 +129,9 @@ class Attention(nnx.Module):
         cache: None, or (k, v, layer): the stacked caches [L, B, K, S, Dh] and this layer's index;
         the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``; in decode
         (T = 1) cache_index may be [B], each row's own slot, and the caches may hold more than B rows
-        (a sampler's narrowed decode batch): the call's rows are their first B.
+        (a sampler's narrowed decode batch): the call's rows are their first B. Paged decode (T = 1,
+        cache_index a ``PageView``): the caches are the page pools [L, K, N, s, Dh]
+        (models/paged_attention.py) and kv_valid is not read.
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
         """
         cfg = self.cfg
@@ -142,17 +145,24 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "act_heads", None))
         new_cache = None
         decode = cache is not None and q.shape[1] == 1
-        if cache is not None:
+        paged = isinstance(cache_index, PageView)
+        if paged:  # paged decode: this token into its page, then attention over the live pages
+            k_pool, v_pool, layer = cache
+            new_cache = tuple(write_pages(pool, y.astype(pool.dtype), layer, cache_index)
+                              for pool, y in ((k_pool, k), (v_pool, v)))
+            out = paged_decode_attention(q, *new_cache, layer, cache_index,
+                                         impl=resolve_paged_impl(resolve_impl(cfg.attention, platform())))
+        elif cache is not None:
             k_cache, v_cache, layer = cache
             write = _write_rows if decode else _write_prefill
             k_cache = write(k_cache, k.astype(k_cache.dtype), layer, cache_index)
             v_cache = write(v_cache, v.astype(v_cache.dtype), layer, cache_index)
             new_cache = (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
-        if decode:  # the filled slots of this layer's cache, up to each row's own; its first B rows
+        if decode and not paged:  # the filled slots of this layer's cache, up to each row's own; its first B rows
             layer_kv = [jax.lax.dynamic_index_in_dim(c, layer, keepdims=False)[:q.shape[0]].astype(q.dtype)
                         for c in new_cache]
             out = decode_attention(q, *layer_kv, kv_valid, cache_index + 1, block_size=cfg.attention_block_size)
-        else:  # training, log-probs, prefill (from slot 0): the call's own tokens, causal
+        elif not decode:  # training, log-probs, prefill (from slot 0): the call's own tokens, causal
             out = attention(q, k, v, kv_valid[:, :q.shape[1]], segment_ids=segment_ids,
                             impl=resolve_impl(cfg.attention, platform()),
                             block_size=cfg.attention_block_size)  # [B, T, H, Dh]
@@ -256,6 +266,7 @@ class Qwen(nnx.Module):
         with T > 1 tokens and a cache is a prefill: it must start at cache_index 0. A decode call
         (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching), and a
         cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
+        A paged decode call gives a ``PagedKVCache`` and cache_index a ``PageView`` (kv_valid None).
 
         The layers run as one ``lax.scan`` over the stacked parameters; without a cache (the
         gradient path) its body is rematerialised per ``config.remat``.
@@ -284,7 +295,7 @@ class Qwen(nnx.Module):
 
         layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v), (layer_params, layers))
-        return self.final_norm(x), KVCache(k_cache, v_cache)
+        return self.final_norm(x), type(cache)(k_cache, v_cache)
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,

@@ -19,6 +19,9 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
              end (``narrowing_widths``): the running rows move to the first w slots of the cache
              and a loop of width w goes on, so the long tail does not decode C mostly idle slots
              (vLLM's batch shrinks the same way as its requests finish).
+    paged    with ``settings.page_size``, the same queue and tail over a K/V page pool instead of the
+             [C, S] cache: each prompt's K/V stored once for its n rows, a row's pages taken as it
+             grows and returned when it ends, narrowing moving page tables, not K/V (sampling/paged.py).
 
 Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
 ``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
@@ -57,7 +60,8 @@ from jax.sharding import PartitionSpec
 
 from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
-from pacs_jax.sampling.settings import SamplingSettings
+from pacs_jax.sampling.paged import default_pages, paged_decode_loop
+from pacs_jax.sampling.settings import SamplingSettings, row_pages
 from pacs_jax.sampling.selection import select_tokens
 from pacs_jax.sharding import constrain, current_rules, replicated
 
@@ -87,6 +91,8 @@ class SampleArrays(NamedTuple):
     slot_steps:    [] int32, decode slots x decode steps, summed over the decode batch widths (a queue
                    narrowing in its tail runs fewer slots a step); the slowest queue's times the queues
                    when the batch is sharded (the others wait for it)
+    free_pages:    [] int32, the paged sampler: response pages free at the end of the call, summed over
+                   the queues (all of them when every page came back); 0 for the contiguous samplers
     """
 
     tokens: jax.Array
@@ -97,6 +103,7 @@ class SampleArrays(NamedTuple):
     prefill_tokens: jax.Array
     decode_steps: jax.Array
     slot_steps: jax.Array
+    free_pages: jax.Array
 
 
 def slot_utilisation(lengths: np.ndarray, slot_steps: int) -> float:
@@ -300,12 +307,26 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
     return tokens, logprobs, lengths, stopped, steps, slot_steps
 
 
+def _queue_loop(model, *args, n: int, slots: int, tail_slots: int | None, max_new_tokens: int, top_k: int,
+                page_size: int | None, pages: int | None):
+    """The decode loop of one queue (``_decode_loop``'s arguments): over a cache row per slot, or with
+    ``page_size`` over a page pool of ``pages`` response pages (sampling/paged.py). Returns
+    ``_decode_loop``'s results and the free pages at the end (0 without pages)."""
+    if page_size is None:
+        return *_decode_loop(model, *args, n=n, slots=slots, tail_slots=tail_slots, max_new_tokens=max_new_tokens,
+                             top_k=top_k), jnp.int32(0)
+    return paged_decode_loop(model, *args, n=n, slots=slots, max_new_tokens=max_new_tokens, top_k=top_k,
+                             page_size=page_size, pages=pages or default_pages(slots, page_size, max_new_tokens),
+                             widths=narrowing_widths(slots, tail_slots), pad_id=PAD_ID)
+
+
 @functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("n", "max_new_tokens", "top_k", "slots", "tail_slots"))
+                   static_argnames=("n", "max_new_tokens", "top_k", "slots", "tail_slots", "page_size", "pages"))
 def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                      prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, temperature: jax.Array,
                      top_p: jax.Array, stop_ids: jax.Array, *, n: int, max_new_tokens: int, top_k: int,
-                     slots: int, tail_slots: int | None) -> SampleArrays:
+                     slots: int, tail_slots: int | None, page_size: int | None = None,
+                     pages: int | None = None) -> SampleArrays:
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     cfg = nnx.merge(graphdef, state).cfg
@@ -353,7 +374,8 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
     rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
     loop_args = (prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
                  row_keys.reshape(Q), temperature, top_p, stop_ids)
-    static = dict(n=n, slots=slots, tail_slots=tail_slots, max_new_tokens=max_new_tokens, top_k=top_k)
+    static = dict(n=n, slots=slots, tail_slots=tail_slots, max_new_tokens=max_new_tokens, top_k=top_k,
+                  page_size=page_size, pages=pages)
 
     if axes:
         mesh = current_rules().mesh
@@ -364,23 +386,25 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
         per_queue = dict(slots=slots // shards, tail_slots=None if tail_slots is None else max(tail_slots // shards, 1))
 
         def per_shard(state, *args):
-            *out, steps, slot_steps = _decode_loop(nnx.merge(graphdef, state), *args, **{**static, **per_queue})
-            return *out, steps[None], slot_steps[None]
+            *out, steps, slot_steps, free_pages = _queue_loop(nnx.merge(graphdef, state), *args,
+                                                              **{**static, **per_queue})
+            return *out, steps[None], slot_steps[None], free_pages[None]
 
         decode = jax.shard_map(per_shard, mesh=mesh,
                                in_specs=(whole, cache_split, split, split, split, split, split, split, whole,
                                          whole, whole),
-                               out_specs=(split,) * 6, axis_names=set(axes), check_vma=False)
-        *outs, steps, slot_steps = decode(nnx.state(model), *loop_args)
-        steps, slot_steps = jnp.max(steps), jnp.max(slot_steps) * shards
+                               out_specs=(split,) * 7, axis_names=set(axes), check_vma=False)
+        *outs, steps, slot_steps, free_pages = decode(nnx.state(model), *loop_args)
+        steps, slot_steps, free_pages = jnp.max(steps), jnp.max(slot_steps) * shards, jnp.sum(free_pages)
         # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
         tokens, logprobs, lengths, stopped = (
             constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), ("batch",) + (None,) * (x.ndim - 1))
             for x, empty in zip(outs, (PAD_ID, 0.0, 0, False)))
     else:
-        tokens, logprobs, lengths, stopped, steps, slot_steps = _decode_loop(model, *loop_args, **static)
+        tokens, logprobs, lengths, stopped, steps, slot_steps, free_pages = _queue_loop(model, *loop_args, **static)
     response_mask = (jnp.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(jnp.int32)
-    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens, steps, slot_steps)
+    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens, steps, slot_steps,
+                        free_pages)
 
 
 def stop_id_array(stop_token_ids) -> np.ndarray:
@@ -416,8 +440,12 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
                          f"n={settings.n}); use at most {rows}")
     stop_ids = stop_id_array(settings.stop_token_ids)
     tail_slots = None if settings.tail_slots is None or settings.tail_slots >= slots else settings.tail_slots
+    if settings.pages is not None and settings.pages < row_pages(settings.page_size, settings.max_new_tokens):
+        raise ValueError(f"pages={settings.pages}: a queue's pool must hold one row's response pages, "
+                         f"{row_pages(settings.page_size, settings.max_new_tokens)} of {settings.page_size} tokens "
+                         f"(max_new_tokens={settings.max_new_tokens})")
     static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k, slots=slots,
-                  tail_slots=tail_slots)
+                  tail_slots=tail_slots, page_size=settings.page_size, pages=settings.pages)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         spec = jax.ShapeDtypeStruct

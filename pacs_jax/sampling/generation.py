@@ -57,6 +57,7 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              stop_token_ids: Sequence[int] | int | None = None, seed: int = 0, *,
              slots: int | None = None, tail_slots: int | None = None, budgets: Sequence[int] | None = None,
+             page_size: int | None = None, pages: int | None = None,
              length_multiple: int = 64, max_cache_length: int | None = None) -> GenerateOutput:
     """Sample ``n`` continuations of each prompt (token-id lists) with a KV cache.
 
@@ -64,7 +65,8 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     slots: decode slots (continuous batching; capped at the call's rows); None: one per row (static).
     tail_slots: with slots, the narrowest the decode batch gets once no row waits (SamplingSettings).
     budgets: per prompt, its samples' new-token budget (<= max_new_tokens, vLLM's per-request
-    max_tokens); None: max_new_tokens for all. The samples do not depend on ``slots``.
+    max_tokens); None: max_new_tokens for all. page_size, pages: the paged sampler (SamplingSettings).
+    The samples do not depend on ``slots`` nor on the pages.
     Prompts are left-padded to a multiple of ``length_multiple`` and their count to a power of two
     (bounded compilations; see buckets.py). ``max_cache_length`` (default: the model's
     max_position_embeddings) bounds prompt length + max_new_tokens.
@@ -74,7 +76,7 @@ def generate(model: Qwen, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         eos = cfg.eos_token_id
         stop_token_ids = () if eos is None else eos
     settings = SamplingSettings(max_new_tokens=max_new_tokens, n=n, temperature=temperature, top_p=top_p,
-                                top_k=top_k, stop_token_ids=stop_token_ids)
+                                top_k=top_k, stop_token_ids=stop_token_ids, page_size=page_size, pages=pages)
     settings.check_vocab(cfg.vocab_size)
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise ValueError(f"seed={seed!r}: must be an integer")

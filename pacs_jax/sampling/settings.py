@@ -7,7 +7,8 @@ import math
 import numbers
 
 
-SAMPLERS = ("continuous", "static")  # config values: a fixed number of decode slots, or one slot per row
+# config values: a fixed number of decode slots, one slot per row, or a fixed number over a page pool
+SAMPLERS = ("continuous", "static", "paged")
 
 
 def _is_int(value) -> bool:
@@ -31,6 +32,11 @@ class SamplingSettings:
     (``engine.narrowing_widths``: 2/3 to 3/4 of the width above each time) down to ``tail_slots``, so
     a call's long tail decodes only the slots still running; None: the call runs all its slots to
     the end. At most ``slots``; on a mesh, per queue it is tail_slots / batch shards (at least 1).
+    page_size: None: each slot holds a K/V cache row of prompt + max_new_tokens; an int: the paged
+    sampler (sampling/paged.py), K/V in a pool of pages of this many tokens, each prompt's pages
+    shared by its n samples, a row's pages taken as it grows and returned when it ends.
+    pages: with page_size, the response pages of each queue's pool (a queue per batch shard); None:
+    enough for every slot's longest row at once. A row waits for pages when too few are free.
     """
 
     max_new_tokens: int
@@ -41,6 +47,8 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()
     slots: int | None = None
     tail_slots: int | None = None
+    page_size: int | None = None
+    pages: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -60,6 +68,10 @@ class SamplingSettings:
                                             or self.slots is None or self.tail_slots > self.slots):
             raise ValueError(f"tail_slots={self.tail_slots!r}: must be an integer in [1, slots={self.slots}] "
                              "(continuous batching), or None: no narrowing")
+        if self.page_size is not None and (not _is_int(self.page_size) or self.page_size < 1):
+            raise ValueError(f"page_size={self.page_size!r}: must be an integer >= 1 (or None: no pages)")
+        if self.pages is not None and (not _is_int(self.pages) or self.pages < 1 or self.page_size is None):
+            raise ValueError(f"pages={self.pages!r}: must be an integer >= 1, with page_size (or None)")
         stops = self.stop_token_ids
         if isinstance(stops, numbers.Integral):
             stops = (stops,)
@@ -78,6 +90,13 @@ class SamplingSettings:
         for i, token in enumerate(self.stop_token_ids):
             if token >= vocab_size:
                 raise ValueError(f"stop_token_ids[{i}]={token}: outside the vocabulary ({vocab_size})")
+
+
+def row_pages(page_size: int, max_new_tokens: int) -> int:
+    """The paged sampler's most response pages for one row: a partly filled prompt page (up to
+    page_size - 1 tokens) plus the K/V of max_new_tokens - 1 decoded tokens (the last token's is
+    never written)."""
+    return math.ceil((page_size - 1 + max_new_tokens - 1) / page_size)
 
 
 def call_slots(slots: int | None, rows: int) -> int:

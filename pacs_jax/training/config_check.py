@@ -31,7 +31,7 @@ from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUP
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
-from pacs_jax.sampling.settings import SAMPLERS
+from pacs_jax.sampling.settings import SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training.model_spec import model_config
 from pacs_jax.training.optim import SCHEDULES
@@ -95,6 +95,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
                    "data.max_prompt_length", allow_empty=False)
     _check_buckets(rc.response_buckets, "rollout.response_buckets", rc.max_new_tokens, "rollout.max_new_tokens",
                    allow_empty=True)
+    _require(rc.max_logprob_diff >= 0, "rollout.max_logprob_diff",
+             f"must be >= 0 (0: report the sampler / pi_old mismatch only), got {rc.max_logprob_diff}")
     _require(rc.sampler in SAMPLERS, "rollout.sampler", f"{rc.sampler!r} is not one of {SAMPLERS}")
     _require(isinstance(rc.micro_batches, int) and rc.micro_batches >= 1 and tc.prompts_per_step % rc.micro_batches == 0,
              "rollout.micro_batches", f"{rc.micro_batches!r} must be an integer >= 1 dividing "
@@ -170,8 +172,13 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
+    _require(isinstance(rc.page_size, int) and rc.page_size >= 1, "rollout.page_size",
+             f"must be an integer >= 1 (tokens a K/V page), got {rc.page_size!r}")
+    _require(isinstance(rc.pages, int) and (rc.pages == 0 or rc.pages >= row_pages(rc.page_size, rc.max_new_tokens)),
+             "rollout.pages", f"must be 0 (every slot's longest response) or hold one response's "
+             f"{row_pages(rc.page_size, rc.max_new_tokens)} pages (rollout.max_new_tokens / page_size), got {rc.pages!r}")
     _check_slots(rc, "rollout")
-    if rc.sampler == "continuous":
+    if rc.sampler != "static":
         slots = sampler_slots(config)
         _require(slots % batch_shards == 0, "rollout.slots",
                  f"{rc.slots}, capped at a sampler call's {slots} responses (prompts_per_step / "
@@ -381,6 +388,10 @@ def check_eval_settings(config: ml_collections.ConfigDict) -> None:
     ec = config.eval
     for field in ("max_new_tokens", "batch_size"):
         _require(isinstance(ec[field], int) and ec[field] >= 1, f"eval.{field}", f"must be an integer >= 1, got {ec[field]!r}")
+    _require(isinstance(ec.page_size, int) and ec.page_size >= 1, "eval.page_size",
+             f"must be an integer >= 1 (tokens a K/V page), got {ec.page_size!r}")
+    _require(isinstance(ec.pages, int) and ec.pages >= 0, "eval.pages",
+             f"must be an integer >= 0 (0: every slot's longest response), got {ec.pages!r}")
     _check_slots(ec, "eval")
     _require(isinstance(ec.periodic.every, int) and ec.periodic.every >= 0, "eval.periodic.every",
              f"must be an integer >= 0 (0: none), got {ec.periodic.every!r}")
@@ -410,7 +421,7 @@ def check_eval_settings(config: ml_collections.ConfigDict) -> None:
 
 def _check_slots(section: ml_collections.ConfigDict, name: str) -> None:
     """A sampler section's (``rollout``, ``eval``) sampler, slots and tail_slots, against each other:
-    tail_slots narrows the continuous sampler's slots, so it is at most slots, and the static sampler
+    tail_slots narrows the continuous and paged samplers' slots, so it is at most slots, and the static sampler
     (a slot per response, no narrowing) takes none."""
     _require(section.sampler in SAMPLERS, f"{name}.sampler", f"{section.sampler!r} is not one of {SAMPLERS}")
     _require(isinstance(section.slots, int) and section.slots >= 1, f"{name}.slots",
@@ -418,9 +429,9 @@ def _check_slots(section: ml_collections.ConfigDict, name: str) -> None:
     tail = section.tail_slots
     _require(isinstance(tail, int) and tail >= 0, f"{name}.tail_slots",
              f"must be an integer >= 0 (0: the decode batch never narrows), got {tail!r}")
-    _require(not tail or section.sampler == "continuous", f"{name}.tail_slots",
+    _require(not tail or section.sampler != "static", f"{name}.tail_slots",
              f"{tail}, but {name}.sampler is {section.sampler!r}, which gives every response its own slot and never "
-             f"narrows: set {name}.tail_slots=0, or {name}.sampler=continuous")
+             f"narrows: set {name}.tail_slots=0, or {name}.sampler=continuous (or paged)")
     _require(tail <= section.slots, f"{name}.tail_slots",
              f"{tail} is more than {name}.slots={section.slots}: the decode batch narrows from slots down to "
              f"tail_slots; set it to at most {section.slots} (0: no narrowing)")
@@ -509,10 +520,19 @@ def sampler_tail_slots(config: ml_collections.ConfigDict) -> int | None:
     return None if slots is None or not config.rollout.tail_slots else min(config.rollout.tail_slots, slots)
 
 
+def sampler_pages(config: ml_collections.ConfigDict) -> dict[str, int | None]:
+    """The training sampler's ``SamplingSettings`` page_size and pages: both None but for the paged
+    sampler (``rollout.page_size``; ``rollout.pages``, 0: None, every slot's longest response)."""
+    rc = config.rollout
+    if rc.sampler != "paged":
+        return dict(page_size=None, pages=None)
+    return dict(page_size=rc.page_size, pages=rc.pages or None)
+
+
 def sampler_slots(config: ml_collections.ConfigDict) -> int | None:
     """The decode slots of a training sampler call: ``rollout.slots`` capped at the call's responses
-    (continuous); None (one slot per response) for the static sampler."""
+    (continuous, paged); None (one slot per response) for the static sampler."""
     rc = config.rollout
-    if rc.sampler != "continuous":
+    if rc.sampler == "static":
         return None
     return min(rc.slots, config.train.prompts_per_step // rc.micro_batches * rc.n)

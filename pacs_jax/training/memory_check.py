@@ -35,6 +35,7 @@ FIELDS = {
     "critic_update": "train.micro_batches / model.remat",
     "update": "train.micro_batches / model.remat",
     "warmstart": "warmstart.batch_size / model.remat",
+    "rollout_consistency": "train.prompts_per_step",
 }
 
 

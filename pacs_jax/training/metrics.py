@@ -22,7 +22,8 @@ from pacs_jax.files import atomic_write_text, is_remote
 
 # Shown on the progress bar (when present), in this order.
 KEY_METRICS = ("reward_mean", "accuracy", "loss", "response_length_mean", "grad_norm", "tokens_per_second",
-               "slot_utilisation", "packing_efficiency", "reward_unscored")
+               "slot_utilisation", "packing_efficiency", "reward_unscored", "rollout_logprob_diff_mean",
+               "rollout_logprob_diff_max", "rollout_kl")
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:

@@ -38,6 +38,7 @@ from flax import nnx
 from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding
+from pacs_jax.training import rollout_consistency
 from pacs_jax.training.step_programs import StepPrograms
 
 
@@ -77,18 +78,21 @@ class RolloutCollector:
     """Samples, scores and computes pi_old for batches of prompts with a step's programs."""
 
     def __init__(self, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str], reward_pool: RewardPool,
-                 reward_name: str, reward_deadline: float | None = None, max_unscored_fraction: float | None = None):
-        self.programs = programs
+                 reward_name: str, reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
+                 max_logprob_diff: float = 0.0):
+        self.programs, self.max_logprob_diff = programs, max_logprob_diff
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, programs: StepPrograms, *,
                     decode: Callable[[Sequence[int]], str], reward_pool: RewardPool | None) -> RolloutCollector:
-        """The collector of ``config.reward`` (the reward, its deadline and unscored fraction)."""
+        """The collector of ``config.reward`` (the reward, its deadline and unscored fraction) and
+        ``rollout.max_logprob_diff``."""
         return cls(programs, decode=decode, reward_pool=reward_pool,
                    reward_name=reward_for(config.reward.name, config.reward.mode),
-                   reward_deadline=config.reward.deadline, max_unscored_fraction=config.reward.max_unscored_fraction)
+                   reward_deadline=config.reward.deadline, max_unscored_fraction=config.reward.max_unscored_fraction,
+                   max_logprob_diff=config.rollout.max_logprob_diff)
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host array of the global shape -> a global array sharded over the batch axes (each process
@@ -102,8 +106,9 @@ class RolloutCollector:
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
         bucket), tokens, response_mask [P*n, R] (cut to the response bucket; packed passes: Tp and R
         the largest buckets), host arrays lengths, stopped, prompt_lengths [P*n] (every row's, on
-        every process), the response bucket R, and the calls' decode steps (summed) and slot
-        utilisation (decoded tokens / slot steps: slots x decode steps at each decode batch width).
+        every process), the response bucket R, the calls' decode steps (summed) and slot utilisation
+        (decoded tokens / slot steps: slots x decode steps at each decode batch width), and
+        sampler_logprobs: each call's log-probs of its tokens, [P*n / K, max_new] device arrays.
         """
         programs = self.programs
         K = programs.sampler_calls
@@ -130,7 +135,7 @@ class RolloutCollector:
         return {"prompt_tokens": self._put(pass_tokens), "prompt_mask": self._put(pass_mask), "tokens": tokens,
                 "prompt_lengths": np.repeat([len(p) for p in prompt_ids], self.programs.n), "response_bucket": R,
                 "response_mask": response_mask, "lengths": lengths, "stopped": stopped,
-                "decode_steps": decode_steps,
+                "decode_steps": decode_steps, "sampler_logprobs": tuple(o.logprobs for o in outs),
                 "slot_utilisation": sampling.slot_utilisation(lengths, slot_steps)}
 
     def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array, dict, dict]:
@@ -165,6 +170,7 @@ class RolloutCollector:
 
         t0 = time.perf_counter()
         batch, entropy_mean, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
+        mismatch = self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
         texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
         golds = [prompts.ground_truths[row // n] for row in rows]
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
@@ -172,6 +178,8 @@ class RolloutCollector:
         times["time_reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         entropy_mean = float(entropy_mean)  # waits for pi_old
+        mismatch = {k: float(v) for k, v in mismatch.items()}
+        rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
 
         B, R = sampled["tokens"].shape[0], sampled["response_bucket"]
@@ -203,6 +211,7 @@ class RolloutCollector:
             "prompt_bucket": float(sampled["prompt_tokens"].shape[1]),
             "truncated_fraction": float(1.0 - stopped.mean()),  # responses cut at max_new_tokens
             "entropy": entropy_mean,
+            **mismatch,  # the sampler's log-probs against pi_old (training/rollout_consistency.py)
             "generated_tokens": float(lengths.sum()),
             "decode_steps": float(sampled["decode_steps"]),  # of the step's sampler calls, summed
             "slot_utilisation": sampled["slot_utilisation"],  # decoded tokens / slot steps

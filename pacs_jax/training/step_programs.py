@@ -35,7 +35,8 @@ from pacs_jax.rl.packing import PackedPlan, plan_packing, row_buckets, shards_fo
 from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.config_check import sampler_slots, sampler_tail_slots
+from pacs_jax.training.rollout_consistency import consistency_program
+from pacs_jax.training.config_check import sampler_pages, sampler_slots, sampler_tail_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.update_step import make_update_step
@@ -63,7 +64,8 @@ def sampling_settings(config: ml_collections.ConfigDict, stop_token_ids: Sequenc
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
-                                     slots=sampler_slots(config), tail_slots=sampler_tail_slots(config))
+                                     slots=sampler_slots(config), tail_slots=sampler_tail_slots(config),
+                                     **sampler_pages(config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,8 @@ class StepPrograms:
     Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, metrics [M])``;
     ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
     entropy)``; ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
+    ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
+    (training/rollout_consistency.py);
     PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
     made by ``add_critic`` once the critic exists (it copies the actor after the warm-start);
     ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
@@ -128,6 +132,7 @@ class StepPrograms:
             return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
+        self.rollout_consistency = consistency_program()
         self.critic_state = self.critic = None
         if critic is not None:
             self.add_critic(critic)
@@ -196,12 +201,14 @@ class StepPrograms:
         return {name: row_buckets(B // (lay["mini_batches"] * lay["micro_batches"] * lay["shards"]),
                                   self.packed_row_buckets_count) for name, lay in self._layouts().items()}
 
-    def abstract_packing(self, name: str, rows: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-        """(pack_index, unpack_index) of pass ``name`` at ``rows`` packed rows, abstract."""
+    def abstract_packing(self, name: str, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name`` at ``rows`` packed rows, abstract."""
         lay = self._layouts()[name]
-        packed = lay["mini_batches"] * lay["micro_batches"] * lay["shards"] * rows
-        return (self.abstract_rows((packed, self.packed_length), jnp.int32),
-                self.abstract_rows((self.num_prompts * self.n, self.pass_widths[1]), jnp.int32))
+        packed = (lay["mini_batches"] * lay["micro_batches"] * lay["shards"] * rows, self.packed_length)
+        shapes = {"pack_index": packed, "stream_index": packed,
+                  "stream_length": (lay["mini_batches"] * lay["micro_batches"], 1),
+                  "unpack_index": (self.num_prompts * self.n, self.pass_widths[1])}
+        return {k: self.abstract_rows(shape, jnp.int32) for k, shape in shapes.items()}
 
     def init_optimizer(self, params):
         """AdamW's initial state for ``params``, in the shardings the update keeps."""
@@ -243,10 +250,11 @@ class StepPrograms:
     def programs(self, largest_only: bool = False, with_warmstart: bool = False) -> list[Program]:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
         buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
-        critic_update, update; ``with_warmstart``: the warm-start's step first (a phase of its own
-        before RL, when ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once
-        per packed-row count of ``packed_row_buckets`` (``largest_only``: the largest, every sequence
-        in a row of its own), on the largest buckets' padded rows."""
+        critic_update, update (then the small rollout_consistency check, which runs after pi_old);
+        ``with_warmstart``: the warm-start's step first (a phase of its own before RL, when
+        ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once per packed-row
+        count of ``packed_row_buckets`` (``largest_only``: the largest, every sequence in a row of its
+        own), on the largest buckets' padded rows."""
         params, opt_state = self.state
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         prompt_buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
@@ -294,11 +302,17 @@ class StepPrograms:
                 for name, buckets in self.packed_row_buckets().items():
                     for rows_per_shard in (buckets[-1:] if largest_only else buckets):
                         plan = self.abstract_packing(name, rows_per_shard)
-                        packed = (f"packed into {plan[0].shape[0]} rows x {self.packed_length} tokens "
+                        packed = (f"packed into {plan['pack_index'].shape[0]} rows x {self.packed_length} tokens "
                                   f"({rows_per_shard} a micro-batch and shard)")
                         out += self._pass_programs(self.abstract_batch(p, r), f"{shape} {packed}, {passes}",
                                                    f"{shape} {packed}, {updates}", {name: plan}, opt_bytes,
                                                    actor_bytes, critic_bytes)
+        call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
+        for r in response_buckets:
+            per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
+            out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
+                               lambda a=(call_logp, *per_row): self.rollout_consistency.lower(*a),
+                               (call_logp, *per_row), actor_bytes + critic_bytes))
         return out
 
     def _pass_programs(self, batch: dict, passes: str, updates: str, plans: dict, opt_bytes: int, actor_bytes: int,
@@ -327,12 +341,12 @@ class StepPrograms:
             if not packed or "critic" in plans:
                 critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
                                 "old_values": batch["advantages"], "returns": batch["advantages"],
-                                **(dict(zip(("pack_index", "unpack_index"), plans["critic"])) if packed else {})}
+                                **plans.get("critic", {})}
                 args = (critic_params, critic_opt, critic_batch)
                 out.append(Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args,
                                    actor_bytes))
         if not packed or "update" in plans:
-            actor_batch = {**batch, **(dict(zip(("pack_index", "unpack_index"), plans["update"])) if packed else {})}
+            actor_batch = {**batch, **plans.get("update", {})}
             args = (params, opt_state, actor_batch)
             out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
         return out

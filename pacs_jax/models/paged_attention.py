@@ -1,0 +1,163 @@
+"""Decode attention over a paged KV cache: one query per row against the live pages of its sequence.
+
+Shapes: B rows, H query heads, K key/value heads, G = H // K, Dh head size, L layers, N pages in the
+pool, s page size (tokens a page), M pages a sequence may span (the page table's width).
+
+The pool holds every layer's pages, [L, K, N, s, Dh] each for keys and values (``PagedKVCache``):
+the layout of the library kernels' ``k_pages`` [K, N, s, Dh] per layer. A sequence is compact: its
+token i sits at slot i % s of page ``table[b, i // s]``, and its first ``lengths[b]`` tokens are
+visible (no padding inside a sequence: the sampler stores a prompt's real tokens from position 0,
+sampling/paged.py). Table entries past a row's live pages may be any page of the pool (they are
+never read, or read and masked).
+
+``paged_decode_attention(q, k_pool, v_pool, layer, view, impl)``:
+
+* "xla" (any backend; the reference the kernels are tested against): an online softmax over blocks
+  of ``block_pages`` pages, each block's pages gathered by the table from the pool (only the live
+  pages: a loop over ceil(max(lengths) / (block_pages s)) blocks, a dynamic trip count).
+* "tpu": ``jax.experimental.pallas.ops.tpu.paged_attention`` (the Mosaic kernel; its DMAs read only
+  each row's live pages).
+* "gpu": ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton).
+The kernels take one layer's pages, so a layer's [K, N, s, Dh] slice of the pool is their operand;
+neither scales q, so q comes scaled by Dh**-0.5. Under a mesh whose "act_kv_heads" axes ("tensor")
+divide K, a kernel runs in ``shard_map`` over those axes (each device its own heads' pages, as the
+pool is split: ``POOL_AXES``), since GSPMD cannot split a kernel call. ``interpret=True`` runs a kernel in the Pallas
+interpreter (tests on CPU; the TPU kernel under ``pltpu.force_tpu_interpret_mode``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from pacs_jax.models.attention import _mesh_axes
+from pacs_jax.numerics import batched_dot_operand
+from pacs_jax.sharding import LOGICAL_RULES, constrain
+
+PAGED_IMPLS = ("xla", "tpu", "gpu")
+POOL_AXES = ("layers", "act_kv_heads", None, None, None)  # a pool's heads split as the attention's
+_NEG = -1e30  # score of a masked entry: finite, so (masked - masked) is 0, never NaN
+_F32 = jnp.float32
+
+
+class PagedKVCache(NamedTuple):
+    """The page pool of all layers: keys and values [L, K, N, s, Dh] each, in the compute dtype."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class PageView(NamedTuple):
+    """What one decode step of B rows reads and writes in the pool.
+
+    table:  [B, M] int32, page i of each row's sequence
+    lengths: [B] int32, visible tokens of each row (the token this step writes included)
+    write_page, write_slot: [B] int32, where this step's key and value go (page, slot in it)
+    """
+
+    table: jax.Array
+    lengths: jax.Array
+    write_page: jax.Array
+    write_slot: jax.Array
+
+
+def write(pool: jax.Array, x: jax.Array, layer: jax.Array, view: PageView) -> jax.Array:
+    """pool [L, K, N, s, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at (write_page[b],
+    write_slot[b]): one scatter, in place in the decode loop. Busy rows write distinct (page, slot)
+    pairs; the sampler's idle rows all write into one scratch page that no row reads."""
+    pool = pool.at[layer, :, view.write_page, view.write_slot].set(x[:, 0], mode="promise_in_bounds")
+    return constrain(pool, POOL_AXES)
+
+
+def resolve_paged_impl(attention_impl: str) -> str:
+    """The paged decode path of a resolved ``model.attention`` impl: the TPU kernel beside splash,
+    the GPU kernel beside cuDNN, the XLA path beside "xla"."""
+    return {"splash": "tpu", "cudnn": "gpu"}.get(attention_impl, "xla")
+
+
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array | int,
+                           view: PageView, *, impl: str = "xla", block_pages: int = 8,
+                           interpret: bool = False) -> jax.Array:
+    """q [B, 1, H, Dh] against layer ``layer`` of the pools [L, K, N, s, Dh], each row's first
+    view.lengths[b] tokens through its page table view.table [B, M]; softmax in float32.
+    Returns [B, 1, H, Dh] in q.dtype (zeros for a row with no visible token).
+    block_pages: pages per block of the "xla" path and per compute block of the kernels (capped at M
+    and made to divide it).
+    """
+    B, _, H, Dh = q.shape
+    L, K, N, s, _ = k_pool.shape
+    M = view.table.shape[1]
+    if k_pool.shape != v_pool.shape or H % K or k_pool.shape[-1] != Dh or view.table.shape[0] != B:
+        raise ValueError(f"paged_decode_attention: q {q.shape}, pools {k_pool.shape} / {v_pool.shape}, table "
+                         f"{view.table.shape} do not fit q [B, 1, H, Dh], pools [L, K, N, s, Dh], table [B, M]")
+    if impl not in PAGED_IMPLS:
+        raise ValueError(f"paged attention impl {impl!r}: expected one of {PAGED_IMPLS}")
+    block = max(d for d in range(1, min(block_pages, M) + 1) if M % d == 0)
+    lengths = jnp.minimum(view.lengths.astype(jnp.int32), M * s)
+    if impl == "xla":
+        return _xla_paged(q, k_pool, v_pool, layer, view.table, lengths, block)
+    scaled = (q[:, 0].astype(_F32) * Dh ** -0.5).astype(q.dtype)  # [B, H, Dh]
+    k_layer, v_layer = (lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in (k_pool, v_pool))
+    kernel = functools.partial(_kernel, impl=impl, block=block, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    heads = None if mesh.empty else _mesh_axes(mesh, LOGICAL_RULES["act_kv_heads"], K)
+    if heads is not None:
+        axes = {heads} if isinstance(heads, str) else set(heads)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(P(None, heads), P(heads), P(heads), P(), P()),
+                               out_specs=P(None, heads), axis_names=axes, check_vma=False)
+    out = kernel(scaled, k_layer, v_layer, lengths, view.table)
+    out = jnp.where((lengths > 0)[:, None, None], out, 0)
+    return out[:, None].astype(q.dtype)
+
+
+def _kernel(q, k_pages, v_pages, lengths, table, *, impl: str, block: int, interpret: bool) -> jax.Array:
+    """A library kernel: q [B, H, Dh] (scaled), k/v pages [K, N, s, Dh], lengths [B], table [B, M]
+    -> [B, H, Dh]."""
+    if impl == "tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+        return paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    return paged_attention(q, k_pages, v_pages, table, lengths, pages_per_compute_block=block, k_splits=1,
+                           interpret=interpret)
+
+
+def _xla_paged(q, k_pool, v_pool, layer, table, lengths, block: int) -> jax.Array:
+    """The "xla" path: q [B, 1, H, Dh], pools [L, K, N, s, Dh], table [B, M], lengths [B] int32 ->
+    [B, 1, H, Dh]; blocks of ``block`` pages (dividing M), only those up to the longest row's."""
+    B, _, H, Dh = q.shape
+    K, s = k_pool.shape[1], k_pool.shape[3]
+    G, width = H // K, block * s
+    q4 = batched_dot_operand(q.reshape(B, K, G, Dh))
+    scale = Dh ** -0.5
+    offsets = jnp.arange(width)
+
+    def gather(pool, j):  # the rows' pages j*block .. j*block + block - 1 -> [B, K, width, Dh]
+        pages = lax.dynamic_slice_in_dim(table, j * block, block, axis=1)  # [B, block]
+        x = lax.dynamic_index_in_dim(pool, layer, keepdims=False)[:, pages]  # [K, B, block, s, Dh]
+        return jnp.moveaxis(x, 0, 1).reshape(B, K, width, Dh)
+
+    def step(j, carry):
+        m, l, acc = carry
+        mask = (j * width + offsets)[None, :] < lengths[:, None]  # [B, width]
+        v_j = batched_dot_operand(jnp.where(mask[:, None, :, None], gather(v_pool, j), 0))  # unwritten: anything
+        s_j = jnp.einsum("bkgd,bksd->bkgs", q4, batched_dot_operand(gather(k_pool, j)),
+                         preferred_element_type=_F32) * scale
+        mask = mask[:, None, None, :]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s_j, _NEG), axis=-1))
+        p = jnp.where(mask, jnp.exp(s_j - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha[..., None] + jnp.einsum("bkgs,bksd->bkgd", p.astype(v_j.dtype), v_j,
+                                                  preferred_element_type=_F32)
+        return m_new, l * alpha + p.sum(-1), acc
+
+    init = (jnp.full((B, K, G), _NEG, _F32), jnp.zeros((B, K, G), _F32), jnp.zeros((B, K, G, Dh), _F32))
+    _, l, acc = lax.fori_loop(0, (jnp.max(lengths) + width - 1) // width, step, init)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
+    return out.reshape(B, 1, H, Dh).astype(q.dtype)

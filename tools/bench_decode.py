@@ -1,0 +1,99 @@
+"""How close the paged sampler's decode step is to the memory-bandwidth limit.
+
+    python tools/bench_decode.py [--preset Qwen2.5-0.5B] [--dtype float32] [--slots 16] [--fill 64]
+                                 [--steps 32] [--page-size 16] [--rounds 3]
+
+``slots`` random prompts of ``fill`` tokens, one greedy sample each (no stop id), in ``slots`` decode
+slots of the paged sampler (random weights). A decode step's time is (t(1 + steps tokens) - t(1
+token)) / steps, best of ``rounds`` each (prefill and first token cancel; both programs compiled
+first). What a step must read: the weights in the compute dtype (the decode layout) and the live
+K/V pages, slots x (fill + steps / 2 on average) tokens x layers x 2 (K and V) x kv heads x head dim,
+each token's page read whole (rounded up to pages). The copy bandwidth is measured in the same
+process: a jitted negation of a ``--copy-mb`` array (bytes read + written / its best time). Prints
+``decode step X ms, Y GB live, Z of the measured copy bandwidth`` (Z: Y / X over the copy rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pacs_jax import models, sampling, sharding
+from pacs_jax.sampling.buckets import round_up
+
+
+def best_seconds(fn, rounds: int) -> float:
+    """The best wall time of ``rounds`` calls of ``fn`` (which waits for its result)."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(megabytes: int, rounds: int) -> float:
+    """Bytes read + written per second by a jitted negation of a float32 array of ``megabytes``."""
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    negate = jax.jit(jnp.negative)
+    negate(x).block_until_ready()
+    return 2 * x.nbytes / best_seconds(lambda: negate(x).block_until_ready(), rounds)
+
+
+def step_bytes(cfg: models.QwenConfig, params: int, slots: int, fill: int, steps: int, page_size: int) -> float:
+    """Bytes one decode step reads: the weights in the compute dtype and the live K/V pages (each
+    row's tokens at mid-run, rounded up to whole pages)."""
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    tokens = round_up(fill + steps // 2, page_size)
+    kv = slots * tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return params * itemsize + kv
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="Qwen2.5-0.5B")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--fill", type=int, default=64, help="prompt tokens of every row")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--copy-mb", type=int, default=1024, help="the copy bandwidth's array")
+    args = parser.parse_args()
+    if min(args.slots, args.fill, args.steps, args.page_size, args.rounds, args.copy_mb) < 1:
+        parser.error("every size must be >= 1")
+
+    cfg = models.preset(args.preset, eos_token_id=None, dtype=args.dtype, param_dtype=args.dtype)
+    model = models.init_random(cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(args.slots, args.fill))
+    placed = sharding.placement(("batch", "length"), prompts.shape)
+    tokens = jax.device_put(prompts.astype(np.int32), placed)
+    mask = jax.device_put(np.ones(prompts.shape, np.int32), placed)
+    print(f"{args.preset} ({args.dtype}): {args.slots} slots, {args.fill}-token prompts, {args.steps} decode steps, "
+          f"pages of {args.page_size}; jax {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cpus)")
+
+    def run(new_tokens: int):
+        settings = sampling.SamplingSettings(max_new_tokens=new_tokens, slots=args.slots, page_size=args.page_size)
+        return lambda: jax.block_until_ready(sampling.sample(graphdef, state, tokens, mask, settings,
+                                                             jax.random.key(0)).tokens)
+
+    long, short = run(1 + args.steps), run(1)
+    long(), short()  # compile
+    step = (best_seconds(long, args.rounds) - best_seconds(short, args.rounds)) / args.steps
+    rate = copy_bandwidth(args.copy_mb, args.rounds)
+    live = step_bytes(cfg, params, args.slots, args.fill, args.steps, args.page_size)
+    print(f"copy bandwidth {rate / 1e9:.1f} GB/s (read + write of a {args.copy_mb} MiB array)")
+    print(f"decode step {step * 1e3:.2f} ms, {live / 1e9:.3f} GB live, {live / step / rate:.2f} of the measured "
+          "copy bandwidth")
+
+
+if __name__ == "__main__":
+    main()
