@@ -71,10 +71,11 @@ class PackedPlan:
         return {k: getattr(self, k) for k in PACKING_KEYS}
 
 
-def shards_for(rows: int) -> int:
-    """Batch shards of a micro-batch of ``rows`` rows on the mesh in context (1 when they do not
-    divide: the rows are then replicated, as ``sharding.batch_sharding`` places them)."""
-    shards = batch_shards()
+def shards_for(rows: int, mesh_shards: int | None = None) -> int:
+    """Batch shards of a micro-batch of ``rows`` rows on the mesh in context, or of a mesh whose
+    batch axes make ``mesh_shards`` (1 when they do not divide: the rows are then replicated, as
+    ``sharding.batch_sharding`` places them)."""
+    shards = batch_shards() if mesh_shards is None else mesh_shards
     return shards if rows % shards == 0 else 1
 
 

@@ -114,6 +114,7 @@ class StepPrograms:
         self.logprob_micro_batches = logprob_micro_batches(config)
         self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
         self.packing = tc.packing
+        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
         if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
             self.packed_length = tc.packed_length or self.prompt_buckets[-1] + rc.max_new_tokens
             self.packed_row_buckets_count = tc.packed_row_buckets
@@ -181,10 +182,11 @@ class StepPrograms:
         pi_old pass (also PPO's values), the actor's update and PPO's critic update."""
         B = self.num_prompts * self.n
         M, K, L = self.mini_batches, self.micro_batches, self.logprob_micro_batches
-        layouts = {"logprob": dict(mini_batches=1, micro_batches=L, unit=1, shards=shards_for(B // L))}
+        S = self.batch_shards
+        layouts = {"logprob": dict(mini_batches=1, micro_batches=L, unit=1, shards=shards_for(B // L, S))}
         if self.critic is not None:
-            layouts["critic"] = dict(mini_batches=M, micro_batches=K, unit=1, shards=shards_for(B // M // K))
-        layouts["update"] = dict(mini_batches=M, micro_batches=K, unit=self.n, shards=shards_for(B // M // K))
+            layouts["critic"] = dict(mini_batches=M, micro_batches=K, unit=1, shards=shards_for(B // M // K, S))
+        layouts["update"] = dict(mini_batches=M, micro_batches=K, unit=self.n, shards=shards_for(B // M // K, S))
         return layouts
 
     def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
