@@ -70,7 +70,7 @@ def test_plan_reads_every_real_token_once_and_unpacks_to_the_predicting_position
                                 micro_batches=2, unit=n, shards=1, buckets=4)
     layout = packing.micro_batch_layout(16, mini_batches=2, micro_batches=2, unit=n, shards=1)
     index = plan.pack_index.reshape(2, 1, 2, plan.rows, Lp)
-    stream = plan.stream_index.reshape(2, 1, 2, plan.rows * Lp)
+    stream = plan.stream_index.reshape(2, 1, 2, -1)
     W = P + R
     for m in range(2):
         for k in range(2):

@@ -91,14 +91,14 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
     """``response_logprobs`` of one micro-batch computed on its packed rows (rl/packing.py): input_ids,
     attention_mask [B, P + R] (the padded rows, read through ``plan["pack_index"]`` [S N, Lp]) ->
     [B, R] float32 (and entropy [B, R]); the same numbers as the padded rows' at every response token,
-    from S N x Lp tokens through the decoder and only the response stream through the LM head.
+    from S N x Lp tokens through the decoder and only the response stream [S, Q] through the LM head.
     plan: the micro-batch's arrays of ``rl.packing.PACKING_KEYS``.
     """
     tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan["pack_index"])
     hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True)  # [S N, Lp, D]
     shards = shards_for(input_ids.shape[0])
     args = (response_stream(hidden, plan["stream_index"], shards), model.lm_head_kernel(),
-            response_stream(targets, plan["stream_index"], shards))  # [S, N Lp, D], [D, V], [S, N Lp]
+            response_stream(targets, plan["stream_index"], shards))  # [S, Q, D], [D, V], [S, Q]
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, valid=plan["stream_length"].reshape(()))
     if not with_entropy:
         return unpack(token_logprobs(*args, **kwargs), plan["unpack_index"])

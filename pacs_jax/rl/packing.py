@@ -17,18 +17,18 @@ local to each shard:
     pack_index    [M S K N, Lp] int32, rows in (mini-batch, shard, micro-batch, packed row) order:
                   for each packed token, its flat index j W + c into the shard's padded rows
                   [r, W] of that micro-batch (row j, column c), or -1 (padding)
-    stream_index  [M S K N, Lp] int32, the same order: the response stream, the flat indices
-                  n Lp + c into the shard's packed rows [N, Lp] of the positions that predict a
-                  response token (the token before it; t = 0 .. min(length, R - 1) of each
-                  sequence, the last one the value's slot after the response), first, then 0s
+    stream_index  [M S K, Q] int32, Q = min(N Lp, r R), the same order: the response stream, the
+                  flat indices n Lp + c into the shard's packed rows [N, Lp] of the positions that
+                  predict a response token (the token before it; t = 0 .. min(length, R - 1) of
+                  each sequence, the last one the value's slot after the response), first, then 0s
     stream_length [M K, 1] int32: per micro-batch, the longest of its shards' streams
     unpack_index  [B, R] int32, in the rows' own order: for response token t of row b (t <= its
                   length), its place in the shard's stream; 0 elsewhere (masked)
 
 The LM head (the fused log-probs, a loop of ceil(stream_length / chunk) trips) runs on the stream
 only: on the response tokens, not on the prompts nor the padding. Split by ``rl.micro_batches``
-with blocks of N rows (pack_index, stream_index) and of ``unit`` rows (the [B, ...] arrays and
-stream_length), micro-batch k of mini-batch m finds its own packed rows, shard by shard, where its
+with blocks of N rows (pack_index), of one row (stream_index, stream_length) and of ``unit`` rows
+(the [B, ...] arrays), micro-batch k of mini-batch m finds its own packed rows, shard by shard, where its
 padded rows are. On the device, a packed token's segment id is its padded row's local index + 1 (0:
 padding) and its position its position in the padded row (``models.positions_from_mask``), so RoPE
 sees exactly the unpacked row's positions.
@@ -82,10 +82,10 @@ def shards_for(rows: int, mesh_shards: int | None = None) -> int:
 def packed_units(plan: dict, num_rows: int, num_micro_batches: int) -> dict[str, int]:
     """The block sizes of a plan's own arrays for ``rl.micro_batches`` over K = ``num_micro_batches``
     micro-batches of ``num_rows`` rows in all: N (the packed rows of a micro-batch on a shard, from
-    pack_index [K S N, Lp]) for pack_index and stream_index, 1 for stream_length [K, 1]; unpack_index
-    [B, R] is split as the rows are."""
+    pack_index [K S N, Lp]) for pack_index, 1 for stream_index [K S, Q] and stream_length [K, 1];
+    unpack_index [B, R] is split as the rows are."""
     N = plan["pack_index"].shape[0] // (num_micro_batches * shards_for(num_rows // num_micro_batches))
-    return {"pack_index": N, "stream_index": N, "stream_length": 1}
+    return {"pack_index": N, "stream_index": 1, "stream_length": 1}
 
 
 def row_buckets(rows: int, count: int) -> tuple[int, ...]:
@@ -143,7 +143,7 @@ def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, pr
     needed = max(b + 1 for bins in placed.values() for b, _ in bins)
     N = next(n for n in row_buckets(r, buckets) if n >= needed)
     pack_index = np.full((M, S, K, N, Lp), -1, np.int32)
-    stream_index = np.zeros((M, S, K, N * Lp), np.int32)
+    stream_index = np.zeros((M, S, K, min(N * Lp, r * R)), np.int32)
     stream_length = np.zeros((M, K), np.int32)
     unpack_index = np.zeros((B, R), np.int32)
     for (m, k, s), bins in placed.items():
@@ -158,7 +158,7 @@ def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, pr
             unpack_index[row, :len(t)] = used + t
             used += len(t)
         stream_length[m, k] = max(stream_length[m, k], used)
-    return PackedPlan(pack_index.reshape(M * S * K * N, Lp), stream_index.reshape(M * S * K * N, Lp),
+    return PackedPlan(pack_index.reshape(M * S * K * N, Lp), stream_index.reshape(M * S * K, -1),
                       stream_length.reshape(M * K, 1), unpack_index, N, int(seq_lengths.sum()), M * K * S * N * Lp)
 
 
@@ -193,7 +193,7 @@ def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: j
 
 def response_stream(x: jax.Array, stream_index: jax.Array, shards: int) -> jax.Array:
     """Per-position values of one micro-batch's packed rows, x [S N, Lp, ...], -> its response stream
-    [S, N Lp, ...] (``stream_index`` [S N, Lp]; a gather within each of the S = ``shards`` shards)."""
+    [S, Q, ...] (``stream_index`` [S, Q]; a gather within each of the S = ``shards`` shards)."""
     flat = x.reshape(shards, -1, *x.shape[2:])
     index = stream_index.reshape(shards, -1)
     out = jnp.take_along_axis(flat, index.reshape(index.shape + (1,) * (flat.ndim - 2)), axis=1)
@@ -201,6 +201,6 @@ def response_stream(x: jax.Array, stream_index: jax.Array, shards: int) -> jax.A
 
 
 def unpack(stream: jax.Array, unpack_index: jax.Array) -> jax.Array:
-    """Per-position values of a micro-batch's response stream [S, N Lp] -> [S r, R] at
+    """Per-position values of a micro-batch's response stream [S, Q] -> [S r, R] at
     ``unpack_index`` [S r, R]."""
     return _local_gather(stream, unpack_index, shards_for(unpack_index.shape[0]))

@@ -206,8 +206,10 @@ class StepPrograms:
     def abstract_packing(self, name: str, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name`` at ``rows`` packed rows, abstract."""
         lay = self._layouts()[name]
-        packed = (lay["mini_batches"] * lay["micro_batches"] * lay["shards"] * rows, self.packed_length)
-        shapes = {"pack_index": packed, "stream_index": packed,
+        cells = lay["mini_batches"] * lay["micro_batches"] * lay["shards"]
+        r = self.num_prompts * self.n // cells  # padded rows of a micro-batch on a shard
+        packed = (cells * rows, self.packed_length)
+        shapes = {"pack_index": packed, "stream_index": (cells, min(rows * self.packed_length, r * self.pass_widths[1])),
                   "stream_length": (lay["mini_batches"] * lay["micro_batches"], 1),
                   "unpack_index": (self.num_prompts * self.n, self.pass_widths[1])}
         return {k: self.abstract_rows(shape, jnp.int32) for k, shape in shapes.items()}
