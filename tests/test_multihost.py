@@ -45,7 +45,7 @@ SHRUNK = [
     "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
     "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",
     "--config.rollout.micro_batches=2", "--config.rollout.max_new_tokens=16", "--config.rollout.response_buckets=(16,)",
-    "--config.rollout.slots=8",  # continuous: 2 decode slots per batch shard for the 8 responses of its prompt
+    "--config.rollout.slots=8", "--config.rollout.tail_slots=0",  # continuous: 2 decode slots per batch shard for the 8 responses of its prompt
     "--config.optim.lr=0.0001", "--config.reward.workers=1", "--config.eval.sets=",
     "--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
     "--config.mesh.device_order=(0,1,4,5,2,3,6,7)",

@@ -118,7 +118,8 @@ def matrix_config(data_file, tokenizer_dir, remat: str, sampler: str = "continuo
     one_prompt_bucket(config)
     config.rollout.response_buckets = (16,)
     if remat == COMPARED_REMAT or sampler != "continuous":
-        config.rollout.sampler, config.rollout.slots = sampler, 8
+        # 8 slots, 1 a batch shard: nothing to narrow (the paper's tail_slots is for its 4096)
+        config.rollout.sampler, config.rollout.slots, config.rollout.tail_slots = sampler, 8, 0
     return config
 
 
@@ -194,7 +195,8 @@ def test_the_demo_trains_alike_with_every_sampler(tmp_path):
         config.data.arithmetic.problems, config.data.warmstart_problems, config.data.held_out_problems = 64, 0, 8
         config.train.steps, config.train.prompts_per_step, config.train.mini_batches = 2, 8, 2
         config.train.checkpoint_every, config.reward.workers, config.eval.sets = 0, 1, ""
-        config.rollout.sampler, config.rollout.slots, config.rollout.tail_slots = sampler, 16, 8
+        config.rollout.sampler, config.rollout.slots = sampler, 16
+        config.rollout.tail_slots = 0 if sampler == "static" else 8  # the static sampler never narrows
         validate_config(config)
         with jax.set_mesh(config_mesh(config.mesh)):
             run_training(config, tmp_path / sampler)
