@@ -19,9 +19,10 @@ never read, or read and masked).
   each row's live pages).
 * "gpu": ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton).
 The kernels take one layer's pages, so a layer's [K, N, s, Dh] slice of the pool is their operand;
-neither scales q, so q comes scaled by Dh**-0.5. Under a mesh whose "act_kv_heads" axes ("tensor")
-divide K, a kernel runs in ``shard_map`` over those axes (each device its own heads' pages, as the
-pool is split: ``POOL_AXES``), since GSPMD cannot split a kernel call. ``interpret=True`` runs a kernel in the Pallas
+neither scales q, so q comes scaled by Dh**-0.5. Under a mesh, a kernel runs in ``shard_map`` over
+the axes not already manual (GSPMD cannot split a kernel call): the heads over the "act_kv_heads"
+axes ("tensor") when they divide K (each device its own heads' pages, as the pool is split:
+``POOL_AXES``), the rows over the batch axes when they divide B, replicated over the others. ``interpret=True`` runs a kernel in the Pallas
 interpreter (tests on CPU; the TPU kernel under ``pltpu.force_tpu_interpret_mode``).
 """
 
@@ -105,11 +106,11 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     k_layer, v_layer = (lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in (k_pool, v_pool))
     kernel = functools.partial(_kernel, impl=impl, block=block, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
-    heads = None if mesh.empty else _mesh_axes(mesh, LOGICAL_RULES["act_kv_heads"], K)
-    if heads is not None:
-        axes = {heads} if isinstance(heads, str) else set(heads)
-        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(P(None, heads), P(heads), P(heads), P(), P()),
-                               out_specs=P(None, heads), axis_names=axes, check_vma=False)
+    if not mesh.empty and mesh.auto_axes:  # a kernel call must be manual over every axis of the mesh
+        heads = _mesh_axes(mesh, tuple(a for a in LOGICAL_RULES["act_kv_heads"] if a in mesh.auto_axes), K)
+        rows = _mesh_axes(mesh, tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.auto_axes), B)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(P(rows, heads), P(heads), P(heads), P(rows), P(rows)),
+                               out_specs=P(rows, heads), axis_names=set(mesh.auto_axes), check_vma=False)
     out = kernel(scaled, k_layer, v_layer, lengths, view.table)
     out = jnp.where((lengths > 0)[:, None, None], out, 0)
     return out[:, None].astype(q.dtype)
