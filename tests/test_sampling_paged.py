@@ -60,11 +60,11 @@ def test_the_pool_holds_each_prompt_once_compact_and_the_response_pages_after():
     real = np.zeros((P, T), bool)
     real[0, 2:], real[1, :], real[2, 6:] = True, True, True  # 5, 7 and 1 real tokens, left-padded
     pool = paged._compact_pool(KVCache(k, -k), jnp.asarray(real), s, pages)
-    assert pool.k.shape == (L, K, P * 3 + pages + 1, s, Dh)
+    assert pool.k.shape == (K, L, P * 3 + pages + 1, s, Dh)
     for p in range(P):
         count = real[p].sum()
-        stored = np.asarray(pool.k)[:, :, p * 3:p * 3 + 3].reshape(L, K, 3 * s, Dh)[:, :, :count]
-        np.testing.assert_array_equal(stored, np.asarray(k)[:, p][:, :, real[p]])
+        stored = np.asarray(pool.k)[:, :, p * 3:p * 3 + 3].reshape(K, L, 3 * s, Dh)[:, :, :count]
+        np.testing.assert_array_equal(stored, np.asarray(k)[:, p][:, :, real[p]].swapaxes(0, 1))
     np.testing.assert_array_equal(np.asarray(pool.v), -np.asarray(pool.k))
     assert not np.asarray(pool.k)[:, :, P * 3:].any()
 

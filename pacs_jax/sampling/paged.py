@@ -5,7 +5,7 @@ Shapes: P prompts of T (padded) tokens, n samples each, Q = P n rows, C decode s
 max_new_tokens, s page size, TP = ceil(T / s) pages a prompt, F response pages, M = ceil((T + N - 1) /
 s) pages a sequence may span, L layers, K key/value heads, Dh head size.
 
-    pool     [L, K, P TP + F + 1, s, Dh] keys and values (models/paged_attention.py): prompt p's
+    pool     [K, L, P TP + F + 1, s, Dh] keys and values (models/paged_attention.py): prompt p's
              pages p TP .. p TP + TP - 1, the F response pages, and one scratch page that idle slots
              write into (a freed page may already be another row's)
     prompts  prefilled once (engine.py) and stored compact: prompt p's real tokens at positions 0 ..
@@ -68,7 +68,7 @@ class _Pool(NamedTuple):
 
 def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int, pages: int) -> PagedKVCache:
     """The prefill's K/V [L, P, K, T, Dh] (prompt_real [P, T]: one contiguous run of real tokens per
-    prompt) -> the pool [L, K, P TP + pages + 1, s, Dh]: each prompt's real tokens first, in its TP
+    prompt) -> the pool [K, L, P TP + pages + 1, s, Dh]: each prompt's real tokens first, in its TP
     pages, then ``pages`` + 1 zero pages."""
     L, P, K, T, Dh = prompt_cache.k.shape
     TP = -(-T // page_size)
@@ -78,8 +78,8 @@ def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int,
     def paged(x):
         x = jnp.take_along_axis(x, source[None, :, None, :, None], axis=3)
         x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, TP * page_size - T), (0, 0)))
-        x = x.reshape(L, P, K, TP, page_size, Dh).transpose(0, 2, 1, 3, 4, 5).reshape(L, K, P * TP, page_size, Dh)
-        return constrain(jnp.concatenate([x, jnp.zeros((L, K, pages + 1, page_size, Dh), x.dtype)], axis=2), POOL_AXES)
+        x = x.reshape(L, P, K, TP, page_size, Dh).transpose(2, 0, 1, 3, 4, 5).reshape(K, L, P * TP, page_size, Dh)
+        return constrain(jnp.concatenate([x, jnp.zeros((K, L, pages + 1, page_size, Dh), x.dtype)], axis=2), POOL_AXES)
 
     return PagedKVCache(paged(prompt_cache.k), paged(prompt_cache.v))
 
