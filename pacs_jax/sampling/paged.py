@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache, PageView
 from pacs_jax.models.qwen import KVCache
-from pacs_jax.sampling.selection import select_tokens
+from pacs_jax.sampling.selection import is_stop, select_tokens
 from pacs_jax.sampling.settings import row_pages
 from pacs_jax.sharding import constrain
 
@@ -99,11 +99,8 @@ def paged_decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tok
     scratch = P * TP + pages  # the page idle slots write into
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
 
-    def is_stop(tokens):
-        return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-
     prompt_lengths = jnp.sum(prompt_real, axis=-1, dtype=jnp.int32)  # [P]
-    first_stop = real & is_stop(first_tokens)
+    first_stop = real & is_stop(first_tokens, stop_ids)
     waiting = real & ~first_stop & (budgets > 1)
     order = jnp.argsort(~waiting, stable=True).astype(jnp.int32)
     queued = jnp.sum(waiting, dtype=jnp.int32)
@@ -182,7 +179,7 @@ def paged_decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tok
         out = jnp.where(busy, slot.row, Q)
         tokens = tokens.at[out, slot.t].set(token, mode="drop")
         logprobs = logprobs.at[out, slot.t].set(logp, mode="drop")
-        hit = busy & is_stop(token)
+        hit = busy & is_stop(token, stop_ids)
         t = jnp.where(busy, slot.t + 1, slot.t)
         lengths = lengths.at[out].set(t, mode="drop")
         stopped = stopped.at[out].set(hit, mode="drop")
