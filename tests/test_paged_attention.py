@@ -17,7 +17,7 @@ B, H, K, Dh, L, N, S, M = 4, 8, 2, 16, 2, 24, 4, 5  # rows, heads, kv heads, hea
 def _case(seed=0):
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(B, 1, H, Dh)).astype(np.float32)
-    k_pool, v_pool = (rng.normal(size=(L, K, N, S, Dh)).astype(np.float32) for _ in range(2))
+    k_pool, v_pool = (rng.normal(size=(K, L, N, S, Dh)).astype(np.float32) for _ in range(2))
     table = rng.permutation(N)[:B * M].reshape(B, M).astype(np.int32)  # no page shared
     lengths = np.array([1, 7, 20, 0], np.int32)  # ragged: one token, mid-page, every page, none
     return q, k_pool, v_pool, table, lengths
@@ -30,8 +30,8 @@ def _dense(q, k_pool, v_pool, layer, table, lengths):
         if lengths[b] == 0:
             continue
         tokens = np.arange(lengths[b])
-        k = k_pool[layer][:, table[b, tokens // S], tokens % S]  # [K, n, Dh]
-        v = v_pool[layer][:, table[b, tokens // S], tokens % S]
+        k = k_pool[:, layer][:, table[b, tokens // S], tokens % S]  # [K, n, Dh]
+        v = v_pool[:, layer][:, table[b, tokens // S], tokens % S]
         for h in range(H):
             scores = k[h // (H // K)] @ q[b, 0, h] / np.sqrt(Dh)
             p = np.exp(scores - scores.max())
@@ -54,7 +54,7 @@ def test_write_puts_each_rows_key_at_its_page_and_slot_of_the_layer():
     page, slot = table[:, 1], np.array([0, 3, 2, 1], np.int32)
     out = np.asarray(write(jnp.asarray(k_pool), x, 1, PageView(table, None, page, slot)))
     expected = k_pool.copy()
-    expected[1, :, page, slot] = x[:, 0]
+    expected[:, 1, page, slot] = x[:, 0].swapaxes(0, 1)
     np.testing.assert_array_equal(out, expected)
 
 

@@ -36,3 +36,15 @@ def test_a_step_above_the_limit_is_refused_in_one_line_and_zero_only_reports():
         check(metrics, 0.1)
     with pytest.raises(RolloutMismatchError):
         check({**metrics, "rollout_logprob_diff_max": float("nan")}, 0.1)
+
+
+def test_the_kl_estimate_of_tiny_differences_is_their_square_not_rounding_noise():
+    """float32 differences of 1e-7 (the CPU demo's): k3 = x^2 / 2 to float32 precision, never below 0."""
+    x = np.array([[1e-7, -2e-7, 3e-3, -0.5]], np.float32)
+    sampler = np.zeros((1, 4), np.float32)
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        out = consistency_program()((sampler,), x, np.ones((1, 4), np.float32))
+        small = consistency_program()((sampler[:, :2],), x[:, :2], np.ones((1, 2), np.float32))
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(float(out["rollout_kl"]), np.mean(np.expm1(x64) - x64), rtol=1e-6)
+    np.testing.assert_allclose(float(small["rollout_kl"]), np.mean(x64[:, :2] ** 2 / 2), rtol=1e-5)

@@ -130,7 +130,7 @@ class Attention(nnx.Module):
         the call's keys go into slots cache_index .. cache_index + T - 1 of row ``layer``; in decode
         (T = 1) cache_index may be [B], each row's own slot, and the caches may hold more than B rows
         (a sampler's narrowed decode batch): the call's rows are their first B. Paged decode (T = 1,
-        cache_index a ``PageView``): the caches are the page pools [L, K, N, s, Dh]
+        cache_index a ``PageView``): the caches are the page pools [K, L, N, s, Dh]
         (models/paged_attention.py) and kv_valid is not read.
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
         """

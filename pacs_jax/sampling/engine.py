@@ -62,7 +62,7 @@ from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.paged import default_pages, paged_decode_loop
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
-from pacs_jax.sampling.selection import select_tokens
+from pacs_jax.sampling.selection import is_stop, select_tokens
 from pacs_jax.sharding import constrain, current_rules, replicated
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
@@ -210,10 +210,7 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
     widths = narrowing_widths(C, tail_slots)
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
 
-    def is_stop(tokens):
-        return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-
-    first_stop = real & is_stop(first_tokens)
+    first_stop = real & is_stop(first_tokens, stop_ids)
     waiting = real & ~first_stop & (budgets > 1)  # rows that need decode steps
     order = jnp.argsort(~waiting, stable=True).astype(jnp.int32)  # the queue: those rows, in row order
     queued = jnp.sum(waiting, dtype=jnp.int32)
@@ -261,7 +258,7 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
         out = jnp.where(busy, row, Q)  # idle slots write nowhere (out of bounds: dropped)
         tokens = tokens.at[out, t].set(token, mode="drop")
         logprobs = logprobs.at[out, t].set(logp, mode="drop")
-        hit = busy & is_stop(token)
+        hit = busy & is_stop(token, stop_ids)
         t = jnp.where(busy, t + 1, t)
         lengths = lengths.at[out].set(t, mode="drop")
         stopped = stopped.at[out].set(hit, mode="drop")

@@ -5,7 +5,7 @@ Shapes: P prompts of T (padded) tokens, n samples each, Q = P n rows, C decode s
 max_new_tokens, s page size, TP = ceil(T / s) pages a prompt, F response pages, M = ceil((T + N - 1) /
 s) pages a sequence may span, L layers, K key/value heads, Dh head size.
 
-    pool     [L, K, P TP + F + 1, s, Dh] keys and values (models/paged_attention.py): prompt p's
+    pool     [K, L, P TP + F + 1, s, Dh] keys and values (models/paged_attention.py): prompt p's
              pages p TP .. p TP + TP - 1, the F response pages, and one scratch page that idle slots
              write into (a freed page may already be another row's)
     prompts  prefilled once (engine.py) and stored compact: prompt p's real tokens at positions 0 ..
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache, PageView
 from pacs_jax.models.qwen import KVCache
-from pacs_jax.sampling.selection import select_tokens
+from pacs_jax.sampling.selection import is_stop, select_tokens
 from pacs_jax.sampling.settings import row_pages
 from pacs_jax.sharding import constrain
 
@@ -68,7 +68,7 @@ class _Pool(NamedTuple):
 
 def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int, pages: int) -> PagedKVCache:
     """The prefill's K/V [L, P, K, T, Dh] (prompt_real [P, T]: one contiguous run of real tokens per
-    prompt) -> the pool [L, K, P TP + pages + 1, s, Dh]: each prompt's real tokens first, in its TP
+    prompt) -> the pool [K, L, P TP + pages + 1, s, Dh]: each prompt's real tokens first, in its TP
     pages, then ``pages`` + 1 zero pages."""
     L, P, K, T, Dh = prompt_cache.k.shape
     TP = -(-T // page_size)
@@ -78,8 +78,8 @@ def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int,
     def paged(x):
         x = jnp.take_along_axis(x, source[None, :, None, :, None], axis=3)
         x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, TP * page_size - T), (0, 0)))
-        x = x.reshape(L, P, K, TP, page_size, Dh).transpose(0, 2, 1, 3, 4, 5).reshape(L, K, P * TP, page_size, Dh)
-        return constrain(jnp.concatenate([x, jnp.zeros((L, K, pages + 1, page_size, Dh), x.dtype)], axis=2), POOL_AXES)
+        x = x.reshape(L, P, K, TP, page_size, Dh).transpose(2, 0, 1, 3, 4, 5).reshape(K, L, P * TP, page_size, Dh)
+        return constrain(jnp.concatenate([x, jnp.zeros((K, L, pages + 1, page_size, Dh), x.dtype)], axis=2), POOL_AXES)
 
     return PagedKVCache(paged(prompt_cache.k), paged(prompt_cache.v))
 
@@ -99,11 +99,8 @@ def paged_decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tok
     scratch = P * TP + pages  # the page idle slots write into
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
 
-    def is_stop(tokens):
-        return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-
     prompt_lengths = jnp.sum(prompt_real, axis=-1, dtype=jnp.int32)  # [P]
-    first_stop = real & is_stop(first_tokens)
+    first_stop = real & is_stop(first_tokens, stop_ids)
     waiting = real & ~first_stop & (budgets > 1)
     order = jnp.argsort(~waiting, stable=True).astype(jnp.int32)
     queued = jnp.sum(waiting, dtype=jnp.int32)
@@ -182,7 +179,7 @@ def paged_decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tok
         out = jnp.where(busy, slot.row, Q)
         tokens = tokens.at[out, slot.t].set(token, mode="drop")
         logprobs = logprobs.at[out, slot.t].set(logp, mode="drop")
-        hit = busy & is_stop(token)
+        hit = busy & is_stop(token, stop_ids)
         t = jnp.where(busy, slot.t + 1, slot.t)
         lengths = lengths.at[out].set(t, mode="drop")
         stopped = stopped.at[out].set(hit, mode="drop")

@@ -64,6 +64,11 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.where(first < x.shape[-1], first, 0.0).astype(jnp.int32)
 
 
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens [B] int, stop_ids [S] int (padded with -1, which matches nothing) -> [B] bool: a stop id."""
+    return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+
+
 def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
                   top_k: int) -> tuple[jax.Array, jax.Array]:
     """Pick one token per row: logits [B, V] float32, keys [B] (one PRNG key per row) -> (tokens [B]

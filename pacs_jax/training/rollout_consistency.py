@@ -11,7 +11,8 @@ response tokens (response_mask 1):
     rollout_logprob_diff_max    max  |log pi_sampler - log pi_old|
     rollout_kl                  mean of the k3 estimate of KL(pi_sampler || pi_old) per token:
                                 r - 1 - log r with r = pi_old / pi_sampler (>= 0; the tokens are drawn
-                                from the sampler, so it estimates KL from the sampler's side)
+                                from the sampler, so it estimates KL from the sampler's side; its
+                                series where |log r| < 1e-2, so float32 round-off does not swamp it)
 
 ``rollout.max_logprob_diff`` > 0 refuses a step whose ``rollout_logprob_diff_max`` exceeds it
 (``RolloutMismatchError``); 0 only reports.
@@ -34,6 +35,13 @@ class RolloutMismatchError(PermanentError):
     """The sampler's log-probs differ from pi_old by more than ``rollout.max_logprob_diff``."""
 
 
+def _k3(x: jax.Array) -> jax.Array:
+    """exp(x) - 1 - x (>= 0) in float32 without cancellation: for |x| < 1e-2 its series x^2 (1/2 + x/6 +
+    x^2/24) (a float32 exp(x) - 1 - x of x ~ 1e-7 is rounding noise of either sign)."""
+    small = jnp.abs(x) < 1e-2
+    return jnp.where(small, x * x * (0.5 + x / 6 + x * x / 24), jnp.expm1(jnp.where(small, 0.0, x)) - x)
+
+
 def _consistency(sampler_logp: Sequence[jax.Array], old_logp: jax.Array, response_mask: jax.Array) -> dict:
     """K sampler calls' log-probs [B / K, N] (rows in call order, as the update batch's) against the
     update batch's old_logp and response_mask [B, R] (R <= N): the METRICS, each a float32 scalar."""
@@ -43,7 +51,7 @@ def _consistency(sampler_logp: Sequence[jax.Array], old_logp: jax.Array, respons
     count = jnp.maximum(jnp.sum(mask), 1.0)
     log_ratio = jnp.where(mask > 0, old_logp.astype(jnp.float32) - sampled, 0.0)  # log pi_old - log pi_sampler
     diff = jnp.abs(log_ratio)
-    k3 = jnp.exp(log_ratio) - 1.0 - log_ratio  # 0 where masked
+    k3 = _k3(log_ratio)  # 0 where masked
     return {"rollout_logprob_diff_mean": jnp.sum(diff) / count, "rollout_logprob_diff_max": jnp.max(diff),
             "rollout_kl": jnp.sum(k3) / count}
 

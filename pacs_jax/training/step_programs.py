@@ -35,10 +35,10 @@ from pacs_jax.rl.packing import PackedPlan, plan_packing, row_buckets, shards_fo
 from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.rollout_consistency import consistency_program
 from pacs_jax.training.config_check import sampler_pages, sampler_slots, sampler_tail_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.rollout_consistency import consistency_program
 from pacs_jax.training.update_step import make_update_step
 
 
