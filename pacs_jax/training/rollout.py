@@ -106,8 +106,9 @@ class RolloutCollector:
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
         bucket), tokens, response_mask [P*n, R] (cut to the response bucket; packed passes: Tp and R
         the largest buckets), host arrays lengths, stopped, prompt_lengths [P*n] (every row's, on
-        every process), the response bucket R, the calls' decode steps (summed) and slot utilisation
-        (decoded tokens / slot steps: slots x decode steps at each decode batch width), and
+        every process), the sampler's prompt and response buckets, the calls' decode steps (summed)
+        and slot utilisation (decoded tokens / slot steps: slots x decode steps at each decode batch
+        width), and
         sampler_logprobs: each call's log-probs of its tokens, [P*n / K, max_new] device arrays.
         """
         programs = self.programs
@@ -134,6 +135,7 @@ class RolloutCollector:
                                                   programs.pass_widths[1] if programs.packing else R)
         return {"prompt_tokens": self._put(pass_tokens), "prompt_mask": self._put(pass_mask), "tokens": tokens,
                 "prompt_lengths": np.repeat([len(p) for p in prompt_ids], self.programs.n), "response_bucket": R,
+                "prompt_bucket": length,
                 "response_mask": response_mask, "lengths": lengths, "stopped": stopped,
                 "decode_steps": decode_steps, "sampler_logprobs": tuple(o.logprobs for o in outs),
                 "slot_utilisation": sampling.slot_utilisation(lengths, slot_steps)}
@@ -208,7 +210,7 @@ class RolloutCollector:
             "response_length_max": float(lengths.max()),
             "response_bucket": float(sampled["response_bucket"]),
             **packing_stats,
-            "prompt_bucket": float(sampled["prompt_tokens"].shape[1]),
+            "prompt_bucket": float(sampled["prompt_bucket"]),  # the sampler's (packed passes take the largest)
             "truncated_fraction": float(1.0 - stopped.mean()),  # responses cut at max_new_tokens
             "entropy": entropy_mean,
             **mismatch,  # the sampler's log-probs against pi_old (training/rollout_consistency.py)
