@@ -256,7 +256,7 @@ def test_lengths_beyond_the_context_and_slots_that_cannot_work_name_their_field(
         "tail_slots; set it to at most 128 (0: no narrowing)")
     assert refusal(rollout__sampler="static", rollout__tail_slots=8) == (
         "config.rollout.tail_slots: 8, but rollout.sampler is 'static', which gives every response its own slot and "
-        "never narrows: set rollout.tail_slots=0, or rollout.sampler=continuous")
+        "never narrows: set rollout.tail_slots=0, or rollout.sampler=continuous (or paged)")
     assert refusal(eval__sampler="static", eval__tail_slots=8).startswith("config.eval.tail_slots: 8, but eval.sampler")
 
 
