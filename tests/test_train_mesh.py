@@ -65,6 +65,7 @@ def rollout_batch(single_model):
     config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, sampler="static")
     config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
     config.train.prompts_per_step, config.train.logprob_micro_batches = PROMPTS, 1
+    config.train.packing = False  # this test cuts the batch into mini-batches by rows; packed on the mesh: test_rl_packing
     programs = StepPrograms(config, graphdef, params, (1,))
     with RewardPool(1) as pool:
         collector = RolloutCollector.from_config(config, programs, decode=lambda ids: " ".join(map(str, ids)),

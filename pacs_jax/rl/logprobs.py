@@ -99,7 +99,7 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
     shards = shards_for(input_ids.shape[0])
     args = (response_stream(hidden, plan["stream_index"], shards), model.lm_head_kernel(),
             response_stream(targets, plan["stream_index"], shards))  # [S, Q, D], [D, V], [S, Q]
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size, valid=plan["stream_length"].reshape(()))
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, valid=jnp.max(plan["stream_length"]))
     if not with_entropy:
         return unpack(token_logprobs(*args, **kwargs), plan["unpack_index"])
     logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
