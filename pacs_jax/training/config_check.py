@@ -446,16 +446,22 @@ def _check_model_folder(path: str, field: str) -> None:
         raise ConfigError(f"config.{field}: {e}") from None
 
 
+def _model_if_readable(config: ml_collections.ConfigDict):
+    """The model's QwenConfig (``model_config``), or None when it has none yet or its source does not
+    read: that source is checked, and named, by _check_model_source."""
+    try:
+        return model_config(config)
+    except (OSError, ValueError):
+        return None
+
+
 def _check_context(config: ml_collections.ConfigDict) -> None:
     """Every length a run samples or trains against the model's context (max_position_embeddings of
     model.path's config.json, the preset, or the default of a model of the config's own): a prompt of
     data.max_prompt_length tokens plus rollout.max_new_tokens, warmstart.max_response_tokens (with a
     warm-start) and, when eval.sets names sets, eval.max_new_tokens and their eval.final.per_set entries' must fit, or the sampler's KV cache
     (and the rotary positions) would run past it."""
-    try:
-        cfg = model_config(config)
-    except (OSError, ValueError):
-        return  # the model source is checked (and named) by _check_model_source
+    cfg = _model_if_readable(config)
     if cfg is None:
         return
     context, prompt = cfg.max_position_embeddings, config.data.max_prompt_length
@@ -501,10 +507,7 @@ def _check_tensor_axis(config: ml_collections.ConfigDict, tensor: int) -> None:
     """Refuse a tensor axis that does not divide the model's query heads or MLP width (the model
     would otherwise waste a factor of the axis in memory; sharding.MUST_DIVIDE). Memory itself is
     checked on the compiled programs before step 1 (training/memory_check.py)."""
-    try:
-        cfg = model_config(config)
-    except (OSError, ValueError):
-        return  # the model source is checked (and named) by _check_model_source
+    cfg = _model_if_readable(config)
     if cfg is None:
         return
     for field in ("num_attention_heads", "intermediate_size"):
