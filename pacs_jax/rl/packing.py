@@ -166,12 +166,15 @@ def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, pr
 # on the device
 
 
-def _local_gather(x: jax.Array, index: jax.Array, shards: int) -> jax.Array:
-    """x [S a, ...] and index [S c, ...] int32 (flat indices into a shard's block of x, >= 0), both
-    split over the batch shards -> x's shard-local entries [S c, ...] (a gather batched over S, so
-    no shard reads another's rows)."""
-    out = jnp.take_along_axis(x.reshape(shards, -1), index.reshape(shards, -1), axis=1)
-    return constrain(out.reshape(index.shape), ("batch",) + (None,) * (index.ndim - 1))
+def _local_gather(x: jax.Array, index: jax.Array, shards: int, features: int = 0) -> jax.Array:
+    """x [S a, ..., F...] and index [S c, ...] int32 (flat indices into a shard's block of x, >= 0),
+    both split over the batch shards, with ``features`` trailing feature dims F of x carried along ->
+    x's shard-local entries [S c, ..., F...] (a gather batched over S: no shard reads another's rows)."""
+    feature_shape = x.shape[x.ndim - features:] if features else ()
+    flat = x.reshape(shards, -1, *feature_shape)
+    where = index.reshape(shards, -1, *(1,) * features)
+    out = jnp.take_along_axis(flat, where, axis=1).reshape(*index.shape, *feature_shape)
+    return constrain(out, ("batch",) + (None,) * (out.ndim - 1))
 
 
 def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: jax.Array
@@ -194,10 +197,7 @@ def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: j
 def response_stream(x: jax.Array, stream_index: jax.Array, shards: int) -> jax.Array:
     """Per-position values of one micro-batch's packed rows, x [S N, Lp, ...], -> its response stream
     [S, Q, ...] (``stream_index`` [S, Q]; a gather within each of the S = ``shards`` shards)."""
-    flat = x.reshape(shards, -1, *x.shape[2:])
-    index = stream_index.reshape(shards, -1)
-    out = jnp.take_along_axis(flat, index.reshape(index.shape + (1,) * (flat.ndim - 2)), axis=1)
-    return constrain(out, ("batch",) + (None,) * (out.ndim - 1))
+    return _local_gather(x, stream_index, shards, features=x.ndim - 2)
 
 
 def unpack(stream: jax.Array, unpack_index: jax.Array) -> jax.Array:

@@ -62,6 +62,7 @@ from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.paged import default_pages, paged_decode_loop
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
+from pacs_jax.sampling.narrowing import run_widths
 from pacs_jax.sampling.selection import is_stop, select_tokens
 from pacs_jax.sharding import constrain, current_rules, replicated
 
@@ -287,19 +288,9 @@ def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, 
     row, t, last, cache, kv_valid, taken = refill(jnp.ones((C,), bool), idle, zeros, zeros, cache, kv_valid,
                                                   jnp.int32(0))
     carry = (jnp.int32(0), row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped)
-    slot_steps = jnp.int32(0)
-    for k, width in enumerate(widths):
-        following = widths[k + 1] if k + 1 < len(widths) else 0
-
-        def more(c, following=following):  # rows left that do not fit the next width, or waiting ones
-            running = jnp.sum(c[1] < Q, dtype=jnp.int32)
-            return (running > following) | ((c[6] < queued) & (running > 0))
-
-        if k:
-            carry = narrow(carry, width)
-        start = carry[0]
-        carry = jax.lax.while_loop(more, functools.partial(decode_step, refills=k == 0), carry)
-        slot_steps = slot_steps + width * (carry[0] - start)
+    carry, slot_steps = run_widths(carry, widths, decode_step, narrow,
+                                   running=lambda c: jnp.sum(c[1] < Q, dtype=jnp.int32),
+                                   waiting=lambda c: c[6] < queued)
     steps, tokens, logprobs, lengths, stopped = carry[0], *carry[7:]
     return tokens, logprobs, lengths, stopped, steps, slot_steps
 

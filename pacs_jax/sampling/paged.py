@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache, PageView
 from pacs_jax.models.qwen import KVCache
+from pacs_jax.sampling.narrowing import run_widths
 from pacs_jax.sampling.selection import is_stop, select_tokens
 from pacs_jax.sampling.settings import row_pages
 from pacs_jax.sharding import constrain
@@ -203,18 +204,8 @@ def paged_decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tok
     idle = _Slots(jnp.full((C,), Q, jnp.int32), zeros, zeros, jnp.zeros((C, M), jnp.int32), zeros, zeros, zeros)
     slot, pool, taken = refill(idle, pool, jnp.int32(0), jnp.ones((C,), bool))
     carry = (jnp.int32(0), slot, pool, taken, tokens, logprobs, lengths, stopped)
-    slot_steps = jnp.int32(0)
-    for k, width in enumerate(widths):
-        following = widths[k + 1] if k + 1 < len(widths) else 0
-
-        def more(c, following=following):  # rows left that do not fit the next width, or waiting ones
-            running = jnp.sum(c[1].row < Q, dtype=jnp.int32)
-            return (running > following) | ((c[3] < queued) & (running > 0))
-
-        if k:
-            carry = narrow(carry, width)
-        start = carry[0]
-        carry = jax.lax.while_loop(more, functools.partial(decode_step, refills=k == 0), carry)
-        slot_steps = slot_steps + width * (carry[0] - start)
+    carry, slot_steps = run_widths(carry, widths, decode_step, narrow,
+                                   running=lambda c: jnp.sum(c[1].row < Q, dtype=jnp.int32),
+                                   waiting=lambda c: c[3] < queued)
     steps, _, pool, _, tokens, logprobs, lengths, stopped = carry
     return tokens, logprobs, lengths, stopped, steps, slot_steps, pool.count
