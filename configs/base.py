@@ -137,13 +137,13 @@ def get_config() -> ml_collections.ConfigDict:
         mini_batches=1,           # optimizer steps per training step (mini-batches of whole groups)
         micro_batches=1,          # gradient accumulation inside a mini-batch
         logprob_micro_batches=0,  # forward passes of the pi_old pass; 0 = mini_batches x micro_batches
-        packing=True,             # pi_old, the update and PPO's critic compute only real tokens: each micro-batch's
-                                  # sequences (prompt without padding + response) packed into rows (rl/packing.py);
+        packing=True,             # pi_old, the update and PPO's critic compute only real tokens: a mini-batch's
+                                  # sequences (prompt without padding + response) packed into rows (rl/packing.py),
+                                  # run in as few passes as they fill (one compiled program a pass);
                                   # False: every row padded to its prompt bucket + response bucket
         packed_length=0,          # tokens per packed row; 0 = the largest prompt bucket + rollout.max_new_tokens
-        packed_row_buckets=16,    # packed rows per micro-batch and batch shard: at most this many counts N, evenly
-                                  # spaced up to its padded rows r (every count when r <= 16); a step uses the
-                                  # smallest that holds its packing: one compiled program of each pass per count
+        packed_rows=0,            # packed rows of a pass on a batch shard (its activation memory: rows x packed_length
+                                  # tokens); 0 = a quarter of a padded micro-batch's rows, at least a prompt group's
         precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
         checkpoint_every=50,
         keep_checkpoints=3,

@@ -49,10 +49,7 @@ def get_config(algorithm: str = "pacs_beta1") -> ml_collections.ConfigDict:
 
     c.train.update(
         steps=240,                # the demo: held-out accuracy measured every 25 steps chose it (README)
-        mini_batches=4,
-        # the demo's rows are 92 % real tokens already (56-token prompts, answers of at most 12): its passes run
-        # packed (train.packing) with one sequence a row, one program each, rather than a program per row count
-        packed_row_buckets=1)
+        mini_batches=4)
 
     c.reward.workers = 2
 

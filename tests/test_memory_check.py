@@ -58,14 +58,13 @@ def state_bytes(tree) -> int:
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(packing):
     """Every program of every bucket compiled (the warm-up's list: padded, one pi_old and update per
-    response bucket; packed, one per packed-row count of train.packed_row_buckets on the largest
-    buckets' rows); each program's outside bytes are the resident state it does not take: the AdamW
+    response bucket; packed, one per pass on the largest buckets' rows, its passes a loop); each
+    program's outside bytes are the resident state it does not take: the AdamW
     state during the sampler and pi_old, nothing during the update (it takes params and AdamW state,
     donated)."""
     config = tiny_config()
     config.rollout.response_buckets = (6, 12)
     config.train.packing = packing
-    config.train.packed_row_buckets = 2
     with jax.set_mesh(make_mesh(2, 2, 2)):
         model = models.init_random(models.QwenConfig(
             model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
@@ -76,9 +75,11 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(pack
         compiled = programs.compile(progress=False)
     names = [p.name for p in compiled]
     if packing:  # 64 rows in 2 micro-batches of pi_old (2 mini-batches of the update) on 4 batch shards: 8 rows
-        # a micro-batch and shard, packed into 4 or 8 rows (2 buckets)
-        assert programs.packed_row_buckets() == {"logprob": (4, 8), "update": (4, 8)}
-        assert names == ["sampler", "assemble", "pi_old", "pi_old", "update", "update", "rollout_consistency"], names
+        # a micro-batch and shard; passes of a quarter of those, 2 rows a shard, at most 4 (the update: 4 x 8 rows
+        # in a mini-batch of 32 rows) or 8 (pi_old: 64 rows) passes
+        assert {k: (v["rows"], v["passes"]) for k, v in programs._layouts().items()} == {"logprob": (2, 8),
+                                                                                          "update": (2, 4)}
+        assert names == ["sampler", "assemble", "pi_old", "update", "rollout_consistency"], names
     else:
         assert names == (["sampler", "assemble", "assemble"] + ["pi_old", "update"] * 2
                          + ["rollout_consistency"] * 2), names

@@ -9,8 +9,8 @@ Batch (the update batch's layout, L = P + R):
   old_values      [B, R] float   the critic's values at rollout time, times ``value_mask`` (what
                                  ``rl.compute_gae`` used)
   returns         [B, R] float   ``rl.compute_gae``'s returns
-  pack_index, stream_index, stream_length, unpack_index   optional: a packing plan of this layout
-                                 (rl/packing.py): every micro-batch then runs on its packed rows
+  pack_index, stream_index, stream_length, unpack_index, row_pass   optional: a packing plan of
+                                 this mini-batch (rl/packing.py): it then runs as its packed passes
 
 Which values are compared with which returns (verl's dp_critic.py in the authors' copy, 0.3.1.dev:
 ``values[:, -R - 1:-1]`` in ``_forward_micro_batch``, mask ``attention_mask[:, -R - 1:-1]`` in
@@ -31,11 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.value import ValueModel, response_values
-from pacs_jax.rl.loss_and_grad import packed_block_sizes
 from pacs_jax.rl.micro_batches import accumulate_micro_batches, map_micro_batches
-from pacs_jax.rl.logprobs import micro_batch_units
-from pacs_jax.rl.packing import PACKING_KEYS, packed_inputs, response_stream, shards_for, unpack
+from pacs_jax.rl.packing import PACKING_KEYS, accumulate_passes, map_passes, packed_inputs, response_stream, unpack
 from pacs_jax.rl.ppo import value_loss
+from pacs_jax.sharding import constrain
 
 CRITIC_KEYS = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
 
@@ -58,19 +57,20 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
     accumulated over ``num_micro_batches`` micro-batches of rows. grads: float32, like params.
     """
 
-    def micro_loss(params, micro, totals):
+    def forward(params, rows, plan=None):
+        """The critic's values [b, R] (packed: of the pass ``plan``'s rows)."""
         critic = nnx.merge(graphdef, params)
-        if "pack_index" in micro:
-            values = packed_response_values(critic, micro["input_ids"], micro["attention_mask"],
-                                            {k: micro[k] for k in PACKING_KEYS})
-        else:
-            values = response_values(critic, micro["input_ids"], micro["attention_mask"],
-                                     micro["response_mask"].shape[1])
-        return value_loss(values, micro["old_values"], micro["returns"], micro["response_mask"],
+        if plan is not None:
+            return packed_response_values(critic, rows["input_ids"], rows["attention_mask"], plan)
+        return response_values(critic, rows["input_ids"], rows["attention_mask"], rows["response_mask"].shape[1])
+
+    def loss(values, rows, totals):
+        return value_loss(values, rows["old_values"], rows["returns"], rows["response_mask"],
                           clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode, norm_length=norm_length,
                           loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size, totals=totals)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(forward(params, micro), micro, totals),
+                                 has_aux=True)
 
     def loss_and_grad(params: nnx.State, batch: Mapping[str, jax.Array]):
         if sorted(set(batch) - set(PACKING_KEYS)) != sorted(CRITIC_KEYS):
@@ -78,21 +78,22 @@ def critic_loss_and_grad_fn(graphdef: nnx.GraphDef, *, num_micro_batches: int = 
                              f"{list(PACKING_KEYS)}), got {sorted(batch)}")
         # the loss's mask (and the token count of token-mean's totals) is verl's critic mask, not the response's
         batch = {**batch, "response_mask": value_mask(batch["attention_mask"], batch["response_mask"].shape[1])}
-        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches,
-                                        units=packed_block_sizes(batch, num_micro_batches))
+        if "pack_index" in batch:
+            return accumulate_passes(forward, loss, params, batch, placeholder="old_values", unit=1,
+                                     num_micro_batches=num_micro_batches)
+        return accumulate_micro_batches(grad_fn, params, batch, unit=1, num_micro_batches=num_micro_batches)
 
     return loss_and_grad
 
 
 def packed_response_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array,
                            plan: dict[str, jax.Array]) -> jax.Array:
-    """``models.response_values`` of one micro-batch computed on its packed rows (rl/packing.py, the
-    micro-batch's arrays of ``PACKING_KEYS``): input_ids, attention_mask [B, P + R] -> values [B, R]
-    (value t read at the token before response token t, within the sequence)."""
+    """``models.response_values`` of one pass's rows computed on its packed rows (rl/packing.py, one
+    pass's arrays): input_ids, attention_mask [B_m, P + R] -> values [B_m, R] (value t read at the
+    token before response token t, within the sequence), valid on the pass's own rows."""
     tokens, segment_ids, positions, _ = packed_inputs(input_ids, attention_mask, plan["pack_index"])
     values = critic(tokens, segment_ids=segment_ids, positions=positions)  # [S N, Lp]
-    stream = response_stream(values, plan["stream_index"], shards_for(input_ids.shape[0]))
-    return unpack(stream, plan["unpack_index"])
+    return unpack(response_stream(values, plan["stream_index"]), plan["unpack_index"])
 
 
 def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
@@ -104,7 +105,6 @@ def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mas
     if packing is None:
         return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),
                                  (input_ids, attention_mask), num_micro_batches=num_micro_batches)
-    return map_micro_batches(
-        lambda ids, mask, *arrays: packed_response_values(critic, ids, mask, dict(zip(PACKING_KEYS, arrays))),
-        (input_ids, attention_mask, *(packing[k] for k in PACKING_KEYS)), num_micro_batches=num_micro_batches,
-        units=micro_batch_units(packing, input_ids.shape[0], num_micro_batches))
+    zeros = constrain(jnp.zeros((input_ids.shape[0], response_length), jnp.float32), ("batch", None))
+    out = map_passes(lambda plan: packed_response_values(critic, input_ids, attention_mask, plan), packing, zeros)
+    return jax.lax.stop_gradient(out)

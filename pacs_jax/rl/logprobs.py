@@ -31,7 +31,7 @@ from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.rl.micro_batches import map_micro_batches
-from pacs_jax.rl.packing import PACKING_KEYS, packed_inputs, packed_units, response_stream, shards_for, unpack
+from pacs_jax.rl.packing import map_passes, packed_inputs, response_stream, unpack
 from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
@@ -88,18 +88,20 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
 def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
                              plan: dict[str, jax.Array], *, temperature: float = 1.0,
                              chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
-    """``response_logprobs`` of one micro-batch computed on its packed rows (rl/packing.py): input_ids,
-    attention_mask [B, P + R] (the padded rows, read through ``plan["pack_index"]`` [S N, Lp]) ->
-    [B, R] float32 (and entropy [B, R]); the same numbers as the padded rows' at every response token,
-    from S N x Lp tokens through the decoder and only the response stream [S, Q] through the LM head.
-    plan: the micro-batch's arrays of ``rl.packing.PACKING_KEYS``.
+    """``response_logprobs`` of one pass's rows computed on its packed rows (rl/packing.py): input_ids,
+    attention_mask [B_m, P + R] (the mini-batch's padded rows, read through ``plan["pack_index"]``
+    [S N, Lp]) -> [B_m, R] float32 (and entropy [B_m, R]), the padded rows' numbers at every response
+    token of the pass's own rows (``rl.packing.own_rows``), from S N x Lp tokens through the decoder
+    and only the response stream [S, Q] through the LM head. plan: one pass's arrays
+    (``rl.packing.run_passes``).
     """
     tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan["pack_index"])
     hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True)  # [S N, Lp, D]
-    shards = shards_for(input_ids.shape[0])
-    args = (response_stream(hidden, plan["stream_index"], shards), model.lm_head_kernel(),
-            response_stream(targets, plan["stream_index"], shards))  # [S, Q, D], [D, V], [S, Q]
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size, valid=jnp.max(plan["stream_length"]))
+    args = (response_stream(hidden, plan["stream_index"]), model.lm_head_kernel(),
+            response_stream(targets, plan["stream_index"]))  # [S, Q, D], [D, V], [S, Q]
+    # chunks of at most R stream positions: the [S, chunk, V] logits of a trip no larger than a padded row's
+    kwargs = dict(temperature=temperature, chunk_size=min(chunk_size, plan["unpack_index"].shape[1]),
+                  valid=plan["stream_length"])
     if not with_entropy:
         return unpack(token_logprobs(*args, **kwargs), plan["unpack_index"])
     logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
@@ -113,23 +115,17 @@ def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_ma
     """``response_logprobs`` without gradient, as ``num_micro_batches`` forward passes of B / K strided
     rows each (``rl.micro_batches.map_micro_batches``), so activation memory is bounded by a
     micro-batch, not the batch. Returns [B, R] (and entropy [B, R]).
-    packing: a plan of rl/packing.py for this layout (one mini-batch, K micro-batches of unit 1), its
-    arrays by ``PACKING_KEYS``: each micro-batch runs on its packed rows.
+    packing: a plan of rl/packing.py for these rows (one mini-batch), its arrays by ``PACKING_KEYS``:
+    the rows then run as its packed passes (``rl.packing.map_passes``), each of a micro-batch's memory.
     """
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
     if packing is None:
         return map_micro_batches(lambda ids, mask: response_logprobs(model, ids, mask, response_length, **kwargs),
                                  (input_ids, attention_mask), num_micro_batches=num_micro_batches)
-    plan = tuple(packing[k] for k in PACKING_KEYS)
-    return map_micro_batches(lambda ids, mask, *arrays: packed_response_logprobs(
-        model, ids, mask, dict(zip(PACKING_KEYS, arrays)), **kwargs), (input_ids, attention_mask, *plan),
-        num_micro_batches=num_micro_batches, units=micro_batch_units(packing, input_ids.shape[0], num_micro_batches))
-
-
-def micro_batch_units(packing: dict, num_rows: int, num_micro_batches: int) -> tuple[int, ...]:
-    """``map_micro_batches``' block sizes of (input_ids, attention_mask, *the plan's arrays)."""
-    units = packed_units(packing, num_rows, num_micro_batches)
-    return (1, 1, *(units.get(k, 1) for k in PACKING_KEYS))
+    zeros = constrain(jnp.zeros((input_ids.shape[0], response_length), jnp.float32), ("batch", None))
+    out = map_passes(lambda plan: packed_response_logprobs(model, input_ids, attention_mask, plan, **kwargs),
+                     packing, (zeros, zeros) if with_entropy else zeros)
+    return jax.lax.stop_gradient(out)
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:

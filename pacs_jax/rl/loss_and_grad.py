@@ -8,8 +8,9 @@ Batch layout (the verl layout; L = P + R):
   old_logp        [B, R] float   log pi_old of the response tokens (``micro_batched_logprobs``)
   rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
   advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
-  pack_index, stream_index, stream_length, unpack_index   optional: a packing plan of this layout
-                                 (rl/packing.py): every micro-batch then runs on its packed rows
+  pack_index, stream_index, stream_length, unpack_index, row_pass   optional: a packing plan of
+                                 this mini-batch (rl/packing.py): it then runs as its packed passes
+                                 (``rl.packing.accumulate_passes``), not as micro-batches
 The hidden state at position P - 1 + t predicts response token t: log pi_theta of the response
 tokens is ``rl.logprobs.response_logprobs`` (packed: ``packed_response_logprobs``), the same path
 as pi_old's.
@@ -34,7 +35,7 @@ from flax import nnx
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, packed_response_logprobs, response_logprobs
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
 from pacs_jax.rl.objectives import get_objective
-from pacs_jax.rl.packing import PACKING_KEYS, packed_units
+from pacs_jax.rl.packing import accumulate_passes
 
 Batch = Mapping[str, jax.Array]
 
@@ -51,32 +52,27 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     """
     fn = get_objective(objective, **(objective_options or {}))
     K = num_micro_batches
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size)
 
-    def micro_loss(params, micro, totals):
+    def forward(params, rows, plan=None):
+        """log pi_theta of the response tokens [b, R] (packed: of the pass ``plan``'s rows)."""
         model = nnx.merge(graphdef, params)
-        R = micro["response_mask"].shape[1]
-        kwargs = dict(temperature=temperature, chunk_size=chunk_size)
-        if "pack_index" in micro:
-            logp = packed_response_logprobs(model, micro["input_ids"], micro["attention_mask"],
-                                            {k: micro[k] for k in PACKING_KEYS}, **kwargs)
-        else:
-            logp = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, **kwargs)
-        extra = {"advantages": micro["advantages"]} if "advantages" in micro else {}
-        return fn(logp, micro["old_logp"], micro["response_mask"], micro["rewards"], group_size, totals=totals,
-                  **extra)
+        if plan is not None:
+            return packed_response_logprobs(model, rows["input_ids"], rows["attention_mask"], plan, **kwargs)
+        return response_logprobs(model, rows["input_ids"], rows["attention_mask"], rows["response_mask"].shape[1],
+                                 **kwargs)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    def loss(logp, rows, totals):
+        extra = {"advantages": rows["advantages"]} if "advantages" in rows else {}
+        return fn(logp, rows["old_logp"], rows["response_mask"], rows["rewards"], group_size, totals=totals, **extra)
+
+    grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(forward(params, micro), micro, totals),
+                                 has_aux=True)
 
     def loss_and_grad(params: nnx.State, batch: Batch):
-        units = packed_block_sizes(batch, K)
-        return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K, units=units)
+        if "pack_index" in batch:
+            return accumulate_passes(forward, loss, params, batch, placeholder="old_logp", unit=group_size,
+                                     num_micro_batches=K)
+        return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
 
     return loss_and_grad
-
-
-def packed_block_sizes(batch: Batch, num_micro_batches: int) -> dict[str, int]:
-    """The block sizes of a packed batch's plan arrays (rl/packing.py) for ``accumulate_micro_batches``;
-    {} for a padded batch."""
-    if "pack_index" not in batch:
-        return {}
-    return packed_units(batch, batch["response_mask"].shape[0], num_micro_batches)

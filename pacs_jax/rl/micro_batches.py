@@ -40,37 +40,35 @@ def merge_micro_batches(x: jax.Array, unit: int) -> jax.Array:
     return jnp.moveaxis(blocks, 0, 1).reshape(K * rows, *x.shape[2:])
 
 
-def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_batches: int,
-                      units: tuple[int, ...] | None = None):
+def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_batches: int):
     """``fn(*arrays)`` without gradient, as ``num_micro_batches`` calls (``lax.map``) on strided
     micro-batches of rows (unit 1): arrays, each [B, L] -> fn's outputs (a pytree of [B, ...] arrays),
     equal to one call on the whole batch. Each micro-batch's rows are sharded over the batch axes of the mesh in context.
-    units: per array, the rows of its blocks (default 1; a packing plan's pack_index: its packed rows
-    per shard, rl/packing.py).
     """
-    units = units or (1,) * len(arrays)
-    micro = tuple(constrain(split_micro_batches(x, unit, num_micro_batches), (None, "batch", None))
-                  for x, unit in zip(arrays, units))
+    micro = tuple(constrain(split_micro_batches(x, 1, num_micro_batches), (None, "batch", None)) for x in arrays)
     out = jax.lax.map(lambda xs: fn(*xs), micro)
     return jax.lax.stop_gradient(jax.tree.map(lambda x: merge_micro_batches(x, 1), out))
 
 
+def mini_batch_totals(batch: Mapping[str, jax.Array]) -> BatchTotals:
+    """The normalisers of a mini-batch's loss: its rows and its ``response_mask`` [B, R] tokens."""
+    return BatchTotals(num_sequences=batch["response_mask"].shape[0],
+                       num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
+
+
 def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch: Mapping[str, jax.Array], *, unit: int,
-                             num_micro_batches: int, units: Mapping[str, int] | None = None
-                             ) -> tuple[jax.Array, dict, nnx.State]:
+                             num_micro_batches: int) -> tuple[jax.Array, dict, nnx.State]:
     """Gradient accumulation: ``grad_fn(params, micro_batch, totals) -> ((loss, metrics), grads)`` over
     ``num_micro_batches`` micro-batches of ``batch`` (each value [B, ...]; blocks of ``unit`` rows,
-    strided; ``units``: another block size for some keys, as a packing plan's pack_index) in a
+    strided) in a
     ``lax.scan``. ``totals`` are the whole batch's (its rows and ``response_mask`` tokens), so an
     objective normalised by them sums to the whole batch's loss.
 
     Returns (summed loss, metrics averaged over micro-batches, summed float32 gradients).
     """
     batch = dict(batch)
-    totals = BatchTotals(num_sequences=batch["response_mask"].shape[0],
-                         num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
-    units = units or {}
-    micro = {k: split_micro_batches(v, units.get(k, unit), num_micro_batches) for k, v in batch.items()}
+    totals = mini_batch_totals(batch)
+    micro = {k: split_micro_batches(v, unit, num_micro_batches) for k, v in batch.items()}
     micro = {k: constrain(v, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
 
     def step(acc, mb):

@@ -2,67 +2,72 @@
 section 3.4a), made on the host, and the gathers that apply it on the device.
 
 Shapes: B rows of the step (sequences), W = P + R the width of a padded row (prompt left-padded to
-P, response right-padded to R), Lp ``packed_length``, M mini-batches, K micro-batches per
-mini-batch, S batch shards, r = B / (M K S) rows of one micro-batch on one shard, N packed rows of
-one micro-batch on one shard (the same for all of them: a bucket).
+P, response right-padded to R), Lp ``packed_length``, M mini-batches of B_m = B / M rows, K the
+pass slots of a mini-batch (its padded micro-batches: at most K passes), S batch shards, N packed
+rows of one pass on one shard, Q = N Lp the width of a shard's response stream.
 
-A pass (pi_old, the update, PPO's values and critic update) runs its rows in micro-batches
-(``rl.micro_batches``); a micro-batch's rows are split over the S batch shards, r each. The plan
-packs each shard's r sequences of each micro-batch, first-fit decreasing, into N rows of Lp tokens:
-a sequence is its prompt without the left padding followed by its response up to its own length.
-The plan never moves a sequence to another micro-batch or shard, so the grouping of the loss and
-every sum over a micro-batch are those of the padded rows, and the device applies it with gathers
-local to each shard:
+A pass (pi_old, the update, PPO's values and critic update) runs a mini-batch as a few passes of S N
+packed rows each, N on each shard: the memory of one padded micro-batch (``pass_rows``). The plan
+places whole units (``unit`` rows: a prompt group for the actor's update, whose loss couples a
+group's responses; one row for the others), the largest first, each into the first pass whose rows
+can take all its sequences (first fit decreasing, the rows of a pass interleaved over the shards), so
+a pass fills with sequences from anywhere in the mini-batch and a mini-batch takes as few passes as
+its real tokens need (``PackedPlan.passes``; the rest of its K slots are empty and never run). A
+sequence is its prompt without the left padding followed by its response up to its own length:
 
-    pack_index    [M S K N, Lp] int32, rows in (mini-batch, shard, micro-batch, packed row) order:
-                  for each packed token, its flat index j W + c into the shard's padded rows
-                  [r, W] of that micro-batch (row j, column c), or -1 (padding)
-    stream_index  [M S K, Q] int32, Q = min(N Lp, r R), the same order: the response stream, the
-                  flat indices n Lp + c into the shard's packed rows [N, Lp] of the positions that
-                  predict a response token (the token before it; t = 0 .. min(length, R - 1) of
-                  each sequence, the last one the value's slot after the response), first, then 0s
-    stream_length [M K, 1] int32: per micro-batch, the longest of its shards' streams
-    unpack_index  [B, R] int32, in the rows' own order: for response token t of row b (t <= its
-                  length), its place in the shard's stream; 0 elsewhere (masked)
+    pack_index    [M S K N, Lp] int32, rows in (mini-batch, shard, pass, packed row) order: for each
+                  packed token, its flat index j W + c into the mini-batch's padded rows [B_m, W]
+                  (row j, column c), or -1 (padding)
+    stream_index  [M S K, Q] int32, the same order: the response stream, the flat indices n Lp + c
+                  into the shard's packed rows [N, Lp] of the pass of the positions that predict a
+                  response token (the token before it; t = 0 .. min(length, R - 1) of each sequence,
+                  the last one the value's slot after the response), first, then 0s
+    stream_length [M K, 1] int32: per pass, the longest of its shards' streams (0: an empty slot)
+    unpack_index  [B, R] int32: for response token t of row b (t <= its length), its place s Q + q
+                  in its pass's stream of all shards [S Q]; 0 elsewhere (masked)
+    row_pass      [B] int32: the pass of row b within its mini-batch
 
-The LM head (the fused log-probs, a loop of ceil(stream_length / chunk) trips) runs on the stream
-only: on the response tokens, not on the prompts nor the padding. Split by ``rl.micro_batches``
-with blocks of N rows (pack_index), of one row (stream_index, stream_length) and of ``unit`` rows
-(the [B, ...] arrays), micro-batch k of mini-batch m finds its own packed rows, shard by shard, where its
-padded rows are. On the device, a packed token's segment id is its padded row's local index + 1 (0:
-padding) and its position its position in the padded row (``models.positions_from_mask``), so RoPE
-sees exactly the unpacked row's positions.
+The decoder runs on the packed rows (a segment id per sequence: its row's index in the mini-batch
++ 1, 0 for padding; its positions those of the padded row, so RoPE sees the unpacked row's
+positions), the LM head (the fused log-probs, a loop of ceil(stream_length / chunk) trips) on the
+stream only; the values come back to [B_m, R] through ``unpack_index`` (rows of other passes read
+another pass's stream: callers keep a pass's own rows, ``row_pass``). Packing reads any row of the
+mini-batch from any shard: the padded token ids, [B_m, W] int32, are gathered whole (a small
+all-gather), and each pass's stream [S Q] floats is gathered whole to unpack.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pacs_jax.models.qwen import positions_from_mask
-from pacs_jax.rl.micro_batches import split_micro_batches
+from pacs_jax.rl.micro_batches import mini_batch_totals, split_micro_batches
 from pacs_jax.sharding import batch_shards, constrain
 
 
-PACKING_KEYS = ("pack_index", "stream_index", "stream_length", "unpack_index")  # a plan's arrays, by name
+PACKING_KEYS = ("pack_index", "stream_index", "stream_length", "unpack_index", "row_pass")  # a plan's arrays
+PASS_KEYS = ("pack_index", "stream_index", "stream_length")  # the arrays split by pass (the rest: by row)
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedPlan:
     """One pass's plan (see the module docstring): its arrays (``PACKING_KEYS``, host arrays, the same
-    on every process), rows = N, and the tokens the pass computes: real (prompt + response tokens of
-    every sequence) and computed (M K S N Lp)."""
+    on every process), N = ``rows`` packed rows a pass and shard, the passes each mini-batch runs, and
+    the tokens the pass computes: real (prompt + response tokens of every sequence) and computed
+    (sum of passes x S N Lp)."""
 
     pack_index: np.ndarray
     stream_index: np.ndarray
     stream_length: np.ndarray
     unpack_index: np.ndarray
+    row_pass: np.ndarray
     rows: int
+    passes: tuple[int, ...]
     tokens_real: int
     tokens_computed: int
 
@@ -79,128 +84,235 @@ def shards_for(rows: int, mesh_shards: int | None = None) -> int:
     return shards if rows % shards == 0 else 1
 
 
-def packed_units(plan: dict, num_rows: int, num_micro_batches: int) -> dict[str, int]:
-    """The block sizes of a plan's own arrays for ``rl.micro_batches`` over K = ``num_micro_batches``
-    micro-batches of ``num_rows`` rows in all: N (the packed rows of a micro-batch on a shard, from
-    pack_index [K S N, Lp]) for pack_index, 1 for stream_index [K S, Q] and stream_length [K, 1];
-    unpack_index [B, R] is split as the rows are."""
-    N = plan["pack_index"].shape[0] // (num_micro_batches * shards_for(num_rows // num_micro_batches))
-    return {"pack_index": N, "stream_index": 1, "stream_length": 1}
+def pass_rows(rows: int, padded_width: int, packed_length: int, *, unit: int, shards: int) -> int:
+    """N, the packed rows of a pass on a shard, for padded micro-batches of ``rows`` rows a shard of
+    ``padded_width`` tokens: a quarter of a micro-batch's rows (passes a quarter of its memory, so the
+    last, partly filled pass of a mini-batch wastes little), and at least what one unit of ``unit``
+    rows needs whatever its lengths (floor(Lp / W) sequences fit a packed row)."""
+    per_row = max(1, packed_length // padded_width)
+    return max(-(-rows // 4), -(-unit // (shards * per_row)))
 
 
-def row_buckets(rows: int, count: int) -> tuple[int, ...]:
-    """The packed-row counts N a pass may use for micro-batches of ``rows`` rows a shard: at most
-    ``count`` of them, ceil(rows x j / count) for j = 1 .. count (every count 1 .. rows when rows <=
-    count; ``rows`` always among them: one sequence a row always fits)."""
-    return tuple(sorted({math.ceil(rows * j / count) for j in range(1, count + 1)}))
+def pass_slots(num_rows: int, padded_width: int, packed_length: int, *, unit: int, shards: int, rows: int) -> int:
+    """K, the passes a mini-batch of ``num_rows`` rows may take with passes of ``shards`` x ``rows``
+    packed rows: as many as it takes with every sequence in a slot of ``padded_width`` tokens (whole
+    units a pass), the most any lengths need."""
+    units_a_pass = shards * rows * max(1, packed_length // padded_width) // unit
+    return -(-(num_rows // unit) // units_a_pass)
 
 
-def micro_batch_layout(num_rows: int, *, mini_batches: int, micro_batches: int, unit: int, shards: int) -> np.ndarray:
-    """Which rows each (mini-batch, micro-batch, shard) holds: [M, K, S, r] row indices, as
-    ``training/update_step.scanned_update`` (contiguous mini-batches) and ``rl.micro_batches``
-    (strided micro-batches of ``unit``-row blocks, rows split contiguously over the shards) place them."""
-    minis = np.arange(num_rows).reshape(mini_batches, -1)
-    micro = np.stack([np.asarray(split_micro_batches(m, unit, micro_batches)) for m in minis])  # [M, K, B/(MK)]
-    return micro.reshape(mini_batches, micro_batches, shards, -1)
+def plan_shape(num_rows: int, *, mini_batches: int, passes: int, shards: int, rows: int, packed_length: int,
+               response_width: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of a plan's arrays by ``PACKING_KEYS`` (for the programs compiled before step 1)."""
+    M, K, S, N = mini_batches, passes, shards, rows
+    return {"pack_index": (M * S * K * N, packed_length), "stream_index": (M * S * K, N * packed_length),
+            "stream_length": (M * K, 1), "unpack_index": (num_rows, response_width), "row_pass": (num_rows,)}
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
-    """Bins of ``capacity`` for items of ``lengths`` (each <= capacity), longest first, each into the
-    first bin with room: [(bin, offset)] per item, in the items' order."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    free: list[int] = []
-    placed = [(0, 0)] * len(lengths)
-    for i in order:
-        length = lengths[i]
-        b = next((b for b, room in enumerate(free) if room >= length), len(free))
-        if b == len(free):
-            free.append(capacity)
-        placed[i] = (b, capacity - free[b])
-        free[b] -= length
+def _place(lengths: np.ndarray, free: np.ndarray, capacity: int) -> list[tuple[int, int]] | None:
+    """Each item of ``lengths`` (in that order) into the first bin of ``free`` (room left in each bin of
+    ``capacity``) that takes it: [(bin, offset)], ``free`` updated; None, ``free`` untouched, when one
+    does not fit."""
+    trial, placed = free.copy(), []
+    for length in lengths:
+        fits = np.flatnonzero(trial >= length)
+        if not len(fits):
+            return None
+        b = int(fits[0])
+        placed.append((b, capacity - int(trial[b])))
+        trial[b] -= length
+    free[:] = trial
     return placed
 
 
+def _passes(lengths: np.ndarray, units: list[np.ndarray], bins: int, capacity: int) -> list[list[tuple]] | None:
+    """Units (arrays of row indices into ``lengths``, each placed whole in one pass) into passes of
+    ``bins`` bins of ``capacity``: the largest unit first, into the first pass that takes it, its rows
+    longest first (first fit decreasing) -> per pass [(row, bin, offset)]; None when a unit fits no
+    empty pass."""
+    passes: list[tuple[np.ndarray, list]] = []
+    for rows in sorted(units, key=lambda u: -int(lengths[u].sum())):
+        rows = rows[np.argsort(-lengths[rows], kind="stable")]
+        for free, placed in passes + [(np.full(bins, capacity), [])]:
+            got = _place(lengths[rows], free, capacity) if free.max() >= lengths[rows[0]] else None
+            if got is not None:
+                if not placed:
+                    passes.append((free, placed))
+                placed += [(int(j), b, offset) for j, (b, offset) in zip(rows, got)]
+                break
+        else:
+            return None
+    return [placed for _, placed in passes]
+
+
 def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, prompt_width: int,
-                 response_width: int, packed_length: int, mini_batches: int, micro_batches: int, unit: int,
-                 shards: int, buckets: int) -> PackedPlan:
+                 response_width: int, packed_length: int, mini_batches: int, passes: int, unit: int,
+                 shards: int, rows: int) -> PackedPlan:
     """The plan of one pass over B sequences: prompt_lengths, response_lengths [B] (real tokens;
     prompts left-padded to ``prompt_width``, responses right-padded to ``response_width`` in the
-    padded rows), rows in ``micro_batch_layout`` (``mini_batches`` x ``micro_batches`` micro-batches
-    of ``unit``-row blocks over ``shards`` shards), packed into rows of ``packed_length`` tokens, N the
-    smallest of ``row_buckets(r, buckets)`` that holds every micro-batch's packing on every shard.
+    padded rows), in ``mini_batches`` contiguous mini-batches of at most ``passes`` passes of
+    ``shards`` x ``rows`` packed rows of ``packed_length`` tokens, whole blocks of ``unit`` rows in a
+    pass (see the module docstring). When first fit decreasing needs more than ``passes`` passes, a
+    mini-batch's sequences take W-token slots in order (``pass_slots`` passes hold them).
     """
     prompt_lengths, response_lengths = np.asarray(prompt_lengths, np.int64), np.asarray(response_lengths, np.int64)
     B, W, R, Lp = len(prompt_lengths), prompt_width + response_width, response_width, packed_length
+    M, K, S, N, Q = mini_batches, passes, shards, rows, rows * packed_length
     seq_lengths = prompt_lengths + response_lengths
     if seq_lengths.max() > Lp:
         raise ValueError(f"a sequence of {seq_lengths.max()} tokens does not fit packed rows of {Lp}")
     if prompt_lengths.min() < 1:
         raise ValueError("every sequence needs a prompt token (the position that predicts its first response token)")
-    layout = micro_batch_layout(B, mini_batches=mini_batches, micro_batches=micro_batches, unit=unit, shards=shards)
-    M, K, S, r = layout.shape
-    placed = {(m, k, s): first_fit_decreasing(seq_lengths[layout[m, k, s]].tolist(), Lp)
-              for m in range(M) for k in range(K) for s in range(S)}
-    needed = max(b + 1 for bins in placed.values() for b, _ in bins)
-    N = next(n for n in row_buckets(r, buckets) if n >= needed)
+    Bm = B // M
     pack_index = np.full((M, S, K, N, Lp), -1, np.int32)
-    stream_index = np.zeros((M, S, K, min(N * Lp, r * R)), np.int32)
+    stream_index = np.zeros((M, S, K, Q), np.int32)
     stream_length = np.zeros((M, K), np.int32)
     unpack_index = np.zeros((B, R), np.int32)
-    for (m, k, s), bins in placed.items():
-        used = 0
-        for j, (row, (b, offset)) in enumerate(zip(layout[m, k, s], bins)):
-            length, prompt = int(seq_lengths[row]), int(prompt_lengths[row])
-            start = j * W + prompt_width - prompt  # the row's first real token, flat in [r, W]
-            pack_index[m, s, k, b, offset:offset + length] = start + np.arange(length)
-            # response token t sits at offset + prompt + t; the token before it predicts it
-            t = np.arange(min(int(response_lengths[row]), R - 1) + 1)
-            stream_index[m, s, k, used:used + len(t)] = b * Lp + offset + prompt - 1 + t
-            unpack_index[row, :len(t)] = used + t
-            used += len(t)
-        stream_length[m, k] = max(stream_length[m, k], used)
-    return PackedPlan(pack_index.reshape(M * S * K * N, Lp), stream_index.reshape(M * S * K, -1),
-                      stream_length.reshape(M * K, 1), unpack_index, N, int(seq_lengths.sum()), M * K * S * N * Lp)
+    row_pass = np.zeros((B,), np.int32)
+    counts = []
+    for m in range(M):
+        lengths = seq_lengths[m * Bm:(m + 1) * Bm]
+        placed = _passes(lengths, list(np.arange(Bm).reshape(-1, unit)), S * N, Lp)
+        if placed is None or len(placed) > K:  # every sequence in a W-token slot: whole units, in order
+            slots = S * N * (Lp // W)
+            per_pass = slots // unit * unit
+            placed = [[(j, (j % per_pass) // (Lp // W), (j % per_pass) % (Lp // W) * W) for j in range(k, min(k + per_pass, Bm))]
+                      for k in range(0, Bm, per_pass)]
+        counts.append(len(placed))
+        for p, cells in enumerate(placed):
+            used = np.zeros(S, np.int64)
+            for j, b, offset in sorted(cells):
+                s, n, row = b % S, b // S, m * Bm + j  # the pass's rows interleaved over the shards
+                length, prompt = int(seq_lengths[row]), int(prompt_lengths[row])
+                start = j * W + prompt_width - prompt  # the row's first real token, flat in [B_m, W]
+                pack_index[m, s, p, n, offset:offset + length] = start + np.arange(length)
+                # response token t sits at offset + prompt + t; the token before it predicts it
+                t = np.arange(min(int(response_lengths[row]), R - 1) + 1)
+                stream_index[m, s, p, used[s]:used[s] + len(t)] = n * Lp + offset + prompt - 1 + t
+                unpack_index[row, :len(t)] = s * Q + used[s] + t
+                row_pass[row] = p
+                used[s] += len(t)
+            stream_length[m, p] = used.max()
+    return PackedPlan(pack_index.reshape(M * S * K * N, Lp), stream_index.reshape(M * S * K, Q),
+                      stream_length.reshape(M * K, 1), unpack_index, row_pass, N, tuple(counts),
+                      int(seq_lengths.sum()), sum(counts) * S * N * Lp)
 
 
 # ------------------------------------------------------------------------------------------------
 # on the device
 
 
-def _local_gather(x: jax.Array, index: jax.Array, shards: int, features: int = 0) -> jax.Array:
-    """x [S a, ..., F...] and index [S c, ...] int32 (flat indices into a shard's block of x, >= 0),
-    both split over the batch shards, with ``features`` trailing feature dims F of x carried along ->
-    x's shard-local entries [S c, ..., F...] (a gather batched over S: no shard reads another's rows)."""
-    feature_shape = x.shape[x.ndim - features:] if features else ()
-    flat = x.reshape(shards, -1, *feature_shape)
-    where = index.reshape(shards, -1, *(1,) * features)
-    out = jnp.take_along_axis(flat, where, axis=1).reshape(*index.shape, *feature_shape)
-    return constrain(out, ("batch",) + (None,) * (out.ndim - 1))
+def pass_slices(plan: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A mini-batch's plan arrays of ``PASS_KEYS`` by pass: pack_index [K, S N, Lp], stream_index
+    [K, S, Q], stream_length [K]."""
+    K = plan["stream_length"].shape[0]
+    S = plan["stream_index"].shape[0] // K
+    N = plan["pack_index"].shape[0] // (K * S)
+    return {"pack_index": constrain(split_micro_batches(plan["pack_index"], N, K), (None, "batch", None)),
+            "stream_index": constrain(split_micro_batches(plan["stream_index"], 1, K), (None, "batch", None)),
+            "stream_length": plan["stream_length"][:, 0]}
+
+
+def run_passes(body: Callable, plan: dict[str, jax.Array], init):
+    """``carry = body(p, pass_plan, carry)`` for each pass p of a mini-batch's plan (a loop of as many
+    trips as it has passes): pass_plan holds pass p's pack_index [S N, Lp], stream_index [S, Q],
+    stream_length [] and the mini-batch's unpack_index [B_m, R] and row_pass [B_m]."""
+    slices = pass_slices(plan)
+    rest = {k: plan[k] for k in PACKING_KEYS if k not in PASS_KEYS}
+
+    def step(p, carry):
+        one = {k: jax.lax.dynamic_index_in_dim(v, p, keepdims=False) for k, v in slices.items()}
+        return body(p, {**one, **rest}, carry)
+
+    return jax.lax.fori_loop(0, jnp.sum(slices["stream_length"] > 0), step, init)
+
+
+def map_passes(forward: Callable, plan: dict[str, jax.Array], init):
+    """``forward(pass_plan)`` -> a pytree of [B_m, ...] arrays, of which the pass's own rows are kept
+    (``row_pass``): the mini-batch's values over all its passes (``init``: the same pytree, its
+    starting values)."""
+
+    def body(p, one, acc):
+        out = forward(one)
+        return jax.tree.map(lambda a, o: jnp.where(own_rows(one, p, o.ndim), o, a), acc, out)
+
+    return run_passes(body, plan, init)
+
+
+def own_rows(pass_plan: dict[str, jax.Array], p, ndim: int = 2) -> jax.Array:
+    """[B_m, 1, ...] (``ndim`` dims): whether each row of the mini-batch belongs to pass ``p``."""
+    return (pass_plan["row_pass"] == p).reshape(-1, *(1,) * (ndim - 1))
 
 
 def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One micro-batch's padded rows input_ids, attention_mask [S r, W] and its pack_index [S N, Lp]
-    -> packed (tokens, segment_ids, positions, targets), each [S N, Lp] int32: targets[n, c] is the
-    token at c + 1 (the one that position c predicts)."""
-    S, W = shards_for(input_ids.shape[0]), input_ids.shape[1]
-    if pack_index.shape[0] % S:
-        raise ValueError(f"pack_index of {pack_index.shape[0]} rows does not split over {S} batch shards")
+    """A mini-batch's padded rows input_ids, attention_mask [B_m, W] and a pass's pack_index
+    [S N, Lp] -> the pass's packed (tokens, segment_ids, positions, targets), each [S N, Lp] int32:
+    targets[n, c] is the token at c + 1 (the one that position c predicts)."""
+    W = input_ids.shape[1]
     index = jnp.maximum(pack_index, 0)
     real = pack_index >= 0
-    tokens = jnp.where(real, _local_gather(input_ids.astype(jnp.int32), index, S), 0)
-    positions = jnp.where(real, _local_gather(positions_from_mask(attention_mask), index, S), 0)
-    segment_ids = jnp.where(real, index // W + 1, 0).astype(jnp.int32)
+    whole = lambda x: constrain(x.reshape(-1).astype(jnp.int32), (None,))  # noqa: E731 (small: int32 ids)
+    rows = lambda x: constrain(jnp.where(real, x, 0), ("batch", None))  # noqa: E731
+    tokens = rows(whole(input_ids)[index])
+    positions = rows(whole(positions_from_mask(attention_mask))[index])
+    segment_ids = rows(index // W + 1).astype(jnp.int32)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     return tokens, segment_ids, positions, targets
 
 
-def response_stream(x: jax.Array, stream_index: jax.Array, shards: int) -> jax.Array:
-    """Per-position values of one micro-batch's packed rows, x [S N, Lp, ...], -> its response stream
-    [S, Q, ...] (``stream_index`` [S, Q]; a gather within each of the S = ``shards`` shards)."""
-    return _local_gather(x, stream_index, shards, features=x.ndim - 2)
+def response_stream(x: jax.Array, stream_index: jax.Array) -> jax.Array:
+    """Per-position values of a pass's packed rows, x [S N, Lp, ...], -> its response stream
+    [S, Q, ...] (``stream_index`` [S, Q]; a gather within each shard)."""
+    S, features = stream_index.shape[0], x.ndim - 2
+    flat = x.reshape(S, -1, *x.shape[2:])
+    where = stream_index.reshape(S, -1, *(1,) * features)
+    out = jnp.take_along_axis(flat, where, axis=1)
+    return constrain(out, ("batch",) + (None,) * (out.ndim - 1))
 
 
 def unpack(stream: jax.Array, unpack_index: jax.Array) -> jax.Array:
-    """Per-position values of a micro-batch's response stream [S, Q] -> [S r, R] at
-    ``unpack_index`` [S r, R]."""
-    return _local_gather(stream, unpack_index, shards_for(unpack_index.shape[0]))
+    """Per-position values of a pass's response stream [S, Q] -> [B_m, R] at ``unpack_index``
+    [B_m, R] (rows of other passes read garbage: see ``own_rows``)."""
+    whole = constrain(stream.reshape(-1), (None,))
+    return constrain(whole[unpack_index], ("batch", None))
+
+
+def accumulate_passes(forward: Callable, loss: Callable, params, batch: dict[str, jax.Array], *, placeholder: str,
+                      unit: int, num_micro_batches: int) -> tuple[jax.Array, dict, object]:
+    """Gradient accumulation over a packed mini-batch's passes (the packed ``accumulate_micro_batches``).
+
+    forward(params, rows, pass_plan) -> [B_m, R] float32, per-token values of the pass's own rows
+    (log-probs, the critic's values); loss(values [b, R], rows of b, totals) -> (scalar loss, metrics),
+    for b the rows of a micro-batch or of the whole mini-batch. batch: the mini-batch's [B_m, ...]
+    arrays and its plan (``PACKING_KEYS``), whose passes hold whole blocks of ``unit`` rows: the loss
+    couples only a block's rows (a prompt group), so pass p's gradient is that of the loss with the
+    other passes' rows held at ``batch[placeholder]`` (constants), and the passes' gradients sum to
+    the mini-batch's. The loss and metrics are then those of the padded micro-batches (K =
+    ``num_micro_batches`` strided blocks of ``unit`` rows), at the values the passes computed.
+
+    Returns (summed loss, metrics averaged over micro-batches, summed float32 gradients).
+    """
+    plan = {k: batch[k] for k in PACKING_KEYS}
+    rows = {k: v for k, v in batch.items() if k not in PACKING_KEYS}
+    totals = mini_batch_totals(rows)
+    held = jax.lax.stop_gradient(rows[placeholder].astype(jnp.float32))
+
+    def pass_loss(params, one, p):
+        out = forward(params, rows, one)
+        return loss(jnp.where(own_rows(one, p), out, held), rows, totals)[0], out
+
+    grad_fn = jax.value_and_grad(pass_loss, has_aux=True)
+
+    def body(p, one, carry):
+        grads, values = carry
+        (_, out), pass_grads = grad_fn(params, one, p)
+        grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, pass_grads)
+        return grads, jnp.where(own_rows(one, p), out, values)
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+    grads, values = run_passes(body, plan, (zeros, held))
+    micro = {k: split_micro_batches(v, unit, num_micro_batches) for k, v in {**rows, "values": values}.items()}
+    micro = {k: constrain(v, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
+    losses, metrics = jax.lax.map(lambda mb: loss(mb["values"], mb, totals), micro)
+    return jnp.sum(losses), jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads

@@ -111,8 +111,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
     _require(isinstance(tc.packed_length, int) and (tc.packed_length == 0 or tc.packed_length >= longest),
              "train.packed_length", f"{tc.packed_length!r} must be 0 (= the largest prompt bucket + "
                                     f"rollout.max_new_tokens) or at least that, {longest}, so that every sequence fits a row")
-    _require(isinstance(tc.packed_row_buckets, int) and tc.packed_row_buckets >= 1, "train.packed_row_buckets",
-             f"must be an integer >= 1 (packed-row counts, one program each), got {tc.packed_row_buckets!r}")
+    _require(isinstance(tc.packed_rows, int) and tc.packed_rows >= 0, "train.packed_rows",
+             f"must be 0 (a quarter of a padded micro-batch's rows) or a positive integer, got {tc.packed_rows!r}")
     _require(tc.prompts_per_step % tc.mini_batches == 0, "train.mini_batches",
              f"{tc.mini_batches} does not divide train.prompts_per_step={tc.prompts_per_step} "
              "(mini-batches hold whole prompt groups)")

@@ -11,7 +11,7 @@ the step's programs (training/step_programs.py):
              verl), in micro-batches of rows
              (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored; packed
              (``train.packing``): the rows are the largest buckets' and every pass runs on its packed
-             rows (one program per packed-row count): each process plans the packing of every pass from
+             rows (one program per pass, rl/packing.py): each process plans the packing of every pass from
              every row's prompt and response lengths (host arrays all processes hold: no collective)
     reward   each process decodes and scores the rows its devices hold (read from its addressable
              shards; the ids never leave their host) while the device computes pi_old; what the
@@ -118,7 +118,7 @@ class RolloutCollector:
             raise ValueError(f"{num_prompts} prompts cannot be split into {K} sampler micro-batches")
         length = pick_bucket(max(len(p) for p in prompt_ids), programs.prompt_buckets, "a prompt")
         tokens_np, mask_np = sampling.left_pad(prompt_ids, num_prompts, length)
-        # the passes' prompts: the sampler's, or packed, the largest bucket's (one program per packed-row count)
+        # the passes' prompts: the sampler's, or packed, the largest bucket's (one program per pass)
         pass_tokens, pass_mask = (sampling.left_pad(prompt_ids, num_prompts, programs.pass_widths[0])
                                   if programs.packing else (tokens_np, mask_np))
         per_call = num_prompts // K

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
-from pacs_jax.rl.packing import PackedPlan, plan_packing, row_buckets, shards_for
+from pacs_jax.rl.packing import PackedPlan, pass_rows, pass_slots, plan_packing, plan_shape, shards_for
 from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
@@ -82,6 +82,34 @@ class Program:
     outside: int
 
 
+def packed_layouts(config: ml_collections.ConfigDict, batch_shards: int, *, critic: bool) -> dict[str, dict]:
+    """Each packed pass's layout (rl/packing.py ``plan_packing``'s arguments past the lengths and
+    widths) on a mesh whose batch axes make ``batch_shards``: the pi_old pass (also PPO's values), the
+    actor's update and, with ``critic``, PPO's critic update, each in passes of ``train.packed_rows``
+    rows a shard (0: ``rl.packing.pass_rows``, a quarter of a padded micro-batch's) and at most
+    ``rl.packing.pass_slots`` passes a mini-batch."""
+    tc, rc = config.train, config.rollout
+    B = tc.prompts_per_step * rc.n
+    W = max(config.data.prompt_buckets) + rc.max_new_tokens
+    Lp = tc.packed_length or W
+
+    def layout(mini_batches: int, micro_batches: int, unit: int) -> dict:
+        S = shards_for(B // mini_batches // micro_batches, batch_shards)
+        rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
+        if S * rows * (Lp // W) < unit:
+            raise ValueError(f"train.packed_rows={rows}: a pass of {S} x {rows} packed rows cannot hold a prompt "
+                             f"group's {unit} sequences of up to {W} tokens; set it to 0 or at least "
+                             f"{-(-unit // (S * (Lp // W)))}")
+        return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
+                    passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
+
+    layouts = {"logprob": layout(1, logprob_micro_batches(config), 1)}
+    if critic:
+        layouts["critic"] = layout(tc.mini_batches, tc.micro_batches, 1)
+    layouts["update"] = layout(tc.mini_batches, tc.micro_batches, rc.n)
+    return layouts
+
+
 class StepPrograms:
     """The jitted programs of one training step of ``config`` (see the module docstring).
 
@@ -117,7 +145,6 @@ class StepPrograms:
         self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
         if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
             self.packed_length = tc.packed_length or self.prompt_buckets[-1] + rc.max_new_tokens
-            self.packed_row_buckets_count = tc.packed_row_buckets
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
         self.update = make_update_step(
             graphdef, self.optimizer, config.algorithm.objective, group_size=rc.n,
@@ -178,40 +205,23 @@ class StepPrograms:
         return self.prompt_buckets[-1], self.settings.max_new_tokens
 
     def _layouts(self) -> dict[str, dict]:
-        """Each packed pass's micro-batch layout (rl/packing.py micro_batch_layout's arguments): the
-        pi_old pass (also PPO's values), the actor's update and PPO's critic update."""
-        B = self.num_prompts * self.n
-        M, K, L = self.mini_batches, self.micro_batches, self.logprob_micro_batches
-        S = self.batch_shards
-        layouts = {"logprob": dict(mini_batches=1, micro_batches=L, unit=1, shards=shards_for(B // L, S))}
-        if self.critic is not None:
-            layouts["critic"] = dict(mini_batches=M, micro_batches=K, unit=1, shards=shards_for(B // M // K, S))
-        layouts["update"] = dict(mini_batches=M, micro_batches=K, unit=self.n, shards=shards_for(B // M // K, S))
-        return layouts
+        """Each packed pass's layout (``packed_layouts``) on the mesh the programs are made on."""
+        return packed_layouts(self.config, self.batch_shards, critic=self.critic is not None)
 
     def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
         """The step's packing plans, by pass ("logprob", "update", PPO's "critic"), from every row's
         prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
         P, R = self.pass_widths
         return {name: plan_packing(prompt_lengths, response_lengths, prompt_width=P, response_width=R,
-                                   packed_length=self.packed_length, buckets=self.packed_row_buckets_count, **layout)
+                                   packed_length=self.packed_length, **layout)
                 for name, layout in self._layouts().items()}
 
-    def packed_row_buckets(self) -> dict[str, tuple[int, ...]]:
-        """By pass, the packed-row counts N its programs are compiled for (``rl.packing.row_buckets``)."""
-        B = self.num_prompts * self.n
-        return {name: row_buckets(B // (lay["mini_batches"] * lay["micro_batches"] * lay["shards"]),
-                                  self.packed_row_buckets_count) for name, lay in self._layouts().items()}
-
-    def abstract_packing(self, name: str, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name`` at ``rows`` packed rows, abstract."""
+    def abstract_packing(self, name: str) -> dict[str, jax.ShapeDtypeStruct]:
+        """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name``, abstract."""
         lay = self._layouts()[name]
-        cells = lay["mini_batches"] * lay["micro_batches"] * lay["shards"]
-        r = self.num_prompts * self.n // cells  # padded rows of a micro-batch on a shard
-        packed = (cells * rows, self.packed_length)
-        shapes = {"pack_index": packed, "stream_index": (cells, min(rows * self.packed_length, r * self.pass_widths[1])),
-                  "stream_length": (lay["mini_batches"] * lay["micro_batches"], 1),
-                  "unpack_index": (self.num_prompts * self.n, self.pass_widths[1])}
+        shapes = plan_shape(self.num_prompts * self.n, mini_batches=lay["mini_batches"], passes=lay["passes"],
+                            shards=lay["shards"], rows=lay["rows"], packed_length=self.packed_length,
+                            response_width=self.pass_widths[1])
         return {k: self.abstract_rows(shape, jnp.int32) for k, shape in shapes.items()}
 
     def init_optimizer(self, params):
@@ -256,9 +266,8 @@ class StepPrograms:
         buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
         critic_update, update (then the small rollout_consistency check, which runs after pi_old);
         ``with_warmstart``: the warm-start's step first (a phase of its own before RL, when
-        ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once per packed-row
-        count of ``packed_row_buckets`` (``largest_only``: the largest, every sequence in a row of its
-        own), on the largest buckets' padded rows."""
+        ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once, on the largest
+        buckets' padded rows (a mini-batch's passes are a loop of a dynamic trip count)."""
         params, opt_state = self.state
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         prompt_buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
@@ -288,7 +297,7 @@ class StepPrograms:
                 (params, chunk, chunk), opt_bytes + critic_bytes))
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
         call_lengths = (rows((B // K,), jnp.int32),) * K
-        if self.packing:  # the passes' padded rows are always the largest buckets; one program per packed-row count
+        if self.packing:  # the passes' padded rows are always the largest buckets; one program per pass
             prompt_buckets, response_buckets = self.pass_widths[:1], self.pass_widths[1:]
         for r in response_buckets:
             out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
@@ -303,14 +312,12 @@ class StepPrograms:
                     out += self._pass_programs(self.abstract_batch(p, r), f"{shape}, {passes}", f"{shape}, {updates}",
                                                {}, opt_bytes, actor_bytes, critic_bytes)
                     continue
-                for name, buckets in self.packed_row_buckets().items():
-                    for rows_per_shard in (buckets[-1:] if largest_only else buckets):
-                        plan = self.abstract_packing(name, rows_per_shard)
-                        packed = (f"packed into {plan['pack_index'].shape[0]} rows x {self.packed_length} tokens "
-                                  f"({rows_per_shard} a micro-batch and shard)")
-                        out += self._pass_programs(self.abstract_batch(p, r), f"{shape} {packed}, {passes}",
-                                                   f"{shape} {packed}, {updates}", {name: plan}, opt_bytes,
-                                                   actor_bytes, critic_bytes)
+                for name, lay in self._layouts().items():
+                    packed = (f"packed in passes of {lay['shards'] * lay['rows']} rows x {self.packed_length} "
+                              f"tokens ({lay['rows']} a shard)")
+                    out += self._pass_programs(self.abstract_batch(p, r), f"{shape} {packed}, {passes}",
+                                               f"{shape} {packed}, {updates}", {name: self.abstract_packing(name)},
+                                               opt_bytes, actor_bytes, critic_bytes)
         call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
         for r in response_buckets:
             per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
