@@ -34,13 +34,15 @@ TPU_POD = REPO / "launch" / "tpu_pod.sh"
 # moves visibly: AdamW moves a weight by about lr a step, 100 x the 1e-6 the runs must agree to (the
 # gradients' sums run in another order across processes, which Adam's normalisation amplifies for
 # weights with a near-zero gradient: at lr 1e-3 a few of 10 million weights differ by 2e-6). Mesh (data 4, tensor 2) in the device order 0 1 4 5 2 3 6 7: with 2 processes of 4
-# devices, process 0 holds batch rows 0-15 and 32-47, process 1 rows 16-31 and 48-63.
+# devices, process 0 holds batch rows 0-15 and 32-47, process 1 rows 16-31 and 48-63. Float32, so that the
+# 2 processes' packed passes (train.packing, the default) and the one process's padded rows agree to its round-off.
 SHRUNK = [
     "--config=configs/paper.py:qwen25_3b,pacs_beta1_noweight",
     "--config.model.preset=", "--config.model.model_type=qwen2", "--config.model.hidden_size=64",
     "--config.model.intermediate_size=128", "--config.model.num_hidden_layers=2",
     "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2", "--config.model.head_dim=16",
     "--config.model.rope_theta=10000.0", "--config.model.tie_word_embeddings=True", "--config.model.vocab_size=0",
+    "--config.model.dtype=float32",
     "--config.data.max_prompt_length=256", "--config.data.prompt_buckets=(256,)",
     "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
     "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",
@@ -65,8 +67,9 @@ def _train(workdir, data_file, *, processes: int, cache_dir) -> None:
     once in CI; and the suite's one 2-process run of SHRUNK would have nothing to read from a cache.)"""
     flags = [*SHRUNK, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
-    if processes == 1:  # the static sampler (one slot per response) against the 2 processes' continuous one
-        command.append("--config.rollout.sampler=static")
+    if processes == 1:  # the static sampler (one slot per response) and padded rows against the 2 processes'
+        # continuous sampler and packed passes
+        command += ["--config.rollout.sampler=static", "--config.train.packing=False"]
         env = _env(cache_dir, XLA_FLAGS="--xla_force_host_platform_device_count=8")
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:
@@ -104,7 +107,7 @@ def data_file(shared_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(data_file, tmp_path_factory):
-    """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 2-step run."""
+    """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 2-step run (packed, padded)."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
     _train(two, data_file, processes=2, cache_dir=compile_cache_dir(tmp_path_factory))
     _train(one, data_file, processes=1, cache_dir=compile_cache_dir(tmp_path_factory))
@@ -120,6 +123,7 @@ def test_two_processes_train_exactly_like_one(runs):
         for key in COMPARED:
             assert m2[step][key] == pytest.approx(m1[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert m1[1]["sampled_tokens_checksum"] != m1[2]["sampled_tokens_checksum"]  # the checksum sees the tokens
+    assert all(m2[step]["tokens_computed"] < m1[step]["tokens_computed"] for step in (1, 2))  # packed, padded
     final2, final1 = _params(two, 2), _params(one, 2)
     _assert_same_params(final2, final1)
     moved = max(float(np.abs(final1[k] - v).max()) for k, v in _params(one, 1).items())

@@ -9,9 +9,9 @@ chat template (the Qwen tokenizer in data/tokenizers/qwen3), left-padded to the 
 bucket; n = 8 responses each of random tokens whose lengths are log-normal (median budget / 8,
 sigma 1) clipped to the budget; the response bucket is the budget (one response of a paper step
 almost always reaches it). Both runs compute the same loss (PACS, beta 1, RLOO, class weights) and
-AdamW step on the same rows in the same micro-batches; the packed run packs each micro-batch's
-sequences into rows of prompt bucket + budget tokens (rl/packing.py; its row count the smallest of
-``--buckets`` counts, as train.packed_row_buckets, that holds it). Prints each run's time (one step, after compiling it) and tokens,
+AdamW step on the same rows; the packed run packs the step's sequences into passes of rows of prompt
+bucket + budget tokens, as the trainer does (rl/packing.py; rows a pass: ``--rows``, 0 as
+train.packed_rows: a quarter of a padded micro-batch's). Prints each run's time (one step, after compiling it) and tokens,
 then the line
     packed vs padded: tokens computed ratio X, time ratio Y, loss difference D
 (X, Y: padded / packed; D: |loss packed - loss padded|, float32).
@@ -47,8 +47,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8, help="responses per prompt (default: 8)")
     parser.add_argument("--budget", type=int, default=1024, help="max new tokens: the response bucket (default: 1024)")
     parser.add_argument("--micro-batches", type=int, default=2, help="gradient accumulation micro-batches (default: 2)")
-    parser.add_argument("--buckets", type=int, default=base.get_config().train.packed_row_buckets,
-                        help="packed-row counts per micro-batch (default: the config's train.packed_row_buckets)")
+    parser.add_argument("--rows", type=int, default=base.get_config().train.packed_rows,
+                        help="packed rows a pass (default: the config's train.packed_rows; 0: a quarter of a "
+                             "padded micro-batch's rows, at least a prompt group's)")
     parser.add_argument("--preset", default="", choices=["", *sorted(models.PRESETS)],
                         help="model shape (default: a 2-layer, 64-wide Qwen3 with the real vocabulary)")
     parser.add_argument("--chunk", type=int, default=64,
@@ -108,9 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     update = make_update_step(graphdef, optax.adamw(1e-6), "pacs", group_size=args.n, num_micro_batches=K,
                               chunk_size=args.chunk)
     batch = {k: jnp.asarray(rows[k]) for k in ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")}
+    S = packing.shards_for(B // K)
+    N = args.rows or packing.pass_rows(B // (K * S), P + R, P + R, unit=args.n, shards=S)
     plan = packing.plan_packing(rows["prompt_lengths"], rows["response_lengths"], prompt_width=P, response_width=R,
-                                packed_length=P + R, mini_batches=1, micro_batches=K, unit=args.n,
-                                shards=packing.shards_for(B // K), buckets=args.buckets)
+                                packed_length=P + R, mini_batches=1, unit=args.n, shards=S, rows=N,
+                                passes=packing.pass_slots(B, P + R, P + R, unit=args.n, shards=S, rows=N))
     packed = dict(batch, **{k: jnp.asarray(v) for k, v in plan.arrays().items()})
     real = plan.tokens_real
     print(f"{jax.devices()[0].device_kind} x {jax.device_count()}: {args.prompts} prompts x {args.n} responses, "
@@ -123,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(efficiency {real / padded_tokens:.3f}); step {t_pad:.2f} s (compiled in {c_pad}), loss {loss_pad:.6f}",
           flush=True)
     t_pack, loss_pack, c_pack = timed_step(update, params, packed)
-    print(f"packed  {plan.pack_index.shape[0]} rows x {P + R} tokens ({plan.rows} a micro-batch): "
+    print(f"packed  {plan.passes[0]} pass(es) of {S * N} rows x {P + R} tokens: "
           f"{plan.tokens_computed} computed, {real} real (efficiency {real / plan.tokens_computed:.3f}); "
           f"step {t_pack:.2f} s (compiled in {c_pack}), loss {loss_pack:.6f}")
     print(f"packed vs padded: tokens computed ratio {padded_tokens / plan.tokens_computed:.2f}, "

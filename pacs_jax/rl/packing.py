@@ -3,11 +3,11 @@ section 3.4a), made on the host, and the gathers that apply it on the device.
 
 Shapes: B rows of the step (sequences), W = P + R the width of a padded row (prompt left-padded to
 P, response right-padded to R), Lp ``packed_length``, M mini-batches of B_m = B / M rows, K the
-pass slots of a mini-batch (its padded micro-batches: at most K passes), S batch shards, N packed
-rows of one pass on one shard, Q = N Lp the width of a shard's response stream.
+pass slots of a mini-batch (``pass_slots``: at most K passes), S batch shards, N packed rows of one
+pass on one shard, Q = N Lp the width of a shard's response stream.
 
 A pass (pi_old, the update, PPO's values and critic update) runs a mini-batch as a few passes of S N
-packed rows each, N on each shard: the memory of one padded micro-batch (``pass_rows``). The plan
+packed rows each, N on each shard (``pass_rows``: a quarter of a padded micro-batch's memory). The plan
 places whole units (``unit`` rows: a prompt group for the actor's update, whose loss couples a
 group's responses; one row for the others), the largest first, each into the first pass whose rows
 can take all its sequences (first fit decreasing, the rows of a pass interleaved over the shards), so
