@@ -22,7 +22,8 @@ from pacs_jax import data
 from pacs_jax.training import rollout
 from pacs_jax.training.config_check import ConfigError, validate_config
 from train_helpers import REPO, load_config
-from test_train_real_config import _train, deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
+from test_train_real_config import (_train, deepscaler_rows, one_prompt_bucket,  # noqa: F401 (a fixture)
+                                    shrunk_paper_config)
 
 # The chat_template of the tokenizer_config.json published with Qwen/Qwen2.5-7B (and the other Qwen2.5
 # base and instruct models) on the Hugging Face hub: without a system message of its own, the
@@ -123,12 +124,13 @@ def qwen25_dir(qwen_tokenizer_dir, tmp_path_factory):
 
 def _config(data_file, model_dir):
     """configs/paper.py's qwen25_3b PACS setup, shrunk (test_train_real_config.py), on ``model_dir`` with
-    the paper config's own data.tokenizer."""
+    the paper config's own data.tokenizer, in one 256-token prompt bucket (the short problems, in the
+    Qwen2.5 template with its system prompt)."""
     config = shrunk_paper_config(data_file, "unused", steps=1, arg="qwen25_3b,pacs_beta1", dtype="float32",
                                  remat="full")
     config.data.tokenizer = load_config("paper.py", "qwen25_3b,pacs_beta1").data.tokenizer
     config.model.path = str(model_dir)
-    config.data.prompt_buckets, config.rollout.response_buckets = (512,), (16,)
+    one_prompt_bucket(config).rollout.response_buckets = (16,)
     return config
 
 

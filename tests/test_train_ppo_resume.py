@@ -1,9 +1,10 @@
 """PPO's critic is checkpointed with the actor and restored on resume: the demo with
-``--config.algorithm.objective=ppo`` runs end to end, and a run stopped after step 2 and resumed to
-step 4 reports the same value losses, actor losses and sampled tokens as an uninterrupted run and
-ends with the same critic."""
+``--config.algorithm.objective=ppo`` runs end to end, and that run cut back to its checkpoint of step 2
+(as a run stopped there leaves its workdir) and resumed to step 4 reports the same value losses, actor
+losses and sampled tokens as the uninterrupted run and ends with the same critic."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -20,13 +21,21 @@ FLAGS = (*FAST_DEMO_FLAGS, "--config.algorithm.objective=ppo", "--config.train.c
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"a": workdir of a 4-step run, "b": workdir of a run of 2 steps then resumed to 4}."""
+    """{"a": workdir of a 4-step run, "b": a copy of it cut back to step 2, then resumed to 4}. The copy
+    keeps what a run stopped after step 2 leaves (checkpoints 1 and 2, metrics rows 1 and 2, the
+    warm-start and the evaluation before RL): steps 3 and 4, their rows and checkpoints, and the run's
+    end (final evaluation, export, summary) are the resume's own."""
     root = tmp_path_factory.mktemp("ppo_resume")
     env = train_env(compile_cache_dir(tmp_path_factory))
     a, b = root / "a", root / "b"
     assert finish(start_train(a, *FLAGS, "--config.train.steps=4", env=env, log_name="a")) == 0, logs(a, "a")
-    assert finish(start_train(b, *FLAGS, "--config.train.steps=2", env=env, log_name="b1")) == 0, logs(b, "b1")
-    assert finish(start_train(b, *FLAGS, "--config.train.steps=4", env=env, log_name="b2")) == 0, logs(b, "b2")
+    shutil.copytree(a, b)
+    for folder in ("checkpoints/3", "checkpoints/4", "eval/final", "eval/final_greedy", "hf_export"):
+        shutil.rmtree(b / folder)
+    (b / "summary.json").unlink()
+    (b / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics_rows(a) if row["step"] <= 2))
+    assert finish(start_train(b, *FLAGS, "--config.train.steps=4", env=env, log_name="b")) == 0, logs(b, "b")
+    assert "resumed from step 2 " in logs(b, "b")
     return {"a": a, "b": b}
 
 

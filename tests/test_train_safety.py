@@ -21,8 +21,8 @@ import pytest
 from pacs_jax.files import storage_error
 from pacs_jax.training import metrics as metrics_lib
 from pacs_jax.training.workdir import LOCK_FILE, WorkdirLock, WorkdirLockedError
-from train_helpers import (FAST_DEMO_FLAGS, REPO, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
-                           start_train, train_env, wait_for)
+from train_helpers import (FAST_DEMO_FLAGS, REPO, RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs,
+                           metrics_rows, start_train, train_env, wait_for)
 
 LONG = 200  # train.steps of runs that are stopped long before
 
@@ -32,10 +32,6 @@ def _log_has(workdir, log_name: str, text: str):
 
 
 # ---------------------------------------------------------------------------------------------- signals
-# The shrunk demo straight into RL: no warm-start and no evaluation (the signal tests need only RL steps).
-RL_ONLY_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=0", "--config.data.warmstart_problems=0",
-                 "--config.eval.sets=")
-
 # The trainer with its forced saves (the one a stop signal asks for, or the last step's) announced and held
 # for a minute before they run: a signal sent after the announcement lands inside that save, however loaded
 # the machine is.

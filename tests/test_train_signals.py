@@ -1,5 +1,6 @@
 """Preemption: SIGTERM in the middle of the RL phase makes the trainer finish its step, write a
-checkpoint of it (even with periodic checkpoints off) and exit 0 without running the other steps.
+checkpoint of it (even with periodic checkpoints off) and exit 0 without running the other steps. The run
+is the shrunk demo straight into RL (no warm-start, no evaluation): the signal needs only RL steps.
 
 The signal goes to the trainer's whole process group, reward workers included, as a preempted
 machine's init system or a cluster scheduler sends it."""
@@ -13,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from train_helpers import (FAST_DEMO_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
+from train_helpers import (RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
                            start_train, train_env, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ STEPS = 50  # far more than run before the signal
 
 def test_sigterm_mid_step_writes_a_checkpoint_and_exits_0(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sigterm") / "run"
-    process = start_train(workdir, *FAST_DEMO_FLAGS, f"--config.train.steps={STEPS}",
+    process = start_train(workdir, *RL_ONLY_FLAGS, f"--config.train.steps={STEPS}",
                           "--config.train.checkpoint_every=0",  # only the SIGTERM checkpoint
                           env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run", new_session=True)
     wait_for(lambda: len(metrics_rows(workdir)) >= 1, process, "the first RL step")

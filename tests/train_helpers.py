@@ -42,6 +42,9 @@ FAST_DEMO_FLAGS = (
     "--config.train.mini_batches=2",
     "--config.reward.workers=1",
 )
+# The shrunk demo straight into RL: no warm-start and no evaluation (for tests that need only RL steps).
+RL_ONLY_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=0", "--config.data.warmstart_problems=0",
+                 "--config.eval.sets=")
 
 
 def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
