@@ -50,8 +50,9 @@ from configs import algorithms, base, paper_evaluation
 _DOTS = "dots_with_no_batch_dims_saveable"
 MODELS = {
     # v5p-64 (32 chips, 95 GiB HBM each). Peak per device, compiled (sampler / pi_old / update, GiB; the
-    # AdamW state counted in all three; the sampler with its tail narrowing to slots / 8): 3B 41.3 / 8.2 /
-    # 41.0, 7B 39.9 / 8.2 / 61.4, 4B 76.1 / 9.9 / 43.8, 8B 70.1 / 7.1 / 63.9
+    # AdamW state counted in all three; the sampler with its tail narrowing to slots / 8; pi_old and the
+    # update packed, train.packing): 3B 41.3 / 6.1 / 25.1, 7B 39.9 / 4.6 / 19.2, 4B 76.1 / 7.8 / 28.0,
+    # 8B 70.1 / 4.5 / 20.2
     "qwen25_3b": dict(preset="Qwen2.5-3B", mesh=(-1, 8, 1), micro_batches=32, logprob_micro_batches=32,
                       rollout_micro_batches=1, slots=4096, remat=_DOTS),
     "qwen25_7b": dict(preset="Qwen2.5-7B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
@@ -60,7 +61,7 @@ MODELS = {
                      rollout_micro_batches=1, slots=2048, remat=_DOTS),
     "qwen3_8b": dict(preset="Qwen3-8B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
                      rollout_micro_batches=1, slots=2048, remat=_DOTS),
-    # v6e-64 (64 chips, 32 GiB HBM each): 21.8 / 4.1 / 17.0 GiB
+    # v6e-64 (64 chips, 32 GiB HBM each): 21.8 / 2.3 / 9.9 GiB
     "qwen25_7b_v6e": dict(preset="Qwen2.5-7B", mesh=(-1, 16, 4), micro_batches=64, logprob_micro_batches=64,
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }

@@ -1,7 +1,8 @@
 """Packed rows (rl/packing.py, train.packing): the plan's edge cases, no attention across packed
 sequences (the "xla" path and splash in Pallas interpret mode), and packed == padded for the
 log-probs, their gradients (any cotangent, so every objective's), every objective's loss and
-metrics, the update's gradient leaves and PPO's critic, on one device and on the 2x2x2 mesh."""
+metrics (PPO's actor included), the update's gradient leaves and PPO's critic (its values and its
+update), on one device and on the 2x2x2 mesh."""
 
 from __future__ import annotations
 
@@ -249,7 +250,8 @@ OBJECTIVES = [("pacs", {}), ("pacs", {"use_weight": False}), ("pacs", {"weight_m
               ("pacs", {"adv_estimator": "grpo"}), ("pacs", {"adv_estimator": "naive"}),
               ("grpo", {"loss_agg_mode": "token-mean"}), ("grpo", {"loss_agg_mode": "seq-mean-token-mean"}),
               ("grpo", {"loss_agg_mode": "seq-mean-token-sum"}), ("grpo", {"loss_agg_mode": "seq-mean-token-sum-norm"}),
-              ("drgrpo", {}), ("rloo", {})]
+              ("drgrpo", {}), ("rloo", {}), ("ppo", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale": "verl",
+                                                    "verl_micro_batch_size": 8, "norm_length": 14})]
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
@@ -268,8 +270,11 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
         put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
         batch = {k: put(rows[v]) for k, v in (("input_ids", "ids"), ("attention_mask", "mask"), ("response_mask", "rmask"),
                                                ("old_logp", "old_logp"), ("rewards", "rewards"))}
-        packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
+        advantages = (np.random.RandomState(3).randn(B, rows["R"]) * rows["rmask"]).astype(np.float32)
         for name, options in OBJECTIVES:
+            if name == "ppo":  # PPO's actor: per-token GAE advantages
+                batch = dict(batch, advantages=put(advantages))
+            packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
             fn = rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options, num_micro_batches=K)
             mini = lambda b, m: {k: v.reshape(M, v.shape[0] // M, *v.shape[1:])[m] for k, v in b.items()}  # noqa: E731
             run = jax.jit(lambda p, b: [fn(p, mini(b, m)) for m in range(M)])
@@ -284,6 +289,38 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
                 except AssertionError as e:
                     failures.append(f"{name} {options}: {e}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
+def test_critic_update_packed_equals_padded(step_rows, mesh_shape):
+    """PPO's critic update (``rl.critic.critic_loss_and_grad_fn``: the clipped value loss at verl's scale over
+    2 micro-batches of rows): the loss, metrics and every gradient leaf, packed (passes of single rows'
+    units) and padded."""
+    rows = step_rows
+    graphdef, params = nnx.split(ValueModel(CFG, rngs=nnx.Rngs(1)))
+    rs = np.random.RandomState(4)
+    B, R = 32, rows["R"]
+    live = (np.arange(R)[None] <= rows["responses"][:, None]).astype(np.float32)
+    devices = jax.devices()[:int(np.prod(mesh_shape))]
+    with jax.set_mesh(make_mesh(*mesh_shape, devices=devices)):
+        plan = _plan(rows["prompts"], rows["responses"], P=rows["P"], R=R, Lp=rows["P"] + R, M=1, K=2, unit=1,
+                     S=packing.shards_for(B // 2))
+        put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
+        batch = {"input_ids": put(rows["ids"]), "attention_mask": put(rows["mask"]), "response_mask": put(rows["rmask"]),
+                 "old_values": put((rs.randn(B, R) * live).astype(np.float32)),
+                 "returns": put((rs.randn(B, R) * live).astype(np.float32))}
+        packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
+        fn = jax.jit(rl.critic.critic_loss_and_grad_fn(graphdef, num_micro_batches=2, loss_agg_mode="seq-mean-token-sum-norm",
+                                                        norm_length=R, loss_scale="verl", verl_micro_batch_size=8))
+        (la, ma, ga), (lb, mb, gb) = fn(params, batch), fn(params, packed)
+    assert plan.passes[0] > 1  # the passes are not the micro-batches
+    np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
+    assert sorted(ma) == sorted(mb)
+    for key in ma:
+        np.testing.assert_allclose(float(mb[key]), float(ma[key]), rtol=1e-4, atol=1e-5, err_msg=key)
+    assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(ga))
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer's programs
