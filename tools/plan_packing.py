@@ -119,7 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rs = np.random.RandomState(args.seed)
     for spec in specs:
         model = spec.partition(":")[2].partition(",")[0]
-        plan_config(spec, args.topology or PAPER.get(model, "v5p-64"), args, rs)
+        try:
+            plan_config(spec, args.topology or PAPER.get(model, "v5p-64"), args, rs)
+        except (ValueError, OSError) as error:  # an unknown topology or config argument, a missing file
+            print(f"plan_packing: {spec}: {error}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -174,9 +174,9 @@ def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, pr
         lengths = seq_lengths[m * Bm:(m + 1) * Bm]
         placed = _passes(lengths, list(np.arange(Bm).reshape(-1, unit)), S * N, Lp)
         if placed is None or len(placed) > K:  # every sequence in a W-token slot: whole units, in order
-            slots = S * N * (Lp // W)
-            per_pass = slots // unit * unit
-            placed = [[(j, (j % per_pass) // (Lp // W), (j % per_pass) % (Lp // W) * W) for j in range(k, min(k + per_pass, Bm))]
+            per_row = Lp // W
+            per_pass = S * N * per_row // unit * unit
+            placed = [[(j, (j - k) // per_row, (j - k) % per_row * W) for j in range(k, min(k + per_pass, Bm))]
                       for k in range(0, Bm, per_pass)]
         counts.append(len(placed))
         for p, cells in enumerate(placed):

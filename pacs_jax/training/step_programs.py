@@ -313,11 +313,11 @@ class StepPrograms:
                                                {}, opt_bytes, actor_bytes, critic_bytes)
                     continue
                 for name, lay in self._layouts().items():
-                    packed = (f"packed in passes of {lay['shards'] * lay['rows']} rows x {self.packed_length} "
-                              f"tokens ({lay['rows']} a shard)")
-                    out += self._pass_programs(self.abstract_batch(p, r), f"{shape} {packed}, {passes}",
-                                               f"{shape} {packed}, {updates}", {name: self.abstract_packing(name)},
-                                               opt_bytes, actor_bytes, critic_bytes)
+                    packed = (f"{shape} packed in passes of {lay['shards'] * lay['rows']} rows x {self.packed_length} "
+                              f"tokens ({lay['rows']} a shard), at most {lay['passes']} a")
+                    out += self._pass_programs(self.abstract_batch(p, r), f"{packed} step",
+                                               f"{packed} mini-batch, {self.mini_batches} mini-batches",
+                                               {name: self.abstract_packing(name)}, opt_bytes, actor_bytes, critic_bytes)
         call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
         for r in response_buckets:
             per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
