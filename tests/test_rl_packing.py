@@ -419,3 +419,18 @@ def test_plan_packing_tool_finds_the_paper_steps_mostly_real_work_packed():
     (packed, padded), = re.findall(r"packing_efficiency ([\d.]+) \(padded ([\d.]+)\)", run.stdout)
     assert float(packed) >= 0.85 and 0.1 < float(padded) < 0.3, run.stdout
     assert re.search(r"update +2 packed rows a pass and shard, passes \[\d+, \d+, \d+, \d+\] of at most 128", run.stdout)
+
+
+def test_packed_rows_too_few_for_a_prompt_group_is_a_config_error():
+    """train.packed_rows that cannot hold one prompt group's sequences is refused naming the field (the
+    trainer's one-line error, status 78), before anything compiles; 0 (the default) always holds one."""
+    from pacs_jax.training.config_check import ConfigError
+    from pacs_jax.training.step_programs import packed_layouts
+    from train_helpers import load_config
+
+    config = load_config("default.py")
+    config.train.packed_rows = 1  # 8 responses a prompt, one shard: a group needs 8 rows of W tokens
+    with pytest.raises(ConfigError, match=r"^config\.train\.packed_rows: .* set it to 0 or at least 8$"):
+        packed_layouts(config, 1, critic=False)
+    config.train.packed_rows = 0
+    assert packed_layouts(config, 1, critic=False)["update"]["rows"] >= config.rollout.n

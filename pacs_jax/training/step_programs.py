@@ -35,7 +35,7 @@ from pacs_jax.rl.packing import PackedPlan, pass_rows, pass_slots, plan_packing,
 from pacs_jax.sampling.engine import lower_sample
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.config_check import sampler_pages, sampler_slots, sampler_tail_slots
+from pacs_jax.training.config_check import ConfigError, sampler_pages, sampler_slots, sampler_tail_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout_consistency import consistency_program
@@ -97,9 +97,9 @@ def packed_layouts(config: ml_collections.ConfigDict, batch_shards: int, *, crit
         S = shards_for(B // mini_batches // micro_batches, batch_shards)
         rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
         if S * rows * (Lp // W) < unit:
-            raise ValueError(f"train.packed_rows={rows}: a pass of {S} x {rows} packed rows cannot hold a prompt "
-                             f"group's {unit} sequences of up to {W} tokens; set it to 0 or at least "
-                             f"{-(-unit // (S * (Lp // W)))}")
+            raise ConfigError(f"config.train.packed_rows: {rows} rows a pass on each of {S} batch shards cannot hold a "
+                              f"prompt group's {unit} sequences of up to {W} tokens; set it to 0 or at least "
+                              f"{-(-unit // (S * (Lp // W)))}")
         return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
                     passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
 
