@@ -122,6 +122,9 @@ def _join_barrier(host: str, port: int, process_id: int, num_processes: int, dea
             raise no_answer from None
     if answer is None:
         raise no_answer
+    if not isinstance(answer, dict) or not isinstance(answer.get("missing"), list):
+        raise StartupError(f"{host}:{port} answered {answer!r}, not as process 0's start-up barrier: another "
+                           f"program holds that port; pick a coordinator port whose successor is free")
     if answer["missing"]:
         raise StartupError(_missing_message(answer["missing"], num_processes, timeout_s))
 

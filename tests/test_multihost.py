@@ -14,8 +14,10 @@ import json
 import pathlib
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -23,7 +25,7 @@ import pytest
 from flax import nnx
 
 from conftest import REPO
-from pacs_jax import checkpoints
+from pacs_jax import checkpoints, distributed
 from train_helpers import compile_cache_dir, load_config, train_env
 
 LOCAL = REPO / "launch" / "local.sh"
@@ -186,11 +188,30 @@ def test_a_process_that_never_starts_is_named_by_the_others():
 
 def test_a_process_without_its_coordinator_says_so():
     port = _free_port()
-    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", f"--coordinator=localhost:{port}",
-                          "--num_processes=2", "--process_id=1", "--startup_timeout=2"],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    with socket.socket() as held:  # bound, never listening: the barrier port refuses, and no other test takes it
+        held.bind(("", port + 1))
+        run = subprocess.run([sys.executable, "-m", "pacs_jax.train", f"--coordinator=localhost:{port}",
+                              "--num_processes=2", "--process_id=1", "--startup_timeout=2"],
+                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert f"process 0 (the coordinator, barrier at localhost:{port + 1}) did not answer within 2 s" in run.stderr
+
+
+def test_another_program_on_the_barrier_port_is_named_not_a_traceback():
+    with socket.create_server(("localhost", 0)) as other:  # a program that answers a number, not the barrier
+        port = other.getsockname()[1]
+
+        def answer_a_number():
+            conn, _ = other.accept()
+            with conn:
+                conn.makefile().readline()
+                conn.sendall(b"7\n")
+
+        thread = threading.Thread(target=answer_a_number)
+        thread.start()
+        with pytest.raises(distributed.StartupError, match=f"localhost:{port} answered 7, not as process 0's"):
+            distributed.rendezvous(f"localhost:{port - 1}", num_processes=2, process_id=1, timeout_s=5)
+        thread.join()
 
 
 def test_local_launcher_prefixes_lines_and_stops_everything_when_one_process_fails():
