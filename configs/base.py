@@ -103,15 +103,16 @@ def get_config() -> ml_collections.ConfigDict:
         response_buckets=(),      # responses are cut to the smallest bucket that holds the longest one before
                                   # pi_old and the update; () = one bucket, max_new_tokens
         micro_batches=1,          # sampler calls per step (bounds the KV cache: prompts_per_step / this prompts each)
-        sampler="continuous",     # continuous: `slots` decode slots per call, a slot whose response ends takes the next
-                                  # waiting one at once; static: every response its own slot until the longest ends;
-                                  # paged: as continuous, the K/V in a page pool per batch shard (each prompt stored
-                                  # once for its n responses, a response's pages taken as it grows, returned at its end)
+        sampler="paged",          # paged: `slots` decode slots per call, a slot whose response ends takes the next waiting
+                                  # one at once, the K/V in a page pool per batch shard (each prompt stored once for its
+                                  # n responses, a response's pages taken as it grows, returned at its end; decode reads
+                                  # only live pages); continuous: the same queue over a [slots, prompt + max_new] cache;
+                                  # static: every response its own slot until the longest ends
         page_size=16,             # paged: tokens a K/V page
         pages=0,                  # paged: response pages of a batch shard's pool; 0: every slot's longest response at once
-        slots=128,                # continuous: decode slots per sampler call (capped at its responses, prompts_per_step /
-                                  # micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
-        tail_slots=0,             # continuous: > 0, once no response waits the decode batch narrows as responses end,
+        slots=128,                # paged, continuous: decode slots per sampler call (capped at its responses, prompts_per_step
+                                  # / micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
+        tail_slots=0,             # paged, continuous: > 0, once no response waits the decode batch narrows as responses end,
                                   # down to this many slots (each width 2/3-3/4 of the one before: one compiled loop
                                   # each); 0: all `slots` decode to the call's end
         max_logprob_diff=0.0,     # > 0: refuse a step whose sampler log-probs differ from pi_old by more than this on
@@ -171,8 +172,8 @@ def get_config() -> ml_collections.ConfigDict:
         max_new_tokens=1024,
         max_problems=0,           # > 0: the first this many problems of each set
         batch_size=32,            # prompts per sampler call
-        sampler="continuous",     # as rollout.sampler
-        slots=128,                # continuous, paged: decode slots per sampler call (capped at batch_size x n)
+        sampler="paged",          # as rollout.sampler
+        slots=128,                # paged, continuous: decode slots per sampler call (capped at batch_size x n)
         tail_slots=0,             # as rollout.tail_slots
         page_size=16, pages=0,    # as rollout.page_size, rollout.pages
         before_rl=False,          # training: evaluate once before RL (after the warm-start) with the final settings

@@ -43,25 +43,35 @@ from configs import algorithms, base, paper_evaluation
 #   micro_batches          train.micro_batches: gradient accumulation inside a mini-batch (update activations)
 #   logprob_micro_batches  train.logprob_micro_batches: forward passes of the pi_old pass
 #   rollout_micro_batches  rollout.micro_batches: sampler calls per step (1: all 1024 prompts in one call)
-#   slots                  rollout.slots: decode slots of the continuous sampler (its KV cache: slots x 4608)
+#   slots                  rollout.slots: decode slots of the paged sampler (rollout.sampler "paged"; its page pool
+#                          a batch shard: each prompt once + every slot's longest response, slots x 4112 tokens)
 #   remat                  model.remat: what the backward pass keeps of each layer
 # The sampler compiled for the slice with its slots (plan_memory, libtpu 0.10.2; peak + resident state):
-# all 1024 prompts of a step in one call, no parameter all-gather inside its decode loop.
+# all 1024 prompts of a step in one call, no parameter all-gather and no copy of the page pool inside its
+# decode loops.
+#
+# Slots, re-planned with the paged sampler (2026-11-26; the continuous sampler's [slots, 4608] cache rows
+# held each prompt n times): the Qwen2.5 models keep 4096 slots, half the step's 8192 rows at once, at a
+# lower peak (3B 41.3 -> 29.3 GiB, 7B 39.9 -> 36.0, 7B on v6e-64 21.8 -> 19.8): their sampler never bounded
+# them. The Qwen3 models ran 2048 because the contiguous cache filled HBM (4B 76.1 GiB, 8B 70.1); paged
+# they run more rows at once: 8B 4096 slots at 82.7 GiB (2048 would be 46.8), 4B 3072 at 70.7 GiB (4096
+# would peak at 89.7 GiB, 94 % of HBM: too little left for what XLA's compile-time peak does not count).
+# More rows at once: fewer decode steps a step, each reading the weights once whatever its width.
 _DOTS = "dots_with_no_batch_dims_saveable"
 MODELS = {
     # v5p-64 (32 chips, 95 GiB HBM each). Peak per device, compiled (sampler / pi_old / update, GiB; the
     # AdamW state counted in all three; the sampler with its tail narrowing to slots / 8; pi_old and the
-    # update packed, train.packing): 3B 41.3 / 6.1 / 25.1, 7B 39.9 / 4.6 / 19.2, 4B 76.1 / 7.8 / 28.0,
-    # 8B 70.1 / 4.5 / 20.2
+    # update packed, train.packing): 3B 29.3 / 6.1 / 25.1, 7B 36.0 / 4.6 / 19.2, 4B 70.7 / 7.8 / 28.0,
+    # 8B 82.7 / 4.5 / 20.2
     "qwen25_3b": dict(preset="Qwen2.5-3B", mesh=(-1, 8, 1), micro_batches=32, logprob_micro_batches=32,
                       rollout_micro_batches=1, slots=4096, remat=_DOTS),
     "qwen25_7b": dict(preset="Qwen2.5-7B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
                       rollout_micro_batches=1, slots=4096, remat=_DOTS),
     "qwen3_4b": dict(preset="Qwen3-4B", mesh=(-1, 8, 1), micro_batches=32, logprob_micro_batches=32,
-                     rollout_micro_batches=1, slots=2048, remat=_DOTS),
+                     rollout_micro_batches=1, slots=3072, remat=_DOTS),
     "qwen3_8b": dict(preset="Qwen3-8B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
-                     rollout_micro_batches=1, slots=2048, remat=_DOTS),
-    # v6e-64 (64 chips, 32 GiB HBM each): 21.8 / 2.3 / 9.9 GiB
+                     rollout_micro_batches=1, slots=4096, remat=_DOTS),
+    # v6e-64 (64 chips, 32 GiB HBM each): 19.8 / 2.3 / 9.9 GiB
     "qwen25_7b_v6e": dict(preset="Qwen2.5-7B", mesh=(-1, 16, 4), micro_batches=64, logprob_micro_batches=64,
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
 }
@@ -135,7 +145,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = MAX_NEW_TOKENS
     c.rollout.response_buckets = (1024, 2048, 3072, 4096)
     c.rollout.micro_batches = spec["rollout_micro_batches"]
-    c.rollout.sampler, c.rollout.slots = "continuous", spec["slots"]
+    c.rollout.sampler, c.rollout.slots = "paged", spec["slots"]
     # Once no response waits, the decode batch narrows as responses end, to slots / 8 (64 a batch shard on
     # v5p-64): below that a decode step's cost is mostly the weights' HBM reads, so narrower widths save
     # little, and each width is one more compiled decode loop.

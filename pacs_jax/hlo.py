@@ -1,7 +1,8 @@
-"""Reading compiled HLO text: which collectives run inside loops (every trip) and on what shapes.
+"""Reading compiled HLO text: which instructions run inside loops (every trip) and on what shapes.
 
 Compile-time facts the tests and tools/plan_memory.py check, e.g. that no decode step all-gathers
-a parameter (a collective inside a ``while`` body runs on every trip of the loop).
+a parameter or copies the K/V page pool (an instruction inside a ``while`` body runs on every trip
+of the loop).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import jax
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
 _OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_ANY_OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* ([\w-]+)\(")
 
 
-class Collective(NamedTuple):
-    """One collective instruction: its computation, op name and output shape."""
+class Instruction(NamedTuple):
+    """One array-valued instruction: its computation, op name and output shape."""
 
     computation: str
     op: str
@@ -60,18 +62,27 @@ def loop_computations(hlo_text: str) -> set[str]:
     return seen
 
 
-def collectives(hlo_text: str, *, in_loops: bool = False) -> list[Collective]:
+def collectives(hlo_text: str, *, in_loops: bool = False) -> list[Instruction]:
     """Every collective of the module (only those inside loops when ``in_loops``)."""
     comps = computations(hlo_text)
     inside = loop_computations(hlo_text) if in_loops else set(comps)
     out = []
     for name in inside:
         for dims, op in _OP.findall(comps.get(name, "")):
-            out.append(Collective(name, op, tuple(int(d) for d in dims.split(",") if d)))
+            out.append(Instruction(name, op, tuple(int(d) for d in dims.split(",") if d)))
     return out
 
 
-def gathers_of_shapes_in_loops(hlo_text: str, shapes) -> list[Collective]:
+def loop_instructions(hlo_text: str, ops: tuple[str, ...] | None = None) -> list[Instruction]:
+    """Every array-valued instruction inside loops (only those whose op is in ``ops`` when given),
+    loop-carried values read out of the carry (get-tuple-element) included."""
+    comps = computations(hlo_text)
+    return [Instruction(name, op, tuple(int(d) for d in dims.split(",") if d))
+            for name in loop_computations(hlo_text) for dims, op in _ANY_OP.findall(comps.get(name, ""))
+            if ops is None or op in ops]
+
+
+def gathers_of_shapes_in_loops(hlo_text: str, shapes) -> list[Instruction]:
     """The all-gathers inside loops whose output has one of ``shapes`` (dims of size 1 left out on
     both sides), e.g. every parameter's shape and one layer's slice of it: a weight gathered in every
     trip of a decode loop."""

@@ -185,29 +185,46 @@ def test_tool_without_libtpu_says_how_to_install_it(monkeypatch):
         topologies.abstract_devices("v5p-64")
 
 
+SHRUNK_LAYERS = ["--config.model.preset=", "--config.model.random_init=True", "--config.model.hidden_size=256",
+                 "--config.model.intermediate_size=512", "--config.model.num_hidden_layers=2",
+                 "--config.model.head_dim=128", "--config.model.vocab_size=151936",
+                 "--config.model.rope_theta=1000000.0"]  # the TPU paged kernel takes head_dim 128, as the presets'
+
+
 @pytest.mark.slow(seconds=40)
-def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels():
-    """tools/plan_memory.py on the Qwen2.5-7B paper config (its mesh, slots, buckets, dtype and remat;
-    the model shrunk to one narrow layer with the real vocabulary) for the 32 chips of a v5p-64,
-    compile-only on this CPU: the mesh's TPU devices choose the kernels (splash attention), with
-    nothing patched, and the sampler gathers no parameter inside its decode loops. Its tail narrows to
-    3072 slots (widths 512 and 384 a batch shard) rather than the config's 512 (seven widths, each one
-    more loop to compile: 37 -> 129 s on this CPU), enough to compile a narrowed loop for the TPU."""
-    shrink = ["--config.model.preset=", "--config.model.random_init=True", "--config.model.model_type=qwen2",
-              "--config.model.hidden_size=256", "--config.model.intermediate_size=512",
-              "--config.model.num_hidden_layers=1", "--config.model.num_attention_heads=8",
-              "--config.model.num_key_value_heads=4", "--config.model.head_dim=32", "--config.model.vocab_size=151936",
-              "--config.model.rope_theta=1000000.0"]
-    result = subprocess.run([sys.executable, "tools/plan_memory.py", "--config=configs/paper.py:qwen25_7b,pacs_beta1",
-                             "--topology=v5p-64", "--programs=sampler", *shrink, "--config.rollout.tail_slots=3072"],
+@pytest.mark.parametrize("model, heads, kv_heads, slots, shard_slots, mesh", [
+    ("qwen25_7b", 8, 4, 4096, 512, "{'data': 1, 'fsdp': 8, 'tensor': 4}"),
+    ("qwen3_4b", 16, 8, 3072, 96, "{'data': 4, 'fsdp': 8, 'tensor': 1}")])
+def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model, heads, kv_heads, slots, shard_slots,
+                                                                           mesh):
+    """tools/plan_memory.py on a paper config (its mesh, slots, buckets, dtype, remat and paged sampler;
+    the model shrunk to two narrow layers with the real vocabulary and head size) for the 32 chips of a
+    v5p-64, compile-only on this CPU: the mesh's TPU devices choose the kernels (splash attention, the
+    TPU paged-attention kernel), with nothing patched. Inside the sampler's decode loops: no parameter
+    all-gather, no copy of the page pool (a [K, Dh] write window made XLA:TPU copy the whole pool to
+    the kernel's layout at every layer of every step: 8 such copies here with Qwen3-4B's 8 KV heads
+    on one device), and no [slots, prompt + max_new] cache row. Its tail narrows to 3/4 of the slots
+    rather than the config's 1/8 (each width one more loop to compile), enough to compile a narrowed
+    loop for the TPU."""
+    model_type = "qwen3" if model.startswith("qwen3") else "qwen2"
+    shrink = [*SHRUNK_LAYERS, f"--config.model.model_type={model_type}", f"--config.model.num_attention_heads={heads}",
+              f"--config.model.num_key_value_heads={kv_heads}"]
+    result = subprocess.run([sys.executable, "tools/plan_memory.py", f"--config=configs/paper.py:{model},pacs_beta1",
+                             "--topology=v5p-64", "--programs=sampler", *shrink,
+                             f"--config.rollout.tail_slots={slots * 3 // 4}"],
                             cwd=REPO, env=train_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "[plan_memory] v5p-64: 32 compile-only TPU v5 devices, 95 GiB HBM each" in out
-    assert re.search(r"attention splash; mesh \{'data': 1, 'fsdp': 8, 'tensor': 4\} on 32 TPU v5 devices", out), out
-    assert "1024 prompts x 512 tokens, n=8: 8192 rows in 4096 decode slots (narrowing to 3072) x 4608 cache slots" in out
+    assert re.search(rf"attention splash; mesh {re.escape(mesh)} on 32 TPU v5 devices", out), out
+    shards = slots // shard_slots  # one queue a batch shard; a prompt of 512 tokens is 32 pages
+    assert re.search(rf"1024 prompts x 512 tokens, n=8: 8192 rows in {slots} decode slots \(narrowing to "
+                     rf"{slots * 3 // 4}\) over a page pool a batch shard of {1024 // shards * 32} prompt \+ "
+                     rf"{shard_slots * 257} response pages of 16 tokens \(4112 response tokens a slot\)", out), out
     assert "sampler: no parameter all-gather inside its loops" in out
+    assert "sampler: no copy of the page pool inside its loops" in out
+    assert "sampler: no 4608-token (prompt + max_new_tokens) cache row inside its loops" in out
     assert re.search(r"peak per device: \d+\.\d\d GiB of 95\.00 GiB \(fits\)", out)
     assert "mock" not in (REPO / "tools" / "plan_memory.py").read_text()  # no backend patched
 

@@ -233,12 +233,13 @@ def test_spread_rows_covers_each_sample_once_and_is_the_identity_without_padding
     assert count.max() - count.min() <= 1  # 12 rows over 8 positions
 
 
-def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Collective]:
+def _parameter_gathers_in_loops(compiled_text: str, state) -> list[hlo.Instruction]:
     return hlo.gathers_of_shapes_in_loops(compiled_text, hlo.parameter_shapes(state))
 
 
-@pytest.mark.parametrize("mesh_shape, page_size", [((1, 8, 1), None), ((2, 2, 2), None), ((2, 2, 2), 4)],
-                         ids=["1x8x1", "2x2x2", "2x2x2-paged"])
+@pytest.mark.parametrize("mesh_shape, page_size", [((1, 8, 1), None), ((2, 2, 2), None), ((1, 8, 1), 4),
+                                                  ((2, 2, 2), 4)],
+                         ids=["1x8x1", "2x2x2", "1x8x1-paged", "2x2x2-paged"])
 def test_decode_loop_all_gathers_no_parameter(mesh_shape, page_size):
     """Compiled for an FSDP mesh, the sampler gathers the parameters once per call (the decode layout),
     never inside its decode loop; the check finds such gathers where they exist (a layer scan over

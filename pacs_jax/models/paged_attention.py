@@ -71,10 +71,30 @@ class PageView(NamedTuple):
 def write(pool: jax.Array, x: jax.Array, layer: jax.Array, view: PageView) -> jax.Array:
     """pool [K, L, N, s, Dh] <- x [B, 1, K, Dh] at layer ``layer``, row b at (write_page[b],
     write_slot[b]): one scatter, in place in the decode loop. Busy rows write distinct (page, slot)
-    pairs; the sampler's idle rows all write into one scratch page that no row reads."""
-    pool = pool.at[:, layer, view.write_page, view.write_slot].set(jnp.swapaxes(x[:, 0], 0, 1),
-                                                                   mode="promise_in_bounds")
-    return constrain(pool, POOL_AXES)
+    pairs; the sampler's idle rows all write into one scratch page that no row reads.
+
+    Each (row, head) writes a [Dh] vector at an index (head, layer, page, slot), so the scatter's
+    window is the pool's minor dimension: a [K, Dh] window would make XLA:TPU lay the pool out
+    with the heads next to Dh and copy all of it back to the kernels' layout at every layer of
+    every step. Under a mesh the scatter runs in ``shard_map`` over the heads' axes (each device
+    writes its own heads' pages, as the pool is split: ``POOL_AXES``), so GSPMD never sees a head
+    index it cannot split.
+    """
+    put = _write_heads
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.auto_axes:
+        heads = _mesh_axes(mesh, tuple(a for a in LOGICAL_RULES["act_kv_heads"] if a in mesh.auto_axes),
+                           pool.shape[0])
+        put = jax.shard_map(put, mesh=mesh, in_specs=(P(heads), P(None, None, heads), P(), P(), P()),
+                            out_specs=P(heads), axis_names=set(mesh.auto_axes), check_vma=False)
+    return constrain(put(pool, x, jnp.asarray(layer, jnp.int32), view.write_page, view.write_slot), POOL_AXES)
+
+
+def _write_heads(pool, x, layer, page, slot) -> jax.Array:
+    """pool [K, L, N, s, Dh] <- x [B, 1, K, Dh]: row b's head k at (k, layer, page[b], slot[b])."""
+    B, K = x.shape[0], pool.shape[0]
+    heads = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))
+    return pool.at[heads, layer, page[:, None], slot[:, None]].set(x[:, 0], mode="promise_in_bounds")
 
 
 def resolve_paged_impl(attention_impl: str) -> str:

@@ -53,7 +53,7 @@ class ProgramMemory:
     outside: int  # resident on the device during the phase but not an argument of the program
     compile_seconds: float
     error: str = ""  # the compiler's refusal (it does not fit), if it refused
-    loop_gathers: str = ""  # the sampler: the parameter all-gathers inside its loops, in words
+    loop_facts: tuple[str, ...] = ()  # the sampler: what runs inside its loops (parameter all-gathers, K/V copies), in words
 
     @property
     def total(self) -> int:
@@ -146,8 +146,7 @@ def report(programs: list[ProgramMemory], hbm_bytes: int, device: str) -> tuple[
         lines.append(f"  {p.name}: {p.shape}")
         if p.error:
             lines.append(f"  {p.name}: NOT COMPILED, {p.error} (its peak above: arguments + those temporaries)")
-        if p.loop_gathers:
-            lines.append(f"  {p.name}: {p.loop_gathers}")
+        lines += [f"  {p.name}: {fact}" for fact in p.loop_facts]
     worst = max(programs, key=lambda p: p.total)
     fits = worst.total <= hbm_bytes
     lines.append(f"to shrink the fullest ({worst.name}): {FIELDS[worst.name]}")

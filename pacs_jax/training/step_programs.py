@@ -33,6 +33,7 @@ from pacs_jax import hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
 from pacs_jax.rl.packing import PackedPlan, pass_rows, pass_slots, plan_packing, plan_shape, shards_for
 from pacs_jax.sampling.engine import lower_sample
+from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.config_check import ConfigError, sampler_pages, sampler_slots, sampler_tail_slots
@@ -292,7 +293,7 @@ class StepPrograms:
             out.append(Program(
                 "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots"
                            + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
-                           + f" x {p + self.settings.max_new_tokens} cache slots per call ({K} calls)",
+                           + f" {self._kv_words(p)} per call ({K} calls)",
                 lambda chunk=chunk: lower_sample(self.graphdef, params, chunk, chunk, self.settings),
                 (params, chunk, chunk), opt_bytes + critic_bytes))
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
@@ -362,6 +363,41 @@ class StepPrograms:
             out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
         return out
 
+    def _kv_words(self, prompt_tokens: int) -> str:
+        """The sampler's K/V store in words: the contiguous cache's slots, or the page pool of a batch
+        shard (each prompt once, then the response pages: ``rollout.pages`` or every slot's longest row)."""
+        s = self.settings
+        if not s.page_size:
+            return f"x {prompt_tokens + s.max_new_tokens} cache slots"
+        prompts, shards = self.num_prompts // self.sampler_calls, self.batch_shards
+        if prompts % shards or self.slots % shards:  # as the engine's queues: one per batch shard where they divide
+            shards = 1
+        slots = self.slots // shards
+        pages = s.pages or default_pages(slots, s.page_size, s.max_new_tokens)
+        prompt_pages = prompts // shards * -(-prompt_tokens // s.page_size)
+        return (f"over a page pool a batch shard of {prompt_pages} prompt + {pages} response pages of {s.page_size} "
+                f"tokens ({pages * s.page_size // slots} response tokens a slot)")
+
+    def _sampler_loop_facts(self, text: str, prompt_tokens: int) -> tuple[str, ...]:
+        """What the compiled sampler (HLO ``text``, prompts of ``prompt_tokens``) does inside its loops,
+        each fact a line: a weight gathered there crosses the network every decode step; a copy of the
+        page pool there reads and writes all of it every step; a [slots, prompt + max_new, ...] array
+        there is the contiguous cache the paged sampler must not hold."""
+        gathers = hlo.gathers_of_shapes_in_loops(text, hlo.parameter_shapes(self.state[0]))
+        facts = [(f"{len(gathers)} parameter all-gathers inside its loops: "
+                  + ", ".join(sorted({str(list(c.shape)) for c in gathers})))
+                 if gathers else "no parameter all-gather inside its loops"]
+        page_size, row = self.settings.page_size, prompt_tokens + self.settings.max_new_tokens
+        if page_size:
+            copies = [i for i in hlo.loop_instructions(text, ("copy",)) if len(i.shape) == 5 and i.shape[3] == page_size]
+            facts.append(f"{len(copies)} copies of the page pool inside its loops: "
+                         + ", ".join(sorted({str(list(c.shape)) for c in copies}))
+                         if copies else "no copy of the page pool inside its loops")
+            caches = {i.shape for i in hlo.loop_instructions(text) if len(i.shape) >= 4 and row in i.shape}
+            facts.append(f"{row}-token cache rows inside its loops: {sorted(caches)}" if caches
+                         else f"no {row}-token (prompt + max_new_tokens) cache row inside its loops")
+        return tuple(facts)
+
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
                 progress: bool = True, read_loops: bool = False,
                 log: Callable[[str], None] | None = None) -> list[memory_check.ProgramMemory]:
@@ -385,11 +421,8 @@ class StepPrograms:
                 continue
             memory = memory_check.program_memory(program.name, program.shape, compiled, program.outside,
                                                  time.perf_counter() - t0)
-            if read_loops and program.name == "sampler":  # a weight gathered inside the decode loop crosses the network every step
-                gathers = hlo.gathers_of_shapes_in_loops(compiled.as_text(), hlo.parameter_shapes(self.state[0]))
-                memory.loop_gathers = (f"{len(gathers)} parameter all-gathers inside its loops: "
-                                       + ", ".join(sorted({str(list(c.shape)) for c in gathers}))
-                                       if gathers else "no parameter all-gather inside its loops")
+            if read_loops and program.name == "sampler":
+                memory.loop_facts = self._sampler_loop_facts(compiled.as_text(), program.args[1].shape[1])
             if log is not None:
                 log(f"  {program.name} compiled in {memory.compile_seconds:.1f} s: peak {memory.peak / memory_check.GiB:.2f} "
                     f"GiB per device")
