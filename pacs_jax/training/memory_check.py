@@ -28,7 +28,7 @@ GiB = 1 << 30
 
 # The config fields that shrink each program's memory, most effective first.
 FIELDS = {
-    "sampler": "rollout.slots / rollout.micro_batches",
+    "sampler": "rollout.slots / rollout.pages / rollout.micro_batches",
     "assemble": "train.prompts_per_step",
     "pi_old": "train.logprob_micro_batches",
     "critic_values": "train.logprob_micro_batches",
