@@ -47,7 +47,7 @@ SHRUNK = [
     "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
     "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",
     "--config.rollout.micro_batches=2", "--config.rollout.max_new_tokens=16", "--config.rollout.response_buckets=(16,)",
-    "--config.rollout.slots=8", "--config.rollout.tail_slots=0",  # continuous: 2 decode slots per batch shard for the 8 responses of its prompt
+    "--config.rollout.slots=8", "--config.rollout.tail_slots=0",  # paged: 2 decode slots per batch shard for the 8 responses of its prompt
     "--config.optim.lr=0.0001", "--config.reward.workers=1", "--config.eval.sets=",
     "--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
     "--config.mesh.device_order=(0,1,4,5,2,3,6,7)",
@@ -67,7 +67,7 @@ def _train(workdir, data_file, *, processes: int, cache_dir, flags: tuple[str, .
     once in CI; and the suite's one 2-process run of SHRUNK would have nothing to read from a cache.)"""
     flags = [*SHRUNK, *flags, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
-    if processes == 1:  # the static sampler (one slot per response) against the 2 processes' continuous one
+    if processes == 1:  # the static sampler (one slot per response) against the 2 processes' paged one (the default)
         command.append("--config.rollout.sampler=static")
         env = _env(cache_dir, XLA_FLAGS="--xla_force_host_platform_device_count=8")
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
