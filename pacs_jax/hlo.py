@@ -63,23 +63,23 @@ def loop_computations(hlo_text: str) -> set[str]:
 
 
 def collectives(hlo_text: str, *, in_loops: bool = False) -> list[Instruction]:
-    """Every collective of the module (only those inside loops when ``in_loops``)."""
+    """Every collective of the module (only those inside loops when ``in_loops``); an async pair's
+    ``-start`` counts as its collective."""
     comps = computations(hlo_text)
-    inside = loop_computations(hlo_text) if in_loops else set(comps)
-    out = []
-    for name in inside:
-        for dims, op in _OP.findall(comps.get(name, "")):
-            out.append(Instruction(name, op, tuple(int(d) for d in dims.split(",") if d)))
-    return out
+    return _instructions(comps, loop_computations(hlo_text) if in_loops else set(comps), _OP)
 
 
 def loop_instructions(hlo_text: str, ops: tuple[str, ...] | None = None) -> list[Instruction]:
     """Every array-valued instruction inside loops (only those whose op is in ``ops`` when given),
     loop-carried values read out of the carry (get-tuple-element) included."""
-    comps = computations(hlo_text)
+    found = _instructions(computations(hlo_text), loop_computations(hlo_text), _ANY_OP)
+    return [i for i in found if ops is None or i.op in ops]
+
+
+def _instructions(comps: dict[str, str], names, pattern: re.Pattern) -> list[Instruction]:
+    """The instructions ``pattern`` (groups: output dims, op) finds in the computations ``names``."""
     return [Instruction(name, op, tuple(int(d) for d in dims.split(",") if d))
-            for name in loop_computations(hlo_text) for dims, op in _ANY_OP.findall(comps.get(name, ""))
-            if ops is None or op in ops]
+            for name in names for dims, op in pattern.findall(comps.get(name, ""))]
 
 
 def gathers_of_shapes_in_loops(hlo_text: str, shapes) -> list[Instruction]:

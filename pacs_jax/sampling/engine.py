@@ -135,13 +135,18 @@ def _decode_layout(state: nnx.State, dtype) -> nnx.State:
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def queues(prompts: int, slots: int, batch_shards: int) -> int:
+    """The sampler's queues (decode loops) for a call: one per batch shard when the shards divide
+    both the prompts and the slots, else one for the whole call."""
+    return batch_shards if prompts % batch_shards == 0 and slots % batch_shards == 0 else 1
+
+
 def _queue_groups(prompts: int, slots: int) -> tuple[str, ...]:
-    """The mesh axes the decode loop is split over (one queue per shard): the batch axes when they
-    divide both the prompts and the slots, else none (one queue for the whole call)."""
+    """The mesh axes the decode loop is split over (one queue per shard, ``queues``), or none."""
     rules = current_rules()
     axes = rules.batch_axes()
     shards = math.prod(rules.mesh.shape[a] for a in axes)
-    return axes if axes and prompts % shards == 0 and slots % shards == 0 else ()
+    return axes if axes and queues(prompts, slots, shards) == shards else ()
 
 
 def spread_rows(real: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:

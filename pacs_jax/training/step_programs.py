@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
 from pacs_jax.rl.packing import PackedPlan, pass_rows, pass_slots, plan_packing, plan_shape, shards_for
-from pacs_jax.sampling.engine import lower_sample
+from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
@@ -369,9 +369,8 @@ class StepPrograms:
         s = self.settings
         if not s.page_size:
             return f"x {prompt_tokens + s.max_new_tokens} cache slots"
-        prompts, shards = self.num_prompts // self.sampler_calls, self.batch_shards
-        if prompts % shards or self.slots % shards:  # as the engine's queues: one per batch shard where they divide
-            shards = 1
+        prompts = self.num_prompts // self.sampler_calls
+        shards = queues(prompts, self.slots, self.batch_shards)
         slots = self.slots // shards
         pages = s.pages or default_pages(slots, s.page_size, s.max_new_tokens)
         prompt_pages = prompts // shards * -(-prompt_tokens // s.page_size)
