@@ -98,3 +98,75 @@ def parameter_shapes(tree) -> set[tuple[int, ...]]:
     for leaf in jax.tree.leaves(tree):
         shapes |= {tuple(leaf.shape), tuple(leaf.shape[1:])}
     return shapes
+
+
+_LINE_OP = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([\w\-]+)\((.*)$")
+_CONTROL = re.compile(r"(?:condition|body|branch_computations|to_apply)=\{?(%?[\w.\-]+(?:, *%[\w.\-]+)*)\}?")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FUSION_KIND = re.compile(r'"kind":"([\w]+)"')
+
+
+class LoopProfile(NamedTuple):
+    """What a compiled program runs inside its loops, at the level of launched work (the computations
+    fused into a kernel are not entered), each loop body counted once; and its loops.
+
+    fusions: fused kernels inside loops; custom_calls: {target or library fusion kind: count} inside
+    loops (Pallas Triton kernels, cuDNN, cuBLAS / Triton gemms); copies: ``copy`` instructions inside
+    loops; loops: every ``while`` of the program; unknown_trip_loops: those XLA cannot count ahead (no
+    ``known_trip_count``: on XLA:GPU each trip copies the loop's condition to the host);
+    conditionals: ``conditional`` inside loops (on GPU one host round trip each, to pick the branch)."""
+
+    fusions: int
+    custom_calls: dict
+    copies: int
+    loops: int
+    unknown_trip_loops: int
+    conditionals: int
+
+    def describe(self) -> str:
+        calls = ", ".join(f"{n} {t}" for t, n in sorted(self.custom_calls.items())) or "none"
+        return (f"{self.fusions} fusions, library kernels: {calls}; {self.copies} copies; {self.loops} loops "
+                f"({self.unknown_trip_loops} with a trip count only the device knows); {self.conditionals} conditionals")
+
+
+def loop_profile(hlo_text: str) -> LoopProfile:
+    """The ``LoopProfile`` of a compiled module: its ENTRY computation, the loops and branches it runs
+    and those inside them, down to (not into) fused kernels."""
+    comps = computations(hlo_text)
+    entry = next((name for name, text in comps.items() if text.startswith("ENTRY")), None)
+    todo, seen = [(entry, False)], set()
+    fusions = copies = loops = unknown = conditionals = 0
+    calls: dict[str, int] = {}
+    while todo:
+        name, in_loop = todo.pop()
+        if (name, in_loop) in seen or name not in comps:
+            continue
+        seen.add((name, in_loop))
+        for line in comps[name].split("\n")[1:]:
+            match = _LINE_OP.match(line)
+            if not match:
+                continue
+            op, rest = match.groups()
+            if op == "while":
+                loops += 1
+                unknown += "known_trip_count" not in rest
+            if op in ("while", "conditional", "call"):
+                todo += [(n.strip().lstrip("%"), in_loop or op == "while")
+                         for group in _CONTROL.findall(rest) for n in group.split(",")]
+            if not in_loop:
+                continue
+            if op == "fusion":
+                kind = _FUSION_KIND.search(rest)
+                if kind and kind.group(1).startswith("__"):  # a library kernel emitted as a fusion
+                    calls[kind.group(1)] = calls.get(kind.group(1), 0) + 1
+                else:
+                    fusions += 1
+            elif op == "custom-call":
+                target = _TARGET.search(rest)
+                key = target.group(1) if target else "custom-call"
+                calls[key] = calls.get(key, 0) + 1
+            elif op == "copy":
+                copies += 1
+            elif op == "conditional":
+                conditionals += 1
+    return LoopProfile(fusions, calls, copies, loops, unknown, conditionals)

@@ -16,34 +16,15 @@ process: a jitted negation of a ``--copy-mb`` array (bytes read + written / its 
 from __future__ import annotations
 
 import argparse
-import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from device_rates import best_seconds, copy_rate, device_line, matmul_rate
 from pacs_jax import models, sampling, sharding
 from pacs_jax.sampling.buckets import round_up
-
-
-def best_seconds(fn, rounds: int) -> float:
-    """The best wall time of ``rounds`` calls of ``fn`` (which waits for its result)."""
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def copy_bandwidth(megabytes: int, rounds: int) -> float:
-    """Bytes read + written per second by a jitted negation of a float32 array of ``megabytes``."""
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    negate = jax.jit(jnp.negative)
-    negate(x).block_until_ready()
-    return 2 * x.nbytes / best_seconds(lambda: negate(x).block_until_ready(), rounds)
 
 
 def step_bytes(cfg: models.QwenConfig, params: int, slots: int, fill: int, steps: int, page_size: int) -> float:
@@ -59,6 +40,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="Qwen2.5-0.5B")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (default 0: the preset's)")
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--fill", type=int, default=64, help="prompt tokens of every row")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
@@ -66,10 +48,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--copy-mb", type=int, default=1024, help="the copy bandwidth's array")
     args = parser.parse_args()
-    if min(args.slots, args.fill, args.steps, args.page_size, args.rounds, args.copy_mb) < 1:
+    if min(args.slots, args.fill, args.steps, args.page_size, args.rounds, args.copy_mb) < 1 or args.layers < 0:
         parser.error("every size must be >= 1")
 
     cfg = models.preset(args.preset, eos_token_id=None, dtype=args.dtype, param_dtype=args.dtype)
+    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers)
     model = models.init_random(cfg, seed=0)
     graphdef, state = nnx.split(model)
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
@@ -78,7 +61,7 @@ def main():
     tokens = jax.device_put(prompts.astype(np.int32), placed)
     mask = jax.device_put(np.ones(prompts.shape, np.int32), placed)
     print(f"{args.preset} ({args.dtype}): {args.slots} slots, {args.fill}-token prompts, {args.steps} decode steps, "
-          f"pages of {args.page_size}; jax {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cpus)")
+          f"pages of {args.page_size}, {cfg.num_hidden_layers} layers; {device_line()}")
 
     def run(new_tokens: int):
         settings = sampling.SamplingSettings(max_new_tokens=new_tokens, slots=args.slots, page_size=args.page_size)
@@ -88,9 +71,10 @@ def main():
     long, short = run(1 + args.steps), run(1)
     long(), short()  # compile
     step = (best_seconds(long, args.rounds) - best_seconds(short, args.rounds)) / args.steps
-    rate = copy_bandwidth(args.copy_mb, args.rounds)
+    rate = copy_rate(args.copy_mb, args.rounds)
     live = step_bytes(cfg, params, args.slots, args.fill, args.steps, args.page_size)
-    print(f"copy bandwidth {rate / 1e9:.1f} GB/s (read + write of a {args.copy_mb} MiB array)")
+    print(f"copy bandwidth {rate / 1e9:.1f} GB/s (read + write of a {args.copy_mb} MiB array); {args.dtype} matmul "
+          f"{matmul_rate(args.dtype, rounds=args.rounds) / 1e12:.2f} TFLOP/s")
     print(f"decode step {step * 1e3:.2f} ms, {live / 1e9:.3f} GB live, {live / step / rate:.2f} of the measured "
           "copy bandwidth")
 

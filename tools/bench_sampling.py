@@ -45,7 +45,6 @@ heads * head_dim per layer).
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import tempfile
 import time
@@ -58,6 +57,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
+from device_rates import device_line, matmul_rate, rates_line
 from pacs_jax import checkpoints, models, sampling, sharding
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.engine import lower_sample
@@ -67,15 +67,6 @@ def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def matmul_rate(dtype: str, size: int = 4096, repeats: int = 3) -> float:
-    """Measured FLOP/s of one big jnp matmul (``dtype`` inputs, float32 accumulation and output)."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
-    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    mm(a, b).block_until_ready()
-    return 2 * size**3 / min(_timed(lambda: mm(a, b).block_until_ready()) for _ in range(repeats))
 
 
 def decode_step_flops(cfg: models.QwenConfig, batch: int, cache_slots: int) -> float:
@@ -127,6 +118,7 @@ def compare(args) -> None:
     decode slots (the same KV-cache memory)."""
     dtype = args.dtypes.split(",")[0]
     cfg = models.preset(args.preset, eos_token_id=None, dtype=dtype, param_dtype=dtype)
+    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers)
     rows = args.batch * args.n
     if not 1 <= args.slots <= rows or args.slots % args.n or rows % args.slots:
         raise SystemExit(f"--slots {args.slots}: must divide the {rows} rows (--batch x --n) and be a multiple of "
@@ -138,7 +130,8 @@ def compare(args) -> None:
     budgets = long_tailed_budgets(rows, args.new)
     print(f"{args.preset} ({dtype}): {args.batch} prompts x n {args.n} = {rows} rows, prompt {args.prompt}, budgets "
           f"log-normal (median {args.new / 8:g}, sigma 1) clipped to {args.new}: mean {budgets.mean():.1f}, max "
-          f"{budgets.max()}; jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus)")
+          f"{budgets.max()}; {cfg.num_hidden_layers} layers; {device_line()}")
+    print(rates_line((dtype,), megabytes=256), flush=True)
     model = models.init_random(cfg, seed=0)
     graphdef, state = nnx.split(model)
 
@@ -219,6 +212,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", action="store_true", help="continuous vs static on long-tailed budgets")
     parser.add_argument("--preset", default="Qwen2.5-0.5B")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (default 0: the preset's)")
     parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; --compare: 16)")
     parser.add_argument("--n", type=int, default=4, help="--compare: samples per prompt")
     parser.add_argument("--slots", type=int, default=32, help="--compare: the continuous sampler's slots")
@@ -245,7 +239,7 @@ def main():
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, size=(args.batch, args.prompt)).tolist()
     print(f"{args.preset}: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus), "
+          f"{device_line()}, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
     configs = [(side, dtype) for side in SIDES for dtype in dtypes]

@@ -140,6 +140,9 @@ def main(argv) -> int:
                               log=lambda s: print(f"[plan_memory] {s}", flush=True))
     text, fits = memory_check.report(programs, topo.hbm_bytes, f"{topo.name} ({devices[0].device_kind})")
     print(text, flush=True)
+    from pacs_jax.models import kernels
+
+    print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
     return 0 if fits else 1
 
 

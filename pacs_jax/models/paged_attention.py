@@ -19,8 +19,13 @@ never read, or read and masked).
   pages: a loop over ceil(max(lengths) / (block_pages s)) blocks, a dynamic trip count).
 * "tpu": ``jax.experimental.pallas.ops.tpu.paged_attention`` (the Mosaic kernel; its DMAs read only
   each row's live pages).
-* "gpu": ``jax.experimental.pallas.ops.gpu.paged_attention`` (Triton).
-The kernels take the whole pool and the table offset by the layer; neither scales q, so q comes scaled by Dh**-0.5. Under a mesh, a kernel runs in ``shard_map`` over
+* "gpu": our Pallas (Triton) kernel, ``models/paged_attention_gpu.py``, with the "xla" path's
+  arithmetic (float32 scores scaled in float32, float32 accumulation, one rounding of the output),
+  any table width M. The library's ``pallas.ops.gpu.paged_attention`` is not used: TF32 dots, its
+  output rounded to the input dtype before the softmax division, and a compute block that must
+  divide M in a power of 2 (a Triton lowering error for M = 132; docs/design.md 4.4).
+The kernels take the whole pool and the table offset by the layer; the TPU kernel does not scale q,
+so q comes scaled by Dh**-0.5 there. Under a mesh, a kernel runs in ``shard_map`` over
 the axes not already manual (GSPMD cannot split a kernel call): the heads over the "act_kv_heads"
 axes ("tensor") when they divide K (each device its own heads' pages, as the pool is split:
 ``POOL_AXES``), the rows over the batch axes when they divide B, replicated over the others. ``interpret=True`` runs a kernel in the Pallas
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pacs_jax.models import paged_attention_gpu
 from pacs_jax.models.attention import _mesh_axes
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.sharding import LOGICAL_RULES, constrain
@@ -97,20 +103,14 @@ def _write_heads(pool, x, layer, page, slot) -> jax.Array:
     return pool.at[heads, layer, page[:, None], slot[:, None]].set(x[:, 0], mode="promise_in_bounds")
 
 
-def resolve_paged_impl(attention_impl: str) -> str:
-    """The paged decode path of a resolved ``model.attention`` impl: the TPU kernel beside splash,
-    the GPU kernel beside cuDNN, the XLA path beside "xla"."""
-    return {"splash": "tpu", "cudnn": "gpu"}.get(attention_impl, "xla")
-
-
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array | int,
                            view: PageView, *, impl: str = "xla", block_pages: int = 8,
                            interpret: bool = False) -> jax.Array:
     """q [B, 1, H, Dh] against layer ``layer`` of the pools [K, L, N, s, Dh], each row's first
     view.lengths[b] tokens through its page table view.table [B, M]; softmax in float32.
     Returns [B, 1, H, Dh] in q.dtype (zeros for a row with no visible token).
-    block_pages: pages per block of the "xla" path and per compute block of the kernels (capped at M
-    and made to divide it).
+    block_pages: pages per block of the "xla" path and per compute block of the kernels (capped at M;
+    made to divide it for "xla" and "tpu", a power of 2 for "gpu": ``paged_attention_gpu.compute_block``).
     """
     B, _, H, Dh = q.shape
     K, L, N, s, _ = k_pool.shape
@@ -124,31 +124,30 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
     lengths = jnp.minimum(view.lengths.astype(jnp.int32), M * s)
     if impl == "xla":
         return _xla_paged(q, k_pool, v_pool, layer, view.table, lengths, block)
-    scaled = (q[:, 0].astype(_F32) * Dh ** -0.5).astype(q.dtype)  # [B, H, Dh]
+    if impl == "tpu":
+        q_in = (q[:, 0].astype(_F32) * Dh ** -0.5).astype(q.dtype)  # [B, H, Dh]
+        kernel = functools.partial(_tpu_kernel, block=block)
+    else:
+        q_in = q[:, 0]  # the GPU kernel scales its float32 scores
+        kernel = functools.partial(paged_attention_gpu.paged_attention, block_pages=block_pages, interpret=interpret)
     pages = (p.reshape(K, L * N, s, Dh) for p in (k_pool, v_pool))  # layer l's page i at l N + i
-    kernel = functools.partial(_kernel, impl=impl, block=block, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.auto_axes:  # a kernel call must be manual over every axis of the mesh
         heads = _mesh_axes(mesh, tuple(a for a in LOGICAL_RULES["act_kv_heads"] if a in mesh.auto_axes), K)
         rows = _mesh_axes(mesh, tuple(a for a in LOGICAL_RULES["batch"] if a in mesh.auto_axes), B)
         kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(P(rows, heads), P(heads), P(heads), P(rows), P(rows)),
                                out_specs=P(rows, heads), axis_names=set(mesh.auto_axes), check_vma=False)
-    out = kernel(scaled, *pages, lengths, view.table + layer * N)
+    out = kernel(q_in, *pages, lengths, view.table + layer * N)
     out = jnp.where((lengths > 0)[:, None, None], out, 0)
     return out[:, None].astype(q.dtype)
 
 
-def _kernel(q, k_pages, v_pages, lengths, table, *, impl: str, block: int, interpret: bool) -> jax.Array:
-    """A library kernel: q [B, H, Dh] (scaled), k/v pages [K, N, s, Dh], lengths [B], table [B, M]
-    -> [B, H, Dh]."""
-    if impl == "tpu":
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+def _tpu_kernel(q, k_pages, v_pages, lengths, table, *, block: int) -> jax.Array:
+    """The library's TPU kernel: q [B, H, Dh] (scaled), k/v pages [K, N, s, Dh], lengths [B], table
+    [B, M] -> [B, H, Dh]; ``block`` divides M."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-        return paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
-    return paged_attention(q, k_pages, v_pages, table, lengths, pages_per_compute_block=block, k_splits=1,
-                           interpret=interpret)
+    return paged_attention(q, k_pages, v_pages, lengths, table, pages_per_compute_block=block)
 
 
 def _xla_paged(q, k_pool, v_pool, layer, table, lengths, block: int) -> jax.Array:

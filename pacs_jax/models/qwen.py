@@ -29,7 +29,8 @@ from flax import nnx
 
 from pacs_jax.models.attention import attention, decode_attention, resolve_impl
 from pacs_jax.models.config import QwenConfig
-from pacs_jax.models.paged_attention import PageView, paged_decode_attention, resolve_paged_impl, write as write_pages
+from pacs_jax.models import kernels
+from pacs_jax.models.paged_attention import PageView, paged_decode_attention, write as write_pages
 from pacs_jax.sharding import constrain, platform
 
 _REMAT_POLICIES = {
@@ -150,8 +151,9 @@ class Attention(nnx.Module):
             k_pool, v_pool, layer = cache
             new_cache = tuple(write_pages(pool, y.astype(pool.dtype), layer, cache_index)
                               for pool, y in ((k_pool, k), (v_pool, v)))
-            out = paged_decode_attention(q, *new_cache, layer, cache_index,
-                                         impl=resolve_paged_impl(resolve_impl(cfg.attention, platform())))
+            choice = kernels.paged_decode(resolve_impl(cfg.attention, platform()), head_dim=q.shape[-1],
+                                          page_size=k_pool.shape[3], dtype=q.dtype)
+            out = paged_decode_attention(q, *new_cache, layer, cache_index, impl=choice.impl)
         elif cache is not None:
             k_cache, v_cache, layer = cache
             write = _write_rows if decode else _write_prefill

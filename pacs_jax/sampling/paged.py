@@ -60,6 +60,12 @@ class _Slots(NamedTuple):
     promised: jax.Array  # own pages the row may need in all
 
 
+def table_width(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
+    """M, the pages a slot's table holds: its prompt bucket's and its response's (the last token is
+    selected, never written)."""
+    return -(-(prompt_tokens + max_new_tokens - 1) // page_size)
+
+
 class _Pool(NamedTuple):
     k: jax.Array
     v: jax.Array
@@ -96,7 +102,7 @@ def paged_decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tok
     """
     P, T = prompt_real.shape
     Q, C, N, s = P * n, slots, max_new_tokens, page_size
-    TP, M = -(-T // s), -(-(T + N - 1) // s)
+    TP, M = -(-T // s), table_width(T, N, s)
     scratch = P * TP + pages  # the page idle slots write into
     select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
 

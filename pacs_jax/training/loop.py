@@ -32,6 +32,7 @@ from pacs_jax import distributed
 from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
 from pacs_jax.checkpoints import TrainCheckpointer
+from pacs_jax.models import kernels
 from pacs_jax.training import memory_check
 from pacs_jax.training.compilations import compilations, start_counting
 from pacs_jax.training.critic_step import PPOCritic
@@ -138,6 +139,8 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
             print("compiling every program of a step, for every bucket, before step 1 (train.precompile; minutes on "
                   "a large model)", flush=True)
         memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
+        if primary:  # what the programs chose, once (models/kernels.py)
+            print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
     step = start
     for step in range(start + 1, tc.steps + 1):
         if primary and step == start + 1:  # a long first step says what it is doing: the bar moves when it ends

@@ -381,7 +381,8 @@ class StepPrograms:
         """What the compiled sampler (HLO ``text``, prompts of ``prompt_tokens``) does inside its loops,
         each fact a line: a weight gathered there crosses the network every decode step; a copy of the
         page pool there reads and writes all of it every step; a [slots, prompt + max_new, ...] array
-        there is the contiguous cache the paged sampler must not hold."""
+        there is the contiguous cache the paged sampler must not hold; and what its loops launch
+        (``hlo.loop_profile``: kernels, copies, loops whose trips sync with the host on a GPU)."""
         gathers = hlo.gathers_of_shapes_in_loops(text, hlo.parameter_shapes(self.state[0]))
         facts = [(f"{len(gathers)} parameter all-gathers inside its loops: "
                   + ", ".join(sorted({str(list(c.shape)) for c in gathers})))
@@ -395,6 +396,7 @@ class StepPrograms:
             caches = {i.shape for i in hlo.loop_instructions(text) if len(i.shape) >= 4 and row in i.shape}
             facts.append(f"{row}-token cache rows inside its loops: {sorted(caches)}" if caches
                          else f"no {row}-token (prompt + max_new_tokens) cache row inside its loops")
+        facts.append("inside its loops: " + hlo.loop_profile(text).describe())
         return tuple(facts)
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,

@@ -1,0 +1,96 @@
+"""Which kernel each attention op runs: the shapes and dtypes every kernel takes, in one place, the
+choice made once at trace time from them, and a record of what was chosen.
+
+Ops: "attention" (training, log-probs and prefill over padded rows), "packed attention" (training and
+log-probs over packed rows: segment ids), "paged decode" (the paged sampler's decode step).
+
+A kernel that does not take a shape is not called: the op runs the XLA path, and the choice says why
+(``KernelChoice.reason``), so a config never meets a kernel's lowering error at step 1. Every choice
+is recorded (``chosen``): tools/plan_memory.py prints them after compiling, the trainer logs them
+once after its programs are compiled (training/step_programs.py).
+
+What each kernel takes (docs/design.md section 4.4):
+
+* cuDNN flash attention (GPU, ``jax.nn.dot_product_attention``): bfloat16 / float16 operands (a
+  float32 model would be computed in bfloat16: it runs the XLA path, at float32), head size a
+  multiple of 8 and at most 256 (Hopper).
+* Splash attention (TPU): any head size and length (the sequence is padded to 128 lanes).
+* The TPU paged-attention kernel (``pallas.ops.tpu.paged_attention``): head size a multiple of 128
+  (the lane width of its blocks), a compute block dividing the table width (always found: 1 divides).
+* Our GPU paged kernel (``models/paged_attention_gpu.py``): head size a power of 2 >= 16, page size a
+  power of 2, float32 / bfloat16 / float16; any table width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax.numpy as jnp
+
+from pacs_jax.models import paged_attention_gpu
+
+_LOG = logging.getLogger(__name__)
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_CUDNN_MAX_HEAD = 256  # Hopper; 128 on earlier GPUs
+_TPU_LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """op: which attention op; impl: what it runs; reason: why not the platform's kernel ("" if it
+    runs it or the config asked for the XLA path)."""
+
+    op: str
+    impl: str
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.op}: {self.impl}" + (f" (not the kernel: {self.reason})" if self.reason else "")
+
+
+_CHOSEN: dict[KernelChoice, None] = {}  # in order of first choice
+
+
+def _record(choice: KernelChoice) -> KernelChoice:
+    if choice not in _CHOSEN:
+        _CHOSEN[choice] = None
+        _LOG.info("kernel %s", choice)
+    return choice
+
+
+def chosen() -> tuple[KernelChoice, ...]:
+    """Every distinct choice made in this process, in order."""
+    return tuple(_CHOSEN)
+
+
+def cudnn_unsupported(head_dim: int, dtype) -> str | None:
+    """None when cuDNN flash attention takes these operands, else why not."""
+    if jnp.dtype(dtype) not in _HALF:
+        return f"cuDNN computes bfloat16 / float16, the model is {jnp.dtype(dtype).name}"
+    if head_dim % 8 or head_dim > _CUDNN_MAX_HEAD:
+        return f"head size {head_dim} (cuDNN takes a multiple of 8, at most {_CUDNN_MAX_HEAD})"
+    return None
+
+
+def attention(impl: str, *, head_dim: int, dtype, packed: bool) -> KernelChoice:
+    """The kernel of a (resolved) ``model.attention`` impl for these operands: "cudnn" and "splash"
+    when they take them, else "xla". Packed rows on GPU run the XLA path (cuDNN through ``jax.nn``
+    takes no segment ids)."""
+    op = "packed attention" if packed else "attention"
+    reason = ""
+    if impl == "cudnn":
+        reason = "cuDNN through jax.nn takes no segment ids" if packed else cudnn_unsupported(head_dim, dtype) or ""
+    return _record(KernelChoice(op, "xla" if reason else impl, reason))
+
+
+def paged_decode(impl: str, *, head_dim: int, page_size: int, dtype) -> KernelChoice:
+    """The paged decode path beside a (resolved) ``model.attention`` impl: "tpu" beside splash, "gpu"
+    (our Pallas kernel) beside cuDNN, each when it takes the shapes, else "xla"."""
+    paged = {"splash": "tpu", "cudnn": "gpu"}.get(impl, "xla")
+    reason = ""
+    if paged == "tpu" and head_dim % _TPU_LANES:
+        reason = f"head size {head_dim} (the TPU kernel takes a multiple of {_TPU_LANES})"
+    elif paged == "gpu":
+        reason = paged_attention_gpu.unsupported(head_dim, page_size, dtype) or ""
+    return _record(KernelChoice("paged decode", "xla" if reason else paged, reason))
