@@ -56,13 +56,13 @@ class Check:
 def _train_argv(size: str, sampler: str, workdir: pathlib.Path) -> tuple[str, ...]:
     """Two trainer steps of the paper's Qwen2.5 setup (PACS, beta 1) shrunk to one device and the
     data shipped in the repository; random weights."""
-    prompts, new, model = (4, 16, ["--config.model.preset=", "--config.model.hidden_size=64",
+    prompts, new, model = (2, 8, ["--config.model.preset=", "--config.model.hidden_size=64",
                                    "--config.model.intermediate_size=128", "--config.model.num_hidden_layers=2",
                                    "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2",
                                    "--config.model.head_dim=16", "--config.model.vocab_size=151936",
                                    "--config.model.model_type=qwen2", "--config.model.rope_theta=1000000.0",
                                    "--config.model.dtype=float32"]) \
-        if size == "tiny" else (32, 1024, ["--config.model.preset=Qwen2.5-1.5B"])
+        if size == "tiny" else (16, 512, ["--config.model.preset=Qwen2.5-1.5B"])
     return (sys.executable, "-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_3b,pacs_beta1",
             f"--workdir={workdir}", "--config.model.random_init=True", *model,
             "--config.data.tokenizer=data/tokenizers/qwen3", "--config.data.tokenizer_force=True",
@@ -84,20 +84,20 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     if size == "tiny":
         model = ("--preset=Qwen2.5-1.5B", "--layers=2")
         decode = (*model, "--dtype=float32", "--slots=4", "--steps=4", "--rounds=1", "--copy-mb=64")
-        fills = (16, 2048)
-        sampling = (*model, "--dtypes=float32", "--batch=4", "--n=2", "--slots=4", "--tail-slots=2", "--new=32",
+        fills = (16, 48)
+        sampling = (*model, "--dtypes=float32", "--batch=4", "--n=2", "--slots=4", "--tail-slots=2", "--new=16",
                     "--prompt=16")
         update = ("--preset=", "--prompts=2", "--budget=64")
         limit = 900
     else:
         model = ("--preset=Qwen2.5-1.5B",)
-        decode = (*model, "--dtype=bfloat16", "--slots=256", "--steps=64", "--rounds=3")
+        decode = (*model, "--dtype=bfloat16", "--slots=256", "--steps=64", "--rounds=2")
         fills = (64, 2048)
         sampling = (*model, "--dtypes=bfloat16", "--batch=64", "--n=8", "--slots=256", "--tail-slots=32",
                     "--new=1024", "--prompt=256")
         update = (*model, "--prompts=8", "--budget=1024", "--micro-batches=4")
         limit = 600
-    step = {"decode step ms": r"decode step ([\d.]+) ms", "of copy rate": r"([\d.]+) of the measured copy"}
+    step = {"decode step ms": r"decode step (-?[\d.]+) ms", "of copy rate": r"(-?[\d.]+) of the measured copy"}
     differ = {"paged tok/s ratio": r"paged vs static: .*tokens/s ratio ([\d.]+)",
               "continuous differing %": r"continuous vs static: differing tokens ([\d.]+) %",
               "paged differing %": r"paged vs static: differing tokens ([\d.]+) %",
