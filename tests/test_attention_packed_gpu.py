@@ -117,9 +117,10 @@ def test_kernel_matches_xla_path(T, B, H, K, Dh, dtype):
     assert all(np.all(g[padding] == 0) for g in grads)
 
 
-def test_attention_dispatches_packed_rows_to_the_kernel(monkeypatch):
+def test_attention_dispatches_packed_rows_to_the_kernel(monkeypatch, caplog):
     """attention(impl="cudnn", segment_ids=...) takes the kernel path, values equal to the "xla" path;
-    a head size the kernel does not take falls back to the "xla" path."""
+    a head size the kernel does not take falls back to the "xla" path, saying why in one log line."""
+    attention_module._report_fallback.cache_clear()
     calls = []
     kernel = attention_module._packed_gpu_attention
 
@@ -136,8 +137,12 @@ def test_attention_dispatches_packed_rows_to_the_kernel(monkeypatch):
                                rtol=1e-5, atol=2e-5)
     assert calls == [q.shape]
     q, k, v, _ = inputs(48, 4, 4, 2, 8, jnp.float32)  # Dh 8 < 16: the "xla" path
-    np.testing.assert_allclose(np.asarray(cudnn(q, k, v, valid)), reference(q, k, v, ids), rtol=1e-5, atol=1e-5)
+    with caplog.at_level("WARNING", logger=attention_module.__name__):
+        np.testing.assert_allclose(np.asarray(cudnn(q, k, v, valid)), reference(q, k, v, ids), rtol=1e-5, atol=1e-5)
     assert calls == [(4, 48, 4, 16)]
+    assert [r.getMessage() for r in caplog.records] == [
+        'packed rows on GPU take the "xla" attention path: head_dim 8 (the kernel takes 9..128: padded to a power '
+        'of 2 in 16..128)']
 
 
 def test_packed_gpu_supported():
