@@ -432,9 +432,10 @@ def _packed_gpu_attention(q, k, v, segment_ids, *, interpret: bool = False):
     interpret: run the kernel in the Pallas interpreter (testing on CPU).
     """
     B, T, H, Dh = q.shape
+    G = H // k.shape[2]
     pad = -T % _PACKED_GPU_SEQ_MULTIPLE
     ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
-    k, v = (_repeat_heads(x, H // k.shape[2]) for x in (k, v))
+    k, v = (_repeat_heads(x, G) for x in (k, v))
     q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     kernel, _ = _on_mesh(functools.partial(_packed_rows, interpret=interpret), B, H, H, head_axis=2, id_arrays=1)
     out = kernel(q, k, v, ids)[:, :T]
