@@ -1,9 +1,10 @@
 """Packed rows on GPU: the "cudnn" attention path with segment ids runs JAX's Pallas (Triton)
-flash-attention kernel (``models/attention.py``, ``_packed_gpu_attention``). Here on CPU the kernel
-runs in the Pallas interpreter, on packed layouts made by the trainer's own planner
-(``rl.packing.plan_packing``: several sequences a row, padding after them, a row of padding only),
-with GQA (H != K) and head sizes the kernel pads to a power of 2: values against a float64 NumPy
-reference and the "xla" path, gradients of q, k and v against the "xla" path, float32 and bfloat16.
+flash-attention kernel (``models/attention.py``, ``_packed_gpu_attention``). On CPU the kernel runs
+in the Pallas interpreter, on a GPU (JAX_PLATFORMS=cuda,cpu) compiled by Triton, on packed layouts
+made by the trainer's own planner (``rl.packing.plan_packing``: several sequences a row, padding
+after them, a row of padding only), with GQA (H != K) and head sizes the kernel pads to a power of
+2: values against a float64 NumPy reference and the "xla" path, gradients of q, k and v against the
+"xla" path, float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def inputs(T, B, H, K, Dh, dtype, seed=0):
 
 
 def kernel_path(ids):
-    return lambda q, k, v: attention_module._packed_gpu_attention(q, k, v, jnp.asarray(ids), interpret=True)
+    interpret = jax.default_backend() != "gpu"
+    return lambda q, k, v: attention_module._packed_gpu_attention(q, k, v, jnp.asarray(ids), interpret=interpret)
 
 
 def xla_path(ids):
