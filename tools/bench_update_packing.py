@@ -2,8 +2,9 @@
 ``python tools/bench_update.py --packing`` runs this.
 
     python tools/bench_update.py --packing                 # the defaults below: about 7 min, 12 GB on 2 CPU cores
-    python tools/bench_update.py --packing --prompts 16 --budget 2048 --preset Qwen2.5-1.5B   # an accelerator
-    python tools/bench_update.py --packing --preset Qwen2.5-1.5B --attention xla   # packed rows' XLA attention
+    python tools/bench_update.py --packing --preset Qwen2.5-1.5B --prompts 8 --budget 1024 --micro-batches 8
+                                          # one 80 GB GPU (59.4 GiB peak compiled for an H100; 107.7 without remat)
+    python tools/bench_update.py --packing --preset Qwen2.5-1.5B ... --attention xla   # packed rows' XLA attention
 
 The model runs as the trainer runs it: the paper configs' compute dtype and remat policy
 (configs/paper.py: bfloat16, float32 parameters, ``dots_with_no_batch_dims_saveable``), the trainer's
