@@ -58,9 +58,9 @@ def interleaved_best_times(runs: dict[str, Callable[[], object]], repeats: int) 
     return best
 
 
-def jax_matmul(n: int) -> Callable[[], object]:
-    """A runner for one jitted fp32 [n, n] @ [n, n] matmul (2 n^3 FLOPs)."""
-    a, b = (jax.random.normal(k, (n, n), jnp.float32) for k in jax.random.split(jax.random.key(0)))
+def jax_matmul(n: int, dtype: str = "float32") -> Callable[[], object]:
+    """A runner for one jitted [n, n] @ [n, n] matmul in ``dtype`` (default fp32; 2 n^3 FLOPs)."""
+    a, b = (jax.random.normal(k, (n, n), dtype) for k in jax.random.split(jax.random.key(0)))
     matmul = jax.jit(jnp.matmul)
     return lambda: matmul(a, b).block_until_ready()
 

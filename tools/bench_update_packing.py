@@ -1,8 +1,15 @@
 """One optimizer step of PACS on padded rows against the same step on packed rows (train.packing):
 ``python tools/bench_update.py --packing`` runs this.
 
-    python tools/bench_update.py --packing                 # the defaults below: about 5 min on 2 CPU cores
-    python tools/bench_update.py --packing --prompts 16 --budget 2048 --preset Qwen2.5-1.5B   # an accelerator
+    python tools/bench_update.py --packing                 # the defaults below: about 7 min, 12 GB on 2 CPU cores
+    python tools/bench_update.py --packing --preset Qwen2.5-1.5B --prompts 8 --budget 1024 --micro-batches 8
+                                          # one 80 GB GPU (59.4 GiB peak compiled for an H100; 107.7 without remat)
+    python tools/bench_update.py --packing --preset Qwen2.5-1.5B ... --attention xla   # packed rows' XLA attention
+
+The model runs as the trainer runs it: the paper configs' compute dtype and remat policy
+(configs/paper.py: bfloat16, float32 parameters, ``dots_with_no_batch_dims_saveable``), the trainer's
+fused log-prob chunk (rl/logprobs.py ``DEFAULT_CHUNK_SIZE``) and attention ``auto`` (on a GPU: cuDNN for
+padded rows, the Pallas flash-attention kernel for packed rows, models/attention.py), each a flag.
 
 Shaped like a paper step: prompts drawn from the DeepScaleR problems shipped in data/ in the model's
 chat template (the Qwen tokenizer in data/tokenizers/qwen3), left-padded to the paper's 512-token
@@ -11,7 +18,8 @@ sigma 1) clipped to the budget; the response bucket is the budget (one response 
 almost always reaches it). Both runs compute the same loss (PACS, beta 1, RLOO, class weights) and
 AdamW step on the same rows; the packed run packs the step's sequences into passes of rows of prompt
 bucket + budget tokens, as the trainer does (rl/packing.py; rows a pass: ``--rows``, 0 as
-train.packed_rows: a quarter of a padded micro-batch's). Prints each run's time (one step, after compiling it) and tokens,
+train.packed_rows: a quarter of a padded micro-batch's). First prints the device and its measured
+peak rates (tools/bench_device.py), then each run's time (one step, after compiling it) and tokens,
 then the line
     packed vs padded: tokens computed ratio X, time ratio Y, loss difference D
 (X, Y: padded / packed; D: |loss packed - loss padded|, float32).
@@ -30,9 +38,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from configs import base
+from bench_device import device_line
+from configs import base, paper
 from pacs_jax import data, models
+from pacs_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from pacs_jax.rl import packing
+from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
 from pacs_jax.training.update_step import make_update_step
 
 REPO_DATA = data.__file__.rsplit("/pacs_jax/", 1)[0] + "/data"
@@ -40,6 +51,7 @@ PROMPT_BUCKET = 512
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    model = paper.get_config().model  # the paper configs' compute dtype and remat (the same for every model)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--packing", action="store_true", required=True,
                         help="compare padded and packed rows (the one comparison this tool makes)")
@@ -52,18 +64,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "padded micro-batch's rows, at least a prompt group's)")
     parser.add_argument("--preset", default="", choices=["", *sorted(models.PRESETS)],
                         help="model shape (default: a 2-layer, 64-wide Qwen3 with the real vocabulary)")
-    parser.add_argument("--chunk", type=int, default=64,
-                        help="tokens per row per step of the fused log-probs (bounds the [rows, chunk, vocab] logits)")
+    parser.add_argument("--dtype", default=model.dtype, choices=["float32", "bfloat16"],
+                        help=f"compute dtype, parameters in float32 (default: the paper configs', {model.dtype})")
+    parser.add_argument("--remat", default=model.remat, choices=REMAT_POLICIES,
+                        help=f"what the backward pass keeps of each layer (default: the paper configs', {model.remat})")
+    parser.add_argument("--attention", default=model.attention, choices=ATTENTION_IMPLS,
+                        help=f"model.attention (default: {model.attention})")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE,
+                        help="tokens per row per step of the fused log-probs (bounds the [rows, chunk, vocab] logits; "
+                             f"default: the trainer's, {DEFAULT_CHUNK_SIZE})")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
-def model_config(preset: str) -> models.QwenConfig:
-    if preset:
-        return models.PRESETS[preset].replace(dtype="bfloat16", param_dtype="float32")
+def model_config(args: argparse.Namespace) -> models.QwenConfig:
+    """The preset's shape (or a tiny Qwen3 with the real vocabulary) with the flags' dtype, remat and attention."""
+    run = dict(dtype=args.dtype, param_dtype="float32", remat=args.remat, attention=args.attention)
+    if args.preset:
+        return models.PRESETS[args.preset].replace(**run)
     return models.QwenConfig(vocab_size=151936, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type="qwen3",
-                             tie_word_embeddings=True, dtype="float32", param_dtype="float32")
+                             tie_word_embeddings=True, **run)
 
 
 def step_rows(args: argparse.Namespace, vocab: int) -> dict[str, np.ndarray]:
@@ -102,7 +123,8 @@ def timed_step(update, params, batch) -> tuple[float, float, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = model_config(args.preset)
+    cfg = model_config(args)
+    print(device_line(args.dtype), flush=True)
     graphdef, params = nnx.split(models.Qwen(cfg, rngs=nnx.Rngs(args.seed)))
     rows = step_rows(args, cfg.vocab_size)
     P, R, B, K = PROMPT_BUCKET, args.budget, args.prompts * args.n, args.micro_batches
@@ -116,10 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 passes=packing.pass_slots(B, P + R, P + R, unit=args.n, shards=S, rows=N))
     packed = dict(batch, **{k: jnp.asarray(v) for k, v in plan.arrays().items()})
     real = plan.tokens_real
-    print(f"{jax.devices()[0].device_kind} x {jax.device_count()}: {args.prompts} prompts x {args.n} responses, "
+    print(f"step: {args.prompts} prompts x {args.n} responses, "
           f"prompts {rows['prompt_lengths'].min()}-{rows['prompt_lengths'].max()} tokens (bucket {P}), responses "
           f"median {np.median(rows['response_lengths']):.0f}, max {rows['response_lengths'].max()} (budget {R}), "
-          f"{K} micro-batches; model {args.preset or 'tiny Qwen3, real vocabulary'}", flush=True)
+          f"{K} micro-batches; model {args.preset or 'tiny Qwen3, real vocabulary'}, {args.dtype}, remat {args.remat}, "
+          f"attention {args.attention}, log-prob chunk {args.chunk}", flush=True)
     t_pad, loss_pad, c_pad = timed_step(update, params, batch)
     padded_tokens = B * (P + R)
     print(f"padded  {B} rows x {P + R} tokens: {padded_tokens} computed, {real} real "

@@ -29,11 +29,14 @@ Implementations (``attention(impl=...)``; "auto" picks by backend, see ``resolve
   the key blocks before the first segment that a query block holds (in any row) are skipped too,
   and in the backward pass the query blocks after the last segment a key block holds.
 * "cudnn" (NVIDIA GPU): ``jax.nn.dot_product_attention(implementation="cudnn")``, whose masks are
-  causal plus per-row *lengths* (right padding only); packed rows (segment ids) go to the "xla"
-  path there, as cuDNN's masks through ``jax.nn`` take no segment ids. Each row is rolled left by its number of
+  causal plus per-row *lengths* (right padding only). Each row is rolled left by its number of
   leading pads so that its real tokens start at slot 0; queries get length T - start (a query in
   the right padding still sees every real token) and keys the number of real tokens; the output is
-  rolled back and the queries that see no key are zeroed.
+  rolled back and the queries that see no key are zeroed. Packed rows (segment ids), whose masks
+  cuDNN through ``jax.nn`` cannot express, run JAX's Pallas (Triton) flash-attention kernel
+  ``jax.experimental.pallas.ops.gpu.attention.mha`` instead (causal + segment ids, its own fused
+  backward kernel; K/V heads repeated to the query heads, as it takes no GQA), or the "xla" path
+  where ``packed_gpu_supported`` names a limit of that kernel.
 * "splash" (TPU): the Pallas splash-attention kernel (heads-major, causal mask block-sparse) with
   segment ids for the padding (and for the sequences of packed rows), one kernel call per batch row (``jax.vmap``), under ``shard_map``
   when a mesh is set with ``jax.set_mesh``.
@@ -47,6 +50,7 @@ the whole cache instead (a dynamic-trip-count loop syncs with the host there; se
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
@@ -62,6 +66,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 
 _NEG = -1e30  # score of a masked entry: finite, so (masked - masked) is 0, never NaN
 _F32 = jnp.float32
+_log = logging.getLogger(__name__)
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -85,7 +90,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *, 
 
     q [B, T, H, Dh], k and v [B, T, K, Dh] (H a multiple of K), kv_valid [B, T] bool.
     Query t sees key s iff kv_valid[b, s] and s <= t (and, with segment_ids [B, T] int32 for packed
-    rows, segment_ids[b, s] == segment_ids[b, t]); scale Dh**-0.5; softmax in float32.
+    rows, segment_ids[b, s] == segment_ids[b, t]; then kv_valid must be segment_ids > 0, which the
+    packed GPU kernel reads from the ids alone); scale Dh**-0.5; softmax in float32.
     block_size: the query/key block of the "xla" implementation.
     Returns [B, T, H, Dh] in q.dtype; zeros (and zero gradients) for queries that see no key.
     """
@@ -99,7 +105,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *, 
         raise ValueError(f"attention: segment_ids {segment_ids.shape}, expected {(B, T)}")
     kv_valid = kv_valid.astype(bool)
     impl = resolve_impl(impl)
-    if impl == "xla" or (impl == "cudnn" and segment_ids is not None):
+    if impl == "cudnn" and segment_ids is not None:
+        reason = packed_gpu_supported(Dh, q.dtype)
+        if reason is None:
+            return _packed_gpu_attention(q, k, v, segment_ids)
+        _report_fallback(f"packed rows on GPU take the \"xla\" attention path: {reason}")
+        impl = "xla"
+    if impl == "xla":
         return _xla_attention(q, k, v, kv_valid, block_size, segment_ids)
     if impl == "cudnn":
         return _rolled_attention(q, k, v, kv_valid, _cudnn_core)
@@ -373,6 +385,88 @@ def _cudnn_core(q, k, v, q_len, kv_len):
 
 
 # ---------------------------------------------------------------------------------------------
+# "cudnn" with segment ids: packed rows through the Pallas (Triton) GPU flash-attention kernel
+
+_PACKED_GPU_DTYPES = ("bfloat16", "float16", "float32")
+_PACKED_GPU_HEAD_DIMS = (16, 128)  # the head size, padded to a power of 2 by the kernel, must fall in here
+_PACKED_GPU_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+_PACKED_GPU_SEQ_MULTIPLE = 64  # T is padded to this: a multiple of every block above
+
+
+def packed_gpu_supported(head_dim: int, dtype) -> str | None:
+    """None when the packed GPU kernel (``_packed_gpu_attention``) takes heads of ``head_dim`` in
+    ``dtype``, else the reason it does not.
+
+    ``jax.experimental.pallas.ops.gpu.attention.mha`` (Triton) pads the head size to the next power
+    of 2 p: Triton's dots need p >= 16, and with the blocks of ``_PACKED_GPU_BLOCKS`` (64 queries x
+    64 keys, float32 accumulators [64, p] held in registers) p <= 128 (every Qwen2.5 / Qwen3 model
+    has 128). Any B, T (padded to a multiple of 64 here), H and K (H a multiple of K).
+    dtype: bfloat16, float16 or float32 (its dots at JAX's default matmul precision, TF32 on a GPU
+    unless ``jax.default_matmul_precision`` says otherwise, as the "xla" path's).
+    """
+    if jnp.dtype(dtype).name not in _PACKED_GPU_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the kernel takes {', '.join(_PACKED_GPU_DTYPES)})"
+    padded = 1 << max(0, head_dim - 1).bit_length()
+    low, high = _PACKED_GPU_HEAD_DIMS
+    if not low <= padded <= high:
+        return f"head_dim {head_dim} (the kernel takes {low // 2 + 1}..{high}: padded to a power of 2 in {low}..{high})"
+    return None
+
+
+@functools.cache
+def _report_fallback(message: str) -> None:
+    """Log ``message`` once per process (attention is traced once per layer stack and program)."""
+    _log.warning(message)
+
+
+def _packed_gpu_attention(q, k, v, segment_ids, *, interpret: bool = False):
+    """q [B, T, H, Dh], k/v [B, T, K, Dh], segment_ids [B, T] int32 (0: padding) -> [B, T, H, Dh]
+    in q.dtype: query t sees key s iff s <= t and segment_ids[b, s] == segment_ids[b, t] > 0.
+
+    The kernel masks by causality and equal ids only: a padding query (id 0) sees the padding keys
+    before it, never a real one, and a real query never a padding key; padding queries are zeroed
+    afterwards, so their gradients are zero and no gradient reaches a padding key, as on the "xla"
+    path. T is padded with id 0 to a multiple of the blocks; K/V heads are repeated to H (their
+    gradients summed over each group in float32). Under a mesh set with ``jax.set_mesh`` the kernel
+    runs in ``shard_map`` over the batch and head axes (``_on_mesh``), as splash does.
+    interpret: run the kernel in the Pallas interpreter (testing on CPU).
+    """
+    B, T, H, Dh = q.shape
+    G = H // k.shape[2]
+    pad = -T % _PACKED_GPU_SEQ_MULTIPLE
+    ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
+    k, v = (_repeat_heads(x, G) for x in (k, v))
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    kernel, _ = _on_mesh(functools.partial(_packed_rows, interpret=interpret), B, H, H, head_axis=2, id_arrays=1)
+    out = kernel(q, k, v, ids)[:, :T]
+    return jnp.where((segment_ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def _packed_rows(q, k, v, ids, *, interpret: bool):
+    """q, k, v [B, T, H, Dh], ids int32 [B, T] (T a multiple of the blocks) -> [B, T, H, Dh]: the
+    Pallas GPU flash-attention kernel, causal, within segments, with its fused backward kernel."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    sizes = gpu_attention.BlockSizes(**_PACKED_GPU_BLOCKS)
+    return gpu_attention.mha(q, k, v, ids, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=sizes,
+                             interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _repeat_heads(x: jax.Array, groups: int) -> jax.Array:
+    """x [B, T, K, Dh] -> [B, T, K groups, Dh], head k at k groups .. (k + 1) groups - 1."""
+    return jnp.repeat(x, groups, axis=2)
+
+
+def _repeat_heads_bwd(groups, _, dy):
+    B, T, H, Dh = dy.shape
+    return (jnp.sum(dy.reshape(B, T, H // groups, groups, Dh), axis=3, dtype=_F32).astype(dy.dtype),)
+
+
+_repeat_heads.defvjp(lambda x, groups: (_repeat_heads(x, groups), None), _repeat_heads_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
 # "splash": the Pallas TPU splash-attention kernel
 
 _SPLASH_LANES = 128  # the kernel's sequence blocks are multiples of this
@@ -405,19 +499,31 @@ def _splash_attention(q, k, v, kv_valid, *, segment_ids=None, interpret: bool = 
         q_segment = kv_segment = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
     q = (q.astype(_F32) * Dh ** -0.5).astype(dtype)  # the kernel does not scale
     q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (q, k, v))
-    kernel = functools.partial(_splash_rows, interpret=interpret)
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1:
-        batch = _mesh_axes(mesh, LOGICAL_RULES["batch"], B)
-        heads = _mesh_axes(mesh, LOGICAL_RULES["act_heads"], H)
-        kv_heads = _mesh_axes(mesh, LOGICAL_RULES["act_kv_heads"], K) if heads else None
-        if heads and kv_heads != heads:
-            k, v = (jnp.repeat(x, H // K, axis=1) for x in (k, v))
-        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(P(batch, heads),) * 3 + (P(batch),) * 2,
-                               out_specs=P(batch, heads), check_vma=False)
+    kernel, repeat = _on_mesh(functools.partial(_splash_rows, interpret=interpret), B, H, K, head_axis=1,
+                              id_arrays=2)
+    if repeat:
+        k, v = (jnp.repeat(x, H // K, axis=1) for x in (k, v))
     out = kernel(q, k, v, q_segment, kv_segment).transpose(0, 2, 1, 3)[:, :T]  # [B, T, H, Dh]
     return jnp.where(sees[:, :, None, None], out, 0).astype(dtype)
+
+
+def _on_mesh(kernel, B: int, H: int, K: int, *, head_axis: int, id_arrays: int):
+    """A kernel ``kernel(q, k, v, *ids)`` (q, k, v with the batch on axis 0 and H / K heads on
+    ``head_axis``, ``id_arrays`` int32 [B, T] arrays) under ``shard_map`` when a mesh of more than
+    one device is set with ``jax.set_mesh``: batch over the mesh axes of the logical "batch" rule,
+    heads over those of "act_heads" (each only if it divides). Returns (kernel, repeat): repeat is
+    True when the K/V heads must be repeated to H first (their count does not divide as H's does).
+    Without such a mesh, (kernel, False)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel, False
+    batch = _mesh_axes(mesh, LOGICAL_RULES["batch"], B)
+    heads = _mesh_axes(mesh, LOGICAL_RULES["act_heads"], H)
+    kv_heads = _mesh_axes(mesh, LOGICAL_RULES["act_kv_heads"], K) if heads else None
+    spec = P(batch, *(None,) * (head_axis - 1), heads)
+    kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3 + (P(batch),) * id_arrays, out_specs=spec,
+                           check_vma=False)
+    return kernel, bool(heads) and kv_heads != heads
 
 
 def _mesh_axes(mesh, axes, size):
