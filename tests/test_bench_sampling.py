@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 
 
 def _tool():
     path = pathlib.Path(__file__).parents[1] / "tools" / "bench_sampling.py"
+    if str(path.parent) not in sys.path:  # its sibling modules (device_rates), as when run as a script
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("bench_sampling", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,7 +11,7 @@ The gradient of sum(out * g) with respect to q, k and v (random, the preset's H,
                 (on a GPU: the Pallas flash-attention kernel, models/attention.py)
     packed-xla  impl "xla" with the same segment ids (the blockwise XLA path)
 Every run computes the same tokens; the causal masks differ (one long sequence against several short
-ones). Prints the device and its measured peak rates (tools/bench_device.py), then each run's best
+ones). Prints the device and its measured peak rates (tools/device_rates.py), then each run's best
 time of ``--rounds`` after compiling it and its ratio to the first run's.
 """
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_decode import best_seconds
-from bench_device import device_line
+from device_rates import device_line, rates_line
 from pacs_jax import models
 from pacs_jax.models.attention import attention
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     q, k, v = (jax.random.normal(key, (args.rows, args.length, heads, Dh), args.dtype)
                for key, heads in zip(keys, (H, K, K)))
     g = jax.random.normal(keys[3], q.shape, jnp.float32)
-    print(device_line(args.dtype), flush=True)
+    print(f"{device_line()}; {rates_line((args.dtype,))}", flush=True)
     print(f"attention forward + backward: {args.rows} rows x {args.length} tokens, H {H}, K {K}, Dh {Dh} "
           f"({args.preset}), {args.dtype}; packed rows of {args.sequences} sequences", flush=True)
     first = None

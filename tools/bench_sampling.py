@@ -131,7 +131,7 @@ def compare(args) -> None:
     print(f"{args.preset} ({dtype}): {args.batch} prompts x n {args.n} = {rows} rows, prompt {args.prompt}, budgets "
           f"log-normal (median {args.new / 8:g}, sigma 1) clipped to {args.new}: mean {budgets.mean():.1f}, max "
           f"{budgets.max()}; {cfg.num_hidden_layers} layers; {device_line()}")
-    print(rates_line((dtype,), megabytes=256), flush=True)
+    print(rates_line((dtype,)), flush=True)
     model = models.init_random(cfg, seed=0)
     graphdef, state = nnx.split(model)
 

@@ -19,7 +19,7 @@ almost always reaches it). Both runs compute the same loss (PACS, beta 1, RLOO, 
 AdamW step on the same rows; the packed run packs the step's sequences into passes of rows of prompt
 bucket + budget tokens, as the trainer does (rl/packing.py; rows a pass: ``--rows``, 0 as
 train.packed_rows: a quarter of a padded micro-batch's). First prints the device and its measured
-peak rates (tools/bench_device.py), then each run's time (one step, after compiling it) and tokens,
+peak rates (tools/device_rates.py), then each run's time (one step, after compiling it) and tokens,
 then the line
     packed vs padded: tokens computed ratio X, time ratio Y, loss difference D
 (X, Y: padded / packed; D: |loss packed - loss padded|, float32).
@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bench_device import device_line
+from device_rates import device_line, rates_line
 from configs import base, paper
 from pacs_jax import data, models
 from pacs_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
@@ -124,7 +124,7 @@ def timed_step(update, params, batch) -> tuple[float, float, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = model_config(args)
-    print(device_line(args.dtype), flush=True)
+    print(f"{device_line()}; {rates_line((args.dtype,))}", flush=True)
     graphdef, params = nnx.split(models.Qwen(cfg, rngs=nnx.Rngs(args.seed)))
     rows = step_rows(args, cfg.vocab_size)
     P, R, B, K = PROMPT_BUCKET, args.budget, args.prompts * args.n, args.micro_batches

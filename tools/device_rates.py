@@ -51,9 +51,12 @@ def copy_rate(megabytes: int = 1024, rounds: int = 3) -> float:
     return 2 * x.nbytes / best_seconds(lambda: negate(x).block_until_ready(), rounds)
 
 
-def rates_line(dtypes: Sequence[str] = ("bfloat16", "float32"), *, size: int = 4096, megabytes: int = 1024,
+def rates_line(dtypes: Sequence[str] = ("bfloat16", "float32"), *, size: int = 0, megabytes: int = 0,
                rounds: int = 3) -> str:
-    """'measured here: bfloat16 matmul X TFLOP/s, float32 matmul Y TFLOP/s, copy Z GB/s'."""
+    """'measured here: bfloat16 matmul X TFLOP/s, float32 matmul Y TFLOP/s, copy Z GB/s' (sizes 0: an
+    8192 matmul and a 1024 MiB copy on an accelerator, 1024 and 256 MiB on a CPU)."""
+    cpu = jax.devices()[0].platform == "cpu"
+    size, megabytes = size or (1024 if cpu else 8192), megabytes or (256 if cpu else 1024)
     parts = [f"{d} matmul {matmul_rate(d, size, rounds) / 1e12:.2f} TFLOP/s" for d in dtypes]
     parts.append(f"copy {copy_rate(megabytes, rounds) / 1e9:.1f} GB/s (read + write of {megabytes} MiB)")
     return "measured here: " + ", ".join(parts)
