@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from pacs_jax.models import attention as attention_module
-from pacs_jax.models.attention import attention, packed_gpu_supported
+from pacs_jax.models import kernels
+from pacs_jax.models.attention import attention
+from pacs_jax.models.kernels import packed_gpu_unsupported
 from pacs_jax.rl import packing
 
 
@@ -122,7 +124,7 @@ def test_kernel_matches_xla_path(T, B, H, K, Dh, dtype):
 def test_attention_dispatches_packed_rows_to_the_kernel(monkeypatch, caplog):
     """attention(impl="cudnn", segment_ids=...) takes the kernel path, values equal to the "xla" path;
     a head size the kernel does not take falls back to the "xla" path, saying why in one log line."""
-    attention_module._report_fallback.cache_clear()
+    kernels._CHOSEN.clear()  # a choice is logged the first time it is made in a process
     calls = []
     kernel = attention_module._packed_gpu_attention
 
@@ -139,21 +141,23 @@ def test_attention_dispatches_packed_rows_to_the_kernel(monkeypatch, caplog):
                                rtol=1e-5, atol=2e-5)
     assert calls == [q.shape]
     q, k, v, _ = inputs(48, 4, 4, 2, 8, jnp.float32)  # Dh 8 < 16: the "xla" path
-    with caplog.at_level("WARNING", logger=attention_module.__name__):
+    with caplog.at_level("WARNING", logger=kernels.__name__):
         np.testing.assert_allclose(np.asarray(cudnn(q, k, v, valid)), reference(q, k, v, ids), rtol=1e-5, atol=1e-5)
     assert calls == [(4, 48, 4, 16)]
     assert [r.getMessage() for r in caplog.records] == [
-        'packed rows on GPU take the "xla" attention path: head_dim 8 (the kernel takes 9..128: padded to a power '
-        'of 2 in 16..128)']
+        'kernel packed attention: xla (not the kernel: head_dim 8 (the kernel takes 9..128: padded to a power '
+        'of 2 in 16..128))']
+    assert kernels.chosen()[-1] == kernels.KernelChoice("packed attention", "xla", caplog.records[0].getMessage()
+                                                        .split("not the kernel: ", 1)[1][:-1])
 
 
-def test_packed_gpu_supported():
-    assert packed_gpu_supported(128, jnp.bfloat16) is None
-    assert packed_gpu_supported(64, jnp.float32) is None
-    assert packed_gpu_supported(9, jnp.float16) is None  # padded to 16
-    assert "head_dim 8" in packed_gpu_supported(8, jnp.bfloat16)
-    assert "head_dim 256" in packed_gpu_supported(256, jnp.bfloat16)
-    assert "dtype float64" in packed_gpu_supported(128, jnp.float64)
+def test_packed_gpu_unsupported_names_the_limit():
+    assert packed_gpu_unsupported(128, jnp.bfloat16) is None
+    assert packed_gpu_unsupported(64, jnp.float32) is None
+    assert packed_gpu_unsupported(9, jnp.float16) is None  # padded to 16
+    assert "head_dim 8" in packed_gpu_unsupported(8, jnp.bfloat16)
+    assert "head_dim 256" in packed_gpu_unsupported(256, jnp.bfloat16)
+    assert "dtype float64" in packed_gpu_unsupported(128, jnp.float64)
 
 
 def test_kernel_under_mesh_in_interpreter():

@@ -36,7 +36,7 @@ Implementations (``attention(impl=...)``; "auto" picks by backend, see ``resolve
   cuDNN through ``jax.nn`` cannot express, run JAX's Pallas (Triton) flash-attention kernel
   ``jax.experimental.pallas.ops.gpu.attention.mha`` instead (causal + segment ids, its own fused
   backward kernel; K/V heads repeated to the query heads, as it takes no GQA), or the "xla" path
-  where ``packed_gpu_supported`` names a limit of that kernel.
+  where it does not take the shapes (``models/kernels.py``: each kernel's limits and the choice).
 * "splash" (TPU): the Pallas splash-attention kernel (heads-major, causal mask block-sparse) with
   segment ids for the padding (and for the sequences of packed rows), one kernel call per batch row (``jax.vmap``), under ``shard_map``
   when a mesh is set with ``jax.set_mesh``.
@@ -50,7 +50,6 @@ the whole cache instead (a dynamic-trip-count loop syncs with the host there; se
 from __future__ import annotations
 
 import functools
-import logging
 from typing import NamedTuple
 
 import jax
@@ -58,6 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pacs_jax.models import kernels
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax import sharding
 from pacs_jax.sharding import LOGICAL_RULES
@@ -66,7 +66,6 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 
 _NEG = -1e30  # score of a masked entry: finite, so (masked - masked) is 0, never NaN
 _F32 = jnp.float32
-_log = logging.getLogger(__name__)
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
@@ -104,13 +103,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array, *, 
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"attention: segment_ids {segment_ids.shape}, expected {(B, T)}")
     kv_valid = kv_valid.astype(bool)
-    impl = resolve_impl(impl)
-    if impl == "cudnn" and segment_ids is not None:
-        reason = packed_gpu_supported(Dh, q.dtype)
-        if reason is None:
-            return _packed_gpu_attention(q, k, v, segment_ids)
-        _report_fallback(f"packed rows on GPU take the \"xla\" attention path: {reason}")
-        impl = "xla"
+    impl = kernels.attention(resolve_impl(impl), head_dim=Dh, dtype=q.dtype, packed=segment_ids is not None).impl
+    if impl == "packed_gpu":
+        return _packed_gpu_attention(q, k, v, segment_ids)
     if impl == "xla":
         return _xla_attention(q, k, v, kv_valid, block_size, segment_ids)
     if impl == "cudnn":
@@ -387,36 +382,8 @@ def _cudnn_core(q, k, v, q_len, kv_len):
 # ---------------------------------------------------------------------------------------------
 # "cudnn" with segment ids: packed rows through the Pallas (Triton) GPU flash-attention kernel
 
-_PACKED_GPU_DTYPES = ("bfloat16", "float16", "float32")
-_PACKED_GPU_HEAD_DIMS = (16, 128)  # the head size, padded to a power of 2 by the kernel, must fall in here
 _PACKED_GPU_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 _PACKED_GPU_SEQ_MULTIPLE = 64  # T is padded to this: a multiple of every block above
-
-
-def packed_gpu_supported(head_dim: int, dtype) -> str | None:
-    """None when the packed GPU kernel (``_packed_gpu_attention``) takes heads of ``head_dim`` in
-    ``dtype``, else the reason it does not.
-
-    ``jax.experimental.pallas.ops.gpu.attention.mha`` (Triton) pads the head size to the next power
-    of 2 p: Triton's dots need p >= 16, and with the blocks of ``_PACKED_GPU_BLOCKS`` (64 queries x
-    64 keys, float32 accumulators [64, p] held in registers) p <= 128 (every Qwen2.5 / Qwen3 model
-    has 128). Any B, T (padded to a multiple of 64 here), H and K (H a multiple of K).
-    dtype: bfloat16, float16 or float32 (its dots at JAX's default matmul precision, TF32 on a GPU
-    unless ``jax.default_matmul_precision`` says otherwise, as the "xla" path's).
-    """
-    if jnp.dtype(dtype).name not in _PACKED_GPU_DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (the kernel takes {', '.join(_PACKED_GPU_DTYPES)})"
-    padded = 1 << max(0, head_dim - 1).bit_length()
-    low, high = _PACKED_GPU_HEAD_DIMS
-    if not low <= padded <= high:
-        return f"head_dim {head_dim} (the kernel takes {low // 2 + 1}..{high}: padded to a power of 2 in {low}..{high})"
-    return None
-
-
-@functools.cache
-def _report_fallback(message: str) -> None:
-    """Log ``message`` once per process (attention is traced once per layer stack and program)."""
-    _log.warning(message)
 
 
 def _packed_gpu_attention(q, k, v, segment_ids, *, interpret: bool = False):

@@ -13,7 +13,12 @@ What each kernel takes (docs/design.md section 4.4):
 
 * cuDNN flash attention (GPU, ``jax.nn.dot_product_attention``): bfloat16 / float16 operands (a
   float32 model would be computed in bfloat16: it runs the XLA path, at float32), head size a
-  multiple of 8 and at most 256 (Hopper).
+  multiple of 8 and at most 256 (Hopper); no segment ids.
+* The Pallas (Triton) flash-attention kernel for packed rows on GPU
+  (``pallas.ops.gpu.attention.mha``, models/attention.py ``_packed_gpu_attention``): it pads the head
+  size to a power of 2 p; Triton's dots need p >= 16 and, with its 64 x 64 blocks and float32
+  accumulators [64, p] in registers, p <= 128 (every Qwen2.5 / Qwen3 model has 128); bfloat16,
+  float16 or float32 (dots at JAX's default precision, as the XLA path's); any B, T, H, K.
 * Splash attention (TPU): any head size and length (the sequence is padded to 128 lanes).
 * The TPU paged-attention kernel (``pallas.ops.tpu.paged_attention``): head size a multiple of 128
   (the lane width of its blocks), a compute block dividing the table width (always found: 1 divides).
@@ -33,6 +38,8 @@ from pacs_jax.models import paged_attention_gpu
 _LOG = logging.getLogger(__name__)
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CUDNN_MAX_HEAD = 256  # Hopper; 128 on earlier GPUs
+_PACKED_GPU_DTYPES = ("bfloat16", "float16", "float32")
+_PACKED_GPU_HEAD_DIMS = (16, 128)  # the head size, padded to a power of 2 by the kernel, must fall in here
 _TPU_LANES = 128
 
 
@@ -53,9 +60,10 @@ _CHOSEN: dict[KernelChoice, None] = {}  # in order of first choice
 
 
 def _record(choice: KernelChoice) -> KernelChoice:
+    """Keep ``choice``; the first time, log it (a fallback to the XLA path as a warning)."""
     if choice not in _CHOSEN:
         _CHOSEN[choice] = None
-        _LOG.info("kernel %s", choice)
+        (_LOG.warning if choice.reason else _LOG.info)("kernel %s", choice)
     return choice
 
 
@@ -73,15 +81,26 @@ def cudnn_unsupported(head_dim: int, dtype) -> str | None:
     return None
 
 
+def packed_gpu_unsupported(head_dim: int, dtype) -> str | None:
+    """None when the packed GPU kernel takes heads of ``head_dim`` in ``dtype``, else why not."""
+    if jnp.dtype(dtype).name not in _PACKED_GPU_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the kernel takes {', '.join(_PACKED_GPU_DTYPES)})"
+    padded = 1 << max(0, head_dim - 1).bit_length()
+    low, high = _PACKED_GPU_HEAD_DIMS
+    if not low <= padded <= high:
+        return f"head_dim {head_dim} (the kernel takes {low // 2 + 1}..{high}: padded to a power of 2 in {low}..{high})"
+    return None
+
+
 def attention(impl: str, *, head_dim: int, dtype, packed: bool) -> KernelChoice:
-    """The kernel of a (resolved) ``model.attention`` impl for these operands: "cudnn" and "splash"
-    when they take them, else "xla". Packed rows on GPU run the XLA path (cuDNN through ``jax.nn``
-    takes no segment ids)."""
+    """The kernel of a (resolved) ``model.attention`` impl for these operands: padded rows "cudnn" or
+    "splash", packed rows "packed_gpu" (beside cuDNN: its masks through ``jax.nn`` take no segment
+    ids) or "splash", each when it takes them, else "xla"."""
     op = "packed attention" if packed else "attention"
-    reason = ""
-    if impl == "cudnn":
-        reason = "cuDNN through jax.nn takes no segment ids" if packed else cudnn_unsupported(head_dim, dtype) or ""
-    return _record(KernelChoice(op, "xla" if reason else impl, reason))
+    if impl != "cudnn":
+        return _record(KernelChoice(op, impl))
+    reason = packed_gpu_unsupported(head_dim, dtype) if packed else cudnn_unsupported(head_dim, dtype)
+    return _record(KernelChoice(op, "xla" if reason else ("packed_gpu" if packed else "cudnn"), reason or ""))
 
 
 def paged_decode(impl: str, *, head_dim: int, page_size: int, dtype) -> KernelChoice:
