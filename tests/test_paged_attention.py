@@ -1,6 +1,7 @@
 """Decode attention over a paged KV cache (pacs_jax/models/paged_attention.py): the XLA path against
-a dense softmax over each row's gathered tokens, and the library kernels (Pallas interpret mode on
-CPU) against the XLA path, on random pools with ragged lengths and scattered page tables."""
+a dense softmax over each row's gathered tokens, and the kernels (the library's TPU kernel, our GPU
+kernel: Pallas interpret mode on CPU) against the XLA path, on random pools with ragged lengths and
+scattered page tables (a table width of 5 pages: no power of 2)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_write_puts_each_rows_key_at_its_page_and_slot_of_the_layer():
 
 
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
-def test_library_kernel_equals_the_xla_path_in_interpret_mode(impl):
+def test_kernel_equals_the_xla_path_in_interpret_mode(impl):
     """The kernels read a row's tokens only up to its length (the lengths include 0, mid-page and
     every page). The TPU kernel's dots run at the MXU's default precision (bfloat16 passes, which its
     interpreter reproduces), so it agrees to bfloat16 round-off; the GPU kernel's to float32's."""
@@ -88,3 +89,30 @@ def test_gpu_kernel_runs_per_head_shard_on_a_mesh_and_equals_the_xla_path():
                                                              view, impl="gpu", block_pages=1, interpret=True))
         out = run(q, k_pool, v_pool)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_pages", [1, 8])
+def test_gpu_kernel_in_bfloat16_has_the_xla_paths_arithmetic(block_pages):
+    """bfloat16 pools and queries: our GPU kernel (float32 scores scaled in float32, float32
+    accumulation, probabilities rounded to bfloat16 for p v as the XLA path does on a GPU, one rounding
+    of the output) is within a bfloat16 rounding of the terms (|v| ~ 2) of the XLA path, and within
+    1.5x of its distance to the float64 softmax (on CPU the XLA path keeps p in float32); tokens past
+    a row's length hold NaN, never read into the output."""
+    q, k_pool, v_pool, table, lengths = _case(4)
+    q, k_pool, v_pool = (jnp.asarray(x, jnp.bfloat16) for x in (q, k_pool, v_pool))
+    view = PageView(table, lengths, np.zeros(B, np.int32), np.zeros(B, np.int32))
+    exact = _dense(*(np.asarray(x, np.float32) for x in (q, k_pool, v_pool)), 1, table, lengths)
+    poisoned = []  # every token past a row's length: NaN
+    for pool in (k_pool, v_pool):
+        pool = np.asarray(pool, np.float32)
+        for b in range(B):
+            for i in range(lengths[b], M * S):
+                pool[:, 1, table[b, i // S], i % S] = np.nan
+        poisoned.append(jnp.asarray(pool, jnp.bfloat16))
+    xla = np.asarray(paged_decode_attention(q, *poisoned, 1, view), np.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        ours = np.asarray(paged_decode_attention(q, *poisoned, 1, view, impl="gpu", block_pages=block_pages,
+                                                 interpret=True), np.float32)
+    assert np.isfinite(ours).all() and np.isfinite(xla).all()
+    assert np.abs(ours - xla).max() <= 2.0 ** -7 * np.abs(xla).max()  # bfloat16's spacing at the largest value
+    assert np.abs(ours - exact).max() <= 1.5 * np.abs(xla - exact).max() + 1e-6

@@ -1,0 +1,89 @@
+"""The GPU path compiles: the programs of a step for an H200 (compile-only, XLA's CUDA compiler on this
+CPU, tests/gpu_compiler.py), so a Triton or Mosaic lowering error fails here rather than at a user's
+first step on a GPU (issue 40: the library paged kernel failed to lower for most budgets).
+
+1. The paged decode kernel over the page-table widths the configs and a grid of budgets reach
+   (tests/gpu/paged_widths.py), and the old block rule with the library kernel at a width where it
+   failed, reproducing that error.
+2. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
+   (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
+   <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
+   described (kernels, copies, loops whose trips sync with the host).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from gpu_compiler import REPO, gpu_python
+
+from configs import default, eval as eval_config, paper
+
+
+def _config_grid() -> dict:
+    """Prompt buckets, sampler budgets and page sizes of every shipped config (rollout and evaluation,
+    each evaluation set's own budget), and a grid of budgets besides."""
+    configs = [default.get_config(), eval_config.get_config()] + [paper.get_config(f"{m},pacs_beta1")
+                                                                    for m in paper.MODELS]
+    buckets, budgets, pages = set(), {1, 2, 3, 12, 100, 1000, 1023, 1024, 2047, 2048, 3000, 3072, 4095, 4096}, set()
+    for c in configs:
+        buckets |= set(c.data.prompt_buckets)
+        budgets |= {c.rollout.max_new_tokens, c.eval.max_new_tokens}
+        budgets |= {s.get("max_new_tokens") for s in c.eval.final.per_set.values()} - {None}
+        pages |= {c.rollout.page_size, c.eval.page_size}
+    return {"prompt_buckets": sorted(buckets | {128, 1024}), "budgets": sorted(budgets),
+            "page_sizes": sorted(pages | {8, 32}), "also": [[132, 16], [220, 16]], "library_width": 132}
+
+
+def _run(argv: list[str], timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run([str(gpu_python()), *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow(seconds=60)
+def test_paged_kernel_compiles_for_an_h200_at_every_table_width_the_configs_and_budgets_reach():
+    """Issue 40's crash: the library kernel with the largest divisor <= 8 of the table width as its
+    block (132 pages: 6) fails Triton's power-of-2 lowering; our kernel compiles at every width (one
+    of each class of block and padding, and 132 and 220 themselves)."""
+    grid = _config_grid()
+    result = _run(["tests/gpu/paged_widths.py", json.dumps(grid)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "size is a power of 2. Encountered an array of shape (6,)" in report["library"], report["library"]
+    assert report["failed"] == [] and report["bad"] == [], report
+    assert report["widths"] >= 100 and len(report["compiled"]) >= report["classes"], report
+    assert [132, 16] in report["compiled"] and [220, 16] in report["compiled"]
+
+
+SHRUNK = ["--config.model.preset=", "--config.model.random_init=True", "--config.model.hidden_size=256",
+          "--config.model.intermediate_size=512", "--config.model.num_hidden_layers=2", "--config.model.head_dim=128",
+          "--config.model.vocab_size=151936", "--config.model.rope_theta=1000000.0", "--config.model.model_type=qwen2",
+          "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2"]
+
+
+@pytest.mark.slow(seconds=110)
+def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
+    """The paper's Qwen2.5 step (packed passes, paged sampler, bfloat16, its remat) on an 8-GPU H200
+    node, 3000 new tokens: a 220-page table (512 + 2999 tokens in pages of 16), whose largest divisor
+    <= 8 is 5, the library kernel's lowering error. Every program compiles; the kernels are chosen by
+    models/kernels.py (cuDNN padded, the Pallas mha kernel packed, our paged kernel) and printed."""
+    result = _run(["tools/plan_memory.py", "--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x8",
+                   "--programs=sampler,pi_old,update", *SHRUNK, "--config.rollout.max_new_tokens=3000",
+                   "--config.rollout.response_buckets=(3000,)", "--config.train.prompts_per_step=64",
+                   "--config.train.micro_batches=8", "--config.train.logprob_micro_batches=8",
+                   "--config.rollout.slots=256", "--config.rollout.tail_slots=128"], timeout=900)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "[plan_memory] h200x8: 8 compile-only NVIDIA H200 141GB HBM3e devices" in out
+    for program in ("sampler", "pi_old", "update"):
+        assert re.search(rf"^{program} +[\d.]+ ", out, re.M), out
+    assert "kernels: attention: cudnn; paged decode: gpu; packed attention: packed_gpu" in out, out
+    assert "sampler: no copy of the page pool inside its loops" in out
+    profile = re.search(r"sampler: inside its loops: (\d+) fusions, library kernels: (.*); (\d+) copies; (\d+) loops "
+                        r"\((\d+) with a trip count only the device knows\); (\d+) conditionals", out)
+    assert profile, out
+    assert "__gpu$xla.gpu.triton" in profile.group(2)  # our paged kernel: a Pallas Triton call in the decode loop
+    assert re.search(r"peak per device: [\d.]+ GiB of 141\.00 GiB \(fits\)", out)
