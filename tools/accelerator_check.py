@@ -82,7 +82,7 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     """The checks at ``size`` ("tiny": any machine; "full": the sizes an accelerator is judged at)."""
     py = sys.executable
     if size == "tiny":
-        model = ("--preset=Qwen2.5-1.5B", "--layers=2")
+        model = ("--preset=Qwen2.5-0.5B", "--layers=2")
         decode = (*model, "--dtype=float32", "--slots=4", "--steps=4", "--rounds=1", "--copy-mb=64")
         fills = (16, 48)
         sampling = (*model, "--dtypes=float32", "--batch=4", "--n=2", "--slots=4", "--tail-slots=2", "--new=16",
