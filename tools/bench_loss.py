@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from device_rates import device_line
 from pacs_jax import rl
 
 
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     B, T, D, V = args.batch, args.length, args.hidden, args.vocab
+    print(device_line())  # compiled memory only: no rate is measured
     print(f"gradient of sum(log-probs) w.r.t. hidden [{B}, {T}, {D}] and lm_head [{D}, {V}]; "
           f"B*T*V = {B * T * V:,} elements")
     print(f"{'dtype':>9} {'version':>14} {'temp GiB':>9} {'vs naive':>9} {'largest buffer (elements)':>26}")

@@ -90,7 +90,10 @@ def main(argv) -> None:
     ratio = trainer["time_step"] / total
     compiled = [h["compilations"] for h in result.history]
 
-    print(f"\n{jax.devices()[0].device_kind} x {jax.device_count()}, model "
+    from device_rates import device_line, rates_line
+
+    print(f"\n{device_line()}; {rates_line((config.model.dtype,))}")
+    print(f"model "
           f"{config.model.preset or 'custom'} ({config.model.dtype}, remat {config.model.remat}), "
           f"{config.train.prompts_per_step} prompts x {config.rollout.n}, max {config.rollout.max_new_tokens} new tokens")
     print(f"{'phase':<14}{'trainer step (s)':>18}{'part alone (s)':>16}")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from device_rates import device_line
 from bench_forward import forward_flops, interleaved_best_times, jax_matmul, xla_flops
 from pacs_jax import models
 from pacs_jax.training.optim import make_optimizer
@@ -88,7 +89,7 @@ def main(argv=None) -> dict[str, float]:
         "fraction of matmul rate": rate / matmul_rate,
     }
     print(f"PACS update step: {args.preset} widths, {args.layers} layers, {args.prompts}x{args.n} responses of "
-          f"{args.prompt_len}+{args.response_len} tokens, fp32, {jax.devices()[0].platform}")
+          f"{args.prompt_len}+{args.response_len} tokens, fp32; {device_line()}")
     for name, value in rows.items():
         print(f"  {name:<45} {value:12.3f}")
     return rows
