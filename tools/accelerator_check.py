@@ -5,8 +5,8 @@
     python tools/accelerator_check.py --only=decode,sampling --out=check.json
 
 Runs the project's own tools, each in its own process (a crash or a hang in one is reported, the others
-still run), on random weights of the Qwen2.5-1.5B preset in bfloat16 (``--size=tiny``: 2 of its layers,
-float32, tiny batches):
+still run), on random weights of the Qwen2.5-1.5B preset in bfloat16 (``--size=tiny``: one layer of
+Qwen2.5-0.5B, a two-layer model of 64 wide for the trainer, float32, tiny batches):
 
     decode     tools/bench_decode.py at two fills: a short one (the decode step's fixed cost) and a long
                one whose page table is not a power of 2 pages wide (132 pages: the width the library's
@@ -82,8 +82,8 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     """The checks at ``size`` ("tiny": any machine; "full": the sizes an accelerator is judged at)."""
     py = sys.executable
     if size == "tiny":
-        model = ("--preset=Qwen2.5-0.5B", "--layers=2")
-        decode = (*model, "--dtype=float32", "--slots=4", "--steps=4", "--rounds=1", "--copy-mb=64")
+        model = ("--preset=Qwen2.5-0.5B", "--layers=1")
+        decode = (*model, "--dtype=float32", "--slots=4", "--steps=2", "--rounds=1", "--copy-mb=16")
         fills = (16, 48)
         sampling = (*model, "--dtypes=float32", "--batch=4", "--n=2", "--slots=4", "--tail-slots=2", "--new=16",
                     "--prompt=16")
