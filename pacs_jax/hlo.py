@@ -129,9 +129,11 @@ class LoopProfile(NamedTuple):
                 f"({self.unknown_trip_loops} with a trip count only the device knows); {self.conditionals} conditionals")
 
 
-def loop_profile(hlo_text: str) -> LoopProfile:
+def loop_profile(hlo_text: str, *, device_trip_loops_only: bool = False) -> LoopProfile:
     """The ``LoopProfile`` of a compiled module: its ENTRY computation, the loops and branches it runs
-    and those inside them, down to (not into) fused kernels."""
+    and those inside them, down to (not into) fused kernels. device_trip_loops_only: only the
+    outermost loops whose trip count only the device knows (a sampler's decode loops, one per decode
+    width), and what runs inside them (not, e.g., the prefill's layer scan)."""
     comps = computations(hlo_text)
     entry = next((name for name, text in comps.items() if text.startswith("ENTRY")), None)
     todo, seen = [(entry, False)], set()
@@ -147,6 +149,8 @@ def loop_profile(hlo_text: str) -> LoopProfile:
             if not match:
                 continue
             op, rest = match.groups()
+            if op == "while" and device_trip_loops_only and not in_loop and "known_trip_count" in rest:
+                continue  # a counted loop outside the decode loops
             if op == "while":
                 loops += 1
                 unknown += "known_trip_count" not in rest

@@ -396,7 +396,7 @@ class StepPrograms:
             caches = {i.shape for i in hlo.loop_instructions(text) if len(i.shape) >= 4 and row in i.shape}
             facts.append(f"{row}-token cache rows inside its loops: {sorted(caches)}" if caches
                          else f"no {row}-token (prompt + max_new_tokens) cache row inside its loops")
-        facts.append("inside its loops: " + hlo.loop_profile(text).describe())
+        facts.append("its decode loops: " + hlo.loop_profile(text, device_trip_loops_only=True).describe())
         return tuple(facts)
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
