@@ -330,6 +330,8 @@ def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp
                                                           "data.max_prompt_length=56 is 100056 tokens, beyond"),
             ((f"--config.data.train_files=('{empty}',)", "--config.data.source=files"),
              f"config.data.train_files: {empty}: holds no rows (an empty file?)"),
+            (("--config.train.packed_rows=1",), "config.train.packed_rows: 1 rows a pass on each of 1 batch shards "
+                                                "cannot hold a prompt group's 8 sequences"),  # issue 42: was found at step 1
     ):  # the other cases of items 3 and 6 in-process above; a misspelled setup name: tests/test_launch_safety.py
         error = _error_line(_run("pacs_jax.train", *flags, f"--workdir={workdir}", cwd=tmp_path), "pacs_jax.train")
         assert error.startswith(f"pacs_jax.train: error: {line}"), error

@@ -37,7 +37,7 @@ from pacs_jax.rl.packing import plan_packing  # noqa: E402
 from pacs_jax.sharding import mesh_shape  # noqa: E402
 from pacs_jax.topologies import get_topology  # noqa: E402
 from pacs_jax.training.rollout import pick_bucket  # noqa: E402
-from pacs_jax.training.step_programs import packed_layouts  # noqa: E402
+from pacs_jax.training.config_check import packed_layouts  # noqa: E402
 
 PAPER = {"qwen25_3b": "v5p-64", "qwen25_7b": "v5p-64", "qwen3_4b": "v5p-64", "qwen3_8b": "v5p-64",
          "qwen25_7b_v6e": "v6e-64"}  # configs/paper.py's models and the slices they are sized for

@@ -30,6 +30,7 @@ from pacs_jax.evaluation.runner import load_eval_sets
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError, options_for
+from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
 from pacs_jax.sampling.settings import SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
@@ -172,6 +173,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
     _require(rows % batch_shards == 0, "train.prompts_per_step",
              f"a micro-batch of {rows} responses (prompts_per_step x rollout.n / mini_batches / micro_batches) "
              f"is not divisible by the mesh's data x fsdp = {batch_shards}")
+    if tc.packing:  # every packed pass holds a prompt group (train.packed_rows), as the step's programs plan them
+        packed_layouts(config, batch_shards, critic=config.algorithm.objective == "ppo")
     _require(isinstance(rc.page_size, int) and rc.page_size >= 1, "rollout.page_size",
              f"must be an integer >= 1 (tokens a K/V page), got {rc.page_size!r}")
     _require(isinstance(rc.pages, int) and (rc.pages == 0 or rc.pages >= row_pages(rc.page_size, rc.max_new_tokens)),
@@ -539,3 +542,38 @@ def sampler_slots(config: ml_collections.ConfigDict) -> int | None:
     if rc.sampler == "static":
         return None
     return min(rc.slots, config.train.prompts_per_step // rc.micro_batches * rc.n)
+
+
+def logprob_micro_batches(config: ml_collections.ConfigDict) -> int:
+    """Forward passes of the pi_old pass and of PPO's values pass (``train.logprob_micro_batches``;
+    0: one per update micro-batch, ``mini_batches x micro_batches``)."""
+    tc = config.train
+    return tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches
+
+
+def packed_layouts(config: ml_collections.ConfigDict, batch_shards: int, *, critic: bool) -> dict[str, dict]:
+    """Each packed pass's layout (rl/packing.py ``plan_packing``'s arguments past the lengths and
+    widths) on a mesh whose batch axes make ``batch_shards``: the pi_old pass (also PPO's values), the
+    actor's update and, with ``critic``, PPO's critic update, each in passes of ``train.packed_rows``
+    rows a shard (0: ``rl.packing.pass_rows``, a quarter of a padded micro-batch's) and at most
+    ``rl.packing.pass_slots`` passes a mini-batch."""
+    tc, rc = config.train, config.rollout
+    B = tc.prompts_per_step * rc.n
+    W = max(config.data.prompt_buckets) + rc.max_new_tokens
+    Lp = tc.packed_length or W
+
+    def layout(mini_batches: int, micro_batches: int, unit: int) -> dict:
+        S = shards_for(B // mini_batches // micro_batches, batch_shards)
+        rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
+        if S * rows * (Lp // W) < unit:
+            raise ConfigError(f"config.train.packed_rows: {rows} rows a pass on each of {S} batch shards cannot hold a "
+                              f"prompt group's {unit} sequences of up to {W} tokens; set it to 0 or at least "
+                              f"{-(-unit // (S * (Lp // W)))}")
+        return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
+                    passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
+
+    layouts = {"logprob": layout(1, logprob_micro_batches(config), 1)}
+    if critic:
+        layouts["critic"] = layout(tc.mini_batches, tc.micro_batches, 1)
+    layouts["update"] = layout(tc.mini_batches, tc.micro_batches, rc.n)
+    return layouts

@@ -31,12 +31,12 @@ from tqdm.auto import tqdm
 
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
-from pacs_jax.rl.packing import PackedPlan, pass_rows, pass_slots, plan_packing, plan_shape, shards_for
+from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
 from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.config_check import ConfigError, sampler_pages, sampler_slots, sampler_tail_slots
+from pacs_jax.training.config_check import logprob_micro_batches, packed_layouts, sampler_pages, sampler_slots, sampler_tail_slots
 from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout_consistency import consistency_program
@@ -49,13 +49,6 @@ def config_optimizer(config: ml_collections.ConfigDict):
     return make_optimizer(o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, schedule=o.schedule,
                           total_steps=config.train.steps * config.train.mini_batches, warmup_steps=o.warmup_steps,
                           grad_clip=o.grad_clip)
-
-
-def logprob_micro_batches(config: ml_collections.ConfigDict) -> int:
-    """Forward passes of the pi_old pass and of PPO's values pass (``train.logprob_micro_batches``;
-    0: one per update micro-batch, ``mini_batches x micro_batches``)."""
-    tc = config.train
-    return tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches
 
 
 def sampling_settings(config: ml_collections.ConfigDict, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
@@ -81,34 +74,6 @@ class Program:
     lower: Callable[[], jax.stages.Lowered]
     args: tuple
     outside: int
-
-
-def packed_layouts(config: ml_collections.ConfigDict, batch_shards: int, *, critic: bool) -> dict[str, dict]:
-    """Each packed pass's layout (rl/packing.py ``plan_packing``'s arguments past the lengths and
-    widths) on a mesh whose batch axes make ``batch_shards``: the pi_old pass (also PPO's values), the
-    actor's update and, with ``critic``, PPO's critic update, each in passes of ``train.packed_rows``
-    rows a shard (0: ``rl.packing.pass_rows``, a quarter of a padded micro-batch's) and at most
-    ``rl.packing.pass_slots`` passes a mini-batch."""
-    tc, rc = config.train, config.rollout
-    B = tc.prompts_per_step * rc.n
-    W = max(config.data.prompt_buckets) + rc.max_new_tokens
-    Lp = tc.packed_length or W
-
-    def layout(mini_batches: int, micro_batches: int, unit: int) -> dict:
-        S = shards_for(B // mini_batches // micro_batches, batch_shards)
-        rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
-        if S * rows * (Lp // W) < unit:
-            raise ConfigError(f"config.train.packed_rows: {rows} rows a pass on each of {S} batch shards cannot hold a "
-                              f"prompt group's {unit} sequences of up to {W} tokens; set it to 0 or at least "
-                              f"{-(-unit // (S * (Lp // W)))}")
-        return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
-                    passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
-
-    layouts = {"logprob": layout(1, logprob_micro_batches(config), 1)}
-    if critic:
-        layouts["critic"] = layout(tc.mini_batches, tc.micro_batches, 1)
-    layouts["update"] = layout(tc.mini_batches, tc.micro_batches, rc.n)
-    return layouts
 
 
 class StepPrograms:
