@@ -8,16 +8,20 @@ progress bars that stay readable in a log file.
   defines it); so are gcsfs's logs of its retries (a traceback each) unless ``--verbosity`` is given: a
   store that never answers is the CLI's one line (errors.unreachable_store).
 - When stderr is not a terminal (a log file, a pipe, ``launch/supervise.sh``'s ``tpu_pod.sh`` log), tqdm's
-  bars become plain lines: at most one refresh every ``LOG_INTERVAL_S`` seconds (``TQDM_MININTERVAL``,
-  which tqdm reads for every bar that does not set it), each written as a line of its own, with the
-  cursor movements of nested bars (``ESC[A``) and the carriage returns left out.
+  bars become plain lines, each written as a line of its own, with the cursor movements of nested bars
+  (``ESC[A``) and the carriage returns left out.
+
+``bar(...)`` makes the package's progress bars: off a terminal a bar writes its first line, then at
+most one line every ``LOG_INTERVAL_S`` seconds (tqdm's ``mininterval`` and ``maxinterval``, given to
+each bar: tqdm reads ``TQDM_MININTERVAL`` only when it is imported, before the flags are parsed), and
+its last (``leave=True``: a bar that clears itself would leave its first line last). ``say(line, bar)``: a line above a bar (on a terminal the bar is redrawn below it; off one
+the line is written alone, not followed by another copy of the bar).
 """
 
 from __future__ import annotations
 
 import io
 import logging as python_logging
-import os
 import re
 import sys
 
@@ -64,6 +68,28 @@ class PlainLines(io.TextIOBase):
         return self.stream.fileno()
 
 
+def terminal() -> bool:
+    """Whether stderr (where the bars are drawn) is a terminal."""
+    return sys.stderr.isatty()
+
+
+def bar(*args, **kwargs):
+    """A tqdm progress bar (tqdm's arguments); off a terminal refreshed at most every ``LOG_INTERVAL_S``."""
+    from tqdm.auto import tqdm
+
+    if not terminal():  # a log: its last line stays (a bar that clears itself would end on its first)
+        kwargs.update(mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S, leave=True)
+    return tqdm(*args, **kwargs)
+
+
+def say(line: str, progress=None) -> None:
+    """Print ``line`` on stdout, above the tqdm bar ``progress`` (None: no bar) on a terminal."""
+    if progress is not None and terminal():
+        progress.write(line)
+    else:
+        print(line, flush=True)
+
+
 def setup(argv: list[str] | None = None) -> None:
     """Quiet third-party INFO logs unless ``--verbosity`` is on the command line, and make progress
     bars write plain lines when stderr is not a terminal (see the module docstring)."""
@@ -74,5 +100,4 @@ def setup(argv: list[str] | None = None) -> None:
         logging.set_verbosity(logging.WARNING)
         python_logging.getLogger("gcsfs").setLevel(python_logging.CRITICAL)
     if not sys.stderr.isatty() and not isinstance(sys.stderr, PlainLines):
-        os.environ.setdefault("TQDM_MININTERVAL", str(LOG_INTERVAL_S))
         sys.stderr = PlainLines(sys.stderr)

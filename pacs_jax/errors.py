@@ -11,6 +11,9 @@ The argparse tools (tools/export_hf.py) report one alike with ``run_main``.
 A ``gs://`` store that does not answer (no network, no credentials) is one line too, with status 75
 (``UNREACHABLE_STORE_STATUS``, EX_TEMPFAIL), which supervise.sh restarts.
 
+A run stopped by SIGTERM or SIGINT before ``train.steps`` (training/signals.py) exits with
+``RESUME_NEEDED_STATUS`` (79): unfinished, its checkpoint written; the same command resumes it.
+
 Permanent: ``PermanentError`` and its subclasses (``UsageError``, ``pacs_jax.data.DataError``: malformed data),
 absl's ``app.UsageError`` (the trainer raises it for config errors, ``ConfigError`` of
 pacs_jax/training/config_check.py, and for bad flags), flag-parsing errors and config overrides that
@@ -28,6 +31,8 @@ T = TypeVar("T")
 
 PERMANENT_ERROR_STATUS = 78  # launch/supervise.sh does not restart a command that exits with it
 UNREACHABLE_STORE_STATUS = 75  # EX_TEMPFAIL: a store (gs://) that did not answer; supervise.sh restarts it
+RESUME_NEEDED_STATUS = 79  # a stop signal ended the run before train.steps: run it again to resume (supervise.sh:
+#                            a restart when the signal was the trainer's alone, a stop when supervise.sh got it too)
 # Where a store's client code lives: an error raised through these is the store's (or the network's)
 _STORE_CLIENTS = ("/gcsfs/", "/fsspec/", "/google/auth/", "/google/cloud/", "/aiohttp/")
 

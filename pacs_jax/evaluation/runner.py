@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from pacs_jax import sampling
+from pacs_jax import console, sampling
 from pacs_jax.data import INSTRUCTION, Problem, build_prompts, load_problems, paths
 from pacs_jax.errors import UsageError
 from pacs_jax.evaluation.pass_at_k import pass_at_k_metrics
@@ -149,7 +148,7 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
     stops = tuple(stop_token_ids) or default_stop_ids(model, tokenizer)
 
     rows = []
-    with tqdm(total=len(examples), desc="evaluate", unit="problem", disable=not progress) as bar:
+    with console.bar(total=len(examples), desc="evaluate", unit="problem", disable=not progress) as bar:
         for chunk, start in enumerate(range(0, len(examples), batch_size)):
             batch = examples[start:start + batch_size]
             out = sampling.generate(model, [list(e.prompt_ids) for e in batch], max_new_tokens=max_new_tokens,

@@ -72,6 +72,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
         _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
     for field in ("checkpoint_every", "keep_checkpoints"):
         _require(isinstance(tc[field], int) and tc[field] >= 0, f"train.{field}", f"must be an integer >= 0, got {tc[field]!r}")
+    _require(isinstance(tc.progress_seconds, (int, float)) and tc.progress_seconds >= 0, "train.progress_seconds",
+             f"must be a number of seconds >= 0, got {tc.progress_seconds!r}")
     _check_eval(config)
 
     objective = config.algorithm.objective

@@ -16,8 +16,8 @@ import os
 
 import jax
 from etils import epath
-from tqdm.auto import tqdm
 
+from pacs_jax import console
 from pacs_jax.files import atomic_write_text, is_remote
 
 # Shown on the progress bar (when present), in this order.
@@ -86,7 +86,7 @@ class MetricsLogger:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(self.workdir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
+        self.bar = console.bar(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
         if not self.enabled:
@@ -111,9 +111,9 @@ class MetricsLogger:
             self.bar.update(1)
 
     def write(self, message: str) -> None:
-        """A line on the console that does not break the progress bar."""
+        """A line on the console that does not break the progress bar (console.say)."""
         if self.enabled:
-            self.bar.write(message)
+            console.say(message, self.bar)
 
     def close(self) -> None:
         if not self.enabled:

@@ -22,7 +22,9 @@ run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of
 (sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
 ``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
 ``train.steps`` without a summary runs the final evaluation and export the last session did not
-finish. model.path, data.tokenizer and the data files may be ``gs://`` paths: an HF model folder or
+finish. A run stopped by a signal in RL returns {"stopped_at_step": N} (and "dropped_step": the
+unfinished step it left, whose device programs may still run); ``python -m pacs_jax.train`` then
+exits with status 79 (errors.RESUME_NEEDED_STATUS). model.path, data.tokenizer and the data files may be ``gs://`` paths: an HF model folder or
 a tokenizer on ``gs://`` is copied to the host's cache once (data/remote.py), data files are read
 from the store; a ``gs://`` workdir is written through etils.epath and Orbax. A full disk or a
 permission error while writing is a ``StorageError`` naming the path.
@@ -255,10 +257,13 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
 
         result = rl_train(config, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs)
+                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs,
+                          keep_first_step=not latest and wc.steps > 0)  # step 1 keeps the warm-start
         if result.stopped_by_signal:
             clock.update(force=True)
-            return {"stopped_at_step": result.final_step}
+            if result.dropped_step is None:
+                return {"stopped_at_step": result.final_step}
+            return {"stopped_at_step": result.final_step, "dropped_step": result.dropped_step}
         signals.exit_at_once(f"the final evaluation or the export: all {result.final_step} steps are checkpointed, "
                              f"and a restart runs only the final evaluation and the export again")
         after = evaluate_final("final", result.model, pool) if sets else {}

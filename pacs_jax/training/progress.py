@@ -1,0 +1,97 @@
+"""What a step is doing while it runs: progress lines by phase, and the phase boundaries where a
+stop signal ends an unfinished step (docs/design.md section 3.7).
+
+A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampler's
+``rollout.micro_batches`` calls), ``reward`` (decoding and scoring, while the device computes pi_old),
+``pi_old`` (waiting for it), PPO's ``critic``, and ``update``. ``StepWatch``:
+
+- lines: at most one every ``interval_s`` seconds (``train.progress_seconds``), counted from the
+  step's start or its last line: while a phase waits on the device (a heartbeat naming what is done,
+  e.g. "2/4 sampler calls"), and when a phase ends ("reward done in 41 s"). A step shorter than the
+  interval prints none (its bar line says enough); a slow step prints a line per phase, and one per
+  interval inside a long phase, so a slow step can be told from a hung one. ``interval_s=0``: a
+  line at every phase's end, no heartbeats.
+- stops: ``boundary()`` raises ``StepInterrupted`` once ``stop_requested()`` is true. Waits on the
+  device poll (``jax.Array.is_ready``) rather than block, so a signal's handler runs within
+  ``POLL_S`` and the wait ends at once, the device program still running (the caller does not wait
+  for it: training/run.py ends the process without it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+
+POLL_S = 0.05  # seconds between two looks at an unfinished device result
+
+
+class StepInterrupted(Exception):
+    """A stop signal came before the step's update began: the step is left unfinished (its
+    results are dropped; a resume runs it again with the same keys)."""
+
+    def __init__(self, step: int, phase: str):
+        super().__init__(f"step {step} interrupted during {phase}")
+        self.step, self.phase = step, phase
+
+
+class StepWatch:
+    """Progress lines and stop boundaries of the steps of one run (see the module docstring).
+
+    write(line): where lines go (the metrics logger's ``write``: above the progress bar).
+    interval_s: the least seconds between two lines. stop_requested(): whether a stop signal came.
+    clock: seconds (``time.monotonic``; tests pass their own).
+    """
+
+    def __init__(self, write: Callable[[str], None], interval_s: float, stop_requested: Callable[[], bool] = bool,
+                 clock: Callable[[], float] = time.monotonic):
+        self.write, self.interval_s, self.stop_requested, self.clock = write, interval_s, stop_requested, clock
+        self.step, self.phase, self.stoppable = 0, "", True
+        self._phase_start = self._last_line = clock()
+
+    def start_step(self, step: int, stoppable: bool = True) -> None:
+        """Begin step ``step``; stoppable: whether a stop signal may end it (False: it runs to its end)."""
+        self.step, self.phase, self.stoppable = step, "", stoppable
+        self._phase_start = self._last_line = self.clock()
+
+    def start(self, phase: str, last_boundary: bool = False) -> None:
+        """Begin ``phase`` (a boundary: raises ``StepInterrupted`` if a stop was asked).
+        last_boundary: from here on the step runs to its end (its update has no way back)."""
+        self.boundary()
+        self.phase, self._phase_start = phase, self.clock()
+        self.stoppable = self.stoppable and not last_boundary
+
+    def boundary(self) -> None:
+        """Raise ``StepInterrupted`` if a stop signal came (and the step may still stop)."""
+        if self.stoppable and self.stop_requested():
+            raise StepInterrupted(self.step, self.phase or "its start")
+
+    def done(self, detail: str = "") -> None:
+        """End the current phase: a line "step S: PHASE done in T s (detail)" when the interval has passed."""
+        seconds = self.clock() - self._phase_start
+        self._line(f"{self.phase} done in {seconds:.0f} s" + (f" ({detail})" if detail else ""))
+
+    def heartbeat(self, detail: str) -> None:
+        """Within the current phase: a line "step S: PHASE, detail, T s so far" when the interval has
+        passed (none with ``interval_s=0``)."""
+        if self.interval_s > 0:
+            self._line(f"{self.phase}, {detail}, {self.clock() - self._phase_start:.0f} s so far")
+
+    def wait(self, arrays, detail: Callable[[], str]) -> None:
+        """Wait until every jax.Array in the pytree ``arrays`` is computed, writing heartbeats
+        (``detail()`` says what is done) and stopping at a signal (``StepInterrupted``)."""
+        pending = [x for x in jax.tree.leaves(arrays) if isinstance(x, jax.Array)]
+        while pending:
+            pending = [x for x in pending if not x.is_ready()]
+            if not pending:
+                return
+            self.boundary()
+            self.heartbeat(detail())
+            time.sleep(POLL_S)
+
+    def _line(self, text: str) -> None:
+        now = self.clock()
+        if now - self._last_line >= self.interval_s:
+            self.write(f"step {self.step}: {text}")
+            self._last_line = now
