@@ -59,16 +59,18 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
     Each set's reward is ``set_reward(name, reward_mode)``.
     A relative path not found from the working directory is read from the repository root (the default
     data_dir "data" is the repository's); found in neither, a ``UsageError`` names it and both places.
+    A name without an entry in ``files`` is a ``UsageError`` naming config.eval.sets.
 
     max_problems > 0 keeps the first max_problems problems of each set.
     """
     names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
     if not names:
-        raise ValueError("no evaluation sets given (config.eval.sets)")
+        raise UsageError("config.eval.sets: no evaluation sets given")
     sets = []
     for name in names:
         if name not in files:
-            raise ValueError(f"evaluation set {name!r} has no entry in config.eval.set_files (known: {sorted(files)})")
+            raise UsageError(f"config.eval.sets: evaluation set {name!r} has no entry in config.eval.set_files (known: "
+                             f"{sorted(files)})")
         spec = files[name]
         if not spec.startswith("tfds:"):
             path = pathlib.Path(data_dir) / spec

@@ -299,11 +299,25 @@ def _per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     return {name: _mean_reward(m)[1] for name, m in metrics.items()}
 
 
+def _accuracy_metric(config: ml_collections.ConfigDict, sets: list[evaluation.EvalSet]) -> str:
+    """What accuracy_{before,after}_rl are, set by set as evaluated: each set's samples per problem and
+    temperature (eval.final, or the set's own in eval.final.per_set)."""
+    f = config.eval.final
+    own = evaluation.per_set_settings(f.per_set)
+
+    def described(s: evaluation.EvalSet) -> str:
+        n, temperature, where = ((own[s.name].n, own[s.name].temperature, ", eval.final.per_set") if s.name in own
+                                 else (f.n, f.temperature, ""))
+        return f"{s.name}: {len(s.problems)} problems, {n} samples at temperature {temperature}{where}"
+
+    return ("mean reward of the samples per problem, averaged over the eval sets ("
+            + "; ".join(described(s) for s in sets) + ")")
+
+
 def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, history: list[dict],
              sets: list[evaluation.EvalSet]) -> dict:
     """accuracy_{before,after}_rl (mean over the eval sets of the mean sample reward at the final
     settings), their greedy counterparts, every set's metrics, the warm-start and the RL time split."""
-    f = config.eval.final
     phases = ("time_sample", "time_reward", "time_old_logprob", "time_update")
     evaluated = before.get("eval", {})
     summary = {
@@ -311,9 +325,7 @@ def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, histo
         "accuracy_after_rl": _accuracy(after.get("sampled", {})),
         "greedy_accuracy_before_rl": _accuracy(evaluated.get("greedy", {})),
         "greedy_accuracy_after_rl": _accuracy(after.get("greedy", {})),
-        "accuracy_metric": f"mean reward of {f.n} samples per problem at temperature {f.temperature} (or a set's "
-                           f"own settings in eval.final.per_set: {sorted(f.per_set)}), averaged over "
-                           f"the eval sets ({', '.join(f'{s.name}: {len(s.problems)} problems' for s in sets)})",
+        "accuracy_metric": _accuracy_metric(config, sets),
         "eval_before_rl": evaluated,
         "eval_after_rl": after,
         "warmstart": before.get("warmstart"),
