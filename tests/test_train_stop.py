@@ -18,7 +18,7 @@ import sys
 import orbax.checkpoint as ocp
 import pytest
 
-from pacs_jax.errors import RESUME_NEEDED_STATUS
+from pacs_jax.errors import PERMANENT_ERROR_STATUS, RESUME_NEEDED_STATUS
 from train_helpers import (REPO, RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
                            start_train, train_env, wait_for)
 
@@ -38,8 +38,11 @@ runpy.run_module("pacs_jax.train", run_name="__main__")
 """
 
 
-@pytest.mark.slow(seconds=80)
+@pytest.mark.slow(seconds=90)
 def test_ctrl_c_in_sampling_drops_the_step_exits_79_and_the_resume_runs_it(tmp_path_factory):
+    """The held step 2 is dropped at Ctrl-C: status 79, step 1's checkpoint written (periodic ones are
+    off) with the data position before step 2's batch; a resume with another prompts_per_step is
+    refused (one line, 78, nothing written); the resume runs step 2 and says it compiles before step 2."""
     env = train_env(compile_cache_dir(tmp_path_factory))
     workdir = tmp_path_factory.mktemp("stop") / "run"
     flags = (*RL_ONLY_FLAGS, "--config.train.checkpoint_every=0", "--config.rollout.micro_batches=2",
@@ -68,6 +71,15 @@ def test_ctrl_c_in_sampling_drops_the_step_exits_79_and_the_resume_runs_it(tmp_p
     assert meta["step"] == 1 and meta["data_state"] == {"next_index": 1}  # before step 2's batch
     stdout = (workdir.parent / "held.out").read_text()
     assert json.loads(stdout[stdout.index("{"):]) == {"stopped_at_step": 1, "dropped_step": 2}
+
+    config_json = (workdir / "config.json").read_text()
+    refused = start_train(workdir, *flags, "--config.train.steps=2", "--config.train.prompts_per_step=16", env=env,
+                          log_name="refused")  # the saved data position counts batches of 8
+    assert finish(refused) == PERMANENT_ERROR_STATUS
+    errors = [line for line in logs(workdir, "refused").splitlines() if line.startswith("pacs_jax.train: error: ")]
+    assert len(errors) == 1 and "train.prompts_per_step (checkpoint 8, this config 16: the data position counts " \
+                                "batches of the checkpoint's)" in errors[0], logs(workdir, "refused")[-3000:]
+    assert (workdir / "config.json").read_text() == config_json and checkpoint_steps(workdir) == [1]
 
     resume = start_train(workdir, *flags, "--config.train.steps=2", env=env, log_name="resume")
     assert finish(resume) == 0, logs(workdir, "resume")[-3000:]
