@@ -7,6 +7,9 @@ progress bars that stay readable in a log file.
   verbosity is WARNING unless the command line gives ``--verbosity`` (``--verbosity=0``: INFO, as absl
   defines it); so are gcsfs's logs of its retries (a traceback each) unless ``--verbosity`` is given: a
   store that never answers is the CLI's one line (errors.unreachable_store).
+- Orbax's "Metadata file does not exist" warning (a pacs_jax checkpoint's params/ is read on its own,
+  without the step's metadata file, which it does not need) is dropped unless ``--verbosity`` is
+  given: nothing a user can act on.
 - When stderr is not a terminal (a log file, a pipe, ``launch/supervise.sh``'s ``tpu_pod.sh`` log), tqdm's
   bars become plain lines, each written as a line of its own, with the cursor movements of nested bars
   (``ESC[A``) and the carriage returns left out.
@@ -90,6 +93,11 @@ def say(line: str, progress=None) -> None:
         print(line, flush=True)
 
 
+def _drop_orbax_metadata_warning(record: python_logging.LogRecord) -> bool:
+    """A logging filter: False for Orbax's "Metadata file does not exist" warning."""
+    return not str(record.msg).startswith("Metadata file does not exist")
+
+
 def setup(argv: list[str] | None = None) -> None:
     """Quiet third-party INFO logs unless ``--verbosity`` is on the command line, and make progress
     bars write plain lines when stderr is not a terminal (see the module docstring)."""
@@ -99,5 +107,6 @@ def setup(argv: list[str] | None = None) -> None:
     if not any(arg.split("=")[0] in ("--verbosity", "-v") for arg in argv):
         logging.set_verbosity(logging.WARNING)
         python_logging.getLogger("gcsfs").setLevel(python_logging.CRITICAL)
+        logging.get_absl_logger().addFilter(_drop_orbax_metadata_warning)
     if not sys.stderr.isatty() and not isinstance(sys.stderr, PlainLines):
         sys.stderr = PlainLines(sys.stderr)

@@ -123,3 +123,32 @@ class MetricsLogger:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+
+class EvalScalars:
+    """TensorBoard scalars ``tag/<set>/<metric>`` (``pass_at_k``, ``mean_at_n``: TensorBoard's tags take
+    no "@") of a session's evaluations, in
+    workdir/tensorboard beside the training metrics: one events file a session (suffix ``.eval``),
+    opened at the first evaluation. A context manager (closing uploads it to a ``gs://`` workdir)."""
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.directory = epath.Path(workdir) / "tensorboard"
+        self.writer = None
+
+    def write(self, tag: str, step: int, metrics: dict[str, dict[str, float]]) -> None:
+        """One evaluation's {set: {metric: value}} at RL step ``step``."""
+        if self.writer is None:
+            from tensorboardX import SummaryWriter
+            self.writer = SummaryWriter(str(self.directory), filename_suffix=".eval")
+        for name, values in sorted(metrics.items()):
+            for key, value in sorted(values.items()):
+                self.writer.add_scalar(f"{tag}/{name}/{key.replace('@', '_at_')}", float(value), step)
+        self.writer.flush()
+
+    def __enter__(self) -> EvalScalars:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.writer is not None:
+            self.writer.close()

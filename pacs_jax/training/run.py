@@ -9,7 +9,9 @@
     -> evaluation before RL (eval.before_rl, with the final settings)
     -> RL (training/loop.py rl_train), evaluated every eval.periodic.every steps
     -> final evaluation (eval.final settings) -> HF export (with the run's tokenizer files), summary.json,
-       curves.png
+       curves.png (training/curves.py)
+Every evaluation's metrics also go to TensorBoard: eval/<set>/pass_at_<k> and mean_at_<n> (the
+periodic ones), eval_final/... (before RL at step 0, final at the last step) and eval_final_greedy/...
 
 A restarted run resumes RL from its checkpoints; the warm-start and the evaluation before RL are not
 run again (their results are kept in workdir/warmstart.json). Evaluation outputs go to
@@ -48,6 +50,7 @@ from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
+from pacs_jax.training.metrics import EvalScalars
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.step_programs import StepPrograms
@@ -201,9 +204,10 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
     programs = StepPrograms(config, *nnx.split(model), stop_ids)  # every program of the run's steps
     reward_name = reward_for(config.reward.name, config.reward.mode)
 
-    def evaluate(name: str, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
+    def evaluate(name: str, step: int, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
                  top_p: float, per_set: dict | None = None) -> dict[str, dict[str, float]]:
-        """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``."""
+        """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``; the
+        metrics go to workdir/eval/<name>/ and TensorBoard (``board``, at RL step ``step``)."""
         rows, metrics = evaluation.evaluate_per_set(
             current, tokenizer, sets, per_set or {}, evaluation.EvalSettings(n, temperature, top_p, ec.max_new_tokens),
             seed=config.seed, batch_size=ec.batch_size, **evaluation.eval_slots(ec),
@@ -211,21 +215,23 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             stop_token_ids=stop_ids, progress=primary)
         if primary:
             evaluation.write_outputs(workdir / "eval" / name, rows, metrics)
+            board.write(_board_tag(name), step, metrics)
             means = ", ".join(f"{s} {'%s %.3f' % _mean_reward(m)}" for s, m in sorted(metrics.items()))
             print(f"eval {name}: accuracy {_accuracy(metrics):.3f} (mean sample reward at T={temperature}: {means})",
                   flush=True)
         return metrics
 
-    def evaluate_final(name: str, current: models.Qwen, pool: RewardPool) -> dict[str, dict]:
+    def evaluate_final(name: str, step: int, current: models.Qwen, pool: RewardPool) -> dict[str, dict]:
         f = ec.final
         per_set = evaluation.per_set_settings(f.per_set)
-        out = {"sampled": evaluate(name, current, pool, f.n, f.temperature, f.top_p, per_set)}
+        out = {"sampled": evaluate(name, step, current, pool, f.n, f.temperature, f.top_p, per_set)}
         if f.greedy:
-            out["greedy"] = evaluate(f"{name}_greedy", current, pool, 1, 0.0, 1.0)
+            out["greedy"] = evaluate(f"{name}_greedy", step, current, pool, 1, 0.0, 1.0)
         return out
 
     warm_file = workdir / "warmstart.json"
-    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:  # rollouts and evaluation
+    with (RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool,  # rollouts and evaluation
+          EvalScalars(workdir) as board):
         if latest:  # resuming: rl_train restores the RL state
             before = json.loads(warm_file.read_text()) if warm_file.exists() else {}
         else:
@@ -246,13 +252,14 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             if sets and ec.before_rl:
                 signals.exit_at_once("the evaluation before RL: the warm-start is not checkpointed, so a restart "
                                      "runs the warm-start and this evaluation again")
-                before["eval"] = evaluate_final("before_rl", model, pool)
+                before["eval"] = evaluate_final("before_rl", 0, model, pool)
             if primary:
                 atomic_write_text(warm_file, json.dumps(before, indent=2))
 
         def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
             if sets and ec.periodic.every and step % ec.periodic.every == 0:
-                evaluate(f"step_{step}", current, pool, ec.periodic.n, ec.periodic.temperature, ec.periodic.top_p)
+                evaluate(f"step_{step}", step, current, pool, ec.periodic.n, ec.periodic.temperature,
+                         ec.periodic.top_p)
             clock.update()
 
         result = rl_train(config, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
@@ -266,7 +273,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             return {"stopped_at_step": result.final_step, "dropped_step": result.dropped_step}
         signals.exit_at_once(f"the final evaluation or the export: all {result.final_step} steps are checkpointed, "
                              f"and a restart runs only the final evaluation and the export again")
-        after = evaluate_final("final", result.model, pool) if sets else {}
+        after = evaluate_final("final", result.final_step, result.model, pool) if sets else {}
     tokenizer_dir = (None if tokenizer_source == data.CHAR_TOKENIZER  # "char": no files; gs://: the local copy
                      else data.local_folder(tokenizer_source))
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
@@ -277,9 +284,9 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
                    wall_seconds_this_session=clock.session_seconds, sessions=len(clock.earlier) + 1,
                    hf_export=str(export))
     if primary:
-        if history and after:
+        if history:
             plot_curves(history, _per_set(before.get("eval", {}).get("sampled", {})),
-                        _per_set(after["sampled"]), workdir / "curves.png")
+                        _per_set(after.get("sampled", {})), workdir / "curves.png", _periodic_evals(workdir))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -292,6 +299,24 @@ def _warm_start_line(warm: WarmStartResult, target: float) -> str:
     reached = (f"reached the target {target}" if warm.probe_accuracy >= target
                else f"target {target} not reached within warmstart.steps")
     return f"{line}, greedy accuracy {warm.probe_accuracy:.3f} on the probe ({reached})"
+
+
+def _board_tag(name: str) -> str:
+    """TensorBoard's section of an evaluation: "eval" (the periodic ones, eval.periodic's settings),
+    "eval_final" (before_rl at step 0 and final, eval.final's), "eval_final_greedy"."""
+    if name.startswith("step_"):
+        return "eval"
+    return "eval_final_greedy" if name.endswith("_greedy") else "eval_final"
+
+
+def _periodic_evals(workdir: epath.Path) -> dict[int, dict[str, dict[str, float]]]:
+    """{step: eval_metrics.json} of the periodic evaluations in workdir/eval/step_<k> (every session's)."""
+    out = {}
+    for folder in (workdir / "eval").glob("step_*") if (workdir / "eval").exists() else ():
+        metrics = folder / "eval_metrics.json"
+        if folder.name.removeprefix("step_").isdigit() and metrics.exists():
+            out[int(folder.name.removeprefix("step_"))] = json.loads(metrics.read_text())
+    return out
 
 
 def _per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
