@@ -25,6 +25,8 @@ from collections.abc import Callable
 import jax
 
 POLL_S = 0.05  # seconds between two looks at an unfinished device result
+CPU_STEP_TOKENS = 100_000  # prompt + response tokens of a step above which a CPU run is warned (minutes a step
+#                            at the demo's size; the paper's 1024 x 8 x (512 + 4096) is 38 M)
 
 
 class StepInterrupted(Exception):
@@ -95,3 +97,18 @@ class StepWatch:
         if now - self._last_line >= self.interval_s:
             self.write(f"step {self.step}: {text}")
             self._last_line = now
+
+
+def planned_step_warning(config, platform: str) -> str | None:
+    """A warning line when a step is planned far beyond the machine: on a CPU, more than
+    ``CPU_STEP_TOKENS`` prompt and response tokens (prompts_per_step x rollout.n x (the largest
+    prompt bucket + rollout.max_new_tokens)); else None. Accelerators are checked by the memory
+    check (training/memory_check.py), which compiles the step's programs against their memory."""
+    tc, rc = config.train, config.rollout
+    tokens = tc.prompts_per_step * rc.n * (max(config.data.prompt_buckets) + rc.max_new_tokens)
+    if platform != "cpu" or tokens <= CPU_STEP_TOKENS:
+        return None
+    return (f"warning: a step of {tc.prompts_per_step} prompts x {rc.n} responses of up to {rc.max_new_tokens} tokens "
+            f"({tokens / 1e6:.1f} M prompt and response tokens) is planned on a CPU: expect hours a step. A paper "
+            f"setup's CPU smoke test is configs/paper.py:MODEL,ALGO,cpu; else lower train.prompts_per_step, "
+            f"rollout.n or rollout.max_new_tokens")

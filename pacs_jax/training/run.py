@@ -51,6 +51,7 @@ from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.metrics import EvalScalars
+from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.step_programs import StepPrograms
@@ -199,6 +200,9 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
+        warning = planned_step_warning(config, jax.devices()[0].platform)
+        if warning:
+            print(warning, flush=True)
     sets = eval_sets(config, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
     programs = StepPrograms(config, *nnx.split(model), stop_ids)  # every program of the run's steps
