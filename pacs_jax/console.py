@@ -17,7 +17,8 @@ progress bars that stay readable in a log file.
 ``bar(...)`` makes the package's progress bars: off a terminal a bar writes its first line, then at
 most one line every ``LOG_INTERVAL_S`` seconds (tqdm's ``mininterval`` and ``maxinterval``, given to
 each bar: tqdm reads ``TQDM_MININTERVAL`` only when it is imported, before the flags are parsed), and
-its last (``leave=True``: a bar that clears itself would leave its first line last). ``say(line, bar)``: a line above a bar (on a terminal the bar is redrawn below it; off one
+its last, once (``leave=True``: a bar that clears itself would leave its first line last; a last
+state already written is not written again at ``close``). ``say(line, bar)``: a line above a bar (on a terminal the bar is redrawn below it; off one
 the line is written alone, not followed by another copy of the bar).
 """
 
@@ -27,6 +28,8 @@ import io
 import logging as python_logging
 import re
 import sys
+
+from tqdm.auto import tqdm
 
 LOG_INTERVAL_S = 30
 _CURSOR_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -76,13 +79,21 @@ def terminal() -> bool:
     return sys.stderr.isatty()
 
 
-def bar(*args, **kwargs):
-    """A tqdm progress bar (tqdm's arguments); off a terminal refreshed at most every ``LOG_INTERVAL_S``."""
-    from tqdm.auto import tqdm
+class _Bar(tqdm):
+    """tqdm, except that off a terminal ``close`` writes no second copy of a last line already written."""
 
+    def close(self) -> None:
+        if not terminal() and self.leave and getattr(self, "last_print_n", None) == self.n:
+            self.leave = False  # its last state is the line before: clear it instead (PlainLines drops that)
+        super().close()
+
+
+def bar(*args, **kwargs):
+    """A tqdm progress bar (tqdm's arguments); off a terminal refreshed at most every ``LOG_INTERVAL_S``,
+    ending on one line of its last state."""
     if not terminal():  # a log: its last line stays (a bar that clears itself would end on its first)
         kwargs.update(mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S, leave=True)
-    return tqdm(*args, **kwargs)
+    return _Bar(*args, **kwargs)
 
 
 def say(line: str, progress=None) -> None:

@@ -90,3 +90,12 @@ def test_a_bar_in_a_log_writes_a_line_every_log_interval_and_one_last_line(monke
     lines = out.getvalue().splitlines()
     assert 3 <= len(lines) <= 1 + 100 // console.LOG_INTERVAL_S + 1, lines  # first, one per 30 s, last
     assert lines[-1].startswith("evaluate: 100%|") and sum("100/100" in line for line in lines) == 1, lines
+
+    out = io.StringIO()  # the last update falls on a refresh (60 s): close writes no second 100 % line
+    bar = console.bar(total=60, desc="train", file=console.PlainLines(out))
+    for _ in range(60):
+        clock.now += 1.0
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert sum("60/60" in line for line in lines) == 1 and lines[-1].startswith("train: 100%|"), lines
