@@ -1,8 +1,8 @@
 """Issue 41 items 1 and 6: the interval progress output promises holds, on a clock the test drives.
 
-``StepWatch`` (training/progress.py): at most one line every ``interval_s`` seconds, a phase's end
-line when that much has passed, heartbeats inside a long phase, and ``StepInterrupted`` at a boundary
-once a stop is asked (none after the update's boundary). ``console.bar`` off a terminal: one line
+``StepWatch`` (training/progress.py): a phase longer than ``interval_s`` writes a heartbeat every
+``interval_s`` and its end; short phases' ends are written ``interval_s`` apart; ``StepInterrupted``
+at a boundary once a stop is asked (none after the update's boundary). ``console.bar`` off a terminal: one line
 every ``LOG_INTERVAL_S`` seconds, not one per update (tqdm read ``TQDM_MININTERVAL`` only at its
 import), ending on one 100 % line.
 """
@@ -25,7 +25,7 @@ class Clock:
         return self.now
 
 
-def test_step_watch_writes_a_line_a_phase_at_most_every_interval():
+def test_step_watch_writes_a_long_phase_s_heartbeats_and_end_and_short_phases_an_interval_apart():
     clock, lines, stop = Clock(), [], []
     watch = StepWatch(lines.append, 30.0, stop_requested=lambda: bool(stop), clock=clock)
     watch.start_step(7)
@@ -35,18 +35,22 @@ def test_step_watch_writes_a_line_a_phase_at_most_every_interval():
     assert lines == []  # 10 s: too soon
     clock.now = 31
     watch.heartbeat("2/4 sampler calls done")
-    clock.now = 40
-    watch.done("64 rows")  # 9 s after the last line: none
-    watch.start("reward")
-    clock.now = 75
-    watch.done("64 responses scored")
+    clock.now = 50
+    watch.heartbeat("3/4 sampler calls done")  # 19 s after the last heartbeat: none
+    clock.now = 55
+    watch.done("64 rows")  # a phase longer than the interval: its end
+    for phase, seconds in (("reward", 10), ("pi_old", 10), ("update", 12)):  # short ones: the one 30 s on
+        watch.start(phase)
+        clock.now += seconds
+        watch.done()
     assert lines == ["step 7: sampling, 2/4 sampler calls done, 31 s so far",
-                     "step 7: reward done in 35 s (64 responses scored)"]
+                     "step 7: sampling done in 55 s (64 rows)",
+                     "step 7: update done in 12 s"]
     watch.start_step(8)  # a short step: nothing
     watch.start("sampling")
-    clock.now = 80
+    clock.now += 5
     watch.done()
-    assert len(lines) == 2
+    assert len(lines) == 3
 
     stop.append(True)  # a stop signal: the next boundary ends the step, unless the update has begun
     with pytest.raises(StepInterrupted) as interrupted:

@@ -158,7 +158,7 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         if primary and step == start + 1:  # a long first step says what it is doing
             print(f"step {step}: sampling {tc.prompts_per_step} prompts x {rc.n} responses of up to "
                   f"{rc.max_new_tokens} tokens, scoring them, then the update; the progress bar moves at each "
-                  f"step's end, a slow step's phases print a line at most every {tc.progress_seconds:g} s "
+                  f"step's end, a phase longer than {tc.progress_seconds:g} s prints a line that often "
                   "(train.progress_seconds)", flush=True)
         t_step = time.perf_counter()
         watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))

@@ -5,12 +5,13 @@ A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampl
 ``rollout.micro_batches`` calls), ``reward`` (decoding and scoring, while the device computes pi_old),
 ``pi_old`` (waiting for it), PPO's ``critic``, and ``update``. ``StepWatch``:
 
-- lines: at most one every ``interval_s`` seconds (``train.progress_seconds``), counted from the
-  step's start or its last line: while a phase waits on the device (a heartbeat naming what is done,
-  e.g. "2/4 sampler calls"), and when a phase ends ("reward done in 41 s"). A step shorter than the
-  interval prints none (its bar line says enough); a slow step prints a line per phase, and one per
-  interval inside a long phase, so a slow step can be told from a hung one. ``interval_s=0``: a
-  line at every phase's end, no heartbeats.
+- lines, by ``interval_s`` (``train.progress_seconds``): a phase that runs longer than it writes a
+  heartbeat every ``interval_s`` while it waits on the device (naming what is done, e.g. "1/2
+  sampler calls done ... 30 s so far") and a line when it ends ("reward done in 41 s"); a shorter
+  phase's end line is written when nothing was for ``interval_s`` (so a step of many short phases
+  still says where it is). A step shorter than the interval prints none (its bar line says enough);
+  a slow step prints a line per phase, so a slow step can be told from a hung one.
+  ``interval_s=0``: a line at every phase's end, no heartbeats.
 - stops: ``boundary()`` raises ``StepInterrupted`` once ``stop_requested()`` is true. Waits on the
   device poll (``jax.Array.is_ready``) rather than block, so a signal's handler runs within
   ``POLL_S`` and the wait ends at once, the device program still running (the caller does not wait
@@ -42,7 +43,7 @@ class StepWatch:
     """Progress lines and stop boundaries of the steps of one run (see the module docstring).
 
     write(line): where lines go (the metrics logger's ``write``: above the progress bar).
-    interval_s: the least seconds between two lines. stop_requested(): whether a stop signal came.
+    interval_s: see the module docstring. stop_requested(): whether a stop signal came.
     clock: seconds (``time.monotonic``; tests pass their own).
     """
 
@@ -70,15 +71,19 @@ class StepWatch:
             raise StepInterrupted(self.step, self.phase or "its start")
 
     def done(self, detail: str = "") -> None:
-        """End the current phase: a line "step S: PHASE done in T s (detail)" when the interval has passed."""
-        seconds = self.clock() - self._phase_start
-        self._line(f"{self.phase} done in {seconds:.0f} s" + (f" ({detail})" if detail else ""))
+        """End the current phase: a line "step S: PHASE done in T s (detail)" when it ran ``interval_s``
+        or nothing was written for that long."""
+        now = self.clock()
+        seconds = now - self._phase_start
+        if seconds >= self.interval_s or now - self._last_line >= self.interval_s:
+            self._write(f"{self.phase} done in {seconds:.0f} s" + (f" ({detail})" if detail else ""))
 
     def heartbeat(self, detail: str) -> None:
-        """Within the current phase: a line "step S: PHASE, detail, T s so far" when the interval has
-        passed (none with ``interval_s=0``)."""
-        if self.interval_s > 0:
-            self._line(f"{self.phase}, {detail}, {self.clock() - self._phase_start:.0f} s so far")
+        """Within the current phase: a line "step S: PHASE, detail, T s so far" every ``interval_s`` of
+        the phase (none with ``interval_s=0``)."""
+        now = self.clock()
+        if self.interval_s > 0 and now - max(self._phase_start, self._last_line) >= self.interval_s:
+            self._write(f"{self.phase}, {detail}, {now - self._phase_start:.0f} s so far")
 
     def wait(self, arrays, detail: Callable[[], str]) -> None:
         """Wait until every jax.Array in the pytree ``arrays`` is computed, writing heartbeats
@@ -92,11 +97,9 @@ class StepWatch:
             self.heartbeat(detail())
             time.sleep(POLL_S)
 
-    def _line(self, text: str) -> None:
-        now = self.clock()
-        if now - self._last_line >= self.interval_s:
-            self.write(f"step {self.step}: {text}")
-            self._last_line = now
+    def _write(self, text: str) -> None:
+        self.write(f"step {self.step}: {text}")
+        self._last_line = self.clock()
 
 
 def planned_step_warning(config, platform: str) -> str | None:
