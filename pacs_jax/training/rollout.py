@@ -129,8 +129,11 @@ class RolloutCollector:
                                 jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
         watch = watch or StepWatch(lambda line: None, float("inf"))
+        tokens_done = 0  # of the finished calls' rows this process holds (all rows on one process)
         for c, out in enumerate(outs):
-            watch.wait(out, lambda c=c: f"{c}/{K} sampler calls done ({per_call * programs.n} rows each)")
+            watch.wait(out, lambda c=c: f"{c}/{K} sampler calls done ({per_call * programs.n} rows each), "
+                                        f"{tokens_done} tokens")
+            tokens_done += int(distributed.local_rows(out.lengths)[1].sum())
         # one transfer for all calls
         host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
         lengths, stopped = (np.concatenate(parts) for parts in list(zip(*host_calls))[:2])
