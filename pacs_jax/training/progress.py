@@ -13,9 +13,9 @@ A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampl
   a slow step prints a line per phase, so a slow step can be told from a hung one.
   ``interval_s=0``: a line at every phase's end, no heartbeats.
 - stops: ``boundary()`` raises ``StepInterrupted`` once ``stop_requested()`` is true. Waits on the
-  device poll (``jax.Array.is_ready``) rather than block, so a signal's handler runs within
-  ``POLL_S`` and the wait ends at once, the device program still running (the caller does not wait
-  for it: training/run.py ends the process without it).
+  device poll (``jax.Array.is_ready``; 1 ms apart at first, doubling up to ``POLL_S``) rather than
+  block, so a signal's handler runs within ``POLL_S`` and the wait ends at once, the device program
+  still running (the caller does not wait for it: pacs_jax/train.py ends the process without it).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import jax
 
-POLL_S = 0.05  # seconds between two looks at an unfinished device result
+POLL_S = 0.05  # the most seconds between two looks at an unfinished device result
 CPU_STEP_TOKENS = 100_000  # prompt + response tokens of a step above which a CPU run is warned (minutes a step
 #                            at the demo's size; the paper's 1024 x 8 x (512 + 4096) is 38 M)
 
@@ -89,13 +89,15 @@ class StepWatch:
         """Wait until every jax.Array in the pytree ``arrays`` is computed, writing heartbeats
         (``detail()`` says what is done) and stopping at a signal (``StepInterrupted``)."""
         pending = [x for x in jax.tree.leaves(arrays) if isinstance(x, jax.Array)]
+        delay = 0.001  # doubling up to POLL_S: a short wait ends within a millisecond or two of its result
         while pending:
             pending = [x for x in pending if not x.is_ready()]
             if not pending:
                 return
             self.boundary()
             self.heartbeat(detail())
-            time.sleep(POLL_S)
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_S)
 
     def _write(self, text: str) -> None:
         self.write(f"step {self.step}: {text}")
