@@ -53,6 +53,11 @@ class StepWatch:
         self.step, self.phase, self.stoppable = 0, "", True
         self._phase_start = self._last_line = clock()
 
+    @classmethod
+    def silent(cls) -> StepWatch:
+        """A watch that writes nothing and never stops a step (a rollout outside the training loop)."""
+        return cls(lambda line: None, float("inf"))
+
     def start_step(self, step: int, stoppable: bool = True) -> None:
         """Begin step ``step``; stoppable: whether a stop signal may end it (False: it runs to its end)."""
         self.step, self.phase, self.stoppable = step, "", stoppable

@@ -128,7 +128,7 @@ class RolloutCollector:
         outs = [programs.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                                 jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
-        watch = watch or StepWatch(lambda line: None, float("inf"))
+        watch = watch or StepWatch.silent()
         tokens_done = 0  # of the finished calls' rows this process holds (all rows on one process)
         for c, out in enumerate(outs):
             watch.wait(out, lambda c=c: f"{c}/{K} sampler calls done ({per_call * programs.n} rows each), "
@@ -175,7 +175,7 @@ class RolloutCollector:
         """One step's rollout of ``prompts``; ``watch`` (training/progress.py): its phases' progress
         lines and stop boundaries (sampling, reward, pi_old)."""
         n = self.programs.n
-        watch = watch or StepWatch(lambda line: None, float("inf"))
+        watch = watch or StepWatch.silent()
         times = {}
         t0 = time.perf_counter()
         watch.start("sampling")
