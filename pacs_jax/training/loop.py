@@ -20,6 +20,7 @@ resumed run restores the newest intact checkpoint (``TrainCheckpointer.restore_l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -150,7 +151,12 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         if primary:                         # cannot fit stops here
             print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
                   "minutes on a large model)", flush=True)
-        memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
+        # a signal while compiling exits there, unless a warm-start of this session waits for step 1's checkpoint
+        compiling = (contextlib.nullcontext() if keep_first_step else
+                     signals.immediate(f"the compilation before step {start + 1}, which a restart runs again (no "
+                                       f"step of this session had started)"))
+        with compiling:
+            memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
     watch = StepWatch(logger.write if primary else lambda line: None, tc.progress_seconds,
                       stop_requested=lambda: single_process and signals.requested is not None)
     step = start

@@ -12,7 +12,8 @@ One process: both signals are handled alike, by the phase the run is in.
   device. The handlers then go back to the default action, so a second SIGTERM or SIGINT ends the
   process at once (losing the steps since the last checkpoint), even inside a long XLA call.
 - Every other phase (``immediate(what_is_lost)``): start-up, the warm-start and the evaluation before
-  RL (neither is checkpointed), the final evaluation and the export. The first signal prints one
+  RL (neither is checkpointed), the compilation before a session's first RL step (training/loop.py;
+  not when that step keeps a warm-start), the final evaluation and the export. The first signal prints one
   line naming the phase and what a restart redoes, and exits (``SystemExit``, status 128 + the
   signal's number, so the run's cleanup code runs: reward workers, the workdir lock). A signal that
   lands inside a garbage-collector callback, where Python would print and drop the ``SystemExit``
