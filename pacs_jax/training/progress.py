@@ -3,7 +3,7 @@ stop signal ends an unfinished step (docs/design.md section 3.7).
 
 A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampler's
 ``rollout.micro_batches`` calls), ``reward`` (decoding and scoring, while the device computes pi_old),
-``pi_old`` (waiting for it), PPO's ``critic``, and ``update``. ``StepWatch``:
+``pi_old`` (waiting for it) and ``update`` (PPO's critic update with it). ``StepWatch``:
 
 - lines, by ``interval_s`` (``train.progress_seconds``): a phase that runs longer than it writes a
   heartbeat every ``interval_s`` while it waits on the device (naming what is done, e.g. "1/2
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import jax
 
 POLL_S = 0.05  # the most seconds between two looks at an unfinished device result
-CPU_STEP_TOKENS = 100_000  # prompt + response tokens of a step above which a CPU run is warned (minutes a step
-#                            at the demo's size; the paper's 1024 x 8 x (512 + 4096) is 38 M)
+CPU_STEP_TOKENS = 100_000  # prompt + response tokens of a step above which a CPU run is warned (the ,cpu smoke
+#                            test's 8 x 8 x (512 + 64) = 37 k take about 55 s on 2 cores; the paper's step 38 M)
 
 
 class StepInterrupted(Exception):
