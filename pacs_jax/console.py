@@ -18,8 +18,9 @@ progress bars that stay readable in a log file.
 most one line every ``LOG_INTERVAL_S`` seconds (tqdm's ``mininterval`` and ``maxinterval``, given to
 each bar: tqdm reads ``TQDM_MININTERVAL`` only when it is imported, before the flags are parsed), and
 its last, once (``leave=True``: a bar that clears itself would leave its first line last; a last
-state already written is not written again at ``close``). ``say(line, bar)``: a line above a bar (on a terminal the bar is redrawn below it; off one
-the line is written alone, not followed by another copy of the bar).
+state already written is not written again at ``close``). ``say(line, bar)``: a line above a bar
+(on a terminal the bar is redrawn below it; off one the line is written alone, not followed by
+another copy of the bar).
 """
 
 from __future__ import annotations
