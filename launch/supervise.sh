@@ -27,8 +27,8 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || { echo "supervise.sh: no COMMAND after --" >&2; exit 2; }
 
-child="" stopping=0
-forward() { stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
+child="" stopping=0 trapped=0
+forward() { stopping=1 trapped=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
 trap forward TERM INT
 
 attempt=0
@@ -36,8 +36,16 @@ while true; do
   echo "supervise.sh: $(date -u +%FT%TZ) attempt $((attempt + 1)): $*"
   "$@" &
   child=$!
-  wait "$child"; status=$?
-  while kill -0 "$child" 2>/dev/null; do wait "$child"; status=$?; done  # wait again after a trapped signal
+  # A trapped signal interrupts `wait` (status 128 + its number) whether the child still runs or has just
+  # exited: wait again, which returns the child's own status (it is not reaped until a wait returns it).
+  status=""
+  while true; do
+    trapped=0
+    wait "$child"; waited=$?
+    if [ "$waited" -eq 127 ] && [ -n "$status" ]; then break; fi  # reaped by the wait before the signal
+    status=$waited
+    [ "$trapped" -eq 1 ] || break
+  done
   child=""
   if [ "$status" -eq "$resume_status" ] && [ "$stopping" -eq 1 ]; then
     echo "supervise.sh: $(date -u +%FT%TZ) stopped with status $status: the last finished step is" \

@@ -91,7 +91,8 @@ def test_ctrl_c_in_sampling_drops_the_step_exits_79_and_the_resume_runs_it(tmp_p
 
 def _supervise(tmp_path, command: str, *, signal_supervisor: bool) -> tuple[subprocess.CompletedProcess, int]:
     """supervise.sh (--max_restarts 1, no delay) running ``command`` (bash) that counts its attempts;
-    signal_supervisor: send supervise.sh a SIGTERM once the first attempt runs."""
+    signal_supervisor: send supervise.sh a SIGTERM once the first attempt has made tmp_path/ready (after
+    its trap is set)."""
     counter = tmp_path / "attempts"
     counter.write_text("")
     script = f"echo x >> {shlex.quote(str(counter))}; {command}"
@@ -99,7 +100,7 @@ def _supervise(tmp_path, command: str, *, signal_supervisor: bool) -> tuple[subp
                                 "--", "bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     if signal_supervisor:
-        wait_for(lambda: counter.read_text(), process, "the first attempt")
+        wait_for(lambda: (tmp_path / "ready").exists(), process, "the first attempt's trap")
         process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=60)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err), len(counter.read_text().split())
@@ -112,8 +113,8 @@ def test_supervise_resumes_after_the_trainer_s_own_signal_and_stops_after_its_ow
     assert attempts == 2 and run.returncode == RESUME_NEEDED_STATUS
     assert f"stopped by a signal of its own (status {RESUME_NEEDED_STATUS}); resuming in 0 s" in run.stderr
     # supervise.sh got the stop (Ctrl-C, tpu_pod.sh stop): it passes it on and stops with the trainer's 79
-    run, attempts = _supervise(tmp_path, f"sleep 60 & trap 'kill $!; exit {RESUME_NEEDED_STATUS}' TERM; wait",
-                               signal_supervisor=True)
+    run, attempts = _supervise(tmp_path, f"sleep 60 & trap 'kill $!; exit {RESUME_NEEDED_STATUS}' TERM; "
+                                         f"touch {shlex.quote(str(tmp_path / 'ready'))}; wait", signal_supervisor=True)
     assert attempts == 1 and run.returncode == RESUME_NEEDED_STATUS, run.stdout + run.stderr
     assert (f"stopped with status {RESUME_NEEDED_STATUS}: the last finished step is checkpointed; run the same "
             "command again to resume") in run.stdout
