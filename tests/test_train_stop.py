@@ -1,9 +1,9 @@
 """Issue 41 items 1 and 2: a step says what it is doing, and Ctrl-C ends it at its next phase boundary.
 
-The trainer runs as a user runs it (``python -m pacs_jax.train``, the shrunk demo straight into RL), in
-a wrapper that makes step 2's sampler wait be a long one: the sampling wait (training/progress.py
-``StepWatch.wait``) of step 2 announces itself and holds until a stop signal is requested, as a
-sampler call of minutes would, then runs as usual. The Ctrl-C goes to the whole process group, as a
+The trainer runs as a user runs it (``python -m pacs_jax.train``, the shrunk demo straight into RL, or
+after its warm-start), in a wrapper that makes one step's sampler wait a long one: the sampling wait
+(training/progress.py ``StepWatch.wait``) of that step announces itself and holds until a stop signal
+is requested, as a sampler call of minutes would, then runs as usual. The Ctrl-C goes to the whole process group, as a
 terminal sends it. launch/supervise.sh's reading of the resume status is checked with a stand-in
 command.
 """
@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from pacs_jax.errors import PERMANENT_ERROR_STATUS, RESUME_NEEDED_STATUS
-from train_helpers import (REPO, RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
+from train_helpers import (FAST_DEMO_FLAGS, REPO, RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
                            start_train, train_env, wait_for)
 
 HELD_SAMPLING = """
@@ -27,8 +27,8 @@ import runpy, sys, time
 from pacs_jax.training import progress
 wait = progress.StepWatch.wait
 def held_wait(self, arrays, detail):
-    if self.step == 2 and self.phase == "sampling":
-        print("step 2's sampling is held", flush=True)
+    if self.step == {step} and self.phase == "sampling":
+        print("step {step}'s sampling is held", flush=True)
         while not self.stop_requested():
             time.sleep(0.05)
     return wait(self, arrays, detail)
@@ -48,8 +48,8 @@ def test_ctrl_c_in_sampling_drops_the_step_exits_79_and_the_resume_runs_it(tmp_p
     flags = (*RL_ONLY_FLAGS, "--config.train.checkpoint_every=0", "--config.rollout.micro_batches=2",
              "--config.train.progress_seconds=0")  # a line at every phase's end
     with open(workdir.parent / "held.out", "w") as out, open(workdir.parent / "held.err", "w") as err:
-        process = subprocess.Popen([sys.executable, "-c", HELD_SAMPLING, f"--workdir={workdir}", *flags,
-                                    "--config.train.steps=50"], cwd=REPO, env=env, stdout=out, stderr=err,
+        process = subprocess.Popen([sys.executable, "-c", HELD_SAMPLING.format(step=2), f"--workdir={workdir}",
+                                    *flags, "--config.train.steps=50"], cwd=REPO, env=env, stdout=out, stderr=err,
                                    start_new_session=True)
     wait_for(lambda: "step 2's sampling is held" in logs(workdir, "held"), process, "step 2's sampling")
     os.killpg(process.pid, signal.SIGINT)
@@ -87,6 +87,25 @@ def test_ctrl_c_in_sampling_drops_the_step_exits_79_and_the_resume_runs_it(tmp_p
     assert "resumed from step 1 " in output and "training steps 2 to 2" in output
     assert "before step 2 (train.precompile" in output and "before step 1 " not in output
     assert [row["step"] for row in metrics_rows(workdir)] == [1, 2]
+
+
+@pytest.mark.slow(seconds=40)
+def test_ctrl_c_in_the_first_step_after_a_warm_start_finishes_it_to_keep_the_warm_start(tmp_path_factory):
+    """The warm-start has no checkpoint of its own: a Ctrl-C in step 1's sampling finishes step 1 and writes
+    its checkpoint (then exits 79), rather than dropping it and losing the warm-start."""
+    workdir = tmp_path_factory.mktemp("warm_stop") / "run"
+    flags = (*FAST_DEMO_FLAGS, "--config.train.checkpoint_every=0", "--config.train.steps=50")
+    with open(workdir.parent / "held.out", "w") as out, open(workdir.parent / "held.err", "w") as err:
+        process = subprocess.Popen([sys.executable, "-c", HELD_SAMPLING.format(step=1), f"--workdir={workdir}",
+                                    *flags], cwd=REPO, env=train_env(compile_cache_dir(tmp_path_factory)),
+                                   stdout=out, stderr=err, start_new_session=True)
+    wait_for(lambda: "step 1's sampling is held" in logs(workdir, "held"), process, "step 1's sampling")
+    os.killpg(process.pid, signal.SIGINT)
+    assert finish(process, timeout=120) == RESUME_NEEDED_STATUS, logs(workdir, "held")[-3000:]
+    output = logs(workdir, "held")
+    assert "warm-start: 5 steps" in output and "SIGINT: checkpoint of step 1 written, exiting" in output
+    assert "step 1 dropped" not in output
+    assert [row["step"] for row in metrics_rows(workdir)] == [1] and checkpoint_steps(workdir) == [1]
 
 
 def _supervise(tmp_path, command: str, *, signal_supervisor: bool) -> tuple[subprocess.CompletedProcess, int]:
