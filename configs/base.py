@@ -148,6 +148,8 @@ def get_config() -> ml_collections.ConfigDict:
         precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
         checkpoint_every=50,
         keep_checkpoints=3,
+        progress_seconds=30.0,    # a phase of a step (sampling, reward, pi_old, update) longer than this prints a line
+                                  # this often and at its end (training/progress.py); a step shorter than it prints none
     ))
 
     c.reward = ml_collections.ConfigDict(dict(

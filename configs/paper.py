@@ -3,6 +3,8 @@
     python tools/prepare_data.py deepscaler     # once: the training set, data/deepscaler/train.jsonl
     python -m pacs_jax.train --config=configs/paper.py:MODEL,ALGO --config.model.path=HF_DIR --workdir=DIR
 
+    python -m pacs_jax.train --config=configs/paper.py:MODEL,ALGO,cpu     # the same setup as a CPU smoke test
+
 MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 slice: 32 chips of 95 GiB)
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
 ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of the tables: PACS, PACS w/o weight,
@@ -14,6 +16,8 @@ ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of t
        pacs_beta1_only_negative | pacs_beta1_reward2 | pacs_beta1_naive_adv
        PAPER_SOURCES below names where the paper reports each ALGO; configs/algorithms.py defines them.
 
+SCALE (optional third part): cpu, the setup shrunk to a CPU smoke test (``_cpu_smoke_test``: a tiny
+random model of the family, 8 prompts x 8 responses of 64 tokens, every length that depends on them).
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
 named after it. Another slice: pick the nearest entry and override --config.mesh.* /
 --config.train.micro_batches / --config.rollout.micro_batches / --config.model.remat, then check
@@ -107,12 +111,15 @@ MAX_NEW_TOKENS = 4096
 
 
 def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
-    model_name, _, algo_name = arg.partition(",")
+    model_name, _, rest = arg.partition(",")
+    algo_name, _, scale = rest.partition(",")
     if model_name not in MODELS:
         raise ValueError(f"config arg model {model_name!r}: expected one of {sorted(MODELS)}")
     algo_name = algo_name or "pacs_beta1"
     if algo_name not in ALGORITHMS:
         raise ValueError(f"config arg algorithm {algo_name!r}: expected one of {sorted(ALGORITHMS)}")
+    if scale not in SCALES:
+        raise ValueError(f"config arg scale {scale!r}: expected one of {SCALES} (or none: the paper's size)")
     spec = MODELS[model_name]
     preset, (data, fsdp, tensor) = spec["preset"], spec["mesh"]
 
@@ -175,4 +182,46 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.eval.periodic.update(every=5, n=1, temperature=0.0, top_p=1.0)
     c.eval.final.update(n=32, temperature=paper_evaluation.TEMPERATURE, top_p=paper_evaluation.TOP_P, greedy=False,
                         per_set=paper_evaluation.per_set())
+    if scale == "cpu":
+        _cpu_smoke_test(c, model_name, algo_name)
     return c
+
+
+# The ",cpu" scale: the setup's algorithm, reward, chat template, prompt buckets, n = 8 and mini-batch count on
+# a tiny random model of its family, small enough for a CPU: 4 steps, about 50 s each on 2 cores (the real
+# vocabulary's logits dominate), and evaluations of a minute each (before RL, at steps 2 and 4, final).
+SCALES = ("", "cpu")
+CPU_MAX_NEW_TOKENS = 64
+CPU_TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
+                      vocab_size=0)  # vocab 0: the tokenizer's
+
+
+def _cpu_smoke_test(c: ml_collections.ConfigDict, model_name: str, algo_name: str) -> None:
+    """Shrink a paper setup to a CPU smoke test, every dependent field with it: a tiny random model of
+    the family (the repository's Qwen tokenizer: no model.path), the DeepScaleR subset in data/, 8
+    prompts x 8 responses of <= CPU_MAX_NEW_TOKENS tokens (the response buckets, the algorithm's L_max,
+    the evaluation lengths, every eval.final.per_set entry's too), fp32, no remat, the mesh over
+    whatever devices there are (fsdp), the evaluations on the first 8 problems of MATH-500 and AMC23."""
+    family = "qwen3" if c.model.preset.startswith("Qwen3") else "qwen2"
+    c.workdir = f"workdir/{model_name}_{algo_name}_cpu"
+    c.model.preset, c.model.model_type = "", family
+    c.model.update(CPU_TINY_MODEL)
+    c.model.dtype, c.model.param_dtype, c.model.remat = "float32", "float32", "none"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.data.train_files = ("data/deepscaler_subset/math.json", "data/deepscaler_subset/aime.json")
+    c.rollout.max_new_tokens = CPU_MAX_NEW_TOKENS
+    c.rollout.response_buckets = (CPU_MAX_NEW_TOKENS // 2, CPU_MAX_NEW_TOKENS)
+    c.rollout.micro_batches, c.rollout.slots, c.rollout.tail_slots = 2, 32, 0
+    algorithms.setup(algo_name, CPU_MAX_NEW_TOKENS).apply(c)  # L_max: the responses' length
+    c.train.steps, c.train.prompts_per_step = 4, 8
+    c.train.micro_batches, c.train.logprob_micro_batches = 1, 0
+    c.train.checkpoint_every = 2
+    c.reward.workers = 2
+    c.eval.sets = "math_500,amc23"
+    c.eval.max_problems, c.eval.max_new_tokens = 8, CPU_MAX_NEW_TOKENS
+    c.eval.batch_size, c.eval.slots, c.eval.tail_slots = 8, 32, 0
+    c.eval.periodic.every = 2
+    c.eval.final.n = 4
+    for settings in c.eval.final.per_set.values():
+        settings.update(n=4, max_new_tokens=CPU_MAX_NEW_TOKENS)

@@ -8,10 +8,14 @@
 # waiting S seconds before each (default 30).
 # Exit status 78 is a permanent error (pacs_jax/errors.py: a config value, a flag or the data is
 # wrong, and the trainer printed which): no restart follows, supervise.sh exits 78 at once.
+# Exit status 79 (pacs_jax/errors.py RESUME_NEEDED_STATUS): a stop signal ended the trainer with its last
+# finished step checkpointed. When the signal was COMMAND's alone (a preemption notice, a kill of the
+# trainer), it is restarted and resumes; when supervise.sh got it too, supervise.sh stops with 79.
 # SIGTERM / SIGINT are passed on to COMMAND, which then saves a checkpoint and exits; no restart follows.
 set -uo pipefail
 
 permanent_status=78  # pacs_jax/errors.py PERMANENT_ERROR_STATUS
+resume_status=79     # pacs_jax/errors.py RESUME_NEEDED_STATUS
 max_restarts=20 delay=30
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -23,8 +27,8 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || { echo "supervise.sh: no COMMAND after --" >&2; exit 2; }
 
-child="" stopping=0
-forward() { stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
+child="" stopping=0 trapped=0
+forward() { stopping=1 trapped=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
 trap forward TERM INT
 
 attempt=0
@@ -32,9 +36,22 @@ while true; do
   echo "supervise.sh: $(date -u +%FT%TZ) attempt $((attempt + 1)): $*"
   "$@" &
   child=$!
-  wait "$child"; status=$?
-  while kill -0 "$child" 2>/dev/null; do wait "$child"; status=$?; done  # wait again after a trapped signal
+  # A trapped signal interrupts `wait` (status 128 + its number) whether the child still runs or has just
+  # exited: wait again, which returns the child's own status (it is not reaped until a wait returns it).
+  status=""
+  while true; do
+    trapped=0
+    wait "$child"; waited=$?
+    if [ "$waited" -eq 127 ] && [ -n "$status" ]; then break; fi  # reaped by the wait before the signal
+    status=$waited
+    [ "$trapped" -eq 1 ] || break
+  done
   child=""
+  if [ "$status" -eq "$resume_status" ] && [ "$stopping" -eq 1 ]; then
+    echo "supervise.sh: $(date -u +%FT%TZ) stopped with status $status: the last finished step is" \
+         "checkpointed; run the same command again to resume"
+    exit "$status"
+  fi
   if [ "$status" -eq 0 ] || [ "$stopping" -eq 1 ]; then
     echo "supervise.sh: $(date -u +%FT%TZ) finished with status $status"
     exit "$status"
@@ -49,6 +66,11 @@ while true; do
     echo "supervise.sh: giving up after $max_restarts restarts (last status $status)" >&2
     exit "$status"
   fi
-  echo "supervise.sh: $(date -u +%FT%TZ) exited with status $status; restarting in ${delay} s" >&2
+  if [ "$status" -eq "$resume_status" ]; then
+    echo "supervise.sh: $(date -u +%FT%TZ) stopped by a signal of its own (status $status); resuming in" \
+         "${delay} s" >&2
+  else
+    echo "supervise.sh: $(date -u +%FT%TZ) exited with status $status; restarting in ${delay} s" >&2
+  fi
   sleep "$delay"
 done

@@ -7,19 +7,30 @@ progress bars that stay readable in a log file.
   verbosity is WARNING unless the command line gives ``--verbosity`` (``--verbosity=0``: INFO, as absl
   defines it); so are gcsfs's logs of its retries (a traceback each) unless ``--verbosity`` is given: a
   store that never answers is the CLI's one line (errors.unreachable_store).
+- Orbax's "Metadata file does not exist" warning (a pacs_jax checkpoint's params/ is read on its own,
+  without the step's metadata file, which it does not need) is dropped unless ``--verbosity`` is
+  given: nothing a user can act on.
 - When stderr is not a terminal (a log file, a pipe, ``launch/supervise.sh``'s ``tpu_pod.sh`` log), tqdm's
-  bars become plain lines: at most one refresh every ``LOG_INTERVAL_S`` seconds (``TQDM_MININTERVAL``,
-  which tqdm reads for every bar that does not set it), each written as a line of its own, with the
-  cursor movements of nested bars (``ESC[A``) and the carriage returns left out.
+  bars become plain lines, each written as a line of its own, with the cursor movements of nested bars
+  (``ESC[A``) and the carriage returns left out.
+
+``bar(...)`` makes the package's progress bars: off a terminal a bar writes its first line, then at
+most one line every ``LOG_INTERVAL_S`` seconds (tqdm's ``mininterval`` and ``maxinterval``, given to
+each bar: tqdm reads ``TQDM_MININTERVAL`` only when it is imported, before the flags are parsed), and
+its last, once (``leave=True``: a bar that clears itself would leave its first line last; a last
+state already written is not written again at ``close``). ``say(line, bar)``: a line above a bar
+(on a terminal the bar is redrawn below it; off one the line is written alone, not followed by
+another copy of the bar).
 """
 
 from __future__ import annotations
 
 import io
 import logging as python_logging
-import os
 import re
 import sys
+
+from tqdm.auto import tqdm
 
 LOG_INTERVAL_S = 30
 _CURSOR_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -64,6 +75,41 @@ class PlainLines(io.TextIOBase):
         return self.stream.fileno()
 
 
+def terminal() -> bool:
+    """Whether stderr (where the bars are drawn) is a terminal."""
+    return sys.stderr.isatty()
+
+
+class _Bar(tqdm):
+    """tqdm, except that off a terminal ``close`` writes no second copy of a last line already written."""
+
+    def close(self) -> None:
+        if not terminal() and self.leave and getattr(self, "last_print_n", None) == self.n:
+            self.leave = False  # its last state is the line before: clear it instead (PlainLines drops that)
+        super().close()
+
+
+def bar(*args, **kwargs):
+    """A tqdm progress bar (tqdm's arguments); off a terminal refreshed at most every ``LOG_INTERVAL_S``,
+    ending on one line of its last state."""
+    if not terminal():  # a log: its last line stays (a bar that clears itself would end on its first)
+        kwargs.update(mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S, leave=True)
+    return _Bar(*args, **kwargs)
+
+
+def say(line: str, progress=None) -> None:
+    """Print ``line`` on stdout, above the tqdm bar ``progress`` (None: no bar) on a terminal."""
+    if progress is not None and terminal():
+        progress.write(line)
+    else:
+        print(line, flush=True)
+
+
+def _drop_orbax_metadata_warning(record: python_logging.LogRecord) -> bool:
+    """A logging filter: False for Orbax's "Metadata file does not exist" warning."""
+    return not str(record.msg).startswith("Metadata file does not exist")
+
+
 def setup(argv: list[str] | None = None) -> None:
     """Quiet third-party INFO logs unless ``--verbosity`` is on the command line, and make progress
     bars write plain lines when stderr is not a terminal (see the module docstring)."""
@@ -73,6 +119,6 @@ def setup(argv: list[str] | None = None) -> None:
     if not any(arg.split("=")[0] in ("--verbosity", "-v") for arg in argv):
         logging.set_verbosity(logging.WARNING)
         python_logging.getLogger("gcsfs").setLevel(python_logging.CRITICAL)
+        logging.get_absl_logger().addFilter(_drop_orbax_metadata_warning)
     if not sys.stderr.isatty() and not isinstance(sys.stderr, PlainLines):
-        os.environ.setdefault("TQDM_MININTERVAL", str(LOG_INTERVAL_S))
         sys.stderr = PlainLines(sys.stderr)

@@ -11,10 +11,14 @@ The argparse tools (tools/export_hf.py) report one alike with ``run_main``.
 A ``gs://`` store that does not answer (no network, no credentials) is one line too, with status 75
 (``UNREACHABLE_STORE_STATUS``, EX_TEMPFAIL), which supervise.sh restarts.
 
+A run stopped by SIGTERM or SIGINT before ``train.steps`` (training/signals.py) exits with
+``RESUME_NEEDED_STATUS`` (79): unfinished, its checkpoint written; the same command resumes it.
+
 Permanent: ``PermanentError`` and its subclasses (``UsageError``, ``pacs_jax.data.DataError``: malformed data),
 absl's ``app.UsageError`` (the trainer raises it for config errors, ``ConfigError`` of
 pacs_jax/training/config_check.py, and for bad flags), flag-parsing errors and config overrides that
-name a field the config lacks (``--config.train.stepz=3``: one line naming the likely field).
+name a field the config lacks (``--config.train.stepz=3``: one line naming the likely field), and a
+tuple field's override given twice (``repeated_tuple_override``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ T = TypeVar("T")
 
 PERMANENT_ERROR_STATUS = 78  # launch/supervise.sh does not restart a command that exits with it
 UNREACHABLE_STORE_STATUS = 75  # EX_TEMPFAIL: a store (gs://) that did not answer; supervise.sh restarts it
+RESUME_NEEDED_STATUS = 79  # a stop signal ended the run before train.steps: run it again to resume (supervise.sh:
+#                            a restart when the signal was the trainer's alone, a stop when supervise.sh got it too)
 # Where a store's client code lives: an error raised through these is the store's (or the network's)
 _STORE_CLIENTS = ("/gcsfs/", "/fsspec/", "/google/auth/", "/google/cloud/", "/aiohttp/")
 
@@ -129,6 +135,27 @@ def unreachable_store(error: BaseException) -> str | None:
     return None
 
 
+def repeated_tuple_override(argv: Sequence[str], flag: str, config) -> str | None:
+    """One line for a tuple field of ``config`` (the value of config flag ``flag``) overridden more than
+    once in ``argv`` (``--config.data.train_files=a --config.data.train_files=b``, which ml_collections
+    joins into one tuple without a word), else None."""
+    if not hasattr(config, "to_dict"):  # not a ConfigDict
+        return None
+    seen: dict[str, int] = {}
+    for arg in argv:
+        match = re.match(rf"^--?{re.escape(flag)}\.([^=]+)=", arg)
+        if match:
+            seen[match.group(1)] = seen.get(match.group(1), 0) + 1
+    for field, count in seen.items():
+        value = config
+        for part in field.split("."):
+            value = value.get(part) if hasattr(value, "get") else None
+        if count > 1 and isinstance(value, (tuple, list)):
+            return (f"--{flag}.{field} is given {count} times; give the tuple once, e.g. "
+                    f"--{flag}.{field}=\"('a.jsonl', 'b.jsonl')\"")
+    return None
+
+
 def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str] | None = None,
             permanent: tuple[type[BaseException], ...] = (),
             prepare: Callable[[list[str]], list[str]] | None = None) -> None:
@@ -146,7 +173,12 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
 
     def parse_flags(args: list[str]) -> list[str]:
         try:
-            return flags.FLAGS(prepare(args) if prepare else args)
+            rest = flags.FLAGS(prepare(args) if prepare else args)
+            for name in flags.FLAGS:  # ml_collections' config flags: a tuple field's override given twice
+                message = repeated_tuple_override(args, name, flags.FLAGS[name].value)
+                if message is not None:
+                    _fail(program, message)
+            return rest
         except PermanentError as e:
             _fail(program, str(e))
         except flags.Error as e:

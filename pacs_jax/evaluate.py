@@ -44,7 +44,7 @@ from ml_collections import config_flags
 from pacs_jax import checkpoints, console
 from pacs_jax.data import paths, remote
 from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, build_prompts, load_tokenizer,
-                           render_prompt, run_tokenizer, training_problems)
+                           render_prompt, training_problems)
 from pacs_jax.errors import UsageError, run_cli
 from pacs_jax.evaluation import (EvalSet, EvalSettings, eval_slots, evaluate_per_set, load_eval_sets, per_set_settings,
                                  write_outputs)
@@ -196,12 +196,11 @@ def _tokenizer(config, target: Target):
         return load_tokenizer(config.data.tokenizer), ""
     if (target.model_dir / "tokenizer_config.json").is_file():
         return load_tokenizer(target.model_dir), ""
-    training = target.training_config or {}
-    recorded = training.get("data", {}).get("tokenizer")
-    if recorded == CHAR_TOKENIZER:
+    folder = target.recorded_tokenizer()  # "char", a folder (local or gs://), or None
+    recorded = (target.training_config or {}).get("data", {}).get("tokenizer")
+    if folder == CHAR_TOKENIZER:
         return load_tokenizer(CHAR_TOKENIZER), f'"{CHAR_TOKENIZER}" (the training run\'s data.tokenizer)'
-    if recorded is not None:  # "" is the run's model's own tokenizer (data.run_tokenizer)
-        folder = run_tokenizer(training["data"], training.get("model", {}).get("path", ""))  # local or gs://
+    if folder is not None:
         if (paths.path(folder) / "tokenizer_config.json").is_file():
             return load_tokenizer(folder), f"{folder} (the training run's data.tokenizer)"
         raise UsageError(f"{target.model_dir}: no tokenizer files (tokenizer_config.json), and the training run's "

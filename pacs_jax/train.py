@@ -7,7 +7,9 @@ workdir is created or anything compiles; a restarted run resumes from its workdi
 
 Exit status: 0 on success; 78 (pacs_jax/errors.py ``PERMANENT_ERROR_STATUS``) with one line on stderr
 for an error a restart cannot fix: a config value (``ConfigError``), a flag, malformed data
-(``DataError``); launch/supervise.sh stops on it. Anything else (a crash) exits non-zero otherwise.
+(``DataError``); launch/supervise.sh stops on it. 79 (``RESUME_NEEDED_STATUS``): SIGTERM or SIGINT
+stopped the run before train.steps, its last finished step checkpointed: the same command resumes it
+(supervise.sh restarts it, unless it got the signal too). Anything else (a crash) exits non-zero otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ml_collections import config_flags
 
 from pacs_jax import console
 from pacs_jax.data import paths
-from pacs_jax.errors import UsageError, exit_on_unknown_config_field, run_cli
+from pacs_jax.errors import RESUME_NEEDED_STATUS, UsageError, exit_on_unknown_config_field, run_cli
 
 
 def _env_int(name: str) -> int | None:
@@ -96,6 +98,12 @@ def main(argv: list[str]) -> None:
         summary = run_training(config, workdir)
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=2))
+    if "stopped_at_step" in summary:  # a stop signal: unfinished, resume needed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if "dropped_step" in summary:  # the dropped step's device program may still run: do not wait for it
+            os._exit(RESUME_NEEDED_STATUS)
+        sys.exit(RESUME_NEEDED_STATUS)
 
 
 def _check_workdir(workdir, field: str) -> None:

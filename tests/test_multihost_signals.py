@@ -24,6 +24,7 @@ import time
 import pytest
 
 from conftest import REPO
+from pacs_jax.errors import RESUME_NEEDED_STATUS
 from pacs_jax.training.workdir import LOCK_FILE
 from train_helpers import FAST_DEMO_FLAGS, checkpoint_steps, finish, metrics_rows, train_env, wait_for
 
@@ -64,7 +65,7 @@ def test_ctrl_c_on_local_sh_stops_every_process_at_one_checkpointed_step_and_the
     first = _start(workdir, cache, tmp_path / "first.log", *NO_WARM_START, f"--config.train.steps={LONG}")
     wait_for(lambda: len(metrics_rows(workdir)) >= 1, first, "the first RL step")
     os.kill(first.pid, signal.SIGINT)  # Ctrl-C in local.sh's terminal (its processes have groups of their own)
-    assert finish(first, timeout=300) == 0, (tmp_path / "first.log").read_text()[-5000:]
+    assert finish(first, timeout=300) == RESUME_NEEDED_STATUS, (tmp_path / "first.log").read_text()[-5000:]
     output = (tmp_path / "first.log").read_text()
 
     assert "local.sh: INT: passed on to the 2 processes" in output

@@ -264,7 +264,8 @@ def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_pa
     assert not (workdir / LOCK_FILE).exists()
     assert {"config.json", "model.safetensors"} <= {p.name for p in (workdir / "hf_export").iterdir()}
     assert (workdir / "eval" / "final" / "eval_metrics.json").is_file()
-    assert len(list((workdir / "tensorboard").iterdir())) == 2  # an event file a session
+    events = [p.name for p in (workdir / "tensorboard").iterdir()]  # a session's training events file, and its
+    assert (len(events), sum(name.endswith(".eval") for name in events)) == (4, 2), events  # evaluations' file
 
     metrics = evaluate.run(_eval_config(), "gs://bucket/run")
     assert set(metrics) == {"held_out"}

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from pacs_jax.errors import RESUME_NEEDED_STATUS
 from pacs_jax.files import storage_error
 from pacs_jax.training import metrics as metrics_lib
 from pacs_jax.training.workdir import LOCK_FILE, WorkdirLock, WorkdirLockedError
@@ -52,7 +53,7 @@ runpy.run_module("pacs_jax.train", run_name="__main__")
 
 @pytest.mark.slow(seconds=45)
 def test_sigint_checkpoints_the_step_and_a_second_sigint_during_that_checkpoint_aborts(tmp_path_factory):
-    """One workdir, two sessions: Ctrl-C once writes the checkpoint of the step under way and exits 0; the
+    """One workdir, two sessions: Ctrl-C once writes the checkpoint of the last finished step and exits 79; the
     resume (its programs from the first session's compilation cache), Ctrl-C'd again, then once more
     inside the checkpoint that asked for, aborts at once and writes nothing."""
     env = train_env(compile_cache_dir(tmp_path_factory))
@@ -62,27 +63,27 @@ def test_sigint_checkpoints_the_step_and_a_second_sigint_during_that_checkpoint_
     process = start_train(workdir, *flags, env=env, log_name="once", new_session=True)
     wait_for(lambda: len(metrics_rows(workdir)) >= 1, process, "the first RL step")
     os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: the whole foreground group, reward workers too
-    assert finish(process) == 0, logs(workdir, "once")
+    assert finish(process) == RESUME_NEEDED_STATUS, logs(workdir, "once")
     output = logs(workdir, "once")
     last = metrics_rows(workdir)[-1]["step"]
     assert checkpoint_steps(workdir) == [last] and last < LONG
-    assert "SIGINT: finishing the current step, then writing its checkpoint and exiting (send SIGTERM or press " \
-           "Ctrl-C again to abort at once" in output
-    assert f"SIGINT: checkpoint of step {last} written, exiting" in output
+    assert "SIGINT: stopping at the step's next phase boundary" in output
+    assert "exiting with status 79 (send SIGTERM or press Ctrl-C again to abort at once" in output
+    assert f"checkpoint of step {last} written, exiting" in output
     assert not (workdir / LOCK_FILE).exists()  # released on the way out
 
     with open(workdir.parent / "twice.out", "w") as out, open(workdir.parent / "twice.err", "w") as err:
         process = subprocess.Popen([sys.executable, "-c", SLOW_FORCED_SAVE, f"--workdir={workdir}", *flags],
                                    cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
     wait_for(lambda: len(metrics_rows(workdir)) > last, process, "a step after the resume")
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the step under way finishes, then its checkpoint
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the last finished step's checkpoint
     wait_for(_log_has(workdir, "twice", "forced save of step"), process, "the checkpoint after the first SIGINT")
     sent = time.monotonic()
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C again, inside that save: abort
     assert finish(process, timeout=30) == -signal.SIGINT
     assert time.monotonic() - sent < 10  # at once, not after the held save
     output = logs(workdir, "twice")
-    assert f"resumed from step {last} " in output and "SIGINT: finishing the current step" in output
+    assert f"resumed from step {last} " in output and "SIGINT: stopping at the step's next phase boundary" in output
     assert checkpoint_steps(workdir) == [last] and "checkpoint of step" not in output
 
 

@@ -28,6 +28,7 @@ from pacs_jax.data.records import DataError, Problem
 from pacs_jax.data.tfds_source import read_tfds
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
+BOM = "\ufeff"  # a UTF-8 byte order mark, which some editors write at the start of a file
 
 
 def split_format(spec: str) -> tuple[str, str | None]:
@@ -100,10 +101,12 @@ def _default_source(path: epath.Path, format: str) -> str:
 
 
 def _rows(path: epath.Path) -> Iterator[tuple[str, Any]]:
-    """(location, decoded row) for each row of one file."""
+    """(location, decoded row) for each row of one file (a UTF-8 byte order mark, as Windows editors
+    write, is dropped: ``BOM``)."""
     if path.suffix == ".jsonl":
-        with path.open("r", encoding="utf-8") as f:
+        with path.open("r", encoding="utf-8") as f:  # epath reads UTF-8 whatever the encoding given
             for line_number, line in enumerate(f, 1):
+                line = line.removeprefix(BOM) if line_number == 1 else line
                 if not line.strip():
                     continue
                 try:
@@ -128,7 +131,7 @@ def _rows(path: epath.Path) -> Iterator[tuple[str, Any]]:
 
 def _json_list_items(path: epath.Path) -> Iterator[tuple[str, Any]]:
     """Items of a JSON list file, each located by the line where it starts."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8").removeprefix(BOM)
     decoder = json.JSONDecoder()
     whitespace = re.compile(r"\s*")
     position = whitespace.match(text, 0).end()

@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from pacs_jax import sampling
+from pacs_jax import console, sampling
 from pacs_jax.data import INSTRUCTION, Problem, build_prompts, load_problems, paths
 from pacs_jax.errors import UsageError
 from pacs_jax.evaluation.pass_at_k import pass_at_k_metrics
@@ -60,16 +59,18 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
     Each set's reward is ``set_reward(name, reward_mode)``.
     A relative path not found from the working directory is read from the repository root (the default
     data_dir "data" is the repository's); found in neither, a ``UsageError`` names it and both places.
+    A name without an entry in ``files`` is a ``UsageError`` naming config.eval.sets.
 
     max_problems > 0 keeps the first max_problems problems of each set.
     """
     names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
     if not names:
-        raise ValueError("no evaluation sets given (config.eval.sets)")
+        raise UsageError("config.eval.sets: no evaluation sets given")
     sets = []
     for name in names:
         if name not in files:
-            raise ValueError(f"evaluation set {name!r} has no entry in config.eval.set_files (known: {sorted(files)})")
+            raise UsageError(f"config.eval.sets: evaluation set {name!r} has no entry in config.eval.set_files (known: "
+                             f"{sorted(files)})")
         spec = files[name]
         if not spec.startswith("tfds:"):
             path = pathlib.Path(data_dir) / spec
@@ -149,7 +150,7 @@ def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, tem
     stops = tuple(stop_token_ids) or default_stop_ids(model, tokenizer)
 
     rows = []
-    with tqdm(total=len(examples), desc="evaluate", unit="problem", disable=not progress) as bar:
+    with console.bar(total=len(examples), desc="evaluate", unit="problem", disable=not progress) as bar:
         for chunk, start in enumerate(range(0, len(examples), batch_size)):
             batch = examples[start:start + batch_size]
             out = sampling.generate(model, [list(e.prompt_ids) for e in batch], max_new_tokens=max_new_tokens,

@@ -36,6 +36,17 @@ class Target:
     label: str
     note: str = ""
 
+    def recorded_tokenizer(self) -> str | None:
+        """The training run's tokenizer, as the run loaded it (``data.run_tokenizer`` of its
+        config.json): "char" (the demo's, no files), a folder (local or ``gs://``), or None without a
+        training run or a recorded ``data.tokenizer``."""
+        from pacs_jax.data import run_tokenizer
+
+        data = (self.training_config or {}).get("data", {})
+        if data.get("tokenizer") is None:
+            return None
+        return run_tokenizer(data, self.training_config.get("model", {}).get("path", ""))
+
     def default_output_dir(self) -> pathlib.Path:
         """``<workdir>/eval/evaluate_<label>`` for a workdir's checkpoint or export (never inside an Orbax
         step folder or an export, which the trainer rotates or replaces); ``<model_dir>/eval`` otherwise."""

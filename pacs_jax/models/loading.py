@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
-from tqdm.auto import tqdm
 
+from pacs_jax import console
 from pacs_jax.files import is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import HFWeightReader, read_param, weight_map, write_hf_dir
@@ -83,7 +83,7 @@ def build_from_arrays(cfg: QwenConfig, load: Callable[[str, jax.ShapeDtypeStruct
     graphdef, state = abstract_model(cfg)
     items = []
     flat = list(nnx.to_flat_state(state))
-    for path, var in tqdm(flat, desc=progress, disable=progress is None, leave=False):
+    for path, var in console.bar(flat, desc=progress, disable=progress is None, leave=False):
         abstract = var.get_value()
         name = dotted(path)
         blocks: dict[tuple, np.ndarray] = {}
@@ -167,7 +167,7 @@ def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetenso
     Multi-process: every process must call it (each tensor is gathered); process 0 writes."""
     cfg = model.cfg
     mapping = weight_map(cfg)
-    params = tqdm(host_params(model), total=len(mapping), desc=f"exporting to {pathlib.Path(out_dir).name}",
+    params = console.bar(host_params(model), total=len(mapping), desc=f"exporting to {pathlib.Path(out_dir).name}",
                   disable=not progress, leave=False)
     tensors = ((name, np.ascontiguousarray(hf)) for path, array in params for name, hf in mapping[path].hf_tensors(array))
     if jax.process_index() != 0:  # every process takes part in gathering each tensor; process 0 writes

@@ -21,7 +21,7 @@ import ml_collections
 from pacs_jax import checkpoints
 from pacs_jax.data import deepscaler, paths
 from pacs_jax.data.fields import FORMATS
-from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, run_tokenizer
+from pacs_jax.data.prompts import CHAR_TOKENIZER, MODEL_TOKENIZER, TokenizerChoiceError, load_tokenizer, run_tokenizer
 from pacs_jax.data.readers import split_format
 from pacs_jax.data.records import DataError
 from pacs_jax.data.sources import SOURCES, training_problems
@@ -73,6 +73,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int | None 
         _require(isinstance(tc[field], int) and tc[field] >= 1, f"train.{field}", f"must be an integer >= 1, got {tc[field]!r}")
     for field in ("checkpoint_every", "keep_checkpoints"):
         _require(isinstance(tc[field], int) and tc[field] >= 0, f"train.{field}", f"must be an integer >= 0, got {tc[field]!r}")
+    _require(isinstance(tc.progress_seconds, (int, float)) and tc.progress_seconds >= 0, "train.progress_seconds",
+             f"must be a number of seconds >= 0, got {tc.progress_seconds!r}")
     _check_eval(config)
 
     objective = config.algorithm.objective
@@ -310,14 +312,27 @@ def _check_data(dc: ml_collections.ConfigDict) -> None:
 
 def _check_tokenizer(dc: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
     """The run's tokenizer (data/prompts.py run_tokenizer): "" needs model.path with tokenizer files, and
-    a folder of another model family than model.path's is refused unless data.tokenizer_force."""
+    a folder of another model family than model.path's is refused unless data.tokenizer_force. A folder
+    the user named (data.tokenizer, or model.path's own files) is loaded as the run loads it: files
+    that do not make a tokenizer (vocab.json without merges.txt) are refused naming the folder."""
     if _elsewhere(m.path, "model.path") or (dc.tokenizer not in (CHAR_TOKENIZER, MODEL_TOKENIZER)
                                             and _elsewhere(dc.tokenizer, "data.tokenizer")):
         return
     try:
-        run_tokenizer(dc, m.path)
+        folder = run_tokenizer(dc, m.path)
     except TokenizerChoiceError as e:
         raise ConfigError(f"config.{e.field}: {e}") from None
+    if folder == CHAR_TOKENIZER or not (dc.tokenizer or m.path):  # "char", or the repository's own
+        return
+    try:
+        load_tokenizer(folder)
+    except Exception as e:  # transformers' loaders raise what their file readers raise
+        field = "data.tokenizer" if dc.tokenizer else "model.path"
+        files = paths.path(folder)
+        half_bpe = (files / "vocab.json").is_file() and not any((files / name).is_file()
+                                                               for name in ("merges.txt", "tokenizer.json"))
+        hint = "it has vocab.json but no merges.txt (nor tokenizer.json)" if half_bpe else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"config.{field}: the tokenizer in {folder} does not load: {hint}") from None
 
 
 def _check_model_source(m: ml_collections.ConfigDict) -> None:

@@ -9,13 +9,18 @@
         -> metrics; checkpoint every k steps and on SIGTERM / SIGINT          checkpoints.py, training/signals.py
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
-every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done. A
+every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done.
+A step's phases write progress lines and are where a stop signal ends an unfinished step
+(training/progress.py): one process drops the step under way if the signal comes before its update
+begins (the previous step's checkpoint is written if it was not; a resume runs the step again with
+the same keys), and finishes it otherwise. A
 resumed run restores the newest intact checkpoint (``TrainCheckpointer.restore_latest``), says
 "resumed from step N", and drops from metrics.jsonl the rows of the steps it runs again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -37,6 +42,7 @@ from pacs_jax.training import memory_check
 from pacs_jax.training.compilations import compilations, start_counting
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
+from pacs_jax.training.progress import StepInterrupted, StepWatch
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.signals import stop_signals
 from pacs_jax.training.step_programs import StepPrograms
@@ -57,7 +63,8 @@ class TrainResult:
     """The trained model, per-step metrics, the step's programs and collector (for benchmarks) and PPO's critic.
 
     history: this session's steps; earlier_history: a resumed run's rows of the steps before it, read
-    back from metrics.jsonl (process 0; empty elsewhere and in a run that did not resume)."""
+    back from metrics.jsonl (process 0; empty elsewhere and in a run that did not resume).
+    dropped_step: the unfinished step a stop signal ended (its device programs may still run), or None."""
 
     model: Qwen
     history: list[dict]
@@ -68,6 +75,7 @@ class TrainResult:
     opt_state: object
     critic: PPOCritic | None  # objective "ppo" only
     earlier_history: list[dict] = dataclasses.field(default_factory=list)
+    dropped_step: int | None = None
 
 
 def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
@@ -79,7 +87,7 @@ def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
 def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
              decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
              on_step: Callable[[int, Qwen, dict], None] | None = None,
-             programs: StepPrograms | None = None) -> TrainResult:
+             programs: StepPrograms | None = None, keep_first_step: bool = False) -> TrainResult:
     """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
 
     decode: generated ids -> text for the reward. reward_pool: the caller's pool; it scores the
@@ -88,19 +96,24 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     (training/run.py makes them before the warm-start); None: made here. Returns the trained model
     and the per-step metrics.
 
-    SIGTERM / SIGINT (training/signals.py) from the start of this call: the step under way, or the
-    first step when the signal comes before it, is finished and checkpointed, then the run stops
-    (``stopped_by_signal``); a second signal ends the process at once.
+    SIGTERM / SIGINT (training/signals.py) from the start of this call stop the run
+    (``stopped_by_signal``): one process ends the step under way at its next phase boundary before
+    the update (``dropped_step``; the last finished step's checkpoint is written if it was not), or,
+    in the update, finishes it and writes its checkpoint; several processes finish the step and
+    checkpoint it on every process. keep_first_step: the first step of this call is always finished
+    and checkpointed (training/run.py: it keeps a warm-start, which has no checkpoint of its own). A
+    second signal ends the process at once.
     """
     with stop_signals(multiprocess=jax.process_count() > 1) as signals, signals.deferred():
         return _rl_train(config, workdir, model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
-                         reward_pool=reward_pool, on_step=on_step, programs=programs)
+                         reward_pool=reward_pool, on_step=on_step, programs=programs,
+                         keep_first_step=keep_first_step)
 
 
 def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource,
               signals, *, decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
               reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None,
-              programs: StepPrograms | None) -> TrainResult:
+              programs: StepPrograms | None, keep_first_step: bool) -> TrainResult:
     workdir = epath.Path(workdir)
     tc = config.train
     graphdef, params = nnx.split(model)
@@ -116,9 +129,10 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
     # the newest intact step, restored straight into those shardings, whatever the process count that wrote it
     restored = checkpointer.restore_latest(params, opt_state, None if critic is None else (critic.params, critic.opt_state),
                                            warn=lambda line: print(line, flush=True) if primary else None)
-    start = 0
+    start = saved = 0  # saved: the newest step with a checkpoint
     if restored is not None:
         start, (params, opt_state, meta, critic_state) = restored
+        saved = start
         if critic is not None:
             critic.params, critic.opt_state = critic_state
         prompts.set_state(meta["data_state"])
@@ -134,21 +148,41 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
     single_process = jax.process_count() == 1
     collector = RolloutCollector.from_config(config, programs, decode=decode, reward_pool=reward_pool)
     rc = config.rollout
-    if tc.precompile:  # every program of every bucket: no step compiles, and a step that cannot fit stops here
-        if primary:
-            print("compiling every program of a step, for every bucket, before step 1 (train.precompile; minutes on "
-                  "a large model)", flush=True)
-        memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
+    if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
+        if primary:                         # cannot fit stops here
+            print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
+                  "minutes on a large model)", flush=True)
+        # a signal while compiling exits there, unless a warm-start of this session waits for step 1's checkpoint
+        compiling = (contextlib.nullcontext() if keep_first_step else
+                     signals.immediate(f"the compilation before step {start + 1}, which a restart runs again (no "
+                                       f"step of this session had started)"))
+        with compiling:
+            memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+    watch = StepWatch(logger.write if primary else lambda line: None, tc.progress_seconds,
+                      stop_requested=lambda: single_process and signals.requested is not None)
     step = start
     for step in range(start + 1, tc.steps + 1):
-        if primary and step == start + 1:  # a long first step says what it is doing: the bar moves when it ends
+        if primary and step == start + 1:  # a long first step says what it is doing
             print(f"step {step}: sampling {tc.prompts_per_step} prompts x {rc.n} responses of up to "
                   f"{rc.max_new_tokens} tokens, scoring them, then the update; the progress bar moves at each "
-                  "step's end", flush=True)
+                  f"step's end, a phase longer than {tc.progress_seconds:g} s prints a line that often "
+                  "(train.progress_seconds)", flush=True)
         t_step = time.perf_counter()
-        rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step))
+        watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
+        data_state = prompts.get_state()  # before the step's batch: a checkpoint of step - 1 holds it
+        try:
+            rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step), watch)
+            watch.start("update", last_boundary=True)  # the update donates params and opt_state: no way back
+        except StepInterrupted as interrupted:
+            _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
+                       {"step": step - 1, "seed": config.seed, "data_state": data_state},
+                       None if critic is None else (critic.params, critic.opt_state))
+            checkpointer.close()
+            logger.close()
+            return TrainResult(nnx.merge(graphdef, params), history, True, step - 1, programs, collector, opt_state,
+                               critic, earlier_history=logger.earlier, dropped_step=step)
         t0 = time.perf_counter()
         batch, critic_metrics = rollout.batch, {}
         if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
@@ -156,8 +190,10 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
             critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
             t0 = time.perf_counter()
         params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
+        watch.wait(per_minibatch, lambda: f"{tc.mini_batches} mini-batches")
         update_metrics = _mean_metrics(per_minibatch)
         time_update = time.perf_counter() - t0
+        watch.done()
         wall = time.perf_counter() - t_step
         metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
                    "time_step": wall,
@@ -169,7 +205,8 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
         critic_state = None if critic is None else (critic.params, critic.opt_state)
         preempted = signals.safe_point()  # several processes: the same step on every one
-        checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state)
+        if checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
+            saved = step
         if on_step is not None:
             on_step(step, nnx.merge(graphdef, params), metrics)
         if single_process and not preempted and signals.requested is not None:  # arrived during on_step
@@ -191,3 +228,19 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
     logger.close()
     return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
                        earlier_history=logger.earlier)
+
+
+def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
+               logger: MetricsLogger, params, opt_state, meta: dict, critic_state) -> None:
+    """A stop signal ended step S before its update: write the checkpoint of step S - 1 (``params``,
+    ``opt_state``, ``meta`` and PPO's ``critic_state`` are still its) unless it has one (``saved``)
+    or is step 0, and say what a resume does."""
+    last = interrupted.step - 1
+    if last > saved:
+        checkpointer.save(last, params, opt_state, meta, force=True, critic=critic_state)
+        kept = f"checkpoint of step {last} written"
+    else:
+        kept = (f"the checkpoint of step {last} is the latest" if last else
+                "no RL step had finished (a resume starts RL at step 1)")
+    logger.write(f"{signal_name} during step {interrupted.step} ({interrupted.phase}): step {interrupted.step} "
+                 f"dropped, a resume runs it again with the same keys; {kept}, exiting")

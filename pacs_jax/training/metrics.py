@@ -16,8 +16,8 @@ import os
 
 import jax
 from etils import epath
-from tqdm.auto import tqdm
 
+from pacs_jax import console
 from pacs_jax.files import atomic_write_text, is_remote
 
 # Shown on the progress bar (when present), in this order.
@@ -86,7 +86,7 @@ class MetricsLogger:
         if tensorboard:
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(self.workdir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
+        self.bar = console.bar(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
         if not self.enabled:
@@ -111,9 +111,9 @@ class MetricsLogger:
             self.bar.update(1)
 
     def write(self, message: str) -> None:
-        """A line on the console that does not break the progress bar."""
+        """A line on the console that does not break the progress bar (console.say)."""
         if self.enabled:
-            self.bar.write(message)
+            console.say(message, self.bar)
 
     def close(self) -> None:
         if not self.enabled:
@@ -121,5 +121,34 @@ class MetricsLogger:
         self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+
+class EvalScalars:
+    """TensorBoard scalars ``tag/<set>/<metric>`` (``pass_at_k``, ``mean_at_n``: TensorBoard's tags take
+    no "@") of a session's evaluations, in
+    workdir/tensorboard beside the training metrics: one events file a session (suffix ``.eval``),
+    opened at the first evaluation. A context manager (closing uploads it to a ``gs://`` workdir)."""
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.directory = epath.Path(workdir) / "tensorboard"
+        self.writer = None
+
+    def write(self, tag: str, step: int, metrics: dict[str, dict[str, float]]) -> None:
+        """One evaluation's {set: {metric: value}} at RL step ``step``."""
+        if self.writer is None:
+            from tensorboardX import SummaryWriter
+            self.writer = SummaryWriter(str(self.directory), filename_suffix=".eval")
+        for name, values in sorted(metrics.items()):
+            for key, value in sorted(values.items()):
+                self.writer.add_scalar(f"{tag}/{name}/{key.replace('@', '_at_')}", float(value), step)
+        self.writer.flush()
+
+    def __enter__(self) -> EvalScalars:
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self.writer is not None:
             self.writer.close()

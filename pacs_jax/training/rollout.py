@@ -39,6 +39,7 @@ from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.training import rollout_consistency
+from pacs_jax.training.progress import StepWatch
 from pacs_jax.training.step_programs import StepPrograms
 
 
@@ -100,8 +101,10 @@ class RolloutCollector:
         return distributed.put_rows(x, batch_sharding(x.shape))
 
     # ------------------------------------------------------------------------ one step
-    def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array) -> dict:
-        """Sample n responses per prompt (every process passes the same ``prompt_ids``).
+    def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
+               watch: StepWatch | None = None) -> dict:
+        """Sample n responses per prompt (every process passes the same ``prompt_ids``); ``watch``
+        (training/progress.py) is told of each sampler call that ends, and may stop between them.
 
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
         bucket), tokens, response_mask [P*n, R] (cut to the response bucket; packed passes: Tp and R
@@ -125,6 +128,12 @@ class RolloutCollector:
         outs = [programs.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                                 jax.random.fold_in(key, c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
+        watch = watch or StepWatch.silent()
+        tokens_done = 0  # of the finished calls' rows this process holds (all rows on one process)
+        for c, out in enumerate(outs):
+            watch.wait(out, lambda c=c: f"{c}/{K} sampler calls done ({per_call * programs.n} rows each), "
+                                        f"{tokens_done} tokens")
+            tokens_done += int(distributed.local_rows(out.lengths)[1].sum())
         # one transfer for all calls
         host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
         lengths, stopped = (np.concatenate(parts) for parts in list(zip(*host_calls))[:2])
@@ -161,15 +170,22 @@ class RolloutCollector:
             computed += plans["critic"].tokens_computed
         return batch, entropy, on_device, packing_metrics(passes * real, computed)
 
-    def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array) -> Rollout:
+    def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch | None = None
+                 ) -> Rollout:
+        """One step's rollout of ``prompts``; ``watch`` (training/progress.py): its phases' progress
+        lines and stop boundaries (sampling, reward, pi_old)."""
         n = self.programs.n
+        watch = watch or StepWatch.silent()
         times = {}
         t0 = time.perf_counter()
-        sampled = self.sample(state, prompts.prompt_ids, key)
+        watch.start("sampling")
+        sampled = self.sample(state, prompts.prompt_ids, key, watch)
         lengths, stopped = sampled["lengths"], sampled["stopped"]
         rows, local_tokens = distributed.local_rows(sampled["tokens"])  # waits for the sampler
         times["time_sample"] = time.perf_counter() - t0
+        watch.done(f"{len(lengths)} rows, {int(lengths.sum())} tokens")
 
+        watch.start("reward")
         t0 = time.perf_counter()
         batch, entropy_mean, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
         mismatch = self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
@@ -178,11 +194,15 @@ class RolloutCollector:
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
                                  deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction)
         times["time_reward"] = time.perf_counter() - t0
+        watch.done(f"{len(texts)} responses scored")
+        watch.start("pi_old")
         t0 = time.perf_counter()
+        watch.wait((entropy_mean, mismatch), lambda: "waiting for the device")
         entropy_mean = float(entropy_mean)  # waits for pi_old
         mismatch = {k: float(v) for k, v in mismatch.items()}
         rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
+        watch.done()
 
         B, R = sampled["tokens"].shape[0], sampled["response_bucket"]
         local_tokens = local_tokens[:, :R]  # packed passes take the budget's width; the checksum the bucket's

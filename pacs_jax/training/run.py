@@ -9,7 +9,9 @@
     -> evaluation before RL (eval.before_rl, with the final settings)
     -> RL (training/loop.py rl_train), evaluated every eval.periodic.every steps
     -> final evaluation (eval.final settings) -> HF export (with the run's tokenizer files), summary.json,
-       curves.png
+       curves.png (training/curves.py)
+Every evaluation's metrics also go to TensorBoard: eval/<set>/pass_at_<k> and mean_at_<n> (the
+periodic ones), eval_final/... (before RL at step 0, final at the last step) and eval_final_greedy/...
 
 A restarted run resumes RL from its checkpoints; the warm-start and the evaluation before RL are not
 run again (their results are kept in workdir/warmstart.json). Evaluation outputs go to
@@ -22,7 +24,9 @@ run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of
 (sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
 ``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
 ``train.steps`` without a summary runs the final evaluation and export the last session did not
-finish. model.path, data.tokenizer and the data files may be ``gs://`` paths: an HF model folder or
+finish. A run stopped by a signal in RL returns {"stopped_at_step": N} (and "dropped_step": the
+unfinished step it left, whose device programs may still run); ``python -m pacs_jax.train`` then
+exits with status 79 (errors.RESUME_NEEDED_STATUS). model.path, data.tokenizer and the data files may be ``gs://`` paths: an HF model folder or
 a tokenizer on ``gs://`` is copied to the host's cache once (data/remote.py), data files are read
 from the store; a ``gs://`` workdir is written through etils.epath and Orbax. A full disk or a
 permission error while writing is a ``StorageError`` naming the path.
@@ -46,6 +50,8 @@ from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
+from pacs_jax.training.metrics import EvalScalars
+from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.step_programs import StepPrograms
@@ -194,14 +200,18 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
+        warning = planned_step_warning(config, jax.devices()[0].platform)
+        if warning:
+            print(warning, flush=True)
     sets = eval_sets(config, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
     programs = StepPrograms(config, *nnx.split(model), stop_ids)  # every program of the run's steps
     reward_name = reward_for(config.reward.name, config.reward.mode)
 
-    def evaluate(name: str, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
+    def evaluate(name: str, step: int, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
                  top_p: float, per_set: dict | None = None) -> dict[str, dict[str, float]]:
-        """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``."""
+        """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``; the
+        metrics go to workdir/eval/<name>/ and TensorBoard (``board``, at RL step ``step``)."""
         rows, metrics = evaluation.evaluate_per_set(
             current, tokenizer, sets, per_set or {}, evaluation.EvalSettings(n, temperature, top_p, ec.max_new_tokens),
             seed=config.seed, batch_size=ec.batch_size, **evaluation.eval_slots(ec),
@@ -209,21 +219,23 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             stop_token_ids=stop_ids, progress=primary)
         if primary:
             evaluation.write_outputs(workdir / "eval" / name, rows, metrics)
+            board.write(_board_tag(name), step, metrics)
             means = ", ".join(f"{s} {'%s %.3f' % _mean_reward(m)}" for s, m in sorted(metrics.items()))
             print(f"eval {name}: accuracy {_accuracy(metrics):.3f} (mean sample reward at T={temperature}: {means})",
                   flush=True)
         return metrics
 
-    def evaluate_final(name: str, current: models.Qwen, pool: RewardPool) -> dict[str, dict]:
+    def evaluate_final(name: str, step: int, current: models.Qwen, pool: RewardPool) -> dict[str, dict]:
         f = ec.final
         per_set = evaluation.per_set_settings(f.per_set)
-        out = {"sampled": evaluate(name, current, pool, f.n, f.temperature, f.top_p, per_set)}
+        out = {"sampled": evaluate(name, step, current, pool, f.n, f.temperature, f.top_p, per_set)}
         if f.greedy:
-            out["greedy"] = evaluate(f"{name}_greedy", current, pool, 1, 0.0, 1.0)
+            out["greedy"] = evaluate(f"{name}_greedy", step, current, pool, 1, 0.0, 1.0)
         return out
 
     warm_file = workdir / "warmstart.json"
-    with RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:  # rollouts and evaluation
+    with (RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool,  # rollouts and evaluation
+          EvalScalars(workdir) as board):
         if latest:  # resuming: rl_train restores the RL state
             before = json.loads(warm_file.read_text()) if warm_file.exists() else {}
         else:
@@ -244,24 +256,28 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             if sets and ec.before_rl:
                 signals.exit_at_once("the evaluation before RL: the warm-start is not checkpointed, so a restart "
                                      "runs the warm-start and this evaluation again")
-                before["eval"] = evaluate_final("before_rl", model, pool)
+                before["eval"] = evaluate_final("before_rl", 0, model, pool)
             if primary:
                 atomic_write_text(warm_file, json.dumps(before, indent=2))
 
         def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
             if sets and ec.periodic.every and step % ec.periodic.every == 0:
-                evaluate(f"step_{step}", current, pool, ec.periodic.n, ec.periodic.temperature, ec.periodic.top_p)
+                evaluate(f"step_{step}", step, current, pool, ec.periodic.n, ec.periodic.temperature,
+                         ec.periodic.top_p)
             clock.update()
 
         result = rl_train(config, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs)
+                          stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs,
+                          keep_first_step=not latest and wc.steps > 0)  # step 1 keeps the warm-start
         if result.stopped_by_signal:
             clock.update(force=True)
-            return {"stopped_at_step": result.final_step}
+            if result.dropped_step is None:
+                return {"stopped_at_step": result.final_step}
+            return {"stopped_at_step": result.final_step, "dropped_step": result.dropped_step}
         signals.exit_at_once(f"the final evaluation or the export: all {result.final_step} steps are checkpointed, "
                              f"and a restart runs only the final evaluation and the export again")
-        after = evaluate_final("final", result.model, pool) if sets else {}
+        after = evaluate_final("final", result.final_step, result.model, pool) if sets else {}
     tokenizer_dir = (None if tokenizer_source == data.CHAR_TOKENIZER  # "char": no files; gs://: the local copy
                      else data.local_folder(tokenizer_source))
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
@@ -272,9 +288,9 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
                    wall_seconds_this_session=clock.session_seconds, sessions=len(clock.earlier) + 1,
                    hf_export=str(export))
     if primary:
-        if history and after:
+        if history:
             plot_curves(history, _per_set(before.get("eval", {}).get("sampled", {})),
-                        _per_set(after["sampled"]), workdir / "curves.png")
+                        _per_set(after.get("sampled", {})), workdir / "curves.png", _periodic_evals(workdir))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -289,16 +305,48 @@ def _warm_start_line(warm: WarmStartResult, target: float) -> str:
     return f"{line}, greedy accuracy {warm.probe_accuracy:.3f} on the probe ({reached})"
 
 
+def _board_tag(name: str) -> str:
+    """TensorBoard's section of an evaluation: "eval" (the periodic ones, eval.periodic's settings),
+    "eval_final" (before_rl at step 0 and final, eval.final's), "eval_final_greedy"."""
+    if name.startswith("step_"):
+        return "eval"
+    return "eval_final_greedy" if name.endswith("_greedy") else "eval_final"
+
+
+def _periodic_evals(workdir: epath.Path) -> dict[int, dict[str, dict[str, float]]]:
+    """{step: eval_metrics.json} of the periodic evaluations in workdir/eval/step_<k> (every session's)."""
+    out = {}
+    for folder in (workdir / "eval").glob("step_*") if (workdir / "eval").exists() else ():
+        metrics = folder / "eval_metrics.json"
+        if folder.name.removeprefix("step_").isdigit() and metrics.exists():
+            out[int(folder.name.removeprefix("step_"))] = json.loads(metrics.read_text())
+    return out
+
+
 def _per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     """Each set's mean sample reward (mean@N at its own N)."""
     return {name: _mean_reward(m)[1] for name, m in metrics.items()}
+
+
+def _accuracy_metric(config: ml_collections.ConfigDict, sets: list[evaluation.EvalSet]) -> str:
+    """What accuracy_{before,after}_rl are, set by set as evaluated: each set's samples per problem and
+    temperature (eval.final, or the set's own in eval.final.per_set)."""
+    f = config.eval.final
+    own = evaluation.per_set_settings(f.per_set)
+
+    def described(s: evaluation.EvalSet) -> str:
+        n, temperature, where = ((own[s.name].n, own[s.name].temperature, ", eval.final.per_set") if s.name in own
+                                 else (f.n, f.temperature, ""))
+        return f"{s.name}: {len(s.problems)} problems, {n} samples at temperature {temperature}{where}"
+
+    return ("mean reward of the samples per problem, averaged over the eval sets ("
+            + "; ".join(described(s) for s in sets) + ")")
 
 
 def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, history: list[dict],
              sets: list[evaluation.EvalSet]) -> dict:
     """accuracy_{before,after}_rl (mean over the eval sets of the mean sample reward at the final
     settings), their greedy counterparts, every set's metrics, the warm-start and the RL time split."""
-    f = config.eval.final
     phases = ("time_sample", "time_reward", "time_old_logprob", "time_update")
     evaluated = before.get("eval", {})
     summary = {
@@ -306,9 +354,7 @@ def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, histo
         "accuracy_after_rl": _accuracy(after.get("sampled", {})),
         "greedy_accuracy_before_rl": _accuracy(evaluated.get("greedy", {})),
         "greedy_accuracy_after_rl": _accuracy(after.get("greedy", {})),
-        "accuracy_metric": f"mean reward of {f.n} samples per problem at temperature {f.temperature} (or a set's "
-                           f"own settings in eval.final.per_set: {sorted(f.per_set)}), averaged over "
-                           f"the eval sets ({', '.join(f'{s.name}: {len(s.problems)} problems' for s in sets)})",
+        "accuracy_metric": _accuracy_metric(config, sets),
         "eval_before_rl": evaluated,
         "eval_after_rl": after,
         "warmstart": before.get("warmstart"),

@@ -2,12 +2,18 @@
 
 One process: both signals are handled alike, by the phase the run is in.
 
-- RL steps (``deferred``): the first signal sets ``requested``; the loop finishes the step under way,
-  writes its checkpoint and exits with a line saying so. The handlers then go back to the default
-  action, so a second SIGTERM or SIGINT ends the process at once (losing the steps since the last
-  checkpoint), even inside a long XLA call.
+- RL steps (``deferred``): the first signal sets ``requested``; the loop stops at the step's next
+  phase boundary (training/progress.py: between sampler calls, after the reward, while it waits for
+  pi_old; within a fraction of a second of the signal, the device's program left running): a step
+  whose update has not begun is dropped (the last finished step's checkpoint is written if it was
+  not; a resume runs the dropped step again with the same keys), a step in its update (which
+  donates the weights) is finished and checkpointed, and so is a run's first step when it keeps a
+  warm-start. The run exits with status 79 (errors.RESUME_NEEDED_STATUS), without waiting for the
+  device. The handlers then go back to the default action, so a second SIGTERM or SIGINT ends the
+  process at once (losing the steps since the last checkpoint), even inside a long XLA call.
 - Every other phase (``immediate(what_is_lost)``): start-up, the warm-start and the evaluation before
-  RL (neither is checkpointed), the final evaluation and the export. The first signal prints one
+  RL (neither is checkpointed), the compilation before a session's first RL step (training/loop.py;
+  not when that step keeps a warm-start), the final evaluation and the export. The first signal prints one
   line naming the phase and what a restart redoes, and exits (``SystemExit``, status 128 + the
   signal's number, so the run's cleanup code runs: reward workers, the workdir lock). A signal that
   lands inside a garbage-collector callback, where Python would print and drop the ``SystemExit``
@@ -165,8 +171,10 @@ class StopSignals:
             raise SystemExit(128 + signum)
         if self.requested is None:
             self.requested = name
-            _say(f"{name}: finishing the current step, then writing its checkpoint and exiting (send "
-                 f"SIGTERM or press Ctrl-C again to abort at once, losing the steps since the last checkpoint)")
+            _say(f"{name}: stopping at the step's next phase boundary (a step whose update has not begun is "
+                 f"dropped and run again on resume; one in its update is finished), writing the checkpoint of the "
+                 f"last finished step and exiting with status 79 (send SIGTERM or press Ctrl-C again to abort "
+                 f"at once, losing the steps since the last checkpoint)")
             for other in self._previous:  # a second signal: the default action, at once
                 signal.signal(other, signal.SIG_DFL)
 

@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from tqdm.auto import tqdm
 
-from pacs_jax import hlo, sampling, sharding
+from pacs_jax import console, hlo, sampling, sharding
 from pacs_jax.rl import micro_batched_logprobs, options_for
 from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
 from pacs_jax.sampling.engine import lower_sample, queues
@@ -373,7 +372,7 @@ class StepPrograms:
         all-gathers inside its loops."""
         out = []
         programs = [p for p in self.programs(largest_only, with_warmstart) if names is None or p.name in names]
-        for program in tqdm(programs, desc="compiling programs", leave=False, disable=not progress):
+        for program in console.bar(programs, desc="compiling programs", leave=False, disable=not progress):
             if log is not None:
                 log(f"compiling {program.name} ({program.shape}) ...")
             t0 = time.perf_counter()

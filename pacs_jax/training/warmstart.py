@@ -34,9 +34,8 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
-from pacs_jax import distributed, sampling
+from pacs_jax import console, distributed, sampling
 from pacs_jax.data import PromptExample
 from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
@@ -144,7 +143,7 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml
     probe_kwargs = dict(reward_name=reward_name, max_new_tokens=probe_max_new_tokens, stop_token_ids=stop_token_ids)
     per_epoch = len(examples) // wc.batch_size
     accuracy, steps = None, 0
-    bar = tqdm(range(1, wc.steps + 1), desc="warm-start", dynamic_ncols=True)
+    bar = console.bar(range(1, wc.steps + 1), desc="warm-start", dynamic_ncols=True)
     for steps in bar:
         if safe_point is not None:
             safe_point()

@@ -280,9 +280,10 @@ def checkpoint_steps(workdir: epath.Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
 
 
-def _objective(config_json: epath.Path) -> str | None:
+def _recorded(config_json: epath.Path, section: str, field: str):
+    """``section.field`` of the config.json a run recorded, or None (no file, no such field)."""
     try:
-        return json.loads(config_json.read_text())["algorithm"]["objective"]
+        return json.loads(config_json.read_text())[section][field]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -292,7 +293,8 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
 
     model_cfg: the model this config builds (None: unknown before loading it; the shapes are then
     not compared). Raises ``ConfigError`` naming every field that differs from the checkpoints' run
-    (shape fields of the model, algorithm.objective, the critic) and when ``train.steps`` is below
+    (shape fields of the model, algorithm.objective, the critic, train.prompts_per_step: the data
+    iterator's saved position counts batches of that size) and when ``train.steps`` is below
     the checkpoint's step. Reads only.
     """
     workdir = epath.Path(workdir)
@@ -316,9 +318,14 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
             if old != new:
                 differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r})")
     objective = config.algorithm.objective
-    old_objective = _objective(workdir / CONFIG_FILE)
+    old_objective = _recorded(workdir / CONFIG_FILE, "algorithm", "objective")
     if old_objective is not None and old_objective != objective:
         differs.append(f"algorithm.objective (checkpoint {old_objective!r}, this config {objective!r})")
+    # the data iterator's saved position counts batches of the recorded size
+    old_prompts = _recorded(workdir / CONFIG_FILE, "train", "prompts_per_step")
+    if old_prompts is not None and old_prompts != config.train.prompts_per_step:
+        differs.append(f"train.prompts_per_step (checkpoint {old_prompts!r}, this config "
+                       f"{config.train.prompts_per_step!r}: the data position counts batches of the checkpoint's)")
     has_critic = (root / str(latest) / "critic_params").is_dir()
     if has_critic and objective != "ppo":
         differs.append(f"the critic (the checkpoint has a PPO critic; objective {objective!r} has none)")

@@ -1,0 +1,124 @@
+"""What a step is doing while it runs: progress lines by phase, and the phase boundaries where a
+stop signal ends an unfinished step (docs/design.md section 3.7).
+
+A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampler's
+``rollout.micro_batches`` calls), ``reward`` (decoding and scoring, while the device computes pi_old),
+``pi_old`` (waiting for it) and ``update`` (PPO's critic update with it). ``StepWatch``:
+
+- lines, by ``interval_s`` (``train.progress_seconds``): a phase that runs longer than it writes a
+  heartbeat every ``interval_s`` while it waits on the device (naming what is done, e.g. "1/2
+  sampler calls done ... 30 s so far") and a line when it ends ("reward done in 41 s"); a shorter
+  phase's end line is written when nothing was for ``interval_s`` (so a step of many short phases
+  still says where it is). A step shorter than the interval prints none (its bar line says enough);
+  a slow step prints a line per phase, so a slow step can be told from a hung one.
+  ``interval_s=0``: a line at every phase's end, no heartbeats.
+- stops: ``boundary()`` raises ``StepInterrupted`` once ``stop_requested()`` is true. Waits on the
+  device poll (``jax.Array.is_ready``; 1 ms apart at first, doubling up to ``POLL_S``) rather than
+  block, so a signal's handler runs within ``POLL_S`` and the wait ends at once, the device program
+  still running (the caller does not wait for it: pacs_jax/train.py ends the process without it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+
+POLL_S = 0.05  # the most seconds between two looks at an unfinished device result
+CPU_STEP_TOKENS = 100_000  # prompt + response tokens of a step above which a CPU run is warned (the ,cpu smoke
+#                            test's 8 x 8 x (512 + 64) = 37 k take about 55 s on 2 cores; the paper's step 38 M)
+
+
+class StepInterrupted(Exception):
+    """A stop signal came before the step's update began: the step is left unfinished (its
+    results are dropped; a resume runs it again with the same keys)."""
+
+    def __init__(self, step: int, phase: str):
+        super().__init__(f"step {step} interrupted during {phase}")
+        self.step, self.phase = step, phase
+
+
+class StepWatch:
+    """Progress lines and stop boundaries of the steps of one run (see the module docstring).
+
+    write(line): where lines go (the metrics logger's ``write``: above the progress bar).
+    interval_s: see the module docstring. stop_requested(): whether a stop signal came.
+    clock: seconds (``time.monotonic``; tests pass their own).
+    """
+
+    def __init__(self, write: Callable[[str], None], interval_s: float, stop_requested: Callable[[], bool] = bool,
+                 clock: Callable[[], float] = time.monotonic):
+        self.write, self.interval_s, self.stop_requested, self.clock = write, interval_s, stop_requested, clock
+        self.step, self.phase, self.stoppable = 0, "", True
+        self._phase_start = self._last_line = clock()
+
+    @classmethod
+    def silent(cls) -> StepWatch:
+        """A watch that writes nothing and never stops a step (a rollout outside the training loop)."""
+        return cls(lambda line: None, float("inf"))
+
+    def start_step(self, step: int, stoppable: bool = True) -> None:
+        """Begin step ``step``; stoppable: whether a stop signal may end it (False: it runs to its end)."""
+        self.step, self.phase, self.stoppable = step, "", stoppable
+        self._phase_start = self._last_line = self.clock()
+
+    def start(self, phase: str, last_boundary: bool = False) -> None:
+        """Begin ``phase`` (a boundary: raises ``StepInterrupted`` if a stop was asked).
+        last_boundary: from here on the step runs to its end (its update has no way back)."""
+        self.boundary()
+        self.phase, self._phase_start = phase, self.clock()
+        self.stoppable = self.stoppable and not last_boundary
+
+    def boundary(self) -> None:
+        """Raise ``StepInterrupted`` if a stop signal came (and the step may still stop)."""
+        if self.stoppable and self.stop_requested():
+            raise StepInterrupted(self.step, self.phase or "its start")
+
+    def done(self, detail: str = "") -> None:
+        """End the current phase: a line "step S: PHASE done in T s (detail)" when it ran ``interval_s``
+        or nothing was written for that long."""
+        now = self.clock()
+        seconds = now - self._phase_start
+        if seconds >= self.interval_s or now - self._last_line >= self.interval_s:
+            self._write(f"{self.phase} done in {seconds:.0f} s" + (f" ({detail})" if detail else ""))
+
+    def heartbeat(self, detail: str) -> None:
+        """Within the current phase: a line "step S: PHASE, detail, T s so far" every ``interval_s`` of
+        the phase (none with ``interval_s=0``)."""
+        now = self.clock()
+        if self.interval_s > 0 and now - max(self._phase_start, self._last_line) >= self.interval_s:
+            self._write(f"{self.phase}, {detail}, {now - self._phase_start:.0f} s so far")
+
+    def wait(self, arrays, detail: Callable[[], str]) -> None:
+        """Wait until every jax.Array in the pytree ``arrays`` is computed, writing heartbeats
+        (``detail()`` says what is done) and stopping at a signal (``StepInterrupted``)."""
+        pending = [x for x in jax.tree.leaves(arrays) if isinstance(x, jax.Array)]
+        delay = 0.001  # doubling up to POLL_S: a short wait ends within a millisecond or two of its result
+        while pending:
+            pending = [x for x in pending if not x.is_ready()]
+            if not pending:
+                return
+            self.boundary()
+            self.heartbeat(detail())
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_S)
+
+    def _write(self, text: str) -> None:
+        self.write(f"step {self.step}: {text}")
+        self._last_line = self.clock()
+
+
+def planned_step_warning(config, platform: str) -> str | None:
+    """A warning line when a step is planned far beyond the machine: on a CPU, more than
+    ``CPU_STEP_TOKENS`` prompt and response tokens (prompts_per_step x rollout.n x (the largest
+    prompt bucket + rollout.max_new_tokens)); else None. Accelerators are checked by the memory
+    check (training/memory_check.py), which compiles the step's programs against their memory."""
+    tc, rc = config.train, config.rollout
+    tokens = tc.prompts_per_step * rc.n * (max(config.data.prompt_buckets) + rc.max_new_tokens)
+    if platform != "cpu" or tokens <= CPU_STEP_TOKENS:
+        return None
+    return (f"warning: a step of {tc.prompts_per_step} prompts x {rc.n} responses of up to {rc.max_new_tokens} tokens "
+            f"({tokens / 1e6:.1f} M prompt and response tokens) is planned on a CPU: expect hours a step. A paper "
+            f"setup's CPU smoke test is configs/paper.py:MODEL,ALGO,cpu; else lower train.prompts_per_step, "
+            f"rollout.n or rollout.max_new_tokens")
