@@ -25,7 +25,7 @@ def test_the_decode_step_lowers_and_compiles_alone_from_abstract_arguments(page_
     one of the same shapes (it chains), its steps counter an int32 scalar; it decodes the call's 6
     slots at once (a [6, 96] logits block), and the contiguous store holds the [L, 6, K, 16 + 8, Dh]
     cache rows where the paged one holds none."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: models.init_random(CFG)))
+    graphdef, state = models.abstract_model(CFG)
     prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32)
     settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, top_p=0.9, slots=6,
                                          page_size=page_size)
