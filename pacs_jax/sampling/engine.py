@@ -10,18 +10,17 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
              step gathers a weight over the network (docs/design.md section 3.2)
     prefill  [P, T] prompts -> K/V [L, P, T] and the last prompt position's logits [P, V]; token 0 of
              every row is selected from them (the prompt is processed once, not n times)
-    decode   a ``lax.while_loop`` over decode steps. Each of the C slots holds one row at a time: a
-             step feeds every busy slot its last token at its own cache slot T + t - 1 and selects its
-             token t. A row that stops (stop id, or its own budget) frees its slot in that step, and
-             the slot takes the next waiting row at once: that row's prompt K/V is copied into the
-             slot's first T cache slots. The loop ends when no row is left waiting or running.
+    decode   one queue's decode loop (sampling/decode.py) over a K/V store: each of the C slots
+             holds one row at a time; a step feeds every busy slot its last token and selects its
+             token t; a row that stops (stop id, or its own budget) frees its slot in that step, and
+             the slot takes the next waiting row at once. The loop ends when no row is left waiting
+             or running. The store (``EngineSpec.kind``): "static" and "continuous" a cache row of
+             S slots per decode slot (sampling/contiguous.py; static: C = Q), "paged" a page pool,
+             each prompt's K/V stored once for its n rows (sampling/paged.py).
     tail     with ``settings.tail_slots``, once no row is waiting the decode batch narrows as rows
-             end (``narrowing_widths``): the running rows move to the first w slots of the cache
-             and a loop of width w goes on, so the long tail does not decode C mostly idle slots
-             (vLLM's batch shrinks the same way as its requests finish).
-    paged    with ``settings.page_size``, the same queue and tail over a K/V page pool instead of the
-             [C, S] cache: each prompt's K/V stored once for its n rows, a row's pages taken as it
-             grows and returned when it ends, narrowing moving page tables, not K/V (sampling/paged.py).
+             end (``narrowing_widths``): the running rows move to the first w slots and a loop of
+             width w goes on, so the long tail does not decode C mostly idle slots (vLLM's batch
+             shrinks the same way as its requests finish).
 
 Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
 ``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
@@ -41,13 +40,14 @@ float round-off of a matmul over a different batch).
 
 The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model
 is ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
-reuse one compilation. Static: shapes, n, max_new_tokens, top_k, slots, tail_slots. Traced: temperature
-(0 = greedy), top_p, the key, the per-row budgets and the stop ids, so greedy evaluation and sampled
+reuse one compilation. Static: shapes, the ``EngineSpec`` (sampler kind, n, max_new_tokens, slots,
+tail_slots, pages) and top_k. Traced: temperature (0 = greedy), top_p (with top_k the ``Selection``), the key, the per-row budgets and the stop ids, so greedy evaluation and sampled
 training share a program. The KV cache is allocated inside the program and freed when it returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -60,10 +60,11 @@ from jax.sharding import PartitionSpec
 
 from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
-from pacs_jax.sampling.paged import default_pages, paged_decode_loop
+from pacs_jax.sampling import decode
+from pacs_jax.sampling.contiguous import RowStore
+from pacs_jax.sampling.paged import PageStore, default_pages
+from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
-from pacs_jax.sampling.narrowing import run_widths
-from pacs_jax.sampling.selection import is_stop, select_tokens
 from pacs_jax.sharding import constrain, current_rules, replicated
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
@@ -186,145 +187,80 @@ def narrowing_widths(slots: int, tail_slots: int | None) -> tuple[int, ...]:
     return (slots, *sorted((w for w in ladder if max(tail_slots, 1) <= w < slots), reverse=True))
 
 
-class _Rows(NamedTuple):
-    """Rows ``index`` [count] of K/V buffers [L, B, K, S, Dh], or of the cache being written (k, v None)."""
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """The static part of a sampler call (the program's one static argument): the sampler ``kind``
+    ("static": a slot per row, "continuous": ``slots`` slots, both over contiguous cache rows;
+    "paged": ``slots`` slots over a page pool of ``page_size``-token pages, ``pages`` response pages
+    a queue or None: ``paged.default_pages``), n samples a prompt, max_new_tokens, the decode slots
+    and tail_slots (None: no narrowing) of the call."""
 
-    k: jax.Array | None
-    v: jax.Array | None
-    index: jax.Array
+    kind: str
+    n: int
+    max_new_tokens: int
+    slots: int
+    tail_slots: int | None
+    page_size: int | None = None
+    pages: int | None = None
+
+    def per_queue(self, shards: int) -> "EngineSpec":
+        """The spec of one of ``shards`` queues: their share of the slots and the tail."""
+        tail = None if self.tail_slots is None else max(self.tail_slots // shards, 1)
+        return dataclasses.replace(self, slots=self.slots // shards, tail_slots=tail)
 
 
-def _decode_loop(model, prompt_cache: KVCache, prompt_real, real, first_tokens, first_logp, budgets, row_keys,
-                 temperature, top_p, stop_ids, *, n: int, slots: int, tail_slots: int | None, max_new_tokens: int,
-                 top_k: int):
-    """The decode loop of one queue: all rows of a call, or one batch shard's rows under shard_map.
+class QueueInputs(NamedTuple):
+    """One queue's share of a call (all of it, or a batch shard's under ``shard_map``).
 
-    prompt_cache: K/V [L, P, T, K, Dh] of the prefill; prompt_real [P, T] bool; real [Q] bool, False
-    for rows that hold no sample (those of batch-padding prompts); first_tokens, first_logp, budgets
-    [Q]; row_keys [Q] PRNG keys.
-
-    One ``while_loop`` a width of ``narrowing_widths(slots, tail_slots)``: the first runs all C slots
-    and refills them from the queue; once the queue is empty and the rows still running fit the next
-    width w, they move to the first w slots (their K/V rows copied inside the one [L, C, K, S, Dh]
-    cache, in place) and the next loop decodes only those w slots, so the long tail of a call costs
-    w, not C, slots a step. A row's tokens do not depend on the width it ran at.
-    Returns (tokens [Q, N], logprobs [Q, N], lengths [Q], stopped [Q], decode steps [], slot steps []:
-    the widths' slots x decode steps, summed).
+    prompt_cache: K/V [L, P, K, T, Dh] of the prefill; prompt_real [P, T] bool; real [Q] bool, False
+    for rows that hold no sample (those of batch-padding prompts); first_tokens [Q] int32,
+    first_logp [Q] float32: token 0 of each row; budgets [Q] int32; row_keys [Q] PRNG keys;
+    stop_ids [S] int32 (the same for every queue).
     """
-    P, T = prompt_real.shape
-    Q, C, N = P * n, slots, max_new_tokens
-    widths = narrowing_widths(C, tail_slots)
-    select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
 
-    first_stop = real & is_stop(first_tokens, stop_ids)
-    waiting = real & ~first_stop & (budgets > 1)  # rows that need decode steps
-    order = jnp.argsort(~waiting, stable=True).astype(jnp.int32)  # the queue: those rows, in row order
-    queued = jnp.sum(waiting, dtype=jnp.int32)
-    prompt_lengths = jnp.sum(prompt_real, axis=-1, dtype=jnp.int32)  # [P]
-
-    tokens = jnp.zeros((Q, N), jnp.int32).at[:, 0].set(jnp.where(real, first_tokens, PAD_ID))
-    logprobs = jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0))
-    lengths, stopped = real.astype(jnp.int32), first_stop
-
-    def copy_rows(cache, rows: _Rows, targets, count):
-        """Rows rows.index[k] of rows.k / rows.v (None: of the cache itself) -> cache rows targets[k]
-        (one [L, 1, K, S', Dh] slice each, S' <= S), for k < count. Within the cache the copies read
-        the loop's own buffer, so no second cache is kept for them; each source row must still hold
-        its value when its turn comes."""
-        def copy(k, cache):
-            at = (0, targets[k], 0, 0, 0)
-            return KVCache(*(jax.lax.dynamic_update_slice(
-                c, jax.lax.dynamic_slice_in_dim(c if src is None else src, rows.index[k], 1, axis=1), at)
-                for c, src in ((cache.k, rows.k), (cache.v, rows.v))))
-        return jax.lax.fori_loop(0, count, copy, cache)
-
-    def refill(free, row, t, last, cache, kv_valid, taken):
-        """Free slots take the next waiting rows (in queue order); slots left without one go idle
-        (row Q). A taken slot gets its row's token 0 as its last token and its prompt's K/V."""
-        rank = jnp.cumsum(free, dtype=jnp.int32) - 1
-        take = free & (taken + rank < queued)
-        row = jnp.where(take, order[jnp.minimum(taken + rank, Q - 1)], jnp.where(free, Q, row))
-        t = jnp.where(take, 1, t)
-        last = jnp.where(take, first_tokens[jnp.minimum(row, Q - 1)], last)
-        fill = jnp.argsort(~take, stable=True).astype(jnp.int32)  # the taken slots first
-        count = jnp.sum(take, dtype=jnp.int32)
-        prompt = jnp.minimum(row, Q - 1) // n  # [C]
-        cache = copy_rows(cache, _Rows(prompt_cache.k, prompt_cache.v, prompt[fill]), fill, count)
-        kv_valid = kv_valid.at[:, :T].set(jnp.where(take[:, None], prompt_real[prompt], kv_valid[:, :T]))
-        return row, t, last, cache, kv_valid, taken + count
-
-    def decode_step(carry, refills: bool):
-        steps, row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped = carry
-        busy = row < Q
-        r = jnp.minimum(row, Q - 1)
-        positions = prompt_lengths[r // n] + t - 1  # [w]: the position of each slot's last token
-        hidden, cache = model.forward(last[:, None], positions[:, None], kv_valid, cache, T + t - 1)
-        keys = jax.vmap(jax.random.fold_in)(row_keys[r], t)
-        token, logp = select(model.logits(hidden)[:, 0], keys)
-        out = jnp.where(busy, row, Q)  # idle slots write nowhere (out of bounds: dropped)
-        tokens = tokens.at[out, t].set(token, mode="drop")
-        logprobs = logprobs.at[out, t].set(logp, mode="drop")
-        hit = busy & is_stop(token, stop_ids)
-        t = jnp.where(busy, t + 1, t)
-        lengths = lengths.at[out].set(t, mode="drop")
-        stopped = stopped.at[out].set(hit, mode="drop")
-        done = hit | (t >= budgets[r])
-        if refills:
-            row, t, last, cache, kv_valid, taken = refill(~busy | done, row, t, token, cache, kv_valid, taken)
-        else:
-            row, last = jnp.where(done, Q, row), token
-        return steps + 1, row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped
-
-    def narrow(carry, width: int):
-        """The running rows to slots 0 .. width - 1 (in slot order), their K/V rows with them."""
-        steps, row, t, last, cache, kv_valid, *rest = carry
-        busy = row < Q
-        moved = jnp.argsort(~busy, stable=True).astype(jnp.int32)  # the busy slots first
-        # in place: a row moves to a slot before its own, and the slots are filled in order
-        cache = copy_rows(cache, _Rows(None, None, moved), jnp.arange(width, dtype=jnp.int32),
-                          jnp.sum(busy, dtype=jnp.int32))
-        keep = moved[:width]
-        return (steps, row[keep], t[keep], last[keep], cache, kv_valid[keep], *rest)
-
-    cache = model.init_cache(C, T + N)
-    kv_valid = jnp.concatenate([jnp.zeros((C, T), bool), jnp.ones((C, N), bool)], axis=1)  # [C, S]
-    idle = jnp.full((C,), Q, jnp.int32)
-    zeros = jnp.zeros((C,), jnp.int32)
-    row, t, last, cache, kv_valid, taken = refill(jnp.ones((C,), bool), idle, zeros, zeros, cache, kv_valid,
-                                                  jnp.int32(0))
-    carry = (jnp.int32(0), row, t, last, cache, kv_valid, taken, tokens, logprobs, lengths, stopped)
-    carry, slot_steps = run_widths(carry, widths, decode_step, narrow,
-                                   running=lambda c: jnp.sum(c[1] < Q, dtype=jnp.int32),
-                                   waiting=lambda c: c[6] < queued)
-    steps, tokens, logprobs, lengths, stopped = carry[0], *carry[7:]
-    return tokens, logprobs, lengths, stopped, steps, slot_steps
+    prompt_cache: KVCache
+    prompt_real: jax.Array
+    real: jax.Array
+    first_tokens: jax.Array
+    first_logp: jax.Array
+    budgets: jax.Array
+    row_keys: jax.Array
+    stop_ids: jax.Array
 
 
-def _queue_loop(model, *args, n: int, slots: int, tail_slots: int | None, max_new_tokens: int, top_k: int,
-                page_size: int | None, pages: int | None):
-    """The decode loop of one queue (``_decode_loop``'s arguments): over a cache row per slot, or with
-    ``page_size`` over a page pool of ``pages`` response pages (sampling/paged.py). Returns
-    ``_decode_loop``'s results and the free pages at the end (0 without pages)."""
-    if page_size is None:
-        return *_decode_loop(model, *args, n=n, slots=slots, tail_slots=tail_slots, max_new_tokens=max_new_tokens,
-                             top_k=top_k), jnp.int32(0)
-    return paged_decode_loop(model, *args, n=n, slots=slots, max_new_tokens=max_new_tokens, top_k=top_k,
-                             page_size=page_size, pages=pages or default_pages(slots, page_size, max_new_tokens),
-                             widths=narrowing_widths(slots, tail_slots), pad_id=PAD_ID)
+def _queue_start(model, inputs: QueueInputs, spec: EngineSpec) -> tuple[decode.Queue, decode.KVStore,
+                                                                         decode.DecodeState]:
+    """One queue's rows, its K/V store (contiguous rows, or pages when ``spec.kind`` is "paged") and
+    the state before its first decode step."""
+    prompt_lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)  # [P]
+    queue = decode.make_queue(inputs.real, inputs.first_tokens, inputs.budgets, inputs.row_keys, prompt_lengths,
+                              inputs.stop_ids)
+    if spec.kind == "paged":
+        store = PageStore.build(inputs.prompt_cache, inputs.prompt_real, inputs.budgets, n=spec.n,
+                                page_size=spec.page_size, max_new_tokens=spec.max_new_tokens,
+                                pages=spec.pages or default_pages(spec.slots, spec.page_size, spec.max_new_tokens))
+    else:
+        store = RowStore(inputs.prompt_cache, inputs.prompt_real, spec.max_new_tokens)
+    state = decode.start(model, queue, store, inputs.real, inputs.first_logp, spec.max_new_tokens, spec.slots, PAD_ID)
+    return queue, store, state
 
 
-@functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("n", "max_new_tokens", "top_k", "slots", "tail_slots", "page_size", "pages"))
-def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
-                     prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, temperature: jax.Array,
-                     top_p: jax.Array, stop_ids: jax.Array, *, n: int, max_new_tokens: int, top_k: int,
-                     slots: int, tail_slots: int | None, page_size: int | None = None,
-                     pages: int | None = None) -> SampleArrays:
-    global _TRACE_COUNT
-    _TRACE_COUNT += 1
+def _decode_queue(model, inputs: QueueInputs, selection: Selection, spec: EngineSpec) -> decode.QueueResult:
+    """The decode loop of one queue (decode.decode_queue), narrowing per ``spec.tail_slots``."""
+    queue, store, state = _queue_start(model, inputs, spec)
+    return decode.decode_queue(model, queue, store, selection, state, narrowing_widths(spec.slots, spec.tail_slots))
+
+
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+             budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec,
+             axes: tuple[str, ...]):
+    """Everything before the decode loop: the decode layout, the rows spread over the positions when
+    the batch shards run their own queues (``axes``), the prefill and token 0 of every row.
+    Returns (the model in the decode layout, the loop's ``QueueInputs``, origin [Q] int32: each
+    position's row i*n + j, Q where none, prefill tokens [])."""
     cfg = nnx.merge(graphdef, state).cfg
     model = nnx.merge(graphdef, _decode_layout(state, jnp.dtype(cfg.dtype)))
-    select = functools.partial(select_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    n = spec.n
     P, T = prompt_tokens.shape
     Q = P * n
     prefill_tokens = jnp.sum(prompt_mask != 0, dtype=jnp.int32)
@@ -332,7 +268,6 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
 
     # Position p holds samples first[p] .. first[p] + count[p] - 1 of prompt source[p]: spread evenly
     # over the positions when each batch shard runs its own queue (one queue needs no spreading).
-    axes = _queue_groups(P, slots)
     if axes:
         source, first, count = spread_rows(real, n)
         prompt_tokens, prompt_mask = prompt_tokens[source], prompt_mask[source]
@@ -362,42 +297,48 @@ def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax
     row_keys = jax.vmap(lambda i, js: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, i), j))(js))(
         source, samples)  # [P, n]
     first_tokens, first_logp = jax.lax.map(
-        lambda keys: select(first_logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(P, jnp.int32))),
+        lambda keys: selection.select(first_logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(P, jnp.int32))),
         row_keys.T)  # [n, P] each
     rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
-    loop_args = (prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
-                 row_keys.reshape(Q), temperature, top_p, stop_ids)
-    static = dict(n=n, slots=slots, tail_slots=tail_slots, max_new_tokens=max_new_tokens, top_k=top_k,
-                  page_size=page_size, pages=pages)
+    inputs = QueueInputs(prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
+                         row_keys.reshape(Q), stop_ids)
+    return model, inputs, origin, prefill_tokens
 
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
+def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+                    budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *,
+                    spec: EngineSpec) -> SampleArrays:
+    global _TRACE_COUNT
+    _TRACE_COUNT += 1
+    axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
+    model, inputs, origin, prefill_tokens = _prefill(graphdef, state, prompt_tokens, prompt_mask, budgets, key,
+                                                     selection, stop_ids, spec, axes)
     if axes:
         mesh = current_rules().mesh
         shards = math.prod(mesh.shape[a] for a in axes)
         split, whole = PartitionSpec(axes), PartitionSpec()
         cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
 
-        per_queue = dict(slots=slots // shards, tail_slots=None if tail_slots is None else max(tail_slots // shards, 1))
+        def per_shard(state, inputs, selection):
+            result = _decode_queue(nnx.merge(graphdef, state), inputs, selection, spec.per_queue(shards))
+            return result._replace(steps=result.steps[None], slot_steps=result.slot_steps[None],
+                                   free_pages=result.free_pages[None])
 
-        def per_shard(state, *args):
-            *out, steps, slot_steps, free_pages = _queue_loop(nnx.merge(graphdef, state), *args,
-                                                              **{**static, **per_queue})
-            return *out, steps[None], slot_steps[None], free_pages[None]
-
-        decode = jax.shard_map(per_shard, mesh=mesh,
-                               in_specs=(whole, cache_split, split, split, split, split, split, split, whole,
-                                         whole, whole),
-                               out_specs=(split,) * 7, axis_names=set(axes), check_vma=False)
-        *outs, steps, slot_steps, free_pages = decode(nnx.state(model), *loop_args)
-        steps, slot_steps, free_pages = jnp.max(steps), jnp.max(slot_steps) * shards, jnp.sum(free_pages)
+        in_specs = (whole, QueueInputs(cache_split, split, split, split, split, split, split, whole), whole)
+        result = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=split, axis_names=set(axes),
+                               check_vma=False)(nnx.state(model), inputs, selection)
         # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
         tokens, logprobs, lengths, stopped = (
             constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), ("batch",) + (None,) * (x.ndim - 1))
-            for x, empty in zip(outs, (PAD_ID, 0.0, 0, False)))
+            for x, empty in zip(result[:4], (PAD_ID, 0.0, 0, False)))
+        result = decode.QueueResult(tokens, logprobs, lengths, stopped, jnp.max(result.steps),
+                                    jnp.max(result.slot_steps) * shards, jnp.sum(result.free_pages))
     else:
-        tokens, logprobs, lengths, stopped, steps, slot_steps, free_pages = _queue_loop(model, *loop_args, **static)
-    response_mask = (jnp.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(jnp.int32)
-    return SampleArrays(tokens, logprobs, response_mask, lengths, stopped, prefill_tokens, steps, slot_steps,
-                        free_pages)
+        result = _decode_queue(model, inputs, selection, spec)
+    response_mask = (jnp.arange(spec.max_new_tokens)[None, :] < result.lengths[:, None]).astype(jnp.int32)
+    return SampleArrays(result.tokens, result.logprobs, response_mask, result.lengths, result.stopped, prefill_tokens,
+                        result.steps, result.slot_steps, result.free_pages)
 
 
 def stop_id_array(stop_token_ids) -> np.ndarray:
@@ -409,7 +350,7 @@ def stop_id_array(stop_token_ids) -> np.ndarray:
 
 def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, budgets=None, *,
                   abstract: bool = False):
-    """The sampler program's positional arguments and static keywords.
+    """The sampler program's positional arguments and its ``EngineSpec``.
 
     budgets: None (every row may use max_new_tokens) or [Q] ints in [1, max_new_tokens], each row's
     own budget (vLLM's per-request max_tokens).
@@ -437,14 +378,16 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
         raise ValueError(f"pages={settings.pages}: a queue's pool must hold one row's response pages, "
                          f"{row_pages(settings.page_size, settings.max_new_tokens)} of {settings.page_size} tokens "
                          f"(max_new_tokens={settings.max_new_tokens})")
-    static = dict(n=settings.n, max_new_tokens=settings.max_new_tokens, top_k=settings.top_k, slots=slots,
-                  tail_slots=tail_slots, page_size=settings.page_size, pages=settings.pages)
+    spec = EngineSpec(settings.sampler, settings.n, settings.max_new_tokens, slots, tail_slots, settings.page_size,
+                      settings.pages)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
-        spec = jax.ShapeDtypeStruct
-        args = (prompt_tokens, prompt_mask, spec((rows,), jnp.int32), spec(key.shape, key.dtype, sharding=replicated()),
-                spec((), jnp.float32), spec((), jnp.float32), spec(stop_ids.shape, jnp.int32))
-        return args, static
+        abstract = jax.ShapeDtypeStruct
+        args = (prompt_tokens, prompt_mask, abstract((rows,), jnp.int32),
+                abstract(key.shape, key.dtype, sharding=replicated()),
+                Selection(abstract((), jnp.float32), abstract((), jnp.float32), settings.top_k),
+                abstract(stop_ids.shape, jnp.int32))
+        return args, spec
     if budgets is None:
         budgets = np.full(rows, settings.max_new_tokens, np.int32)
     budgets = np.asarray(budgets)
@@ -455,9 +398,8 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
                          f"got {int(budgets.min())} .. {int(budgets.max())}")
     # numpy, not jnp: made on the host without compiling anything (no eager op per call shape)
     args = (prompt_tokens, prompt_mask, budgets.astype(np.int32), jax.device_put(key, replicated()),
-            np.float32(settings.temperature),
-            np.float32(settings.top_p), stop_ids)
-    return args, static
+            Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k), stop_ids)
+    return args, spec
 
 
 def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
@@ -472,8 +414,8 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     budgets in [1, settings.max_new_tokens].
     Returns SampleArrays with Q = P * n rows grouped by prompt.
     """
-    args, static = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
-    return _sample_program(graphdef, state, *args, **static)
+    args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
+    return _sample_program(graphdef, state, *args, spec=spec)
 
 
 def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings,
@@ -486,5 +428,26 @@ def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, sett
     like the uncommitted arrays of a real call, so the program can be lowered for devices this
     process cannot use (compile-only TPU devices on a CPU host) and is the one a real call runs.
     """
-    args, static = _program_args(prompt_tokens, prompt_mask, settings, key, abstract=True)
-    return _sample_program.lower(graphdef, state, *args, **static)
+    args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, abstract=True)
+    return _sample_program.lower(graphdef, state, *args, spec=spec)
+
+
+def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings, *,
+                      refills: bool = True) -> jax.stages.Lowered:
+    """One decode step of the sampler (``decode.decode_step``) lowered alone, for abstract arguments:
+    the state the sampler program's preamble (decode layout, prefill, first refill) would give for
+    these shapes, of one queue of all the call's slots (``refills``: a step of the first width, which
+    refills its slots; False: of a narrower one). ``.compile()`` it for a step's cost; nothing
+    concrete is made."""
+    args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
+
+    def preamble(state, *args):
+        model, inputs, _, _ = _prefill(graphdef, state, *args, spec=spec, axes=())
+        return (nnx.state(model), *_queue_start(model, inputs, spec), args[4])
+
+    layout, queue, store, decode_state, selection = jax.eval_shape(preamble, state, *args)
+
+    def step(layout, queue, store, selection, decode_state):
+        return decode.decode_step(nnx.merge(graphdef, layout), queue, store, selection, decode_state, refills=refills)
+
+    return jax.jit(step).lower(layout, queue, store, selection, decode_state)

@@ -1,5 +1,5 @@
-"""The decode loops of a narrowing decode batch (docs/design.md section 3.2), shared by the
-contiguous-cache sampler (sampling/engine.py) and the paged one (sampling/paged.py)."""
+"""The decode loops of a narrowing decode batch (docs/design.md section 3.2): one ``while_loop`` per
+decode width, around the decode step of sampling/decode.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 
 
-def run_widths(carry: tuple, widths: Sequence[int], decode_step: Callable, narrow: Callable,
-               running: Callable, waiting: Callable) -> tuple[tuple, jax.Array]:
+def run_widths(carry, widths: Sequence[int], decode_step: Callable, narrow: Callable,
+               running: Callable, waiting: Callable):
     """One ``while_loop`` of ``decode_step(carry, refills=...)`` per decode width (widest first; only
     the first refills slots): a width's loop runs while more rows run than the next width holds, or
     rows wait and some run; then ``narrow(carry, width)`` moves the running rows to the next width's
-    slots. carry[0] counts decode steps; running(carry), waiting(carry): int32 [] running rows, bool []
-    rows still queued. Returns (the last carry, slot steps: each width times its decode steps)."""
+    slots. carry.steps counts decode steps (decode.DecodeState); running(carry), waiting(carry): int32 []
+    running rows, bool [] rows still queued. Returns (the last carry, slot steps: each width times its decode steps)."""
     slot_steps = jnp.int32(0)
     for k, width in enumerate(widths):
         following = widths[k + 1] if k + 1 < len(widths) else 0
@@ -27,7 +27,7 @@ def run_widths(carry: tuple, widths: Sequence[int], decode_step: Callable, narro
 
         if k:
             carry = narrow(carry, width)
-        start = carry[0]
+        start = carry.steps
         carry = jax.lax.while_loop(more, functools.partial(decode_step, refills=k == 0), carry)
-        slot_steps = slot_steps + width * (carry[0] - start)
+        slot_steps = slot_steps + width * (carry.steps - start)
     return carry, slot_steps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
 def restrict_to_top(scaled: jax.Array, top_k: int, top_p: jax.Array | None) -> jax.Array:
@@ -95,3 +96,17 @@ def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     tokens = jax.lax.cond(temperature > 0.0, sample, greedy)
     log_norm = jax.nn.logsumexp(scaled, axis=-1)
     return tokens, jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - log_norm
+
+
+@struct.dataclass
+class Selection:
+    """The selection parameters of a sampler call, one pytree: temperature [] float32 (0 = greedy) and
+    top_p [] float32 (1 = off) traced, top_k (0 = off) static (``select_tokens``)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: int = struct.field(pytree_node=False, default=0)
+
+    def select(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """logits [B, V], keys [B] -> (tokens [B] int32, log-probs [B] float32)."""
+        return select_tokens(logits, keys, self.temperature, self.top_p, top_k=self.top_k)

@@ -83,6 +83,14 @@ class SamplingSettings:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
+    @property
+    def sampler(self) -> str:
+        """The sampler these settings run (one of SAMPLERS): "paged" with a page_size, else "static"
+        without slots, else "continuous"."""
+        if self.page_size is not None:
+            return "paged"
+        return "static" if self.slots is None else "continuous"
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise a ValueError naming the field when a token id or top_k does not fit the vocabulary."""
         if self.top_k > vocab_size:

@@ -1,0 +1,209 @@
+"""The decode loop of one queue, over a K/V store (docs/design.md section 3.2): the queue, the refill
+ranking, the decode step and the narrowing, written once for every sampler; where the K/V lives is
+the store's (``KVStore``: contiguous cache rows in sampling/contiguous.py, a page pool in
+sampling/paged.py).
+
+Shapes: P prompts (padded), T prompt length, n samples per prompt, Q = P n rows (row i n + j is
+sample j of prompt i), C decode slots, w the slots of the current decode width (C, then narrower),
+N = max_new_tokens, V vocabulary, D hidden.
+
+A slot holds one row at a time (row Q: idle). A decode step feeds every busy slot its last token at
+its position (its prompt's length + t - 1) and selects its token t from its own logits with the key
+``fold_in(row key, t)``; a row that hits a stop id or its budget frees its slot in that step, and the
+free slots take the next waiting rows in queue (row) order, as far as the store admits them.
+``decode_step`` is that step alone, a pure function of named arguments: it can be jitted and lowered
+on its own (``engine.lower_decode_step``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.sampling.narrowing import run_widths
+from pacs_jax.sampling.selection import Selection, is_stop
+
+
+class Queue(NamedTuple):
+    """What one queue decodes, fixed for the call.
+
+    order:          [Q] int32, the rows that need decode steps first, in row order
+    queued:         [] int32, how many of them
+    first_tokens:   [Q] int32, token 0 of each row (from the prefill)
+    budgets:        [Q] int32, each row's budget (tokens, token 0 included)
+    row_keys:       [Q] PRNG keys, one per row
+    prompt_lengths: [P] int32, real tokens of each prompt
+    stop_ids:       [S] int32, padded with -1
+    """
+
+    order: jax.Array
+    queued: jax.Array
+    first_tokens: jax.Array
+    budgets: jax.Array
+    row_keys: jax.Array
+    prompt_lengths: jax.Array
+    stop_ids: jax.Array
+
+    @property
+    def rows(self) -> int:
+        return self.row_keys.shape[0]
+
+    @property
+    def samples(self) -> int:
+        """n, the rows of a prompt."""
+        return self.rows // self.prompt_lengths.shape[0]
+
+
+class Slots(NamedTuple):
+    """The decode slots, [w] int32 each."""
+
+    row: jax.Array   # the row a slot holds, Q when idle
+    t: jax.Array     # the index of the row's next token
+    last: jax.Array  # the last selected token, fed at the next step
+
+
+class Outputs(NamedTuple):
+    """The rows' results, written as they are made: tokens, logprobs [Q, N]; lengths [Q] int32, stopped [Q] bool."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+
+
+class DecodeState(NamedTuple):
+    """The decode loop's carry: steps [] int32 (decode steps so far), the slots, the store's state
+    (``KVStore``), taken [] int32 (rows of the queue taken so far), the outputs."""
+
+    steps: jax.Array
+    slots: Slots
+    kv: Any
+    taken: jax.Array
+    outputs: Outputs
+
+
+class QueueResult(NamedTuple):
+    """One queue's results: ``Outputs``' fields, decode steps [], slot steps [] (each width's slots x
+    its decode steps, summed) and free pages at the end [] (0 without pages)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    steps: jax.Array
+    slot_steps: jax.Array
+    free_pages: jax.Array
+
+
+class KVStore(Protocol):
+    """Where the decode slots' K/V lives; a pytree (its per-call arrays as leaves, its sizes static)
+    whose methods are pure functions of its state (the ``DecodeState.kv`` it makes and returns)."""
+
+    def init(self, model, slots: int) -> Any:
+        """The state of ``slots`` empty slots (the model gives the cache's shape)."""
+
+    def admissible(self, kv, offered: jax.Array, candidate: jax.Array) -> jax.Array:
+        """offered [w] bool (free slots offered the next waiting rows), candidate [w] their rows ->
+        [w] bool, the slots that take them (the offers are in queue order: a refused one refuses
+        the rest)."""
+
+    def admit(self, kv, take: jax.Array, row: jax.Array, prompt: jax.Array) -> Any:
+        """The slots where take [w] start rows row [w] of prompts prompt [w]: their prompt's K/V."""
+
+    def attend(self, model, kv, last: jax.Array, positions: jax.Array, t: jax.Array, busy: jax.Array):
+        """One decode step of the model: last [w] tokens at positions [w] (token t [w] of each row;
+        busy [w] bool) -> (hidden [w, 1, D], state with their K/V written)."""
+
+    def release(self, kv, done: jax.Array) -> Any:
+        """The slots where done [w] end their rows."""
+
+    def narrow(self, kv, moved: jax.Array, running: jax.Array, width: int) -> Any:
+        """The slots moved [w] (the running ones first, in slot order; ``running`` [] of them) to
+        slots 0 .. width - 1."""
+
+    def free_pages(self, kv) -> jax.Array:
+        """[] int32, pages free (0 for a store without pages)."""
+
+
+def start(model, queue: Queue, store: KVStore, real: jax.Array, first_logp: jax.Array, max_new_tokens: int,
+          slots: int, pad_id: int) -> DecodeState:
+    """The state before the first decode step: token 0 of every row written (real [Q] bool, False
+    for rows without a sample; first_logp [Q]) and the C slots filled from the queue."""
+    Q, N = queue.rows, max_new_tokens
+    first_stop = real & is_stop(queue.first_tokens, queue.stop_ids)
+    outputs = Outputs(jnp.zeros((Q, N), jnp.int32).at[:, 0].set(jnp.where(real, queue.first_tokens, pad_id)),
+                      jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0)),
+                      real.astype(jnp.int32), first_stop)
+    zeros = jnp.zeros((slots,), jnp.int32)
+    idle = DecodeState(jnp.int32(0), Slots(jnp.full((slots,), Q, jnp.int32), zeros, zeros), store.init(model, slots),
+                       jnp.int32(0), outputs)
+    return refill(queue, store, idle, jnp.ones((slots,), bool))
+
+
+def make_queue(real, first_tokens, budgets, row_keys, prompt_lengths, stop_ids) -> Queue:
+    """The queue of rows real [Q] (False: no sample) that need decode steps: not stopped at token 0
+    (first_tokens [Q]) and a budget (budgets [Q]) over 1."""
+    waiting = real & ~is_stop(first_tokens, stop_ids) & (budgets > 1)
+    return Queue(jnp.argsort(~waiting, stable=True).astype(jnp.int32), jnp.sum(waiting, dtype=jnp.int32),
+                 first_tokens, budgets, row_keys, prompt_lengths, stop_ids)
+
+
+def refill(queue: Queue, store: KVStore, state: DecodeState, free: jax.Array) -> DecodeState:
+    """Free slots (free [w] bool) take the next waiting rows in queue order, as far as the store
+    admits them; slots left without one go idle. A taken slot's last token is its row's token 0."""
+    Q, slots = queue.rows, state.slots
+    rank = jnp.cumsum(free, dtype=jnp.int32) - 1
+    candidate = queue.order[jnp.minimum(state.taken + rank, Q - 1)]
+    take = store.admissible(state.kv, free & (state.taken + rank < queue.queued), candidate)
+    row = jnp.where(take, candidate, jnp.where(free, Q, slots.row))
+    r = jnp.minimum(row, Q - 1)
+    kv = store.admit(state.kv, take, row, r // queue.samples)
+    slots = Slots(row, jnp.where(take, 1, slots.t), jnp.where(take, queue.first_tokens[r], slots.last))
+    return state._replace(slots=slots, kv=kv, taken=state.taken + jnp.sum(take, dtype=jnp.int32))
+
+
+def decode_step(model, queue: Queue, store: KVStore, selection: Selection, state: DecodeState, *,
+                refills: bool) -> DecodeState:
+    """One decode step of every slot of the current width; with ``refills`` the slots whose rows end
+    take the next waiting rows (the first width), else they go idle (the narrower widths)."""
+    Q, slots, outputs = queue.rows, state.slots, state.outputs
+    busy = slots.row < Q
+    r = jnp.minimum(slots.row, Q - 1)
+    positions = queue.prompt_lengths[r // queue.samples] + slots.t - 1  # [w]: the position of each slot's last token
+    hidden, kv = store.attend(model, state.kv, slots.last, positions, slots.t, busy)
+    keys = jax.vmap(jax.random.fold_in)(queue.row_keys[r], slots.t)
+    token, logp = selection.select(model.logits(hidden)[:, 0], keys)
+    out = jnp.where(busy, slots.row, Q)  # idle slots write nowhere (out of bounds: dropped)
+    hit = busy & is_stop(token, queue.stop_ids)
+    t = jnp.where(busy, slots.t + 1, slots.t)
+    outputs = Outputs(outputs.tokens.at[out, slots.t].set(token, mode="drop"),
+                      outputs.logprobs.at[out, slots.t].set(logp, mode="drop"),
+                      outputs.lengths.at[out].set(t, mode="drop"), outputs.stopped.at[out].set(hit, mode="drop"))
+    done = hit | (busy & (t >= queue.budgets[r]))
+    state = DecodeState(state.steps + 1, Slots(slots.row, t, token), store.release(kv, done), state.taken, outputs)
+    if refills:
+        return refill(queue, store, state, ~busy | done)
+    return state._replace(slots=state.slots._replace(row=jnp.where(done, Q, slots.row)))
+
+
+def narrow(queue: Queue, store: KVStore, state: DecodeState, width: int) -> DecodeState:
+    """The running rows to slots 0 .. width - 1, in slot order (the store moves their K/V or tables)."""
+    busy = state.slots.row < queue.rows
+    moved = jnp.argsort(~busy, stable=True).astype(jnp.int32)  # the busy slots first
+    keep = moved[:width]
+    return state._replace(slots=jax.tree.map(lambda x: x[keep], state.slots),
+                          kv=store.narrow(state.kv, moved, jnp.sum(busy, dtype=jnp.int32), width))
+
+
+def decode_queue(model, queue: Queue, store: KVStore, selection: Selection, state: DecodeState,
+                 widths: tuple[int, ...]) -> QueueResult:
+    """The decode loop of one queue from ``start``'s state: one ``while_loop`` a width of
+    ``widths`` (engine.narrowing_widths), until no row waits or runs."""
+    running = lambda s: jnp.sum(s.slots.row < queue.rows, dtype=jnp.int32)
+    waiting = lambda s: s.taken < queue.queued
+    state, slot_steps = run_widths(state, widths, functools.partial(decode_step, model, queue, store, selection),
+                                   functools.partial(narrow, queue, store), running, waiting)
+    return QueueResult(*state.outputs, state.steps, slot_steps, store.free_pages(state.kv))
