@@ -90,7 +90,7 @@ def runs(qwen25_dir, tmp_path_factory):  # noqa: F811 (the fixture imported abov
                                      f"--checkpoint={qwen25_dir}"]
     assert commands["pacs"][1:4] == ["-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_3b,pacs_beta1"]
     assert commands["grpo"][1:4] == ["-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_3b,grpo"]
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     argvs = {"base": [*commands["base"], *EVAL_FLAGS, "--config.evaluate.progress=False"],
              "pacs": [*commands["pacs"], *train_flags(data_file)],
              # the Base row needs one evaluation before RL (PACS's): GRPO skips its own

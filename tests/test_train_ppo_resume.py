@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
     warm-start and the evaluation before RL): steps 3 and 4, their rows and checkpoints, and the run's
     end (final evaluation, export, summary) are the resume's own."""
     root = tmp_path_factory.mktemp("ppo_resume")
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     a, b = root / "a", root / "b"
     assert finish(start_train(a, *FLAGS, "--config.train.steps=4", env=env, log_name="a")) == 0, logs(a, "a")
     shutil.copytree(a, b)

@@ -55,7 +55,7 @@ def test_sigint_checkpoints_the_step_and_a_second_sigint_during_that_checkpoint_
     """One workdir, two sessions: Ctrl-C once writes the checkpoint of the step under way and exits 0; the
     resume (its programs from the first session's compilation cache), Ctrl-C'd again, then once more
     inside the checkpoint that asked for, aborts at once and writes nothing."""
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("sigint") / "run"
     flags = (*RL_ONLY_FLAGS, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=0")
 
@@ -91,7 +91,7 @@ def test_sigterm_during_the_warm_start_says_it_is_not_checkpointed(tmp_path_fact
     workdir = tmp_path_factory.mktemp("warm_signal") / "run"
     flags = (*[f for f in FAST_DEMO_FLAGS if not f.startswith("--config.warmstart.steps")],
              "--config.warmstart.steps=100000", "--config.warmstart.target_accuracy=0.0")
-    process = start_train(workdir, *flags, env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run",
+    process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="run",
                           new_session=True)
     wait_for(_log_has(workdir, "run", "warm-start: "), process, "the warm-start", poll=0.2)  # its progress bar
     os.killpg(process.pid, signal.SIGTERM)
@@ -111,7 +111,7 @@ def sessions(tmp_path_factory):
     train.steps end and one with end - 1; a resume with other model shapes and objective; two damaged
     checkpoints (end, end - 1) and a resume to end + 1. {name: (exit code, output)} plus what was on
     disk between."""
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("sessions") / "run"
     flags = (*RL_ONLY_FLAGS, "--config.train.keep_checkpoints=10")  # the sessions need RL steps only
     out = {"workdir": workdir}
@@ -242,7 +242,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path_factory):
     workdir.mkdir()
     (workdir / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     process = start_train(workdir, *RL_ONLY_FLAGS, "--config.train.steps=2",  # the first write: step 1's row
-                          env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run")
+                          env=train_env(compile_cache_dir()), log_name="run")
     assert finish(process) == 78
     output = logs(workdir, "run")
     assert f"pacs_jax.train: error: {workdir / 'metrics.jsonl'}: No space left on device (while writing" in output
