@@ -116,7 +116,7 @@ def runs(data_file, tmp_path_factory):
     return two, one, padded
 
 
-@pytest.mark.slow(seconds=220)  # the three runs of the fixture
+@pytest.mark.slow(seconds=280)  # the three runs of the fixture
 def test_two_processes_train_exactly_like_one(runs):
     two, one, _ = runs
     m2, m1 = _metrics(two), _metrics(one)
@@ -148,6 +148,7 @@ def test_two_processes_train_packed_like_padded(runs):
     assert all(packed_rows[step]["tokens_computed"] < padded_rows[step]["tokens_computed"] for step in (1, 2))
 
 
+@pytest.mark.slow(seconds=40)
 def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_path):
     """Step 1 of the 2-process run (each process wrote its own shards), resumed by 1 process x 8 devices,
     ends where both straight runs end. (The other way, 2 processes restoring their shards, is

@@ -254,7 +254,7 @@ OBJECTIVES = [("pacs", {}), ("pacs", {"use_weight": False}), ("pacs", {"weight_m
                                                     "verl_micro_batch_size": 8, "norm_length": 14})]
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=75)
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
 def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
     """The actor's loss, metrics and every gradient leaf (``rl.loss_and_grad_fn``: a mini-batch of 2
@@ -365,7 +365,7 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
         return history, jax.tree.map(np.asarray, params)
 
 
-@pytest.mark.slow(seconds=150)
+@pytest.mark.slow(seconds=45)
 @pytest.mark.parametrize("setup", ["demo", "paper_qwen25_7b"])
 def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_dir, tmp_path):
     """The demo (float32) and the Qwen2.5-7B paper setup shrunk (bfloat16, its remat, the (1, 8, 1)

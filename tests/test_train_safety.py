@@ -161,7 +161,7 @@ def sessions(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow(seconds=240)
+@pytest.mark.slow(seconds=45)  # the fixture's seven runs
 def test_a_second_trainer_on_the_workdir_is_refused_naming_the_holder(sessions):
     code, output = sessions["second"]
     assert code == 78, output
@@ -170,7 +170,7 @@ def test_a_second_trainer_on_the_workdir_is_refused_naming_the_holder(sessions):
     assert "Traceback" not in output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_a_stale_lock_is_taken_over_and_the_resume_says_where_it_resumed(sessions):
     code, output = sessions["resume"]
     assert code == 0, output
@@ -180,7 +180,7 @@ def test_a_stale_lock_is_taken_over_and_the_resume_says_where_it_resumed(session
     assert f"resumed from step {resumed_from} " in output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_metrics_have_no_duplicate_steps_and_wall_time_covers_every_session(sessions):
     killed_rows, resumed_from = sessions["killed_rows"], max(sessions["killed_checkpoints"])
     assert max(killed_rows) > resumed_from  # steps were logged past the checkpoint, then run again
@@ -196,7 +196,7 @@ def test_metrics_have_no_duplicate_steps_and_wall_time_covers_every_session(sess
     assert summary["rl_time_split_seconds"]["time_update"] == pytest.approx(sum(r["time_update"] for r in rows))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_train_steps_at_or_below_the_checkpoint_says_there_is_nothing_to_train(sessions):
     end = sessions["end"]
     code, output = sessions["again"]
@@ -208,7 +208,7 @@ def test_train_steps_at_or_below_the_checkpoint_says_there_is_nothing_to_train(s
     assert f"config.train.steps: {end - 1} is below the step of the checkpoint" in output and f"({end})" in output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_a_resume_with_other_model_shapes_or_objective_is_refused_before_writing(sessions):
     code, output = sessions["changed"]
     assert code == 78, output
@@ -221,7 +221,7 @@ def test_a_resume_with_other_model_shapes_or_objective_is_refused_before_writing
     assert sessions["config_unchanged"] and sessions["sessions_unchanged"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_damaged_checkpoints_fall_back_to_the_newest_intact_step(sessions):
     code, output = sessions["damaged"]
     assert code == 0, output
