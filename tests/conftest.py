@@ -10,9 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent compilation cache for the whole run, shared by both xdist workers and every trainer
 # subprocess (they inherit the variable): the suite compiles many identical programs (each run's
-# StepPrograms, the demo in a dozen subprocesses). Programs that compile in under a second are not stored.
+# StepPrograms, the demo in a dozen subprocesses). Programs that compile in under a second are not stored
+# (trainer subprocesses store every program: train_helpers.train_env). A size limit turns on JAX's file lock
+# around each read and write of the cache, so that no process reads an entry that another is writing (the
+# xdist workers, the trainer subprocesses and the processes of a multi-process run use it at once).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"pacs_jax_tests_jit_cache_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
 
 import pathlib
 

@@ -32,13 +32,13 @@ def test_table_gives_mean_and_spread_over_seeds(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_objective_end_to_end(tmp_path, tmp_path_factory):
+def test_one_objective_end_to_end(tmp_path):
     """GRPO on a one-step demo: the tool trains it through configs/demo_objectives.py and reports it."""
     out = tmp_path / "compare"
     flags = " ".join([*FAST_DEMO_FLAGS, "--config.train.steps=1"])
     run = subprocess.run([sys.executable, str(REPO / "tools" / "compare_objectives.py"), "--objectives=grpo",
                           "--seeds=3", f"--out={out}", f"--train_flags={flags}"], cwd=REPO, capture_output=True, text=True,
-                         env=train_env(compile_cache_dir(tmp_path_factory)), timeout=600)
+                         env=train_env(compile_cache_dir()), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     summary = results["grpo"]["3"]["summary"]

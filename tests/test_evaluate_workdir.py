@@ -30,7 +30,7 @@ def demo_workdir(tmp_path_factory) -> pathlib.Path:
     """The demo shrunk to seconds, 3 RL steps, checkpoints at steps 2 and 3, and its HF export."""
     workdir = tmp_path_factory.mktemp("demo") / "workdir"
     process = start_train(workdir, *FAST_DEMO_FLAGS, f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=2",
-                          env=train_env(compile_cache_dir(tmp_path_factory)), log_name="train")
+                          env=train_env(compile_cache_dir()), log_name="train")
     assert finish(process) == 0, logs(workdir, "train")[-3000:]
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
     return workdir

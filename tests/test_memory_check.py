@@ -55,6 +55,7 @@ def state_bytes(tree) -> int:
                    if s.device == d) for d in jax.devices())
 
 
+@pytest.mark.slow(seconds=45)
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(packing):
     """Every program of every bucket compiled (the warm-up's list: padded, one pi_old and update per
@@ -101,6 +102,7 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(pack
     assert update.total <= fullest.total
 
 
+@pytest.mark.slow(seconds=45)
 def test_the_trainer_refuses_a_step_that_does_not_fit_before_step_1(monkeypatch, tmp_path):
     """A device that reports less memory than the step's fullest program: the run stops at the
     warm-up with one ConfigError naming the fields, and trains nothing."""
@@ -132,6 +134,7 @@ def test_device_memory_limit_is_none_on_cpu():
     assert memory_check.device_memory_limit() is None
 
 
+@pytest.mark.slow(seconds=50)
 def test_tool_compiles_the_three_programs_on_the_cpu_mesh():
     tool = load_tool()
     config = tiny_config()
@@ -156,6 +159,7 @@ def test_tool_compiles_the_three_programs_on_the_cpu_mesh():
     assert not fits and "to shrink the fullest (" in text
 
 
+@pytest.mark.slow(seconds=40)
 def test_tool_compiles_the_critics_programs_for_ppo_on_the_cpu_mesh():
     """PPO: the critic's values and update programs between pi_old and the actor's update (which reads
     the advantages); the critic's state counted outside the actor's programs and the actor's outside
@@ -193,7 +197,7 @@ SHRUNK_LAYERS = ["--config.model.preset=", "--config.model.random_init=True", "-
                  "--config.model.rope_theta=1000000.0"]  # the TPU paged kernel takes head_dim 128, as the presets'
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=65)
 @pytest.mark.parametrize("model, heads, kv_heads, slots, shard_slots, mesh", [
     ("qwen25_7b", 8, 4, 4096, 512, "{'data': 1, 'fsdp': 8, 'tensor': 4}"),
     ("qwen3_4b", 16, 8, 3072, 96, "{'data': 4, 'fsdp': 8, 'tensor': 1}")])

@@ -60,21 +60,21 @@ def _env(cache_dir=None, **extra) -> dict:
     return {**train_env(cache_dir), **extra}
 
 
-def _train(workdir, data_file, *, processes: int, cache_dir, flags: tuple[str, ...] = ()) -> None:
-    """A run of SHRUNK in ``workdir``: 1 process x 8 devices reading and writing the session's compilation
-    cache ``cache_dir``, or 2 processes x 4 devices without a persistent compilation cache. (A cache
-    shared by processes running at once sees them write and read the same entries at once, an abort seen
-    once in CI; and the suite's one 2-process run of SHRUNK would have nothing to read from a cache.)"""
+def _train(workdir, data_file, *, processes: int, flags: tuple[str, ...] = ()) -> None:
+    """A run of SHRUNK in ``workdir``: 1 process x 8 devices or 2 processes x 4 devices, reading and
+    writing the session's compilation cache (whose file lock, tests/conftest.py, keeps a process from
+    reading an entry that another is writing: before it, an abort seen once in CI). The 2-process run on
+    padded rows reads the sampler that the first 2-process run compiled, the resumed run every program."""
     flags = [*SHRUNK, *flags, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
     if processes == 1:  # the static sampler (one slot per response) against the 2 processes' paged one (the default)
         command.append("--config.rollout.sampler=static")
-        env = _env(cache_dir, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = _env(compile_cache_dir(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:
-        env = {k: v for k, v in _env().items() if k != "JAX_COMPILATION_CACHE_DIR"}  # conftest.py's, inherited
         run = subprocess.run([str(LOCAL), "--processes", str(processes), "--devices_per_process", str(8 // processes),
-                              "--", *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                              "--", *command], cwd=REPO, env=_env(compile_cache_dir()), capture_output=True, text=True,
+                             timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[:5000] + run.stderr[-5000:]
 
 
@@ -110,13 +110,13 @@ def runs(data_file, tmp_path_factory):
     run on padded rows (train.packing False)."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
     padded = tmp_path_factory.mktemp("two_processes_padded")
-    _train(two, data_file, processes=2, cache_dir=compile_cache_dir(tmp_path_factory))
-    _train(one, data_file, processes=1, cache_dir=compile_cache_dir(tmp_path_factory))
-    _train(padded, data_file, processes=2, cache_dir=None, flags=("--config.train.packing=False",))
+    _train(two, data_file, processes=2)
+    _train(one, data_file, processes=1)
+    _train(padded, data_file, processes=2, flags=("--config.train.packing=False",))
     return two, one, padded
 
 
-@pytest.mark.slow(seconds=220)  # the three runs of the fixture
+@pytest.mark.slow(seconds=280)  # the three runs of the fixture
 def test_two_processes_train_exactly_like_one(runs):
     two, one, _ = runs
     m2, m1 = _metrics(two), _metrics(one)
@@ -148,7 +148,8 @@ def test_two_processes_train_packed_like_padded(runs):
     assert all(packed_rows[step]["tokens_computed"] < padded_rows[step]["tokens_computed"] for step in (1, 2))
 
 
-def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_path, tmp_path_factory):
+@pytest.mark.slow(seconds=40)
+def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_path):
     """Step 1 of the 2-process run (each process wrote its own shards), resumed by 1 process x 8 devices,
     ends where both straight runs end. (The other way, 2 processes restoring their shards, is
     test_multihost_signals.py's resume after Ctrl-C.)"""
@@ -157,7 +158,7 @@ def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_p
     shutil.copytree(two, workdir)
     shutil.rmtree(workdir / "checkpoints" / "2")
     shutil.rmtree(workdir / "hf_export")
-    _train(workdir, data_file, processes=1, cache_dir=compile_cache_dir(tmp_path_factory))
+    _train(workdir, data_file, processes=1)
     _assert_same_params(_params(workdir, 2), _params(one, 2))
     resumed = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][-1]
     assert resumed["step"] == 2

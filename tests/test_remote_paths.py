@@ -126,7 +126,7 @@ def _short_rows(deepscaler_rows, path):
     path.write_text(json.dumps(sorted(rows, key=lambda r: len(r["problem"]))[:24]))
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=30)
 def test_a_run_reads_its_model_tokenizer_and_data_from_gs_and_evaluate_reads_its_workdir(
         store, hf_model_dir, deepscaler_rows, tmp_path, capsys):
     """The trainer as a run calls it (the config check's lookups, then run_training: model.path's cached
@@ -229,7 +229,7 @@ GS_RUN = {"model.num_hidden_layers": 1, "warmstart.steps": 0, "data.warmstart_pr
           "train.prompts_per_step": 8, "train.mini_batches": 2, "reward.workers": 1}
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=100)
 def test_a_run_in_a_gs_workdir_resumes_from_it_and_evaluate_reads_it(gcs, tmp_path):
     """GS_RUN trains 2 steps in gs://bucket/run, then the trainer CLI, in a process of its own, resumes
     there to step 3: the lock, config.json, metrics, Orbax checkpoints, TensorBoard, the evaluation outputs, the

@@ -254,11 +254,13 @@ OBJECTIVES = [("pacs", {}), ("pacs", {"use_weight": False}), ("pacs", {"weight_m
                                                     "verl_micro_batch_size": 8, "norm_length": 14})]
 
 
+@pytest.mark.slow(seconds=75)
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
 def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
     """The actor's loss, metrics and every gradient leaf (``rl.loss_and_grad_fn``: a mini-batch of 2
     micro-batches of whole groups, in several packed passes), packed and padded, for each objective and
-    its options (mini-batches: the trainer's steps below)."""
+    its options (mini-batches: the trainer's steps below). The objectives' programs, padded and packed, are
+    compiled as one (one program's compilation, not 26 of them: each alone is a few seconds of XLA)."""
     rows = step_rows
     model = Qwen(CFG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
@@ -273,22 +275,26 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
         batch = {k: put(rows[v]) for k, v in (("input_ids", "ids"), ("attention_mask", "mask"), ("response_mask", "rmask"),
                                                ("old_logp", "old_logp"), ("rewards", "rewards"))}
         advantages = (np.random.RandomState(3).randn(B, rows["R"]) * rows["rmask"]).astype(np.float32)
+        with_advantages = dict(batch, advantages=put(advantages))  # PPO's actor: per-token GAE advantages
+        plan_arrays = {k: put(v) for k, v in plan.arrays().items()}
+        fns, batches = [], []
         for name, options in OBJECTIVES:
-            if name == "ppo":  # PPO's actor: per-token GAE advantages
-                batch = dict(batch, advantages=put(advantages))
-            packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
-            fn = rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options, num_micro_batches=K)
-            run = jax.jit(fn)
-            for (la, ma, ga), (lb, mb, gb) in [(run(params, batch), run(params, packed))]:
-                try:
-                    np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
-                    assert sorted(ma) == sorted(mb)
-                    for key in ma:
-                        np.testing.assert_allclose(float(mb[key]), float(ma[key]), rtol=1e-4, atol=1e-5, err_msg=key)
-                    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-                        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
-                except AssertionError as e:
-                    failures.append(f"{name} {options}: {e}")
+            padded = with_advantages if name == "ppo" else batch
+            fns.append(rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options,
+                                           num_micro_batches=K))
+            batches.append((padded, dict(padded, **plan_arrays)))
+        results = jax.jit(lambda params, batches: [(fn(params, padded), fn(params, packed))
+                                                   for fn, (padded, packed) in zip(fns, batches)])(params, batches)
+        for (name, options), ((la, ma, ga), (lb, mb, gb)) in zip(OBJECTIVES, results, strict=True):
+            try:
+                np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
+                assert sorted(ma) == sorted(mb)
+                for key in ma:
+                    np.testing.assert_allclose(float(mb[key]), float(ma[key]), rtol=1e-4, atol=1e-5, err_msg=key)
+                for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+                    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+            except AssertionError as e:
+                failures.append(f"{name} {options}: {e}")
     assert not failures, "\n".join(failures)
 
 
@@ -311,9 +317,10 @@ def test_critic_update_packed_equals_padded(step_rows, mesh_shape):
                  "old_values": put((rs.randn(B, R) * live).astype(np.float32)),
                  "returns": put((rs.randn(B, R) * live).astype(np.float32))}
         packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
-        fn = jax.jit(rl.critic.critic_loss_and_grad_fn(graphdef, num_micro_batches=2, loss_agg_mode="seq-mean-token-sum-norm",
-                                                        norm_length=R, loss_scale="verl", verl_micro_batch_size=8))
-        (la, ma, ga), (lb, mb, gb) = fn(params, batch), fn(params, packed)
+        fn = rl.critic.critic_loss_and_grad_fn(graphdef, num_micro_batches=2, loss_agg_mode="seq-mean-token-sum-norm",
+                                               norm_length=R, loss_scale="verl", verl_micro_batch_size=8)
+        both = jax.jit(lambda params, padded, packed: (fn(params, padded), fn(params, packed)))  # one program
+        (la, ma, ga), (lb, mb, gb) = both(params, batch, packed)
     assert plan.passes[0] > 1  # the passes are not the micro-batches
     np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
     assert sorted(ma) == sorted(mb)
@@ -358,7 +365,7 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
         return history, jax.tree.map(np.asarray, params)
 
 
-@pytest.mark.slow(seconds=150)
+@pytest.mark.slow(seconds=45)
 @pytest.mark.parametrize("setup", ["demo", "paper_qwen25_7b"])
 def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_dir, tmp_path):
     """The demo (float32) and the Qwen2.5-7B paper setup shrunk (bfloat16, its remat, the (1, 8, 1)

@@ -70,6 +70,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow(seconds=45)  # the first case's compilations: ~120 s
 @pytest.mark.parametrize("case, mesh_shape", [(case, None) for case in sorted(SETTINGS)] + [("sampled_n8", (2, 2, 2))],
                          ids=[f"{case}-1dev" for case in sorted(SETTINGS)] + ["sampled_n8-2x2x2"])
 def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case):

@@ -27,6 +27,7 @@ def _sample(model, prompts, budgets, *, slots, stops=(), page_size=None, pages=N
     return jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(0), rows))
 
 
+@pytest.mark.slow(seconds=60)
 def test_a_row_waits_for_pages_and_every_page_comes_back(hf, prompts):
     """Greedy, 3 slots, 5-token pages (dividing neither the budgets nor the 16-token prompts), the
     prompts' lengths 7, 13, 2, 10, 5 (partly filled last prompt pages), a stop at prompt 3's first

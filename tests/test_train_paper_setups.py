@@ -110,7 +110,7 @@ def _evaluate_as_the_paper(config) -> None:
     config.eval.periodic.every = 0
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=50)
 @pytest.mark.parametrize("arg", [EVALUATED, REWARD2, "qwen3_8b,pacs_beta1", "qwen25_3b,grpo"])
 def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(setup_runs, arg):
     """Each MODEL of configs/paper.py (and the GRPO baseline), shrunk: its remat, bf16 and its tensor
@@ -247,6 +247,7 @@ def compiled_programs():
     return {layers: _programs(layers) for layers in (2, 8)}
 
 
+@pytest.mark.slow(seconds=70)  # the fixture's compilations (2 and 8 layers)
 def test_pi_old_and_update_hold_no_attention_matrix_nor_full_logits(compiled_programs):
     old, new, cfg = compiled_programs[2]
     T, B, H, V = P_LEN + R_LEN, PROMPTS * N, cfg.num_attention_heads, cfg.vocab_size

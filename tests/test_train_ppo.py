@@ -97,7 +97,7 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
             assert not np.array_equal(np.asarray(after[name]), before[name]), name
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscaler_rows, qwen_tokenizer_dir,
                                                                       tmp_path):
     config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")

@@ -13,7 +13,7 @@ import pytest
 
 from train_helpers import FAST_DEMO_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=45)  # the fixture's two runs: ~90 s
 
 FLAGS = (*FAST_DEMO_FLAGS, "--config.algorithm.objective=ppo", "--config.train.checkpoint_every=1",
          "--config.train.keep_checkpoints=5")
@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
     warm-start and the evaluation before RL): steps 3 and 4, their rows and checkpoints, and the run's
     end (final evaluation, export, summary) are the resume's own."""
     root = tmp_path_factory.mktemp("ppo_resume")
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     a, b = root / "a", root / "b"
     assert finish(start_train(a, *FLAGS, "--config.train.steps=4", env=env, log_name="a")) == 0, logs(a, "a")
     shutil.copytree(a, b)

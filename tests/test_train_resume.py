@@ -32,7 +32,7 @@ def runs(tmp_path_factory):
     "warmstart_rewritten": whether the restart redid the warm-start (it rewrites warmstart.json),
     "restart_log": the restarted run's output}."""
     root = tmp_path_factory.mktemp("resume")
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     a, b = root / "a", root / "b"
     assert finish(start_train(a, *FLAGS, env=env, log_name="a")) == 0, logs(a, "a")
 

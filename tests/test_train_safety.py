@@ -56,7 +56,7 @@ def test_sigint_checkpoints_the_step_and_a_second_sigint_during_that_checkpoint_
     """One workdir, two sessions: Ctrl-C once writes the checkpoint of the last finished step and exits 79; the
     resume (its programs from the first session's compilation cache), Ctrl-C'd again, then once more
     inside the checkpoint that asked for, aborts at once and writes nothing."""
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("sigint") / "run"
     flags = (*RL_ONLY_FLAGS, f"--config.train.steps={LONG}", "--config.train.checkpoint_every=0")
 
@@ -92,7 +92,7 @@ def test_sigterm_during_the_warm_start_says_it_is_not_checkpointed(tmp_path_fact
     workdir = tmp_path_factory.mktemp("warm_signal") / "run"
     flags = (*[f for f in FAST_DEMO_FLAGS if not f.startswith("--config.warmstart.steps")],
              "--config.warmstart.steps=100000", "--config.warmstart.target_accuracy=0.0")
-    process = start_train(workdir, *flags, env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run",
+    process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="run",
                           new_session=True)
     wait_for(_log_has(workdir, "run", "warm-start: "), process, "the warm-start", poll=0.2)  # its progress bar
     os.killpg(process.pid, signal.SIGTERM)
@@ -112,7 +112,7 @@ def sessions(tmp_path_factory):
     train.steps end and one with end - 1; a resume with other model shapes and objective; two damaged
     checkpoints (end, end - 1) and a resume to end + 1. {name: (exit code, output)} plus what was on
     disk between."""
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("sessions") / "run"
     flags = (*RL_ONLY_FLAGS, "--config.train.keep_checkpoints=10")  # the sessions need RL steps only
     out = {"workdir": workdir}
@@ -162,7 +162,7 @@ def sessions(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow(seconds=240)
+@pytest.mark.slow(seconds=45)  # the fixture's seven runs
 def test_a_second_trainer_on_the_workdir_is_refused_naming_the_holder(sessions):
     code, output = sessions["second"]
     assert code == 78, output
@@ -171,7 +171,7 @@ def test_a_second_trainer_on_the_workdir_is_refused_naming_the_holder(sessions):
     assert "Traceback" not in output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_a_stale_lock_is_taken_over_and_the_resume_says_where_it_resumed(sessions):
     code, output = sessions["resume"]
     assert code == 0, output
@@ -181,7 +181,7 @@ def test_a_stale_lock_is_taken_over_and_the_resume_says_where_it_resumed(session
     assert f"resumed from step {resumed_from} " in output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_metrics_have_no_duplicate_steps_and_wall_time_covers_every_session(sessions):
     killed_rows, resumed_from = sessions["killed_rows"], max(sessions["killed_checkpoints"])
     assert max(killed_rows) > resumed_from  # steps were logged past the checkpoint, then run again
@@ -197,7 +197,7 @@ def test_metrics_have_no_duplicate_steps_and_wall_time_covers_every_session(sess
     assert summary["rl_time_split_seconds"]["time_update"] == pytest.approx(sum(r["time_update"] for r in rows))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_train_steps_at_or_below_the_checkpoint_says_there_is_nothing_to_train(sessions):
     end = sessions["end"]
     code, output = sessions["again"]
@@ -209,7 +209,7 @@ def test_train_steps_at_or_below_the_checkpoint_says_there_is_nothing_to_train(s
     assert f"config.train.steps: {end - 1} is below the step of the checkpoint" in output and f"({end})" in output
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_a_resume_with_other_model_shapes_or_objective_is_refused_before_writing(sessions):
     code, output = sessions["changed"]
     assert code == 78, output
@@ -222,7 +222,7 @@ def test_a_resume_with_other_model_shapes_or_objective_is_refused_before_writing
     assert sessions["config_unchanged"] and sessions["sessions_unchanged"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)  # the fixture's runs: counted on the first test above
 def test_damaged_checkpoints_fall_back_to_the_newest_intact_step(sessions):
     code, output = sessions["damaged"]
     assert code == 0, output
@@ -243,7 +243,7 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path_factory):
     workdir.mkdir()
     (workdir / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     process = start_train(workdir, *RL_ONLY_FLAGS, "--config.train.steps=2",  # the first write: step 1's row
-                          env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run")
+                          env=train_env(compile_cache_dir()), log_name="run")
     assert finish(process) == 78
     output = logs(workdir, "run")
     assert f"pacs_jax.train: error: {workdir / 'metrics.jsonl'}: No space left on device (while writing" in output

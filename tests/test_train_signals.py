@@ -30,7 +30,7 @@ def test_sigterm_mid_step_writes_a_checkpoint_and_exits_79(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sigterm") / "run"
     process = start_train(workdir, *RL_ONLY_FLAGS, f"--config.train.steps={STEPS}",
                           "--config.train.checkpoint_every=0",  # only the SIGTERM checkpoint
-                          env=train_env(compile_cache_dir(tmp_path_factory)), log_name="run", new_session=True)
+                          env=train_env(compile_cache_dir()), log_name="run", new_session=True)
     wait_for(lambda: len(metrics_rows(workdir)) >= 1, process, "the first RL step")
     time.sleep(0.3)  # let step 2 begin (a step takes seconds here), so that the signal lands inside it
     os.killpg(process.pid, signal.SIGTERM)

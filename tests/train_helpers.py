@@ -2,8 +2,8 @@
 and loading the configs/ files as the CLI does.
 
 The subprocess runs on one CPU device: the 8-device XLA flag of conftest.py is removed from its
-environment. Runs of one pytest session share a JAX compilation cache, so only the first run pays
-for compiling the demo's programs.
+environment. Runs of one pytest session, on either xdist worker, share the session's JAX compilation
+cache (tests/conftest.py), so only the first run pays for compiling the demo's programs.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
     return env
 
 
-def compile_cache_dir(tmp_path_factory) -> pathlib.Path:
-    """One compilation cache directory for every trainer subprocess of this pytest session."""
-    return tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+def compile_cache_dir() -> pathlib.Path:
+    """The compilation cache of this pytest session (tests/conftest.py's), shared by both xdist workers and
+    every trainer subprocess."""
+    return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def start_train(workdir: pathlib.Path, *flags: str, env: dict[str, str], log_name: str,
