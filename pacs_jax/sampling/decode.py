@@ -128,6 +128,14 @@ class KVStore(Protocol):
         """[] int32, pages free (0 for a store without pages)."""
 
 
+def make_queue(real, first_tokens, budgets, row_keys, prompt_lengths, stop_ids) -> Queue:
+    """The queue of rows real [Q] (False: no sample) that need decode steps: not stopped at token 0
+    (first_tokens [Q]) and a budget (budgets [Q]) over 1."""
+    waiting = real & ~is_stop(first_tokens, stop_ids) & (budgets > 1)
+    return Queue(jnp.argsort(~waiting, stable=True).astype(jnp.int32), jnp.sum(waiting, dtype=jnp.int32),
+                 first_tokens, budgets, row_keys, prompt_lengths, stop_ids)
+
+
 def start(model, queue: Queue, store: KVStore, real: jax.Array, first_logp: jax.Array, max_new_tokens: int,
           slots: int, pad_id: int) -> DecodeState:
     """The state before the first decode step: token 0 of every row written (real [Q] bool, False
@@ -141,14 +149,6 @@ def start(model, queue: Queue, store: KVStore, real: jax.Array, first_logp: jax.
     idle = DecodeState(jnp.int32(0), Slots(jnp.full((slots,), Q, jnp.int32), zeros, zeros), store.init(model, slots),
                        jnp.int32(0), outputs)
     return refill(queue, store, idle, jnp.ones((slots,), bool))
-
-
-def make_queue(real, first_tokens, budgets, row_keys, prompt_lengths, stop_ids) -> Queue:
-    """The queue of rows real [Q] (False: no sample) that need decode steps: not stopped at token 0
-    (first_tokens [Q]) and a budget (budgets [Q]) over 1."""
-    waiting = real & ~is_stop(first_tokens, stop_ids) & (budgets > 1)
-    return Queue(jnp.argsort(~waiting, stable=True).astype(jnp.int32), jnp.sum(waiting, dtype=jnp.int32),
-                 first_tokens, budgets, row_keys, prompt_lengths, stop_ids)
 
 
 def refill(queue: Queue, store: KVStore, state: DecodeState, free: jax.Array) -> DecodeState:
