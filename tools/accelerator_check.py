@@ -164,12 +164,14 @@ def main(argv=None) -> int:
     parser.add_argument("--logs", default="", help="folder for each check's output (default: a temporary one)")
     parser.add_argument("--out", default="", help="also write the results as JSON to this file (after each check)")
     args = parser.parse_args(argv)
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    chosen = lambda logs: [c for c in checks(args.size, logs)  # noqa: E731
+                           if not wanted or any(c.name.startswith(w) for w in wanted)]
+    if not chosen(pathlib.Path(".")):  # before anything is written
+        parser.error(f"--only={args.only}: no check starts with that (decode, sampling, update, train)")
     logs = pathlib.Path(args.logs or tempfile.mkdtemp(prefix="accelerator_check_"))
     logs.mkdir(parents=True, exist_ok=True)
-    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    selected = [c for c in checks(args.size, logs) if not wanted or any(c.name.startswith(w) for w in wanted)]
-    if not selected:
-        parser.error(f"--only={args.only}: no check starts with that (decode, sampling, update, train)")
+    selected = chosen(logs)
     results = {}
     for check in selected:
         print(f"[accelerator_check] {check.name} ...", flush=True)
