@@ -7,7 +7,7 @@ log-probs over packed rows: segment ids), "paged decode" (the paged sampler's de
 A kernel that does not take a shape is not called: the op runs the XLA path, and the choice says why
 (``KernelChoice.reason``), so a config never meets a kernel's lowering error at step 1. Every choice
 is recorded (``chosen``): tools/plan_memory.py prints them after compiling, the trainer logs them
-once after its programs are compiled (training/step_programs.py).
+once after its programs are compiled (training/loop.py).
 
 What each kernel takes (docs/design.md section 4.4):
 
