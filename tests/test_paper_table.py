@@ -133,7 +133,7 @@ def _cell(ours: float | None, paper: float) -> str:
     return f"— / {paper:.2f}" if ours is None else f"{100 * ours:.2f} / {paper:.2f} ({100 * ours - paper:+.2f})"
 
 
-@pytest.mark.slow(seconds=150)  # the fixture's three CLI runs
+@pytest.mark.slow(seconds=60)  # the fixture's three CLI runs
 def test_the_readme_commands_give_the_papers_table(runs, tmp_path):
     # The README's command: the runs only, the Base row their first evaluation before RL, the published
     # table the runs' preset's (qwen25_3b: Qwen2.5-3B, Table 1)

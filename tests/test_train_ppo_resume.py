@@ -13,7 +13,7 @@ import pytest
 
 from train_helpers import FAST_DEMO_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
 
-pytestmark = pytest.mark.slow(seconds=45)  # the fixture's two runs: ~90 s
+pytestmark = pytest.mark.slow(seconds=15)  # the fixture's two runs, ~30 s
 
 FLAGS = (*FAST_DEMO_FLAGS, "--config.algorithm.objective=ppo", "--config.train.checkpoint_every=1",
          "--config.train.keep_checkpoints=5")

@@ -18,7 +18,7 @@ from pacs_jax.checkpoints import load_model
 from train_helpers import (FAST_DEMO_FLAGS, REPO, checkpoint_steps, compile_cache_dir, finish, logs, metrics_rows,
                            start_train, train_env, wait_for)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=10)  # the fixture's three runs, ~40 s: the demo's programs from the run's cache
 
 STEPS = 4
 FLAGS = (*FAST_DEMO_FLAGS, f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
