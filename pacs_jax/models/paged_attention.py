@@ -21,9 +21,9 @@ never read, or read and masked).
   each row's live pages).
 * "gpu": our Pallas (Triton) kernel, ``models/paged_attention_gpu.py``, with the "xla" path's
   arithmetic (float32 scores scaled in float32, float32 accumulation, one rounding of the output),
-  any table width M. The library's ``pallas.ops.gpu.paged_attention`` is not used: TF32 dots, its
-  output rounded to the input dtype before the softmax division, and a compute block that must
-  divide M in a power of 2 (a Triton lowering error for M = 132; docs/design.md 4.4).
+  any table width M. The library's ``pallas.ops.gpu.paged_attention`` is not used: its output and
+  softmax sum rounded to the input dtype before the division, and a compute block that must divide
+  M in a power of 2 (a Triton lowering error for M = 132; docs/design.md 4.4).
 The kernels take the whole pool and the table offset by the layer; the TPU kernel does not scale q,
 so q comes scaled by Dh**-0.5 there. Under a mesh, a kernel runs in ``shard_map`` over
 the axes not already manual (GSPMD cannot split a kernel call): the heads over the "act_kv_heads"
