@@ -158,9 +158,9 @@ def test_a_qwen25_run_prompts_stops_and_exports_with_its_own_tokenizer(deepscale
     seen = []
     real_sample = rollout.RolloutCollector.sample
 
-    def recording_sample(self, state, prompt_ids, key):
+    def recording_sample(self, state, prompt_ids, key, watch=None):
         seen.append((self.programs.settings.stop_token_ids, [list(p) for p in prompt_ids]))
-        return real_sample(self, state, prompt_ids, key)
+        return real_sample(self, state, prompt_ids, key, watch)
 
     monkeypatch.setattr(rollout.RolloutCollector, "sample", recording_sample)
     config = _config(deepscaler_rows, qwen25_dir)

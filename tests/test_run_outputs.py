@@ -39,7 +39,7 @@ def _scalars(folder: pathlib.Path) -> dict[str, dict[int, float]]:
 
 @pytest.mark.slow(seconds=90)
 def test_every_evaluation_is_in_tensorboard_and_the_export_logs_are_quiet(tmp_path_factory):
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("outputs") / "run"
     process = start_train(workdir, *FAST_DEMO_FLAGS, "--config.train.steps=2", "--config.eval.periodic.every=1",
                           "--config.eval.periodic.n=2", "--config.eval.periodic.temperature=1.0", env=env,

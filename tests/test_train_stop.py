@@ -43,7 +43,7 @@ def test_ctrl_c_in_sampling_drops_the_step_exits_79_and_the_resume_runs_it(tmp_p
     """The held step 2 is dropped at Ctrl-C: status 79, step 1's checkpoint written (periodic ones are
     off) with the data position before step 2's batch; a resume with another prompts_per_step is
     refused (one line, 78, nothing written); the resume runs step 2 and says it compiles before step 2."""
-    env = train_env(compile_cache_dir(tmp_path_factory))
+    env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("stop") / "run"
     flags = (*RL_ONLY_FLAGS, "--config.train.checkpoint_every=0", "--config.rollout.micro_batches=2",
              "--config.train.progress_seconds=0")  # a line at every phase's end
@@ -97,7 +97,7 @@ def test_ctrl_c_in_the_first_step_after_a_warm_start_finishes_it_to_keep_the_war
     flags = (*FAST_DEMO_FLAGS, "--config.train.checkpoint_every=0", "--config.train.steps=50")
     with open(workdir.parent / "held.out", "w") as out, open(workdir.parent / "held.err", "w") as err:
         process = subprocess.Popen([sys.executable, "-c", HELD_SAMPLING.format(step=1), f"--workdir={workdir}",
-                                    *flags], cwd=REPO, env=train_env(compile_cache_dir(tmp_path_factory)),
+                                    *flags], cwd=REPO, env=train_env(compile_cache_dir()),
                                    stdout=out, stderr=err, start_new_session=True)
     wait_for(lambda: "step 1's sampling is held" in logs(workdir, "held"), process, "step 1's sampling")
     os.killpg(process.pid, signal.SIGINT)
