@@ -45,12 +45,14 @@ TOOLS = REPO / "tools"
 @dataclasses.dataclass(frozen=True)
 class Check:
     """One check: its name, the command (argv, run in the repository), the figures read from its
-    output (name -> regex with one group), and a time limit in seconds."""
+    output (name -> regex with one group), a time limit in seconds, and a metrics.jsonl whose last row
+    is read as output too (a trainer run's)."""
 
     name: str
     argv: tuple[str, ...]
     figures: dict
     timeout: float
+    metrics: pathlib.Path | None = None
 
 
 def _train_argv(size: str, sampler: str, workdir: pathlib.Path) -> tuple[str, ...]:
@@ -113,8 +115,9 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
                      {"tokens ratio": r"tokens computed ratio ([\d.]+)", "time ratio": r"time ratio ([\d.]+)",
                       "loss diff": r"loss difference ([-\d.e]+)"}, limit))
     for sampler in ("paged", "continuous"):
-        out.append(Check(f"train 2 steps ({sampler})", _train_argv(size, sampler, workdir / f"train_{sampler}"),
-                         consistency, limit))
+        run = workdir / f"train_{sampler}"
+        out.append(Check(f"train 2 steps ({sampler})", _train_argv(size, sampler, run), consistency, limit,
+                         metrics=run / "metrics.jsonl"))
     return out
 
 
@@ -130,9 +133,8 @@ def run_check(check: Check, log: pathlib.Path) -> dict:
         text, status = done.stdout, ("ok" if done.returncode == 0 else f"crashed (status {done.returncode})")
     except subprocess.TimeoutExpired as e:
         text, status = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timed out"
-    if check.name.startswith("train") and status == "ok":  # the figures are the last step's metrics
-        metrics = pathlib.Path(next(a for a in check.argv if a.startswith("--workdir=")).split("=", 1)[1])
-        lines = (metrics / "metrics.jsonl").read_text().splitlines() if (metrics / "metrics.jsonl").exists() else []
+    if check.metrics is not None and check.metrics.exists():  # the figures are the last step's metrics
+        lines = check.metrics.read_text().splitlines()
         text += "\n" + (lines[-1] if lines else "")
     log.write_text(text)
     figures = {}
