@@ -5,7 +5,8 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
 1. The paged decode kernel over the page-table widths the configs and a grid of budgets reach
    (tests/gpu/paged_widths.py), and the old block rule with the library kernel at a width where it
    failed, reproducing that error.
-2. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
+2. The packed-rows kernel (tests/gpu/packed_shapes.py) forward and backward at several shapes.
+3. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
    (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
    described (kernels, copies, loops whose trips sync with the host).
@@ -88,3 +89,14 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
     assert "__gpu$xla.gpu.triton" in profile.group(2)  # our paged kernel: a Pallas Triton call in the decode loop
     assert int(profile.group(5)) >= 2  # the decode loops themselves (one a width): one host round trip a step
     assert re.search(r"peak per device: [\d.]+ GiB of 141\.00 GiB \(fits\)", out)
+
+
+def test_packed_attention_kernel_compiles_for_an_h200_at_several_shapes():
+    """Packed rows' attention on GPU (the Pallas mha kernel, its backward too) for lengths that are no
+    multiple of its blocks, head sizes 64, 96 (padded to 128) and 128, GQA groups 1..7, bf16 and f32:
+    each compiles with its three Triton kernels (forward, dK/dV, dQ), none falling back to the XLA path."""
+    result = _run(["tests/gpu/packed_shapes.py"], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["failed"] == [] and len(report["compiled"]) == 4, report
+    assert all(shape[-1] == 3 for shape in report["compiled"]), report
