@@ -384,6 +384,10 @@ def _cudnn_core(q, k, v, q_len, kv_len):
 
 _PACKED_GPU_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 _PACKED_GPU_SEQ_MULTIPLE = 64  # T is padded to this: a multiple of every block above
+# 4 warps and 3 pipeline stages a program (forward and backward): on an H200, Qwen2.5-1.5B heads, 8 rows x 4608
+# tokens, bfloat16, forward + backward 7.61 ms against 8.81 ms for the kernel's own (8 warps for a head size > 64,
+# 2 stages); 128-query or 128-key blocks were no faster (7.74 - 15.3 ms); docs/design.md 4.4
+_PACKED_GPU_LAUNCH = dict(num_warps=4, num_stages=3)
 
 
 def _packed_gpu_attention(q, k, v, segment_ids, *, interpret: bool = False):
@@ -416,7 +420,7 @@ def _packed_rows(q, k, v, ids, *, interpret: bool):
 
     sizes = gpu_attention.BlockSizes(**_PACKED_GPU_BLOCKS)
     return gpu_attention.mha(q, k, v, ids, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=sizes,
-                             interpret=interpret)
+                             interpret=interpret, **_PACKED_GPU_LAUNCH)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
