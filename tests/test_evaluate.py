@@ -14,6 +14,7 @@ import pytest
 from math_verify import parse, verify
 
 from pacs_jax.rewards import STATUSES
+from train_helpers import train_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 N, PROBLEMS, NEW_TOKENS = 4, 20, 8
@@ -38,7 +39,7 @@ def tiny_qwen_dir(tmp_path_factory, qwen_tokenizer_dir) -> pathlib.Path:
 
 def test_evaluate_cli_writes_both_files(tiny_qwen_dir, shared_data, tmp_path):
     out = tmp_path / "eval"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: fast on 2 cores
+    env = train_env()  # one CPU device: fast on 2 cores
     result = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
          f"--checkpoint={tiny_qwen_dir}", "--config.eval.sets=math_500", f"--config.eval.max_problems={PROBLEMS}",
@@ -126,7 +127,7 @@ def test_evaluate_cli_pass_at_k_on_known_scores(answers_seven_dir, tmp_path):
         (data_dir / name).mkdir(parents=True)
         rows = [{key: f"Problem {i}: what is the answer?", "answer": a} for i, a in enumerate(answers)]
         (data_dir / name / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     result = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
          f"--checkpoint={answers_seven_dir}", "--config.eval.sets=math_500,amc23", f"--config.eval.final.n={N}",

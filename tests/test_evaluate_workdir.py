@@ -6,7 +6,6 @@ run's held-out problems, and relative data paths from outside the repository."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -47,7 +46,7 @@ def test_evaluate_a_demo_workdir_from_outside_the_repository(demo_workdir, tmp_p
     tokenizer and instruction come from the run's config; greedy on the held-out problems it gives the
     trainer's own final greedy evaluation. Run from tmp_path: the config path is absolute, the data
     paths of the recorded config relative."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     run = subprocess.run(
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
          f"--checkpoint={demo_workdir}", "--config.eval.sets=held_out", "--config.eval.final.n=1",
@@ -130,7 +129,7 @@ def test_relative_data_paths_are_read_from_the_repository_root_or_named_with_the
 
 
 def test_evaluate_cli_names_a_missing_checkpoint(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     run = subprocess.run([sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
                           f"--checkpoint={tmp_path / 'nothing'}"], cwd=tmp_path, env={**env, "JAX_PLATFORMS": "cpu"},
                          capture_output=True, text=True, timeout=300)

@@ -69,7 +69,8 @@ def _train(workdir, data_file, *, processes: int, flags: tuple[str, ...] = ()) -
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
     if processes == 1:  # the static sampler (one slot per response) against the 2 processes' paged one (the default)
         command.append("--config.rollout.sampler=static")
-        env = _env(compile_cache_dir(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = _env(compile_cache_dir())
+        env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # the suite's other flags kept
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     else:
         run = subprocess.run([str(LOCAL), "--processes", str(processes), "--devices_per_process", str(8 // processes),

@@ -12,7 +12,6 @@ a resume's "compiling ... before step N": tests/test_train_stop.py.)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -24,15 +23,14 @@ from pacs_jax.data import load_problems
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.evaluation import EvalSet
 from pacs_jax.training import run
-from train_helpers import load_config
+from train_helpers import load_config, train_env
 
 TINY = models.QwenConfig(model_type="qwen2", vocab_size=151936, hidden_size=8, intermediate_size=16,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_PLATFORMS": "cpu"}
+    return train_env()
 
 
 def test_export_of_a_workdir_s_checkpoint_writes_the_run_s_tokenizer(tmp_path, qwen_tokenizer_dir):
