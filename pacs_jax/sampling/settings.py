@@ -9,7 +9,7 @@ import numbers
 
 # config values: a fixed number of decode slots, one slot per row, or a fixed number over a page pool
 SAMPLERS = ("continuous", "static", "paged")
-DECODE_CHUNK_STEPS = 32  # decode steps a program (docs/design.md section 3.2: a chunk costs ~0.1 ms next to 32 steps)
+DECODE_CHUNK_STEPS = 16  # decode steps a program of the decode loop (docs/design.md section 3.2 says why)
 
 
 def _is_int(value) -> bool:
