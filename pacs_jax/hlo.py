@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
-_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
 _OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _ANY_OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* ([\w-]+)\(")
 
@@ -124,7 +124,7 @@ def parameter_shapes(tree) -> set[tuple[int, ...]]:
 
 
 _LINE_OP = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([\w\-]+)\((.*)$")
-_CONTROL = re.compile(r"(?:condition|body|branch_computations|to_apply)=\{?(%?[\w.\-]+(?:, *%[\w.\-]+)*)\}?")
+_CONTROL = re.compile(r"(?:condition|body|branch_computations|true_computation|false_computation|to_apply)=\{?(%?[\w.\-]+(?:, *%[\w.\-]+)*)\}?")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"kind":"([\w]+)"')
 

@@ -123,7 +123,7 @@ class KVStore(Protocol):
 
     def narrow(self, kv, moved: jax.Array, running: jax.Array, width: int) -> Any:
         """The slots moved [w] (the running ones first, in slot order; ``running`` [] of them) to
-        slots 0 .. width - 1."""
+        slots 0 .. width - 1 (``running`` 0: no K/V moves)."""
 
     def free_pages(self, kv) -> jax.Array:
         """[] int32, pages free (0 for a store without pages)."""
@@ -198,13 +198,16 @@ def decode_step(model, queue: Queue, store: KVStore, selection: Selection, state
     return state._replace(slots=state.slots._replace(row=jnp.where(done, Q, slots.row)))
 
 
-def narrow(queue: Queue, store: KVStore, state: DecodeState, width: int) -> DecodeState:
-    """The running rows to slots 0 .. width - 1, in slot order (the store moves their K/V or tables)."""
+def narrow(queue: Queue, store: KVStore, state: DecodeState, width: int, active: jax.Array | bool = True
+           ) -> DecodeState:
+    """The running rows to slots 0 .. width - 1, in slot order (the store moves their K/V or tables).
+    ``active`` False: no K/V moves (the per-slot arrays come back moved all the same, to be dropped)."""
     busy = state.slots.row < queue.rows
     moved = jnp.argsort(~busy, stable=True).astype(jnp.int32)  # the busy slots first
     keep = moved[:width]
+    running = jnp.where(active, jnp.sum(busy, dtype=jnp.int32), 0)
     return state._replace(slots=jax.tree.map(lambda x: x[keep], state.slots),
-                          kv=store.narrow(state.kv, moved, jnp.sum(busy, dtype=jnp.int32), width))
+                          kv=store.narrow(state.kv, moved, running, width))
 
 
 def resize(queue: Queue, store: KVStore, state: DecodeState, width: int) -> DecodeState:
