@@ -1,5 +1,6 @@
-"""The sampler program: one prefill per prompt, then its n samples decoded by a fixed number of slots
-in one jitted loop (continuous batching, as vLLM and JetStream keep their decode batch full).
+"""The sampler's programs: one prefill per prompt, then its n samples decoded by a fixed number of
+slots in jitted loops (continuous batching, as vLLM and JetStream keep their decode batch full), run
+a chunk of decode steps per program so the host can read the call's progress and stop it between two.
 
 Shapes: P prompts (padded), T prompt length (left-padded), n samples per prompt, Q = P * n rows (row
 i*n + j is sample j of prompt i), C decode slots (``settings.slots``; C = Q is static batching),
@@ -38,11 +39,16 @@ Results do not depend on scheduling: token t of row (i, j) is selected with the 
 same tokens whatever slot, position or shard it ran in, when, and beside which other rows (up to the
 float round-off of a matmul over a different batch).
 
-The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model
-is ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
-reuse one compilation. Static: shapes, the ``EngineSpec`` (sampler kind, n, max_new_tokens, slots,
-tail_slots, pages) and top_k. Traced: temperature (0 = greedy), top_p (with top_k the ``Selection``), the key, the per-row budgets and the stop ids, so greedy evaluation and sampled
-training share a program. The KV cache is allocated inside the program and freed when it returns.
+A sampler call (``sample``) is three ``jax.jit`` programs of pure functions (docs/design.md 3.2):
+``_start_program`` (layout, prefill, each queue's store and first refill), ``_chunk_program`` (up to
+``EngineSpec.chunk_steps`` decode steps of every queue, its loop state donated; it returns the
+call's progress, replicated), called until every queue is done, and ``_finish_program`` (the rows
+back in place). The model is ``nnx.split`` by the caller and its graphdef is a static argument, so
+calls with the same shapes reuse one compilation of each. Static: shapes, the ``EngineSpec``
+(sampler kind, n, max_new_tokens, slots, tail_slots, pages, chunk_steps) and top_k. Traced:
+temperature (0 = greedy), top_p (with top_k the ``Selection``), the key, the per-row budgets and the
+stop ids, so greedy evaluation and sampled training share programs. The K/V cache is allocated by
+the start program, kept on the device between chunks and freed when the call's results are made.
 """
 
 from __future__ import annotations
@@ -77,7 +83,8 @@ _TRACE_COUNT = 0
 
 
 def compile_count() -> int:
-    """How many times the sampler program has been traced (= compiled) in this process."""
+    """How many times the sampler's start program has been traced (= compiled) in this process: once
+    per call shape (its chunk and finish programs come with it)."""
     return _TRACE_COUNT
 
 
@@ -196,7 +203,7 @@ class EngineSpec:
     ("static": a slot per row, "continuous": ``slots`` slots, both over contiguous cache rows;
     "paged": ``slots`` slots over a page pool of ``page_size``-token pages, ``pages`` response pages
     a queue or None: ``paged.default_pages``), n samples a prompt, max_new_tokens, the decode slots
-    and tail_slots (None: no narrowing) of the call."""
+    and tail_slots (None: no narrowing) of the call, and the decode steps a chunk program runs."""
 
     kind: str
     n: int
@@ -328,6 +335,7 @@ def _on_queues(fn, axes: tuple[str, ...], whole: tuple, split: tuple, split_in=N
 
 
 def _shards(axes: tuple[str, ...]) -> int:
+    """The queues of a call split over ``axes`` of the mesh in context."""
     mesh = current_rules().mesh
     return math.prod(mesh.shape[a] for a in axes)
 
