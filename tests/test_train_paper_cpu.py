@@ -17,7 +17,7 @@ SHRINK = ("--config.train.steps=1", "--config.eval.sets=", "--config.train.promp
           "--config.train.progress_seconds=0.001")  # a heartbeat at each look at an unfinished result
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=100)
 def test_a_paper_setup_shrunk_to_a_cpu_trains_a_step_through_the_cli(tmp_path):
     workdir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_7b,pacs_beta1,cpu",
