@@ -2,7 +2,8 @@
 
 Compile-time facts the tests and tools/plan_memory.py check, e.g. that no decode step all-gathers
 a parameter or copies the K/V page pool (an instruction inside a ``while`` body runs on every trip
-of the loop).
+of the loop). A text may hold several modules (the sampler's programs, sampling/engine.py
+``SamplerCompiled``): each is read on its own, its computations named "k/name" (k its place).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import jax
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
-_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|false_computation)=\{?([^,}\s]+(?:, *%[^,}\s]+)*)\}?")
 _OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _ANY_OP = re.compile(r"= *\w+\[([\d,]*)\][^ ]* ([\w-]+)\(")
 
@@ -26,8 +27,26 @@ class Instruction(NamedTuple):
     shape: tuple[int, ...]
 
 
+def _modules(hlo_text: str) -> list[str]:
+    """The modules of an HLO text, one text each."""
+    return [m for m in re.split(r"\n(?=HloModule )", hlo_text) if m.strip()] or [hlo_text]
+
+
+def _qualified(hlo_text: str, per_module) -> dict:
+    """``per_module(module text)`` -> {name: value} of each module, its names "k/name" when there are
+    several."""
+    modules = _modules(hlo_text)
+    if len(modules) == 1:
+        return per_module(modules[0])
+    return {f"{k}/{name}": value for k, module in enumerate(modules) for name, value in per_module(module).items()}
+
+
 def computations(hlo_text: str) -> dict[str, str]:
-    """{computation name: its text} of an HLO module (the ENTRY computation included)."""
+    """{computation name: its text} of the HLO modules (the ENTRY computations included)."""
+    return _qualified(hlo_text, _computations)
+
+
+def _computations(hlo_text: str) -> dict[str, str]:
     out = {}
     for block in re.split(r"\n(?=\S)", hlo_text):
         header = block.split("\n", 1)[0]
@@ -47,7 +66,11 @@ def _callees(text: str) -> set[str]:
 def loop_computations(hlo_text: str) -> set[str]:
     """The computations that run inside some ``while`` loop: every loop body and condition, and what
     they call, transitively."""
-    comps = computations(hlo_text)
+    return set(_qualified(hlo_text, lambda module: dict.fromkeys(_loop_computations(module))))
+
+
+def _loop_computations(hlo_text: str) -> set[str]:
+    comps = _computations(hlo_text)
     todo = []
     for text in comps.values():
         for body, cond in re.findall(r"while\([^\n]*?condition=%?([\w.\-]+), body=%?([\w.\-]+)", text):
@@ -101,7 +124,7 @@ def parameter_shapes(tree) -> set[tuple[int, ...]]:
 
 
 _LINE_OP = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*? ([\w\-]+)\((.*)$")
-_CONTROL = re.compile(r"(?:condition|body|branch_computations|to_apply)=\{?(%?[\w.\-]+(?:, *%[\w.\-]+)*)\}?")
+_CONTROL = re.compile(r"(?:condition|body|branch_computations|true_computation|false_computation|to_apply)=\{?(%?[\w.\-]+(?:, *%[\w.\-]+)*)\}?")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"kind":"([\w]+)"')
 
@@ -130,11 +153,21 @@ class LoopProfile(NamedTuple):
 
 
 def loop_profile(hlo_text: str, *, device_trip_loops_only: bool = False) -> LoopProfile:
-    """The ``LoopProfile`` of a compiled module: its ENTRY computation, the loops and branches it runs
-    and those inside them, down to (not into) fused kernels. device_trip_loops_only: only the
-    outermost loops whose trip count only the device knows (a sampler's decode loops, one per decode
-    width), and what runs inside them (not, e.g., the prefill's layer scan)."""
-    comps = computations(hlo_text)
+    """The ``LoopProfile`` of a compiled module (of several: their sum): its ENTRY computation, the
+    loops and branches it runs and those inside them, down to (not into) fused kernels.
+    device_trip_loops_only: only the outermost loops whose trip count only the device knows (a
+    sampler's decode loops, one per decode width), and what runs inside them (not, e.g., the
+    prefill's layer scan)."""
+    profiles = [_loop_profile(module, device_trip_loops_only) for module in _modules(hlo_text)]
+    calls: dict[str, int] = {}
+    for profile in profiles:
+        for target, count in profile.custom_calls.items():
+            calls[target] = calls.get(target, 0) + count
+    return LoopProfile(sum(p.fusions for p in profiles), calls, *(sum(p[i] for p in profiles) for i in range(2, 6)))
+
+
+def _loop_profile(hlo_text: str, device_trip_loops_only: bool) -> LoopProfile:
+    comps = _computations(hlo_text)
     entry = next((name for name, text in comps.items() if text.startswith("ENTRY")), None)
     todo, seen = [(entry, False)], set()
     fusions = copies = loops = unknown = conditionals = 0

@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple
 
@@ -38,6 +38,7 @@ from pacs_jax.rewards.worker import READY, REWARDS
 
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 _MAX_FAILED_STARTS = 3
+POLL_S = 0.25  # the most seconds between two calls of score's poll
 _WORKER_ENTRY = "import sys; from pacs_jax.rewards.worker import main; main(sys.argv)"
 _log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class RewardPool:
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], reward: str | Sequence[str] = "math",
               *, deadline: float | None = None, deadline_retries: int = 0,
-              max_unscored_fraction: float | None = None) -> ScoredBatch:
+              max_unscored_fraction: float | None = None, poll: Callable[[], None] | None = None) -> ScoredBatch:
         """Score ``responses[i]`` against ``ground_truths[i]`` with reward function ``reward`` (or ``reward[i]``).
 
         deadline: seconds from now after which unchecked items score 0 (status DEADLINE); the call
@@ -115,7 +116,8 @@ class RewardPool:
         with a fresh ``deadline``, the items the deadline left unchecked get (those never started
         first, then those abandoned mid-check). max_unscored_fraction: raise ``UnscoredError`` when a
         larger fraction of the batch is still unchecked after the retries (rather than let it count
-        as wrong answers).
+        as wrong answers). poll: called at least every ``POLL_S`` while the items are checked; it may
+        raise to abandon the call (the trainer's stop at a signal: the items being checked are dropped).
         """
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
@@ -138,7 +140,7 @@ class RewardPool:
         items = [(responses[i], ground_truths[i], rewards[i]) for i in range(n)]
         pending, retried = list(range(n)), 0
         for round_ in range(deadline_retries + 1):
-            abandoned = self._run(items, pending, deadline, scores, statuses)
+            abandoned = self._run(items, pending, deadline, scores, statuses, poll)
             unchecked = [i for i in pending if statuses[i] == verdict.DEADLINE]
             pending = [i for i in unchecked if i not in abandoned] + [i for i in unchecked if i in abandoned]
             if not pending or round_ == deadline_retries:
@@ -156,42 +158,46 @@ class RewardPool:
         return ScoredBatch(scores, statuses, metrics)
 
     def _run(self, items: Sequence[tuple[str, str, str]], indices: Sequence[int], deadline: float | None,
-             scores: np.ndarray, statuses: list[str]) -> set[int]:
+             scores: np.ndarray, statuses: list[str], poll: Callable[[], None] | None = None) -> set[int]:
         """Check ``items[i]`` for i in ``indices`` until done or ``deadline`` seconds pass, writing each
-        result into ``scores`` / ``statuses``; returns the items abandoned mid-check at the deadline."""
+        result into ``scores`` / ``statuses``; returns the items abandoned mid-check at the deadline
+        (or when ``poll`` raises: ``score``)."""
         end = time.monotonic() + deadline if deadline is not None else float("inf")
         pending = deque(indices)
 
         def record(index: int, score: float, status: str) -> None:
             scores[index], statuses[index] = score, status
 
-        while (pending or self._busy()) and time.monotonic() < end:
-            for worker in self._workers:
-                if worker.ready and worker.item is None and pending:
-                    index = pending.popleft()
-                    response, ground_truth, reward = items[index]
-                    try:
-                        worker.inbox.send((index, reward, response, ground_truth))
-                    except OSError:  # died while idle: retry the item on its replacement
-                        pending.appendleft(index)
+        try:
+            while (pending or self._busy()) and time.monotonic() < end:
+                if poll is not None:
+                    poll()
+                for worker in self._workers:
+                    if worker.ready and worker.item is None and pending:
+                        index = pending.popleft()
+                        response, ground_truth, reward = items[index]
+                        try:
+                            worker.inbox.send((index, reward, response, ground_truth))
+                        except OSError:  # died while idle: retry the item on its replacement
+                            pending.appendleft(index)
+                            self._replace(worker)
+                            continue
+                        worker.item, worker.item_started = index, time.monotonic()
+                for event in self._collect(end if poll is None else min(end, time.monotonic() + POLL_S)):
+                    record(*event)
+                now = time.monotonic()
+                for worker in self._workers:
+                    if worker.item is not None and now - worker.item_started >= self.item_timeout:
+                        record(worker.item, 0.0, verdict.TIMEOUT)
                         self._replace(worker)
-                        continue
-                    worker.item, worker.item_started = index, time.monotonic()
-            for event in self._collect(end):
-                record(*event)
-            now = time.monotonic()
+                    elif not worker.ready and now - worker.spawned_at >= self.start_timeout:
+                        raise RuntimeError(f"reward worker not ready after {self.start_timeout:.0f} s")
+        finally:  # the deadline passed (or ``poll`` raised): abandon the items still being checked
+            abandoned = set()
             for worker in self._workers:
-                if worker.item is not None and now - worker.item_started >= self.item_timeout:
-                    record(worker.item, 0.0, verdict.TIMEOUT)
+                if worker.item is not None:
+                    abandoned.add(worker.item)
                     self._replace(worker)
-                elif not worker.ready and now - worker.spawned_at >= self.start_timeout:
-                    raise RuntimeError(f"reward worker not ready after {self.start_timeout:.0f} s")
-
-        abandoned = set()
-        for worker in self._workers:  # deadline passed: abandon the items still being checked
-            if worker.item is not None:
-                abandoned.add(worker.item)
-                self._replace(worker)
         return abandoned
 
     def _busy(self) -> bool:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pacs_jax.models.qwen import KVCache
+from pacs_jax.sampling.narrowing import fit
 
 
 class RowState(NamedTuple):
@@ -75,3 +76,9 @@ class RowStore:
 
     def free_pages(self, kv: RowState) -> jax.Array:
         return jnp.int32(0)
+
+    def resize(self, kv: RowState, width: int) -> RowState:
+        return kv._replace(kv_valid=fit(kv.kv_valid, width))  # the cache keeps its C rows at every width
+
+    def carried(self) -> RowStore:
+        return self

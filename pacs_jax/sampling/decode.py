@@ -12,7 +12,8 @@ its position (its prompt's length + t - 1) and selects its token t from its own 
 ``fold_in(row key, t)``; a row that hits a stop id or its budget frees its slot in that step, and the
 free slots take the next waiting rows in queue (row) order, as far as the store admits them.
 ``decode_step`` is that step alone, a pure function of named arguments: it can be jitted and lowered
-on its own (``engine.lower_decode_step``).
+on its own (``engine.lower_decode_step``). ``decode_chunk`` runs up to a given number of steps of the
+loop (the sampler calls it until ``progress`` says the queue is done: engine.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.sampling.narrowing import run_widths
+from pacs_jax.sampling.narrowing import WidthLoop, fit, run_widths
 from pacs_jax.sampling.selection import Selection, is_stop
 
 
@@ -122,10 +123,18 @@ class KVStore(Protocol):
 
     def narrow(self, kv, moved: jax.Array, running: jax.Array, width: int) -> Any:
         """The slots moved [w] (the running ones first, in slot order; ``running`` [] of them) to
-        slots 0 .. width - 1."""
+        slots 0 .. width - 1 (``running`` 0: no K/V moves)."""
 
     def free_pages(self, kv) -> jax.Array:
         """[] int32, pages free (0 for a store without pages)."""
+
+    def resize(self, kv, width: int) -> Any:
+        """The state with its per-slot arrays cut to their first ``width`` slots, or padded to
+        ``width`` (the padding is never read)."""
+
+    def carried(self) -> KVStore:
+        """The store as the decode steps read it: what only ``init`` reads dropped (it lives on in
+        the state), so a sampler split into programs does not hold it twice between them."""
 
 
 def make_queue(real, first_tokens, budgets, row_keys, prompt_lengths, stop_ids) -> Queue:
@@ -189,21 +198,48 @@ def decode_step(model, queue: Queue, store: KVStore, selection: Selection, state
     return state._replace(slots=state.slots._replace(row=jnp.where(done, Q, slots.row)))
 
 
-def narrow(queue: Queue, store: KVStore, state: DecodeState, width: int) -> DecodeState:
-    """The running rows to slots 0 .. width - 1, in slot order (the store moves their K/V or tables)."""
+def narrow(queue: Queue, store: KVStore, state: DecodeState, width: int, active: jax.Array | bool = True
+           ) -> DecodeState:
+    """The running rows to slots 0 .. width - 1, in slot order (the store moves their K/V or tables).
+    ``active`` False: no K/V moves (the per-slot arrays come back moved all the same, to be dropped)."""
     busy = state.slots.row < queue.rows
     moved = jnp.argsort(~busy, stable=True).astype(jnp.int32)  # the busy slots first
     keep = moved[:width]
+    running = jnp.where(active, jnp.sum(busy, dtype=jnp.int32), 0)
     return state._replace(slots=jax.tree.map(lambda x: x[keep], state.slots),
-                          kv=store.narrow(state.kv, moved, jnp.sum(busy, dtype=jnp.int32), width))
+                          kv=store.narrow(state.kv, moved, running, width))
 
 
-def decode_queue(model, queue: Queue, store: KVStore, selection: Selection, state: DecodeState,
-                 widths: tuple[int, ...]) -> QueueResult:
-    """The decode loop of one queue from ``start``'s state: one ``while_loop`` a width of
-    ``widths`` (engine.narrowing_widths), until no row waits or runs."""
+def resize(queue: Queue, store: KVStore, state: DecodeState, width: int) -> DecodeState:
+    """The state's slots cut or padded to ``width`` (padding slots idle)."""
+    slots = Slots(fit(state.slots.row, width, queue.rows), fit(state.slots.t, width), fit(state.slots.last, width))
+    return state._replace(slots=slots, kv=store.resize(state.kv, width))
+
+
+def decode_chunk(model, queue: Queue, store: KVStore, selection: Selection, loop: WidthLoop,
+                 widths: tuple[int, ...], steps: int) -> WidthLoop:
+    """Up to ``steps`` more decode steps of one queue's loop: one ``while_loop`` a width of ``widths``
+    (engine.narrowing_widths), until no row waits or runs; the steps, and the tokens, do not depend
+    on ``steps``."""
     running = lambda s: jnp.sum(s.slots.row < queue.rows, dtype=jnp.int32)
     waiting = lambda s: s.taken < queue.queued
-    state, slot_steps = run_widths(state, widths, functools.partial(decode_step, model, queue, store, selection),
-                                   functools.partial(narrow, queue, store), running, waiting)
-    return QueueResult(*state.outputs, state.steps, slot_steps, store.free_pages(state.kv))
+    return run_widths(loop, widths, steps, functools.partial(decode_step, model, queue, store, selection),
+                      functools.partial(narrow, queue, store), functools.partial(resize, queue, store),
+                      running, waiting)
+
+
+def progress(queue: Queue, loop: WidthLoop, widths: tuple[int, ...]) -> jax.Array:
+    """[4] int32: rows done, rows (with a sample), tokens made so far, and 1 once the queue is done
+    (0 before)."""
+    outputs, slots = loop.carry.outputs, loop.carry.slots
+    rows = jnp.sum(outputs.lengths > 0, dtype=jnp.int32)
+    running = jnp.sum(slots.row < queue.rows, dtype=jnp.int32)
+    done = rows - (queue.queued - loop.carry.taken) - running
+    return jnp.stack([done, rows, jnp.sum(outputs.lengths, dtype=jnp.int32),
+                      (loop.phase == len(widths)).astype(jnp.int32)])
+
+
+def result(store: KVStore, loop: WidthLoop) -> QueueResult:
+    """One queue's results once its loops are done."""
+    state = loop.carry
+    return QueueResult(*state.outputs, state.steps, loop.slot_steps, store.free_pages(state.kv))

@@ -1,5 +1,6 @@
-"""The sampler program: one prefill per prompt, then its n samples decoded by a fixed number of slots
-in one jitted loop (continuous batching, as vLLM and JetStream keep their decode batch full).
+"""The sampler's programs: one prefill per prompt, then its n samples decoded by a fixed number of
+slots in jitted loops (continuous batching, as vLLM and JetStream keep their decode batch full), run
+a chunk of decode steps per program so the host can read the call's progress and stop it between two.
 
 Shapes: P prompts (padded), T prompt length (left-padded), n samples per prompt, Q = P * n rows (row
 i*n + j is sample j of prompt i), C decode slots (``settings.slots``; C = Q is static batching),
@@ -38,11 +39,16 @@ Results do not depend on scheduling: token t of row (i, j) is selected with the 
 same tokens whatever slot, position or shard it ran in, when, and beside which other rows (up to the
 float round-off of a matmul over a different batch).
 
-The whole sampler call is one ``jax.jit`` of a pure function of (parameter state, arrays); the model
-is ``nnx.split`` by the caller and its graphdef is a static argument, so calls with the same shapes
-reuse one compilation. Static: shapes, the ``EngineSpec`` (sampler kind, n, max_new_tokens, slots,
-tail_slots, pages) and top_k. Traced: temperature (0 = greedy), top_p (with top_k the ``Selection``), the key, the per-row budgets and the stop ids, so greedy evaluation and sampled
-training share a program. The KV cache is allocated inside the program and freed when it returns.
+A sampler call (``sample``) is three ``jax.jit`` programs of pure functions (docs/design.md 3.2):
+``_start_program`` (layout, prefill, each queue's store and first refill), ``_chunk_program`` (up to
+``EngineSpec.chunk_steps`` decode steps of every queue, its loop state donated; it returns the
+call's progress, replicated), called until every queue is done, and ``_finish_program`` (the rows
+back in place). The model is ``nnx.split`` by the caller and its graphdef is a static argument, so
+calls with the same shapes reuse one compilation of each. Static: shapes, the ``EngineSpec``
+(sampler kind, n, max_new_tokens, slots, tail_slots, pages, chunk_steps) and top_k. Traced:
+temperature (0 = greedy), top_p (with top_k the ``Selection``), the key, the per-row budgets and the
+stop ids, so greedy evaluation and sampled training share programs. The K/V cache is allocated by
+the start program, kept on the device between chunks and freed when the call's results are made.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -62,6 +70,7 @@ from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.contiguous import RowStore
+from pacs_jax.sampling.narrowing import WidthLoop, start_widths
 from pacs_jax.sampling.paged import PageStore, default_pages
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
@@ -74,7 +83,8 @@ _TRACE_COUNT = 0
 
 
 def compile_count() -> int:
-    """How many times the sampler program has been traced (= compiled) in this process."""
+    """How many times the sampler's start program has been traced (= compiled) in this process: once
+    per call shape (its chunk and finish programs come with it)."""
     return _TRACE_COUNT
 
 
@@ -193,7 +203,7 @@ class EngineSpec:
     ("static": a slot per row, "continuous": ``slots`` slots, both over contiguous cache rows;
     "paged": ``slots`` slots over a page pool of ``page_size``-token pages, ``pages`` response pages
     a queue or None: ``paged.default_pages``), n samples a prompt, max_new_tokens, the decode slots
-    and tail_slots (None: no narrowing) of the call."""
+    and tail_slots (None: no narrowing) of the call, and the decode steps a chunk program runs."""
 
     kind: str
     n: int
@@ -202,6 +212,7 @@ class EngineSpec:
     tail_slots: int | None
     page_size: int | None = None
     pages: int | None = None
+    chunk_steps: int = 1
 
     def per_queue(self, shards: int) -> "EngineSpec":
         """The spec of one of ``shards`` queues: their share of the slots and the tail."""
@@ -243,12 +254,6 @@ def _queue_start(model, inputs: QueueInputs, spec: EngineSpec) -> tuple[decode.Q
         store = RowStore(inputs.prompt_cache, inputs.prompt_real, spec.max_new_tokens)
     state = decode.start(model, queue, store, inputs.real, inputs.first_logp, spec.max_new_tokens, spec.slots, PAD_ID)
     return queue, store, state
-
-
-def _decode_queue(model, inputs: QueueInputs, selection: Selection, spec: EngineSpec) -> decode.QueueResult:
-    """The decode loop of one queue (decode.decode_queue), narrowing per ``spec.tail_slots``."""
-    queue, store, state = _queue_start(model, inputs, spec)
-    return decode.decode_queue(model, queue, store, selection, state, narrowing_widths(spec.slots, spec.tail_slots))
 
 
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
@@ -305,40 +310,117 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
     return model, inputs, origin, prefill_tokens
 
 
+def _stacked(tree):
+    """A queue's arrays with a leading queue axis (``shard_map`` joins the queues' along it)."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _unstacked(tree):
+    """The inverse of ``_stacked`` inside a queue's ``shard_map``."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _on_queues(fn, axes: tuple[str, ...], whole: tuple, split: tuple, split_in=None):
+    """``fn(*whole, *split)`` once per queue: with ``axes``, under ``shard_map`` manual over them, each
+    queue's ``split`` arguments stacked on a leading queue axis (``split_in``: their partition specs
+    instead, for arrays not stacked), its results stacked; without, once on the whole call."""
+    if not axes:
+        return fn(*whole, *split)
+    stacked = PartitionSpec(axes)
+    specs = split_in if split_in is not None else tuple(stacked for _ in split)
+    unstack = (lambda x: x) if split_in is not None else _unstacked
+    return jax.shard_map(lambda *a: _stacked(fn(*a[:len(whole)], *unstack(a[len(whole):]))), mesh=current_rules().mesh,
+                         in_specs=(*(PartitionSpec() for _ in whole), *specs), out_specs=stacked,
+                         axis_names=set(axes), check_vma=False)(*whole, *split)
+
+
+def _shards(axes: tuple[str, ...]) -> int:
+    """The queues of a call split over ``axes`` of the mesh in context."""
+    mesh = current_rules().mesh
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _queue_spec(spec: EngineSpec, axes: tuple[str, ...]) -> EngineSpec:
+    """The spec of one queue (one per batch shard with ``axes``)."""
+    return spec.per_queue(_shards(axes)) if axes else spec
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
-def _sample_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                    budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *,
-                    spec: EngineSpec) -> SampleArrays:
+def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+                   budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *, spec: EngineSpec):
+    """The sampler's first program: the prefill, then each queue's rows, K/V store and decode state
+    before its first decode step. Returns (the decode layout, queue, store, loops (stacked per queue
+    when the batch shards run their own), origin [Q], prefill tokens [])."""
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
     model, inputs, origin, prefill_tokens = _prefill(graphdef, state, prompt_tokens, prompt_mask, budgets, key,
                                                      selection, stop_ids, spec, axes)
+    queue_spec = _queue_spec(spec, axes)
+
+    def per_queue(layout, inputs):
+        queue, store, decode_state = _queue_start(nnx.merge(graphdef, layout), inputs, queue_spec)
+        return queue, store.carried(), start_widths(decode_state)
+
+    split, whole = PartitionSpec(axes), PartitionSpec()
+    cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
+    layout = nnx.state(model)
+    queue, store, loop = _on_queues(per_queue, axes, (layout,), (inputs,), split_in=(
+        QueueInputs(cache_split, split, split, split, split, split, split, whole),))
+    return layout, queue, store, loop, origin, prefill_tokens
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes"), donate_argnames=("loop",))
+def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, queue: decode.Queue, store, selection: Selection,
+                   loop: WidthLoop, *, spec: EngineSpec, axes: tuple[str, ...]):
+    """Up to ``spec.chunk_steps`` decode steps of every queue (``loop`` donated) -> (loops, progress
+    [4] int32, replicated: rows done, rows, tokens so far, 1 once every queue is done)."""
+    queue_spec = _queue_spec(spec, axes)
+    widths = narrowing_widths(queue_spec.slots, queue_spec.tail_slots)
+
+    def per_queue(layout, selection, queue, store, loop):
+        loop = decode.decode_chunk(nnx.merge(graphdef, layout), queue, store, selection, loop, widths,
+                                   spec.chunk_steps)
+        return loop, decode.progress(queue, loop, widths)
+
+    loop, progress = _on_queues(per_queue, axes, (layout, selection), (queue, store, loop))
+    if axes:  # [queues, 4] -> the call's
+        progress = jnp.concatenate([jnp.sum(progress[:, :3], axis=0), jnp.min(progress[:, 3:], axis=0)])
+    return loop, constrain(progress, (None,))  # replicated: every process reads its own copy
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "axes"))
+def _finish_program(store, loop: WidthLoop, origin: jax.Array, prefill_tokens: jax.Array, *, spec: EngineSpec,
+                    axes: tuple[str, ...]) -> SampleArrays:
+    """The queues' results (stacked per queue, or one) as the call's ``SampleArrays``."""
+    result = decode.result(store, loop)
     if axes:
-        mesh = current_rules().mesh
-        shards = math.prod(mesh.shape[a] for a in axes)
-        split, whole = PartitionSpec(axes), PartitionSpec()
-        cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
-
-        def per_shard(state, inputs, selection):
-            result = _decode_queue(nnx.merge(graphdef, state), inputs, selection, spec.per_queue(shards))
-            return result._replace(steps=result.steps[None], slot_steps=result.slot_steps[None],
-                                   free_pages=result.free_pages[None])
-
-        in_specs = (whole, QueueInputs(cache_split, split, split, split, split, split, split, whole), whole)
-        result = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=split, axis_names=set(axes),
-                               check_vma=False)(nnx.state(model), inputs, selection)
         # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
+        flat = (x.reshape(-1, *x.shape[2:]) for x in result[:4])  # [queues, Q / queues, ...] -> [Q, ...]
         tokens, logprobs, lengths, stopped = (
             constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), ("batch",) + (None,) * (x.ndim - 1))
-            for x, empty in zip(result[:4], (PAD_ID, 0.0, 0, False)))
+            for x, empty in zip(flat, (PAD_ID, 0.0, 0, False)))
         result = decode.QueueResult(tokens, logprobs, lengths, stopped, jnp.max(result.steps),
-                                    jnp.max(result.slot_steps) * shards, jnp.sum(result.free_pages))
-    else:
-        result = _decode_queue(model, inputs, selection, spec)
+                                    jnp.max(result.slot_steps) * result.slot_steps.shape[0], jnp.sum(result.free_pages))
     response_mask = (jnp.arange(spec.max_new_tokens)[None, :] < result.lengths[:, None]).astype(jnp.int32)
     return SampleArrays(result.tokens, result.logprobs, response_mask, result.lengths, result.stopped, prefill_tokens,
                         result.steps, result.slot_steps, result.free_pages)
+
+
+class DecodeProgress(NamedTuple):
+    """A sampler call's progress after a chunk of decode steps: rows done of ``rows`` (rows with a
+    sample), ``tokens`` made so far, and whether every queue is done."""
+
+    rows_done: int
+    rows: int
+    tokens: int
+    done: bool
+
+    @classmethod
+    def read(cls, progress: jax.Array) -> DecodeProgress:
+        """From the chunk program's replicated [4] array (this process's copy: no collective)."""
+        rows_done, rows, tokens, done = np.asarray(progress.addressable_data(0)).tolist()
+        return cls(rows_done, rows, tokens, bool(done))
 
 
 def stop_id_array(stop_token_ids) -> np.ndarray:
@@ -379,7 +461,7 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
                          f"{row_pages(settings.page_size, settings.max_new_tokens)} of {settings.page_size} tokens "
                          f"(max_new_tokens={settings.max_new_tokens})")
     spec = EngineSpec(settings.sampler, settings.n, settings.max_new_tokens, slots, tail_slots, settings.page_size,
-                      settings.pages)
+                      settings.pages, settings.chunk_steps)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         abstract = jax.ShapeDtypeStruct
@@ -403,8 +485,11 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
 
 
 def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-           settings: SamplingSettings, key: jax.Array, budgets=None) -> SampleArrays:
-    """The jitted sampler program on padded arrays (what the trainer calls).
+           settings: SamplingSettings, key: jax.Array, budgets=None, *,
+           wait: Callable[[jax.Array, DecodeProgress | None], None] | None = None) -> SampleArrays:
+    """The sampler's programs on padded arrays (what the trainer calls): the prefill and the queues'
+    start, then chunks of ``settings.chunk_steps`` decode steps until every queue is done, then the
+    results.
 
     graphdef, state: ``nnx.split(model)`` (split once, reuse across calls).
     prompt_tokens, prompt_mask: [P, T] prompts, mask 1 on real tokens (left padding, as buckets.left_pad
@@ -412,24 +497,108 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     (its samples come back empty). Bucket P and T (see buckets.py) to bound
     the number of compilations. key: a JAX PRNG key for this call. budgets: None, or [Q] per-row
     budgets in [1, settings.max_new_tokens].
+    wait(progress, last): called with each chunk's progress array (``DecodeProgress.read`` reads it)
+    while the next chunk runs, and the last one read (None at first); it may wait for it (the
+    trainer polls, writing progress lines) and may raise to abandon the call. Without it the host
+    blocks on each read. Every process reads the same replicated values, so all of them run the
+    same number of chunks.
     Returns SampleArrays with Q = P * n rows grouped by prompt.
     """
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
-    return _sample_program(graphdef, state, *args, spec=spec)
+    axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
+    layout, queue, store, loop, origin, prefill_tokens = _start_program(graphdef, state, *args, spec=spec)
+    pending, last = None, None
+    while True:  # the next chunk is queued before a chunk's progress is read: the device never waits for the host
+        loop, progress = _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes)
+        if pending is not None:
+            if wait is not None:
+                wait(pending, last)
+            last = DecodeProgress.read(pending)
+            if last.done:
+                break
+        pending = progress
+    return _finish_program(store, loop, origin, prefill_tokens, spec=spec, axes=axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerCompiled:
+    """The sampler's three compiled programs (start, chunk, finish), read as one: ``as_text()`` their
+    HLO, ``memory_analysis()`` that of the fullest, counting the parameters (``parameter_bytes`` per
+    device) among the arguments of the chunk and finish programs, which run while they stay on the
+    device."""
+
+    programs: tuple[jax.stages.Compiled, ...]
+    parameter_bytes: int
+
+    def as_text(self) -> str:
+        return "\n".join(program.as_text() for program in self.programs)
+
+    def memory_analysis(self):
+        def counted(k, mem):
+            extra = self.parameter_bytes if k else 0
+            peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or (
+                mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+            return types.SimpleNamespace(argument_size_in_bytes=mem.argument_size_in_bytes + extra,
+                                         output_size_in_bytes=mem.output_size_in_bytes,
+                                         alias_size_in_bytes=mem.alias_size_in_bytes,
+                                         temp_size_in_bytes=mem.temp_size_in_bytes, peak_memory_in_bytes=peak + extra)
+        return max((counted(k, p.memory_analysis()) for k, p in enumerate(self.programs)),
+                   key=lambda mem: mem.peak_memory_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerLowered:
+    """The sampler lowered on abstract arguments (``lower_sample``): ``compile()`` compiles its
+    start program, then the chunk and finish programs on the abstract results of the one before
+    (their shapes and the shardings the compiled programs give them, as a real call's arrays come)."""
+
+    start: jax.stages.Lowered
+    graphdef: nnx.GraphDef
+    selection: Selection
+    spec: EngineSpec
+    axes: tuple[str, ...]
+    parameter_bytes: int
+
+    def compile(self) -> SamplerCompiled:
+        start = self.start.compile()
+        layout, queue, store, loop, origin, prefill_tokens = _results(self.start, start)
+        chunk_lowered = _chunk_program.lower(self.graphdef, layout, queue, store, self.selection, loop, spec=self.spec,
+                                             axes=self.axes)
+        chunk = chunk_lowered.compile()
+        loop = _results(chunk_lowered, chunk)[0]
+        finish = _finish_program.lower(store, loop, origin, prefill_tokens, spec=self.spec, axes=self.axes).compile()
+        return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
+
+
+def _results(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled):
+    """A compiled program's results, abstract: their shapes and the shardings it gives them."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), lowered.out_info,
+                        compiled.output_shardings)
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs (with shardings: its largest shard)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
 
 
 def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings,
-                  key=None) -> jax.stages.Lowered:
-    """The sampler program lowered for abstract arguments (``jax.ShapeDtypeStruct`` with shardings):
-    ``.compile()`` it ahead of time (warm-up, memory planning).
+                  key=None) -> SamplerLowered:
+    """The sampler's programs lowered for abstract arguments (``jax.ShapeDtypeStruct`` with shardings):
+    ``.compile()`` them ahead of time (warm-up, memory planning).
 
     Nothing concrete is made: the key (default: an abstract typed key; a given key only lends its
     shape and dtype), the budgets, the temperature, top_p and stop ids are abstract and unsharded,
-    like the uncommitted arrays of a real call, so the program can be lowered for devices this
-    process cannot use (compile-only TPU devices on a CPU host) and is the one a real call runs.
+    like the uncommitted arrays of a real call, so the programs can be compiled for devices this
+    process cannot use (compile-only TPU devices on a CPU host) and are the ones a real call runs.
     """
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, abstract=True)
-    return _sample_program.lower(graphdef, state, *args, spec=spec)
+    return SamplerLowered(_start_program.lower(graphdef, state, *args, spec=spec), graphdef, args[4], spec,
+                          _queue_groups(prompt_tokens.shape[0], spec.slots), _device_bytes(state))
 
 
 def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings, *,

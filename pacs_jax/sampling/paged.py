@@ -37,6 +37,7 @@ from flax import struct
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache, PageView
 from pacs_jax.models.qwen import KVCache
 from pacs_jax.sampling.settings import row_pages
+from pacs_jax.sampling.narrowing import fit
 from pacs_jax.sharding import constrain
 
 
@@ -183,3 +184,11 @@ class PageStore:
 
     def free_pages(self, kv: PageState) -> jax.Array:
         return kv.count
+
+    def resize(self, kv: PageState, width: int) -> PageState:
+        return kv._replace(table=fit(kv.table, width), own=fit(kv.own, width), held=fit(kv.held, width),
+                           promised=fit(kv.promised, width))
+
+    def carried(self) -> PageStore:
+        """Without the pool: ``init`` made it the state's K/V."""
+        return self.replace(pool=None)

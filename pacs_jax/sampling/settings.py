@@ -9,6 +9,7 @@ import numbers
 
 # config values: a fixed number of decode slots, one slot per row, or a fixed number over a page pool
 SAMPLERS = ("continuous", "static", "paged")
+DECODE_CHUNK_STEPS = 16  # decode steps a program of the decode loop (docs/design.md section 3.2 says why)
 
 
 def _is_int(value) -> bool:
@@ -37,6 +38,8 @@ class SamplingSettings:
     shared by its n samples, a row's pages taken as it grows and returned when it ends.
     pages: with page_size, the response pages of each queue's pool (a queue per batch shard); None:
     enough for every slot's longest row at once. A row waits for pages when too few are free.
+    chunk_steps: decode steps a program of the decode loop runs (engine.sample): between two the
+    host reads the call's progress and may stop it. The tokens do not depend on it.
     """
 
     max_new_tokens: int
@@ -49,6 +52,7 @@ class SamplingSettings:
     tail_slots: int | None = None
     page_size: int | None = None
     pages: int | None = None
+    chunk_steps: int = DECODE_CHUNK_STEPS
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -72,6 +76,8 @@ class SamplingSettings:
             raise ValueError(f"page_size={self.page_size!r}: must be an integer >= 1 (or None: no pages)")
         if self.pages is not None and (not _is_int(self.pages) or self.pages < 1 or self.page_size is None):
             raise ValueError(f"pages={self.pages!r}: must be an integer >= 1, with page_size (or None)")
+        if not _is_int(self.chunk_steps) or self.chunk_steps < 1:
+            raise ValueError(f"chunk_steps={self.chunk_steps!r}: must be an integer >= 1")
         stops = self.stop_token_ids
         if isinstance(stops, numbers.Integral):
             stops = (stops,)

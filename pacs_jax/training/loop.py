@@ -13,7 +13,8 @@ every checkpoint, so a restarted run repeats exactly what an uninterrupted one w
 A step's phases write progress lines and are where a stop signal ends an unfinished step
 (training/progress.py): one process drops the step under way if the signal comes before its update
 begins (the previous step's checkpoint is written if it was not; a resume runs the step again with
-the same keys), and finishes it otherwise. A
+the same keys), or during its update when the previous step's checkpoint is on disk (the update,
+which donates the state, is abandoned: no half-updated state is saved), and finishes it otherwise. A
 resumed run restores the newest intact checkpoint (``TrainCheckpointer.restore_latest``), says
 "resumed from step N", and drops from metrics.jsonl the rows of the steps it runs again.
 """
@@ -98,8 +99,9 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
 
     SIGTERM / SIGINT (training/signals.py) from the start of this call stop the run
     (``stopped_by_signal``): one process ends the step under way at its next phase boundary before
-    the update (``dropped_step``; the last finished step's checkpoint is written if it was not), or,
-    in the update, finishes it and writes its checkpoint; several processes finish the step and
+    the update (``dropped_step``; the last finished step's checkpoint is written if it was not), or in
+    the update when the last finished step's checkpoint is on disk (``dropped_step``: the update is
+    abandoned), else finishes it and writes its checkpoint; several processes finish the step and
     checkpoint it on every process. keep_first_step: the first step of this call is always finished
     and checkpointed (training/run.py: it keeps a warm-start, which has no checkpoint of its own). A
     second signal ends the process at once.
@@ -174,8 +176,19 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
         data_state = prompts.get_state()  # before the step's batch: a checkpoint of step - 1 holds it
         try:
             rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step), watch)
-            watch.start("update", last_boundary=True)  # the update donates params and opt_state: no way back
-        except StepInterrupted as interrupted:
+            # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
+            # when the last finished step's checkpoint is on disk, else the step runs to its end
+            watch.start("update", last_boundary=saved != step - 1)
+            t0 = time.perf_counter()
+            batch, critic_metrics = rollout.batch, {}
+            if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
+                batch, per_minibatch = critic.step(programs.critic, batch, rollout.packing)
+                watch.wait(per_minibatch, lambda: "the critic's update")
+                critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
+                t0 = time.perf_counter()
+            params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
+            watch.wait(per_minibatch, lambda: f"{tc.mini_batches} mini-batches")
+        except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
                        {"step": step - 1, "seed": config.seed, "data_state": data_state},
                        None if critic is None else (critic.params, critic.opt_state))
@@ -183,14 +196,6 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
             logger.close()
             return TrainResult(nnx.merge(graphdef, params), history, True, step - 1, programs, collector, opt_state,
                                critic, earlier_history=logger.earlier, dropped_step=step)
-        t0 = time.perf_counter()
-        batch, critic_metrics = rollout.batch, {}
-        if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-            batch, per_minibatch = critic.step(programs.critic, batch, rollout.packing)
-            critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
-            t0 = time.perf_counter()
-        params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
-        watch.wait(per_minibatch, lambda: f"{tc.mini_batches} mini-batches")
         update_metrics = _mean_metrics(per_minibatch)
         time_update = time.perf_counter() - t0
         watch.done()
@@ -232,9 +237,10 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
 
 def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
                logger: MetricsLogger, params, opt_state, meta: dict, critic_state) -> None:
-    """A stop signal ended step S before its update: write the checkpoint of step S - 1 (``params``,
-    ``opt_state``, ``meta`` and PPO's ``critic_state`` are still its) unless it has one (``saved``)
-    or is step 0, and say what a resume does."""
+    """A stop signal ended step S before its update (or in it, when step S - 1's checkpoint is on disk:
+    then nothing is written, the update's donated state is abandoned): write the checkpoint of step
+    S - 1 (``params``, ``opt_state``, ``meta`` and PPO's ``critic_state`` are still its) unless it has
+    one (``saved``) or is step 0, and say what a resume does."""
     last = interrupted.step - 1
     if last > saved:
         checkpointer.save(last, params, opt_state, meta, force=True, critic=critic_state)

@@ -2,12 +2,13 @@
 stop signal ends an unfinished step (docs/design.md section 3.7).
 
 A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampler's
-``rollout.micro_batches`` calls), ``reward`` (decoding and scoring, while the device computes pi_old),
+``rollout.micro_batches`` calls, each a program per chunk of decode steps: rows done and tokens so far
+are read between two), ``reward`` (decoding and scoring, while the device computes pi_old),
 ``pi_old`` (waiting for it) and ``update`` (PPO's critic update with it). ``StepWatch``:
 
 - lines, by ``interval_s`` (``train.progress_seconds``): a phase that runs longer than it writes a
-  heartbeat every ``interval_s`` while it waits on the device (naming what is done, e.g. "1/2
-  sampler calls done ... 30 s so far") and a line when it ends ("reward done in 41 s"); a shorter
+  heartbeat every ``interval_s`` while it waits on the device (naming what is done, e.g. "sampler
+  call 1/2: 40/64 rows done, 1234 tokens, 30 s so far") and a line when it ends ("reward done in 41 s"); a shorter
   phase's end line is written when nothing was for ``interval_s`` (so a step of many short phases
   still says where it is). A step shorter than the interval prints none (its bar line says enough);
   a slow step prints a line per phase, so a slow step can be told from a hung one.
@@ -31,8 +32,9 @@ CPU_STEP_TOKENS = 100_000  # prompt + response tokens of a step above which a CP
 
 
 class StepInterrupted(Exception):
-    """A stop signal came before the step's update began: the step is left unfinished (its
-    results are dropped; a resume runs it again with the same keys)."""
+    """A stop signal came before the step's update began, or in it when the last finished step's
+    checkpoint is on disk: the step is left unfinished (its results are dropped; a resume runs it
+    again with the same keys)."""
 
     def __init__(self, step: int, phase: str):
         super().__init__(f"step {step} interrupted during {phase}")

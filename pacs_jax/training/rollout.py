@@ -27,6 +27,7 @@ so all choose the same buckets without a collective (docs/design.md section 5.4)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -104,7 +105,10 @@ class RolloutCollector:
     def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
                watch: StepWatch | None = None) -> dict:
         """Sample n responses per prompt (every process passes the same ``prompt_ids``); ``watch``
-        (training/progress.py) is told of each sampler call that ends, and may stop between them.
+        (training/progress.py) is told of each chunk of decode steps, and may stop between them.
+
+        The calls run one after another, each in chunks of decode steps (sampling.sample): ``watch``
+        writes their progress (rows done, tokens so far) and may stop between two chunks.
 
         Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
         bucket), tokens, response_mask [P*n, R] (cut to the response bucket; packed passes: Tp and R
@@ -125,15 +129,15 @@ class RolloutCollector:
         pass_tokens, pass_mask = (sampling.left_pad(prompt_ids, num_prompts, programs.pass_widths[0])
                                   if programs.packing else (tokens_np, mask_np))
         per_call = num_prompts // K
-        outs = [programs.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
-                                jax.random.fold_in(key, c))
-                for c, i in enumerate(range(0, num_prompts, per_call))]
         watch = watch or StepWatch.silent()
-        tokens_done = 0  # of the finished calls' rows this process holds (all rows on one process)
-        for c, out in enumerate(outs):
-            watch.wait(out, lambda c=c: f"{c}/{K} sampler calls done ({per_call * programs.n} rows each), "
-                                        f"{tokens_done} tokens")
-            tokens_done += int(distributed.local_rows(out.lengths)[1].sum())
+
+        def wait(progress, last, c):  # each chunk of decode steps: progress lines, and a stop between chunks
+            watch.wait(progress, lambda: f"sampler call {c + 1}/{K}: " + (
+                f"{last.rows_done}/{last.rows} rows done, {last.tokens} tokens" if last else "prefill"))
+
+        outs = [programs.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
+                                jax.random.fold_in(key, c), functools.partial(wait, c=c))
+                for c, i in enumerate(range(0, num_prompts, per_call))]
         # one transfer for all calls
         host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
         lengths, stopped = (np.concatenate(parts) for parts in list(zip(*host_calls))[:2])
@@ -192,7 +196,8 @@ class RolloutCollector:
         texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
         golds = [prompts.ground_truths[row // n] for row in rows]
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
-                                 deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction)
+                                 deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction,
+                                 poll=watch.boundary)  # a stop ends the scoring within RewardPool's POLL_S
         times["time_reward"] = time.perf_counter() - t0
         watch.done(f"{len(texts)} responses scored")
         watch.start("pi_old")

@@ -3,11 +3,12 @@
 One process: both signals are handled alike, by the phase the run is in.
 
 - RL steps (``deferred``): the first signal sets ``requested``; the loop stops at the step's next
-  phase boundary (training/progress.py: between sampler calls, after the reward, while it waits for
-  pi_old; within a fraction of a second of the signal, the device's program left running): a step
-  whose update has not begun is dropped (the last finished step's checkpoint is written if it was
-  not; a resume runs the dropped step again with the same keys), a step in its update (which
-  donates the weights) is finished and checkpointed, and so is a run's first step when it keeps a
+  phase boundary (training/progress.py: between chunks of decode steps, while the reward scores,
+  while it waits for pi_old or the update; within a fraction of a second of the signal, the device's
+  program left running): a step whose update has not begun, or whose update began after the last
+  finished step's checkpoint was on disk, is dropped (the last finished step's checkpoint is written
+  if it was not; a resume runs the dropped step again with the same keys), another step in its
+  update (which donates the weights) is finished and checkpointed, and so is a run's first step when it keeps a
   warm-start. The run exits with status 79 (errors.RESUME_NEEDED_STATUS), without waiting for the
   device. The handlers then go back to the default action, so a second SIGTERM or SIGINT ends the
   process at once (losing the steps since the last checkpoint), even inside a long XLA call.

@@ -199,9 +199,11 @@ class StepPrograms:
         return jax.tree.map(lambda x: x.sharding, self.state)
 
     # ------------------------------------------------------------------------ the sampler
-    def sample(self, params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array) -> sampling.SampleArrays:
-        """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step)."""
-        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key)
+    def sample(self, params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+               wait=None) -> sampling.SampleArrays:
+        """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step); wait:
+        ``sampling.sample``'s, told of each chunk of decode steps."""
+        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
 
     @property
     def slots(self) -> int:
