@@ -1,0 +1,80 @@
+"""A step's cost from its compiled programs (tools/plan_step.py, pacs_jax/hlo_cost.py): loops
+counted by their trips against XLA's own cost analysis, and the bars of a paper config's decode step
+and update compiled for a v5p-64 (compile-time facts, nothing timed)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pacs_jax import hlo_cost
+from test_memory_check import SHRUNK_LAYERS
+from train_helpers import REPO, train_env
+
+
+def _scan(unroll):
+    return jax.jit(lambda x, w: jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w, unroll=unroll)[0])
+
+
+def test_a_loop_counts_its_trips_and_a_loop_free_program_reads_as_xla_counts_it():
+    """XLA counts a scan's body once (6 layers of [64, 256] x [256, 256] read as one); the counter
+    multiplies it by its 6 trips, and on the unrolled program (no loop) agrees with XLA's FLOPs and,
+    within a quarter, its bytes. A loop bounded by a device value asks for its trips."""
+    x, w = jnp.ones((64, 256), jnp.float32), jnp.ones((6, 256, 256), jnp.float32)
+    matmul = 2 * 64 * 256 * 256
+    looped = _scan(1).lower(x, w).compile()
+    assert looped.cost_analysis()["flops"] < 2 * matmul  # XLA: the body once
+    assert hlo_cost.program_cost(looped.as_text()).flops == 6 * matmul
+    unrolled = _scan(True).lower(x, w).compile()
+    xla, ours = unrolled.cost_analysis(), hlo_cost.program_cost(unrolled.as_text())
+    assert ours.flops == 6 * matmul and abs(xla["flops"] - ours.flops) / ours.flops < 0.05, (xla, ours)
+    assert 0.75 < ours.bytes / xla["bytes accessed"] < 1.25, (xla["bytes accessed"], ours.bytes)
+
+    def dynamic(x, w, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w[i]), x)
+
+    text = jax.jit(dynamic).lower(x, w, 3).compile().as_text()
+    with pytest.raises(ValueError, match="trip count is known only on the device"):
+        hlo_cost.program_cost(text)
+    cost = hlo_cost.program_cost(text, lambda loop: 4)
+    assert cost.flops == 4 * matmul and [loop.depth for loop in cost.asked] == [0]
+
+
+def _plan_step(*args, timeout=600):
+    return subprocess.run([sys.executable, "tools/plan_step.py", *args], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_7b_paper_configs_decode_step_and_update_on_v5p_64_meet_their_bars():
+    """tools/plan_step.py on qwen25_7b,pacs_beta1 for the 32 chips of a v5p-64 (its mesh, slots,
+    page pool, packing and remat; the model two narrow layers with the real vocabulary and head size,
+    as test_memory_check shrinks it): a decode step's compiled bytes are at most 1.3x what it must
+    read (its weights' shard and, every page live, the queue's page pool: a copy of the pool, or a
+    read of the whole cache, in the step fails this), and the packed update's compiled FLOPs at most
+    1.5x the useful ones (6N a real token, the LM head a response token, causal attention)."""
+    shrink = [*SHRUNK_LAYERS, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
+              "--config.model.num_key_value_heads=4"]
+    result = _plan_step("--config=configs/paper.py:qwen25_7b,pacs_beta1", "--topology=v5p-64", "--phases=decode,update",
+                        *shrink)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    bar = re.search(r"decode at a full pool: must read ([\d.]+) GB, compiled ([\d.]+) GB", out)
+    assert bar, out
+    must, compiled = map(float, bar.groups())
+    assert compiled <= 1.3 * must, out
+    update = re.search(r"^update .* ([\d.]+) useful/compiled FLOPs$", out, re.M)
+    assert update and float(update.group(1)) >= 1 / 1.5, out
+
+
+def test_a_lengths_file_that_is_not_there_is_one_line_and_status_78(tmp_path):
+    result = _plan_step("--topology=v5p-64", f"--lengths={tmp_path / 'metrics.jsonl'}", timeout=120)
+    assert result.returncode == 78, result.stderr
+    assert result.stderr.strip() == (f"plan_step: error: --lengths: {tmp_path / 'metrics.jsonl'}: no such file "
+                                     "(lognormal, budget, or a run's metrics.jsonl)"), result.stderr
+    assert result.stdout == ""
