@@ -162,12 +162,14 @@ class _Program:
             contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
             size = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
             return 2.0 * out * size
-        if instr.op == "convolution":
-            kernel = _dims(table[instr.operands[1]].shape) if instr.operands[1] in table else ()
-            labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-            if not kernel or not labels:
+        if instr.op == "convolution":  # XLA:TPU's dots; a spatial dim takes at most the input's size in taps
+            lhs, kernel = (_dims(table[o].shape) if o in table else () for o in instr.operands[:2])
+            labels = re.search(r"dim_labels=(\w+)_(\w+)->", instr.attrs)
+            if not kernel or not lhs or not labels:
                 return 0.0
-            size = math.prod(d for d, label in zip(kernel, labels.group(1)) if label != "o")
+            lhs_labels, kernel_labels = labels.groups()
+            size = math.prod(d if label == "i" else min(d, lhs[lhs_labels.index(label)])
+                             for d, label in zip(kernel, kernel_labels) if label != "o")
             groups = re.search(r"feature_group_count=(\d+)", instr.attrs)
             return 2.0 * out * size / (int(groups.group(1)) if groups else 1)
         return 0.0
@@ -202,15 +204,16 @@ class _Program:
                                                                      if u.op == "bitcast"]):
                 continue
             reached = self._readers(_callee(instr.attrs, "calls") or "", p.name) if p is not None else []
-            if reached and all(u.op in _SLICING for u in reached):
-                total += sum(array_bytes(u.shape) for u in reached)
+            if reached and all(u.op in _SLICING and sliced for u, sliced in reached):
+                total += sum(array_bytes(u.shape) for u, _ in reached)
             else:
                 total += array_bytes(table[operand].shape) if operand in table else 0.0
         return total
 
-    def _readers(self, comp: str, name: str) -> list[_Instr]:
+    def _readers(self, comp: str, name: str) -> list[tuple[_Instr, bool]]:
         """The instructions of ``comp`` that read value ``name``, looking through bitcasts and into
-        nested fusions (to the instructions that read the matching parameter there)."""
+        nested fusions (to the instructions that read the matching parameter there), each with
+        whether ``name`` is its first operand (the array a slice reads from, not an index)."""
         out = []
         for u in self.comps.get(comp, []):
             if name not in u.operands:
@@ -223,7 +226,7 @@ class _Program:
                 out += [r for i in self.comps.get(inner, []) if i.op == "parameter" and int(i.args) in numbers
                         for r in self._readers(inner, i.name)]
             else:
-                out.append(u)
+                out.append((u, u.operands[0] == name))
         return out
 
     # -------------------------------------------------------------- a computation, loops multiplied

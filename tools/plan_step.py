@@ -34,8 +34,8 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
                              token, N the layers' matmul parameters, the LM head per response
                              token, causal attention per sequence (the MFU convention), against the
                              compiled FLOPs (what remat, padding and the LM head's chunks add;
-                             a Pallas kernel's FLOPs are not counted by XLA, so attention on a
-                             kernel reads as free)
+                             XLA counts no FLOPs in a kernel: where attention runs in one, its
+                             useful FLOPs are added to the compiled ones)
     decode                   bytes a step must read (the weights' shard in the compute dtype,
                              the embedding table only if the LM head is tied to it, and the
                              queue's page pool, full) / compiled bytes accessed
@@ -175,13 +175,18 @@ def matmul_parameters(cfg) -> tuple[int, int]:
     return cfg.num_hidden_layers * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F), D * cfg.vocab_size
 
 
-def useful_flops(cfg, prompts: np.ndarray, responses: np.ndarray, passes: int) -> float:
-    """FLOPs of ``passes`` (1 forward, 3 forward + backward) over the sequences: 2N per token, the LM
-    head per response token, causal attention 2 H Dh s (s + 1) per layer and sequence of s tokens."""
+def useful_flops(cfg, prompts: np.ndarray, responses: np.ndarray, passes: int) -> tuple[float, float]:
+    """(matmul FLOPs, attention FLOPs) of ``passes`` (1 forward, 3 forward + backward) over the
+    sequences: 2N per token and the LM head per response token; causal attention 2 H Dh s (s + 1) per
+    layer and sequence of s tokens."""
     layers, head = matmul_parameters(cfg)
     s = (prompts + responses).astype(np.float64)
     attention = 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers * np.sum(s * (s + 1))
-    return passes * (2 * layers * s.sum() + 2 * head * responses.sum() + attention)
+    return passes * (2 * layers * s.sum() + 2 * head * responses.sum()), passes * attention
+
+
+# custom calls of attention kernels (Pallas on TPU / Triton, cuDNN): XLA counts no FLOPs in them
+_KERNELS = tuple(f'custom_call_target="{t}' for t in ("tpu_custom_call", "__gpu$xla.gpu.triton", "__cudnn$fmha"))
 
 
 def trips_from_plan(plan, chunk: int) -> Callable:
@@ -213,7 +218,8 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
     """One decode step of one queue compiled alone on a batch shard's "tensor" devices (the store and
     state donated, as the decode loop carries them), its trips the longest queue's steps. The paged
     kernel is handed the whole page pool of every layer and reads, per layer, the pages of its busy
-    rows: counted as the pool's share of one layer (``kernel_reads``) at the step's mean fill."""
+    rows: counted as the pool's share of one layer (``kernel_reads``) at the step's mean fill. The
+    refill's loop over the rows a step admits runs the mean admissions a step."""
     from pacs_jax import hlo_cost
     from pacs_jax.sampling.engine import lower_decode_step, queues
     from pacs_jax.sampling.paged import default_pages
@@ -228,11 +234,17 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
         sub.mesh.data, sub.mesh.fsdp, sub.mesh.tensor = 1, 1, tensor
     settings = dataclasses.replace(step.settings, slots=step.slots // shards, tail_slots=None)
     cfg = model_config(config)
+    steps, reads = decode_steps(prompts, lengths, step.slots, shards)
+    admitted = len(lengths) / shards / max(steps, 1)  # rows a queue's step admits, on average: the refill's loop
+
+    def trips(loop):
+        return admitted
+
     with abstract_step(sub, devices[:tensor] if shards > 1 else devices, log=lambda s: None) as queue_step:
         rows = queue_step.abstract_rows((P // shards, step.prompt_buckets[-1]), np.int32)
         log(f"compiling a decode step of one queue ({settings.slots} slots, {P // shards} prompts) ...")
         lowered = lower_decode_step(queue_step.graphdef, queue_step.state[0], rows, rows, settings)
-        cost, xla, compiled = compile_cost(lowered, lambda loop: 0.0, log)
+        cost, xla, compiled = compile_cost(lowered, trips, log)
     text = compiled.as_text()
     sizes = dict(zip([path for path, _ in jax_leaves(lowered.args_info[0])], hlo_cost.entry_parameter_bytes(text)))
     pool = sum(b for path, b in sizes.items() if path.startswith("[2].pool"))
@@ -244,8 +256,7 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
         # an operand holding every layer's pages (half the pool: K or V) counts one layer's pages at ``fill``
         return lambda out, operands: out + sum(fill * b / L if b >= pool / 2 else b for b in operands)
 
-    full, empty = (hlo_cost.program_cost(text, custom_call_bytes=kernel_reads(f)) for f in (1.0, 0.0))
-    steps, reads = decode_steps(prompts, lengths, step.slots, shards)
+    full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f)) for f in (1.0, 0.0))
     page = settings.page_size
     pages = page and (settings.pages or default_pages(settings.slots, page, settings.max_new_tokens))
     capacity = page and (P // shards * -(-step.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
@@ -299,10 +310,14 @@ def plan_phases(config, devices, prompts: np.ndarray, responses: np.ndarray, log
             log(f"compiling {name} ({programs[name].shape}) ...")
             plan = plans.get(plan_name)
             trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
-            cost, xla, _ = compile_cost(programs[name].lower(), trips, log)
+            cost, xla, compiled = compile_cost(programs[name].lower(), trips, log)
             count = float(sum(plan.passes)) if plan is not None else 1.0
-            useful = useful_flops(cfg, prompts, responses, factor) / len(devices) if name in ("pi_old", "update") else 0.0
-            phases.append(Phase(name, count, cost.flops / count, cost.bytes / count, cost.collective_bytes / count,
+            matmuls, attention = (x / len(devices) for x in useful_flops(cfg, prompts, responses, factor))
+            text = compiled.as_text()
+            kernel = any(k in text for k in _KERNELS)
+            flops = cost.flops + (attention if kernel else 0.0)  # a kernel's attention, as the useful count has it
+            useful = matmuls + attention if name in ("pi_old", "update") else 0.0
+            phases.append(Phase(name, count, flops / count, cost.bytes / count, cost.collective_bytes / count,
                                 useful / count, "flops" if useful else "", xla))
     return phases
 
@@ -317,7 +332,7 @@ def report(phases: list[Phase], topo, config, chips: int) -> str:
         ratio = p.ratio()
         what = ("" if ratio is None else f"{ratio:.3f} useful/compiled FLOPs" if p.useful_kind == "flops"
                 else f"{ratio:.3f} must-read/compiled bytes")
-        xla = "-" if p.xla_seconds is None else f"{p.xla_seconds * 1e3:.1f}"
+        xla = "-" if not p.xla_seconds or p.xla_seconds < 0 else f"{p.xla_seconds * 1e3:.1f}"
         lines.append(f"{p.name:13s} {p.flops / G:9.1f} {p.bytes / G:8.2f} {p.collective_bytes / G:8.3f} {p.trips:7.0f} "
                      f"{t['flops'] * 1e3:9.2f} {t['HBM'] * 1e3:8.2f} {t['interconnect'] * 1e3:8.2f} {xla:>7s} "
                      f"{p.bound(topo):>12s} {p.seconds(topo):8.2f}  {what}")
