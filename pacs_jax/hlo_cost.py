@@ -146,8 +146,10 @@ class Cost:
 
 class _Program:
     def __init__(self, hlo_text: str, trips: Callable[[Loop], float],
-                 custom_call_bytes: Callable[[float, list[float]], float] | None = None):
+                 custom_call_bytes: Callable[[float, list[float]], float] | None = None,
+                 costliest_branch: bool = True):
         self.custom_call_bytes = custom_call_bytes
+        self.costliest_branch = costliest_branch
         self.comps, self.entry, self.roots = _computations(hlo_text)
         self.trips_of = trips
         self.asked: list[Loop] = []
@@ -246,8 +248,9 @@ class _Program:
                 names = [n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else [
                     _callee(instr.attrs, "true_computation"), _callee(instr.attrs, "false_computation")]
                 costs = [self.cost(n, depth) for n in names if n]
-                if costs:  # the costliest branch
-                    total.add(max(costs, key=lambda c: c.bytes + c.flops), 1)
+                if costs:  # the costliest branch, or the cheapest
+                    pick = max if self.costliest_branch else min
+                    total.add(pick(costs, key=lambda c: c.bytes + c.flops), 1)
                 continue
             if instr.op == "call":
                 total.add(self.cost(_callee(instr.attrs, "to_apply") or "", depth), 1)
@@ -301,25 +304,21 @@ class _Program:
 
 
 def program_cost(hlo_text: str, trips: Callable[[Loop], float] | None = None, *,
-                 custom_call_bytes: Callable[[float, list[float]], float] | None = None) -> Cost:
+                 custom_call_bytes: Callable[[float, list[float]], float] | None = None,
+                 costliest_branch: bool = True) -> Cost:
     """The per-device ``Cost`` of a compiled program's HLO text (``compiled.as_text()``), each loop
     counted ``trips`` times: read from the loop when it compares its counter with a constant, else
     ``trips(loop)`` (default: a ValueError naming the loop). custom_call_bytes: (output bytes, operand
     bytes) -> the bytes a custom call (a Pallas kernel) reads and writes, when not all of them (a
-    paged-attention kernel handed the whole page pool reads only a row's pages)."""
+    paged-attention kernel handed the whole page pool reads only a row's pages). costliest_branch: a
+    ``conditional`` counts its costliest branch (False: its cheapest, e.g. the sampler's top-p
+    bisection when top_p is 1 and that branch never runs)."""
 
     def unknown(loop: Loop) -> float:
         raise ValueError(f"loop {loop.name} (depth {loop.depth}): its trip count is known only on the device")
 
-    program = _Program(hlo_text, trips or unknown, custom_call_bytes)
+    program = _Program(hlo_text, trips or unknown, custom_call_bytes, costliest_branch)
     cost = program.cost(program.entry)
     cost.asked = tuple(program.asked)
     return cost
 
-
-def entry_parameter_bytes(hlo_text: str) -> list[float]:
-    """Bytes per device of each argument of a compiled program (its ENTRY parameters, by number: the
-    flattened arguments' order)."""
-    comps, entry, _ = _computations(hlo_text)
-    params = {int(i.args): array_bytes(i.shape) for i in comps.get(entry, []) if i.op == "parameter"}
-    return [params[k] for k in sorted(params)]

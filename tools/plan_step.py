@@ -215,12 +215,15 @@ def compile_cost(lowered, trips: Callable, log) -> tuple:
 
 
 def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray, log) -> Phase:
-    """One decode step of one queue compiled alone on a batch shard's "tensor" devices (the store and
-    state donated, as the decode loop carries them), its trips the longest queue's steps. The paged
+    """One decode step of one queue compiled alone on a batch shard's "tensor" devices (its state
+    donated, as the decode loop carries it), its trips the longest queue's steps. The paged
     kernel is handed the whole page pool of every layer and reads, per layer, the pages of its busy
     rows: counted as the pool's share of one layer (``kernel_reads``) at the step's mean fill. The
-    refill's loop over the rows a step admits runs the mean admissions a step."""
+    refill's loop over the rows a step admits runs the mean admissions a step; a branch counts as
+    the costliest, or with top_p 1 and no top_k as the cheapest (no top-p bisection)."""
     from pacs_jax import hlo_cost
+    import jax
+
     from pacs_jax.sampling.engine import lower_decode_step, queues
     from pacs_jax.sampling.paged import default_pages
     from pacs_jax.training.abstract_step import abstract_step
@@ -244,34 +247,35 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
         rows = queue_step.abstract_rows((P // shards, step.prompt_buckets[-1]), np.int32)
         log(f"compiling a decode step of one queue ({settings.slots} slots, {P // shards} prompts) ...")
         lowered = lower_decode_step(queue_step.graphdef, queue_step.state[0], rows, rows, settings)
-        cost, xla, compiled = compile_cost(lowered, trips, log)
+        _, xla, compiled = compile_cost(lowered, trips, log)
     text = compiled.as_text()
-    sizes = dict(zip([path for path, _ in jax_leaves(lowered.args_info[0])], hlo_cost.entry_parameter_bytes(text)))
-    pool = sum(b for path, b in sizes.items() if path.startswith("[2].pool"))
-    weights = sum(b for path, b in sizes.items() if path.startswith("[0]")
-                  and (cfg.tie_word_embeddings or "embedding" not in path))
+    shardings = jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0], is_leaf=lambda x: x is None)[0]
+    sizes = {jax.tree_util.keystr(path): (s, a) for (path, s), a in zip(shardings, jax.tree.leaves(lowered.args_info[0]))
+             if s is not None}  # the arguments the step reads
+
+    def per_device(paths) -> int:
+        return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for s, a in (sizes[p] for p in paths))
+
+    pool = per_device([p for p in sizes if p in ("[4].kv.k", "[4].kv.v")])  # the K/V the decode loop carries
+    weights = per_device([p for p in sizes if p.startswith("[0]") and (cfg.tie_word_embeddings or "embedding" not in p)])
     L = cfg.num_hidden_layers
 
     def kernel_reads(fill: float) -> Callable:
         # an operand holding every layer's pages (half the pool: K or V) counts one layer's pages at ``fill``
         return lambda out, operands: out + sum(fill * b / L if b >= pool / 2 else b for b in operands)
 
-    full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f)) for f in (1.0, 0.0))
+    # top_p 1 (and no top_k): the selection's branch without the top-p bisection (32 passes over the logits) runs
+    plain = config.rollout.top_p >= 1.0 and not config.rollout.top_k
+    full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f), costliest_branch=not plain)
+                   for f in (1.0, 0.0))
     page = settings.page_size
     pages = page and (settings.pages or default_pages(settings.slots, page, settings.max_new_tokens))
     capacity = page and (P // shards * -(-step.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
     fill = min(1.0, reads / capacity) if page else 1.0  # the contiguous cache: its rows are read whole
     log(f"  must read a step: weights {weights / 1e9:.2f} GB + page pool {pool / 1e9:.2f} GB (full); compiled "
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
-    return Phase("decode", steps * config.rollout.micro_batches, cost.flops, empty.bytes + fill * (full.bytes - empty.bytes),
-                 cost.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes))
-
-
-def jax_leaves(tree) -> list[tuple[str, object]]:
-    import jax
-
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
-
+    return Phase("decode", steps * config.rollout.micro_batches, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
+                 full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes))
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order

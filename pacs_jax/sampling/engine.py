@@ -463,13 +463,12 @@ def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask,
     the state the sampler program's preamble (decode layout, prefill, first refill) would give for
     these shapes, of one queue of all the call's slots (``refills``: a step of the first width, which
     refills its slots; False: of a narrower one). ``.compile()`` it for a step's cost; nothing
-    concrete is made. The store and the decode state are donated, as the decode loop carries them:
-    the step updates them in place. Every argument stays in the program (``keep_unused``): its
-    parameters are the arguments' leaves in order."""
+    concrete is made. The decode state (the page pool or cache rows in it) is donated, as the decode
+    loop carries it: the step updates it in place."""
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
     layout, queue, store, decode_state, selection = jax.eval_shape(_preamble(graphdef, spec), state, *args)
 
     def step(layout, queue, store, selection, decode_state):
         return decode.decode_step(nnx.merge(graphdef, layout), queue, store, selection, decode_state, refills=refills)
 
-    return jax.jit(step, donate_argnums=(2, 4), keep_unused=True).lower(layout, queue, store, selection, decode_state)
+    return jax.jit(step, donate_argnums=4).lower(layout, queue, store, selection, decode_state)
