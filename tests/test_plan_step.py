@@ -50,24 +50,38 @@ def _plan_step(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow(seconds=60)
-def test_the_7b_paper_configs_decode_step_and_update_on_v5p_64_meet_their_bars():
-    """tools/plan_step.py on qwen25_7b,pacs_beta1 for the 32 chips of a v5p-64 (its mesh, slots,
-    page pool, packing and remat; the model two narrow layers with the real vocabulary and head size,
-    as test_memory_check shrinks it): a decode step's compiled bytes are at most 1.3x what it must
-    read (its weights' shard and, every page live, the queue's page pool: a copy of the pool, or a
-    read of the whole cache, in the step fails this), and the packed update's compiled FLOPs at most
-    1.5x the useful ones (6N a real token, the LM head a response token, causal attention)."""
-    shrink = [*SHRUNK_LAYERS, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
-              "--config.model.num_key_value_heads=4"]
-    result = _plan_step("--config=configs/paper.py:qwen25_7b,pacs_beta1", "--topology=v5p-64", "--phases=decode,update",
-                        *shrink)
+SHRUNK_7B = [*SHRUNK_LAYERS, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
+             "--config.model.num_key_value_heads=4"]  # Qwen2.5-7B's heads and head size, two narrow layers
+
+
+def _paper_7b_on_v5p_64(phase: str) -> str:
+    """tools/plan_step.py's output for one phase of qwen25_7b,pacs_beta1 on the 32 chips of a v5p-64 (its
+    mesh, slots, page pool, packing and remat; the model shrunk as test_memory_check shrinks it)."""
+    result = _plan_step("--config=configs/paper.py:qwen25_7b,pacs_beta1", "--topology=v5p-64", f"--phases={phase}",
+                        *SHRUNK_7B)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow(seconds=40)
+def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
+    """A decode step of one queue (512 slots on a batch shard's 4 chips), every page live: its compiled
+    bytes are at most 1.3x its weights' shard and the queue's page pool. A copy of the pool in the step
+    (as the step lowered without donating its state made: 2 pool copies, 3.3x), or a read of a whole
+    contiguous cache, fails this."""
+    out = _paper_7b_on_v5p_64("decode")
     bar = re.search(r"decode at a full pool: must read ([\d.]+) GB, compiled ([\d.]+) GB", out)
     assert bar, out
     must, compiled = map(float, bar.groups())
-    assert compiled <= 1.3 * must, out
+    assert 2.0 < must and compiled <= 1.3 * must, out
+
+
+@pytest.mark.slow(seconds=140)
+def test_the_7b_paper_configs_packed_update_computes_at_most_1_5x_its_useful_flops():
+    """The packed update (4 mini-batches of packed passes, remat dots_with_no_batch_dims_saveable, the
+    LM head in chunks) compiles to at most 1.5x the FLOPs its real tokens need (6N a token, the LM
+    head a response token, causal attention; the splash kernel's attention on both sides)."""
+    out = _paper_7b_on_v5p_64("update")
     update = re.search(r"^update .* ([\d.]+) useful/compiled FLOPs$", out, re.M)
     assert update and float(update.group(1)) >= 1 / 1.5, out
 
