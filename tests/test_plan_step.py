@@ -92,3 +92,32 @@ def test_a_lengths_file_that_is_not_there_is_one_line_and_status_78(tmp_path):
     assert result.stderr.strip() == (f"plan_step: error: --lengths: {tmp_path / 'metrics.jsonl'}: no such file "
                                      "(lognormal, budget, or a run's metrics.jsonl)"), result.stderr
     assert result.stdout == ""
+
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_step", REPO / "tools" / "plan_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plan_step"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_finished_runs_lengths_and_the_decode_steps_they_take(tmp_path):
+    """A run's metrics.jsonl: the log-normal fitted to its second half's mean response length draws,
+    clipped to the budget, that mean (numpy's own draws); the longest queue's decode steps, a slot
+    taking the next response as its own ends (responses of 5, 3, 4 tokens, token 0 from the prefill,
+    in 2 slots: 4 steps, then 2 and 3 after it: 5)."""
+    import json
+
+    import numpy as np
+
+    tool = _tool()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i, "response_length_mean": m})
+                                                      for i, m in enumerate([2000, 2000, 600, 600])) + "\n")
+    median, words = tool.lengths_median(str(tmp_path / "metrics.jsonl"), 0.0, 4096)
+    draws = np.minimum(np.round(np.random.default_rng(1).lognormal(np.log(median), 1.0, 400_000)), 4096)
+    assert abs(draws.mean() - 600) < 6 and "mean response 600 tokens over its last 2 steps" in words
+    assert tool.decode_steps(np.zeros(3), np.array([5, 3, 4]), 2, 1)[0] == 5
+    assert tool.decode_steps(np.zeros(4), np.array([5, 3, 4, 9]), 2, 2)[0] == 11  # a slot each: [5, 3] 6, [4, 9] 11
