@@ -80,7 +80,9 @@ def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
 def test_the_7b_paper_configs_packed_update_computes_at_most_1_5x_its_useful_flops():
     """The packed update (4 mini-batches of packed passes, remat dots_with_no_batch_dims_saveable, the
     LM head in chunks) compiles to at most 1.5x the FLOPs its real tokens need (6N a token, the LM
-    head a response token, causal attention; the splash kernel's attention on both sides)."""
+    head a response token, causal attention; the splash kernel's attention on both sides): 1.44x
+    here. The full-width 7B reaches 1.69x, over this bar (README: XLA:TPU's windowed all-gather
+    einsums under fsdp 8 x tensor 4); the bar holds the shrunk model, which the suite can compile."""
     out = _paper_7b_on_v5p_64("update")
     update = re.search(r"^update .* ([\d.]+) useful/compiled FLOPs$", out, re.M)
     assert update and float(update.group(1)) >= 1 / 1.5, out
