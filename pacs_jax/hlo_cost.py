@@ -8,8 +8,9 @@ trips of the loops around it:
     cost = program_cost(compiled.as_text(), trips=lambda loop: ...)
     cost.flops, cost.bytes, cost.collective_bytes      # per device, the whole program
 
-A loop's trips are read from its condition when it compares the induction variable with a
-constant (a ``lax.scan`` or a ``fori_loop`` of static bounds: ``i < N``); a loop whose bound only
+A loop's trips are XLA:GPU's ``known_trip_count``, or read from its condition when that compares
+the induction variable with a constant (a ``lax.scan``, a ``fori_loop`` of static bounds, XLA:TPU's
+windowed einsums: ``i < N``, the counter taken to start at 0 and step by 1); a loop whose bound only
 the device knows (a decode loop, the passes of a packing plan, the LM head chunks of a packed pass)
 is a ``Loop`` passed to ``trips``, which returns its trips (its nesting tells which it is:
 ``Loop.depth``, ``Loop.holds_loops``).
@@ -145,6 +146,8 @@ class Cost:
 
 
 class _Program:
+    """A compiled module's computations, costed one at a time with the loops around them."""
+
     def __init__(self, hlo_text: str, trips: Callable[[Loop], float],
                  custom_call_bytes: Callable[[float, list[float]], float] | None = None,
                  costliest_branch: bool = True):

@@ -221,9 +221,9 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
     rows: counted as the pool's share of one layer (``kernel_reads``) at the step's mean fill. The
     refill's loop over the rows a step admits runs the mean admissions a step; a branch counts as
     the costliest, or with top_p 1 and no top_k as the cheapest (no top-p bisection)."""
-    from pacs_jax import hlo_cost
     import jax
 
+    from pacs_jax import hlo_cost
     from pacs_jax.sampling.engine import lower_decode_step, queues
     from pacs_jax.sampling.paged import default_pages
     from pacs_jax.training.abstract_step import abstract_step
