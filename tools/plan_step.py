@@ -243,7 +243,10 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
     def trips(loop):
         return admitted
 
-    with abstract_step(sub, devices[:tensor] if shards > 1 else devices, log=lambda s: None) as queue_step:
+    # a batch shard's chips: the first ``tensor`` device ids (a v6e slice lists its devices in another order,
+    # and libtpu compiles for ids 0 .. tensor - 1 only)
+    queue_devices = sorted(devices, key=lambda d: d.id)[:tensor] if shards > 1 else devices
+    with abstract_step(sub, queue_devices, log=lambda s: None) as queue_step:
         rows = queue_step.abstract_rows((P // shards, step.prompt_buckets[-1]), np.int32)
         log(f"compiling a decode step of one queue ({settings.slots} slots, {P // shards} prompts) ...")
         lowered = lower_decode_step(queue_step.graphdef, queue_step.state[0], rows, rows, settings)
