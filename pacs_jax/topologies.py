@@ -47,7 +47,7 @@ import dataclasses
 import importlib.util
 import os
 
-__all__ = ["Topology", "TOPOLOGIES", "get_topology", "abstract_devices"]
+__all__ = ["Topology", "TOPOLOGIES", "PEAKS", "get_topology", "abstract_devices"]
 
 GiB = 1 << 30
 
@@ -67,18 +67,42 @@ class Topology:
     topology: str = ""
     chips_per_host_bounds: tuple[int, int, int] | None = None  # TPU: chips of one host, per axis
     wrap: tuple[bool, bool, bool] | None = None  # TPU: torus wraparound links per axis (full cubes)
+    # Peaks of one device (``PEAKS`` below, with their sources): dense bf16 FLOP/s, HBM bytes/s, and
+    # the interconnect's bytes/s out of one device (TPU ICI; GPU NVLink within a node)
+    bf16_flops: float = 0.0
+    hbm_bandwidth: float = 0.0
+    ici_bandwidth: float = 0.0
 
     @property
     def devices_per_host(self) -> int:
         return self.num_devices // self.num_hosts
 
 
+# Peak rates of one JAX device by device_kind: (dense bf16 FLOP/s, HBM bytes/s, interconnect bytes/s).
+# TPU: the Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v4, /v5p, /v5e, /v6e, "chip
+# specifications"; a v4 / v5p device is one chip, its two TensorCores as a megacore): v4 275 TFLOP/s,
+# 1,200 GB/s HBM, ICI 6 links x 50 GB/s (Jouppi et al., ISCA 2023, "TPU v4"); v5p 459 TFLOP/s,
+# 2,765 GB/s, ICI 4,800 Gbps = 600 GB/s; v5e 197 TFLOP/s, 819 GB/s, ICI 1,600 Gbps = 200 GB/s; v6e
+# 918 TFLOP/s, 1,640 GB/s, ICI 3,584 Gbps = 448 GB/s. GPU: NVIDIA's H100 and H200 datasheets (SXM,
+# dense bf16 989 TFLOP/s, the "with sparsity" figure halved; HBM3 3.35 TB/s, HBM3e 4.8 TB/s; NVLink
+# 900 GB/s a GPU within a node; across nodes of h100x16 the network is slower, not modelled here).
+PEAKS = {
+    "TPU v4": (275e12, 1200e9, 300e9),
+    "TPU v5": (459e12, 2765e9, 600e9),
+    "TPU v5 lite": (197e12, 819e9, 200e9),
+    "TPU v6 lite": (918e12, 1640e9, 448e9),
+    "NVIDIA H100 80GB HBM3": (989e12, 3350e9, 900e9),
+    "NVIDIA H200 141GB HBM3e": (989e12, 4800e9, 900e9),
+}
+
+
 def _tpu(name, kind, topology, devices, hosts, hbm, per_host=(2, 2, 1), wrap=(False, False, False)):
-    return Topology(name, "tpu", devices, hosts, hbm, kind, topology, per_host, wrap)
+    return Topology(name, "tpu", devices, hosts, hbm, kind, topology, per_host, wrap, *PEAKS[kind])
 
 
 def _gpu(name, kind, nodes, per_node, hbm):
-    return Topology(name, "gpu", nodes * per_node, nodes, hbm, kind, f"1x{nodes}x{per_node}")
+    return Topology(name, "gpu", nodes * per_node, nodes, hbm, kind, f"1x{nodes}x{per_node}", None, None,
+                    *PEAKS[kind])
 
 
 # Sources. Chips / hosts / shapes: Cloud TPU docs (cloud.google.com/tpu/docs/v4, v5p, v5e, v6e:
@@ -108,6 +132,7 @@ TOPOLOGIES: dict[str, Topology] = {t.name: t for t in (
     _tpu("v6e-256", "TPU v6 lite", "v6e:16x16", 256, 64, 32 * GiB, wrap=(True, True, False)),
     _gpu("h100x8", "NVIDIA H100 80GB HBM3", 1, 8, 84942979072),
     _gpu("h100x16", "NVIDIA H100 80GB HBM3", 2, 8, 84942979072),
+    _gpu("h200x1", "NVIDIA H200 141GB HBM3e", 1, 1, 151397597184),
     _gpu("h200x8", "NVIDIA H200 141GB HBM3e", 1, 8, 151397597184),
 )}
 

@@ -64,35 +64,9 @@ def build_programs(config, devices, *, log: Callable[[str], None] = print,
     ``PROGRAMS`` named in ``programs``; the critic's only for PPO), as the trainer makes them
     (training/step_programs.py) on abstract state, on a mesh over ``devices`` (compile-only or real)
     set as the context, as the trainer's CLI sets it; returns their memory_check.ProgramMemory."""
-    import jax
+    from pacs_jax.training.abstract_step import abstract_step
 
-    from pacs_jax import models, sharding
-    from pacs_jax.models.attention import resolve_impl
-    from pacs_jax.models.value import ValueModel
-    from pacs_jax.training.critic_step import CriticState, config_critic_optimizer
-    from pacs_jax.training.model_spec import model_config
-    from pacs_jax.sharding import abstract_optimizer_state
-    from pacs_jax.training.step_programs import StepPrograms
-
-    mc = config.mesh
-    cfg = model_config(config)
-    if cfg is None:
-        raise ValueError(f"config.model.path={config.model.path!r}: no config.json / model_config.json to read")
-    mesh = sharding.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
-    with jax.set_mesh(mesh):  # the kernels and dot dtypes follow the platform of the mesh's devices
-        log(f"model {config.model.preset or config.model.path or 'custom'}: {cfg.num_hidden_layers} layers, "
-            f"dtype {cfg.dtype}, params {cfg.param_dtype}, remat {cfg.remat}, attention "
-            f"{resolve_impl(cfg.attention)}; mesh {dict(mesh.shape)} on {len(devices)} {devices[0].device_kind} devices")
-        graphdef, params = models.abstract_model(cfg)
-        critic = None
-        if config.algorithm.objective == "ppo":  # as PPOCritic.from_config builds it, on abstract state
-            critic_graphdef, critic_params = models.abstract_model(cfg, cls=ValueModel)
-            critic_optimizer = config_critic_optimizer(config)
-            critic = CriticState(critic_graphdef, (critic_params, abstract_optimizer_state(critic_optimizer, critic_params)),
-                                 critic_optimizer)
-        eos = cfg.eos_token_id
-        stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        step = StepPrograms(config, graphdef, params, stop_ids, critic=critic)
+    with abstract_step(config, devices, log=log) as step:
         return step.compile(largest_only=True, with_warmstart=True, names=programs, progress=False, read_loops=True,
                             log=log)
 
@@ -102,23 +76,17 @@ def main(argv) -> int:
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from pacs_jax import topologies
     from pacs_jax.training import memory_check
-
-    from pacs_jax.training.config_check import check_for_slice
+    from pacs_jax.training.abstract_step import slice_devices
+    from pacs_jax.training.config_check import ConfigError
 
     config = _CONFIG.value
     try:
-        topo = topologies.get_topology(_TOPOLOGY.value)
+        topo, devices = slice_devices(config, _TOPOLOGY.value, lambda s: print(f"[plan_memory] {s}", flush=True))
+    except ConfigError:
+        raise
     except ValueError as e:
         raise app.UsageError(f"--topology: {e}") from None
-    if not config.model.path:  # the plan compiles abstract weights: a preset needs no released folder here
-        config.model.random_init = True
-    elsewhere = check_for_slice(config, topo.num_devices)  # the trainer's check, before anything compiles
-    if elsewhere:
-        print(f"[plan_memory] not on this machine, left unchecked: {', '.join(elsewhere)}", flush=True)
-    try:
-        devices = topologies.abstract_devices(topo)
     except RuntimeError as e:
         print(f"plan_memory: {e}", file=sys.stderr)
         return 2

@@ -75,6 +75,11 @@ def prompt_lengths(count: int, rs: np.random.RandomState, max_length: int) -> np
     return np.asarray([len(e.prompt_ids) for e in examples[:count]])
 
 
+def response_lengths(count: int, rs: np.random.RandomState, median: float, budget: int) -> np.ndarray:
+    """``count`` response lengths, log-normal (median ``median``, sigma 1) rounded and clipped to ``budget``."""
+    return np.minimum(np.round(rs.lognormal(np.log(median), 1.0, count)), budget).astype(np.int64)
+
+
 def plan_config(spec: str, topology: str, args: argparse.Namespace, rs: np.random.RandomState) -> None:
     config = load_config(spec)
     tc, rc, mc = config.train, config.rollout, config.mesh
@@ -90,7 +95,7 @@ def plan_config(spec: str, topology: str, args: argparse.Namespace, rs: np.rando
           f"sigma 1)", flush=True)
     for step in range(args.steps):
         prompts = np.repeat(prompt_lengths(tc.prompts_per_step, rs, buckets[-1]), rc.n)
-        responses = np.minimum(np.round(rs.lognormal(np.log(median), 1.0, len(prompts))), budget).astype(np.int64)
+        responses = response_lengths(len(prompts), rs, median, budget)
         real = int(prompts.sum() + responses.sum())
         width = (pick_bucket(int(prompts.max()), buckets, "a prompt")
                  + pick_bucket(int(responses.max()), response_buckets, "a response"))

@@ -601,22 +601,42 @@ def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, sett
                           _queue_groups(prompt_tokens.shape[0], spec.slots), _device_bytes(state))
 
 
+def _preamble(graphdef: nnx.GraphDef, spec: EngineSpec) -> Callable:
+    """The sampler program's preamble for one queue of all the call's slots: (parameter state, the
+    program's arguments) -> (the decode layout's state, queue, store, decode state, selection)."""
+
+    def preamble(state, *args):
+        model, inputs, _, _ = _prefill(graphdef, state, *args, spec=spec, axes=())
+        return (nnx.state(model), *_queue_start(model, inputs, spec), args[4])
+
+    return preamble
+
+
+def lower_prefill(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings
+                  ) -> jax.stages.Lowered:
+    """What the sampler does before its decode loops (the decode layout, the prefill, token 0 of every
+    row), lowered alone for abstract arguments: ``.compile()`` it for its cost."""
+    args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
+
+    def prefill(state, *args):
+        model, inputs, origin, prefill_tokens = _prefill(graphdef, state, *args, spec=spec, axes=())
+        return nnx.state(model), inputs, origin, prefill_tokens
+
+    return jax.jit(prefill).lower(state, *args)
+
+
 def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings, *,
                       refills: bool = True) -> jax.stages.Lowered:
     """One decode step of the sampler (``decode.decode_step``) lowered alone, for abstract arguments:
     the state the sampler program's preamble (decode layout, prefill, first refill) would give for
     these shapes, of one queue of all the call's slots (``refills``: a step of the first width, which
     refills its slots; False: of a narrower one). ``.compile()`` it for a step's cost; nothing
-    concrete is made."""
+    concrete is made. The decode state (the page pool or cache rows in it) is donated, as the decode
+    loop carries it: the step updates it in place."""
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
-
-    def preamble(state, *args):
-        model, inputs, _, _ = _prefill(graphdef, state, *args, spec=spec, axes=())
-        return (nnx.state(model), *_queue_start(model, inputs, spec), args[4])
-
-    layout, queue, store, decode_state, selection = jax.eval_shape(preamble, state, *args)
+    layout, queue, store, decode_state, selection = jax.eval_shape(_preamble(graphdef, spec), state, *args)
 
     def step(layout, queue, store, selection, decode_state):
         return decode.decode_step(nnx.merge(graphdef, layout), queue, store, selection, decode_state, refills=refills)
 
-    return jax.jit(step).lower(layout, queue, store, selection, decode_state)
+    return jax.jit(step, donate_argnums=4).lower(layout, queue, store, selection, decode_state)

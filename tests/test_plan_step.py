@@ -1,0 +1,125 @@
+"""A step's cost from its compiled programs (tools/plan_step.py, pacs_jax/hlo_cost.py): loops
+counted by their trips against XLA's own cost analysis, and the bars of a paper config's decode step
+and update compiled for a v5p-64 (compile-time facts, nothing timed)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pacs_jax import hlo_cost
+from test_memory_check import SHRUNK_LAYERS
+from train_helpers import REPO, train_env
+
+
+def _scan(unroll):
+    return jax.jit(lambda x, w: jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w, unroll=unroll)[0])
+
+
+def test_a_loop_counts_its_trips_and_a_loop_free_program_reads_as_xla_counts_it():
+    """XLA counts a scan's body once (6 layers of [64, 256] x [256, 256] read as one); the counter
+    multiplies it by its 6 trips, and on the unrolled program (no loop) agrees with XLA's FLOPs and,
+    within a quarter, its bytes. A loop bounded by a device value asks for its trips."""
+    x, w = jnp.ones((64, 256), jnp.float32), jnp.ones((6, 256, 256), jnp.float32)
+    matmul = 2 * 64 * 256 * 256
+    looped = _scan(1).lower(x, w).compile()
+    assert looped.cost_analysis()["flops"] < 2 * matmul  # XLA: the body once
+    assert hlo_cost.program_cost(looped.as_text()).flops == 6 * matmul
+    unrolled = _scan(True).lower(x, w).compile()
+    xla, ours = unrolled.cost_analysis(), hlo_cost.program_cost(unrolled.as_text())
+    assert ours.flops == 6 * matmul and abs(xla["flops"] - ours.flops) / ours.flops < 0.05, (xla, ours)
+    assert 0.75 < ours.bytes / xla["bytes accessed"] < 1.25, (xla["bytes accessed"], ours.bytes)
+
+    def dynamic(x, w, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ w[i]), x)
+
+    text = jax.jit(dynamic).lower(x, w, 3).compile().as_text()
+    with pytest.raises(ValueError, match="trip count is known only on the device"):
+        hlo_cost.program_cost(text)
+    cost = hlo_cost.program_cost(text, lambda loop: 4)
+    assert cost.flops == 4 * matmul and [loop.depth for loop in cost.asked] == [0]
+
+
+def _plan_step(*args, timeout=600):
+    return subprocess.run([sys.executable, "tools/plan_step.py", *args], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+SHRUNK_7B = [*SHRUNK_LAYERS, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
+             "--config.model.num_key_value_heads=4"]  # Qwen2.5-7B's heads and head size, two narrow layers
+
+
+def _paper_7b_on_v5p_64(phase: str) -> str:
+    """tools/plan_step.py's output for one phase of qwen25_7b,pacs_beta1 on the 32 chips of a v5p-64 (its
+    mesh, slots, page pool, packing and remat; the model shrunk as test_memory_check shrinks it)."""
+    result = _plan_step("--config=configs/paper.py:qwen25_7b,pacs_beta1", "--topology=v5p-64", f"--phases={phase}",
+                        *SHRUNK_7B)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow(seconds=40)
+def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
+    """A decode step of one queue (512 slots on a batch shard's 4 chips), every page live: its compiled
+    bytes are at most 1.3x its weights' shard and the queue's page pool. A copy of the pool in the step
+    (as the step lowered without donating its state made: 2 pool copies, 3.3x), or a read of a whole
+    contiguous cache, fails this."""
+    out = _paper_7b_on_v5p_64("decode")
+    bar = re.search(r"decode at a full pool: must read ([\d.]+) GB, compiled ([\d.]+) GB", out)
+    assert bar, out
+    must, compiled = map(float, bar.groups())
+    assert 2.0 < must and compiled <= 1.3 * must, out
+
+
+@pytest.mark.slow(seconds=140)
+def test_the_7b_paper_configs_packed_update_computes_at_most_1_5x_its_useful_flops():
+    """The packed update (4 mini-batches of packed passes, remat dots_with_no_batch_dims_saveable, the
+    LM head in chunks) compiles to at most 1.5x the FLOPs its real tokens need (6N a token, the LM
+    head a response token, causal attention; the splash kernel's attention on both sides): 1.44x
+    here. The full-width 7B reaches 1.69x, over this bar (README: XLA:TPU's windowed all-gather
+    einsums under fsdp 8 x tensor 4); the bar holds the shrunk model, which the suite can compile."""
+    out = _paper_7b_on_v5p_64("update")
+    update = re.search(r"^update .* ([\d.]+) useful/compiled FLOPs$", out, re.M)
+    assert update and float(update.group(1)) >= 1 / 1.5, out
+
+
+def test_a_lengths_file_that_is_not_there_is_one_line_and_status_78(tmp_path):
+    result = _plan_step("--topology=v5p-64", f"--lengths={tmp_path / 'metrics.jsonl'}", timeout=120)
+    assert result.returncode == 78, result.stderr
+    assert result.stderr.strip() == (f"plan_step: error: --lengths: {tmp_path / 'metrics.jsonl'}: no such file "
+                                     "(lognormal, budget, or a run's metrics.jsonl)"), result.stderr
+    assert result.stdout == ""
+
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_step", REPO / "tools" / "plan_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["plan_step"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_finished_runs_lengths_and_the_decode_steps_they_take(tmp_path):
+    """A run's metrics.jsonl: the log-normal fitted to its second half's mean response length draws,
+    clipped to the budget, that mean (numpy's own draws); the longest queue's decode steps, a slot
+    taking the next response as its own ends (responses of 5, 3, 4 tokens, token 0 from the prefill,
+    in 2 slots: 4 steps, then 2 and 3 after it: 5)."""
+    import json
+
+    import numpy as np
+
+    tool = _tool()
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i, "response_length_mean": m})
+                                                      for i, m in enumerate([2000, 2000, 600, 600])) + "\n")
+    median, words = tool.lengths_median(str(tmp_path / "metrics.jsonl"), 0.0, 4096)
+    draws = np.minimum(np.round(np.random.default_rng(1).lognormal(np.log(median), 1.0, 400_000)), 4096)
+    assert abs(draws.mean() - 600) < 6 and "mean response 600 tokens over its last 2 steps" in words
+    assert tool.decode_steps(np.zeros(3), np.array([5, 3, 4]), 2, 1)[0] == 5
+    assert tool.decode_steps(np.zeros(4), np.array([5, 3, 4, 9]), 2, 2)[0] == 11  # a slot each: [5, 3] 6, [4, 9] 11

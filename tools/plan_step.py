@@ -1,0 +1,422 @@
+"""How long does a training step take on a slice, and which bound holds it? Compile, don't run.
+
+    python tools/plan_step.py --config=configs/paper.py:qwen25_7b,pacs_beta1 --topology=v5p-64
+    python tools/plan_step.py --config=... --topology=v6e-64 --lengths=/runs/pacs_7b/metrics.jsonl
+    python tools/plan_step.py --config=... --topology=h200x1 --lengths=budget
+
+Compiles ahead of time, for ``--topology``'s compile-only devices (pacs_jax/topologies.py: TPU
+slices need libtpu, GPU nodes JAX's CUDA plugin), the programs of a step as the trainer makes them
+(training/abstract_step.py, the machinery of tools/plan_memory.py): the sampler's prefill, one decode step of
+one queue alone (sampling/engine.py ``lower_decode_step``, on the "tensor" devices of one batch
+shard, as the sampler's ``shard_map`` runs it), pi_old, the update and PPO's critic programs. Each
+program's per-device cost is read from its compiled HLO with every loop counted as many times as it
+runs (pacs_jax/hlo_cost.py: XLA's own ``cost_analysis`` counts a loop body once): the layer scans
+and micro-batch loops from the program, the loops only the device can count from a simulated step:
+
+    decode   the longest queue's decode steps: the step's responses decoded by ``rollout.slots``
+             slots, a queue a batch shard, each slot taking the next waiting response as one ends
+    prefill  what the sampler runs before its decode loops (engine.py ``lower_prefill``: the decode
+             layout, the prompts' prefill, the page pool), once a sampler call
+    pi_old / update / critic   the packed passes of the trainer's plan (rl/packing.py) for these
+             lengths, and the LM head's chunks of each pass
+
+The step's response lengths (``--lengths``): ``lognormal`` (default: tools/plan_packing.py's
+log-normal, median ``--median`` or max_new_tokens / 8, sigma 1, clipped to the budget), ``budget``
+(every response runs to max_new_tokens, as random weights do), or a finished run's
+``metrics.jsonl`` (the log-normal whose clipped mean is the run's mean ``response_length_mean``
+over its second half). Prompts: DeepScaleR problems from data/ in the Qwen chat template.
+
+Per phase it prints FLOPs, bytes and collective bytes per trip (per device), the trips, the time of
+a trip at each peak (FLOPs / bf16 peak, bytes / HBM bandwidth, collective bytes / interconnect
+bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, and its ratio:
+
+    pi_old, update, critic   useful / compiled FLOPs: 2N (pi_old) or 6N (update) FLOPs per real
+                             token, N the layers' matmul parameters, the LM head per response
+                             token, causal attention per sequence (the MFU convention), against the
+                             compiled FLOPs (what remat, padding and the LM head's chunks add;
+                             XLA counts no FLOPs in a kernel: where attention runs in one, its
+                             useful FLOPs are added to the compiled ones)
+    decode                   bytes a step must read (the weights' shard in the compute dtype,
+                             the embedding table only if the LM head is tied to it, and the
+                             queue's page pool, full) / compiled bytes accessed
+
+then the step: predicted seconds (the phases' sum; the host's reward scoring, overlapped with
+pi_old, is not counted), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
+chip-hours. Every time assumes a program runs at its bound's peak: a lower bound on the real time.
+
+A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
+topology's compiler is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Callable
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+for _path in (REPO, REPO / "tools"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import numpy as np  # noqa: E402
+
+from pacs_jax.errors import PermanentError  # noqa: E402
+
+
+class LengthsError(PermanentError, ValueError):
+    """--lengths names nothing usable (status 78)."""
+
+
+# ------------------------------------------------------------------------------------------ lengths
+def fitted_median(mean: float, budget: int, rs_seed: int = 0) -> float:
+    """The median of a log-normal (sigma 1) whose responses, clipped to ``budget``, average ``mean``."""
+    base = np.random.RandomState(rs_seed).lognormal(0.0, 1.0, 20000)
+    lo, hi = 1e-3, float(budget)
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if np.minimum(np.round(base * mid), budget).mean() < mean else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def lengths_median(spec: str, median: float, budget: int) -> tuple[float | None, str]:
+    """(median of the responses' log-normal, or None for every response at ``budget``; in words)."""
+    if spec == "budget":
+        return None, f"every response {budget} tokens (random weights run to the budget)"
+    if spec == "lognormal":
+        median = median or budget / 8
+        return median, f"log-normal, median {median:.0f}, sigma 1, clipped to {budget}"
+    path = pathlib.Path(spec)
+    if not path.is_file():
+        raise LengthsError(f"--lengths: {spec}: no such file (lognormal, budget, or a run's metrics.jsonl)")
+    means = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError:
+            raise LengthsError(f"--lengths: {spec}: line {number} is not JSON") from None
+        if "response_length_mean" in record:
+            means.append(float(record["response_length_mean"]))
+    if not means:
+        raise LengthsError(f"--lengths: {spec}: no step with response_length_mean")
+    mean = float(np.mean(means[len(means) // 2:]))
+    median = fitted_median(mean, budget)
+    return median, (f"log-normal fitted to {spec} (mean response {mean:.0f} tokens over its last "
+                    f"{len(means) - len(means) // 2} steps): median {median:.0f}, sigma 1, clipped to {budget}")
+
+
+def decode_steps(prompts: np.ndarray, lengths: np.ndarray, slots: int, queues: int) -> tuple[int, float]:
+    """(decode steps of the longest of ``queues`` queues, the K/V tokens its steps read on average).
+
+    Each queue decodes its share of the responses (``lengths`` [Q] tokens, token 0 from the prefill;
+    ``prompts`` [Q] their prompts' tokens) in order with ``slots // queues`` slots, a slot taking the
+    next response in the step its own ends; a step reads, for every busy row, its prompt's and its
+    response's K/V so far."""
+    longest, reads = 0, 0.0
+    for p, share in zip(np.array_split(np.asarray(prompts, np.int64), queues),
+                        np.array_split(np.maximum(np.asarray(lengths, np.int64) - 1, 0), queues)):
+        ends = [0] * min(slots // queues, len(share))
+        for need in share:
+            heapq.heapreplace(ends, ends[0] + int(need))
+        steps = max(ends, default=0)
+        if steps >= longest:
+            longest = steps
+            reads = float(np.sum(share * p + share * (share + 1) / 2)) / max(steps, 1)
+    return longest, reads
+
+
+# ------------------------------------------------------------------------------------------ costs
+@dataclasses.dataclass
+class Phase:
+    """A phase's per-device cost, per trip, with its trips; ``useful``: the FLOPs (or for decode the
+    bytes) the work needs per trip, for the ratio."""
+
+    name: str
+    trips: float
+    flops: float
+    bytes: float
+    collective_bytes: float
+    useful: float = 0.0
+    useful_kind: str = ""  # "flops" or "bytes"
+    xla_seconds: float | None = None  # XLA's optimal_seconds of the program (its loop bodies once)
+    full_pool: tuple[float, float] | None = None  # decode, every page live: (bytes it must read, compiled bytes)
+
+    def times(self, topo) -> dict[str, float]:
+        return {"flops": self.flops / topo.bf16_flops, "HBM": self.bytes / topo.hbm_bandwidth,
+                "interconnect": self.collective_bytes / topo.ici_bandwidth}
+
+    def seconds(self, topo) -> float:
+        return self.trips * max(self.times(topo).values())
+
+    def bound(self, topo) -> str:
+        times = self.times(topo)
+        return max(times, key=times.get)
+
+    def ratio(self) -> float | None:
+        if not self.useful:
+            return None
+        return self.useful / (self.flops if self.useful_kind == "flops" else self.bytes)
+
+    def ideal_seconds(self, topo) -> float:
+        """At 100 % of the bound, doing only the useful work."""
+        if not self.useful:
+            return self.seconds(topo)
+        rate = topo.bf16_flops if self.useful_kind == "flops" else topo.hbm_bandwidth
+        return self.trips * self.useful / rate
+
+
+def matmul_parameters(cfg) -> tuple[int, int]:
+    """(the layers' matmul parameters, the LM head's) of a QwenConfig."""
+    D, F, H, K, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return cfg.num_hidden_layers * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F), D * cfg.vocab_size
+
+
+def useful_flops(cfg, prompts: np.ndarray, responses: np.ndarray, passes: int) -> tuple[float, float]:
+    """(matmul FLOPs, attention FLOPs) of ``passes`` (1 forward, 3 forward + backward) over the
+    sequences: 2N per token and the LM head per response token; causal attention 2 H Dh s (s + 1) per
+    layer and sequence of s tokens."""
+    layers, head = matmul_parameters(cfg)
+    s = (prompts + responses).astype(np.float64)
+    attention = 2 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers * np.sum(s * (s + 1))
+    return passes * (2 * layers * s.sum() + 2 * head * responses.sum()), passes * attention
+
+
+# custom calls of attention kernels (Pallas on TPU / Triton, cuDNN): XLA counts no FLOPs in them
+_KERNELS = tuple(f'custom_call_target="{t}' for t in ("tpu_custom_call", "__gpu$xla.gpu.triton", "__cudnn$fmha"))
+
+
+def trips_from_plan(plan, chunk: int) -> Callable:
+    """A packed program's device-counted loops: a loop holding loops runs a mini-batch's passes (their
+    mean), an innermost one the LM head's chunks of a pass (their mean over the passes)."""
+    passes = sum(plan.passes) / len(plan.passes)
+    lengths = np.asarray(plan.stream_length)[:, 0]
+    chunks = float(np.mean(np.ceil(lengths[lengths > 0] / chunk))) if np.any(lengths > 0) else 0.0
+    return lambda loop: passes if loop.holds_loops else chunks
+
+
+def compile_cost(lowered, trips: Callable, log) -> tuple:
+    """(hlo_cost.Cost, XLA's optimal_seconds or None, the compiled program) of a lowered program."""
+    import time
+
+    from pacs_jax import hlo_cost
+
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    xla = compiled.cost_analysis() or {}
+    if isinstance(xla, list):
+        xla = xla[0] if xla else {}
+    cost = hlo_cost.program_cost(compiled.as_text(), trips)
+    log(f"  compiled in {time.perf_counter() - t0:.0f} s")
+    return cost, xla.get("optimal_seconds"), compiled
+
+
+def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray, log) -> Phase:
+    """One decode step of one queue compiled alone on a batch shard's "tensor" devices (its state
+    donated, as the decode loop carries it), its trips the longest queue's steps. The paged
+    kernel is handed the whole page pool of every layer and reads, per layer, the pages of its busy
+    rows: counted as the pool's share of one layer (``kernel_reads``) at the step's mean fill. The
+    refill's loop over the rows a step admits runs the mean admissions a step; a branch counts as
+    the costliest, or with top_p 1 and no top_k as the cheapest (no top-p bisection)."""
+    import jax
+
+    from pacs_jax import hlo_cost
+    from pacs_jax.sampling.engine import lower_decode_step, queues
+    from pacs_jax.sampling.paged import default_pages
+    from pacs_jax.training.abstract_step import abstract_step
+    from pacs_jax.training.model_spec import model_config
+
+    P = config.train.prompts_per_step // config.rollout.micro_batches
+    shards = queues(P, step.slots, step.batch_shards)
+    tensor = len(devices) // step.batch_shards
+    sub = config.copy_and_resolve_references()
+    if shards > 1:
+        sub.mesh.data, sub.mesh.fsdp, sub.mesh.tensor = 1, 1, tensor
+    settings = dataclasses.replace(step.settings, slots=step.slots // shards, tail_slots=None)
+    cfg = model_config(config)
+    steps, reads = decode_steps(prompts, lengths, step.slots, shards)
+    admitted = len(lengths) / shards / max(steps, 1)  # rows a queue's step admits, on average: the refill's loop
+
+    def trips(loop):
+        return admitted
+
+    # a batch shard's chips: the first ``tensor`` device ids (a v6e slice lists its devices in another order,
+    # and libtpu compiles for ids 0 .. tensor - 1 only)
+    queue_devices = sorted(devices, key=lambda d: d.id)[:tensor] if shards > 1 else devices
+    with abstract_step(sub, queue_devices, log=lambda s: None) as queue_step:
+        rows = queue_step.abstract_rows((P // shards, step.prompt_buckets[-1]), np.int32)
+        log(f"compiling a decode step of one queue ({settings.slots} slots, {P // shards} prompts) ...")
+        lowered = lower_decode_step(queue_step.graphdef, queue_step.state[0], rows, rows, settings)
+        _, xla, compiled = compile_cost(lowered, trips, log)
+    text = compiled.as_text()
+    shardings = jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0], is_leaf=lambda x: x is None)[0]
+    sizes = {jax.tree_util.keystr(path): (s, a) for (path, s), a in zip(shardings, jax.tree.leaves(lowered.args_info[0]))
+             if s is not None}  # the arguments the step reads
+
+    def per_device(paths) -> int:
+        return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for s, a in (sizes[p] for p in paths))
+
+    pool = per_device([p for p in sizes if p in ("[4].kv.k", "[4].kv.v")])  # the K/V the decode loop carries
+    weights = per_device([p for p in sizes if p.startswith("[0]") and (cfg.tie_word_embeddings or "embedding" not in p)])
+    L = cfg.num_hidden_layers
+
+    def kernel_reads(fill: float) -> Callable:
+        # an operand holding every layer's pages (half the pool: K or V) counts one layer's pages at ``fill``
+        return lambda out, operands: out + sum(fill * b / L if b >= pool / 2 else b for b in operands)
+
+    # top_p 1 (and no top_k): the selection's branch without the top-p bisection (32 passes over the logits) runs
+    plain = config.rollout.top_p >= 1.0 and not config.rollout.top_k
+    full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f), costliest_branch=not plain)
+                   for f in (1.0, 0.0))
+    page = settings.page_size
+    pages = page and (settings.pages or default_pages(settings.slots, page, settings.max_new_tokens))
+    capacity = page and (P // shards * -(-step.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
+    fill = min(1.0, reads / capacity) if page else 1.0  # the contiguous cache: its rows are read whole
+    log(f"  must read a step: weights {weights / 1e9:.2f} GB + page pool {pool / 1e9:.2f} GB (full); compiled "
+        f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
+    return Phase("decode", steps * config.rollout.micro_batches, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
+                 full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes))
+
+
+PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
+
+
+def plan_phases(config, devices, prompts: np.ndarray, responses: np.ndarray, log,
+                names: tuple[str, ...] = PHASES) -> list[Phase]:
+    """The phases ``names`` of a step of ``config`` on ``devices`` for these prompt and response
+    lengths [B] (row i n + j: sample j of prompt i): compiled, costed, with trips (PPO's critic
+    phases for PPO only)."""
+    from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
+    from pacs_jax.sampling.engine import lower_prefill
+    from pacs_jax.training.abstract_step import abstract_step
+    from pacs_jax.training.model_spec import model_config
+
+    cfg = model_config(config)
+    calls = config.rollout.micro_batches
+    phases = []
+    with abstract_step(config, devices, log=log) as step:
+        programs = {p.name: p for p in step.programs(largest_only=True)}
+        plans = step.packing_plans(prompts, responses) if step.packing else {}
+        chunk = min(DEFAULT_CHUNK_SIZE, step.pass_widths[1])
+        if "prefill" in names:
+            log(f"compiling the sampler's prefill ({programs['sampler'].shape}) ...")
+            chunk_prompts = programs["sampler"].args[1]
+            cost, xla, _ = compile_cost(lower_prefill(step.graphdef, step.state[0], chunk_prompts, chunk_prompts,
+                                                      step.settings), lambda loop: 0.0, log)
+            phases.append(Phase("prefill", calls, cost.flops, cost.bytes, cost.collective_bytes, xla_seconds=xla))
+        if "decode" in names:
+            phases.append(decode_phase(config, devices, step, prompts, responses, log))
+        passes = {"pi_old": ("logprob", 1), "critic_values": ("logprob", 1), "critic_update": ("critic", 3),
+                  "update": ("update", 3)}
+        for name, (plan_name, factor) in passes.items():
+            if name not in programs or name not in names:
+                continue
+            log(f"compiling {name} ({programs[name].shape}) ...")
+            plan = plans.get(plan_name)
+            trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
+            cost, xla, compiled = compile_cost(programs[name].lower(), trips, log)
+            count = float(sum(plan.passes)) if plan is not None else 1.0
+            matmuls, attention = (x / len(devices) for x in useful_flops(cfg, prompts, responses, factor))
+            text = compiled.as_text()
+            kernel = any(k in text for k in _KERNELS)
+            flops = cost.flops + (attention if kernel else 0.0)  # a kernel's attention, as the useful count has it
+            useful = matmuls + attention if name in ("pi_old", "update") else 0.0
+            phases.append(Phase(name, count, flops / count, cost.bytes / count, cost.collective_bytes / count,
+                                useful / count, "flops" if useful else "", xla))
+    return phases
+
+
+def report(phases: list[Phase], topo, config, chips: int) -> str:
+    """The table of phases and the step's lines."""
+    G = 1e9
+    lines = [f"{'phase':13s} {'GFLOP':>9s} {'GB':>8s} {'coll GB':>8s} {'trips':>7s} {'ms flops':>9s} {'ms HBM':>8s} "
+             f"{'ms coll':>8s} {'XLA ms':>7s} {'bound':>12s} {'seconds':>8s}  ratio"]
+    for p in phases:
+        t = p.times(topo)
+        ratio = p.ratio()
+        what = ("" if ratio is None else f"{ratio:.3f} useful/compiled FLOPs" if p.useful_kind == "flops"
+                else f"{ratio:.3f} must-read/compiled bytes")
+        xla = "-" if not p.xla_seconds or p.xla_seconds < 0 else f"{p.xla_seconds * 1e3:.1f}"
+        lines.append(f"{p.name:13s} {p.flops / G:9.1f} {p.bytes / G:8.2f} {p.collective_bytes / G:8.3f} {p.trips:7.0f} "
+                     f"{t['flops'] * 1e3:9.2f} {t['HBM'] * 1e3:8.2f} {t['interconnect'] * 1e3:8.2f} {xla:>7s} "
+                     f"{p.bound(topo):>12s} {p.seconds(topo):8.2f}  {what}")
+    lines += [f"decode at a full pool: must read {p.full_pool[0] / G:.2f} GB, compiled {p.full_pool[1] / G:.2f} GB "
+              f"(ratio {p.full_pool[0] / p.full_pool[1]:.3f})" for p in phases if p.full_pool]
+    total = sum(p.seconds(topo) for p in phases)
+    ideal = sum(p.ideal_seconds(topo) for p in phases)
+    hours = total * config.train.steps / 3600
+    lines += [f"step: {total:.1f} s predicted (the phases at their bounds' peaks; reward scoring, on the host and "
+              f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}",
+              f"run: {config.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
+              f"{topo.device_kind} chips"]
+    return "\n".join(lines)
+
+
+def main(argv) -> int:
+    from absl import app
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from plan_packing import prompt_lengths, response_lengths
+
+    from pacs_jax.training.abstract_step import slice_devices
+    from pacs_jax.training.config_check import ConfigError
+
+    config = _CONFIG.value
+    say = lambda s: print(f"[plan_step] {s}", flush=True)  # noqa: E731
+    names = tuple(n.strip() for n in _PHASES.value.split(",") if n.strip())
+    if not names or set(names) - set(PHASES):
+        raise app.UsageError(f"--phases: {sorted(set(names) - set(PHASES)) or 'none'}; expected some of {PHASES}")
+    budget = config.rollout.max_new_tokens
+    median, words = lengths_median(_LENGTHS.value, _MEDIAN.value, budget)
+    try:
+        topo, devices = slice_devices(config, _TOPOLOGY.value, say)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise app.UsageError(f"--topology: {e}") from None
+    except RuntimeError as e:
+        print(f"plan_step: {e}", file=sys.stderr)
+        return 2
+    rs = np.random.RandomState(_SEED.value)
+    B = config.train.prompts_per_step * config.rollout.n
+    prompts = np.repeat(prompt_lengths(config.train.prompts_per_step, rs, max(config.data.prompt_buckets)),
+                        config.rollout.n)
+    responses = np.full(B, budget, np.int64) if median is None else np.maximum(response_lengths(B, rs, median, budget), 1)
+    say(f"{topo.name}: {len(devices)} compile-only {devices[0].device_kind} devices; peaks a device: "
+        f"{topo.bf16_flops / 1e12:.0f} TFLOP/s bf16, HBM {topo.hbm_bandwidth / 1e9:.0f} GB/s, "
+        f"interconnect {topo.ici_bandwidth / 1e9:.0f} GB/s")
+    say(f"responses: {words}; this step: {B} responses, mean {responses.mean():.0f}, longest {responses.max()} "
+        f"tokens, prompts mean {prompts.mean():.0f}")
+    phases = plan_phases(config, devices, prompts, responses, say, names)
+    print(report(phases, topo, config, len(devices)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from absl import flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config", str(REPO / "configs" / "paper.py") + ":qwen25_7b,pacs_beta1",
+        "trainer config (as for python -m pacs_jax.train), FILE.py:ARG", lock_config=True)
+    _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "target: a name of pacs_jax.topologies.TOPOLOGIES "
+                                                          "(v5p-64, v6e-64, h200x1, h200x8, ...)")
+    _LENGTHS = flags.DEFINE_string("lengths", "lognormal", "the step's response lengths: lognormal, budget, or "
+                                                           "a finished run's metrics.jsonl")
+    _MEDIAN = flags.DEFINE_float("median", 0.0, "--lengths=lognormal: the median response (0: max_new_tokens / 8)")
+    _PHASES = flags.DEFINE_string("phases", ",".join(PHASES), "which phases to compile (comma-separated; the "
+                                                              "step's time sums only those)")
+    _SEED = flags.DEFINE_integer("seed", 0, "seed of the simulated step's prompts and lengths")
+    from pacs_jax import console
+    from pacs_jax.data import paths
+    from pacs_jax.errors import run_cli
+
+    def _main(argv) -> None:
+        console.setup()
+        sys.exit(main(argv))
+
+    run_cli("plan_step", _main, sys.argv, prepare=paths.config_file_args)  # bad input: one line, status 78
