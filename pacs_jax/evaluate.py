@@ -52,7 +52,7 @@ from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import make_mesh
-from pacs_jax.training.config_check import check_eval_settings
+from pacs_jax.training.spec import EvalSpec
 
 HELD_OUT = "held_out"  # config.eval.sets: the training run's held-out problems (its workdir's config.json)
 
@@ -64,7 +64,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if ec.final.greedy:
         raise UsageError("config.eval.final.greedy: the evaluation CLI samples at eval.final's settings only; for "
                          "greedy decoding set eval.final.temperature=0 and eval.final.n=1")
-    check_eval_settings(config)
+    EvalSpec.from_config(ec)  # its values, checked
     target = resolve_target(_local_checkpoint(checkpoint))
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
