@@ -77,3 +77,19 @@ def test_ppo_reads_the_critic_and_its_aggregation(demo):
     assert list(spec.packed_layouts(1, critic=True)) == ["logprob", "critic", "update"]
     demo.critic.loss_agg_mode = "seq-mean-token-mean"
     assert RunSpec.from_config(demo, device_count=1).critic_loss_agg[0] == "seq-mean-token-mean"
+
+
+def test_below_the_edge_only_config_json_reads_the_raw_config():
+    """tools/count_config_reads.py: outside the CLIs and the spec's construction, the one module that reads
+    the ConfigDict is workdir.py, which records it (config.json)."""
+    import importlib.util
+
+    from train_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("count_config_reads", REPO / "tools" / "count_config_reads.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    counts = tool.package_reads()
+    below = {path: n for path, n in counts.items() if path not in tool.EDGE}
+    assert list(below) == ["pacs_jax/training/workdir.py"], below
+    assert counts["pacs_jax/training/spec.py"] > 0  # the count sees the reads it is meant to see

@@ -72,13 +72,18 @@ def module_reads(path: pathlib.Path) -> int:
     return total
 
 
-def main(argv: list[str]) -> int:
+def package_reads() -> dict[str, int]:
+    """{module path: its reads of the raw config}, for the modules of pacs_jax/ that read it."""
     counts = {}
     for path in sorted((REPO / "pacs_jax").rglob("*.py")):
-        rel = str(path.relative_to(REPO))
         reads = module_reads(path)
         if reads:
-            counts[rel] = reads
+            counts[str(path.relative_to(REPO))] = reads
+    return counts
+
+
+def main(argv: list[str]) -> int:
+    counts = package_reads()
     below = 0
     for rel, reads in sorted(counts.items(), key=lambda kv: -kv[1]):
         edge = rel in EDGE

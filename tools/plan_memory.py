@@ -46,6 +46,7 @@ it. Nothing is patched: the programs are the ones the trainer compiles on that s
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 from collections.abc import Callable
@@ -58,9 +59,9 @@ PROGRAMS = ("warmstart", "sampler", "pi_old", "critic_values", "critic_update", 
 CRITIC_PROGRAMS = ("critic_values", "critic_update")  # PPO only
 
 
-def build_programs(config, devices, *, log: Callable[[str], None] = print,
+def build_programs(spec, devices, *, log: Callable[[str], None] = print,
                    programs: tuple[str, ...] = PROGRAMS) -> list:
-    """Compile (never run) the programs of a step of ``config`` for its largest buckets (those of
+    """Compile (never run) the programs of a step of ``spec`` (a ``RunSpec``) for its largest buckets (those of
     ``PROGRAMS`` named in ``programs``; the critic's only for PPO), as the trainer makes them
     (training/step_programs.py) on abstract state, on a mesh over ``devices`` (compile-only or real)
     set as the context, as the trainer's CLI sets it; returns their memory_check.ProgramMemory."""
@@ -69,30 +70,30 @@ def build_programs(config, devices, *, log: Callable[[str], None] = print,
     from pacs_jax import models, sharding
     from pacs_jax.models.attention import resolve_impl
     from pacs_jax.models.value import ValueModel
-    from pacs_jax.training.critic_step import CriticState, config_critic_optimizer
+    from pacs_jax.training.critic_step import CriticState, critic_optimizer
     from pacs_jax.training.model_spec import model_config
     from pacs_jax.sharding import abstract_optimizer_state
     from pacs_jax.training.step_programs import StepPrograms
 
-    mc = config.mesh
-    cfg = model_config(config)
+    mc = spec.mesh
+    cfg = model_config(spec)
     if cfg is None:
-        raise ValueError(f"config.model.path={config.model.path!r}: no config.json / model_config.json to read")
+        raise ValueError(f"config.model.path={spec.model.path!r}: no config.json / model_config.json to read")
     mesh = sharding.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
     with jax.set_mesh(mesh):  # the kernels and dot dtypes follow the platform of the mesh's devices
-        log(f"model {config.model.preset or config.model.path or 'custom'}: {cfg.num_hidden_layers} layers, "
+        log(f"model {spec.model.preset or spec.model.path or 'custom'}: {cfg.num_hidden_layers} layers, "
             f"dtype {cfg.dtype}, params {cfg.param_dtype}, remat {cfg.remat}, attention "
             f"{resolve_impl(cfg.attention)}; mesh {dict(mesh.shape)} on {len(devices)} {devices[0].device_kind} devices")
         graphdef, params = models.abstract_model(cfg)
         critic = None
-        if config.algorithm.objective == "ppo":  # as PPOCritic.from_config builds it, on abstract state
+        if spec.critic is not None:  # as PPOCritic.from_spec builds it, on abstract state
             critic_graphdef, critic_params = models.abstract_model(cfg, cls=ValueModel)
-            critic_optimizer = config_critic_optimizer(config)
-            critic = CriticState(critic_graphdef, (critic_params, abstract_optimizer_state(critic_optimizer, critic_params)),
-                                 critic_optimizer)
+            optimizer = critic_optimizer(spec.critic)
+            critic = CriticState(critic_graphdef, (critic_params, abstract_optimizer_state(optimizer, critic_params)),
+                                 optimizer)
         eos = cfg.eos_token_id
         stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        step = StepPrograms(config, graphdef, params, stop_ids, critic=critic)
+        step = StepPrograms(spec, graphdef, params, stop_ids, critic=critic)
         return step.compile(largest_only=True, with_warmstart=True, names=programs, progress=False, read_loops=True,
                             log=log)
 
@@ -106,15 +107,16 @@ def main(argv) -> int:
     from pacs_jax.training import memory_check
 
     from pacs_jax.training.config_check import check_for_slice
+    from pacs_jax.training.spec import RunSpec
 
-    config = _CONFIG.value
+    spec = RunSpec.unplaced(_CONFIG.value)
     try:
         topo = topologies.get_topology(_TOPOLOGY.value)
     except ValueError as e:
         raise app.UsageError(f"--topology: {e}") from None
-    if not config.model.path:  # the plan compiles abstract weights: a preset needs no released folder here
-        config.model.random_init = True
-    elsewhere = check_for_slice(config, topo.num_devices)  # the trainer's check, before anything compiles
+    if not spec.model.path:  # the plan compiles abstract weights: a preset needs no released folder here
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, random_init=True))
+    spec, elsewhere = check_for_slice(spec, topo.num_devices)  # the trainer's check, before anything compiles
     if elsewhere:
         print(f"[plan_memory] not on this machine, left unchecked: {', '.join(elsewhere)}", flush=True)
     try:
@@ -128,15 +130,15 @@ def main(argv) -> int:
     unknown = set(names) - set(PROGRAMS)
     if unknown or not names:
         raise app.UsageError(f"--programs: {sorted(unknown) or 'none'}; expected some of {PROGRAMS}")
-    if config.algorithm.objective != "ppo":  # the critic's programs are PPO's
+    if spec.critic is None:  # the critic's programs are PPO's
         asked = [n for n in names if n in CRITIC_PROGRAMS]
         names = tuple(n for n in names if n not in CRITIC_PROGRAMS)
         if asked and _PROGRAMS.present:
             print(f"[plan_memory] --programs: {', '.join(asked)} left out: PPO's critic programs, and "
-                  f"algorithm.objective is {config.algorithm.objective!r}", flush=True)
+                  f"algorithm.objective is {spec.algorithm.objective!r}", flush=True)
         if not names:
-            raise app.UsageError(f"--programs: nothing to compile for objective {config.algorithm.objective!r}")
-    programs = build_programs(config, devices, programs=names,
+            raise app.UsageError(f"--programs: nothing to compile for objective {spec.algorithm.objective!r}")
+    programs = build_programs(spec, devices, programs=names,
                               log=lambda s: print(f"[plan_memory] {s}", flush=True))
     text, fits = memory_check.report(programs, topo.hbm_bytes, f"{topo.name} ({devices[0].device_kind})")
     print(text, flush=True)

@@ -28,22 +28,20 @@ from pacs_jax.data.readers import split_format
 from pacs_jax.data.records import DataError
 from pacs_jax.data.sources import training_problems
 from pacs_jax.evaluation.runner import load_eval_sets
-from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.training.model_spec import model_config
 from pacs_jax.training.spec import ConfigError, DataSpec, ModelSpec, RunSpec, require
 
 
 def validate_config(config: ml_collections.ConfigDict, device_count: int | None = None) -> None:
     """Check ``config`` against the devices there are, or ``device_count`` of them (it builds nothing:
-    ``sharding.config_mesh`` then makes its mesh): ``run_spec``."""
-    run_spec(config, device_count)
+    ``sharding.config_mesh`` then makes its mesh): its ``RunSpec``, then ``placed``."""
+    placed(RunSpec.unplaced(config), device_count)
 
 
-def run_spec(config: ml_collections.ConfigDict, device_count: int | None = None) -> RunSpec:
-    """The run's ``RunSpec`` (every value and how the values fit together), what it names outside itself
-    (``check_spec``), then the spec on the devices there are (or ``device_count``): the mesh, and the
-    tensor axis against the model's config."""
-    spec = RunSpec.unplaced(config)
+def placed(spec: RunSpec, device_count: int | None = None) -> RunSpec:
+    """An unplaced spec (``RunSpec.unplaced``: every value and how the values fit together), checked for
+    what it names outside itself (``check_spec``), then on the devices there are (or ``device_count``):
+    the mesh, and the tensor axis against the model's config."""
     check_spec(spec)
     spec = spec.on_devices(device_count or jax.device_count())
     cfg = _model_if_readable(spec)
@@ -89,14 +87,19 @@ def check_spec(spec: RunSpec) -> None:
 
 
 def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = None) -> RunSpec:
-    """``validate_config``, then every input a run reads, read as the run reads it, before anything is
+    """``inputs_checked`` of the config's spec; returns the spec on its devices."""
+    return inputs_checked(RunSpec.unplaced(config), device_count)
+
+
+def inputs_checked(spec: RunSpec, device_count: int | None = None) -> RunSpec:
+    """``placed`` (as ``validate_config``), then every input a run reads, read as the run reads it, before anything is
     built: the training problems (each file parsed, each row with its format's fields, enough of them
     for the held-out and warm-start splits, one step's prompts and one warm-start batch) and the
     evaluation sets' files. The
     trainer runs it before it creates its workdir; every failure is one line naming the field or file
     (``ConfigError``, ``DataError``: permanent, status 78). ``device_count``: as ``validate_config``.
-    Returns the run's spec."""
-    spec = run_spec(config, device_count)
+    Returns the spec on its devices."""
+    spec = placed(spec, device_count)
     dc, prompts = spec.data, spec.train.prompts_per_step
     absent = dc.source == "files" and any([_elsewhere(split_format(f)[0], f"data.train_files[{i}]")  # each noted
                                            for i, f in enumerate(dc.train_files)])
@@ -126,19 +129,20 @@ def check_inputs(config: ml_collections.ConfigDict, device_count: int | None = N
     return spec
 
 
-def check_for_slice(config: ml_collections.ConfigDict, device_count: int) -> list[str]:
-    """``check_inputs`` on the machine that launches a run on a slice of ``device_count`` devices
+def check_for_slice(spec: RunSpec, device_count: int) -> tuple[RunSpec, list[str]]:
+    """``inputs_checked`` of an unplaced spec on the machine that launches a run on a slice of ``device_count`` devices
     (launch/tpu_pod.sh, through pacs_jax/check_config.py): the mesh against the slice, and a local path
     that is not on this machine (model.path, data.tokenizer, data files on the workers' disks) left
     unchecked; what is there (``gs://`` paths included) is read as the trainer reads it. Returns the
-    paths left unchecked ("field=path"), which the trainer checks on the workers."""
+    spec on the slice's devices and the paths left unchecked ("field=path"), which the trainer checks on
+    the workers."""
     skipped: list[str] = []
     token = _ON_WORKERS.set(skipped)
     try:
-        check_inputs(config, device_count)
+        spec = inputs_checked(spec, device_count)
     finally:
         _ON_WORKERS.reset(token)
-    return list(dict.fromkeys(skipped))
+    return spec, list(dict.fromkeys(skipped))
 
 
 # While check_for_slice runs: the fields whose local paths are not on this machine (else None)
@@ -196,63 +200,3 @@ def _model_if_readable(spec: RunSpec):
         return model_config(spec)
     except (OSError, ValueError):
         return None
-
-
-def sampler_tail_slots(config: ml_collections.ConfigDict) -> int | None:
-    """The narrowest decode batch of a training sampler call (``rollout.tail_slots`` capped at its
-    slots); None without narrowing (tail_slots 0, or the static sampler)."""
-    slots = sampler_slots(config)
-    return None if slots is None or not config.rollout.tail_slots else min(config.rollout.tail_slots, slots)
-
-
-def sampler_pages(config: ml_collections.ConfigDict) -> dict[str, int | None]:
-    """The training sampler's ``SamplingSettings`` page_size and pages: both None but for the paged
-    sampler (``rollout.page_size``; ``rollout.pages``, 0: None, every slot's longest response)."""
-    rc = config.rollout
-    if rc.sampler != "paged":
-        return dict(page_size=None, pages=None)
-    return dict(page_size=rc.page_size, pages=rc.pages or None)
-
-
-def sampler_slots(config: ml_collections.ConfigDict) -> int | None:
-    """The decode slots of a training sampler call: ``rollout.slots`` capped at the call's responses
-    (continuous, paged); None (one slot per response) for the static sampler."""
-    rc = config.rollout
-    if rc.sampler == "static":
-        return None
-    return min(rc.slots, config.train.prompts_per_step // rc.micro_batches * rc.n)
-
-
-def logprob_micro_batches(config: ml_collections.ConfigDict) -> int:
-    """Forward passes of the pi_old pass and of PPO's values pass (``train.logprob_micro_batches``;
-    0: one per update micro-batch, ``mini_batches x micro_batches``)."""
-    tc = config.train
-    return tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches
-
-
-def packed_layouts(config: ml_collections.ConfigDict, batch_shards: int, *, critic: bool) -> dict[str, dict]:
-    """Each packed pass's layout (rl/packing.py ``plan_packing``'s arguments past the lengths and
-    widths) on a mesh whose batch axes make ``batch_shards``: the pi_old pass (also PPO's values), the
-    actor's update and, with ``critic``, PPO's critic update, each in passes of ``train.packed_rows``
-    rows a shard (0: ``rl.packing.pass_rows``, a quarter of a padded micro-batch's) and at most
-    ``rl.packing.pass_slots`` passes a mini-batch."""
-    tc, rc = config.train, config.rollout
-    B = tc.prompts_per_step * rc.n
-    W = max(config.data.prompt_buckets) + rc.max_new_tokens
-    Lp = tc.packed_length or W
-
-    def layout(mini_batches: int, micro_batches: int, unit: int) -> dict:
-        S = shards_for(B // mini_batches // micro_batches, batch_shards)
-        rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
-        if S * rows * (Lp // W) < unit:
-            raise ConfigError(f"config.train.packed_rows: {rows} rows a pass on each of {S} batch shards cannot hold a "
-                              f"prompt group's {unit} sequences of up to {W} tokens; set it to 0 or at least "
-                              f"{-(-unit // (S * (Lp // W)))}")
-        return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
-                    passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
-
-    layouts = {"logprob": layout(1, logprob_micro_batches(config), 1)}
-    if critic:
-        layouts["critic"] = layout(tc.mini_batches, tc.micro_batches, 1)
-    layouts["update"] = layout(tc.mini_batches, tc.micro_batches, rc.n)
-    return layouts

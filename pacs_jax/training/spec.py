@@ -22,6 +22,7 @@ from pacs_jax.data.fields import FORMATS
 from pacs_jax.data.prompts import CHAR_TOKENIZER
 from pacs_jax.data.sources import SOURCES
 from pacs_jax.errors import PermanentError
+from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
@@ -350,11 +351,6 @@ class ModelSpec:
                 f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
                 f"--config.model.random_init=True to train it from random weights on purpose")
 
-    def run_options(self, **overrides) -> dict:
-        """The QwenConfig fields of how to run the model (dtypes, remat, attention)."""
-        return dict(dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, attention=self.attention,
-                    attention_block_size=self.attention_block_size) | overrides
-
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
@@ -532,6 +528,12 @@ class EvalSpec:
                    max_problems=ec.max_problems, batch_size=ec.batch_size, sampler=sampler, before_rl=ec.before_rl,
                    every=ec.periodic.every, periodic=EvalSettingsSpec("eval.periodic", **periodic),
                    final=EvalSettingsSpec("eval.final", **final), greedy=ec.final.greedy, per_set=per_set)
+
+    @property
+    def per_set_settings(self) -> dict[str, EvalSettings]:
+        """The per-set entries as the evaluation runner takes them (``evaluate_per_set``'s settings)."""
+        return {name: EvalSettings(s.n, float(s.temperature), float(s.top_p), s.max_new_tokens)
+                for name, s in self.per_set.items()}
 
     @property
     def evaluated_per_set(self) -> dict[str, EvalSettingsSpec]:
