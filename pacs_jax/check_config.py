@@ -45,9 +45,10 @@ def _cli() -> None:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         console.setup()
         from pacs_jax.training.config_check import check_for_slice
+        from pacs_jax.training.spec import RunSpec
 
         devices = slice_devices(accelerator_flag.value)
-        elsewhere = check_for_slice(config_flag.value, devices)
+        _, elsewhere = check_for_slice(RunSpec.unplaced(config_flag.value), devices)
         note = f"; not on this machine, left to the trainer on the workers: {', '.join(elsewhere)}" if elsewhere else ""
         print(f"pacs_jax.check_config: the config and its inputs pass the trainer's check for {accelerator_flag.value} "
               f"({devices} devices){note}", flush=True)

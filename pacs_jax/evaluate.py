@@ -46,13 +46,12 @@ from pacs_jax.data import paths, remote
 from pacs_jax.data import (CHAR_TOKENIZER, INSTRUCTION, CharTokenizer, build_prompts, load_tokenizer,
                            render_prompt, training_problems)
 from pacs_jax.errors import UsageError, run_cli
-from pacs_jax.evaluation import (EvalSet, EvalSettings, eval_slots, evaluate_per_set, load_eval_sets, per_set_settings,
-                                 write_outputs)
+from pacs_jax.evaluation import EvalSet, EvalSettings, evaluate_per_set, load_eval_sets, write_outputs
 from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.sharding import make_mesh
-from pacs_jax.training.config_check import check_eval_settings
+from pacs_jax.training.spec import EvalSpec
 
 HELD_OUT = "held_out"  # config.eval.sets: the training run's held-out problems (its workdir's config.json)
 
@@ -64,7 +63,7 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if ec.final.greedy:
         raise UsageError("config.eval.final.greedy: the evaluation CLI samples at eval.final's settings only; for "
                          "greedy decoding set eval.final.temperature=0 and eval.final.n=1")
-    check_eval_settings(config)
+    spec = EvalSpec.from_config(ec)  # its values, checked
     target = resolve_target(_local_checkpoint(checkpoint))
     if target.note:
         print(f"pacs_jax.evaluate: {target.note}", flush=True)
@@ -75,12 +74,12 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     training = target.training_config
     default = target.default_output_dir()  # a gs:// checkpoint's: the same place on the store, not in its copy
     output_dir = epath.Path(cli.output_dir or remote.store_path(default) or default)
-    names = [n.strip() for n in ec.sets.split(",") if n.strip()] if isinstance(ec.sets, str) else list(ec.sets)
+    names = spec.sets
     files = [n for n in names if n != HELD_OUT]
-    eval_sets = load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems,
+    eval_sets = load_eval_sets(files, spec.set_files, spec.data_dir, spec.max_problems,
                                config.reward.mode) if files else []
     if HELD_OUT in names:
-        eval_sets.append(_held_out_set(training, checkpoint, ec.max_problems))
+        eval_sets.append(_held_out_set(training, checkpoint, spec.max_problems))
     tokenizer, tokenizer_source = _tokenizer(config, target)
     if tokenizer_source:
         print(f"pacs_jax.evaluate: tokenizer {tokenizer_source}", flush=True)
@@ -94,11 +93,11 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     with jax.set_mesh(mesh), RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
         model = checkpoints.from_pretrained(target.model_dir, dtype=config.model.dtype)
         rows, metrics = evaluate_per_set(
-            model, tokenizer, eval_sets, per_set_settings(ec.final.per_set),
-            EvalSettings(ec.final.n, ec.final.temperature, ec.final.top_p, ec.max_new_tokens),
+            model, tokenizer, eval_sets, spec.per_set_settings,
+            EvalSettings(spec.final.n, spec.final.temperature, spec.final.top_p, spec.max_new_tokens),
             top_k=cli.top_k, seed=config.seed,
-            stop_token_ids=tuple(cli.stop_token_ids), batch_size=ec.batch_size,
-            **eval_slots(ec), instruction=instruction,
+            stop_token_ids=tuple(cli.stop_token_ids), batch_size=spec.batch_size,
+            **spec.sampler.call_settings(), instruction=instruction,
             max_prompt_length=cli.max_prompt_length, reward_pool=pool, progress=cli.progress)
     write_outputs(output_dir, rows, metrics)
     print(metrics_table(metrics), flush=True)

@@ -189,6 +189,9 @@ def _tpu_devices(topo: Topology, num_slices: int) -> list:
         raise RuntimeError(
             f"AOT compilation for {topo.name} needs libtpu, which is not installed. Install it "
             f"(no TPU needed; better in a separate virtualenv): {_pip_jax('tpu')}")
+    # Compile-only devices use no chip: libtpu's one-process-per-host lock (/tmp/libtpu_lockfile) would
+    # refuse a second plan running beside this one ("Internal error when accessing libtpu multi-process lockfile")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         desc = topologies.get_topology_desc(
             platform="tpu", topology_name=topo.topology, chip_config_name="megacore"

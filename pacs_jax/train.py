@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
 
     config = _CONFIG.value
     workdir = epath.Path(_WORKDIR.value or config.workdir)  # a local folder or gs://...
-    check_inputs(config)  # every input read, before the workdir exists: a ConfigError is one line, status 78
+    spec = check_inputs(config)  # every input read, before the workdir exists: a ConfigError is one line, status 78
     try:
         mesh = config_mesh(config.mesh)
     except ValueError as e:  # a shape the slice's physical topology cannot take
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
     from pacs_jax.training.run import run_training
 
     with jax.set_mesh(mesh):  # the one place the mesh is set; everything under the run reads it
-        summary = run_training(config, workdir)
+        summary = run_training(config, workdir, spec)
     if jax.process_index() == 0:
         print(json.dumps(summary, indent=2))
     if "stopped_at_step" in summary:  # a stop signal: unfinished, resume needed

@@ -11,6 +11,7 @@ import pytest
 from pacs_jax import data
 from pacs_jax.data.arithmetic import make_problems
 from pacs_jax.training.run import prompt_source
+from pacs_jax.training.spec import RunSpec
 from train_helpers import load_config
 
 _OPERATION = {"gets": "+", "adds": "+", "loses": "-", "takes": "-"}
@@ -96,7 +97,7 @@ def test_character_tokenizer_round_trips_and_renders_the_answer_prompt():
 def test_the_run_gives_the_warm_start_its_own_prompts_and_rl_the_rest(warmstart_problems):
     config = load_config("default.py")
     config.data.warmstart_problems = warmstart_problems
-    rl, warm, held_out, counts = prompt_source(config, data.load_tokenizer(config.data.tokenizer))
+    rl, warm, held_out, counts = prompt_source(RunSpec.unplaced(config), data.load_tokenizer(config.data.tokenizer))
     texts = lambda examples: [e.problem.problem for e in examples]  # noqa: E731
     assert counts["dropped_overlong"] == 0 and len(held_out) == config.data.held_out_problems
     if warmstart_problems:

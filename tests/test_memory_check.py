@@ -20,6 +20,7 @@ from pacs_jax.training import memory_check
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.memory_check import GiB
 from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.spec import RunSpec
 from train_helpers import REPO, train_env
 
 
@@ -71,7 +72,7 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(pack
             model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True))
         graphdef, params = nnx.split(model)
-        programs = StepPrograms(config, graphdef, params, (1,))
+        programs = StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,))
         opt_state = programs.init_optimizer(params)
         compiled = programs.compile(progress=False)
     names = [p.name for p in compiled]
@@ -140,7 +141,7 @@ def test_tool_compiles_the_three_programs_on_the_cpu_mesh():
     config = tiny_config()
     config.model.num_hidden_layers = 1
     log = []
-    programs = tool.build_programs(config, jax.devices(), log=log.append)
+    programs = tool.build_programs(RunSpec.unplaced(config), jax.devices(), log=log.append)
     assert [p.name for p in programs] == ["warmstart", "sampler", "pi_old", "update"]  # the demo warm-starts
     for p in programs:
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p
@@ -171,7 +172,7 @@ def test_tool_compiles_the_critics_programs_for_ppo_on_the_cpu_mesh():
     config = tiny_config()
     config.model.num_hidden_layers = 1
     config.algorithm.objective = "ppo"
-    programs = {p.name: p for p in tool.build_programs(config, jax.devices(), log=lambda s: None)}
+    programs = {p.name: p for p in tool.build_programs(RunSpec.unplaced(config), jax.devices(), log=lambda s: None)}
     assert list(programs) == ["warmstart", "sampler", "pi_old", "critic_values", "critic_update", "update"]
     for p in programs.values():
         assert p.argument > 0 and p.peak >= p.argument and not p.error, p

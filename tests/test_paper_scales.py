@@ -19,6 +19,7 @@ from conftest import REPO
 from pacs_jax.rl import options_for
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.progress import planned_step_warning
+from pacs_jax.training.spec import RunSpec
 from train_helpers import load_config
 
 MODELS = ("qwen25_3b", "qwen25_7b", "qwen3_4b", "qwen3_8b", "qwen25_7b_v6e")
@@ -50,14 +51,14 @@ def test_an_unknown_scale_is_refused():
 
 
 def test_a_paper_step_on_a_cpu_is_warned_and_its_smoke_test_is_not():
-    paper, small = load_config("paper.py", "qwen25_7b,pacs_beta1"), load_config("paper.py", "qwen25_7b,pacs_beta1,cpu")
+    paper, small = (RunSpec.unplaced(load_config("paper.py", f"qwen25_7b,pacs_beta1{scale}")) for scale in ("", ",cpu"))
     assert planned_step_warning(paper, "cpu") == (
         "warning: a step of 1024 prompts x 8 responses of up to 4096 tokens (37.7 M prompt and response tokens) is "
         "planned on a CPU: expect hours a step. A paper setup's CPU smoke test is configs/paper.py:MODEL,ALGO,cpu; "
         "else lower train.prompts_per_step, rollout.n or rollout.max_new_tokens")
     assert planned_step_warning(paper, "gpu") is None  # the memory check compiles against an accelerator's memory
     assert planned_step_warning(small, "cpu") is None
-    assert planned_step_warning(load_config("default.py"), "cpu") is None  # the demo
+    assert planned_step_warning(RunSpec.unplaced(load_config("default.py")), "cpu") is None  # the demo
 
 
 def test_check_config_reads_the_cpu_scale_s_inputs(tmp_path):

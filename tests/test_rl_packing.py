@@ -21,6 +21,7 @@ from pacs_jax.rl import packing
 from pacs_jax.rl.critic import micro_batched_values
 from pacs_jax.rl.logprobs import micro_batched_logprobs
 from pacs_jax.sharding import batch_sharding, make_mesh
+from pacs_jax.training.spec import RunSpec
 
 VOCAB, N_GROUP = 300, 4
 CFG = QwenConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -349,9 +350,10 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     history = []
     with jax.set_mesh(config_mesh(config.mesh)):
-        source = prompt_source(config, tokenizer)[0]
-        graphdef, params = nnx.split(build_model(config, tokenizer))
-        programs = StepPrograms(config, graphdef, params, (0,))
+        spec = RunSpec.unplaced(config)
+        source = prompt_source(spec, tokenizer)[0]
+        graphdef, params = nnx.split(build_model(spec, tokenizer))
+        programs = StepPrograms(spec, graphdef, params, (0,))
         opt_state = programs.init_optimizer(params)
         collector = RolloutCollector(programs, decode=lambda ids: "", reward_pool=None, reward_name="math")
         B = config.train.prompts_per_step * config.rollout.n
@@ -432,12 +434,12 @@ def test_packed_rows_too_few_for_a_prompt_group_is_a_config_error():
     """train.packed_rows that cannot hold one prompt group's sequences is refused naming the field (the
     trainer's one-line error, status 78), before anything compiles; 0 (the default) always holds one."""
     from pacs_jax.training.config_check import ConfigError
-    from pacs_jax.training.step_programs import packed_layouts
     from train_helpers import load_config
 
     config = load_config("default.py")
     config.train.packed_rows = 1  # 8 responses a prompt, one shard: a group needs 8 rows of W tokens
     with pytest.raises(ConfigError, match=r"^config\.train\.packed_rows: .* set it to 0 or at least 8$"):
-        packed_layouts(config, 1, critic=False)
+        RunSpec.from_config(config, device_count=1)
     config.train.packed_rows = 0
-    assert packed_layouts(config, 1, critic=False)["update"]["rows"] >= config.rollout.n
+    assert RunSpec.from_config(config, device_count=1).packed_layouts(1, critic=False)["update"]["rows"] >= \
+        config.rollout.n

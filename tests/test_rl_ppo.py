@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pacs_jax import rl
+from pacs_jax.training.spec import RunSpec
 from test_rl_policy_gradient import numeric_gradient, verl_agg_loss, verl_mini_batch_loss
 
 T = 9
@@ -297,17 +298,17 @@ def test_paper_ppo_critic_inherits_the_actors_aggregation():
     "ppo" config ends with the critic aggregating as its actor, at verl's scale over the width 4096; the
     demo's PPO with its actor's token-mean; an explicit critic.loss_agg_mode wins."""
     from configs import default, paper
-    from pacs_jax.training.critic_step import config_critic_options
+    from pacs_jax.training.critic_step import critic_options
 
     config = paper.get_config("qwen25_7b,ppo")
-    options = config_critic_options(config)
+    options = critic_options(RunSpec.unplaced(config))
     assert config.critic.loss_agg_mode == "actor"
     assert config.algorithm.ppo.loss_agg_mode == "seq-mean-token-sum-norm"
     assert {k: options[k] for k in ("loss_agg_mode", "norm_length", "loss_scale", "verl_micro_batch_size")} == \
         dict(loss_agg_mode="seq-mean-token-sum-norm", norm_length=4096, loss_scale="verl", verl_micro_batch_size=8)
     demo = default.get_config()
     demo.algorithm.objective = "ppo"
-    assert (config_critic_options(demo)["loss_agg_mode"], config_critic_options(demo)["norm_length"]) == \
-        ("token-mean", None)
+    options = critic_options(RunSpec.unplaced(demo))
+    assert (options["loss_agg_mode"], options["norm_length"]) == ("token-mean", None)
     demo.critic.loss_agg_mode = "seq-mean-token-mean"
-    assert config_critic_options(demo)["loss_agg_mode"] == "seq-mean-token-mean"
+    assert critic_options(RunSpec.unplaced(demo))["loss_agg_mode"] == "seq-mean-token-mean"

@@ -10,6 +10,7 @@ import pytest
 from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.models.config import merge_eos_ids
 from pacs_jax.training.step_programs import sampling_settings
+from pacs_jax.training.spec import RunSpec
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config
 
@@ -45,7 +46,7 @@ def test_qwen3_stop_ids_include_generation_configs_eos(qwen3_dir, qwen_tokenizer
     # the trainer's sampler stops on them and on rollout.stop_token_ids
     config = load_config("default.py")
     config.rollout.stop_token_ids = (7, IM_END)
-    assert sampling_settings(config, stops).stop_token_ids == (END_OF_TEXT, IM_END, 7)
+    assert sampling_settings(RunSpec.unplaced(config), stops).stop_token_ids == (END_OF_TEXT, IM_END, 7)
     # exported and read back, the stop ids stay
     exported = models.export_hf(model, qwen3_dir.parent / "exported")
     assert models.QwenConfig.from_hf_file(exported).eos_token_id == (IM_END, END_OF_TEXT)

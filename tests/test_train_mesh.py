@@ -14,6 +14,7 @@ from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.update_step import make_update_step
+from pacs_jax.training.spec import RunSpec
 
 CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
@@ -66,9 +67,9 @@ def rollout_batch(single_model):
     config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
     config.train.prompts_per_step, config.train.logprob_micro_batches = PROMPTS, 1
     config.train.packing = False  # this test cuts the batch into mini-batches by rows; packed on the mesh: test_rl_packing
-    programs = StepPrograms(config, graphdef, params, (1,))
+    programs = StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,))
     with RewardPool(1) as pool:
-        collector = RolloutCollector.from_config(config, programs, decode=lambda ids: " ".join(map(str, ids)),
+        collector = RolloutCollector.from_spec(RunSpec.unplaced(config), programs, decode=lambda ids: " ".join(map(str, ids)),
                                                  reward_pool=pool)
         rollout = collector(params, PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
                             jax.random.key(0))

@@ -22,6 +22,7 @@ from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.spec import RunSpec
 from test_paper_ablations import authors_pacs_loss  # the float64 statement of the authors' compute_pacs_loss
 from test_train_config import load_config
 from test_train_real_config import deepscaler_rows, one_prompt_bucket, shrunk_paper_config  # noqa: F401 (a fixture)
@@ -228,7 +229,7 @@ def _compiled_programs(cfg):
     config.data.max_prompt_length, config.data.prompt_buckets = P_LEN, (P_LEN,)
     config.train.update(prompts_per_step=PROMPTS, mini_batches=2, micro_batches=2, logprob_micro_batches=2)
     config.optim.update(lr=1e-6, grad_clip=0.0)
-    programs = {p.name: p for p in StepPrograms(config, graphdef, params, ()).programs()}
+    programs = {p.name: p for p in StepPrograms(RunSpec.unplaced(config), graphdef, params, ()).programs()}
     old = programs["pi_old"].lower().compile().as_text()
     new = programs["update"].lower().compile().as_text()
     return old, new, cfg

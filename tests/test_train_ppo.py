@@ -24,6 +24,7 @@ from pacs_jax.training.loop import rl_train
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.run import build_model, prompt_source
 from pacs_jax.sharding import batch_sharding
+from pacs_jax.training.spec import RunSpec
 from test_rl_ppo import T, ref_gae_verl, verl_critic_mini_batch_loss
 from test_train_real_config import deepscaler_rows, one_prompt_bucket, shrunk_paper_config  # noqa: F401 (a fixture)
 
@@ -109,10 +110,10 @@ def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscale
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     tokenizer = data.load_tokenizer(config.data.tokenizer)
     with jax.set_mesh(mesh), RewardPool(config.reward.workers, config.reward.item_timeout) as pool:
-        model = build_model(config, tokenizer)
-        prompts, _, _, _ = prompt_source(config, tokenizer)
+        model = build_model(RunSpec.unplaced(config), tokenizer)
+        prompts, _, _, _ = prompt_source(RunSpec.unplaced(config), tokenizer)
         actor = {k: v.sharding for k, v in flat_params(nnx.state(model, nnx.Param)).items()}
-        result = rl_train(config, tmp_path, model, prompts, stop_token_ids=evaluation.default_stop_ids(model, tokenizer),
+        result = rl_train(RunSpec.unplaced(config), tmp_path, model, prompts, stop_token_ids=evaluation.default_stop_ids(model, tokenizer),
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), reward_pool=pool)
 
     critic = {k: v.sharding for k, v in flat_params(result.critic.params).items()}

@@ -13,6 +13,7 @@ from flax import nnx
 from pacs_jax import checkpoints
 from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.spec import RunSpec
 from qwen_reference import ARCHS, hf_logits, save_random_hf_model
 from train_helpers import load_config
 
@@ -76,8 +77,8 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert np.abs(want - at_one)[live].max() > 0.1  # the temperature matters on these logits
 
     config = trainer_config(TEMPERATURE)
-    programs = StepPrograms(config, graphdef, params, ())
-    batch, *_ = RolloutCollector.from_config(config, programs, decode=lambda ids: "", reward_pool=None).old_policy(
+    programs = StepPrograms(RunSpec.unplaced(config), graphdef, params, ())
+    batch, *_ = RolloutCollector.from_spec(RunSpec.unplaced(config), programs, decode=lambda ids: "", reward_pool=None).old_policy(
         params, sampled)  # the config's passes run packed (train.packing)
     np.testing.assert_allclose(np.asarray(batch["old_logp"])[live], want[live], atol=2e-5)
 
@@ -91,7 +92,7 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert float(metrics["pg/clipfrac"][0]) == 0.0
     # At T = 1 the same old log-probs are far from pi_theta: the check above can fail.
     config_one = trainer_config(1.0)
-    update_one = StepPrograms(config_one, graphdef, params, ()).update
+    update_one = StepPrograms(RunSpec.unplaced(config_one), graphdef, params, ()).update
     fresh = jax.tree.map(np.array, params)
     _, _, metrics_one = update_one(fresh, jax.jit(optimizer.init)(fresh), batch)
     assert abs(float(metrics_one["pg/approx_kl_old"][0])) > 1e-2

@@ -13,6 +13,7 @@ from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.metrics import KEY_METRICS
 from pacs_jax.training.rollout import PromptBatch
+from pacs_jax.training.spec import RunSpec
 from train_helpers import load_config
 
 CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -30,7 +31,7 @@ def test_unscored_responses_are_counted_then_refused():
     config.reward.deadline = 0.0  # nothing can be scored in time, in either round
     with rewards.RewardPool(num_workers=1) as pool:
         config.reward.max_unscored_fraction = 1.0
-        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,)),
+        collect = RolloutCollector.from_spec(RunSpec.unplaced(config), StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,)),
                                                decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         rollout = collect(params, PROMPTS, jax.random.key(0))
         assert (rollout.metrics["reward_unscored"], rollout.metrics["reward_unscored_fraction"]) == (4.0, 1.0)
@@ -38,7 +39,7 @@ def test_unscored_responses_are_counted_then_refused():
         assert "reward_unscored" in KEY_METRICS  # on the progress bar
 
         config.reward.max_unscored_fraction = 0.5
-        collect = RolloutCollector.from_config(config, StepPrograms(config, graphdef, params, (1,)),
+        collect = RolloutCollector.from_spec(RunSpec.unplaced(config), StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,)),
                                                decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         with pytest.raises(rewards.UnscoredError, match="4 of 4 responses.*reward.max_unscored_fraction"):
             collect(params, PROMPTS, jax.random.key(0))

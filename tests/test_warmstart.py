@@ -19,6 +19,7 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import config_mesh, make_mesh
 from pacs_jax.training import run, warmstart
 from pacs_jax.training.compilations import compilations, start_counting
+from pacs_jax.training.spec import RunSpec
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config
 
@@ -174,7 +175,7 @@ def test_the_run_probes_rl_prompts_the_warm_start_never_trains_on(monkeypatch, t
     with pytest.raises(_AfterWarmStart):
         with jax.set_mesh(config_mesh(config.mesh)):
             run.run_training(config, tmp_path)
-    rl, warm, _, _ = run.prompt_source(config, data.load_tokenizer("char"))
+    rl, warm, _, _ = run.prompt_source(RunSpec.unplaced(config), data.load_tokenizer("char"))
     assert probed == [[e.problem.problem for e in rl.examples[:16]]] * 2  # probed at steps 2 and 4
     assert trained and trained <= {e.problem.problem for e in warm} and trained.isdisjoint(probed[0])
     assert re.search(r"^warm-start: 4 steps in \d+ s, greedy accuracy 0\.000 on the probe "

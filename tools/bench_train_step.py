@@ -17,6 +17,7 @@ synchronisation, recompilation (the compilation count after the first step is pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -47,24 +48,24 @@ def main(argv) -> None:
     from pacs_jax import data, evaluation
     from pacs_jax.rewards import RewardPool
     from pacs_jax.sharding import config_mesh
-    from pacs_jax.training.config_check import validate_config
+    from pacs_jax.training.config_check import placed
     from pacs_jax.training.loop import rl_train
     from pacs_jax.training.run import build_model, prompt_source
+    from pacs_jax.training.spec import RunSpec
 
     config = _CONFIG.value
-    with config.unlocked():
-        config.train.steps = _STEPS.value
-        config.train.checkpoint_every = 0
-        config.eval.sets = ""
-    validate_config(config)
+    spec = RunSpec.unplaced(config)
+    spec = placed(dataclasses.replace(
+        spec, train=dataclasses.replace(spec.train, steps=_STEPS.value, checkpoint_every=0),
+        eval=dataclasses.replace(spec.eval, sets=())))
     jax.set_mesh(config_mesh(config.mesh))  # for the rest of this process, as the trainer's CLI sets it
-    tokenizer = data.load_tokenizer(data.run_tokenizer(config.data, config.model.path))
-    model = build_model(config, tokenizer)
-    prompts, _, _, _ = prompt_source(config, tokenizer)
+    tokenizer = data.load_tokenizer(data.run_tokenizer(dataclasses.asdict(spec.data), spec.model.path))
+    model = build_model(spec, tokenizer)
+    prompts, _, _, _ = prompt_source(spec, tokenizer)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir, \
-            RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool:
-        result = rl_train(config, workdir, model, prompts, decode=decode,
+            RewardPool(spec.reward.workers or None, spec.reward.item_timeout) as pool:
+        result = rl_train(spec, workdir, model, prompts, decode=decode,
                           stop_token_ids=evaluation.default_stop_ids(model, tokenizer), reward_pool=pool)
     for row in result.history:
         print(json.dumps({k: round(v, 4) for k, v in row.items() if k.startswith("time_") or k in

@@ -46,6 +46,7 @@ it. Nothing is patched: the programs are the ones the trainer compiles on that s
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 from collections.abc import Callable
@@ -58,15 +59,15 @@ PROGRAMS = ("warmstart", "sampler", "pi_old", "critic_values", "critic_update", 
 CRITIC_PROGRAMS = ("critic_values", "critic_update")  # PPO only
 
 
-def build_programs(config, devices, *, log: Callable[[str], None] = print,
+def build_programs(spec, devices, *, log: Callable[[str], None] = print,
                    programs: tuple[str, ...] = PROGRAMS) -> list:
-    """Compile (never run) the programs of a step of ``config`` for its largest buckets (those of
+    """Compile (never run) the programs of a step of ``spec`` (a ``RunSpec``) for its largest buckets (those of
     ``PROGRAMS`` named in ``programs``; the critic's only for PPO), as the trainer makes them
     (training/step_programs.py) on abstract state, on a mesh over ``devices`` (compile-only or real)
     set as the context, as the trainer's CLI sets it; returns their memory_check.ProgramMemory."""
     from pacs_jax.training.abstract_step import abstract_step
 
-    with abstract_step(config, devices, log=log) as step:
+    with abstract_step(spec, devices, log=log) as step:
         return step.compile(largest_only=True, with_warmstart=True, names=programs, progress=False, read_loops=True,
                             log=log)
 
@@ -79,10 +80,11 @@ def main(argv) -> int:
     from pacs_jax.training import memory_check
     from pacs_jax.training.abstract_step import slice_devices
     from pacs_jax.training.config_check import ConfigError
+    from pacs_jax.training.spec import RunSpec
 
-    config = _CONFIG.value
+    spec = RunSpec.unplaced(_CONFIG.value)
     try:
-        topo, devices = slice_devices(config, _TOPOLOGY.value, lambda s: print(f"[plan_memory] {s}", flush=True))
+        topo, spec, devices = slice_devices(spec, _TOPOLOGY.value, lambda s: print(f"[plan_memory] {s}", flush=True))
     except ConfigError:
         raise
     except ValueError as e:
@@ -96,15 +98,15 @@ def main(argv) -> int:
     unknown = set(names) - set(PROGRAMS)
     if unknown or not names:
         raise app.UsageError(f"--programs: {sorted(unknown) or 'none'}; expected some of {PROGRAMS}")
-    if config.algorithm.objective != "ppo":  # the critic's programs are PPO's
+    if spec.critic is None:  # the critic's programs are PPO's
         asked = [n for n in names if n in CRITIC_PROGRAMS]
         names = tuple(n for n in names if n not in CRITIC_PROGRAMS)
         if asked and _PROGRAMS.present:
             print(f"[plan_memory] --programs: {', '.join(asked)} left out: PPO's critic programs, and "
-                  f"algorithm.objective is {config.algorithm.objective!r}", flush=True)
+                  f"algorithm.objective is {spec.algorithm.objective!r}", flush=True)
         if not names:
-            raise app.UsageError(f"--programs: nothing to compile for objective {config.algorithm.objective!r}")
-    programs = build_programs(config, devices, programs=names,
+            raise app.UsageError(f"--programs: nothing to compile for objective {spec.algorithm.objective!r}")
+    programs = build_programs(spec, devices, programs=names,
                               log=lambda s: print(f"[plan_memory] {s}", flush=True))
     text, fits = memory_check.report(programs, topo.hbm_bytes, f"{topo.name} ({devices[0].device_kind})")
     print(text, flush=True)

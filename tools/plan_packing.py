@@ -8,7 +8,7 @@ A step is shaped like the paper's: the config's prompts_per_step prompts drawn f
 problems shipped in data/ (deepscaler_subset/math.json) in the chat template of the Qwen tokenizer
 in data/tokenizers/qwen3, rollout.n responses each whose lengths are log-normal (median ``--median``,
 default max_new_tokens / 8, sigma 1) clipped to max_new_tokens. The plan is the trainer's own
-(training/step_programs.py ``packed_layouts`` on the config's mesh over the slice's devices,
+(training/spec.py ``RunSpec.packed_layouts`` on the config's mesh over the slice's devices,
 rl/packing.py ``plan_packing``), so nothing here compiles or runs a model. For each pass it prints the
 packed rows of a pass and shard, the passes a mini-batch took and the planning time; then per step
     packing_efficiency P (padded R): tokens computed ratio X
@@ -34,10 +34,9 @@ import numpy as np  # noqa: E402
 
 from pacs_jax import data  # noqa: E402
 from pacs_jax.rl.packing import plan_packing  # noqa: E402
-from pacs_jax.sharding import mesh_shape  # noqa: E402
 from pacs_jax.topologies import get_topology  # noqa: E402
 from pacs_jax.training.rollout import pick_bucket  # noqa: E402
-from pacs_jax.training.config_check import packed_layouts  # noqa: E402
+from pacs_jax.training.spec import RunSpec  # noqa: E402
 
 PAPER = {"qwen25_3b": "v5p-64", "qwen25_7b": "v5p-64", "qwen3_4b": "v5p-64", "qwen3_8b": "v5p-64",
          "qwen25_7b_v6e": "v6e-64"}  # configs/paper.py's models and the slices they are sized for
@@ -81,14 +80,11 @@ def response_lengths(count: int, rs: np.random.RandomState, median: float, budge
 
 
 def plan_config(spec: str, topology: str, args: argparse.Namespace, rs: np.random.RandomState) -> None:
-    config = load_config(spec)
-    tc, rc, mc = config.train, config.rollout, config.mesh
-    devices = get_topology(topology).num_devices
-    data_size, fsdp, _ = mesh_shape(mc.data, mc.fsdp, mc.tensor, devices)
-    shards = data_size * fsdp
-    layouts = packed_layouts(config, shards, critic=config.algorithm.objective == "ppo")
-    buckets, budget = sorted(config.data.prompt_buckets), rc.max_new_tokens
-    response_buckets = sorted(rc.response_buckets) or [budget]
+    run = RunSpec.from_config(load_config(spec), get_topology(topology).num_devices)
+    tc, rc, devices, shards = run.train, run.rollout, run.devices, run.batch_shards
+    layouts = run.packed_layouts(shards, critic=run.critic is not None)
+    buckets, budget = list(run.data.prompt_buckets), rc.max_new_tokens
+    response_buckets = list(rc.buckets)
     median = args.median or budget / 8
     print(f"{spec} on {topology} ({devices} devices, {shards} batch shards): {tc.prompts_per_step} prompts x "
           f"{rc.n} responses, prompt buckets {buckets}, budget {budget}, responses log-normal (median {median:.0f}, "

@@ -214,7 +214,7 @@ def compile_cost(lowered, trips: Callable, log) -> tuple:
     return cost, xla.get("optimal_seconds"), compiled
 
 
-def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray, log) -> Phase:
+def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, log) -> Phase:
     """One decode step of one queue compiled alone on a batch shard's "tensor" devices (its state
     donated, as the decode loop carries it), its trips the longest queue's steps. The paged
     kernel is handed the whole page pool of every layer and reads, per layer, the pages of its busy
@@ -229,14 +229,15 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
     from pacs_jax.training.abstract_step import abstract_step
     from pacs_jax.training.model_spec import model_config
 
-    P = config.train.prompts_per_step // config.rollout.micro_batches
+    P = spec.train.prompts_per_step // spec.rollout.micro_batches
     shards = queues(P, step.slots, step.batch_shards)
     tensor = len(devices) // step.batch_shards
-    sub = config.copy_and_resolve_references()
-    if shards > 1:
-        sub.mesh.data, sub.mesh.fsdp, sub.mesh.tensor = 1, 1, tensor
+    sub = spec
+    if shards > 1:  # one batch shard's chips: a mesh of its "tensor" devices
+        sub = dataclasses.replace(spec, mesh=dataclasses.replace(spec.mesh, data=1, fsdp=1, tensor=tensor, device_order=()),
+                                  devices=tensor)
     settings = dataclasses.replace(step.settings, slots=step.slots // shards, tail_slots=None)
-    cfg = model_config(config)
+    cfg = model_config(spec)
     steps, reads = decode_steps(prompts, lengths, step.slots, shards)
     admitted = len(lengths) / shards / max(steps, 1)  # rows a queue's step admits, on average: the refill's loop
 
@@ -268,7 +269,7 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
         return lambda out, operands: out + sum(fill * b / L if b >= pool / 2 else b for b in operands)
 
     # top_p 1 (and no top_k): the selection's branch without the top-p bisection (32 passes over the logits) runs
-    plain = config.rollout.top_p >= 1.0 and not config.rollout.top_k
+    plain = spec.rollout.top_p >= 1.0 and not spec.rollout.top_k
     full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f), costliest_branch=not plain)
                    for f in (1.0, 0.0))
     page = settings.page_size
@@ -277,16 +278,16 @@ def decode_phase(config, devices, step, prompts: np.ndarray, lengths: np.ndarray
     fill = min(1.0, reads / capacity) if page else 1.0  # the contiguous cache: its rows are read whole
     log(f"  must read a step: weights {weights / 1e9:.2f} GB + page pool {pool / 1e9:.2f} GB (full); compiled "
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
-    return Phase("decode", steps * config.rollout.micro_batches, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
+    return Phase("decode", steps * spec.rollout.micro_batches, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes))
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
 
 
-def plan_phases(config, devices, prompts: np.ndarray, responses: np.ndarray, log,
+def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
                 names: tuple[str, ...] = PHASES) -> list[Phase]:
-    """The phases ``names`` of a step of ``config`` on ``devices`` for these prompt and response
+    """The phases ``names`` of a step of ``spec`` (a placed RunSpec) on ``devices`` for these prompt and response
     lengths [B] (row i n + j: sample j of prompt i): compiled, costed, with trips (PPO's critic
     phases for PPO only)."""
     from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
@@ -294,10 +295,10 @@ def plan_phases(config, devices, prompts: np.ndarray, responses: np.ndarray, log
     from pacs_jax.training.abstract_step import abstract_step
     from pacs_jax.training.model_spec import model_config
 
-    cfg = model_config(config)
-    calls = config.rollout.micro_batches
+    cfg = model_config(spec)
+    calls = spec.rollout.micro_batches
     phases = []
-    with abstract_step(config, devices, log=log) as step:
+    with abstract_step(spec, devices, log=log) as step:
         programs = {p.name: p for p in step.programs(largest_only=True)}
         plans = step.packing_plans(prompts, responses) if step.packing else {}
         chunk = min(DEFAULT_CHUNK_SIZE, step.pass_widths[1])
@@ -308,7 +309,7 @@ def plan_phases(config, devices, prompts: np.ndarray, responses: np.ndarray, log
                                                       step.settings), lambda loop: 0.0, log)
             phases.append(Phase("prefill", calls, cost.flops, cost.bytes, cost.collective_bytes, xla_seconds=xla))
         if "decode" in names:
-            phases.append(decode_phase(config, devices, step, prompts, responses, log))
+            phases.append(decode_phase(spec, devices, step, prompts, responses, log))
         passes = {"pi_old": ("logprob", 1), "critic_values": ("logprob", 1), "critic_update": ("critic", 3),
                   "update": ("update", 3)}
         for name, (plan_name, factor) in passes.items():
@@ -329,7 +330,7 @@ def plan_phases(config, devices, prompts: np.ndarray, responses: np.ndarray, log
     return phases
 
 
-def report(phases: list[Phase], topo, config, chips: int) -> str:
+def report(phases: list[Phase], topo, spec, chips: int) -> str:
     """The table of phases and the step's lines."""
     G = 1e9
     lines = [f"{'phase':13s} {'GFLOP':>9s} {'GB':>8s} {'coll GB':>8s} {'trips':>7s} {'ms flops':>9s} {'ms HBM':>8s} "
@@ -347,10 +348,10 @@ def report(phases: list[Phase], topo, config, chips: int) -> str:
               f"(ratio {p.full_pool[0] / p.full_pool[1]:.3f})" for p in phases if p.full_pool]
     total = sum(p.seconds(topo) for p in phases)
     ideal = sum(p.ideal_seconds(topo) for p in phases)
-    hours = total * config.train.steps / 3600
+    hours = total * spec.train.steps / 3600
     lines += [f"step: {total:.1f} s predicted (the phases at their bounds' peaks; reward scoring, on the host and "
               f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}",
-              f"run: {config.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
+              f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
               f"{topo.device_kind} chips"]
     return "\n".join(lines)
 
@@ -364,16 +365,17 @@ def main(argv) -> int:
 
     from pacs_jax.training.abstract_step import slice_devices
     from pacs_jax.training.config_check import ConfigError
+    from pacs_jax.training.spec import RunSpec
 
-    config = _CONFIG.value
+    spec = RunSpec.unplaced(_CONFIG.value)
     say = lambda s: print(f"[plan_step] {s}", flush=True)  # noqa: E731
     names = tuple(n.strip() for n in _PHASES.value.split(",") if n.strip())
     if not names or set(names) - set(PHASES):
         raise app.UsageError(f"--phases: {sorted(set(names) - set(PHASES)) or 'none'}; expected some of {PHASES}")
-    budget = config.rollout.max_new_tokens
+    budget = spec.rollout.max_new_tokens
     median, words = lengths_median(_LENGTHS.value, _MEDIAN.value, budget)
     try:
-        topo, devices = slice_devices(config, _TOPOLOGY.value, say)
+        topo, spec, devices = slice_devices(spec, _TOPOLOGY.value, say)
     except ConfigError:
         raise
     except ValueError as e:
@@ -382,17 +384,16 @@ def main(argv) -> int:
         print(f"plan_step: {e}", file=sys.stderr)
         return 2
     rs = np.random.RandomState(_SEED.value)
-    B = config.train.prompts_per_step * config.rollout.n
-    prompts = np.repeat(prompt_lengths(config.train.prompts_per_step, rs, max(config.data.prompt_buckets)),
-                        config.rollout.n)
+    B = spec.train.prompts_per_step * spec.rollout.n
+    prompts = np.repeat(prompt_lengths(spec.train.prompts_per_step, rs, max(spec.data.prompt_buckets)), spec.rollout.n)
     responses = np.full(B, budget, np.int64) if median is None else np.maximum(response_lengths(B, rs, median, budget), 1)
     say(f"{topo.name}: {len(devices)} compile-only {devices[0].device_kind} devices; peaks a device: "
         f"{topo.bf16_flops / 1e12:.0f} TFLOP/s bf16, HBM {topo.hbm_bandwidth / 1e9:.0f} GB/s, "
         f"interconnect {topo.ici_bandwidth / 1e9:.0f} GB/s")
     say(f"responses: {words}; this step: {B} responses, mean {responses.mean():.0f}, longest {responses.max()} "
         f"tokens, prompts mean {prompts.mean():.0f}")
-    phases = plan_phases(config, devices, prompts, responses, say, names)
-    print(report(phases, topo, config, len(devices)), flush=True)
+    phases = plan_phases(spec, devices, prompts, responses, say, names)
+    print(report(phases, topo, spec, len(devices)), flush=True)
     return 0
 
 

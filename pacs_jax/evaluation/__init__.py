@@ -4,8 +4,8 @@ the output files (``outputs``). The CLI is ``python -m pacs_jax.evaluate``.
 
 from pacs_jax.evaluation.outputs import write_outputs
 from pacs_jax.evaluation.pass_at_k import k_values, pass_at_k, pass_at_k_metrics
-from pacs_jax.evaluation.runner import (EvalSet, EvalSettings, default_stop_ids, eval_slots, evaluate_per_set, evaluate_sets,
-                                       load_eval_sets, per_set_settings, set_reward)
+from pacs_jax.evaluation.runner import (EvalSet, EvalSettings, default_stop_ids, evaluate_per_set, evaluate_sets,
+                                       load_eval_sets, set_reward)
 
-__all__ = ["write_outputs", "k_values", "pass_at_k", "pass_at_k_metrics", "EvalSet", "EvalSettings", "eval_slots",
-           "default_stop_ids", "evaluate_per_set", "evaluate_sets", "load_eval_sets", "per_set_settings", "set_reward"]
+__all__ = ["write_outputs", "k_values", "pass_at_k", "pass_at_k_metrics", "EvalSet", "EvalSettings",
+           "default_stop_ids", "evaluate_per_set", "evaluate_sets", "load_eval_sets", "set_reward"]

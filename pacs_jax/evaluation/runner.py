@@ -85,12 +85,6 @@ def load_eval_sets(names: str | Sequence[str], files: Mapping[str, str], data_di
     return sets
 
 
-def per_set_settings(per_set: Mapping[str, Mapping[str, Any]]) -> dict[str, EvalSettings]:
-    """A config's ``per_set`` section ({set name: {n, temperature, top_p, max_new_tokens}}) as settings."""
-    return {name: EvalSettings(int(s["n"]), float(s["temperature"]), float(s["top_p"]), int(s["max_new_tokens"]))
-            for name, s in per_set.items()}
-
-
 def evaluate_per_set(model, tokenizer, eval_sets: Sequence[EvalSet], settings: Mapping[str, EvalSettings],
                      default: EvalSettings, **options) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """``evaluate_sets`` with each set's own settings (``settings[name]``, else ``default``): sets that
@@ -106,17 +100,6 @@ def evaluate_per_set(model, tokenizer, eval_sets: Sequence[EvalSet], settings: M
         rows += group_rows
         metrics.update(group_metrics)
     return rows, metrics
-
-
-def eval_slots(ec) -> dict[str, int | None]:
-    """``evaluate_sets``'s ``slots``, ``tail_slots``, ``page_size`` and ``pages`` from a config's
-    ``eval`` section (sampler, slots, tail_slots, page_size, pages): slots None (one slot per
-    response) for the static sampler, page_size None but for the paged one."""
-    if ec.sampler == "static":
-        return dict(slots=None, tail_slots=None, page_size=None, pages=None)
-    paged = ec.sampler == "paged"
-    return dict(slots=ec.slots, tail_slots=ec.tail_slots or None, page_size=ec.page_size if paged else None,
-                pages=(ec.pages or None) if paged else None)
 
 
 def evaluate_sets(model, tokenizer, eval_sets: Sequence[EvalSet], *, n: int, temperature: float, top_p: float,

@@ -1,7 +1,7 @@
 """PPO's critic in the trainer (docs/design.md sections 3.5a and 6.6): its state and the two programs it adds to a step.
 
-    critic = PPOCritic.from_config(config, actor)             # value model + its AdamW, sharded like the actor
-    programs = StepPrograms(config, ..., critic=critic.spec())  # makes the critic's programs (critic_programs)
+    critic = PPOCritic.from_spec(spec, actor)                 # value model + its AdamW, sharded like the actor
+    programs = StepPrograms(spec, ..., critic=critic.spec())    # makes the critic's programs (critic_programs)
     actor_batch, metrics = critic.step(programs.critic, rollout.batch)   # values -> GAE -> critic update
     params, opt_state, ... = programs.update(params, opt_state, actor_batch)  # objective "ppo" reads "advantages"
 
@@ -29,17 +29,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from pacs_jax import checkpoints
 from pacs_jax.models import Qwen, value_model_from_actor
-from pacs_jax.rl import (compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values,
-                         options_for, value_mask)
+from pacs_jax.rl import compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values, value_mask
 from pacs_jax.rl.packing import PACKING_KEYS
 from pacs_jax.sharding import batch_sharding, state_shardings
 from pacs_jax.training.model_spec import run_options
 from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.spec import CriticSpec, RunSpec
 from pacs_jax.training.update_step import scanned_update
 
 # The critic update's metrics (scanned_update's and rl.value_loss's) -> the names a step reports. The value
@@ -79,17 +78,17 @@ class PPOCritic:
         self.params, self.opt_state = jax.device_put((params, opt_state), self.shardings)
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, actor: Qwen) -> PPOCritic:
-        """The critic of ``config.critic``: the actor's backbone (or ``critic.path``'s model, an HF
-        directory or pacs_jax checkpoint with the actor's vocabulary) and a head seeded by ``config.seed``."""
-        cc = config.critic
+    def from_spec(cls, spec: RunSpec, actor: Qwen) -> PPOCritic:
+        """The critic of ``spec.critic``: the actor's backbone (or ``critic.path``'s model, an HF
+        directory or pacs_jax checkpoint with the actor's vocabulary) and a head seeded by ``spec.seed``."""
+        cc = spec.critic
         source = actor
         if cc.path:
-            source = checkpoints.from_pretrained(cc.path, **run_options(config))
+            source = checkpoints.from_pretrained(cc.path, **run_options(spec))
             if source.cfg.vocab_size != actor.cfg.vocab_size:
                 raise ValueError(f"config.critic.path: {cc.path} has a vocabulary of {source.cfg.vocab_size} "
                                  f"tokens, the actor {actor.cfg.vocab_size}")
-        return cls(value_model_from_actor(source, seed=config.seed), config_critic_optimizer(config))
+        return cls(value_model_from_actor(source, seed=spec.seed), critic_optimizer(cc))
 
     def spec(self) -> CriticState:
         return CriticState(self.graphdef, (self.params, self.opt_state), self.optimizer)
@@ -110,29 +109,18 @@ class PPOCritic:
         return {**batch, "advantages": advantages}, {name: metrics[key] for key, name in METRIC_NAMES.items()}
 
 
-def config_critic_optimizer(config: ml_collections.ConfigDict):
-    """The critic's AdamW (``config.critic``: its own lr, betas, weight decay, grad clip; constant lr)."""
-    cc = config.critic
+def critic_optimizer(cc: CriticSpec):
+    """The critic's AdamW (``critic``: its own lr, betas, weight decay, grad clip; constant lr)."""
     optimizer, _ = make_optimizer(cc.lr, b1=cc.b1, b2=cc.b2, weight_decay=cc.weight_decay, schedule="constant",
                                   grad_clip=cc.grad_clip)
     return optimizer
 
 
-def critic_loss_agg(config: ml_collections.ConfigDict) -> tuple[str, int | None]:
-    """The critic's (loss_agg_mode, norm_length): ``critic.loss_agg_mode`` "actor" takes the actor's
-    (objective "ppo"'s options, ``algorithm.ppo``), as verl's critic does
-    (``critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}``); a mode names its own. The
-    L_max of seq-mean-token-sum-norm is always the actor's ``norm_length`` (verl divides both losses by
-    the same padded response width)."""
-    actor = options_for(config.algorithm)
-    mode = config.critic.loss_agg_mode
-    return (actor["loss_agg_mode"] if mode == "actor" else mode), actor["norm_length"]
-
-
-def config_critic_options(config: ml_collections.ConfigDict) -> dict:
-    """``critic_programs``' options as ``config`` asks for them (training/step_programs.py makes them)."""
-    cc, tc = config.critic, config.train
-    loss_agg_mode, norm_length = critic_loss_agg(config)
+def critic_options(spec: RunSpec) -> dict:
+    """``critic_programs``' options as ``spec`` asks for them (training/step_programs.py makes them); the
+    value loss's aggregation: ``RunSpec.critic_loss_agg``."""
+    cc, tc = spec.critic, spec.train
+    loss_agg_mode, norm_length = spec.critic_loss_agg
     return dict(gamma=cc.gamma, lam=cc.lam, clip_range_value=cc.clip_range_value, loss_agg_mode=loss_agg_mode,
                 norm_length=norm_length, loss_scale=cc.loss_scale,
                 verl_micro_batch_size=cc.verl_micro_batch_size, num_mini_batches=tc.mini_batches,
@@ -147,7 +135,7 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, shardings, *, gamma: floa
     ``values(params, batch, packing=None) -> (advantages, values, returns)`` and
     ``update(params, opt_state, critic_batch) -> (params, opt_state, metrics)``. ``shardings``: the
     (params, opt_state) shardings the update keeps. values_micro_batches: forward passes of the values pass."""
-    rows = batch_sharding((0, 0))  # the update batch's rows always divide (validate_config)
+    rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
 
     def values_and_advantages(params, batch, packing=None):
         """The update batch -> (whitened advantages, values, returns), each [B, R] float32; values times

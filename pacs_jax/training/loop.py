@@ -1,6 +1,6 @@
 """The RL training loop (docs/design.md section 3), shared by the demo and the real configs.
 
-    programs = StepPrograms(config, ...)   every program of a step, compiled and memory-checked before step 1
+    programs = StepPrograms(spec, ...)     every program of a step, compiled and memory-checked before step 1
                                            training/step_programs.py, training/memory_check.py
     for step in steps:
         prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import jax
-import ml_collections
 import numpy as np
 from etils import epath
 from flax import nnx
@@ -46,6 +45,7 @@ from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.progress import StepInterrupted, StepWatch
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.signals import stop_signals
+from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 
 
@@ -85,11 +85,11 @@ def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
     return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v)) for k, v in host.items()}
 
 
-def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
+def rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
              decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
              on_step: Callable[[int, Qwen, dict], None] | None = None,
              programs: StepPrograms | None = None, keep_first_step: bool = False) -> TrainResult:
-    """Run ``config.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
+    """Run ``spec.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
 
     decode: generated ids -> text for the reward. reward_pool: the caller's pool; it scores the
     rollouts and the caller's evaluations (one pool per run). on_step(step, model, metrics): called
@@ -107,20 +107,20 @@ def rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mode
     second signal ends the process at once.
     """
     with stop_signals(multiprocess=jax.process_count() > 1) as signals, signals.deferred():
-        return _rl_train(config, workdir, model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
+        return _rl_train(spec, workdir, model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
                          reward_pool=reward_pool, on_step=on_step, programs=programs,
                          keep_first_step=keep_first_step)
 
 
-def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource,
+def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource,
               signals, *, decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
               reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None,
               programs: StepPrograms | None, keep_first_step: bool) -> TrainResult:
     workdir = epath.Path(workdir)
-    tc = config.train
+    tc = spec.train
     graphdef, params = nnx.split(model)
-    programs = programs or StepPrograms(config, graphdef, params, stop_token_ids)
-    critic = PPOCritic.from_config(config, model) if config.algorithm.objective == "ppo" else None
+    programs = programs or StepPrograms(spec, graphdef, params, stop_token_ids)
+    critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None
     if critic is not None:  # a copy of the actor as RL starts (after the warm-start)
         programs.add_critic(critic.spec())
     opt_state = programs.init_optimizer(params)
@@ -145,11 +145,11 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
     start_counting()
     logger = MetricsLogger(workdir, tc.steps, start)
     history: list[dict] = []
-    base_key = jax.random.key(config.seed)
+    base_key = jax.random.key(spec.seed)
     stopped = False
     single_process = jax.process_count() == 1
-    collector = RolloutCollector.from_config(config, programs, decode=decode, reward_pool=reward_pool)
-    rc = config.rollout
+    collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool)
+    rc = spec.rollout
     if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
         if primary:                         # cannot fit stops here
             print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
@@ -190,7 +190,7 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
             watch.wait(per_minibatch, lambda: f"{tc.mini_batches} mini-batches")
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
-                       {"step": step - 1, "seed": config.seed, "data_state": data_state},
+                       {"step": step - 1, "seed": spec.seed, "data_state": data_state},
                        None if critic is None else (critic.params, critic.opt_state))
             checkpointer.close()
             logger.close()
@@ -207,7 +207,7 @@ def _rl_train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, mod
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})
         logger.log(step, metrics)
-        meta = {"step": step, "seed": config.seed, "data_state": prompts.get_state()}
+        meta = {"step": step, "seed": spec.seed, "data_state": prompts.get_state()}
         critic_state = None if critic is None else (critic.params, critic.opt_state)
         preempted = signals.safe_point()  # several processes: the same step on every one
         if checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):

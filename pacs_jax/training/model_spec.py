@@ -1,7 +1,7 @@
-"""The model a training config asks for, read from the config alone (nothing loaded, no devices).
+"""The model a run's spec asks for, read from the spec alone (nothing loaded, no devices).
 
-    run_options(config)          the QwenConfig fields of how to run it (dtypes, remat, attention)
-    model_config(config)         the QwenConfig a run builds: model.path's config, a preset, or the fields
+    run_options(spec)            the QwenConfig fields of how to run it (dtypes, remat, attention)
+    model_config(spec)           the QwenConfig a run builds: model.path's config, a preset, or the fields
 
 Read by the run (training/run.py builds the model with them), the resume check, PPO's critic
 (``critic.path``) and tools/plan_memory.py. model.path is read through ``data.paths.path``: a local
@@ -12,34 +12,33 @@ from __future__ import annotations
 
 import json
 
-import ml_collections
-
 from pacs_jax.data import paths
+from pacs_jax.training.spec import RunSpec
 
 QWEN_VOCAB = 151936  # the vocabulary assumed when config.model.vocab_size is 0 (taken from the tokenizer)
 
 
-def run_options(config: ml_collections.ConfigDict, **overrides) -> dict:
-    """The QwenConfig fields of how to run the model (dtypes, remat, attention), from config.model."""
-    m = config.model
+def run_options(spec: RunSpec, **overrides) -> dict:
+    """The QwenConfig fields of how to run the model (dtypes, remat, attention), from spec.model."""
+    m = spec.model
     run = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
                attention_block_size=m.attention_block_size)
     run.update(overrides)
     return run
 
 
-def model_config(config: ml_collections.ConfigDict, *, vocab_size: int | None = None, **overrides):
-    """The QwenConfig a run of ``config`` builds (as training/run.build_model does), or None when
+def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
+    """The QwenConfig a run of ``spec`` builds (as training/run.build_model does), or None when
     it cannot be known without loading anything (a model.path that holds no readable config).
 
     model.path: its config.json (HF dir) or model_config.json (pacs_jax checkpoint); else
-    model.preset; else the architecture fields of config.model (vocab_size 0, "the tokenizer's",
+    model.preset; else the architecture fields of spec.model (vocab_size 0, "the tokenizer's",
     becomes ``vocab_size`` or a Qwen vocabulary). ``overrides``: QwenConfig fields to replace.
     """
     from pacs_jax import models
 
-    m = config.model
-    run = run_options(config, **overrides)
+    m = spec.model
+    run = run_options(spec, **overrides)
     if m.path:
         folder = paths.path(m.path)
         try:

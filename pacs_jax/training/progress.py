@@ -111,13 +111,14 @@ class StepWatch:
         self._last_line = self.clock()
 
 
-def planned_step_warning(config, platform: str) -> str | None:
+def planned_step_warning(spec, platform: str) -> str | None:
     """A warning line when a step is planned far beyond the machine: on a CPU, more than
     ``CPU_STEP_TOKENS`` prompt and response tokens (prompts_per_step x rollout.n x (the largest
     prompt bucket + rollout.max_new_tokens)); else None. Accelerators are checked by the memory
-    check (training/memory_check.py), which compiles the step's programs against their memory."""
-    tc, rc = config.train, config.rollout
-    tokens = tc.prompts_per_step * rc.n * (max(config.data.prompt_buckets) + rc.max_new_tokens)
+    check (training/memory_check.py), which compiles the step's programs against their memory. spec: the
+    run's ``RunSpec``."""
+    tc, rc = spec.train, spec.rollout
+    tokens = spec.responses * spec.row_width
     if platform != "cpu" or tokens <= CPU_STEP_TOKENS:
         return None
     return (f"warning: a step of {tc.prompts_per_step} prompts x {rc.n} responses of up to {rc.max_new_tokens} tokens "

@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -41,6 +40,7 @@ from pacs_jax.rewards import STATUSES, RewardPool, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.training import rollout_consistency
 from pacs_jax.training.progress import StepWatch
+from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 
 
@@ -87,14 +87,14 @@ class RolloutCollector:
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, programs: StepPrograms, *,
-                    decode: Callable[[Sequence[int]], str], reward_pool: RewardPool | None) -> RolloutCollector:
-        """The collector of ``config.reward`` (the reward, its deadline and unscored fraction) and
+    def from_spec(cls, spec: RunSpec, programs: StepPrograms, *,
+                  decode: Callable[[Sequence[int]], str], reward_pool: RewardPool | None) -> RolloutCollector:
+        """The collector of ``spec.reward`` (the reward, its deadline and unscored fraction) and
         ``rollout.max_logprob_diff``."""
-        return cls(programs, decode=decode, reward_pool=reward_pool,
-                   reward_name=reward_for(config.reward.name, config.reward.mode),
-                   reward_deadline=config.reward.deadline, max_unscored_fraction=config.reward.max_unscored_fraction,
-                   max_logprob_diff=config.rollout.max_logprob_diff)
+        rw = spec.reward
+        return cls(programs, decode=decode, reward_pool=reward_pool, reward_name=reward_for(rw.name, rw.mode),
+                   reward_deadline=rw.deadline, max_unscored_fraction=rw.max_unscored_fraction,
+                   max_logprob_diff=spec.rollout.max_logprob_diff)
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host array of the global shape -> a global array sharded over the batch axes (each process

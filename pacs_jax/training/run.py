@@ -54,6 +54,7 @@ from pacs_jax.training.metrics import EvalScalars
 from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.signals import StopSignals
+from pacs_jax.training.spec import EvalSpec, RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.warmstart import WarmStartResult, warm_start
 from pacs_jax.training.workdir import SessionClock, WorkdirLock, agree, check_resume, finished_summary, write_config
@@ -81,41 +82,39 @@ class GrainPromptSource:
         self.iterator = data.prompt_iterator(self.examples, self.config, state=state)
 
 
-def prompt_source(config: ml_collections.ConfigDict, tokenizer
+def prompt_source(spec: RunSpec, tokenizer
                   ) -> tuple[GrainPromptSource, list[data.PromptExample], list[data.Problem], dict[str, int]]:
     """The run's RL prompts (data.source minus the warm-start's and the held-out splits, through the
     tokenizer's chat template), the warm-start's prompts (RL's when data.warmstart_problems is 0), the
     held-out problems, and counts (rows, skipped, held_out, warmstart, dropped_overlong)."""
-    dc = config.data
-    train, warm, held_out, counts = data.training_problems(dc, seed=config.seed)
+    dc = spec.data
+    train, warm, held_out, counts = data.training_problems(dataclasses.asdict(dc), seed=spec.seed)
     examples, dropped = data.build_prompts(train, tokenizer, dc.max_prompt_length, dc.instruction)
     warm_examples, warm_dropped = data.build_prompts(warm, tokenizer, dc.max_prompt_length, dc.instruction)
-    return (GrainPromptSource(examples, config.train.prompts_per_step, dc.shuffle_seed),
+    return (GrainPromptSource(examples, spec.train.prompts_per_step, dc.shuffle_seed),
             warm_examples if warm else examples, held_out, dict(counts, dropped_overlong=dropped + warm_dropped))
 
 
-def build_model(config: ml_collections.ConfigDict, tokenizer) -> models.Qwen:
+def build_model(spec: RunSpec, tokenizer) -> models.Qwen:
     """The model of a run: model.path (HF dir or checkpoint), else model.preset at random init, else
-    the architecture fields of ``config.model`` at random init (the demo; tests: a tiny model with the
+    the architecture fields of ``spec.model`` at random init (the demo; tests: a tiny model with the
     real vocabulary)."""
-    if config.model.path:
-        return checkpoints.from_pretrained(config.model.path, **run_options(config))
-    architecture = {} if config.model.preset else {"eos_token_id": tokenizer.eos_token_id}
-    cfg = model_config(config, vocab_size=len(tokenizer), **architecture)
-    return models.init_random(cfg, seed=config.seed)
+    if spec.model.path:
+        return checkpoints.from_pretrained(spec.model.path, **run_options(spec))
+    architecture = {} if spec.model.preset else {"eos_token_id": tokenizer.eos_token_id}
+    cfg = model_config(spec, vocab_size=len(tokenizer), **architecture)
+    return models.init_random(cfg, seed=spec.seed)
 
 
-def eval_sets(config: ml_collections.ConfigDict, held_out: list[data.Problem]) -> list[evaluation.EvalSet]:
-    """config.eval.sets: entries of eval.set_files, and "held_out" (scored by the training reward)."""
-    ec = config.eval
-    names = [n.strip() for n in ec.sets.split(",") if n.strip()]
-    files = [n for n in names if n != HELD_OUT]
-    sets = evaluation.load_eval_sets(files, dict(ec.set_files), ec.data_dir, ec.max_problems,
-                                     config.reward.mode) if files else []
-    if HELD_OUT in names:
+def eval_sets(spec: RunSpec, held_out: list[data.Problem]) -> list[evaluation.EvalSet]:
+    """eval.sets: entries of eval.set_files, and "held_out" (scored by the training reward)."""
+    ec, rw = spec.eval, spec.reward
+    files = [n for n in ec.sets if n != HELD_OUT]
+    sets = evaluation.load_eval_sets(files, ec.set_files, ec.data_dir, ec.max_problems, rw.mode) if files else []
+    if HELD_OUT in ec.sets:
         problems = [dataclasses.replace(p, data_source=HELD_OUT) for p in held_out]
         problems = problems[:ec.max_problems] if ec.max_problems > 0 else problems
-        sets.append(evaluation.EvalSet(HELD_OUT, problems, reward_for(config.reward.name, config.reward.mode)))
+        sets.append(evaluation.EvalSet(HELD_OUT, problems, reward_for(rw.name, rw.mode)))
     return sets
 
 
@@ -132,31 +131,33 @@ def _accuracy(metrics: dict[str, dict[str, float]]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _with_local_model(config: ml_collections.ConfigDict, say) -> ml_collections.ConfigDict:
-    """``config``, or a copy whose model.path is the local copy of an HF model folder on ``gs://``
+def _with_local_model(spec: RunSpec, say) -> RunSpec:
+    """``spec``, or a copy whose model.path is the local copy of an HF model folder on ``gs://``
     (data/remote.py; every process copies to its host's cache). A pacs_jax checkpoint on ``gs://`` stays
     as it is: Orbax reads the store."""
-    path = config.model.path
+    path = spec.model.path
     if not (path and paths.is_remote(path) and (paths.path(path) / "config.json").is_file()):
-        return config
-    local = config.copy_and_resolve_references()
-    local.model.path = str(data.local_folder(path))
+        return spec
+    local = dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=str(data.local_folder(path))))
     say(f"model.path {path}: read from its copy in {local.model.path} (copied once; refreshed when the store's "
         f"files change)")
     return local
 
 
-def _planned_model(config: ml_collections.ConfigDict, tokenizer) -> models.QwenConfig | None:
+def _planned_model(spec: RunSpec, tokenizer) -> models.QwenConfig | None:
     """The model config the run will build (None: not known before loading the model)."""
     try:
-        return model_config(config, vocab_size=len(tokenizer))
+        return model_config(spec, vocab_size=len(tokenizer))
     except (OSError, ValueError):
         return None
 
 
-def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike, spec: RunSpec | None = None) -> dict:
     """Train per ``config`` on the mesh in context (``jax.set_mesh``, set by ``python -m pacs_jax.train``);
-    returns the summary written to workdir/summary.json (see the module docstring).
+    returns the summary written to workdir/summary.json (see the module docstring). spec: the run's
+    ``RunSpec`` (``python -m pacs_jax.train``: the one its check built; None: built here, without the
+    mesh checks, which the mesh in context has passed), which everything below reads; ``config`` itself
+    is only recorded (config.json).
 
     Holds the workdir lock and the run's signal handling throughout; a full disk or a permission
     error while writing becomes a ``StorageError`` (one line naming the path)."""
@@ -164,7 +165,7 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike) 
     clock = SessionClock(workdir)
     try:
         with WorkdirLock(workdir), StopSignals(multiprocess=jax.process_count() > 1) as signals:
-            return _run(config, workdir, signals, clock)
+            return _run(config, spec or RunSpec.unplaced(config), workdir, signals, clock)
     except Exception as e:
         message = storage_error(e)
         if message is None:
@@ -173,18 +174,18 @@ def run_training(config: ml_collections.ConfigDict, workdir: str | os.PathLike) 
                            f"training resumes from the last checkpoint)") from None
 
 
-def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSignals,
+def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path, signals: StopSignals,
          clock: SessionClock) -> dict:
     primary = jax.process_index() == 0
     say = (lambda line: print(line, flush=True)) if primary else (lambda line: None)
     signals.exit_at_once("the start-up (this session has trained nothing yet)")
-    recorded, config = config, _with_local_model(config, say)  # config.json keeps the gs:// model.path
-    dc, ec, wc = config.data, config.eval, config.warmstart
-    tokenizer_source = data.run_tokenizer(dc, config.model.path)  # "char" or a folder ("": model.path's own)
+    spec = _with_local_model(spec, say)  # config.json keeps the gs:// model.path
+    dc, ec, wc = spec.data, spec.eval, spec.warmstart
+    tokenizer_source = data.run_tokenizer(dataclasses.asdict(dc), spec.model.path)  # "char" or a folder ("": model.path's own)
     tokenizer = data.load_tokenizer(tokenizer_source)
-    planned = _planned_model(config, tokenizer)
-    latest = check_resume(config, workdir, planned)  # reads only
-    if latest and latest == config.train.steps:
+    planned = _planned_model(spec, tokenizer)
+    latest = check_resume(spec, workdir, planned)  # reads only
+    if latest and latest == spec.train.steps:
         done = finished_summary(workdir, latest)
         if agree(done is not None):
             say(f"nothing to train: {workdir} holds a run finished at step {latest} = train.steps (its "
@@ -194,19 +195,19 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
             f"session stopped before the end: running the final evaluation and the export")
     write_config(recorded, workdir, planned)
     clock.update(force=True)
-    model = build_model(config, tokenizer)
-    prompts, warm_prompts, held_out, counts = prompt_source(config, tokenizer)
+    model = build_model(spec, tokenizer)
+    prompts, warm_prompts, held_out, counts = prompt_source(spec, tokenizer)
     if primary:
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
-        warning = planned_step_warning(config, jax.devices()[0].platform)
+        warning = planned_step_warning(spec, jax.devices()[0].platform)
         if warning:
             print(warning, flush=True)
-    sets = eval_sets(config, held_out)
+    sets = eval_sets(spec, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
-    programs = StepPrograms(config, *nnx.split(model), stop_ids)  # every program of the run's steps
-    reward_name = reward_for(config.reward.name, config.reward.mode)
+    programs = StepPrograms(spec, *nnx.split(model), stop_ids)  # every program of the run's steps
+    reward_name = reward_for(spec.reward.name, spec.reward.mode)
 
     def evaluate(name: str, step: int, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
                  top_p: float, per_set: dict | None = None) -> dict[str, dict[str, float]]:
@@ -214,7 +215,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
         metrics go to workdir/eval/<name>/ and TensorBoard (``board``, at RL step ``step``)."""
         rows, metrics = evaluation.evaluate_per_set(
             current, tokenizer, sets, per_set or {}, evaluation.EvalSettings(n, temperature, top_p, ec.max_new_tokens),
-            seed=config.seed, batch_size=ec.batch_size, **evaluation.eval_slots(ec),
+            seed=spec.seed, batch_size=ec.batch_size, **ec.sampler.call_settings(),
             reward_pool=pool, instruction=dc.instruction,
             stop_token_ids=stop_ids, progress=primary)
         if primary:
@@ -227,14 +228,13 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
 
     def evaluate_final(name: str, step: int, current: models.Qwen, pool: RewardPool) -> dict[str, dict]:
         f = ec.final
-        per_set = evaluation.per_set_settings(f.per_set)
-        out = {"sampled": evaluate(name, step, current, pool, f.n, f.temperature, f.top_p, per_set)}
-        if f.greedy:
+        out = {"sampled": evaluate(name, step, current, pool, f.n, f.temperature, f.top_p, ec.per_set_settings)}
+        if ec.greedy:
             out["greedy"] = evaluate(f"{name}_greedy", step, current, pool, 1, 0.0, 1.0)
         return out
 
     warm_file = workdir / "warmstart.json"
-    with (RewardPool(config.reward.workers or None, config.reward.item_timeout) as pool,  # rollouts and evaluation
+    with (RewardPool(spec.reward.workers or None, spec.reward.item_timeout) as pool,  # rollouts and evaluation
           EvalScalars(workdir) as board):
         if latest:  # resuming: rl_train restores the RL state
             before = json.loads(warm_file.read_text()) if warm_file.exists() else {}
@@ -246,8 +246,8 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
                 model, warm = warm_start(model, warm_prompts, tokenizer, wc, program=programs.warmstart,
                                          probe=prompts.examples[:wc.probe_problems],
                                          prompt_length=dc.max_prompt_length,
-                                         seed=config.seed, pool=pool, reward_name=reward_name,
-                                         probe_max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stop_ids,
+                                         seed=spec.seed, pool=pool, reward_name=reward_name,
+                                         probe_max_new_tokens=spec.rollout.max_new_tokens, stop_token_ids=stop_ids,
                                          safe_point=signals.safe_point)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
@@ -261,12 +261,12 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
                 atomic_write_text(warm_file, json.dumps(before, indent=2))
 
         def on_step(step: int, current: models.Qwen, metrics: dict) -> None:
-            if sets and ec.periodic.every and step % ec.periodic.every == 0:
+            if sets and ec.every and step % ec.every == 0:
                 evaluate(f"step_{step}", step, current, pool, ec.periodic.n, ec.periodic.temperature,
                          ec.periodic.top_p)
             clock.update()
 
-        result = rl_train(config, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
+        result = rl_train(spec, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs,
                           keep_first_step=not latest and wc.steps > 0)  # step 1 keeps the warm-start
@@ -282,7 +282,7 @@ def _run(config: ml_collections.ConfigDict, workdir: epath.Path, signals: StopSi
                      else data.local_folder(tokenizer_source))
     export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
     history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
-    summary = _summary(config, before, after, history, sets)
+    summary = _summary(ec, before, after, history, sets)
     clock.update(force=True)
     summary.update(final_step=result.final_step, wall_seconds=clock.total_seconds,
                    wall_seconds_this_session=clock.session_seconds, sessions=len(clock.earlier) + 1,
@@ -328,11 +328,10 @@ def _per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     return {name: _mean_reward(m)[1] for name, m in metrics.items()}
 
 
-def _accuracy_metric(config: ml_collections.ConfigDict, sets: list[evaluation.EvalSet]) -> str:
+def _accuracy_metric(ec: EvalSpec, sets: list[evaluation.EvalSet]) -> str:
     """What accuracy_{before,after}_rl are, set by set as evaluated: each set's samples per problem and
     temperature (eval.final, or the set's own in eval.final.per_set)."""
-    f = config.eval.final
-    own = evaluation.per_set_settings(f.per_set)
+    f, own = ec.final, ec.per_set
 
     def described(s: evaluation.EvalSet) -> str:
         n, temperature, where = ((own[s.name].n, own[s.name].temperature, ", eval.final.per_set") if s.name in own
@@ -343,7 +342,7 @@ def _accuracy_metric(config: ml_collections.ConfigDict, sets: list[evaluation.Ev
             + "; ".join(described(s) for s in sets) + ")")
 
 
-def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, history: list[dict],
+def _summary(ec: EvalSpec, before: dict, after: dict, history: list[dict],
              sets: list[evaluation.EvalSet]) -> dict:
     """accuracy_{before,after}_rl (mean over the eval sets of the mean sample reward at the final
     settings), their greedy counterparts, every set's metrics, the warm-start and the RL time split."""
@@ -354,7 +353,7 @@ def _summary(config: ml_collections.ConfigDict, before: dict, after: dict, histo
         "accuracy_after_rl": _accuracy(after.get("sampled", {})),
         "greedy_accuracy_before_rl": _accuracy(evaluated.get("greedy", {})),
         "greedy_accuracy_after_rl": _accuracy(after.get("greedy", {})),
-        "accuracy_metric": _accuracy_metric(config, sets),
+        "accuracy_metric": _accuracy_metric(ec, sets),
         "eval_before_rl": evaluated,
         "eval_after_rl": after,
         "warmstart": before.get("warmstart"),

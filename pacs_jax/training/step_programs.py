@@ -1,14 +1,15 @@
-"""Every program of a training step, made in one place from the config (docs/design.md section 3.6).
+"""Every program of a training step, made in one place from the run's spec (docs/design.md section 3.6).
 
-    programs = StepPrograms(config, graphdef, params, stop_token_ids, critic=...)   # on the mesh in context
+    programs = StepPrograms(spec, graphdef, params, stop_token_ids, critic=...)   # on the mesh in context
     opt_state = programs.init_optimizer(params)
     programs.compile()          # before step 1: every bucket's programs; XLA's memory of each, checked
     programs.sample(...), programs.pi_old(...), programs.update(...), ...   # the step runs them
 
-The config is read here and nowhere else for the step's programs: the sampler's settings (rollout.*,
-``sampler_slots``), the prompt and response buckets, the pi_old and value micro-batches
-(``train.logprob_micro_batches``, 0: ``mini_batches x micro_batches``), the actor's update
-(objective, options, mini- and micro-batches, optim.*) and, for PPO, the critic's two programs. The
+The spec (training/spec.py ``RunSpec``) is read here and nowhere else for the step's programs: the
+sampler's settings (rollout.*, its sampler section's slots, tail and pages), the prompt and response
+buckets, the pi_old and value micro-batches (``RunSpec.logprob_micro_batches``), the packed passes'
+layouts (``RunSpec.packed_layouts``), the actor's update (objective, options, mini- and micro-batches,
+optim.*) and, for PPO, the critic's two programs. The
 state may be real arrays (the trainer) or ``jax.ShapeDtypeStruct``s with shardings (tools/plan_memory.py
 compiling for a TPU slice it cannot run on): the programs only read shapes and shardings.
 
@@ -25,40 +26,37 @@ from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from pacs_jax import console, hlo, sampling, sharding
-from pacs_jax.rl import micro_batched_logprobs, options_for
+from pacs_jax.rl import micro_batched_logprobs
 from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
 from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
 from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.config_check import logprob_micro_batches, packed_layouts, sampler_pages, sampler_slots, sampler_tail_slots
-from pacs_jax.training.critic_step import CriticState, config_critic_options, critic_programs
+from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout_consistency import consistency_program
+from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.update_step import make_update_step
 
 
-def config_optimizer(config: ml_collections.ConfigDict):
-    """(AdamW transformation, learning-rate schedule) of ``config.optim`` over the run's updates."""
-    o = config.optim
+def spec_optimizer(spec: RunSpec):
+    """(AdamW transformation, learning-rate schedule) of ``spec.optim`` over the run's updates."""
+    o = spec.optim
     return make_optimizer(o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, schedule=o.schedule,
-                          total_steps=config.train.steps * config.train.mini_batches, warmup_steps=o.warmup_steps,
-                          grad_clip=o.grad_clip)
+                          total_steps=spec.total_updates, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip)
 
 
-def sampling_settings(config: ml_collections.ConfigDict, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
-    """The training sampler's settings: ``rollout.*``; a sample stops at ``stop_token_ids`` (the model's
-    and tokenizer's) and at ``rollout.stop_token_ids``."""
-    rc = config.rollout
+def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
+    """The training sampler's settings: ``rollout.*`` and its sampler section for a call's responses; a
+    sample stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
+    rc = spec.rollout
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
-                                     slots=sampler_slots(config), tail_slots=sampler_tail_slots(config),
-                                     **sampler_pages(config))
+                                     **rc.sampler.call_settings(spec.call_responses))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +74,7 @@ class Program:
 
 
 class StepPrograms:
-    """The jitted programs of one training step of ``config`` (see the module docstring).
+    """The jitted programs of one training step of ``spec`` (see the module docstring).
 
     Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, metrics [M])``;
     ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
@@ -89,31 +87,28 @@ class StepPrograms:
     None when ``warmstart.steps`` is 0).
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params,
+    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params,
                  stop_token_ids: Sequence[int], *, critic: CriticState | None = None,
                  chunk_size: int | None = None):
-        tc, rc = config.train, config.rollout
-        self.config, self.graphdef = config, graphdef
-        self.optimizer, self.lr_schedule = config_optimizer(config)
+        tc, rc = spec.train, spec.rollout
+        self.spec, self.graphdef = spec, graphdef
+        self.optimizer, self.lr_schedule = spec_optimizer(spec)
         self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
-        self.settings = sampling_settings(config, stop_token_ids)
+        self.settings = sampling_settings(spec, stop_token_ids)
         self.num_prompts, self.n = tc.prompts_per_step, rc.n
-        self.prompt_buckets = tuple(sorted(config.data.prompt_buckets))
-        self.response_buckets = tuple(sorted(rc.response_buckets)) or (rc.max_new_tokens,)
-        if self.response_buckets[-1] != rc.max_new_tokens:
-            raise ValueError(f"the largest response bucket ({self.response_buckets[-1]}) must equal "
-                             f"max_new_tokens ({rc.max_new_tokens})")
+        self.prompt_buckets = spec.data.prompt_buckets  # strictly increasing, as the response buckets (the spec)
+        self.response_buckets = rc.buckets
         self.sampler_calls = rc.micro_batches
-        self.logprob_micro_batches = logprob_micro_batches(config)
+        self.logprob_micro_batches = spec.logprob_micro_batches
         self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
         self.packing = tc.packing
         self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
         if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
-            self.packed_length = tc.packed_length or self.prompt_buckets[-1] + rc.max_new_tokens
+            self.packed_length = spec.packed_length
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
         self.update = make_update_step(
-            graphdef, self.optimizer, config.algorithm.objective, group_size=rc.n,
-            objective_options=options_for(config.algorithm),
+            graphdef, self.optimizer, spec.algorithm.objective, group_size=rc.n,
+            objective_options=spec.algorithm.options,
             num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature, state_shardings=self.state_shardings, **extra)
         self.pi_old = self._pi_old_program(extra)
         rows = batch_sharding((0, 0))
@@ -129,20 +124,20 @@ class StepPrograms:
         self.critic_state = self.critic = None
         if critic is not None:
             self.add_critic(critic)
-        wc = config.warmstart
+        wc = spec.warmstart
         self.warmstart = warmstart.sft_step(graphdef, wc, params) if wc.steps > 0 else None
-        self.warmstart_rows = (wc.batch_size, config.data.max_prompt_length, wc.max_response_tokens)
+        self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
 
     def add_critic(self, critic: CriticState) -> None:
         """Make PPO's two critic programs for ``critic``'s graph, state shardings and optimizer."""
         self.critic_state = critic
         self.critic = critic_programs(
             critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
-            values_micro_batches=self.logprob_micro_batches, **config_critic_options(self.config))
+            values_micro_batches=self.logprob_micro_batches, **critic_options(self.spec))
 
     def _pi_old_program(self, extra: dict) -> Callable:
         graphdef, settings, K = self.graphdef, self.settings, self.logprob_micro_batches
-        rows = batch_sharding((0, 0))  # the update batch's rows always divide (validate_config)
+        rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
         replicated = sharding.replicated()
 
         def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None):
@@ -170,8 +165,8 @@ class StepPrograms:
         return self.prompt_buckets[-1], self.settings.max_new_tokens
 
     def _layouts(self) -> dict[str, dict]:
-        """Each packed pass's layout (``packed_layouts``) on the mesh the programs are made on."""
-        return packed_layouts(self.config, self.batch_shards, critic=self.critic is not None)
+        """Each packed pass's layout (``RunSpec.packed_layouts``) on the mesh the programs are made on."""
+        return self.spec.packed_layouts(self.batch_shards, critic=self.critic is not None)
 
     def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
         """The step's packing plans, by pass ("logprob", "update", PPO's "critic"), from every row's

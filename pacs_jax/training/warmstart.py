@@ -1,4 +1,4 @@
-"""The supervised warm-start (``config.warmstart``): teacher-forced cross-entropy before RL.
+"""The supervised warm-start (the spec's ``warmstart``): teacher-forced cross-entropy before RL.
 
 Each training prompt's target response is ``warmstart.response`` with its gold answer filled in
 (``\\boxed{{{answer}}}``: the format the reward parses), then the tokenizer's eos. A step draws
@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -42,6 +41,7 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import response_logprobs
 from pacs_jax.sampling.buckets import left_pad
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, state_shardings
+from pacs_jax.training.spec import WarmstartSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,8 @@ class SFTStep(NamedTuple):
     opt_shardings: object  # the AdamW state's shardings the step keeps
 
 
-def sft_step(graphdef: nnx.GraphDef, wc: ml_collections.ConfigDict, params) -> SFTStep:
-    """The warm-start step of ``wc`` (``config.warmstart``: AdamW at ``lr``, ``weight_decay``; responses
+def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params) -> SFTStep:
+    """The warm-start step of ``wc`` (``warmstart``: AdamW at ``lr``, ``weight_decay``; responses
     of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings)."""
     optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
     shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, params)))
@@ -121,7 +121,7 @@ def probe_accuracy(model: Qwen, examples: Sequence[PromptExample], tokenizer, po
     return float(np.mean(pool.score(texts, [e.problem.ground_truth for e in examples], reward_name).scores))
 
 
-def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: ml_collections.ConfigDict, *,
+def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: WarmstartSpec, *,
                program: SFTStep, probe: Sequence[PromptExample], prompt_length: int, seed: int, pool: RewardPool, reward_name: str,
                probe_max_new_tokens: int, stop_token_ids: Sequence[int],
                safe_point: Callable[[], object] | None = None) -> tuple[Qwen, WarmStartResult]:

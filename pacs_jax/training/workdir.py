@@ -43,7 +43,7 @@ from pacs_jax.checkpoints import MODEL_CONFIG_FILE
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.rl.objectives import options_for
-from pacs_jax.training.config_check import ConfigError
+from pacs_jax.training.spec import ConfigError, RunSpec
 
 LOCK_FILE = "trainer.lock"
 CONFIG_FILE = "config.json"
@@ -288,8 +288,8 @@ def _recorded(config_json: epath.Path, section: str, field: str):
         return None
 
 
-def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, model_cfg: QwenConfig | None) -> int:
-    """The latest checkpoint step of ``workdir`` (0: none), after checking that this config can resume it.
+def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfig | None) -> int:
+    """The latest checkpoint step of ``workdir`` (0: none), after checking that the run of ``spec`` can resume it.
 
     model_cfg: the model this config builds (None: unknown before loading it; the shapes are then
     not compared). Raises ``ConfigError`` naming every field that differs from the checkpoints' run
@@ -317,15 +317,15 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
             old, new = getattr(stored_cfg, field), getattr(model_cfg, field)
             if old != new:
                 differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r})")
-    objective = config.algorithm.objective
+    objective = spec.algorithm.objective
     old_objective = _recorded(workdir / CONFIG_FILE, "algorithm", "objective")
     if old_objective is not None and old_objective != objective:
         differs.append(f"algorithm.objective (checkpoint {old_objective!r}, this config {objective!r})")
     # the data iterator's saved position counts batches of the recorded size
     old_prompts = _recorded(workdir / CONFIG_FILE, "train", "prompts_per_step")
-    if old_prompts is not None and old_prompts != config.train.prompts_per_step:
+    if old_prompts is not None and old_prompts != spec.train.prompts_per_step:
         differs.append(f"train.prompts_per_step (checkpoint {old_prompts!r}, this config "
-                       f"{config.train.prompts_per_step!r}: the data position counts batches of the checkpoint's)")
+                       f"{spec.train.prompts_per_step!r}: the data position counts batches of the checkpoint's)")
     has_critic = (root / str(latest) / "critic_params").is_dir()
     if has_critic and objective != "ppo":
         differs.append(f"the critic (the checkpoint has a PPO critic; objective {objective!r} has none)")
@@ -336,9 +336,9 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
             f"{workdir}: cannot resume the checkpoints in {root} (latest step {latest}) with this config: it "
             f"differs from their run in {len(differs)} field(s): " + "; ".join(differs)
             + f". Resume with that run's settings ({workdir / CONFIG_FILE}) or use another --workdir")
-    if config.train.steps < latest:
+    if spec.train.steps < latest:
         raise ConfigError(
-            f"config.train.steps: {config.train.steps} is below the step of the checkpoint in {root} "
+            f"config.train.steps: {spec.train.steps} is below the step of the checkpoint in {root} "
             f"({latest}): nothing to train (a checkpoint is never rolled back). Set train.steps above {latest} to "
             f"train further, or use another --workdir")
     return latest

@@ -1,0 +1,779 @@
+"""The run's typed spec (docs/design.md section 3.0): the locked config read once, at the edge.
+
+    spec = RunSpec.from_config(config)                  # train.py, evaluate.py, check_config, the tools
+    spec.rollout.sampler.call_settings(responses)       # a section, with what is derived from it
+    dataclasses.replace(spec, train=dataclasses.replace(spec.train, packed_rows=8))   # a tool's edit
+
+Each section is a frozen dataclass that checks its own values in ``__post_init__``; ``RunSpec`` checks
+how the sections fit together (divisibility, the mesh against the devices, the packed layouts, the
+sampler's slots and pages) and derives what more than one module needs (micro-batch rows, the packed
+length and layouts, the sampler's slots, tail and pages, the eval sets' names, the updates of the
+run, the critic's aggregation). Every error is ``ConfigError`` naming the dotted field and the fix:
+``config.a.b: what is wrong: the fix`` (status 78). What reads files (the model folder, the tokenizer,
+the data rows, the evaluation sets) is training/config_check.py's, on a built spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pacs_jax.data.fields import FORMATS
+from pacs_jax.data.prompts import CHAR_TOKENIZER
+from pacs_jax.data.sources import SOURCES
+from pacs_jax.errors import PermanentError
+from pacs_jax.evaluation.runner import EvalSettings
+from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
+from pacs_jax.rewards import REWARD_MODES, REWARDS
+from pacs_jax.rl.objectives import OBJECTIVES, OptionError
+from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
+from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
+from pacs_jax.sampling.settings import SAMPLERS, row_pages
+from pacs_jax.sharding import mesh_shape
+from pacs_jax.training.optim import SCHEDULES
+
+# The architecture fields of config.model that a model of the config's own needs (> 0).
+ARCHITECTURE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "rope_theta")
+
+
+class ConfigError(PermanentError, ValueError):
+    """A config value is wrong; the message starts with the field's dotted name (or, for a resume
+    that does not fit its workdir, the workdir). Permanent: the CLIs exit with status 78."""
+
+
+def require(ok: bool, field: str, message: str) -> None:
+    """Raise ``ConfigError("config.<field>: <message>")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"config.{field}: {message}")
+
+
+def _plain(value):
+    """A ConfigDict value as a spec holds it: tuples for sequences, dicts for sections."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _fields(cls, section, **given) -> dict[str, Any]:
+    """``cls``'s fields read from the config ``section`` (those not ``given``)."""
+    return {**{f.name: _plain(section[f.name]) for f in dataclasses.fields(cls) if f.name not in given}, **given}
+
+
+def _check_buckets(buckets: tuple, field: str, largest: int, largest_field: str, allow_empty: bool) -> None:
+    if allow_empty and not buckets:
+        return
+    require(bool(buckets) and all(isinstance(b, int) and b >= 1 for b in buckets), field,
+            f"must be a non-empty tuple of positive integers, got {buckets!r}")
+    require(list(buckets) == sorted(set(buckets)), field, f"must be strictly increasing, got {buckets!r}")
+    require(buckets[-1] == largest, field, f"the largest bucket ({buckets[-1]}) must equal {largest_field}={largest}")
+
+
+def _int_at_least(value, low: int, field: str, what: str = "") -> None:
+    require(isinstance(value, int) and value >= low, field, f"must be an integer >= {low}{what}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """``config.train``: the step's sizes, packing, checkpoints and progress lines."""
+
+    steps: int
+    prompts_per_step: int
+    mini_batches: int
+    micro_batches: int
+    logprob_micro_batches: int
+    packing: bool
+    packed_length: int
+    packed_rows: int
+    precompile: bool
+    checkpoint_every: int
+    keep_checkpoints: int
+    progress_seconds: float
+
+    def __post_init__(self):
+        for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
+            _int_at_least(getattr(self, field), 1, f"train.{field}")
+        for field in ("checkpoint_every", "keep_checkpoints"):
+            _int_at_least(getattr(self, field), 0, f"train.{field}")
+        require(isinstance(self.progress_seconds, (int, float)) and self.progress_seconds >= 0, "train.progress_seconds",
+                f"must be a number of seconds >= 0, got {self.progress_seconds!r}")
+        require(isinstance(self.packing, bool), "train.packing", f"must be True or False, got {self.packing!r}")
+        require(isinstance(self.packed_rows, int) and self.packed_rows >= 0, "train.packed_rows",
+                f"must be 0 (a quarter of a padded micro-batch's rows) or a positive integer, got {self.packed_rows!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """The sampler of a section (``rollout``, ``eval``: its ``field``, for messages): its kind, decode
+    slots, narrowing tail and K/V pages. tail_slots narrows the continuous and paged samplers' slots,
+    so it is at most slots, and the static sampler (a slot per response, no narrowing) takes none."""
+
+    field: str
+    sampler: str
+    slots: int
+    tail_slots: int
+    page_size: int
+    pages: int
+
+    @classmethod
+    def from_config(cls, section, field: str) -> SamplerSpec:
+        return cls(**_fields(cls, section, field=field))
+
+    def __post_init__(self):
+        name = self.field
+        require(isinstance(self.page_size, int) and self.page_size >= 1, f"{name}.page_size",
+                f"must be an integer >= 1 (tokens a K/V page), got {self.page_size!r}")
+        require(self.sampler in SAMPLERS, f"{name}.sampler", f"{self.sampler!r} is not one of {SAMPLERS}")
+        require(isinstance(self.slots, int) and self.slots >= 1, f"{name}.slots",
+                f"must be an integer >= 1 (decode slots per sampler call), got {self.slots!r}")
+        tail = self.tail_slots
+        require(isinstance(tail, int) and tail >= 0, f"{name}.tail_slots",
+                f"must be an integer >= 0 (0: the decode batch never narrows), got {tail!r}")
+        require(not tail or self.sampler != "static", f"{name}.tail_slots",
+                f"{tail}, but {name}.sampler is {self.sampler!r}, which gives every response its own slot and never "
+                f"narrows: set {name}.tail_slots=0, or {name}.sampler=continuous (or paged)")
+        require(tail <= self.slots, f"{name}.tail_slots",
+                f"{tail} is more than {name}.slots={self.slots}: the decode batch narrows from slots down to "
+                f"tail_slots; set it to at most {self.slots} (0: no narrowing)")
+
+    def call_slots(self, responses: int | None = None) -> int | None:
+        """The decode slots of a call of ``responses`` rows (None: uncapped): ``slots`` capped at them
+        (continuous, paged); None (one slot per response) for the static sampler."""
+        if self.sampler == "static":
+            return None
+        return self.slots if responses is None else min(self.slots, responses)
+
+    def call_settings(self, responses: int | None = None) -> dict[str, int | None]:
+        """``SamplingSettings``' slots, tail_slots, page_size and pages for a call of ``responses`` rows:
+        slots as ``call_slots``; tail_slots None without narrowing, else at most the slots; page_size
+        and pages None but for the paged sampler (pages 0: None, every slot's longest response)."""
+        slots = self.call_slots(responses)
+        paged = self.sampler == "paged"
+        return dict(slots=slots, tail_slots=None if slots is None or not self.tail_slots else min(self.tail_slots, slots),
+                    page_size=self.page_size if paged else None, pages=(self.pages or None) if paged else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """``config.rollout``: RL's sampling (its sampler section: ``sampler``)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    response_buckets: tuple[int, ...]
+    micro_batches: int
+    max_logprob_diff: float
+    sampler: SamplerSpec
+
+    @classmethod
+    def from_config(cls, section) -> RolloutSpec:
+        return cls(**_fields(cls, section, sampler=SamplerSpec.from_config(section, "rollout")))
+
+    def __post_init__(self):
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        require(self.temperature > 0, "rollout.temperature", f"RL samples need temperature > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "rollout.stop_token_ids",
+                f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        _check_buckets(self.response_buckets, "rollout.response_buckets", self.max_new_tokens,
+                       "rollout.max_new_tokens", allow_empty=True)
+        require(self.max_logprob_diff >= 0, "rollout.max_logprob_diff",
+                f"must be >= 0 (0: report the sampler / pi_old mismatch only), got {self.max_logprob_diff}")
+        pages, longest = self.sampler.pages, row_pages(self.sampler.page_size, self.max_new_tokens)
+        require(isinstance(pages, int) and (pages == 0 or pages >= longest), "rollout.pages",
+                f"must be 0 (every slot's longest response) or hold one response's {longest} pages "
+                f"(rollout.max_new_tokens / page_size), got {pages!r}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The response buckets (``response_buckets``; none: one, ``max_new_tokens``)."""
+        return self.response_buckets or (self.max_new_tokens,)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """``config.algorithm``: the objective and the options it runs with (its namespace, resolved)."""
+
+    objective: str
+    options: dict[str, Any]
+
+    @classmethod
+    def from_config(cls, section) -> AlgorithmSpec:
+        """The objective of ``section``; an option set in the namespace of an objective that does not
+        run is refused (it would be dropped): every other namespace holds the registry's defaults."""
+        chosen = section.objective
+        require(chosen in OBJECTIVES, "algorithm.objective", f"{chosen!r} is not one of {sorted(OBJECTIVES)}")
+        for name, spec in OBJECTIVES.items():
+            for option, default in spec.defaults.items():
+                value = section[name][option]
+                if name == chosen or value == default:
+                    continue
+                instead = (f"set algorithm.{chosen}.{option}" if option in OBJECTIVES[chosen].defaults
+                           else f"{chosen!r} takes no option {option!r}")
+                raise ConfigError(f"config.algorithm.{name}.{option}: {value!r} is set, but algorithm.objective is "
+                                  f"{chosen!r}, which does not read algorithm.{name} ({instead})")
+        return cls(objective=chosen, options=dict(section[chosen]))
+
+    def __post_init__(self):
+        try:
+            OBJECTIVES[self.objective].check_options(self.options)
+        except OptionError as e:
+            raise ConfigError(f"config.algorithm.{self.objective}.{e.option}: objective {self.objective!r}: {e}") from e
+
+    @property
+    def min_group_size(self) -> int:
+        return OBJECTIVES[self.objective].min_group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSpec:
+    """``config.critic``: PPO's critic (read only when the objective is "ppo")."""
+
+    path: str
+    lr: float
+    b1: float
+    b2: float
+    weight_decay: float
+    grad_clip: float
+    clip_range_value: float
+    gamma: float
+    lam: float
+    loss_agg_mode: str
+    loss_scale: str
+    verl_micro_batch_size: int
+
+    def __post_init__(self):
+        require(self.lr > 0, "critic.lr", f"must be > 0, got {self.lr}")
+        require(self.grad_clip >= 0, "critic.grad_clip", f"must be >= 0 (0 = none), got {self.grad_clip}")
+        require(self.weight_decay >= 0, "critic.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(self.clip_range_value > 0, "critic.clip_range_value", f"must be > 0, got {self.clip_range_value}")
+        for field in ("gamma", "lam"):
+            value = getattr(self, field)
+            require(0.0 <= value <= 1.0, f"critic.{field}", f"must be in [0, 1], got {value}")
+        require(self.loss_agg_mode == "actor" or self.loss_agg_mode in LOSS_AGG_MODES, "critic.loss_agg_mode",
+                f"{self.loss_agg_mode!r} is neither 'actor' (the actor's) nor one of {LOSS_AGG_MODES}")
+        require(self.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{self.loss_scale!r} is not one of {LOSS_SCALES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    """``config.optim``: the actor's AdamW and its schedule."""
+
+    lr: float
+    b1: float
+    b2: float
+    weight_decay: float
+    schedule: str
+    warmup_steps: int
+    grad_clip: float
+
+    def __post_init__(self):
+        require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        require(self.schedule in SCHEDULES, "optim.schedule", f"{self.schedule!r} is not one of {SCHEDULES}")
+        require(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = none), got {self.grad_clip}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """``config.reward``: the reward function and its scoring pool's limits."""
+
+    name: str
+    mode: str
+    item_timeout: float
+    workers: int
+    deadline: float
+    max_unscored_fraction: float
+
+    def __post_init__(self):
+        require(self.name in REWARDS, "reward.name", f"{self.name!r} is not one of {sorted(REWARDS)}")
+        require(self.item_timeout > 0, "reward.item_timeout", "must be > 0")
+        require(self.mode in REWARD_MODES, "reward.mode", f"{self.mode!r} is not one of {REWARD_MODES}")
+        require(0.0 <= self.max_unscored_fraction <= 1.0, "reward.max_unscored_fraction",
+                f"must be in [0, 1], got {self.max_unscored_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """``config.model``: where the model comes from (path, preset, or its own architecture fields) and
+    how it runs. ``model.random_init`` trains a ``model.preset`` from random weights only when asked
+    to by name: a forgotten ``model.path`` must not cost a slice-day on a random 7B."""
+
+    path: str
+    preset: str
+    random_init: bool
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    vocab_size: int
+    dtype: str
+    param_dtype: str
+    remat: str
+    attention: str
+    attention_block_size: int
+
+    def __post_init__(self):
+        require(self.remat in REMAT_POLICIES, "model.remat", f"{self.remat!r} is not one of {REMAT_POLICIES}")
+        for field in ("dtype", "param_dtype"):
+            value = getattr(self, field)
+            require(value in ("float32", "bfloat16", "float16"), f"model.{field}", f"{value!r} is not a float dtype")
+        if not self.path and self.preset:
+            require(self.preset in PRESETS, "model.preset",
+                    f"{self.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint, "
+                    "or leave both empty for the architecture fields of config.model)")
+        require(self.attention in ATTENTION_IMPLS, "model.attention",
+                f"{self.attention!r} is not one of {ATTENTION_IMPLS}")
+        _int_at_least(self.attention_block_size, 1, "model.attention_block_size")
+        if not (self.path or self.preset):  # a model of the config's own (configs/base.py): every architecture field
+            require(self.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
+                    f"{self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES} (or set model.path or model.preset)")
+            for field in ARCHITECTURE_SIZES:
+                value = getattr(self, field)
+                require(value > 0, f"model.{field}", f"must be > 0 without model.path or model.preset, got {value!r}")
+        require(isinstance(self.random_init, bool), "model.random_init",
+                f"must be True or False, got {self.random_init!r}")
+        require(not (self.random_init and self.path), "model.random_init",
+                f"True, but model.path={self.path!r} is set too: one or the other")
+
+    def check_source(self) -> None:
+        """A preset trains from random weights only with ``random_init``: else ``model.path`` is missing
+        (checked with the files a spec names, training/config_check.py ``check_spec``)."""
+        require(bool(self.path) or not self.preset or self.random_init, "model.path",
+                f"not set: the {self.preset} preset would train from random weights; pass the released model's folder "
+                f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
+                f"--config.model.random_init=True to train it from random weights on purpose")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """``config.mesh``: the (data, fsdp, tensor) sizes (one may be -1) and the devices' order."""
+
+    data: int
+    fsdp: int
+    tensor: int
+    device_order: tuple[int, ...]
+
+    def shape(self, devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) on ``devices`` devices (``sharding.mesh_shape``), refused naming the field."""
+        try:
+            shape = mesh_shape(self.data, self.fsdp, self.tensor, devices)
+            if self.device_order and sorted(self.device_order) != list(range(devices)):
+                raise ValueError(f"mesh.device_order={self.device_order}: must list each of the positions "
+                                 f"0..{devices - 1} of the devices once")
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from e
+        return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticSpec:
+    problems: int
+    max_operand: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """``config.data``: the training problems' source, the splits, the tokenizer and the prompts. A
+    files field (train_files, format) set for the generated task, which does not read it, is refused
+    naming the source: it would be dropped silently."""
+
+    source: str
+    train_files: tuple[str, ...]
+    format: str
+    arithmetic: ArithmeticSpec
+    held_out_problems: int
+    warmstart_problems: int
+    tokenizer: str
+    tokenizer_force: bool
+    instruction: str
+    max_prompt_length: int
+    prompt_buckets: tuple[int, ...]
+    shuffle_seed: int
+    allow_skips: bool
+
+    @classmethod
+    def from_config(cls, section) -> DataSpec:
+        return cls(**_fields(cls, section, arithmetic=ArithmeticSpec(**section.arithmetic)))
+
+    def __post_init__(self):
+        _check_buckets(self.prompt_buckets, "data.prompt_buckets", self.max_prompt_length, "data.max_prompt_length",
+                       allow_empty=False)
+        require(self.source in SOURCES, "data.source", f"{self.source!r} is not one of {SOURCES}")
+        require(self.format == "auto" or self.format in FORMATS, "data.format",
+                f"{self.format!r} is not 'auto' nor one of {sorted(FORMATS)}")
+        if self.source == "files":
+            require(bool(self.train_files), "data.train_files", "no training files given (data.source is \"files\")")
+        else:
+            for field, unset in (("train_files", ()), ("format", "auto")):
+                value = getattr(self, field)
+                require(value == unset, f"data.{field}",
+                        f"{value!r} is set, but data.source is {self.source!r}, which does not read it (it generates "
+                        "its problems): set data.source=files to train on files, or leave it unset")
+            for field in ("problems", "max_operand"):
+                _int_at_least(getattr(self.arithmetic, field), 1, f"data.arithmetic.{field}")
+        for field in ("held_out_problems", "warmstart_problems"):
+            _int_at_least(getattr(self, field), 0, f"data.{field}")
+        if self.source == "arithmetic":
+            require(self.warmstart_problems < self.arithmetic.problems, "data.warmstart_problems",
+                    f"{self.warmstart_problems} leaves RL none of the {self.arithmetic.problems} training problems "
+                    "(data.arithmetic.problems counts the warm-start's too)")
+        require(isinstance(self.tokenizer_force, bool), "data.tokenizer_force",
+                f"must be True or False, got {self.tokenizer_force!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmstartSpec:
+    """``config.warmstart``: the supervised phase before RL (0 steps: none; its other fields unread)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    response: str
+    max_response_tokens: int
+    target_accuracy: float
+    check_every: int
+    probe_problems: int
+
+    def __post_init__(self):
+        for field in ("steps", "check_every", "probe_problems"):
+            _int_at_least(getattr(self, field), 0, f"warmstart.{field}")
+        if not self.steps:
+            return
+        _int_at_least(self.batch_size, 1, "warmstart.batch_size")
+        require(self.lr > 0, "warmstart.lr", f"must be > 0, got {self.lr}")
+        _int_at_least(self.max_response_tokens, 2, "warmstart.max_response_tokens", " (the answer and eos)")
+        require(0.0 <= self.target_accuracy <= 1.0, "warmstart.target_accuracy",
+                f"must be in [0, 1] (0: run every step), got {self.target_accuracy}")
+        if self.target_accuracy > 0:
+            require(self.check_every >= 1 and self.probe_problems >= 1, "warmstart.check_every",
+                    "warmstart.check_every and warmstart.probe_problems must be >= 1 with a target_accuracy")
+        try:
+            self.response.format(answer="0")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"config.warmstart.response: {self.response!r} must be a str.format template with the "
+                              f"one field {{answer}} ({e!r})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettingsSpec:
+    """One evaluation's sampling (``eval.periodic``, ``eval.final``, an ``eval.final.per_set`` entry:
+    ``field``, for messages); max_new_tokens None: ``eval.max_new_tokens``."""
+
+    field: str
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        field = self.field
+        _int_at_least(self.n, 1, f"{field}.n")
+        require(self.temperature >= 0, f"{field}.temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
+        require(self.temperature > 0 or self.n == 1, f"{field}.n",
+                f"greedy decoding (temperature 0) gives one response per problem, got n={self.n}")
+        require(0 < self.top_p <= 1, f"{field}.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens is not None:
+            _int_at_least(self.max_new_tokens, 1, f"{field}.max_new_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """``config.eval``: the sets, their sampler and the periodic, final and per-set settings (the
+    training run's and the evaluation CLI's). A per-set entry for a set not in ``sets`` waits."""
+
+    sets: tuple[str, ...]
+    set_files: dict[str, str]
+    data_dir: str
+    max_new_tokens: int
+    max_problems: int
+    batch_size: int
+    sampler: SamplerSpec
+    before_rl: bool
+    every: int
+    periodic: EvalSettingsSpec
+    final: EvalSettingsSpec
+    greedy: bool
+    per_set: dict[str, EvalSettingsSpec]
+
+    @classmethod
+    def from_config(cls, ec) -> EvalSpec:
+        """The eval section of a config; its settings are checked in the order the sections are read."""
+        names = ec.sets.split(",") if isinstance(ec.sets, str) else ec.sets
+        names = tuple(n.strip() for n in names if n.strip())
+        for field in ("max_new_tokens", "batch_size"):
+            _int_at_least(ec[field], 1, f"eval.{field}")
+        sampler = SamplerSpec.from_config(ec, "eval")
+        require(isinstance(ec.pages, int) and ec.pages >= 0, "eval.pages",
+                f"must be an integer >= 0 (0: every slot's longest response), got {ec.pages!r}")
+        _int_at_least(ec.periodic.every, 0, "eval.periodic.every", " (0: none)")
+        periodic, final = ({f: ec[section][f] for f in ("n", "temperature", "top_p")} for section in ("periodic", "final"))
+        per_set = {}
+        for name, settings in ec.final.per_set.items():
+            field = f"eval.final.per_set.{name}"
+            require(name in ec.set_files or name == "held_out", field,
+                    f"{name!r} names no evaluation set (eval.set_files: {sorted(ec.set_files)}, or \"held_out\")")
+            require(sorted(settings) == ["max_new_tokens", "n", "temperature", "top_p"], field,
+                    f"must give n, temperature, top_p and max_new_tokens, got {sorted(settings)}")
+            per_set[name] = EvalSettingsSpec(field, **settings)
+        return cls(sets=names, set_files=dict(ec.set_files), data_dir=ec.data_dir, max_new_tokens=ec.max_new_tokens,
+                   max_problems=ec.max_problems, batch_size=ec.batch_size, sampler=sampler, before_rl=ec.before_rl,
+                   every=ec.periodic.every, periodic=EvalSettingsSpec("eval.periodic", **periodic),
+                   final=EvalSettingsSpec("eval.final", **final), greedy=ec.final.greedy, per_set=per_set)
+
+    @property
+    def per_set_settings(self) -> dict[str, EvalSettings]:
+        """The per-set entries as the evaluation runner takes them (``evaluate_per_set``'s settings)."""
+        return {name: EvalSettings(s.n, float(s.temperature), float(s.top_p), s.max_new_tokens)
+                for name, s in self.per_set.items()}
+
+    @property
+    def evaluated_per_set(self) -> dict[str, EvalSettingsSpec]:
+        """The per-set entries of the sets evaluated (``sets``)."""
+        return {name: s for name, s in self.per_set.items() if name in self.sets}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A training run: every section, checked against the others and the ``devices`` it runs on
+    (None: not yet known, ``unplaced``).
+
+    critic: None unless the objective is "ppo" (the section is read only then)."""
+
+    seed: int
+    workdir: str
+    devices: int | None
+    model: ModelSpec
+    mesh: MeshSpec
+    data: DataSpec
+    warmstart: WarmstartSpec
+    rollout: RolloutSpec
+    algorithm: AlgorithmSpec
+    critic: CriticSpec | None
+    optim: OptimSpec
+    train: TrainSpec
+    reward: RewardSpec
+    eval: EvalSpec
+
+    @classmethod
+    def from_config(cls, config, device_count: int | None = None) -> RunSpec:
+        """The spec of a locked training ``config`` on ``device_count`` devices (None: those there are),
+        each section checked as it is read (``ConfigError`` naming the field)."""
+        import jax
+
+        return cls.unplaced(config).on_devices(device_count or jax.device_count())
+
+    @classmethod
+    def unplaced(cls, config) -> RunSpec:
+        """``from_config`` before the devices are known (``devices`` None): every check but the mesh's
+        and what the mesh must divide (``on_devices``)."""
+        train = TrainSpec(**_fields(TrainSpec, config.train))
+        ev = EvalSpec.from_config(config.eval)
+        algorithm = AlgorithmSpec.from_config(config.algorithm)
+        rollout = RolloutSpec.from_config(config.rollout)
+        critic = CriticSpec(**_fields(CriticSpec, config.critic)) if algorithm.objective == "ppo" else None
+        optim = OptimSpec(**_fields(OptimSpec, config.optim))
+        reward = RewardSpec(**_fields(RewardSpec, config.reward))
+        model = ModelSpec(**_fields(ModelSpec, config.model))
+        data = DataSpec.from_config(config.data)
+        warmstart = WarmstartSpec(**_fields(WarmstartSpec, config.warmstart))
+        return cls(seed=config.seed, workdir=config.workdir, devices=None, model=model,
+                   mesh=MeshSpec(**_fields(MeshSpec, config.mesh)), data=data, warmstart=warmstart, rollout=rollout,
+                   algorithm=algorithm, critic=critic, optim=optim, train=train, reward=reward, eval=ev)
+
+    def on_devices(self, devices: int) -> RunSpec:
+        """This spec on ``devices`` devices: the mesh checked against them, and the batch shards it makes
+        against the micro-batches, the packed passes and the sampler's slots."""
+        return dataclasses.replace(self, devices=devices)
+
+    def __post_init__(self):
+        """How the sections fit together."""
+        tc, rc = self.train, self.rollout
+        for name in self.eval.sets:
+            require(name == "held_out" or name in self.eval.set_files, "eval.sets",
+                    f"{name!r} has no entry in eval.set_files (or \"held_out\")")
+        require("held_out" not in self.eval.sets or self.data.held_out_problems > 0, "eval.sets",
+                "\"held_out\" needs data.held_out_problems > 0")
+        objective = self.algorithm.objective
+        require(isinstance(rc.n, int) and rc.n >= self.algorithm.min_group_size, "rollout.n",
+                f"{objective} compares the responses of a prompt and needs n >= {self.algorithm.min_group_size}, "
+                f"got {rc.n!r}")
+        require(isinstance(rc.micro_batches, int) and rc.micro_batches >= 1
+                and tc.prompts_per_step % rc.micro_batches == 0, "rollout.micro_batches",
+                f"{rc.micro_batches!r} must be an integer >= 1 dividing train.prompts_per_step={tc.prompts_per_step}")
+        require(isinstance(tc.logprob_micro_batches, int) and tc.logprob_micro_batches >= 0
+                and self.responses % max(tc.logprob_micro_batches, 1) == 0, "train.logprob_micro_batches",
+                f"{tc.logprob_micro_batches!r} must be 0 (= mini_batches x micro_batches) or an integer dividing the "
+                f"{self.responses} responses of a step")
+        require(isinstance(tc.packed_length, int) and (tc.packed_length == 0 or tc.packed_length >= self.row_width),
+                "train.packed_length", f"{tc.packed_length!r} must be 0 (= the largest prompt bucket + "
+                f"rollout.max_new_tokens) or at least that, {self.row_width}, so that every sequence fits a row")
+        require(tc.prompts_per_step % tc.mini_batches == 0, "train.mini_batches",
+                f"{tc.mini_batches} does not divide train.prompts_per_step={tc.prompts_per_step} "
+                "(mini-batches hold whole prompt groups)")
+        per_mini = tc.prompts_per_step // tc.mini_batches
+        require(per_mini % tc.micro_batches == 0, "train.micro_batches",
+                f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
+        if self.algorithm.options.get("loss_scale") == "verl":
+            self._check_verl_micro_batch(self.algorithm.options.get("verl_micro_batch_size"), f"algorithm.{objective}")
+        if self.critic is not None and self.critic.loss_scale == "verl":
+            self._check_verl_micro_batch(self.critic.verl_micro_batch_size, "critic")
+        self._check_warmstart_data()
+        if self.devices is None:
+            return
+        batch_shards = self.batch_shards
+        require(self.micro_rows % batch_shards == 0, "train.prompts_per_step",
+                f"a micro-batch of {self.micro_rows} responses (prompts_per_step x rollout.n / mini_batches / "
+                f"micro_batches) is not divisible by the mesh's data x fsdp = {batch_shards}")
+        if tc.packing:  # every packed pass holds a prompt group (train.packed_rows), as the step's programs plan them
+            self.packed_layouts(batch_shards, critic=self.critic is not None)
+        if rc.sampler.sampler != "static":
+            slots = self.sampler_slots
+            require(slots % batch_shards == 0, "rollout.slots",
+                    f"{rc.sampler.slots}, capped at a sampler call's {slots} responses (prompts_per_step / "
+                    f"rollout.micro_batches x rollout.n), must be a multiple of the mesh's data x fsdp = {batch_shards} "
+                    "(one queue per batch shard)")
+
+    def _check_verl_micro_batch(self, size, section: str) -> None:
+        require(isinstance(size, int) and size >= 1 and self.micro_rows % size == 0, f"{section}.verl_micro_batch_size",
+                f"{size!r} must be an integer >= 1 dividing the {self.micro_rows} responses of an update micro-batch "
+                "(train.prompts_per_step x rollout.n / train.mini_batches / train.micro_batches)")
+
+    def _check_warmstart_data(self) -> None:
+        """The warm-start's problems against its steps, and (the generated task with the char tokenizer:
+        the longest target is known now) its response length against the longest answer."""
+        wc, dc = self.warmstart, self.data
+        if not wc.steps:
+            require(not dc.warmstart_problems, "data.warmstart_problems",
+                    f"sets {dc.warmstart_problems} problems aside for a warm-start, but warmstart.steps is 0 "
+                    "(set data.warmstart_problems=0 to give them to RL)")
+            return
+        if dc.source == "arithmetic" and dc.tokenizer == CHAR_TOKENIZER:
+            longest = len(wc.response.format(answer=str(2 * dc.arithmetic.max_operand))) + 1  # + eos
+            require(longest <= wc.max_response_tokens, "warmstart.max_response_tokens",
+                    f"{wc.max_response_tokens} is shorter than the longest target response ({longest} tokens)")
+
+    def check_context(self, context: int) -> None:
+        """Every length the run samples or trains against the model's ``context`` (max_position_embeddings):
+        a prompt of data.max_prompt_length tokens plus rollout.max_new_tokens, warmstart.max_response_tokens
+        (with a warm-start) and, when eval.sets names sets, eval.max_new_tokens and their
+        eval.final.per_set entries' must fit, or the sampler's KV cache (and the rotary positions) would run
+        past it."""
+        prompt = self.data.max_prompt_length
+        lengths = [("rollout.max_new_tokens", self.rollout.max_new_tokens)]
+        if self.eval.sets:
+            lengths.append(("eval.max_new_tokens", self.eval.max_new_tokens))
+        lengths += [(f"{s.field}.max_new_tokens", s.max_new_tokens) for s in self.eval.evaluated_per_set.values()]
+        if self.warmstart.steps:
+            lengths.append(("warmstart.max_response_tokens", self.warmstart.max_response_tokens))
+        for field, length in lengths:
+            require(prompt + length <= context, field,
+                    f"{length} with data.max_prompt_length={prompt} is {prompt + length} tokens, beyond the model's "
+                    f"context of {context} (max_position_embeddings): set it to at most {max(context - prompt, 0)}")
+
+    def check_tensor_axis(self, model_cfg) -> None:
+        """Refuse a tensor axis that does not divide the model's (``model_cfg``, a QwenConfig) query heads
+        or MLP width (the model would otherwise waste a factor of the axis in memory;
+        sharding.MUST_DIVIDE). Memory itself is checked on the compiled programs before step 1
+        (training/memory_check.py)."""
+        tensor = self.mesh_shape[2]
+        for field in ("num_attention_heads", "intermediate_size"):
+            require(getattr(model_cfg, field) % tensor == 0, "mesh.tensor",
+                    f"{tensor} does not divide the model's {field} ({getattr(model_cfg, field)}); choose a tensor "
+                    f"axis that divides it")
+
+    # ------------------------------------------------------------------------ derived values
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) on the spec's devices."""
+        return self.mesh.shape(self.devices)
+
+    @property
+    def batch_shards(self) -> int:
+        """The mesh's data x fsdp: the shards of a batch."""
+        data, fsdp, _ = self.mesh_shape
+        return data * fsdp
+
+    @property
+    def responses(self) -> int:
+        """Responses of a step: prompts_per_step x rollout.n."""
+        return self.train.prompts_per_step * self.rollout.n
+
+    @property
+    def micro_rows(self) -> int:
+        """Responses of an update micro-batch: prompts_per_step x n / mini_batches / micro_batches."""
+        return self.responses // self.train.mini_batches // self.train.micro_batches
+
+    @property
+    def row_width(self) -> int:
+        """The longest sequence: the largest prompt bucket + rollout.max_new_tokens."""
+        return max(self.data.prompt_buckets) + self.rollout.max_new_tokens
+
+    @property
+    def packed_length(self) -> int:
+        """Tokens a packed row (``train.packed_length``; 0: ``row_width``)."""
+        return self.train.packed_length or self.row_width
+
+    @property
+    def logprob_micro_batches(self) -> int:
+        """Forward passes of the pi_old pass and of PPO's values pass (``train.logprob_micro_batches``;
+        0: one per update micro-batch, ``mini_batches x micro_batches``)."""
+        tc = self.train
+        return tc.logprob_micro_batches or tc.mini_batches * tc.micro_batches
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps of the run: train.steps x train.mini_batches."""
+        return self.train.steps * self.train.mini_batches
+
+    @property
+    def call_responses(self) -> int:
+        """Responses of one training sampler call: prompts_per_step / rollout.micro_batches x n."""
+        return self.train.prompts_per_step // self.rollout.micro_batches * self.rollout.n
+
+    @property
+    def sampler_slots(self) -> int | None:
+        """The decode slots of a training sampler call (``SamplerSpec.call_slots``)."""
+        return self.rollout.sampler.call_slots(self.call_responses)
+
+    @property
+    def critic_loss_agg(self) -> tuple[str, int | None]:
+        """The critic's (loss_agg_mode, norm_length): ``critic.loss_agg_mode`` "actor" takes the actor's
+        (objective "ppo"'s options, ``algorithm.ppo``), as verl's critic does
+        (``critic.loss_agg_mode: ${actor_rollout_ref.actor.loss_agg_mode}``); a mode names its own. The
+        L_max of seq-mean-token-sum-norm is always the actor's ``norm_length`` (verl divides both losses by
+        the same padded response width)."""
+        actor, mode = self.algorithm.options, self.critic.loss_agg_mode
+        return (actor["loss_agg_mode"] if mode == "actor" else mode), actor["norm_length"]
+
+    def packed_layouts(self, batch_shards: int, *, critic: bool) -> dict[str, dict]:
+        """Each packed pass's layout (rl/packing.py ``plan_packing``'s arguments past the lengths and
+        widths) on a mesh whose batch axes make ``batch_shards``: the pi_old pass (also PPO's values), the
+        actor's update and, with ``critic``, PPO's critic update, each in passes of ``train.packed_rows`` rows a
+        shard (0: ``rl.packing.pass_rows``, a quarter of a padded micro-batch's) and at most
+        ``rl.packing.pass_slots`` passes a mini-batch."""
+        tc, B, W, Lp = self.train, self.responses, self.row_width, self.packed_length
+
+        def layout(mini_batches: int, micro_batches: int, unit: int) -> dict:
+            S = shards_for(B // mini_batches // micro_batches, batch_shards)
+            rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
+            if S * rows * (Lp // W) < unit:
+                raise ConfigError(f"config.train.packed_rows: {rows} rows a pass on each of {S} batch shards cannot "
+                                  f"hold a prompt group's {unit} sequences of up to {W} tokens; set it to 0 or at "
+                                  f"least {-(-unit // (S * (Lp // W)))}")
+            return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
+                        passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
+
+        layouts = {"logprob": layout(1, self.logprob_micro_batches, 1)}
+        if critic:
+            layouts["critic"] = layout(tc.mini_batches, tc.micro_batches, 1)
+        layouts["update"] = layout(tc.mini_batches, tc.micro_batches, self.rollout.n)
+        return layouts
