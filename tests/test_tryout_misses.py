@@ -23,6 +23,7 @@ from pacs_jax.data import load_problems
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.evaluation import EvalSet
 from pacs_jax.training import run
+from pacs_jax.training.spec import EvalSpec
 from train_helpers import load_config, train_env
 
 TINY = models.QwenConfig(model_type="qwen2", vocab_size=151936, hidden_size=8, intermediate_size=16,
@@ -124,6 +125,6 @@ def test_summary_accuracy_metric_states_each_evaluated_set_s_own_settings(shared
                                  for name in ("amc23", "aime_2024")}
     amc23, _ = load_problems(shared_data / "amc23" / "test.jsonl")
     sets = [EvalSet("amc23", amc23, "math"), EvalSet("held_out", amc23[:8], "math")]
-    assert run._accuracy_metric(config, sets) == (
+    assert run._accuracy_metric(EvalSpec.from_config(config.eval), sets) == (
         "mean reward of the samples per problem, averaged over the eval sets (amc23: 40 problems, 2 samples at "
         "temperature 1.0, eval.final.per_set; held_out: 8 problems, 4 samples at temperature 0.6)")

@@ -529,6 +529,7 @@ class SamplerCompiled:
 
     programs: tuple[jax.stages.Compiled, ...]
     parameter_bytes: int
+    later_chunk: jax.stages.Compiled | None = None  # the chunk program for a later chunk's carry (``SamplerLowered``)
 
     def as_text(self) -> str:
         return "\n".join(program.as_text() for program in self.programs)
@@ -566,8 +567,17 @@ class SamplerLowered:
                                              axes=self.axes)
         chunk = chunk_lowered.compile()
         loop = _results(chunk_lowered, chunk)[0]
+        # A later chunk takes the last one's carry, whose shardings the chunk program gives (some per-slot
+        # arrays sharded over the batch axes where the start program left them replicated): that program
+        # too is compiled here, so that no chunk compiles during a step.
+        later_lowered = _chunk_program.lower(self.graphdef, layout, queue, store, self.selection, loop, spec=self.spec,
+                                             axes=self.axes)
+        later = None
+        if later_lowered.as_text() != chunk_lowered.as_text():
+            later = later_lowered.compile()
+            loop = _results(later_lowered, later)[0]
         finish = _finish_program.lower(store, loop, origin, prefill_tokens, spec=self.spec, axes=self.axes).compile()
-        return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
+        return SamplerCompiled((start, chunk, finish), self.parameter_bytes, later)
 
 
 def _results(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled):
