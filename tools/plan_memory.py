@@ -79,19 +79,10 @@ def main(argv) -> int:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from pacs_jax.training import memory_check
     from pacs_jax.training.abstract_step import slice_devices
-    from pacs_jax.training.config_check import ConfigError
     from pacs_jax.training.spec import RunSpec
 
     spec = RunSpec.unplaced(_CONFIG.value)
-    try:
-        topo, spec, devices = slice_devices(spec, _TOPOLOGY.value, lambda s: print(f"[plan_memory] {s}", flush=True))
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise app.UsageError(f"--topology: {e}") from None
-    except RuntimeError as e:
-        print(f"plan_memory: {e}", file=sys.stderr)
-        return 2
+    topo, spec, devices = slice_devices(spec, _TOPOLOGY.value, lambda s: print(f"[plan_memory] {s}", flush=True), tool="plan_memory")
     print(f"[plan_memory] {topo.name}: {len(devices)} compile-only {devices[0].device_kind} devices, "
           f"{topo.hbm_bytes / memory_check.GiB:.0f} GiB HBM each", flush=True)
     names = tuple(n.strip() for n in _PROGRAMS.value.split(",") if n.strip())
@@ -117,23 +108,12 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
+    from absl import flags
 
-    _CONFIG = config_flags.DEFINE_config_file(
-        "config", str(REPO / "configs" / "paper.py") + ":qwen25_7b,pacs_beta1",
-        "trainer config (as for python -m pacs_jax.train), FILE.py:ARG", lock_config=True)
-    _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "target: a name of pacs_jax.topologies.TOPOLOGIES "
-                                                          "(v5p-64, v6e-64, v5e-16, h100x8, ...)")
+    from pacs_jax.training.abstract_step import plan_tool_flags, run_plan_tool
+
+    _CONFIG, _TOPOLOGY = plan_tool_flags("v5p-64, v6e-64, v5e-16, h100x8")
     _PROGRAMS = flags.DEFINE_string("programs", ",".join(PROGRAMS), "which programs to compile (comma-separated; "
                                                                    "the verdict covers only those; the critic's "
                                                                    "are compiled for PPO only)")
-    from pacs_jax import console
-    from pacs_jax.data import paths
-    from pacs_jax.errors import run_cli
-
-    def _main(argv) -> None:
-        console.setup()
-        sys.exit(main(argv))
-
-    run_cli("plan_memory", _main, sys.argv, prepare=paths.config_file_args)  # config errors: one line, status 78
+    run_plan_tool("plan_memory", main)  # config errors: one line, status 78

@@ -364,7 +364,6 @@ def main(argv) -> int:
     from plan_packing import prompt_lengths, response_lengths
 
     from pacs_jax.training.abstract_step import slice_devices
-    from pacs_jax.training.config_check import ConfigError
     from pacs_jax.training.spec import RunSpec
 
     spec = RunSpec.unplaced(_CONFIG.value)
@@ -374,15 +373,7 @@ def main(argv) -> int:
         raise app.UsageError(f"--phases: {sorted(set(names) - set(PHASES)) or 'none'}; expected some of {PHASES}")
     budget = spec.rollout.max_new_tokens
     median, words = lengths_median(_LENGTHS.value, _MEDIAN.value, budget)
-    try:
-        topo, spec, devices = slice_devices(spec, _TOPOLOGY.value, say)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise app.UsageError(f"--topology: {e}") from None
-    except RuntimeError as e:
-        print(f"plan_step: {e}", file=sys.stderr)
-        return 2
+    topo, spec, devices = slice_devices(spec, _TOPOLOGY.value, say, tool="plan_step")
     rs = np.random.RandomState(_SEED.value)
     B = spec.train.prompts_per_step * spec.rollout.n
     prompts = np.repeat(prompt_lengths(spec.train.prompts_per_step, rs, max(spec.data.prompt_buckets)), spec.rollout.n)
@@ -399,25 +390,14 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
     from absl import flags
-    from ml_collections import config_flags
 
-    _CONFIG = config_flags.DEFINE_config_file(
-        "config", str(REPO / "configs" / "paper.py") + ":qwen25_7b,pacs_beta1",
-        "trainer config (as for python -m pacs_jax.train), FILE.py:ARG", lock_config=True)
-    _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "target: a name of pacs_jax.topologies.TOPOLOGIES "
-                                                          "(v5p-64, v6e-64, h200x1, h200x8, ...)")
+    from pacs_jax.training.abstract_step import plan_tool_flags, run_plan_tool
+
+    _CONFIG, _TOPOLOGY = plan_tool_flags("v5p-64, v6e-64, h200x1, h200x8")
     _LENGTHS = flags.DEFINE_string("lengths", "lognormal", "the step's response lengths: lognormal, budget, or "
                                                            "a finished run's metrics.jsonl")
     _MEDIAN = flags.DEFINE_float("median", 0.0, "--lengths=lognormal: the median response (0: max_new_tokens / 8)")
     _PHASES = flags.DEFINE_string("phases", ",".join(PHASES), "which phases to compile (comma-separated; the "
                                                               "step's time sums only those)")
     _SEED = flags.DEFINE_integer("seed", 0, "seed of the simulated step's prompts and lengths")
-    from pacs_jax import console
-    from pacs_jax.data import paths
-    from pacs_jax.errors import run_cli
-
-    def _main(argv) -> None:
-        console.setup()
-        sys.exit(main(argv))
-
-    run_cli("plan_step", _main, sys.argv, prepare=paths.config_file_args)  # bad input: one line, status 78
+    run_plan_tool("plan_step", main)  # bad input: one line, status 78

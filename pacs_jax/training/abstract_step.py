@@ -51,21 +51,62 @@ def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_
         yield StepPrograms(spec, graphdef, params, stop_ids, critic=critic)
 
 
-def slice_devices(spec, topology: str, say: Callable[[str], None]):
+def slice_devices(spec, topology: str, say: Callable[[str], None], *, tool: str):
     """(the Topology named ``topology``, the spec placed on it, its compile-only devices) for planning
     the unplaced RunSpec ``spec`` on it, after the trainer's check of it for that slice
-    (training/config_check.py ``check_for_slice``; a preset without model.path plans as
-    ``model.random_init``).
+    (training/config_check.py ``check_for_slice``, whose ConfigError propagates: one line, status 78;
+    a preset without model.path plans as ``model.random_init``). An unknown topology is a usage
+    error; a compiler that is not installed ends ``tool`` with its message and status 2."""
+    import sys
 
-    Raises ValueError for an unknown topology, ConfigError for a config the trainer refuses, and
-    RuntimeError when the topology's compiler is not installed."""
+    from absl import app
+
     from pacs_jax import topologies
     from pacs_jax.training.config_check import check_for_slice
 
-    topo = topologies.get_topology(topology)
+    try:
+        topo = topologies.get_topology(topology)
+    except ValueError as e:
+        raise app.UsageError(f"--topology: {e}") from None
     if not spec.model.path:  # the plan compiles abstract weights: a preset needs no released folder here
         spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, random_init=True))
     spec, elsewhere = check_for_slice(spec, topo.num_devices)  # the trainer's check, before anything compiles
     if elsewhere:
         say(f"not on this machine, left unchecked: {', '.join(elsewhere)}")
-    return topo, spec, topologies.abstract_devices(topo)
+    try:
+        return topo, spec, topologies.abstract_devices(topo)
+    except RuntimeError as e:
+        print(f"{tool}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def plan_tool_flags(topology_examples: str):
+    """The ``--config`` (a trainer config file, default the paper's 7B PACS setup) and ``--topology``
+    flags of a planning tool (tools/plan_memory.py, tools/plan_step.py): (config flag, topology flag)."""
+    import pathlib
+
+    from absl import flags
+    from ml_collections import config_flags
+
+    paper = pathlib.Path(__file__).resolve().parents[2] / "configs" / "paper.py"
+    config = config_flags.DEFINE_config_file("config", f"{paper}:qwen25_7b,pacs_beta1",
+                                             "trainer config (as for python -m pacs_jax.train), FILE.py:ARG",
+                                             lock_config=True)
+    topology = flags.DEFINE_string("topology", "v5p-64", "target: a name of pacs_jax.topologies.TOPOLOGIES "
+                                                         f"({topology_examples}, ...)")
+    return config, topology
+
+
+def run_plan_tool(name: str, main: Callable) -> None:
+    """Run a planning tool's ``main(argv) -> status`` as a CLI: bad input one line, status 78."""
+    import sys
+
+    from pacs_jax import console
+    from pacs_jax.data import paths
+    from pacs_jax.errors import run_cli
+
+    def _main(argv) -> None:
+        console.setup()
+        sys.exit(main(argv))
+
+    run_cli(name, _main, sys.argv, prepare=paths.config_file_args)
