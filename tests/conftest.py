@@ -3,22 +3,25 @@
 import os
 import tempfile
 
-# LLVM's optimisation level 0 for the CPU programs the suite compiles (the trainer subprocesses inherit it;
-# tests/train_helpers.py's train_env drops only the device count): compiling dominates the suite, and at
-# level 0 a test's CPU time fell by 20-40 % (the 2x2x2-mesh training step 43.6 -> 26.1 s, the sampled
-# continuous-vs-static equality 46.3 -> 32.3 s) for slower code where little runs. HLO passes, and so fusion,
-# layouts, memory and every compiled fact the tests read, are the same at any level; reductions keep their order.
+# LLVM's optimisation level 0 for the CPU programs the test processes compile (not the subprocesses:
+# tests/train_helpers.py's train_env drops it with the device count): compiling dominates the in-process
+# tests, and at level 0 their CPU time fell by 20-40 % (the 2x2x2-mesh training step 43.6 -> 26.1 s, the
+# sampled continuous-vs-static equality 46.3 -> 32.3 s) for slower code where little runs. A trainer
+# subprocess runs more than it compiles: the multihost test's 2-step run took 82 s at level 0 and 53 s
+# at the default (its sampler 18 s a step against 7). HLO passes, and so fusion, layouts, memory and every
+# compiled fact the tests read, are the same at any level; reductions keep their order.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One persistent compilation cache for the whole run, shared by both xdist workers and every trainer
+# One persistent compilation cache for the whole run, read by both xdist workers and every trainer
 # subprocess (they inherit the variable): the suite compiles many identical programs (each run's
-# StepPrograms, the demo in a dozen subprocesses). Programs that compile in under a second are not stored
-# (trainer subprocesses store every program: train_helpers.train_env). A size limit turns on JAX's file lock
-# around each read and write of the cache, so that no process reads an entry that another is writing (the
-# xdist workers, the trainer subprocesses and the processes of a multi-process run use it at once).
+# StepPrograms, the demo in a dozen subprocesses). The subprocesses write it (those of
+# train_helpers.train_env every program, others those that compile in a second or more); the xdist workers
+# only read it (pytest_configure below). A size limit turns on JAX's file lock around each read and write
+# of the cache, so that no process reads an entry that another is writing (the xdist workers, the trainer
+# subprocesses and the processes of a multi-process run use it at once).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"pacs_jax_tests_jit_cache_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
@@ -29,6 +32,17 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA = REPO / "data"
+
+
+def pytest_configure(config):
+    """The test processes never write the compilation cache: serializing a CPU executable for it crashed
+    an xdist worker (a segmentation fault in ``Executable.serialize``: twice at the same test of a full run,
+    in CI and here, never in a run of that test's file alone), and a
+    crashed worker stalls xdist's file scheduler until CI's limit. The short-lived trainer subprocesses
+    still write it."""
+    import jax
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
 
 
 @pytest.fixture(scope="session")

@@ -48,9 +48,11 @@ RL_ONLY_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=0", "--config.data.
 
 
 def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
-    """The environment of a trainer subprocess: CPU, one device, optionally a shared compilation cache."""
+    """The environment of a trainer subprocess: CPU, one device, LLVM's default optimisation, optionally a
+    shared compilation cache."""
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [f for f in env.get("XLA_FLAGS", "").split()  # conftest.py's device count and LLVM level (it runs more)
+             if not f.startswith(("--xla_force_host_platform_device_count", "--xla_backend_optimization_level"))]
     env["XLA_FLAGS"] = " ".join(flags)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
