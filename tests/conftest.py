@@ -35,14 +35,25 @@ DATA = REPO / "data"
 
 
 def pytest_configure(config):
-    """The test processes never write the compilation cache: serializing a CPU executable for it crashed
-    an xdist worker (a segmentation fault in ``Executable.serialize``: twice at the same test of a full run,
-    in CI and here, never in a run of that test's file alone), and a
-    crashed worker stalls xdist's file scheduler until CI's limit. The short-lived trainer subprocesses
-    still write it."""
+    """The test processes only read the compilation cache; the short-lived trainer subprocesses write it.
+    A worker's writes serialize each program it compiles, and a worker crashed in that serialization
+    (``Executable.serialize``, at the mappings limit that ``_free_compiled_programs`` below keeps it from),
+    which stalled xdist's file scheduler until CI's limit."""
     import jax
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each test file, JAX's caches are cleared, freeing the file's compiled programs: each holds
+    memory mappings of its machine code, and an xdist worker that kept every program of its files
+    reached the kernel's limit of 65,530 mappings (vm.max_map_count) and crashed in the next compile
+    (a segmentation fault, in CI and here; 10,900 mappings after 4.5 minutes of tests in one process)."""
+    yield
+    import jax
+
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
