@@ -63,7 +63,7 @@ forward() {  # a stop signal to this script: the processes get it too; this scri
   interrupts=$((interrupts + 1))
   if [ "$interrupts" -eq 1 ]; then
     echo "local.sh: $1: passed on to the $processes processes; waiting for them to stop at their next" \
-         "warm-start or RL step (Ctrl-C again to abort at once)" >&2
+         "warm-start step or RL phase boundary (Ctrl-C again to abort at once)" >&2
   else
     echo "local.sh: $1 again: passed on; the processes abort" >&2
   fi

@@ -108,12 +108,12 @@ def data_file(shared_data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(data_file, tmp_path_factory):
     """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 2-step run, and the 2-process
-    run on padded rows (train.packing False)."""
+    run on padded rows (train.packing False), its first step."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
     padded = tmp_path_factory.mktemp("two_processes_padded")
     _train(two, data_file, processes=2)
     _train(one, data_file, processes=1)
-    _train(padded, data_file, processes=2, flags=("--config.train.packing=False",))
+    _train(padded, data_file, processes=2, flags=("--config.train.packing=False", "--config.train.steps=1"))
     return two, one, padded
 
 
@@ -146,7 +146,7 @@ def test_two_processes_train_packed_like_padded(runs):
         assert packed_rows[1][key] == padded_rows[1][key], key
     for key in ("entropy", "loss"):
         assert packed_rows[1][key] == pytest.approx(padded_rows[1][key], rel=5e-3), key
-    assert all(packed_rows[step]["tokens_computed"] < padded_rows[step]["tokens_computed"] for step in (1, 2))
+    assert packed_rows[1]["tokens_computed"] < padded_rows[1]["tokens_computed"]
 
 
 @pytest.mark.slow(seconds=40)

@@ -9,6 +9,7 @@ import), ending on one 100 % line.
 
 import io
 
+import jax
 import jax.numpy as jnp
 import pytest
 import tqdm.std
@@ -66,6 +67,43 @@ def test_step_watch_writes_a_long_phase_s_heartbeats_and_end_and_short_phases_an
     watch.boundary()  # past the last boundary: the step runs to its end
     watch.start_step(10, stoppable=False)  # a step that keeps the warm-start
     watch.start("sampling")
+
+
+class Pending:
+    """A jax.Array stand-in whose result is ready after ``polls`` looks."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def is_ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def test_several_processes_ask_only_where_every_process_passes(monkeypatch):
+    """lockstep (several processes): the stop is asked at each phase's start and once a wait, never in a
+    wait's or the reward's polls (each process polls as often as its own timing makes it); one process
+    asks at every poll too."""
+    monkeypatch.setattr(jax, "Array", Pending)  # the wait's isinstance test
+    for lockstep, asks in ((True, 3), (False, 1 + 5 + 4 + 1)):
+        calls = []
+        watch = StepWatch(lambda line: None, 30.0, stop_requested=lambda: calls.append(1) and False,
+                          lockstep=lockstep)
+        watch.start_step(1)
+        watch.start("sampling")  # one
+        watch.wait(Pending(5), lambda: "a chunk")  # one (lockstep) or five, a poll each
+        for _ in range(4):
+            watch.poll()  # the reward's polls: none (lockstep) or four
+        watch.start("reward")  # one
+        assert len(calls) == asks, (lockstep, len(calls))
+    stop = []
+    watch = StepWatch(lambda line: None, 30.0, stop_requested=lambda: bool(stop), lockstep=True)
+    watch.start_step(2)
+    watch.start("sampling")
+    stop.append(True)
+    watch.poll()  # not a stop point of several processes
+    with pytest.raises(StepInterrupted):
+        watch.wait(Pending(0), lambda: "a chunk")  # one: even for a result already there
 
 
 def test_interval_zero_writes_every_phase_end_and_no_heartbeat():

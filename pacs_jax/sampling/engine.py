@@ -370,11 +370,17 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     return layout, queue, store, loop, origin, prefill_tokens
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes"), donate_argnames=("loop",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "loop_shardings"),
+                   donate_argnames=("loop",))
 def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, queue: decode.Queue, store, selection: Selection,
-                   loop: WidthLoop, *, spec: EngineSpec, axes: tuple[str, ...]):
+                   loop: WidthLoop, *, spec: EngineSpec, axes: tuple[str, ...], loop_shardings: tuple | None):
     """Up to ``spec.chunk_steps`` decode steps of every queue (``loop`` donated) -> (loops, progress
-    [4] int32, replicated: rows done, rows, tokens so far, 1 once every queue is done)."""
+    [4] int32, replicated: rows done, rows, tokens so far, 1 once every queue is done).
+
+    loop_shardings: with one queue (no ``axes``), the shardings of ``loop``'s leaves as the start
+    program gave them (``_carry_shardings``), which the loops returned keep: left to XLA, some per-slot
+    arrays came back batch-sharded, and every later chunk was a new signature to compile. (Per-queue
+    loops are pinned by ``shard_map``'s out_specs.)"""
     queue_spec = _queue_spec(spec, axes)
     widths = narrowing_widths(queue_spec.slots, queue_spec.tail_slots)
 
@@ -384,6 +390,8 @@ def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, queue: decode.Queu
         return loop, decode.progress(queue, loop, widths)
 
     loop, progress = _on_queues(per_queue, axes, (layout, selection), (queue, store, loop))
+    if loop_shardings is not None:
+        loop = jax.lax.with_sharding_constraint(loop, jax.tree.unflatten(jax.tree.structure(loop), loop_shardings))
     if axes:  # [queues, 4] -> the call's
         progress = jnp.concatenate([jnp.sum(progress[:, :3], axis=0), jnp.min(progress[:, 3:], axis=0)])
     return loop, constrain(progress, (None,))  # replicated: every process reads its own copy
@@ -405,6 +413,12 @@ def _finish_program(store, loop: WidthLoop, origin: jax.Array, prefill_tokens: j
     response_mask = (jnp.arange(spec.max_new_tokens)[None, :] < result.lengths[:, None]).astype(jnp.int32)
     return SampleArrays(result.tokens, result.logprobs, response_mask, result.lengths, result.stopped, prefill_tokens,
                         result.steps, result.slot_steps, result.free_pages)
+
+
+def _carry_shardings(loop, axes: tuple[str, ...]) -> tuple | None:
+    """``_chunk_program``'s ``loop_shardings``: the shardings of the leaves of ``loop`` (arrays, or
+    abstract ones with shardings) with one queue, else None."""
+    return None if axes else tuple(leaf.sharding for leaf in jax.tree.leaves(loop))
 
 
 class DecodeProgress(NamedTuple):
@@ -507,9 +521,11 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
     layout, queue, store, loop, origin, prefill_tokens = _start_program(graphdef, state, *args, spec=spec)
+    loop_shardings = _carry_shardings(loop, axes)
     pending, last = None, None
     while True:  # the next chunk is queued before a chunk's progress is read: the device never waits for the host
-        loop, progress = _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes)
+        loop, progress = _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes,
+                                        loop_shardings=loop_shardings)
         if pending is not None:
             if wait is not None:
                 wait(pending, last)
@@ -529,7 +545,6 @@ class SamplerCompiled:
 
     programs: tuple[jax.stages.Compiled, ...]
     parameter_bytes: int
-    later_chunk: jax.stages.Compiled | None = None  # the chunk program for a later chunk's carry (``SamplerLowered``)
 
     def as_text(self) -> str:
         return "\n".join(program.as_text() for program in self.programs)
@@ -564,20 +579,11 @@ class SamplerLowered:
         start = self.start.compile()
         layout, queue, store, loop, origin, prefill_tokens = _results(self.start, start)
         chunk_lowered = _chunk_program.lower(self.graphdef, layout, queue, store, self.selection, loop, spec=self.spec,
-                                             axes=self.axes)
+                                             axes=self.axes, loop_shardings=_carry_shardings(loop, self.axes))
         chunk = chunk_lowered.compile()
         loop = _results(chunk_lowered, chunk)[0]
-        # A later chunk takes the last one's carry, whose shardings the chunk program gives (some per-slot
-        # arrays sharded over the batch axes where the start program left them replicated): that program
-        # too is compiled here, so that no chunk compiles during a step.
-        later_lowered = _chunk_program.lower(self.graphdef, layout, queue, store, self.selection, loop, spec=self.spec,
-                                             axes=self.axes)
-        later = None
-        if later_lowered.as_text() != chunk_lowered.as_text():
-            later = later_lowered.compile()
-            loop = _results(later_lowered, later)[0]
         finish = _finish_program.lower(store, loop, origin, prefill_tokens, spec=self.spec, axes=self.axes).compile()
-        return SamplerCompiled((start, chunk, finish), self.parameter_bytes, later)
+        return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
 
 
 def _results(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled):

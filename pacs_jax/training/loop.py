@@ -101,8 +101,8 @@ def rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: Pr
     (``stopped_by_signal``): one process ends the step under way at its next phase boundary before
     the update (``dropped_step``; the last finished step's checkpoint is written if it was not), or in
     the update when the last finished step's checkpoint is on disk (``dropped_step``: the update is
-    abandoned), else finishes it and writes its checkpoint; several processes finish the step and
-    checkpoint it on every process. keep_first_step: the first step of this call is always finished
+    abandoned), else finishes it and writes its checkpoint; several processes do the same together, at
+    the first phase boundary that all of them reach after the signal (training/progress.py). keep_first_step: the first step of this call is always finished
     and checkpointed (training/run.py: it keeps a warm-start, which has no checkpoint of its own). A
     second signal ends the process at once.
     """
@@ -163,7 +163,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
     watch = StepWatch(logger.write if primary else lambda line: None, tc.progress_seconds,
-                      stop_requested=lambda: single_process and signals.requested is not None)
+                      stop_requested=signals.safe_point, lockstep=not single_process)
     step = start
     for step in range(start + 1, tc.steps + 1):
         if primary and step == start + 1:  # a long first step says what it is doing
@@ -248,5 +248,8 @@ def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, check
     else:
         kept = (f"the checkpoint of step {last} is the latest" if last else
                 "no RL step had finished (a resume starts RL at step 1)")
-    logger.write(f"{signal_name} during step {interrupted.step} ({interrupted.phase}): step {interrupted.step} "
-                 f"dropped, a resume runs it again with the same keys; {kept}, exiting")
+    line = (f"{signal_name} during step {interrupted.step} ({interrupted.phase}): step {interrupted.step} dropped, "
+            f"a resume runs it again with the same keys; {kept}, exiting")
+    logger.write(line)
+    if jax.process_index() != 0:  # every host's log says where it stopped (the logger writes on process 0 only)
+        print(f"process {jax.process_index()}: {line}", flush=True)

@@ -17,6 +17,11 @@ are read between two), ``reward`` (decoding and scoring, while the device comput
   device poll (``jax.Array.is_ready``; 1 ms apart at first, doubling up to ``POLL_S``) rather than
   block, so a signal's handler runs within ``POLL_S`` and the wait ends at once, the device program
   still running (the caller does not wait for it: pacs_jax/train.py ends the process without it).
+  One process asks at each phase's start and at every poll (``poll()``: of a wait, of the reward's
+  scoring). Several processes (``lockstep``) must stop at the same point, so they ask only where every
+  process passes in the same order: each phase's start and each ``wait`` (one a chunk of decode
+  steps, pi_old's, the update's), never in a poll; ``stop_requested`` is then JAX's preemption sync
+  point (training/signals.py), True at the same point on every process.
 """
 
 from __future__ import annotations
@@ -45,13 +50,15 @@ class StepWatch:
     """Progress lines and stop boundaries of the steps of one run (see the module docstring).
 
     write(line): where lines go (the metrics logger's ``write``: above the progress bar).
-    interval_s: see the module docstring. stop_requested(): whether a stop signal came.
-    clock: seconds (``time.monotonic``; tests pass their own).
+    interval_s: see the module docstring. stop_requested(): whether a stop signal came (with
+    ``lockstep``, whether every process stops here). lockstep: several processes (see the module
+    docstring). clock: seconds (``time.monotonic``; tests pass their own).
     """
 
     def __init__(self, write: Callable[[str], None], interval_s: float, stop_requested: Callable[[], bool] = bool,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, lockstep: bool = False):
         self.write, self.interval_s, self.stop_requested, self.clock = write, interval_s, stop_requested, clock
+        self.lockstep = lockstep
         self.step, self.phase, self.stoppable = 0, "", True
         self._phase_start = self._last_line = clock()
 
@@ -73,9 +80,16 @@ class StepWatch:
         self.stoppable = self.stoppable and not last_boundary
 
     def boundary(self) -> None:
-        """Raise ``StepInterrupted`` if a stop signal came (and the step may still stop)."""
+        """Raise ``StepInterrupted`` if a stop signal came (and the step may still stop). With
+        ``lockstep``, every process must call it at the same points, in the same order."""
         if self.stoppable and self.stop_requested():
             raise StepInterrupted(self.step, self.phase or "its start")
+
+    def poll(self) -> None:
+        """A stop check while work is unfinished (a wait's polls, the reward's scoring): ``boundary()``
+        on one process; nothing with ``lockstep``, whose processes poll different numbers of times."""
+        if not self.lockstep:
+            self.boundary()
 
     def done(self, detail: str = "") -> None:
         """End the current phase: a line "step S: PHASE done in T s (detail)" when it ran ``interval_s``
@@ -96,12 +110,14 @@ class StepWatch:
         """Wait until every jax.Array in the pytree ``arrays`` is computed, writing heartbeats
         (``detail()`` says what is done) and stopping at a signal (``StepInterrupted``)."""
         pending = [x for x in jax.tree.leaves(arrays) if isinstance(x, jax.Array)]
+        if self.lockstep:  # one point a wait, the same on every process
+            self.boundary()
         delay = 0.001  # doubling up to POLL_S: a short wait ends within a millisecond or two of its result
         while pending:
             pending = [x for x in pending if not x.is_ready()]
             if not pending:
                 return
-            self.boundary()
+            self.poll()
             self.heartbeat(detail())
             time.sleep(delay)
             delay = min(2 * delay, POLL_S)

@@ -197,7 +197,7 @@ class RolloutCollector:
         golds = [prompts.ground_truths[row // n] for row in rows]
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
                                  deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction,
-                                 poll=watch.boundary)  # a stop ends the scoring within RewardPool's POLL_S
+                                 poll=watch.poll)  # one process: a stop ends the scoring within RewardPool's POLL_S
         times["time_reward"] = time.perf_counter() - t0
         watch.done(f"{len(texts)} responses scored")
         watch.start("pi_old")

@@ -22,14 +22,17 @@ One process: both signals are handled alike, by the phase the run is in.
 
 Several processes: no process may stop alone (the others would wait for it in their next collective),
 so they stop together at a safe point: ``safe_point()``, which every process calls in the same order
-before each warm-start step and after each RL step. JAX's preemption service owns SIGTERM: a SIGTERM
+before each warm-start step, at each phase boundary of an RL step (training/progress.py: each phase's
+start, each chunk of decode steps, the waits for pi_old and the update) and after each RL step. JAX's preemption service owns SIGTERM: a SIGTERM
 to any process is a notice to all of them, and its sync point, asked with the count of this
 session's safe points (1, 2, ...), answers True on every process at the same one (the first that
 none of them has passed when the notice is shared). The first SIGINT is passed to it as a SIGTERM to
 the process itself, so Ctrl-C on a local multi-process run (launch/local.sh) stops it the same way;
 a second SIGINT takes the default action. At that safe point a warm-start step exits as a single
 process does (the phase's line, status 128 + the signal's number; a process that received no signal
-itself names SIGTERM, the notice's), and an RL step is finished and checkpointed on every process.
+itself names SIGTERM, the notice's), and an RL step ends as one process's does, on every process: dropped
+at a phase boundary (the last finished step's checkpoint written if it was not, status 79), or, at the
+step's end, checkpointed.
 A signal during the evaluation before RL stops at the first RL step (which keeps the warm-start), one
 after the last RL step (the final evaluation, the export) lets the run finish. The sync point's
 counter must be the safe points' alone: checkpoints.py keeps Orbax's own calls with step numbers
@@ -134,7 +137,7 @@ class StopSignals:
     # -------------------------------------------------------------------- safe points
     def safe_point(self) -> bool:
         """A point where the run may stop, called by every process in the same order (before each
-        warm-start step, after each RL step): whether to stop here.
+        warm-start step, at each phase boundary of an RL step, after each RL step): whether to stop here.
 
         One process: whether a signal came (in an immediate phase the handler has exited already).
         Several: whether JAX's preemption sync point is this one (the same on every process); in an
@@ -158,8 +161,9 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.multiprocess:  # SIGINT: ask JAX's preemption service for an agreed stop
             self.requested = name
-            _say(f"{name}: every process stops together at the next warm-start or RL step that all of them reach "
-                 f"after this notice (an RL step writes its checkpoint first; press Ctrl-C again to abort at once, "
+            _say(f"{name}: every process stops together at the next warm-start step or RL phase boundary that all "
+                 f"of them reach after this notice (an RL step whose update has not begun is dropped and run again "
+                 f"on resume, the last finished step's checkpoint written; press Ctrl-C again to abort at once, "
                  f"losing the steps since the last checkpoint)")
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
