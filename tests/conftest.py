@@ -17,8 +17,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent compilation cache for the whole run, read by both xdist workers and every trainer
 # subprocess (they inherit the variable): the suite compiles many identical programs (each run's
-# StepPrograms, the demo in a dozen subprocesses). Programs that compile in under a second are not stored
-# (trainer subprocesses store every program: train_helpers.train_env). A size limit turns on JAX's file lock around each read and write
+# StepPrograms, the demo in a dozen subprocesses). The subprocesses write it (those of
+# train_helpers.train_env every program, others those that compile in a second or more); the xdist workers
+# only read it (pytest_configure below). A size limit turns on JAX's file lock around each read and write
 # of the cache, so that no process reads an entry that another is writing (the xdist workers, the trainer
 # subprocesses and the processes of a multi-process run use it at once).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
@@ -33,13 +34,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA = REPO / "data"
 
 
+def pytest_configure(config):
+    """The test processes only read the compilation cache; the short-lived trainer subprocesses write it.
+    A worker's writes serialize each program it compiles, and a worker crashed in that serialization
+    (``Executable.serialize``, at the mappings limit that ``_free_compiled_programs`` below keeps it from),
+    which stalled xdist's file scheduler until CI's limit."""
+    import jax
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """After each test file, JAX's caches are cleared, freeing the file's compiled programs: each holds
     memory mappings of its machine code, and an xdist worker that kept every program of its files
-    reached the kernel's limit of 65,530 mappings (vm.max_map_count) and crashed in its next compile or
-    compilation-cache write (a segmentation fault, in CI and here; 10,900 mappings after 4.5 minutes of
-    tests in one process), which stalled xdist's file scheduler until CI's limit."""
+    reached the kernel's limit of 65,530 mappings (vm.max_map_count) and crashed in the next compile
+    (a segmentation fault, in CI and here; 10,900 mappings after 4.5 minutes of tests in one process)."""
     yield
     import jax
 
