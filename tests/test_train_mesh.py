@@ -109,8 +109,8 @@ def _train_step(model, batch, put):
     rows = PROMPTS * N // MINI_BATCHES
     metrics = []
     for k in range(MINI_BATCHES):
-        params, opt_state, m = update(params, opt_state, {name: put(v[k * rows:(k + 1) * rows])
-                                                          for name, v in full.items()})
+        params, opt_state, (m,) = update(params, opt_state, {name: put(v[k * rows:(k + 1) * rows])
+                                                             for name, v in full.items()})
         metrics.append(jax.device_get(m))
     return np.asarray(old_logp), metrics, params
 

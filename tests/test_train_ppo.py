@@ -72,7 +72,7 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
         programs = critic_programs(critic.graphdef, optimizer, critic.shardings, gamma=GAMMA, lam=LAM,
                                    clip_range_value=0.5, loss_agg_mode="token-mean", loss_scale="mean",
                                    verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
-        actor_batch, metrics = critic.step(programs, batch)
+        actor_batch, (metrics,) = critic.step(programs, batch)
 
         assert set(actor_batch) == set(batch) | {"advantages"}
         advantages = actor_batch["advantages"]
@@ -84,11 +84,11 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
         # the explained variance is the mean of the 2 micro-batches' (rows 0, 2, ... and 1, 3, ...)
         assert (critic_mask > host["response_mask"]).any()  # slots after responses shorter than T count
         want_loss = verl_critic_mini_batch_loss(values, values, want_ret, host["attention_mask"], "token-mean", ROWS, 1)
-        np.testing.assert_allclose(float(metrics["value_loss"][0]), want_loss, rtol=1e-4)
+        np.testing.assert_allclose(float(metrics["value_loss"]), want_loss, rtol=1e-4)
         residual, on = want_ret - values, critic_mask > 0
         explained = [1 - residual[k::2][on[k::2]].var() / want_ret[k::2][on[k::2]].var() for k in range(2)]
-        np.testing.assert_allclose(float(metrics["explained_variance"][0]), np.mean(explained), rtol=1e-4)
-        assert float(metrics["value_clip_fraction"][0]) == 0.0 and float(metrics["critic_skipped"][0]) == 0.0
+        np.testing.assert_allclose(float(metrics["explained_variance"]), np.mean(explained), rtol=1e-4)
+        assert float(metrics["value_clip_fraction"]) == 0.0 and float(metrics["critic_skipped"]) == 0.0
         assert set(metrics) == {"value_loss", "explained_variance", "value_clip_fraction", "critic_grad_norm",
                                 "critic_skipped"}
 

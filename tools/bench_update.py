@@ -72,7 +72,7 @@ def main(argv=None) -> dict[str, float]:
 
     def run_step():
         state["params"], state["opt"], metrics = step(state["params"], state["opt"], batch)
-        jax.block_until_ready(metrics["loss"])
+        jax.block_until_ready(metrics[-1]["loss"])
 
     times = interleaved_best_times({"matmul": jax_matmul(args.matmul_size), "update": run_step}, args.repeats)
     matmul_rate = 2 * args.matmul_size ** 3 / times["matmul"]

@@ -319,6 +319,10 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
             plan = plans.get(plan_name)
             trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
             cost, xla, compiled = compile_cost(programs[name].lower(), trips, log)
+            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py)
+            dispatches = spec.train.mini_batches if name in ("update", "critic_update") else 1
+            cost = dataclasses.replace(cost, flops=dispatches * cost.flops, bytes=dispatches * cost.bytes,
+                                       collective_bytes=dispatches * cost.collective_bytes)
             count = float(sum(plan.passes)) if plan is not None else 1.0
             matmuls, attention = (x / len(devices) for x in useful_flops(cfg, prompts, responses, factor))
             text = compiled.as_text()

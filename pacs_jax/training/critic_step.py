@@ -39,9 +39,9 @@ from pacs_jax.sharding import batch_sharding, state_shardings
 from pacs_jax.training.model_spec import run_options
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.spec import CriticSpec, RunSpec
-from pacs_jax.training.update_step import scanned_update
+from pacs_jax.training.update_step import MiniBatchUpdates, mini_batch_updates
 
-# The critic update's metrics (scanned_update's and rl.value_loss's) -> the names a step reports. The value
+# The critic update's metrics (MiniBatchUpdates' and rl.value_loss's) -> the names a step reports. The value
 # loss is the mini-batch's (the sum of its micro-batches' shares); explained variance and clip fraction
 # are the means of their micro-batches'.
 METRIC_NAMES = {"loss": "value_loss", "critic/explained_variance": "explained_variance",
@@ -54,7 +54,7 @@ class CriticPrograms(NamedTuple):
     """The critic's two jitted programs of a step (``critic_programs``)."""
 
     values: Callable  # (params, batch, packing) -> (advantages, values, returns), each [B, R]
-    update: Callable  # (params, opt_state, critic_batch) -> (params, opt_state, metrics [M])
+    update: MiniBatchUpdates  # (params, opt_state, critic_batch) -> (params, opt_state, M metrics dicts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +99,14 @@ class PPOCritic:
         [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). packing: the
         step's plans (training/rollout.py ``Rollout.packing``: "logprob" for the values, "critic" for
         the update, each its arrays by rl/packing.py PACKING_KEYS) or None. Returns the actor's batch (``batch`` plus
-        advantages [B, R]) and the critic's metrics, each [M]."""
+        advantages [B, R]) and the critic's metrics, a dict a mini-batch."""
         packing = packing or {}
         advantages, values, returns = programs.values(
             self.params, {k: v for k, v in batch.items() if k not in PACKING_KEYS}, packing.get("logprob"))
         critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns,
                         **packing.get("critic", {})}
         self.params, self.opt_state, metrics = programs.update(self.params, self.opt_state, critic_batch)
-        return {**batch, "advantages": advantages}, {name: metrics[key] for key, name in METRIC_NAMES.items()}
+        return {**batch, "advantages": advantages}, [{name: m[key] for key, name in METRIC_NAMES.items()} for m in metrics]
 
 
 def critic_optimizer(cc: CriticSpec):
@@ -155,6 +155,6 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, shardings, *, gamma: floa
                                             clip_range_value=clip_range_value, loss_agg_mode=loss_agg_mode,
                                             norm_length=norm_length, loss_scale=loss_scale,
                                             verl_micro_batch_size=verl_micro_batch_size)
-    update = scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
-                            state_shardings=shardings)
+    update = mini_batch_updates(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
+                                state_shardings=shardings)
     return CriticPrograms(values, update)

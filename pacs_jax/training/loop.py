@@ -79,10 +79,18 @@ class TrainResult:
     dropped_step: int | None = None
 
 
-def _mean_metrics(per_minibatch: dict) -> dict[str, float]:
-    """Metrics [M] of the M mini-batch updates -> their means (``skipped``, ``critic_skipped``: the count)."""
+def _mean_metrics(per_minibatch: list[dict]) -> dict[str, float]:
+    """The M mini-batch updates' metrics (a dict of [] arrays each) -> their means (``skipped``,
+    ``critic_skipped``: the count)."""
     host = distributed.to_host(per_minibatch)
-    return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v)) for k, v in host.items()}
+    return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v))
+            for k, v in ((k, [m[k] for m in host]) for k in host[0])}
+
+
+def _mini_batches_done(per_minibatch: list[dict], what: str) -> str:
+    """"K/M mini-batches of WHAT done": the mini-batch updates whose metrics are computed (no wait)."""
+    done = sum(all(x.is_ready() for x in jax.tree.leaves(m)) for m in per_minibatch)
+    return f"{done}/{len(per_minibatch)} mini-batches of {what} done"
 
 
 def rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
@@ -183,11 +191,11 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             batch, critic_metrics = rollout.batch, {}
             if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
                 batch, per_minibatch = critic.step(programs.critic, batch, rollout.packing)
-                watch.wait(per_minibatch, lambda: "the critic's update")
+                watch.wait(per_minibatch, lambda: _mini_batches_done(per_minibatch, "the critic's update"))
                 critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
                 t0 = time.perf_counter()
             params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
-            watch.wait(per_minibatch, lambda: f"{tc.mini_batches} mini-batches")
+            watch.wait(per_minibatch, lambda: _mini_batches_done(per_minibatch, "the update"))
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
                        {"step": step - 1, "seed": spec.seed, "data_state": data_state},

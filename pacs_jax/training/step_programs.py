@@ -76,7 +76,8 @@ class Program:
 class StepPrograms:
     """The jitted programs of one training step of ``spec`` (see the module docstring).
 
-    Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, metrics [M])``;
+    Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, M mini-batches'
+    metrics)`` (one program dispatched once a mini-batch: training/update_step.py ``MiniBatchUpdates``);
     ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
     entropy)``; ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
     ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``

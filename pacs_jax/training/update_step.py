@@ -5,18 +5,22 @@ transformation, training/optim.py; the paper's PACS runs use 0, the demo 1.0: do
 6.4). A non-finite gradient norm skips the update (parameters and optimizer state unchanged) and is
 reported in the metrics as ``skipped = 1``.
 Parameters and optimizer state are donated: the update happens in place on the device. The
-``num_mini_batches`` optimizer steps of a training step run in one program (a ``lax.scan`` over
-the mini-batches), so the update phase is one dispatch, not one per mini-batch. The actor's update
-(``make_update_step``) and PPO's critic update (training/critic_step.py) are both ``scanned_update``s.
+``num_mini_batches`` optimizer steps of a training step are one program dispatched once per
+mini-batch (``MiniBatchUpdates``): the host enqueues all of them at once (nothing waits between two),
+and each call's metrics, ready when its mini-batch is done, tell the trainer how far the update is
+(training/progress.py). The actor's update (``make_update_step``) and PPO's critic update
+(training/critic_step.py) are both ``MiniBatchUpdates``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -24,20 +28,47 @@ from pacs_jax.rl import loss_and_grad_fn
 from pacs_jax.sharding import constrain
 
 
-def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *, num_mini_batches: int = 1, state_shardings: tuple | None = None) -> Callable:
-    """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches``
-    optimizer steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of every [B, ...] array
-    of the batch (of a packing plan's pack_index [M S K N, Lp]: its k-th M-th, rl/packing.py).
+@dataclasses.dataclass(frozen=True)
+class MiniBatchUpdates:
+    """``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches`` optimizer
+    steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of every [B, ...] array of the batch
+    (of a packing plan's pack_index [M S K N, Lp]: its k-th M-th), as M dispatches of ``program``.
+    metrics: M dicts, one a mini-batch, each of [] arrays (loss_and_grad's metrics plus loss, grad_norm
+    and skipped 0/1), computed when that mini-batch's step is.
 
-    loss_and_grad: pure ``(params, mini-batch) -> (loss, metrics, float32 grads)``. metrics: its
-    metrics plus loss, grad_norm and skipped (0/1), each [M] (one per mini-batch).
-    state_shardings: (params, opt_state) shardings the outputs keep (default: chosen by XLA);
-    pinning them keeps every later call on the same compiled programs.
+    program: jitted ``(params, opt_state, batch, k) -> (params, opt_state, metrics)``, mini-batch k (an
+    int32 [] array: one program for every k); params and opt_state donated.
+    """
+
+    program: Callable
+    num_mini_batches: int
+
+    def __call__(self, params, opt_state, batch: dict) -> tuple[Any, Any, list[dict]]:
+        rows = batch["response_mask"].shape[0]
+        if rows % self.num_mini_batches:
+            raise ValueError(f"num_mini_batches={self.num_mini_batches} does not divide the batch of {rows} rows")
+        metrics = []
+        for k in range(self.num_mini_batches):
+            params, opt_state, mini = self.program(params, opt_state, batch, np.int32(k))
+            metrics.append(mini)
+        return params, opt_state, metrics
+
+    def lower(self, params, opt_state, batch: dict) -> jax.stages.Lowered:
+        """The one program of every mini-batch, lowered on (abstract) arguments."""
+        return self.program.lower(params, opt_state, batch, jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def mini_batch_updates(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *,
+                       num_mini_batches: int = 1, state_shardings: tuple | None = None) -> MiniBatchUpdates:
+    """The ``MiniBatchUpdates`` of ``loss_and_grad``: pure ``(params, mini-batch) -> (loss, metrics,
+    float32 grads)``, and ``optimizer``. state_shardings: (params, opt_state) shardings the outputs keep
+    (default: chosen by XLA); pinning them keeps every later call on the same compiled program.
     """
     M = num_mini_batches
 
-    def mini_batch_step(carry, mini):
-        params, opt_state = carry
+    def step(params, opt_state, batch, k):
+        mini = {key: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))[k]
+                for key, v in batch.items()}
         loss, metrics, grads = loss_and_grad(params, mini)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -46,28 +77,19 @@ def scanned_update(loss_and_grad: Callable, optimizer: optax.GradientTransformat
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1.0 - finite.astype(jnp.float32))
-        return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
-
-    def step(params, opt_state, batch):
-        rows = batch["response_mask"].shape[0]
-        if rows % M:
-            raise ValueError(f"num_mini_batches={M} does not divide the batch of {rows} rows")
-        minis = {k: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))
-                 for k, v in batch.items()}
-        (params, opt_state), metrics = jax.lax.scan(mini_batch_step, (params, opt_state), minis)
-        return params, opt_state, metrics
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
 
     out_shardings = None if state_shardings is None else (*state_shardings, None)
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+    return MiniBatchUpdates(jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings), M)
 
 
 def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: str, *,
                      group_size: int, objective_options: Mapping[str, Any] | None = None,
                      num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int | None = None,
-                     state_shardings: tuple | None = None) -> Callable:
-    """The actor's update: a ``scanned_update`` of ``rl.loss_and_grad_fn`` (``objective``), i.e. jitted
-    ``(params, opt_state, batch) -> (params, opt_state, metrics [M])``.
+                     state_shardings: tuple | None = None) -> MiniBatchUpdates:
+    """The actor's update: the ``MiniBatchUpdates`` of ``rl.loss_and_grad_fn`` (``objective``),
+    ``(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)``.
 
     batch: the update batch of pacs_jax.rl.loss_and_grad (input_ids [B, L], attention_mask [B, L],
     response_mask [B, R], old_logp [B, R], rewards [B]; objective "ppo": advantages [B, R]) holding
@@ -77,5 +99,5 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
     loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
                                      temperature=temperature, **extra)
-    return scanned_update(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
-                          state_shardings=state_shardings)
+    return mini_batch_updates(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
+                              state_shardings=state_shardings)
