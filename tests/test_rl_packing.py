@@ -254,14 +254,22 @@ OBJECTIVES = [("pacs", {}), ("pacs", {"use_weight": False}), ("pacs", {"weight_m
               ("drgrpo", {}), ("rloo", {}), ("ppo", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale": "verl",
                                                     "verl_micro_batch_size": 8, "norm_length": 14})]
 
+# On the 2x2x2 mesh, one objective of each way of aggregating the loss over the batch (a sequence's
+# score, token-mean, the sequence sums over a fixed length, PPO's per-token advantages): the passes'
+# sharding is the objectives' common code, and every objective's formula is checked on one device
+SHARDED_OBJECTIVES = [("pacs", {}), ("grpo", {"loss_agg_mode": "token-mean"}),
+                      ("grpo", {"loss_agg_mode": "seq-mean-token-sum-norm"}), OBJECTIVES[-1]]
 
-@pytest.mark.slow(seconds=75)
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
-def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
+
+@pytest.mark.slow(seconds=60)
+@pytest.mark.parametrize("mesh_shape, objectives", [((1, 1, 1), OBJECTIVES), ((2, 2, 2), SHARDED_OBJECTIVES)],
+                         ids=["1x1x1-every-objective", "2x2x2"])
+def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape, objectives):
     """The actor's loss, metrics and every gradient leaf (``rl.loss_and_grad_fn``: a mini-batch of 2
     micro-batches of whole groups, in several packed passes), packed and padded, for each objective and
-    its options (mini-batches: the trainer's steps below). The objectives' programs, padded and packed, are
-    compiled as one (one program's compilation, not 26 of them: each alone is a few seconds of XLA)."""
+    its options (mini-batches: the trainer's steps below); on the 2x2x2 mesh, SHARDED_OBJECTIVES. The
+    objectives' programs, padded and packed, are compiled as one (one program's compilation, not 26 of
+    them: each alone is a few seconds of XLA)."""
     rows = step_rows
     model = Qwen(CFG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
@@ -279,14 +287,14 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape):
         with_advantages = dict(batch, advantages=put(advantages))  # PPO's actor: per-token GAE advantages
         plan_arrays = {k: put(v) for k, v in plan.arrays().items()}
         fns, batches = [], []
-        for name, options in OBJECTIVES:
+        for name, options in objectives:
             padded = with_advantages if name == "ppo" else batch
             fns.append(rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options,
                                            num_micro_batches=K))
             batches.append((padded, dict(padded, **plan_arrays)))
         results = jax.jit(lambda params, batches: [(fn(params, padded), fn(params, packed))
                                                    for fn, (padded, packed) in zip(fns, batches)])(params, batches)
-        for (name, options), ((la, ma, ga), (lb, mb, gb)) in zip(OBJECTIVES, results, strict=True):
+        for (name, options), ((la, ma, ga), (lb, mb, gb)) in zip(objectives, results, strict=True):
             try:
                 np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
                 assert sorted(ma) == sorted(mb)
