@@ -10,7 +10,9 @@ trips of the loops around it:
 
 A loop's trips are XLA:GPU's ``known_trip_count``, or read from its condition when that compares
 the induction variable with a constant (a ``lax.scan``, a ``fori_loop`` of static bounds, XLA:TPU's
-windowed einsums: ``i < N``, the counter taken to start at 0 and step by 1); a loop whose bound only
+windowed einsums: ``i < N``, the counter's start read from the loop's initial tuple when it is a
+constant there (else 0) and its step from the body's ``i + c``: XLA:TPU's windowed einsums step by 2,
+two shards a trip (else 1)); a loop whose bound only
 the device knows (a decode loop, the passes of a packing plan, the LM head chunks of a packed pass)
 is a ``Loop`` passed to ``trips``, which returns its trips (its nesting tells which it is:
 ``Loop.depth``, ``Loop.holds_loops``).
@@ -112,6 +114,19 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str, dict[str
                 if line.lstrip().startswith("ROOT "):
                     roots[name] = instr.name
     return comps, entry, roots
+
+
+def _integer(instr: _Instr | None) -> int | None:
+    """The value of an integer scalar ``constant``, else None."""
+    if instr is None or instr.op != "constant" or not re.fullmatch(r"-?\d+", instr.args.strip()):
+        return None
+    return int(instr.args)
+
+
+def _tuple_index(instr: _Instr | None) -> int | None:
+    """The index of a ``get-tuple-element`` (of the loop's parameter, in a loop's body or condition)."""
+    match = re.search(r"index=(\d+)", instr.attrs) if instr is not None and instr.op == "get-tuple-element" else None
+    return int(match.group(1)) if match else None
 
 
 def _callee(attrs: str, key: str) -> str | None:
@@ -242,7 +257,7 @@ class _Program:
             op = instr.op.removesuffix("-start")
             if instr.op == "while":
                 body, cond = _callee(instr.attrs, "body"), _callee(instr.attrs, "condition")
-                trips = self._trips(instr, body, cond, depth)
+                trips = self._trips(instr, body, cond, depth, table)
                 total.add(self.cost(body, depth + 1), trips)
                 total.add(self.cost(cond, depth + 1), trips + 1)
                 continue
@@ -279,19 +294,40 @@ class _Program:
                     array_bytes(table[o].shape) for o in instr.operands if o in table)
         return total
 
-    def _trips(self, instr: _Instr, body: str, cond: str, depth: int) -> float:
+    def _trips(self, instr: _Instr, body: str, cond: str, depth: int, caller: dict[str, _Instr]) -> float:
         known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
         if known:
             return float(known.group(1))
         root = self.comps.get(cond, [])[-1:] or []
         table = self.shapes.get(cond, {})
-        if root and root[0].op == "compare" and "direction=LT" in root[0].attrs:
-            bound = table.get(root[0].operands[1]) if len(root[0].operands) > 1 else None
-            if bound is not None and bound.op == "constant" and re.fullmatch(r"-?\d+", bound.args.strip()):
-                return float(bound.args)
+        if root and root[0].op == "compare" and "direction=LT" in root[0].attrs and len(root[0].operands) > 1:
+            bound, counter = _integer(table.get(root[0].operands[1])), table.get(root[0].operands[0])
+            index = _tuple_index(counter)
+            if bound is not None and index is not None:
+                start, step = self._counter(instr, body, index, caller)
+                return float(max(0, math.ceil((bound - start) / step)))
         loop = Loop(instr.name, depth, any(i.op == "while" for i in self._reached(body)))
         self.asked.append(loop)
         return float(self.trips_of(loop))
+
+    def _counter(self, instr: _Instr, body: str, index: int, caller: dict[str, _Instr]) -> tuple[int, int]:
+        """(start, step) of the loop counter at tuple ``index``: its initial value when the while's
+        operand tuple gives a constant there (else 0), and the constant the body adds to it (XLA:TPU's
+        windowed einsums step by 2: two shards a trip, bidirectionally; else 1)."""
+        init = caller.get(instr.operands[0]) if instr.operands else None
+        start = _integer(caller.get(init.operands[index])) if init is not None and init.op == "tuple" and \
+            index < len(init.operands) else None
+        table, root = self.shapes.get(body, {}), self.roots.get(body)
+        update = table.get(table[root].operands[index]) if root in table and table[root].op == "tuple" and \
+            index < len(table[root].operands) else None
+        step = None
+        if update is not None and update.op == "add" and len(update.operands) == 2:
+            a, b = (table.get(o) for o in update.operands)
+            if _tuple_index(a) == index:
+                step = _integer(b)
+            elif _tuple_index(b) == index:
+                step = _integer(a)
+        return start or 0, step if step and step > 0 else 1
 
     def _reached(self, comp: str) -> list[_Instr]:
         out, todo, seen = [], [comp], set()

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pacs_jax import hlo_cost
@@ -43,6 +44,26 @@ def test_a_loop_counts_its_trips_and_a_loop_free_program_reads_as_xla_counts_it(
         hlo_cost.program_cost(text)
     cost = hlo_cost.program_cost(text, lambda loop: 4)
     assert cost.flops == 4 * matmul and [loop.depth for loop in cost.asked] == [0]
+
+
+def test_a_windowed_einsum_counts_its_two_shards_a_trip_once():
+    """XLA:TPU's all-gather windowed einsum (a [4096, 3584] x [3584, 18944] bf16 matmul, the weight's
+    3584 rows over fsdp 8 and its columns over tensor 4 of a v5p-64, as the 7B's projections): a loop of
+    i < 4 whose counter steps by 2, two convolutions a trip each contracting 2 of the 8 weight shards.
+    Counted from its start and step it is 2 trips, the matmul's FLOPs exactly; counted as i = 0, 1, 2, 3
+    (the counter taken to step by 1) it was 2x."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from pacs_jax import topologies
+
+    mesh = jax.sharding.Mesh(np.array(topologies.abstract_devices("v5p-64")).reshape(1, 8, 4), ("data", "fsdp", "tensor"))
+    T, D, F = 32 * 1024, 3584, 18944
+    x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "fsdp"), None)))
+    w = jax.ShapeDtypeStruct((D, F), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+    text = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+                   ).lower(x, w).compile().as_text()
+    assert "windowed_dot_general" in text and text.count(" convolution(") == 2, "no windowed einsum to count"
+    assert hlo_cost.program_cost(text).flops == 2 * T * D * F / 32
 
 
 def _plan_step(*args, timeout=600):
@@ -81,8 +102,8 @@ def test_the_7b_paper_configs_packed_update_computes_at_most_1_5x_its_useful_flo
     """The packed update (4 mini-batches of packed passes, remat dots_with_no_batch_dims_saveable, the
     LM head in chunks) compiles to at most 1.5x the FLOPs its real tokens need (6N a token, the LM
     head a response token, causal attention; the splash kernel's attention on both sides): 1.44x
-    here. The full-width 7B reaches 1.69x, over this bar (README: XLA:TPU's windowed all-gather
-    einsums under fsdp 8 x tensor 4); the bar holds the shrunk model, which the suite can compile."""
+    here, on the shrunk model that the suite can compile (the full-width 7B: 1.07x, README; its
+    windowed einsums, which this width does not make, are counted by the test above)."""
     out = _paper_7b_on_v5p_64("update")
     update = re.search(r"^update .* ([\d.]+) useful/compiled FLOPs$", out, re.M)
     assert update and float(update.group(1)) >= 1 / 1.5, out
