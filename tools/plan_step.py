@@ -15,10 +15,13 @@ and micro-batch loops from the program, the loops only the device can count from
 
     decode   the longest queue's decode steps: the step's responses decoded by ``rollout.slots``
              slots, a queue a batch shard, each slot taking the next waiting response as one ends
+             (every step costed at the full width: the tail's narrowed steps read the same weights
+             and fewer pages, so they are overstated by a little)
     prefill  what the sampler runs before its decode loops (engine.py ``lower_prefill``: the decode
              layout, the prompts' prefill, the page pool), once a sampler call
     pi_old / update / critic   the packed passes of the trainer's plan (rl/packing.py) for these
-             lengths, and the LM head's chunks of each pass
+             lengths, and the LM head's chunks of each pass; the updates' program is one
+             mini-batch's, run ``train.mini_batches`` times
 
 The step's response lengths (``--lengths``): ``lognormal`` (default: tools/plan_packing.py's
 log-normal, median ``--median`` or max_new_tokens / 8, sigma 1, clipped to the budget), ``budget``
