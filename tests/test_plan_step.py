@@ -56,7 +56,8 @@ def test_a_windowed_einsum_counts_its_two_shards_a_trip_once():
 
     from pacs_jax import topologies
 
-    mesh = jax.sharding.Mesh(np.array(topologies.abstract_devices("v5p-64")).reshape(1, 8, 4), ("data", "fsdp", "tensor"))
+    devices = np.array(topologies.abstract_devices("v5p-64")).reshape(1, 8, 4)
+    mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
     T, D, F = 32 * 1024, 3584, 18944
     x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "fsdp"), None)))
     w = jax.ShapeDtypeStruct((D, F), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "tensor")))

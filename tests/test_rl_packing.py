@@ -370,7 +370,8 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
             sampled = collector.sample(params, source.next_batch().prompt_ids, jax.random.key(step))
             batch, entropy, _, stats = collector.old_policy(params, sampled)
             params, opt_state, metrics = programs.update(params, opt_state, dict(batch, rewards=rewards))
-            history.append({"entropy": float(entropy), **{k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]},
+            means = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}  # over the mini-batches
+            history.append({"entropy": float(entropy), **means,
                             "length": float(sampled["lengths"].mean()), **stats})
         return history, jax.tree.map(np.asarray, params)
 
