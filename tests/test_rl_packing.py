@@ -19,7 +19,6 @@ from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.value import ValueModel, response_values
 from pacs_jax.rl import packing
 from pacs_jax.rl.critic import micro_batched_values
-from pacs_jax.rl.logprobs import micro_batched_logprobs
 from pacs_jax.sharding import batch_sharding, make_mesh
 from pacs_jax.training.spec import RunSpec
 
@@ -206,8 +205,12 @@ def _forward_and_grads(model_cls, rows):
 
     def outputs(params, packed):
         m, arg = nnx.merge(graphdef, params), on_device[2] if packed else None
-        if model_cls is Qwen:
-            return micro_batched_logprobs(m, ids, mask, R, num_micro_batches=2, with_entropy=True, packing=arg)
+        if model_cls is Qwen:  # pi_old's passes, one at a time (training/old_policy.py dispatches them so)
+            out = (jnp.zeros((B, R), jnp.float32),) * 2
+            for k in range(plans[2].passes[0] if packed else 2):
+                out = rl.logprobs_of_pass(m, ids, mask, R, out, jnp.int32(k), num_micro_batches=2, with_entropy=True,
+                                          packing=arg)
+            return out
         return micro_batched_values(m, ids, mask, R, num_micro_batches=2, packing=arg)
 
     def differentiable(params, packed):
@@ -368,10 +371,10 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
         rewards = jax.device_put(jnp.asarray(np.arange(B) % 3 == 0, jnp.float32), batch_sharding((B,)))
         for step in range(steps):
             sampled = collector.sample(params, source.next_batch().prompt_ids, jax.random.key(step))
-            batch, entropy, _, stats = collector.old_policy(params, sampled)
+            batch, entropies, _, stats = collector.old_policy(params, sampled)
             params, opt_state, metrics = programs.update(params, opt_state, dict(batch, rewards=rewards))
             means = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}  # over the mini-batches
-            history.append({"entropy": float(entropy), **means,
+            history.append({"entropy": float(entropies[-1]), **means,
                             "length": float(sampled["lengths"].mean()), **stats})
         return history, jax.tree.map(np.asarray, params)
 

@@ -58,8 +58,11 @@ def test_response_logprobs_align_with_the_models_full_logits(tiny):
     graphdef, params = tiny
     batch = make_batch(groups=4)
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
-    got = jax.jit(lambda p: rl.micro_batched_logprobs(nnx.merge(graphdef, p), ids, mask, RESPONSE, num_micro_batches=2,
-                                                      chunk_size=4))(params)
+    one_pass = jax.jit(lambda p, out, k: rl.logprobs_of_pass(nnx.merge(graphdef, p), ids, mask, RESPONSE, out, k,
+                                                             num_micro_batches=2, chunk_size=4))
+    got = jnp.full(ids[:, PROMPT:].shape, np.nan, jnp.float32)
+    for k in (1, 0):  # the two micro-batches' passes, in either order, fill every row
+        got = one_pass(params, got, np.int32(k))
     full_logits = jax.jit(lambda p: nnx.merge(graphdef, p)(ids, attention_mask=mask))
     logits = np.asarray(full_logits(params), np.float64)
     want = np.zeros((len(logits), RESPONSE))

@@ -2,6 +2,7 @@
 (2, 2, 2) mesh gives the same old log-probs, losses and updated parameters as on one device."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -98,8 +99,8 @@ def _train_step(model, batch, put):
     updates. Returns (old_logp, [loss per mini-batch], [metrics per mini-batch], updated params)."""
     graphdef, params = nnx.split(model)
     params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its inputs
-    old_logp = jax.jit(lambda p, ids, mask: rl.micro_batched_logprobs(nnx.merge(graphdef, p), ids, mask,
-                                                                      MAX_NEW_TOKENS))(
+    old_logp = jax.jit(lambda p, ids, mask: rl.logprobs_of_pass(  # one pass of every row
+        nnx.merge(graphdef, p), ids, mask, MAX_NEW_TOKENS, jnp.zeros((ids.shape[0], MAX_NEW_TOKENS)), 0))(
         params, put(batch["input_ids"]), put(batch["attention_mask"]))
     optimizer, _ = make_optimizer(LR, weight_decay=0.01, total_steps=MINI_BATCHES)
     opt_state = jax.jit(optimizer.init)(params)

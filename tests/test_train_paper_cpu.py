@@ -1,7 +1,8 @@
 """Issue 41 item 3: a paper setup's CPU smoke test (``configs/paper.py:MODEL,ALGO,cpu``) trains through
 the CLI as the README says, shrunk further by flags to one step of 2 prompts x 8 responses and no
 evaluation, with progress lines inside its sampler call (rows done and tokens so far, read between
-chunks of decode steps) and inside its update (mini-batches done, one dispatch each)."""
+chunks of decode steps), inside pi_old (passes done) and inside its update (mini-batches done), one
+dispatch each."""
 
 import math
 import re
@@ -33,6 +34,9 @@ def test_a_paper_setup_shrunk_to_a_cpu_trains_a_step_through_the_cli(tmp_path):
     assert re.search(r"step 1: sampling done in \d+ s \(16 rows, \d+ tokens\)", output)
     for phase in ("reward", "pi_old", "update"):
         assert f"step 1: {phase} done in " in output
+    # inside pi_old: its packed passes (4 here), some seen done while others run
+    passes = {tuple(map(int, m)) for m in re.findall(r"step 1: pi_old, (\d+)/(\d+) passes done, \d+ s so far", output)}
+    assert any(0 < done < total for done, total in passes), output[-3000:]
     # inside the update: its 2 mini-batches, the first seen done while the second runs
     assert re.search(r"step 1: update, 1/2 mini-batches of the update done, \d+ s so far", output), output[-3000:]
     (row,) = metrics_rows(workdir)

@@ -21,7 +21,7 @@ and micro-batch loops from the program, the loops only the device can count from
              layout, the prompts' prefill, the page pool), once a sampler call
     pi_old / update / critic   the packed passes of the trainer's plan (rl/packing.py) for these
              lengths, and the LM head's chunks of each pass; the updates' program is one
-             mini-batch's, run ``train.mini_batches`` times
+             mini-batch's, run ``train.mini_batches`` times, pi_old's one pass's, run once a pass
 
 The step's response lengths (``--lengths``): ``lognormal`` (default: tools/plan_packing.py's
 log-normal, median ``--median`` or max_new_tokens / 8, sigma 1, clipped to the budget), ``budget``
@@ -322,8 +322,10 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
             plan = plans.get(plan_name)
             trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
             cost, xla, compiled = compile_cost(programs[name].lower(), trips, log)
-            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py)
-            dispatches = spec.train.mini_batches if name in ("update", "critic_update") else 1
+            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py);
+            # pi_old's one pass's, dispatched once a pass (training/old_policy.py)
+            dispatches = {"update": spec.train.mini_batches, "critic_update": spec.train.mini_batches,
+                          "pi_old": plan.passes[0] if plan is not None else step.logprob_micro_batches}.get(name, 1)
             cost = dataclasses.replace(cost, flops=dispatches * cost.flops, bytes=dispatches * cost.bytes,
                                        collective_bytes=dispatches * cost.collective_bytes)
             count = float(sum(plan.passes)) if plan is not None else 1.0

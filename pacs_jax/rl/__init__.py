@@ -11,7 +11,7 @@ from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS, get_estimator
 from pacs_jax.rl.batch import BatchTotals
 from pacs_jax.rl.critic import critic_loss_and_grad_fn, micro_batched_values, value_mask
 from pacs_jax.rl.gae import compute_gae, last_token_rewards, masked_whiten
-from pacs_jax.rl.logprobs import (micro_batched_logprobs, response_logprobs, token_logprobs,
+from pacs_jax.rl.logprobs import (logprobs_of_pass, response_logprobs, token_logprobs,
                                   token_logprobs_and_entropy)
 from pacs_jax.rl.loss_and_grad import loss_and_grad_fn
 from pacs_jax.rl.objectives import OBJECTIVES, ObjectiveSpec, OptionError, get_objective, objective_spec, options_for
@@ -25,5 +25,5 @@ __all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "critic_loss_
            "last_token_rewards", "masked_whiten", "token_logprobs", "token_logprobs_and_entropy",
            "OBJECTIVES", "ObjectiveSpec", "OptionError", "get_objective", "objective_spec", "options_for", "pacs_loss",
            "LOSS_AGG_MODES", "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
-           "ppo_objective", "ppo_policy_loss", "value_loss", "loss_and_grad_fn", "micro_batched_logprobs",
+           "ppo_objective", "ppo_policy_loss", "value_loss", "loss_and_grad_fn", "logprobs_of_pass",
            "response_logprobs"]

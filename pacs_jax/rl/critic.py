@@ -100,7 +100,7 @@ def micro_batched_values(critic: ValueModel, input_ids: jax.Array, attention_mas
                          *, num_micro_batches: int = 1, packing: dict[str, jax.Array] | None = None) -> jax.Array:
     """``models.response_values`` without gradient: input_ids, attention_mask [B, P + R] -> values [B, R]
     float32, as ``num_micro_batches`` forward passes of strided micro-batches of rows
-    (``rl.micro_batches.map_micro_batches``, as ``rl.micro_batched_logprobs``), so activation memory
+    (``rl.micro_batches.map_micro_batches``), so activation memory
     is bounded by one."""
     if packing is None:
         return map_micro_batches(lambda ids, mask: response_values(critic, ids, mask, response_length),

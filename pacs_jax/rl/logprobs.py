@@ -1,5 +1,5 @@
 """Fused, chunked per-token log-probabilities (and entropies) from final hidden states, and the
-response log-probs of a model built on them (``response_logprobs``, ``micro_batched_logprobs``).
+response log-probs of a model built on them (``response_logprobs``; a pass of them: ``logprobs_of_pass``).
 
 Shapes: B batch, T tokens, D hidden, V vocabulary, C chunk length (tokens per sequence per step).
 
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
-from pacs_jax.rl.micro_batches import map_micro_batches
-from pacs_jax.rl.packing import map_passes, packed_inputs, response_stream, unpack
+from pacs_jax.rl.micro_batches import put_strided_micro_batch, strided_micro_batch
+from pacs_jax.rl.packing import keep_own_rows, packed_inputs, pass_plan, response_stream, unpack
 from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
@@ -108,24 +108,27 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
     return unpack(logp, plan["unpack_index"]), unpack(entropy, plan["unpack_index"])
 
 
-def micro_batched_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
-                           *, num_micro_batches: int = 1, temperature: float = 1.0,
-                           chunk_size: int = DEFAULT_CHUNK_SIZE,
-                           with_entropy: bool = False, packing: dict[str, jax.Array] | None = None):
-    """``response_logprobs`` without gradient, as ``num_micro_batches`` forward passes of B / K strided
-    rows each (``rl.micro_batches.map_micro_batches``), so activation memory is bounded by a
-    micro-batch, not the batch. Returns [B, R] (and entropy [B, R]).
-    packing: a plan of rl/packing.py for these rows (one mini-batch), its arrays by ``PACKING_KEYS``:
-    the rows then run as its packed passes (``rl.packing.map_passes``), each of a micro-batch's memory.
-    """
+def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
+                     out, k: jax.Array, *, num_micro_batches: int = 1, temperature: float = 1.0,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                     packing: dict[str, jax.Array] | None = None):
+    """Pass ``k`` (int32 []) of a batch's ``response_logprobs`` without gradient, its rows written into
+    ``out`` (returned): log-probs [B, R] float32, or with ``with_entropy`` (log-probs, entropy). One
+    pass is a micro-batch's forward: padded (``packing`` None), micro-batch k of ``num_micro_batches``
+    of B / K strided rows (``rl.micro_batches.split_micro_batches``); packed, pass k of the plan
+    (its arrays by rl/packing.py ``PACKING_KEYS``), its own rows (``rl.packing.own_rows``). Every k
+    (< K, or < the plan's passes) once, in any order, gives every row: pi_old dispatches one call a
+    pass (training/old_policy.py), so activation memory is a micro-batch's and the host sees each
+    pass end."""
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
-    if packing is None:
-        return map_micro_batches(lambda ids, mask: response_logprobs(model, ids, mask, response_length, **kwargs),
-                                 (input_ids, attention_mask), num_micro_batches=num_micro_batches)
-    zeros = constrain(jnp.zeros((input_ids.shape[0], response_length), jnp.float32), ("batch", None))
-    out = map_passes(lambda plan: packed_response_logprobs(model, input_ids, attention_mask, plan, **kwargs),
-                     packing, (zeros, zeros) if with_entropy else zeros)
-    return jax.lax.stop_gradient(out)
+    if packing is not None:
+        one = pass_plan(packing, k)
+        new = packed_response_logprobs(model, input_ids, attention_mask, one, **kwargs)
+        return jax.lax.stop_gradient(keep_own_rows(one, k, out, new))
+    K = num_micro_batches
+    micro = lambda x: constrain(strided_micro_batch(x, K, k), ("batch", None))  # noqa: E731
+    new = response_logprobs(model, micro(input_ids), micro(attention_mask), response_length, **kwargs)
+    return jax.lax.stop_gradient(jax.tree.map(lambda a, v: put_strided_micro_batch(a, v, K, k), out, new))
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:

@@ -5,7 +5,7 @@ Batch layout (the verl layout; L = P + R):
   input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
   attention_mask  [B, L]         1 on real tokens (prompt and response)
   response_mask   [B, R]         1 on the response tokens the loss sees
-  old_logp        [B, R] float   log pi_old of the response tokens (``micro_batched_logprobs``)
+  old_logp        [B, R] float   log pi_old of the response tokens (``logprobs_of_pass``)
   rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
   advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
   pack_index, stream_index, stream_length, unpack_index, row_pass   optional: a packing plan of

@@ -2,6 +2,7 @@
 batch K = ``num_micro_batches`` rows-blocks at a time.
 
     out = map_micro_batches(fn, (input_ids, attention_mask), num_micro_batches=4)   # forward, no gradient
+    rows = strided_micro_batch(input_ids, 4, k)     # micro-batch k alone (a pass dispatched on its own)
     loss, metrics, grads = accumulate_micro_batches(grad_fn, params, batch, unit=n, num_micro_batches=4)
 
 Layout: a batch [B, ...] is cut into blocks of ``unit`` rows (``unit`` = group size when micro-batches
@@ -38,6 +39,23 @@ def merge_micro_batches(x: jax.Array, unit: int) -> jax.Array:
     K, rows = x.shape[:2]
     blocks = x.reshape(K, rows // unit, unit, *x.shape[2:])
     return jnp.moveaxis(blocks, 0, 1).reshape(K * rows, *x.shape[2:])
+
+
+def strided_micro_batch(x: jax.Array, num_micro_batches: int, k: jax.Array) -> jax.Array:
+    """Micro-batch ``k`` (an int32 [] array) of ``split_micro_batches(x, 1, num_micro_batches)``
+    without the others: x [B, ...] -> rows k, k + K, k + 2K, ... [B / K, ...]."""
+    K = num_micro_batches
+    if K < 1 or x.shape[0] % K:
+        raise ValueError(f"num_micro_batches={K} does not divide the batch of {x.shape[0]} rows")
+    return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[0] // K, K, *x.shape[1:]), k, axis=1, keepdims=False)
+
+
+def put_strided_micro_batch(x: jax.Array, rows: jax.Array, num_micro_batches: int, k: jax.Array) -> jax.Array:
+    """The inverse of ``strided_micro_batch``: x [B, ...] with its rows k, k + K, ... replaced by ``rows``
+    [B / K, ...]."""
+    K = num_micro_batches
+    strided = x.reshape(x.shape[0] // K, K, *x.shape[1:])
+    return jax.lax.dynamic_update_index_in_dim(strided, rows.astype(x.dtype), k, axis=1).reshape(x.shape)
 
 
 def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_batches: int):

@@ -213,30 +213,36 @@ def pass_slices(plan: dict[str, jax.Array]) -> dict[str, jax.Array]:
             "stream_length": plan["stream_length"][:, 0]}
 
 
+def pass_plan(plan: dict[str, jax.Array], p: jax.Array) -> dict[str, jax.Array]:
+    """Pass ``p`` (int32 []) of a mini-batch's plan: its pack_index [S N, Lp], stream_index [S, Q],
+    stream_length [] and the mini-batch's unpack_index [B_m, R] and row_pass [B_m]."""
+    return _index_pass(pass_slices(plan), plan, p)
+
+
+def _index_pass(slices: dict[str, jax.Array], plan: dict[str, jax.Array], p) -> dict[str, jax.Array]:
+    """Pass p's arrays of ``slices`` (``pass_slices``) and the mini-batch's of ``plan``."""
+    one = {k: jax.lax.dynamic_index_in_dim(v, p, keepdims=False) for k, v in slices.items()}
+    return {**one, **{k: plan[k] for k in PACKING_KEYS if k not in PASS_KEYS}}
+
+
 def run_passes(body: Callable, plan: dict[str, jax.Array], init):
     """``carry = body(p, pass_plan, carry)`` for each pass p of a mini-batch's plan (a loop of as many
-    trips as it has passes): pass_plan holds pass p's pack_index [S N, Lp], stream_index [S, Q],
-    stream_length [] and the mini-batch's unpack_index [B_m, R] and row_pass [B_m]."""
+    trips as it has passes; ``pass_plan`` above)."""
     slices = pass_slices(plan)
-    rest = {k: plan[k] for k in PACKING_KEYS if k not in PASS_KEYS}
-
-    def step(p, carry):
-        one = {k: jax.lax.dynamic_index_in_dim(v, p, keepdims=False) for k, v in slices.items()}
-        return body(p, {**one, **rest}, carry)
-
-    return jax.lax.fori_loop(0, jnp.sum(slices["stream_length"] > 0), step, init)
+    return jax.lax.fori_loop(0, jnp.sum(slices["stream_length"] > 0),
+                             lambda p, carry: body(p, _index_pass(slices, plan, p), carry), init)
 
 
 def map_passes(forward: Callable, plan: dict[str, jax.Array], init):
     """``forward(pass_plan)`` -> a pytree of [B_m, ...] arrays, of which the pass's own rows are kept
     (``row_pass``): the mini-batch's values over all its passes (``init``: the same pytree, its
     starting values)."""
+    return run_passes(lambda p, one, acc: keep_own_rows(one, p, acc, forward(one)), plan, init)
 
-    def body(p, one, acc):
-        out = forward(one)
-        return jax.tree.map(lambda a, o: jnp.where(own_rows(one, p, o.ndim), o, a), acc, out)
 
-    return run_passes(body, plan, init)
+def keep_own_rows(pass_plan: dict[str, jax.Array], p, acc, out):
+    """``acc`` (a pytree of [B_m, ...] arrays) with pass ``p``'s own rows taken from ``out`` (the same pytree)."""
+    return jax.tree.map(lambda a, o: jnp.where(own_rows(pass_plan, p, o.ndim), o, a), acc, out)
 
 
 def own_rows(pass_plan: dict[str, jax.Array], p, ndim: int = 2) -> jax.Array:

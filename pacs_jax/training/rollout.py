@@ -8,10 +8,11 @@ the step's programs (training/step_programs.py):
              response bucket that holds the longest one
     pi_old   one jitted program per (prompt bucket, response bucket): assemble [B, P + R] rows on the
              device and compute pi_old and the entropy at the rollout temperature (logits / T, as
-             verl), in micro-batches of rows
-             (pacs_jax.rl.micro_batched_logprobs), dispatched before the rewards are scored; packed
+             verl) of one micro-batch of rows, dispatched once a micro-batch (training/old_policy.py),
+             before the rewards are scored; packed
              (``train.packing``): the rows are the largest buckets' and every pass runs on its packed
-             rows (one program per pass, rl/packing.py): each process plans the packing of every pass from
+             rows (one program per pass, rl/packing.py; pi_old's dispatched once a packed pass): each
+             process plans the packing of every pass from
              every row's prompt and response lengths (host arrays all processes hold: no collective)
     reward   each process decodes and scores the rows its devices hold (read from its addressable
              shards; the ids never leave their host) while the device computes pi_old; what the
@@ -153,10 +154,11 @@ class RolloutCollector:
                 "decode_steps": decode_steps, "sampler_logprobs": tuple(o.logprobs for o in outs),
                 "slot_utilisation": sampling.slot_utilisation(lengths, slot_steps)}
 
-    def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], jax.Array, dict, dict]:
-        """Dispatch the pi_old program on a ``sample`` result (asynchronous): (update batch without
-        rewards, mean entropy of the responses, the passes' packing plans on the device (by pass, as
-        ``StepPrograms.packing_plans``; {} when padded), the packing metrics)."""
+    def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], list[jax.Array], dict, dict]:
+        """Dispatch pi_old's passes on a ``sample`` result (asynchronous): (update batch without
+        rewards, the mean entropy of the responses after each pass (the last: all of them), the passes'
+        packing plans on the device (by pass, as ``StepPrograms.packing_plans``; {} when padded), the
+        packing metrics)."""
         programs = self.programs
         args = [sampled[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "response_mask")]
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
@@ -167,7 +169,8 @@ class RolloutCollector:
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
         plans = programs.packing_plans(sampled["prompt_lengths"], sampled["lengths"])
         on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
-        batch, entropy = programs.pi_old(state, *args, on_device["logprob"])
+        (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
+        batch, entropy = programs.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
         batch = {**batch, **on_device.pop("update")}
         computed = plans["logprob"].tokens_computed * (passes // 2) + plans["update"].tokens_computed
         if "critic" in plans:
@@ -191,7 +194,7 @@ class RolloutCollector:
 
         watch.start("reward")
         t0 = time.perf_counter()
-        batch, entropy_mean, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
+        batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
         mismatch = self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
         texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
         golds = [prompts.ground_truths[row // n] for row in rows]
@@ -202,8 +205,8 @@ class RolloutCollector:
         watch.done(f"{len(texts)} responses scored")
         watch.start("pi_old")
         t0 = time.perf_counter()
-        watch.wait((entropy_mean, mismatch), lambda: "waiting for the device")
-        entropy_mean = float(entropy_mean)  # waits for pi_old
+        watch.wait((entropy_means, mismatch), lambda: passes_done(entropy_means))
+        entropy_mean = float(entropy_means[-1])  # waits for pi_old
         mismatch = {k: float(v) for k, v in mismatch.items()}
         rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
@@ -248,6 +251,11 @@ class RolloutCollector:
             **times,
         }
         return Rollout(batch, rewards, metrics, packing)
+
+
+def passes_done(entropy_means: list[jax.Array]) -> str:
+    """"K/N passes done": pi_old's passes whose mean entropy is computed (no wait)."""
+    return f"{sum(m.is_ready() for m in entropy_means)}/{len(entropy_means)} passes done"
 
 
 def packing_metrics(tokens_real: int, tokens_computed: int) -> dict[str, float]:

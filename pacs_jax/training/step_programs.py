@@ -29,13 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax import console, hlo, sampling, sharding
-from pacs_jax.rl import micro_batched_logprobs
 from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
 from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
-from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, constrain
+from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
 from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
+from pacs_jax.training.old_policy import old_policy_passes
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout_consistency import consistency_program
 from pacs_jax.training.spec import RunSpec
@@ -79,7 +79,8 @@ class StepPrograms:
     Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, M mini-batches'
     metrics)`` (one program dispatched once a mini-batch: training/update_step.py ``MiniBatchUpdates``);
     ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
-    entropy)``; ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
+    entropy after each pass)`` (one program dispatched once a pass: training/old_policy.py
+    ``OldPolicyPasses``); ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
     ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
     (training/rollout_consistency.py);
     PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
@@ -111,7 +112,8 @@ class StepPrograms:
             graphdef, self.optimizer, spec.algorithm.objective, group_size=rc.n,
             objective_options=spec.algorithm.options,
             num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature, state_shardings=self.state_shardings, **extra)
-        self.pi_old = self._pi_old_program(extra)
+        self.pi_old = old_policy_passes(graphdef, temperature=self.settings.temperature,
+                                        num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size)
         rows = batch_sharding((0, 0))
 
         def assemble(tokens, lengths, bucket):
@@ -135,29 +137,6 @@ class StepPrograms:
         self.critic = critic_programs(
             critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
             values_micro_batches=self.logprob_micro_batches, **critic_options(self.spec))
-
-    def _pi_old_program(self, extra: dict) -> Callable:
-        graphdef, settings, K = self.graphdef, self.settings, self.logprob_micro_batches
-        rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
-        replicated = sharding.replicated()
-
-        def pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None):
-            """[P, Tp] prompts + [P*n, R] responses -> the update batch (without rewards) + mean entropy.
-            packing: None, or the pass's plan arrays (``packing_plans``, rl/packing.py PACKING_KEYS)."""
-            n = tokens.shape[0] // prompt_tokens.shape[0]
-            ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
-            mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
-            ids, mask = constrain(ids, ("batch", None)), constrain(mask, ("batch", None))
-            old_logp, entropy = micro_batched_logprobs(
-                nnx.merge(graphdef, params), ids, mask, tokens.shape[1], num_micro_batches=K,
-                temperature=settings.temperature, with_entropy=True, packing=packing, **extra)
-            response_mask = response_mask.astype(jnp.float32)
-            entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
-            return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask,
-                    "old_logp": old_logp}, entropy_mean
-
-        return jax.jit(pi_old, out_shardings=(
-            {"input_ids": rows, "attention_mask": rows, "response_mask": rows, "old_logp": rows}, replicated))
 
     # ------------------------------------------------------------------------ packing (train.packing)
     @property

@@ -1,0 +1,92 @@
+"""pi_old of a training step, one pass at a time: the log-probs and entropies of the sampled responses
+under the weights that sampled them (docs/design.md section 3.3).
+
+    passes = old_policy_passes(graphdef, temperature=T, num_micro_batches=K)   # training/step_programs.py
+    batch, entropy_means = passes(params, prompt_tokens, prompt_mask, tokens, response_mask)
+    # packed (train.packing): passes(..., packing=plan arrays, passes=the plan's pass count)
+
+One jitted program computes one pass (``rl.logprobs_of_pass``: a padded micro-batch of B / K strided
+rows, or a packed pass of the plan) into the step's log-prob and entropy buffers, which it donates
+and returns; the host enqueues the K passes at once (nothing waits between two), and each call's
+``entropy_mean`` is ready when its pass is done: the trainer's progress lines count the passes done
+(training/progress.py). Pass k is an int32 argument, so one program serves every pass. The
+buffers start as zeros put on the device by the host (no program compiles for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pacs_jax import distributed, sharding
+from pacs_jax.rl import logprobs_of_pass
+from pacs_jax.sharding import batch_sharding, constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class OldPolicyPasses:
+    """``(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None, passes=None) ->
+    (update batch without rewards, entropy_means)``: prompts [P, Tp], responses [P*n, R] -> the update
+    batch (input_ids, attention_mask [P*n, Tp + R] int32; response_mask, old_logp [P*n, R] float32)
+    and, a pass, the mean entropy of the response tokens of the passes so far ([] float32 each: the
+    last one's is the step's).
+
+    program: jitted ``(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy,
+    k, packing) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp and entropy donated.
+    num_micro_batches: K, the passes of padded rows.
+    """
+
+    program: Callable
+    num_micro_batches: int
+
+    def __call__(self, params, prompt_tokens, prompt_mask, tokens, response_mask,
+                 packing: dict | None = None, passes: int | None = None) -> tuple[dict, list[jax.Array]]:
+        if (packing is None) != (passes is None):
+            raise ValueError("packed pi_old takes the plan's arrays and its number of passes together")
+        logp, entropy = (distributed.put_rows(np.zeros(tokens.shape, np.float32), batch_sharding(tokens.shape))
+                         for _ in range(2))
+        means = []
+        for k in range(self.num_micro_batches if passes is None else passes):
+            batch, entropy, mean = self.program(params, prompt_tokens, prompt_mask, tokens, response_mask,
+                                                logp, entropy, np.int32(k), packing)
+            logp = batch["old_logp"]
+            means.append(mean)
+        return batch, means
+
+    def lower(self, params, prompt_tokens, prompt_mask, tokens, response_mask, packing: dict | None = None
+              ) -> jax.stages.Lowered:
+        """The one program of every pass, lowered on (abstract) arguments."""
+        buffer = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=batch_sharding(tokens.shape))
+        return self.program.lower(params, prompt_tokens, prompt_mask, tokens, response_mask, buffer, buffer,
+                                  jax.ShapeDtypeStruct((), jnp.int32), packing)
+
+
+def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_batches: int,
+                      chunk_size: int | None = None) -> OldPolicyPasses:
+    """pi_old at the rollout ``temperature`` (logits / T, as verl) in ``num_micro_batches`` padded
+    passes, or a packing plan's passes."""
+    rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    K = num_micro_batches
+
+    def one_pass(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy, k, packing):
+        n = tokens.shape[0] // prompt_tokens.shape[0]
+        ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
+        mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
+        ids, mask = constrain(ids, ("batch", None)), constrain(mask, ("batch", None))
+        old_logp, entropy = logprobs_of_pass(
+            nnx.merge(graphdef, params), ids, mask, tokens.shape[1], (old_logp, entropy), k, num_micro_batches=K,
+            temperature=temperature, with_entropy=True, packing=packing, **extra)
+        response_mask = response_mask.astype(jnp.float32)
+        entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
+        return ({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask, "old_logp": old_logp},
+                entropy, entropy_mean)
+
+    out = ({"input_ids": rows, "attention_mask": rows, "response_mask": rows, "old_logp": rows}, rows,
+           sharding.replicated())
+    return OldPolicyPasses(jax.jit(one_pass, donate_argnums=(5, 6), out_shardings=out), K)
