@@ -129,6 +129,14 @@ def _tuple_index(instr: _Instr | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _through_copies(table: dict[str, _Instr], instr: _Instr | None) -> _Instr | None:
+    """The instruction a chain of ``copy`` instructions (XLA:TPU copies a scan's counter before its
+    increment) starts from."""
+    while instr is not None and instr.op == "copy" and instr.operands:
+        instr = table.get(instr.operands[0])
+    return instr
+
+
 def _callee(attrs: str, key: str) -> str | None:
     match = re.search(rf"{key}=%?([\w.\-]+)", attrs)
     return match.group(1) if match else None
@@ -147,12 +155,15 @@ class Loop:
 @dataclasses.dataclass
 class Cost:
     """Per device: FLOPs (dots and convolutions), bytes accessed, collective bytes (the outputs of
-    collectives; a share of ``bytes``), and the loops whose trips came from ``trips``."""
+    collectives; a share of ``bytes``), the loops whose trips came from ``trips``, and those counted
+    from their bound whose counter does not step as ``counter + constant`` in the HLO (``unread_steps``,
+    by instruction name: taken to step by 1, so their trips may be overstated)."""
 
     flops: float = 0.0
     bytes: float = 0.0
     collective_bytes: float = 0.0
     asked: tuple[Loop, ...] = ()
+    unread_steps: tuple[str, ...] = ()
 
     def add(self, other: "Cost", times: float) -> None:
         self.flops += other.flops * times
@@ -171,6 +182,7 @@ class _Program:
         self.comps, self.entry, self.roots = _computations(hlo_text)
         self.trips_of = trips
         self.asked: list[Loop] = []
+        self.unread_steps: list[str] = []
         self.shapes = {c: {i.name: i for i in instrs} for c, instrs in self.comps.items()}
 
     # -------------------------------------------------------------- FLOPs of one instruction
@@ -305,15 +317,18 @@ class _Program:
             index = _tuple_index(counter)
             if bound is not None and index is not None:
                 start, step = self._counter(instr, body, index, caller)
-                return float(max(0, math.ceil((bound - start) / step)))
+                if step is None:
+                    self.unread_steps.append(instr.name)
+                return float(max(0, math.ceil((bound - start) / (step or 1))))
         loop = Loop(instr.name, depth, any(i.op == "while" for i in self._reached(body)))
         self.asked.append(loop)
         return float(self.trips_of(loop))
 
-    def _counter(self, instr: _Instr, body: str, index: int, caller: dict[str, _Instr]) -> tuple[int, int]:
+    def _counter(self, instr: _Instr, body: str, index: int, caller: dict[str, _Instr]) -> tuple[int, int | None]:
         """(start, step) of the loop counter at tuple ``index``: its initial value when the while's
-        operand tuple gives a constant there (else 0), and the constant the body adds to it (XLA:TPU's
-        windowed einsums step by 2: two shards a trip, bidirectionally; else 1)."""
+        operand tuple gives a constant there (else 0), and the positive constant the body adds to it
+        (XLA:TPU's windowed einsums step by 2: two shards a trip, bidirectionally; scans by 1), or None
+        when the body's new counter is not ``counter + constant``."""
         init = caller.get(instr.operands[0]) if instr.operands else None
         start = _integer(caller.get(init.operands[index])) if init is not None and init.op == "tuple" and \
             index < len(init.operands) else None
@@ -322,12 +337,12 @@ class _Program:
             index < len(table[root].operands) else None
         step = None
         if update is not None and update.op == "add" and len(update.operands) == 2:
-            a, b = (table.get(o) for o in update.operands)
+            a, b = (_through_copies(table, table.get(o)) for o in update.operands)
             if _tuple_index(a) == index:
                 step = _integer(b)
             elif _tuple_index(b) == index:
                 step = _integer(a)
-        return start or 0, step if step and step > 0 else 1
+        return start or 0, step if step and step > 0 else None
 
     def _reached(self, comp: str) -> list[_Instr]:
         out, todo, seen = [], [comp], set()
@@ -359,5 +374,6 @@ def program_cost(hlo_text: str, trips: Callable[[Loop], float] | None = None, *,
     program = _Program(hlo_text, trips or unknown, custom_call_bytes, costliest_branch)
     cost = program.cost(program.entry)
     cost.asked = tuple(program.asked)
+    cost.unread_steps = tuple(dict.fromkeys(program.unread_steps))
     return cost
 

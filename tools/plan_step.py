@@ -201,6 +201,13 @@ def trips_from_plan(plan, chunk: int) -> Callable:
     return lambda loop: passes if loop.holds_loops else chunks
 
 
+def say_unread_steps(cost, log) -> None:
+    """A line naming the loops whose counter's step ``cost`` (hlo_cost.Cost) could not read, if any."""
+    if cost.unread_steps:
+        log(f"  {len(cost.unread_steps)} loops whose counter does not step by a constant, counted as stepping by 1 "
+            f"(their trips may be overstated): {', '.join(cost.unread_steps)}")
+
+
 def compile_cost(lowered, trips: Callable, log) -> tuple:
     """(hlo_cost.Cost, XLA's optimal_seconds or None, the compiled program) of a lowered program."""
     import time
@@ -214,6 +221,7 @@ def compile_cost(lowered, trips: Callable, log) -> tuple:
         xla = xla[0] if xla else {}
     cost = hlo_cost.program_cost(compiled.as_text(), trips)
     log(f"  compiled in {time.perf_counter() - t0:.0f} s")
+    say_unread_steps(cost, log)
     return cost, xla.get("optimal_seconds"), compiled
 
 
@@ -275,6 +283,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     plain = spec.rollout.top_p >= 1.0 and not spec.rollout.top_k
     full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f), costliest_branch=not plain)
                    for f in (1.0, 0.0))
+    say_unread_steps(full, log)
     page = settings.page_size
     pages = page and (settings.pages or default_pages(settings.slots, page, settings.max_new_tokens))
     capacity = page and (P // shards * -(-step.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
