@@ -177,7 +177,8 @@ class StopSignals:
         if self.requested is None:
             self.requested = name
             _say(f"{name}: stopping at the step's next phase boundary (a step whose update has not begun is "
-                 f"dropped and run again on resume; one in its update is finished), writing the checkpoint of the "
+                 f"dropped and run again on resume; one in its update too when the last finished step's "
+                 f"checkpoint is on disk, else it is finished), writing the checkpoint of the "
                  f"last finished step and exiting with status 79 (send SIGTERM or press Ctrl-C again to abort "
                  f"at once, losing the steps since the last checkpoint)")
             for other in self._previous:  # a second signal: the default action, at once
