@@ -103,9 +103,9 @@ COMPARED_REMAT = "dots_saveable"
 
 def matrix_config(data_file, tokenizer_dir, remat: str, sampler: str = "continuous") -> ml_collections.ConfigDict:
     """The matrix's run of ``remat`` at its MATRIX_DTYPE: 1 step in one prompt bucket (128 tokens) and one
-    response bucket (8) (one configuration per program to compile), COMPARED_REMAT's 2 steps with 8 decode slots; RAGGED_REMAT's
-    is 3 steps of 2 prompts over the paper's prompt buckets (256, 512) and the response buckets 8 and 16,
-    shuffled so that the small bucket comes first (shuffle_seed 3: 256 512 512)."""
+    response bucket (8 tokens) (one configuration per program to compile), COMPARED_REMAT's 2 steps with 8
+    decode slots; RAGGED_REMAT's is 3 steps of 2 prompts over the paper's prompt buckets (256, 512) and the
+    response buckets 8 and 16, shuffled so that the small bucket comes first (shuffle_seed 3: 256 512 512)."""
     dtype = MATRIX_DTYPE[remat]
     ragged = remat == RAGGED_REMAT
     compared = remat == COMPARED_REMAT or sampler != "continuous"
