@@ -124,13 +124,14 @@ def qwen25_dir(qwen_tokenizer_dir, tmp_path_factory):
 
 def _config(data_file, model_dir):
     """configs/paper.py's qwen25_3b PACS setup, shrunk (test_train_real_config.py), on ``model_dir`` with
-    the paper config's own data.tokenizer, in one 256-token prompt bucket (the short problems, in the
-    Qwen2.5 template with its system prompt)."""
+    the paper config's own data.tokenizer, in one 128-token prompt bucket (the short problems, in the
+    Qwen2.5 template with its system prompt), responses of 8 tokens."""
     config = shrunk_paper_config(data_file, "unused", steps=1, arg="qwen25_3b,pacs_beta1", dtype="float32",
                                  remat="full")
     config.data.tokenizer = load_config("paper.py", "qwen25_3b,pacs_beta1").data.tokenizer
     config.model.path = str(model_dir)
-    one_prompt_bucket(config).rollout.response_buckets = (16,)
+    config.rollout.max_new_tokens = 8
+    one_prompt_bucket(config, 128).rollout.response_buckets = (8,)
     return config
 
 

@@ -31,12 +31,12 @@ from train_helpers import compile_cache_dir, load_config, train_env
 LOCAL = REPO / "launch" / "local.sh"
 TPU_POD = REPO / "launch" / "tpu_pod.sh"
 
-# configs/paper.py's Qwen2.5 setup shrunk: 8 prompts x 8 responses of 16 tokens, 2 sampler calls, 2 mini-batches
+# configs/paper.py's Qwen2.5 setup shrunk: 4 prompts x 8 responses of 8 tokens, 2 sampler calls, 2 mini-batches
 # of 2 micro-batches. pacs_beta1_noweight and lr 1e-4 so that a random model (reward 0 everywhere) still
 # moves visibly: AdamW moves a weight by about lr a step, 100 x the 1e-6 the runs must agree to (the
 # gradients' sums run in another order across processes, which Adam's normalisation amplifies for
 # weights with a near-zero gradient: at lr 1e-3 a few of 10 million weights differ by 2e-6). Mesh (data 4, tensor 2) in the device order 0 1 4 5 2 3 6 7: with 2 processes of 4
-# devices, process 0 holds batch rows 0-15 and 32-47, process 1 rows 16-31 and 48-63.
+# devices, process 0 holds batch rows 0-7 and 16-23, process 1 rows 8-15 and 24-31.
 SHRUNK = [
     "--config=configs/paper.py:qwen25_3b,pacs_beta1_noweight",
     "--config.model.preset=", "--config.model.model_type=qwen2", "--config.model.hidden_size=64",
@@ -44,9 +44,9 @@ SHRUNK = [
     "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2", "--config.model.head_dim=16",
     "--config.model.rope_theta=10000.0", "--config.model.tie_word_embeddings=True", "--config.model.vocab_size=0",
     "--config.data.max_prompt_length=256", "--config.data.prompt_buckets=(256,)",
-    "--config.train.steps=2", "--config.train.prompts_per_step=8", "--config.train.mini_batches=2",
+    "--config.train.steps=2", "--config.train.prompts_per_step=4", "--config.train.mini_batches=2",
     "--config.train.micro_batches=2", "--config.train.checkpoint_every=1", "--config.train.logprob_micro_batches=0",
-    "--config.rollout.micro_batches=2", "--config.rollout.max_new_tokens=16", "--config.rollout.response_buckets=(16,)",
+    "--config.rollout.micro_batches=2", "--config.rollout.max_new_tokens=8", "--config.rollout.response_buckets=(8,)",
     "--config.rollout.slots=8", "--config.rollout.tail_slots=0",  # paged: 2 decode slots per batch shard for the 8 responses of its prompt
     "--config.optim.lr=0.0001", "--config.reward.workers=1", "--config.eval.sets=",
     "--config.mesh.data=4", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
@@ -117,7 +117,7 @@ def runs(data_file, tmp_path_factory):
     return two, one, padded
 
 
-@pytest.mark.slow(seconds=280)  # the three runs of the fixture
+@pytest.mark.slow(seconds=240)  # the three runs of the fixture
 def test_two_processes_train_exactly_like_one(runs):
     two, one, _ = runs
     m2, m1 = _metrics(two), _metrics(one)
@@ -149,7 +149,7 @@ def test_two_processes_train_packed_like_padded(runs):
     assert packed_rows[1]["tokens_computed"] < padded_rows[1]["tokens_computed"]
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=25)
 def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_path):
     """Step 1 of the 2-process run (each process wrote its own shards), resumed by 1 process x 8 devices,
     ends where both straight runs end. (The other way, 2 processes restoring their shards, is

@@ -30,11 +30,13 @@ from test_train_real_config import deepscaler_rows, one_prompt_bucket, shrunk_pa
 
 def setup_config(data_file, tokenizer_dir, arg: str):
     """The shrunk 1-step config of paper setup ``arg``: its remat, bf16 and its tensor axis (4 for the
-    7B / 8B meshes) kept, fsdp reduced to fill the 8 test devices."""
+    7B / 8B meshes) kept, fsdp reduced to fill the 8 test devices; prompts of the 128-token bucket and
+    responses of 8 tokens (the step's time goes with the rows' length)."""
     config = shrunk_paper_config(data_file, tokenizer_dir, steps=1, arg=arg)
     tensor = load_config("paper.py", arg).mesh.tensor
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 8 // tensor, tensor
-    one_prompt_bucket(config).rollout.response_buckets = (16,)
+    config.rollout.max_new_tokens = 8
+    one_prompt_bucket(config, 128).rollout.response_buckets = (8,)
     return config
 
 

@@ -102,10 +102,10 @@ COMPARED_REMAT = "dots_saveable"
 
 
 def matrix_config(data_file, tokenizer_dir, remat: str, sampler: str = "continuous") -> ml_collections.ConfigDict:
-    """The matrix's run of ``remat`` at its MATRIX_DTYPE: 1 step in one prompt bucket and one response
-    bucket (one configuration per program to compile), COMPARED_REMAT's 2 steps with 8 decode slots; RAGGED_REMAT's
-    is 3 steps of 2 prompts over the paper's prompt buckets (256, 512) and the response buckets 8 and 16,
-    shuffled so that the small bucket comes first (shuffle_seed 3: 256 512 512)."""
+    """The matrix's run of ``remat`` at its MATRIX_DTYPE: 1 step in one prompt bucket (128 tokens) and one
+    response bucket (8 tokens) (one configuration per program to compile), COMPARED_REMAT's 2 steps with 8
+    decode slots; RAGGED_REMAT's is 3 steps of 2 prompts over the paper's prompt buckets (256, 512) and the
+    response buckets 8 and 16, shuffled so that the small bucket comes first (shuffle_seed 3: 256 512 512)."""
     dtype = MATRIX_DTYPE[remat]
     ragged = remat == RAGGED_REMAT
     compared = remat == COMPARED_REMAT or sampler != "continuous"
@@ -118,8 +118,8 @@ def matrix_config(data_file, tokenizer_dir, remat: str, sampler: str = "continuo
         config.rollout.response_buckets = (8, 16)
         config.data.shuffle_seed = 3
         return config
-    one_prompt_bucket(config)
-    config.rollout.response_buckets = (16,)
+    one_prompt_bucket(config, 128)
+    config.rollout.max_new_tokens, config.rollout.response_buckets = 8, (8,)
     if compared:
         # 8 slots, 1 a batch shard: nothing to narrow (the paper's tail_slots is for its 4096)
         config.rollout.sampler, config.rollout.slots, config.rollout.tail_slots = sampler, 8, 0
@@ -152,7 +152,7 @@ def test_paper_config_trains_under_every_remat_policy_and_both_dtypes(matrix_run
         assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["skipped"] == 0.0
         assert r["generated_tokens"] > 0
         if remat != RAGGED_REMAT:
-            assert r["prompt_bucket"] == 256 and r["response_bucket"] == 16
+            assert r["prompt_bucket"] == 128 and r["response_bucket"] == 8
     assert all(r["compilations"] == rows[0]["compilations"] for r in rows)  # none after step 1 (2- and 3-step runs)
 
 
