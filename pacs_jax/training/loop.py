@@ -39,7 +39,7 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.models import kernels
 from pacs_jax.training import memory_check
-from pacs_jax.training.compilations import compilations, start_counting
+from pacs_jax.training.compilations import compilations, start_counting, uncounted
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.progress import StepInterrupted, StepWatch
@@ -218,12 +218,12 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         meta = {"step": step, "seed": spec.seed, "data_state": prompts.get_state()}
         critic_state = None if critic is None else (critic.params, critic.opt_state)
         preempted = signals.safe_point()  # several processes: the same step on every one
-        if checkpointer.save(step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
+        if _save(checkpointer, step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
             saved = step
         if on_step is not None:
             on_step(step, nnx.merge(graphdef, params), metrics)
         if single_process and not preempted and signals.requested is not None:  # arrived during on_step
-            checkpointer.save(step, params, opt_state, meta, force=True, critic=critic_state)
+            _save(checkpointer, step, params, opt_state, meta, force=True, critic=critic_state)
             preempted = True
         if preempted:
             signal_name = (signals.requested if single_process else
@@ -243,6 +243,12 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                        earlier_history=logger.earlier)
 
 
+def _save(checkpointer: TrainCheckpointer, *args, **kwargs) -> bool:
+    """``checkpointer.save``, its compilations (Orbax's own) not in the steps' ``compilations`` metric."""
+    with uncounted():
+        return checkpointer.save(*args, **kwargs)
+
+
 def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
                logger: MetricsLogger, params, opt_state, meta: dict, critic_state) -> None:
     """A stop signal ended step S before its update (or in it, when step S - 1's checkpoint is on disk:
@@ -251,7 +257,7 @@ def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, check
     one (``saved``) or is step 0, and say what a resume does."""
     last = interrupted.step - 1
     if last > saved:
-        checkpointer.save(last, params, opt_state, meta, force=True, critic=critic_state)
+        _save(checkpointer, last, params, opt_state, meta, force=True, critic=critic_state)
         kept = f"checkpoint of step {last} written"
     else:
         kept = (f"the checkpoint of step {last} is the latest" if last else
