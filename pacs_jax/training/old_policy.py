@@ -1,5 +1,5 @@
 """pi_old of a training step, one pass at a time: the log-probs and entropies of the sampled responses
-under the weights that sampled them (docs/design.md section 3.3).
+under the weights that sampled them (docs/design.md section 3.4).
 
     passes = old_policy_passes(graphdef, temperature=T, num_micro_batches=K)   # training/step_programs.py
     batch, entropy_means = passes(params, prompt_tokens, prompt_mask, tokens, response_mask)
