@@ -42,7 +42,7 @@ from pacs_jax.training import memory_check
 from pacs_jax.training.compilations import compilations, start_counting, uncounted
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
-from pacs_jax.training.progress import StepInterrupted, StepWatch
+from pacs_jax.training.progress import StepInterrupted, StepWatch, dispatches_done
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.signals import stop_signals
 from pacs_jax.training.spec import RunSpec
@@ -85,12 +85,6 @@ def _mean_metrics(per_minibatch: list[dict]) -> dict[str, float]:
     host = distributed.to_host(per_minibatch)
     return {k: float(np.sum(v) if k.endswith("skipped") else np.mean(v))
             for k, v in ((k, [m[k] for m in host]) for k in host[0])}
-
-
-def _mini_batches_done(per_minibatch: list[dict], what: str) -> str:
-    """"K/M mini-batches of WHAT done": the mini-batch updates whose metrics are computed (no wait)."""
-    done = sum(all(x.is_ready() for x in jax.tree.leaves(m)) for m in per_minibatch)
-    return f"{done}/{len(per_minibatch)} mini-batches of {what} done"
 
 
 def rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
@@ -191,11 +185,11 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             batch, critic_metrics = rollout.batch, {}
             if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
                 batch, per_minibatch = critic.step(programs.critic, batch, rollout.packing)
-                watch.wait(per_minibatch, lambda: _mini_batches_done(per_minibatch, "the critic's update"))
+                watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
                 critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
                 t0 = time.perf_counter()
             params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
-            watch.wait(per_minibatch, lambda: _mini_batches_done(per_minibatch, "the update"))
+            watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
                        {"step": step - 1, "seed": spec.seed, "data_state": data_state},

@@ -127,6 +127,13 @@ class StepWatch:
         self._last_line = self.clock()
 
 
+def dispatches_done(results: list, what: str) -> str:
+    """"K/N WHAT done": of N dispatches' ``results`` (each a pytree of device arrays), those whose
+    arrays are all computed (no wait): the update's mini-batches, pi_old's passes."""
+    done = sum(all(x.is_ready() for x in jax.tree.leaves(r)) for r in results)
+    return f"{done}/{len(results)} {what} done"
+
+
 def planned_step_warning(spec, platform: str) -> str | None:
     """A warning line when a step is planned far beyond the machine: on a CPU, more than
     ``CPU_STEP_TOKENS`` prompt and response tokens (prompts_per_step x rollout.n x (the largest

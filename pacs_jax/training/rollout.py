@@ -40,7 +40,7 @@ from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.training import rollout_consistency
-from pacs_jax.training.progress import StepWatch
+from pacs_jax.training.progress import StepWatch, dispatches_done
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 
@@ -205,7 +205,7 @@ class RolloutCollector:
         watch.done(f"{len(texts)} responses scored")
         watch.start("pi_old")
         t0 = time.perf_counter()
-        watch.wait((entropy_means, mismatch), lambda: passes_done(entropy_means))
+        watch.wait((entropy_means, mismatch), lambda: dispatches_done(entropy_means, "passes"))
         entropy_mean = float(entropy_means[-1])  # waits for pi_old
         mismatch = {k: float(v) for k, v in mismatch.items()}
         rollout_consistency.check(mismatch, self.max_logprob_diff)
@@ -251,11 +251,6 @@ class RolloutCollector:
             **times,
         }
         return Rollout(batch, rewards, metrics, packing)
-
-
-def passes_done(entropy_means: list[jax.Array]) -> str:
-    """"K/N passes done": pi_old's passes whose mean entropy is computed (no wait)."""
-    return f"{sum(m.is_ready() for m in entropy_means)}/{len(entropy_means)} passes done"
 
 
 def packing_metrics(tokens_real: int, tokens_computed: int) -> dict[str, float]:
