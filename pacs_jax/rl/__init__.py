@@ -19,6 +19,9 @@ from pacs_jax.rl.pacs import pacs_loss
 from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss,
                                          rloo_loss)
 from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss, value_loss
+from pacs_jax.rl.gspo import gspo_loss, gspo_policy_loss
+from pacs_jax.rl.cispo import cispo_loss, cispo_policy_loss
+from pacs_jax.rl.rollout_correction import correction_and_rejection_mask
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "critic_loss_and_grad_fn", "micro_batched_values",
            "value_mask", "compute_gae",
@@ -26,4 +29,5 @@ __all__ = ["ADVANTAGE_ESTIMATORS", "get_estimator", "BatchTotals", "critic_loss_
            "OBJECTIVES", "ObjectiveSpec", "OptionError", "get_objective", "objective_spec", "options_for", "pacs_loss",
            "LOSS_AGG_MODES", "LOSS_SCALES", "drgrpo_loss", "grpo_loss", "policy_gradient_loss", "rloo_loss",
            "ppo_objective", "ppo_policy_loss", "value_loss", "loss_and_grad_fn", "logprobs_of_pass",
-           "response_logprobs"]
+           "response_logprobs", "gspo_loss", "gspo_policy_loss", "cispo_loss", "cispo_policy_loss",
+           "correction_and_rejection_mask"]

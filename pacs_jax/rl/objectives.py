@@ -7,10 +7,12 @@ config check (training/config_check.py) and the objectives table of docs/design.
 tests/test_rl_objectives.py) all read it.
 
 A bound objective is called as
-    objective(logp, old_logp, response_mask, rewards, group_size, *, totals=None, advantages=None)
-        -> (scalar loss, metrics)
+    objective(logp, old_logp, response_mask, rewards, group_size, *, totals=None, advantages=None,
+              rollout_is_weights=None) -> (scalar loss, metrics)
 with logp, old_logp, response_mask [B, T] and rewards [B] ("ppo" also takes the batch's per-token
-``advantages`` [B, T] from rl.compute_gae); it checks the batch (``check_batch``) with the registry's
+``advantages`` [B, T] from rl.compute_gae; every objective takes rollout-correction weights [B, T],
+rl/rollout_correction.py, which multiply its per-token loss, PACS's per-response loss by their
+response means); it checks the batch (``check_batch``) with the registry's
 minimum group and reward kind, then runs the loss.
 """
 
@@ -24,13 +26,16 @@ from typing import Any
 
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from pacs_jax.rl.batch import check_batch
+from pacs_jax.rl.cispo import cispo_loss, cispo_policy_loss
+from pacs_jax.rl.gspo import GSPO_LOSS_AGG_MODES, gspo_loss, gspo_policy_loss
 from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES, pacs_loss
 from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss,
                                          rloo_loss)
 from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss
 
 # Arguments of every loss that are the batch, not options.
-_BATCH_ARGS = ("logp", "old_logp", "response_mask", "rewards", "group_size", "totals", "advantages")
+_BATCH_ARGS = ("logp", "old_logp", "response_mask", "rewards", "group_size", "totals", "advantages",
+               "rollout_is_weights")
 
 
 class OptionError(ValueError):
@@ -95,6 +100,11 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
                           forwards_to=policy_gradient_loss),
     "drgrpo": ObjectiveSpec(drgrpo_loss, min_group_size=2, binary_rewards=False, choices=_PG_CHOICES,
                           forwards_to=policy_gradient_loss),
+    # GSPO and CISPO (verl's compute_policy_loss_gspo / _cispo) on GRPO's group advantages
+    "gspo": ObjectiveSpec(gspo_loss, min_group_size=2, binary_rewards=False,
+                          choices={**_PG_CHOICES, "loss_agg_mode": GSPO_LOSS_AGG_MODES}, forwards_to=gspo_policy_loss),
+    "cispo": ObjectiveSpec(cispo_loss, min_group_size=2, binary_rewards=False, choices=_PG_CHOICES,
+                           forwards_to=cispo_policy_loss),
     # PPO's advantages come from the critic (GAE), not from a group: one response per prompt is enough.
     "ppo": ObjectiveSpec(ppo_objective, min_group_size=1, binary_rewards=False, choices=_PG_CHOICES,
                          forwards_to=ppo_policy_loss),
@@ -130,10 +140,13 @@ def get_objective(name: str, **options) -> Callable[..., tuple]:
         raise OptionError(error.option, f"objective {name!r}: {error}") from None
     loss = functools.partial(spec.loss, **options)
 
-    def objective(logp, old_logp, response_mask, rewards, group_size: int, *, totals=None, advantages=None):
+    def objective(logp, old_logp, response_mask, rewards, group_size: int, *, totals=None, advantages=None,
+                  rollout_is_weights=None):
         check_batch(logp, old_logp, response_mask, rewards, group_size, min_group_size=spec.min_group_size,
                     binary_rewards=spec.binary_rewards)
         extra = {} if advantages is None else {"advantages": advantages}
+        if rollout_is_weights is not None:
+            extra["rollout_is_weights"] = rollout_is_weights
         return loss(logp, old_logp, response_mask, rewards, group_size, totals=totals, **extra)
 
     return objective

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from pacs_jax.rl.advantages import get_estimator
 from pacs_jax.rl.batch import BatchTotals, group_view
+from pacs_jax.rl.rollout_correction import response_weights
 
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
 REWARD_METHODS = ("1", "2")
@@ -58,15 +59,17 @@ def class_weights(labels: jax.Array, group_size: int, mode: str) -> jax.Array:
 
 def pacs_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, rewards: jax.Array,
               group_size: int, *, beta: float = 1.0, use_weight: bool = True, weight_mode: str = "question",
-              reward_method: str = "1", adv_estimator: str = "rloo",
-              totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              reward_method: str = "1", adv_estimator: str = "rloo", totals: BatchTotals | None = None,
+              rollout_is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PACS loss and metrics, unchecked: ``rl.get_objective("pacs", ...)`` checks the options and the
     batch (group size >= 2, rewards in {0, 1}) from the registry (rl/objectives.py).
 
     logp, old_logp: [B, T] float log-probs of the response tokens under pi_theta / pi_old;
     response_mask: [B, T] 1 on response tokens; rewards: [B] verifiable rewards in {0, 1}.
     totals: normalisers of the whole mini-batch when this call sees one micro-batch (B of the 1/B
-    is then ``totals.num_sequences``).
+    is then ``totals.num_sequences``). rollout_is_weights: [B, T] rollout-correction weights
+    (constants; rl/rollout_correction.py): response i's BCE term is multiplied by their mean over its
+    tokens of ``response_mask`` (then the rejection mask), 0 when none is kept (docs/design.md 6.7).
 
     Returns (scalar loss, metrics): psi mean/std, accuracy of sigmoid(psi) > 0.5 as a predictor of
     the reward, the mean reward proxy, and weight mean/min/max.
@@ -80,6 +83,8 @@ def pacs_loss(logp: jax.Array, old_logp: jax.Array, response_mask: jax.Array, re
         w = class_weights(labels, group_size, weight_mode)
     else:
         w = jnp.ones_like(labels)
+    if rollout_is_weights is not None:
+        w = w * jax.lax.stop_gradient(response_weights(rollout_is_weights.astype(jnp.float32), response_mask))
     num_sequences = logp.shape[0] if totals is None else totals.num_sequences
     loss = jnp.sum(w * (jax.nn.softplus(psi) - labels * psi)) / num_sequences
 

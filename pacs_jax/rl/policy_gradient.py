@@ -35,6 +35,8 @@ Advantages come from the rewards by a group estimator (pacs_jax.rl.advantages):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -110,6 +112,15 @@ def clipped_token_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Arr
     return losses, clipped > unclipped, (adv < 0) & (ppo > dual)
 
 
+def weighted(losses: jax.Array, rollout_is_weights: jax.Array | None) -> jax.Array:
+    """Token losses [B, T] times the rollout-correction weights [B, T] (constants), or as they are for None."""
+    if rollout_is_weights is None:
+        return losses
+    if rollout_is_weights.shape != losses.shape:
+        raise ValueError(f"rollout_is_weights must be [B, T]={losses.shape}, got {rollout_is_weights.shape}")
+    return losses * jax.lax.stop_gradient(rollout_is_weights.astype(jnp.float32))
+
+
 def token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean of x [B, T] over the tokens where mask [B, T] is 1 (0 for an empty mask)."""
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -118,12 +129,15 @@ def token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
                         loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
                         norm_length: int | None, loss_scale: str, verl_micro_batch_size: int,
-                        totals: BatchTotals | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                        totals: BatchTotals | None, rollout_is_weights: jax.Array | None = None
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The dual-clip PPO policy loss of every policy-gradient objective (group baselines and PPO):
     ``clipped_token_loss`` reduced by ``aggregate`` (see the module docstring).
 
     logp, old_logp, response_mask: [B, T]; advantages: [B] (one per response, the group objectives)
     or [B, T] (one per token, PPO with GAE), constants (no gradient flows into them).
+    rollout_is_weights: [B, T] rollout-correction weights (rl/rollout_correction.py), constants that
+    multiply the token losses before the aggregation (verl's); None: none.
     Returns (scalar loss, metrics without gradient: "clipfrac", "clipfrac_dual" and "approx_kl_old",
     token means over the response mask).
     """
@@ -136,6 +150,7 @@ def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Ar
     advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     losses, clipped, dual = clipped_token_loss(logp, old_logp, advantages, clip_ratio_low=clip_ratio_low,
                                                clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    losses = weighted(losses, rollout_is_weights)
     loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
                      loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
     mask = response_mask.astype(jnp.float32)
@@ -149,7 +164,8 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: ja
                          group_size: int, *, adv_estimator: str, loss_agg_mode: str, clip_ratio_low: float = 0.2,
                          clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0, norm_length: int | None = None,
                          loss_scale: str = "mean", verl_micro_batch_size: int = 0,
-                         totals: BatchTotals | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                         totals: BatchTotals | None = None, rollout_is_weights: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip loss (``clipped_policy_loss``) with group advantages [B] from the rewards (see the
     module docstring), unchecked: ``rl.get_objective(name, ...)`` checks the options and the batch
     from the registry (rl/objectives.py).
@@ -157,14 +173,24 @@ def policy_gradient_loss(logp: jax.Array, old_logp: jax.Array, response_mask: ja
     logp, old_logp, response_mask: [B, T]; rewards: [B] (any finite values).
     loss_scale, verl_micro_batch_size: the aggregation convention ("verl": verl 0.3.1's micro-batch
     means, over micro-batches of ``verl_micro_batch_size`` responses; "mean": one mean over the
-    mini-batch).
+    mini-batch). rollout_is_weights [B, T]: see ``clipped_policy_loss``.
     Returns (scalar loss, metrics: pg loss, clip fractions, approx KL to pi_old, advantage mean/std).
     """
+    return group_policy_loss(clipped_policy_loss, logp, old_logp, response_mask, rewards, group_size,
+                             adv_estimator=adv_estimator, loss_agg_mode=loss_agg_mode, clip_ratio_low=clip_ratio_low,
+                             clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, norm_length=norm_length,
+                             loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size, totals=totals,
+                             rollout_is_weights=rollout_is_weights)
+
+
+def group_policy_loss(policy_loss: Callable[..., tuple], logp: jax.Array, old_logp: jax.Array,
+                      response_mask: jax.Array, rewards: jax.Array, group_size: int, *, adv_estimator: str,
+                      **options) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``policy_loss`` (``clipped_policy_loss``'s arguments: PPO-clip, GSPO's, CISPO's) on the group
+    advantages [B] of the rewards [B] by ``adv_estimator``; metrics under "pg/" with the advantages'
+    mean and std."""
     advantages = get_estimator(adv_estimator)(rewards.astype(jnp.float32), group_size)  # [B]
-    pg_loss, clip_metrics = clipped_policy_loss(
-        logp, old_logp, advantages, response_mask, loss_agg_mode=loss_agg_mode, clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, norm_length=norm_length, loss_scale=loss_scale,
-        verl_micro_batch_size=verl_micro_batch_size, totals=totals)
+    pg_loss, clip_metrics = policy_loss(logp, old_logp, advantages, response_mask, **options)
     metrics = {"pg/loss": pg_loss, **{f"pg/{k}": v for k, v in clip_metrics.items()},
                "pg/advantage_mean": jnp.mean(advantages), "pg/advantage_std": jnp.std(advantages)}
     return pg_loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -32,10 +32,11 @@ from pacs_jax.rl.policy_gradient import aggregate, clipped_policy_loss, token_me
 def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
                     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                     loss_agg_mode: str = "token-mean", loss_scale: str = "mean", verl_micro_batch_size: int = 0,
-                    norm_length: int | None = None, totals: BatchTotals | None = None
-                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    norm_length: int | None = None, totals: BatchTotals | None = None,
+                    rollout_is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The actor's loss, ``policy_gradient.clipped_policy_loss`` on per-token advantages: logp, old_logp,
-    advantages, response_mask [B, T] -> (scalar, metrics).
+    advantages, response_mask [B, T] -> (scalar, metrics). rollout_is_weights [B, T]: rollout-correction
+    weights multiplying the token losses (None: none).
 
     advantages are constants (no gradient flows into them). Metrics: the clip fractions of both
     clips and the approximate KL to pi_old, as token means.
@@ -43,7 +44,8 @@ def ppo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
     loss, metrics = clipped_policy_loss(logp, old_logp, advantages, response_mask, loss_agg_mode=loss_agg_mode,
                                         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                                         clip_ratio_c=clip_ratio_c, norm_length=norm_length, loss_scale=loss_scale,
-                                        verl_micro_batch_size=verl_micro_batch_size, totals=totals)
+                                        verl_micro_batch_size=verl_micro_batch_size, totals=totals,
+                                        rollout_is_weights=rollout_is_weights)
     return loss, {"ppo/policy_loss": jax.lax.stop_gradient(loss), **{f"ppo/{k}": v for k, v in metrics.items()}}
 
 

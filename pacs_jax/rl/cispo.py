@@ -1,0 +1,51 @@
+"""CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by a clipped, stop-gradient importance
+ratio, as verl's ``compute_policy_loss_cispo`` (docs/design.md section 6.8).
+
+Shapes: B responses, T response tokens, A the advantages ([B] or [B, T]). Per token, with
+rho = exp(clip(log pi_theta - log pi_old, -20, 20)):
+  l_t = -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A log pi_theta(o_t)
+so every token keeps a gradient (PPO's clip drops the clipped tokens' gradients; CISPO only bounds
+their weight), times the rollout-correction weights (if any), reduced by ``loss_agg_mode`` and
+``loss_scale`` as the other policy-gradient losses (rl/policy_gradient.py ``aggregate``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.rl.batch import BatchTotals
+from pacs_jax.rl.policy_gradient import aggregate, group_policy_loss, token_mean, weighted
+
+_MAX_LOG_RATIO = 20.0  # verl's clamp before the exp
+
+
+def cispo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
+                      clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                      loss_agg_mode: str = "token-mean", loss_scale: str = "mean", verl_micro_batch_size: int = 0,
+                      norm_length: int | None = None, totals: BatchTotals | None = None,
+                      rollout_is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CISPO's policy loss (module docstring): logp, old_logp, response_mask [B, T], advantages [B] or
+    [B, T] (constants), rollout_is_weights [B, T] or None -> (scalar, metrics: "clipfrac" (tokens whose
+    ratio was clipped), "approx_kl_old", token means). ``rl.ppo_policy_loss``'s keywords;
+    clip_ratio_c is not read (no dual clip)."""
+    del clip_ratio_c
+    logp, old_logp = logp.astype(jnp.float32), old_logp.astype(jnp.float32)
+    mask = response_mask.astype(jnp.float32)
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    adv = adv[:, None] if adv.ndim == 1 else adv
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    losses = weighted(-jax.lax.stop_gradient(clipped_ratio) * adv * logp, rollout_is_weights)
+    loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
+                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
+    metrics = {"clipfrac": token_mean((ratio != clipped_ratio).astype(jnp.float32), mask),
+               "approx_kl_old": token_mean(old_logp - logp, mask)}
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def cispo_loss(logp, old_logp, response_mask, rewards, group_size, **options):
+    """The registry's "cispo": ``cispo_policy_loss`` (its options) on GRPO's group advantages of the
+    rewards [B], as MiniMax-M1. Unchecked: ``rl.get_objective`` checks the options and the batch."""
+    return group_policy_loss(cispo_policy_loss, logp, old_logp, response_mask, rewards, group_size,
+                             adv_estimator="grpo", **options)
