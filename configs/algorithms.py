@@ -94,6 +94,12 @@ def setups(response_length: int) -> dict[str, Setup]:
         # PPO-clip 0.2 / dual clip 3 at token-mean, the critic at verl's defaults over the mini-batch
         "ppo_token_mean": Setup("ppo", dict(_CLIP, loss_agg_mode="token-mean"), grad_clip=1.0),
         "rloo": Setup("rloo", dict(_CLIP, loss_agg_mode="token-mean"), grad_clip=1.0),
+        # GSPO (arXiv 2507.18071) as verl's examples/gspo_trainer: its sequence ratio clipped at 3e-4 / 4e-4,
+        # seq-mean-token-mean (pinned), grad clip 1.0; CISPO (arXiv 2506.13585) as verl's
+        # examples/cispo_trainer: no lower clip (clip_ratio_low 10), 0.2 above, token-mean. Both on GRPO's advantages.
+        "gspo": Setup("gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4), grad_clip=1.0),
+        "cispo": Setup("cispo", dict(clip_ratio_low=10.0, clip_ratio_high=0.2, loss_agg_mode="token-mean"),
+                       grad_clip=1.0),
         "drgrpo": Setup("drgrpo", dict(_CLIP, loss_agg_mode="seq-mean-token-sum-norm", norm_length=response_length),
                         grad_clip=1.0),
     }

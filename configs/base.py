@@ -121,6 +121,21 @@ def get_config() -> ml_collections.ConfigDict:
 
     # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective
     c.algorithm = ml_collections.ConfigDict(dict(objective="pacs", **objective_options()))
+    # Rollout correction (pacs_jax/rl/rollout_correction.py, docs/design.md 6.7), verl's
+    # algorithm.rollout_correction: off unless rollout_is or rollout_rs is set, or a preset named.
+    c.algorithm.rollout_correction = ml_collections.ConfigDict(dict(
+        preset="",                    # token_tis | seq_tis | seq_mis | geo_rs | k3_rs | icepop: its fields, under
+                                      # any set here
+        rollout_is=ml_collections.config_dict.placeholder(str),  # None | "token" | "sequence": IS weights
+        rollout_is_threshold=ml_collections.FieldReference(2.0, field_type=object),  # a number U: truncate at U (TIS); "L_U": mask outside [L, U] (IcePop)
+        rollout_is_batch_normalize=False,  # divide the weights by their batch mean
+        rollout_rs=ml_collections.config_dict.placeholder(str),  # None | comma list of token_k1/k2/k3,
+                                      # seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3: rejection masks
+        rollout_rs_threshold=ml_collections.config_dict.placeholder(object),  # one for all, or one per option:
+                                      # "L_U" ratio bounds for k1 (k1 bounds pi_rollout / pi_old), an upper bound else
+        bypass_mode=False,            # the sampler's log-probs as pi_old, no pi_old pass (not built yet: refused)
+        loss_type="ppo_clip",         # bypass_mode's loss: ppo_clip | reinforce
+    ))
 
     # PPO's critic (read only when algorithm.objective is "ppo"): a Qwen backbone with a scalar head, sharded
     # like the actor, its own AdamW (constant lr), updated on the actor's mini-batches and micro-batches each

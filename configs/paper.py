@@ -106,7 +106,10 @@ PAPER_SOURCES = {
 # the paper reports: pacs_beta1 (pacs_beta2 for the first) with one option changed, for exploration.
 NOT_IN_PAPER = ("pacs_beta2_noweight", "pacs_beta1_only_positive", "pacs_beta1_only_negative", "pacs_beta1_reward2",
                 "pacs_beta1_naive_adv")
-ALGORITHMS = tuple(PAPER_SOURCES) + NOT_IN_PAPER
+# Objectives the paper does not compare, at the paper's MODEL settings: GSPO and CISPO as verl's examples run
+# them (configs/algorithms.py), for comparison with PACS on the same setup.
+OTHER_OBJECTIVES = ("gspo", "cispo")
+ALGORITHMS = tuple(PAPER_SOURCES) + NOT_IN_PAPER + OTHER_OBJECTIVES
 MAX_NEW_TOKENS = 4096
 
 

@@ -187,9 +187,11 @@ def test_the_named_pacs_setups_are_the_papers_and_the_authors_options():
     paper reports cite its section; the rest are marked as not in the paper. The ablation grids are the paper's:
     beta {0.1, 0.5, 1, 2, 10} (v2 section 5.1), score functions RLOO / GRPO / Dr. GRPO (v2 section 5.2)."""
     algorithms = configs.paper.ALGORITHMS
-    assert len(set(algorithms)) == len(algorithms) and set(algorithms) == set(SETUPS) | {"grpo", "ppo"}
+    others = set(configs.paper.OTHER_OBJECTIVES)
+    assert others == {"gspo", "cispo"}
+    assert len(set(algorithms)) == len(algorithms) and set(algorithms) == set(SETUPS) | {"grpo", "ppo"} | others
     sources, not_in_paper = configs.paper.PAPER_SOURCES, configs.paper.NOT_IN_PAPER
-    assert set(sources) | set(not_in_paper) == set(algorithms) and not set(sources) & set(not_in_paper)
+    assert set(sources) | set(not_in_paper) | others == set(algorithms) and not set(sources) & set(not_in_paper)
     for name, (_, section) in SETUPS.items():
         if section is None:
             assert name in not_in_paper, name

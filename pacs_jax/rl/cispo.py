@@ -5,7 +5,8 @@ Shapes: B responses, T response tokens, A the advantages ([B] or [B, T]). Per to
 rho = exp(clip(log pi_theta - log pi_old, -20, 20)):
   l_t = -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A log pi_theta(o_t)
 so every token keeps a gradient (PPO's clip drops the clipped tokens' gradients; CISPO only bounds
-their weight), times the rollout-correction weights (if any), reduced by ``loss_agg_mode`` and
+their weight). The defaults are verl's examples/cispo_trainer and MiniMax-M1's: no lower bound
+(eps_low 10), eps_high 0.2. Then times the rollout-correction weights (if any), reduced by ``loss_agg_mode`` and
 ``loss_scale`` as the other policy-gradient losses (rl/policy_gradient.py ``aggregate``).
 """
 
@@ -21,7 +22,7 @@ _MAX_LOG_RATIO = 20.0  # verl's clamp before the exp
 
 
 def cispo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, response_mask: jax.Array, *,
-                      clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                      clip_ratio_low: float = 10.0, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                       loss_agg_mode: str = "token-mean", loss_scale: str = "mean", verl_micro_batch_size: int = 0,
                       norm_length: int | None = None, totals: BatchTotals | None = None,
                       rollout_is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:

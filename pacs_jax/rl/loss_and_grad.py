@@ -8,6 +8,8 @@ Batch layout (the verl layout; L = P + R):
   old_logp        [B, R] float   log pi_old of the response tokens (``logprobs_of_pass``)
   rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
   advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
+  rollout_is_weights [B, R] float optional: rollout-correction weights (rl/rollout_correction.py;
+                                 response_mask is then the rejection mask)
   pack_index, stream_index, stream_length, unpack_index, row_pass   optional: a packing plan of
                                  this mini-batch (rl/packing.py): it then runs as its packed passes
                                  (``rl.packing.accumulate_passes``), not as micro-batches
@@ -63,7 +65,7 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
                                  **kwargs)
 
     def loss(logp, rows, totals):
-        extra = {"advantages": rows["advantages"]} if "advantages" in rows else {}
+        extra = {k: rows[k] for k in ("advantages", "rollout_is_weights") if k in rows}
         return fn(logp, rows["old_logp"], rows["response_mask"], rows["rewards"], group_size, totals=totals, **extra)
 
     grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(forward(params, micro), micro, totals),

@@ -51,6 +51,19 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                       "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 _EPS = 1e-8  # verl_F.masked_mean's
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+# verl's presets by name (RolloutCorrectionConfig's class methods, at their default thresholds; IcePop at the
+# IcePop paper's band [0.5, 5]): the fields each sets.
+PRESETS = {
+    "token_tis": dict(rollout_is="token", rollout_is_threshold=2.0),
+    "seq_tis": dict(rollout_is="sequence", rollout_is_threshold=2.0),
+    "seq_mis": dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_sum_k1",
+                    rollout_rs_threshold="0.5_2.0"),
+    "geo_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+    "k3_rs": dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0"),
+}
 
 
 @dataclasses.dataclass(frozen=True)

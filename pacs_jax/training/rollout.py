@@ -196,6 +196,10 @@ class RolloutCollector:
         t0 = time.perf_counter()
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
         mismatch = self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
+        correction = {}
+        if self.programs.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
+            batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.rollout_correction(
+                sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
         texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
         golds = [prompts.ground_truths[row // n] for row in rows]
         scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
@@ -207,7 +211,7 @@ class RolloutCollector:
         t0 = time.perf_counter()
         watch.wait((entropy_means, mismatch), lambda: dispatches_done(entropy_means, "passes"))
         entropy_mean = float(entropy_means[-1])  # waits for pi_old
-        mismatch = {k: float(v) for k, v in mismatch.items()}
+        mismatch = {k: float(v) for k, v in {**mismatch, **correction}.items()}  # replicated scalars
         rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
         watch.done()

@@ -42,11 +42,16 @@ def _k3(x: jax.Array) -> jax.Array:
     return jnp.where(small, x * x * (0.5 + x / 6 + x * x / 24), jnp.expm1(jnp.where(small, 0.0, x)) - x)
 
 
+def sampler_rows(sampler_logp: Sequence[jax.Array], width: int) -> jax.Array:
+    """K sampler calls' log-probs [B / K, N] -> [B, width] float32 (width <= N), rows in call order as the
+    update batch's."""
+    return jnp.concatenate(sampler_logp, axis=0)[:, :width].astype(jnp.float32)
+
+
 def _consistency(sampler_logp: Sequence[jax.Array], old_logp: jax.Array, response_mask: jax.Array) -> dict:
     """K sampler calls' log-probs [B / K, N] (rows in call order, as the update batch's) against the
     update batch's old_logp and response_mask [B, R] (R <= N): the METRICS, each a float32 scalar."""
-    R = old_logp.shape[1]
-    sampled = jnp.concatenate(sampler_logp, axis=0)[:, :R].astype(jnp.float32)  # [B, R]
+    sampled = sampler_rows(sampler_logp, old_logp.shape[1])  # [B, R]
     mask = response_mask.astype(jnp.float32)
     count = jnp.maximum(jnp.sum(mask), 1.0)
     log_ratio = jnp.where(mask > 0, old_logp.astype(jnp.float32) - sampled, 0.0)  # log pi_old - log pi_sampler

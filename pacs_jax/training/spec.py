@@ -25,6 +25,7 @@ from pacs_jax.errors import PermanentError
 from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
+from pacs_jax.rl import rollout_correction
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
 from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
@@ -194,11 +195,68 @@ class RolloutSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutCorrectionSpec:
+    """``config.algorithm.rollout_correction`` (verl's fields, rl/rollout_correction.py), a preset's fields
+    under those set; every value checked. ``enabled``: weights or rejection are on."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+
+    @classmethod
+    def from_config(cls, section) -> RolloutCorrectionSpec:
+        fields = {f.name: _plain(section[f.name]) for f in dataclasses.fields(cls)}
+        preset = section.preset
+        if preset:
+            require(preset in rollout_correction.PRESETS, "algorithm.rollout_correction.preset",
+                    f"{preset!r} is not one of {sorted(rollout_correction.PRESETS)}")
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            fields.update({k: v for k, v in rollout_correction.PRESETS[preset].items() if fields[k] == defaults[k]})
+        return cls(**fields)
+
+    def __post_init__(self):
+        field = "algorithm.rollout_correction."
+        require(self.rollout_is in (None, *rollout_correction.ROLLOUT_IS_LEVELS), field + "rollout_is",
+                f"{self.rollout_is!r} is not one of {rollout_correction.ROLLOUT_IS_LEVELS} (or None: no weights)")
+        try:
+            if self.rollout_is is not None:
+                rollout_correction.parse_is_threshold(self.rollout_is_threshold)
+            if self.rollout_rs is not None:
+                rollout_correction.parse_rs_thresholds(rollout_correction.parse_rs_options(self.rollout_rs),
+                                                       self.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(f"config.{field}{e}") from None
+        require(isinstance(self.rollout_is_batch_normalize, bool), field + "rollout_is_batch_normalize",
+                f"must be True or False, got {self.rollout_is_batch_normalize!r}")
+        require(self.loss_type in rollout_correction.BYPASS_LOSS_TYPES, field + "loss_type",
+                f"{self.loss_type!r} is not one of {rollout_correction.BYPASS_LOSS_TYPES}")
+        require(not self.bypass_mode, field + "bypass_mode",
+                "bypass mode (the sampler's log-probs as pi_old, no pi_old pass) is not built yet: "
+                "set it to False (the decoupled correction: pi_old is computed and corrected)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def options(self) -> dict[str, Any]:
+        """The keywords of ``rl.correction_and_rejection_mask``."""
+        return dict(rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+                    rollout_is_batch_normalize=self.rollout_is_batch_normalize, rollout_rs=self.rollout_rs,
+                    rollout_rs_threshold=self.rollout_rs_threshold)
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
-    """``config.algorithm``: the objective and the options it runs with (its namespace, resolved)."""
+    """``config.algorithm``: the objective and the options it runs with (its namespace, resolved), and
+    the rollout correction."""
 
     objective: str
     options: dict[str, Any]
+    rollout_correction: RolloutCorrectionSpec = RolloutCorrectionSpec()
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
@@ -215,7 +273,8 @@ class AlgorithmSpec:
                            else f"{chosen!r} takes no option {option!r}")
                 raise ConfigError(f"config.algorithm.{name}.{option}: {value!r} is set, but algorithm.objective is "
                                   f"{chosen!r}, which does not read algorithm.{name} ({instead})")
-        return cls(objective=chosen, options=dict(section[chosen]))
+        return cls(objective=chosen, options=dict(section[chosen]),
+                   rollout_correction=RolloutCorrectionSpec.from_config(section.rollout_correction))
 
     def __post_init__(self):
         try:

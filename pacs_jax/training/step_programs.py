@@ -38,6 +38,7 @@ from pacs_jax.training.critic_step import CriticState, critic_options, critic_pr
 from pacs_jax.training.old_policy import old_policy_passes
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout_consistency import consistency_program
+from pacs_jax.training.rollout_correction_step import correction_program
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.update_step import make_update_step
 
@@ -82,7 +83,8 @@ class StepPrograms:
     entropy after each pass)`` (one program dispatched once a pass: training/old_policy.py
     ``OldPolicyPasses``); ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
     ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
-    (training/rollout_consistency.py);
+    (training/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
+    response_mask, metrics; training/rollout_correction_step.py), None unless the correction is on;
     PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
     made by ``add_critic`` once the critic exists (it copies the actor after the warm-start);
     ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
@@ -124,6 +126,8 @@ class StepPrograms:
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
         self.rollout_consistency = consistency_program()
+        correction = spec.algorithm.rollout_correction
+        self.rollout_correction = correction_program(correction) if correction.enabled else None
         self.critic_state = self.critic = None
         if critic is not None:
             self.add_critic(critic)
@@ -200,6 +204,8 @@ class StepPrograms:
                  "rewards": rows((B,), jnp.float32)}
         if self.critic is not None:
             batch["advantages"] = rows((B, response_bucket), jnp.float32)
+        if self.rollout_correction is not None:
+            batch["rollout_is_weights"] = rows((B, response_bucket), jnp.float32)
         return batch
 
     # ------------------------------------------------------------------------ the list of programs
@@ -266,6 +272,11 @@ class StepPrograms:
             out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
                                lambda a=(call_logp, *per_row): self.rollout_consistency.lower(*a),
                                (call_logp, *per_row), actor_bytes + critic_bytes))
+            if self.rollout_correction is not None:
+                out.append(Program("rollout_correction", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} "
+                                   "tokens: IS weights and rejection mask",
+                                   lambda a=(call_logp, *per_row): self.rollout_correction.lower(*a),
+                                   (call_logp, *per_row), actor_bytes + critic_bytes))
         return out
 
     def _pass_programs(self, batch: dict, passes: str, updates: str, plans: dict, opt_bytes: int, actor_bytes: int,
