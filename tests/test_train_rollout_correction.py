@@ -1,0 +1,144 @@
+"""The rollout correction in the trainer (algorithm.rollout_correction, docs/design.md 6.7).
+
+With the sampler made to differ from pi_old (its log-probs those of another temperature, as a sampler
+whose numerics drift would be), the step's correction program fires: its weights, rejection mask and
+``rollout_corr/`` metrics equal the float64 reference of tests/test_rollout_correction.py on pi_old as
+the trainer computed it, and the update's loss at pi_theta = pi_old equals a float64 statement of each
+objective's loss with those weights and that mask. Bad settings are one line naming the field, status
+78, before anything is written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import REPO
+from pacs_jax.errors import PERMANENT_ERROR_STATUS
+from pacs_jax.training.config_check import ConfigError, validate_config
+from pacs_jax.training.rollout import RolloutCollector
+from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.step_programs import StepPrograms
+from test_rollout_correction import reference as correction_reference
+from test_train_temperature import N, TEMPERATURE, models_and_batch, reference_logprobs, trainer_config  # noqa: F401
+from train_helpers import load_config, train_env
+
+REWARDS = np.array([1, 0, 0, 1, 0, 1, 1, 1], np.float32)
+CORRECTION = dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1,seq_mean_k3",
+                  rollout_rs_threshold="0.5_2,0.5")
+
+
+def _grpo_advantages(rewards):
+    g = rewards.astype(np.float64).reshape(-1, N)
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+
+
+def _loss_at_pi_old(objective: str, weights: np.ndarray, kept: np.ndarray) -> float:
+    """Each objective's loss where pi_theta = pi_old (every ratio 1, PACS's scores 0), float64."""
+    if objective == "pacs":  # (1/B) sum_i w_i rho_i softplus(0): rho_i the response's mean weight over kept tokens
+        labels = REWARDS.reshape(-1, N)
+        positives = labels.sum(1, keepdims=True)
+        same = np.where(labels > 0.5, positives, N - positives)
+        mixed = (positives > 0) & (positives < N)
+        w = np.where(mixed, N / (2.0 * same), 1.0).reshape(-1)
+        rho = (weights * kept).sum(1) / np.maximum(kept.sum(1), 1.0)
+        return float(np.sum(w * rho * np.log(2.0)) / len(REWARDS))
+    token_loss = -_grpo_advantages(REWARDS)[:, None] * weights  # grpo / cispo at ratio 1 (cispo: times log pi)
+    return float(np.sum(token_loss * kept) / kept.sum())  # token-mean over the kept tokens
+
+
+@pytest.mark.parametrize("objective", ["grpo", "pacs"])
+def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_batch, objective):  # noqa: F811
+    hf_model, model, sampled = models_and_batch
+    graphdef, params = nnx.split(model)
+    config = trainer_config(TEMPERATURE)
+    config.algorithm.objective = objective  # trainer_config's grpo at token-mean; PACS reads none of it
+    if objective != "grpo":
+        config.algorithm.grpo.loss_agg_mode = load_config("default.py").algorithm.grpo.loss_agg_mode
+    config.algorithm.rollout_correction.update(CORRECTION)
+    spec = RunSpec.unplaced(config)
+    programs = StepPrograms(spec, graphdef, params, ())
+    batch, *_ = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).old_policy(
+        params, sampled)
+    live = np.asarray(batch["response_mask"], np.float64)
+    # The sampler's log-probs: those of temperature 1 where the trainer's pi_old is at 0.6.
+    R = live.shape[1]
+    drifted = np.zeros((live.shape[0], R + 3), np.float32)  # a sampler call's width is max_new_tokens (>= R)
+    drifted[:, :R] = reference_logprobs(hf_model, sampled, 1.0)
+    weights, kept, metrics = programs.rollout_correction((drifted[:4], drifted[4:]), batch["old_logp"],
+                                                         batch["response_mask"])
+    old = np.asarray(batch["old_logp"], np.float64)
+    want_w, want_kept, want_metrics = correction_reference(old, drifted[:, :R].astype(np.float64), live,
+                                                            **CORRECTION)
+    np.testing.assert_array_equal(np.asarray(kept), want_kept)
+    np.testing.assert_allclose(np.asarray(weights), want_w * want_kept, rtol=1e-5, atol=1e-6)
+    assert sorted(metrics) == sorted(want_metrics)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(float(metrics[key]), value, rtol=1e-4, atol=1e-5, err_msg=key)
+    # the drift shows: weights far from 1 and tokens rejected, and the metrics say so (pi_old, at the lower
+    # temperature, gives these random tokens less probability than the sampler)
+    assert float(metrics["rollout_corr/rollout_is_ratio_fraction_low"]) > 0
+    assert 0 < float(metrics["rollout_corr/rollout_rs_masked_fraction"]) < 1
+    assert float(metrics["rollout_corr/kl"]) != 0
+
+    update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS), rollout_is_weights=weights, response_mask=kept)
+    fresh = jax.tree.map(np.array, params)  # the update donates its inputs
+    _, _, (step_metrics,) = programs.update(fresh, jax.jit(programs.optimizer.init)(fresh), update_batch)
+    np.testing.assert_allclose(float(step_metrics["loss"]), _loss_at_pi_old(objective, np.asarray(weights, np.float64), want_kept),
+                               rtol=2e-4, atol=1e-6)
+
+
+def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # noqa: F811
+    _, model, sampled = models_and_batch
+    graphdef, params = nnx.split(model)
+    spec = RunSpec.unplaced(trainer_config(TEMPERATURE))
+    programs = StepPrograms(spec, graphdef, params, ())
+    assert programs.rollout_correction is None
+    assert "rollout_is_weights" not in programs.abstract_batch(5, 6)
+    assert "rollout_correction" not in {p.name for p in programs.programs()}
+
+
+@pytest.mark.parametrize("settings, field", [
+    (dict(preset="tis"), "preset"),
+    (dict(rollout_is="tokens"), "rollout_is"),
+    (dict(rollout_rs="seq_max_k1", rollout_rs_threshold=2.0), "rollout_rs"),
+    (dict(rollout_rs="token_k2", rollout_rs_threshold="0.5_2"), "rollout_rs_threshold (token_k2)"),
+    (dict(rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2,0.1,0.2"), "rollout_rs_threshold"),
+    (dict(rollout_rs="seq_mean_k3"), "rollout_rs_threshold"),
+    (dict(rollout_is="token", rollout_is_threshold="2_0.5"), "rollout_is_threshold"),
+    (dict(loss_type="ppo"), "loss_type"),
+    (dict(bypass_mode=True), "bypass_mode"),
+])
+def test_bad_settings_name_their_field(settings, field):
+    config = load_config("default.py")
+    config.algorithm.rollout_correction.update(settings)
+    with pytest.raises(ConfigError, match=r"^config\.algorithm\.rollout_correction\." + field.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        validate_config(config)
+
+
+def test_presets_set_verls_fields_under_those_given():
+    config = load_config("default.py")
+    config.algorithm.rollout_correction.preset = "seq_mis"
+    spec = RunSpec.unplaced(config).algorithm.rollout_correction
+    assert (spec.rollout_is, spec.rollout_is_threshold, spec.rollout_rs, spec.rollout_rs_threshold) == (
+        "sequence", 2.0, "seq_sum_k1", "0.5_2.0")
+    config.algorithm.rollout_correction.rollout_is_threshold = 3.0  # a field set wins over the preset's
+    assert RunSpec.unplaced(config).algorithm.rollout_correction.rollout_is_threshold == 3.0
+
+
+def test_the_cli_refuses_a_lower_bound_above_the_upper_in_one_line_writing_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", f"--workdir={workdir}",
+                          "--config.algorithm.rollout_correction.preset=icepop",
+                          "--config.algorithm.rollout_correction.rollout_is_threshold=5.0_0.5"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=train_env())
+    assert run.returncode == PERMANENT_ERROR_STATUS, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("pacs_jax.train: error: ")]
+    assert lines == ["pacs_jax.train: error: config.algorithm.rollout_correction.rollout_is_threshold: '5.0_0.5' has its "
+                     "lower bound above its upper bound"], run.stderr[-2000:]
+    assert not workdir.exists()
