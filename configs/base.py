@@ -133,8 +133,8 @@ def get_config() -> ml_collections.ConfigDict:
                                       # seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3: rejection masks
         rollout_rs_threshold=ml_collections.config_dict.placeholder(object),  # one for all, or one per option:
                                       # "L_U" ratio bounds for k1 (k1 bounds pi_rollout / pi_old), an upper bound else
-        bypass_mode=False,            # the sampler's log-probs as pi_old, no pi_old pass (not built yet: refused)
-        loss_type="ppo_clip",         # bypass_mode's loss: ppo_clip | reinforce
+        bypass_mode=False,            # True: the sampler's log-probs as pi_old (no pi_old pass), corrected in the loss
+        loss_type="ppo_clip",         # bypass_mode's loss: ppo_clip (the objective; no weights) | reinforce (-A w log pi)
     ))
 
     # PPO's critic (read only when algorithm.objective is "ppo"): a Qwen backbone with a scalar head, sharded

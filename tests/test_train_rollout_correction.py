@@ -92,6 +92,53 @@ def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_bat
                                rtol=2e-4, atol=1e-6)
 
 
+def _ppo_clip_token_losses(logp, old, adv):
+    ratio = np.exp(np.clip(logp - old, -20, 20))
+    a = adv[:, None]
+    losses = np.maximum(-a * ratio, -a * np.clip(ratio, 0.8, 1.2))
+    return np.where(a < 0, np.minimum(losses, -a * 3.0), losses)
+
+
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_loss(models_and_batch,  # noqa: F811
+                                                                                   loss_type):
+    """No pi_old pass: the update batch's old_logp are the sampler's; the loss corrects pi_theta against
+    them (verl's bypass): PPO-clip over the rejection mask without weights, or REINFORCE with them."""
+    hf_model, model, sampled = models_and_batch
+    graphdef, params = nnx.split(model)
+    config = trainer_config(TEMPERATURE)
+    config.algorithm.rollout_correction.update(CORRECTION, bypass_mode=True, loss_type=loss_type)
+    spec = RunSpec.unplaced(config)
+    programs = StepPrograms(spec, graphdef, params, ())
+    names = {p.name for p in programs.programs()}
+    assert "sampler_as_pi_old" in names and not names & {"pi_old", "rollout_consistency", "rollout_correction"}
+    R = sampled["tokens"].shape[1]
+    drifted = np.zeros((len(sampled["tokens"]), R + 3), np.float32)
+    drifted[:, :R] = reference_logprobs(hf_model, sampled, 1.0)  # the sampler's: temperature 1, pi_theta's 0.6
+    batch, entropy, *_ = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).old_policy(
+        params, dict(sampled, sampler_logprobs=(drifted[:4], drifted[4:])))
+    assert np.isnan(float(entropy[-1]))  # no pass computed it
+    np.testing.assert_array_equal(np.asarray(batch["old_logp"]), drifted[:, :R])
+
+    update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS))
+    fresh = jax.tree.map(np.array, params)
+    _, _, (metrics,) = programs.update(fresh, jax.jit(programs.optimizer.init)(fresh), update_batch)
+    live = np.asarray(batch["response_mask"], np.float64)
+    logp = reference_logprobs(hf_model, sampled, TEMPERATURE)  # pi_theta at the rollout temperature
+    weights, kept, want = correction_reference(logp, drifted[:, :R].astype(np.float64), live, **CORRECTION)
+    adv = _grpo_advantages(REWARDS)
+    if loss_type == "ppo_clip":  # the objective (grpo at token-mean) with pi_old = the sampler, no weights
+        token_losses = _ppo_clip_token_losses(logp, drifted[:, :R].astype(np.float64), adv)
+    else:
+        token_losses = -adv[:, None] * weights * logp
+    # over the kept tokens, divided by the mini-batch's response tokens (its totals are taken before the loss
+    # rejects any, as verl's global batch info)
+    np.testing.assert_allclose(float(metrics["loss"]), np.sum(token_losses * kept) / live.sum(), rtol=5e-4)
+    assert 0 < float(metrics["rollout_corr/rollout_rs_masked_fraction"]) < 1
+    np.testing.assert_allclose(float(metrics["rollout_corr/rollout_rs_masked_fraction"]),
+                               want["rollout_corr/rollout_rs_masked_fraction"], atol=1e-6)
+
+
 def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # noqa: F811
     _, model, sampled = models_and_batch
     graphdef, params = nnx.split(model)
@@ -111,7 +158,7 @@ def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # 
     (dict(rollout_rs="seq_mean_k3"), "rollout_rs_threshold"),
     (dict(rollout_is="token", rollout_is_threshold="2_0.5"), "rollout_is_threshold"),
     (dict(loss_type="ppo"), "loss_type"),
-    (dict(bypass_mode=True), "bypass_mode"),
+    (dict(bypass_mode=True, loss_type="reinforce"), "loss_type"),  # the default objective, PACS, has no REINFORCE form
 ])
 def test_bad_settings_name_their_field(settings, field):
     config = load_config("default.py")

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from pacs_jax.rl.bypass import Bypass, bypass_objective
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, packed_response_logprobs, response_logprobs
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
 from pacs_jax.rl.objectives import get_objective
@@ -44,15 +45,18 @@ Batch = Mapping[str, jax.Array]
 
 def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
                      objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
-                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[nnx.State, Batch], tuple]:
+                     temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     bypass: Bypass | None = None) -> Callable[[nnx.State, Batch], tuple]:
     """The pure (un-jitted) ``(params, batch) -> (loss, metrics, grads)``, to compose into a train step.
 
     graphdef/params: ``nnx.split(model)`` of a model whose state is all parameters. objective: a name
     in pacs_jax.rl.OBJECTIVES, with ``objective_options`` bound. grads: same structure as params, in
     float32. metrics: the objective's metrics averaged over micro-batches (means are exact; a
-    "_std" metric is the mean of the micro-batch stds).
+    "_std" metric is the mean of the micro-batch stds). bypass: the rollout correction's bypass mode
+    (rl/bypass.py: the batch's old_logp are the sampler's, corrected in the loss); None: the objective.
     """
-    fn = get_objective(objective, **(objective_options or {}))
+    options = dict(objective_options or {})
+    fn = get_objective(objective, **options) if bypass is None else bypass_objective(objective, bypass, **options)
     K = num_micro_batches
     kwargs = dict(temperature=temperature, chunk_size=chunk_size)
 

@@ -26,6 +26,7 @@ from flax import nnx
 from pacs_jax import distributed, sharding
 from pacs_jax.rl import logprobs_of_pass
 from pacs_jax.sharding import batch_sharding, constrain
+from pacs_jax.training.rollout_consistency import sampler_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,31 @@ class OldPolicyPasses:
                                   jax.ShapeDtypeStruct((), jnp.int32), packing)
 
 
+def update_rows(prompt_tokens, prompt_mask, tokens, response_mask) -> tuple[jax.Array, jax.Array]:
+    """Prompts [P, Tp] and their n responses each [P*n, R] -> the update batch's input_ids and
+    attention_mask [P*n, Tp + R] (each prompt repeated before its responses), sharded as rows."""
+    n = tokens.shape[0] // prompt_tokens.shape[0]
+    ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
+    mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
+    return constrain(ids, ("batch", None)), constrain(mask, ("batch", None))
+
+
+def sampler_as_old_policy() -> jax.stages.Wrapped:
+    """The rollout correction's bypass mode (rl/bypass.py), in place of the pi_old passes: the jitted
+    ``(sampler log-probs per call [P*n / K, N], prompt_tokens, prompt_mask, tokens, response_mask) ->
+    update batch without rewards`` whose old_logp [P*n, R] are the sampler's log-probs (at the rollout
+    temperature, as pi_old's would be); no forward pass."""
+    rows = batch_sharding((0, 0))
+
+    def assemble(sampler_logp, prompt_tokens, prompt_mask, tokens, response_mask):
+        ids, mask = update_rows(prompt_tokens, prompt_mask, tokens, response_mask)
+        return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask.astype(jnp.float32),
+                "old_logp": sampler_rows(sampler_logp, tokens.shape[1])}
+
+    return jax.jit(assemble, out_shardings={"input_ids": rows, "attention_mask": rows, "response_mask": rows,
+                                            "old_logp": rows})
+
+
 def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_batches: int,
                       chunk_size: int | None = None) -> OldPolicyPasses:
     """pi_old at the rollout ``temperature`` (logits / T, as verl) in ``num_micro_batches`` padded
@@ -75,10 +101,7 @@ def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_b
     K = num_micro_batches
 
     def one_pass(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy, k, packing):
-        n = tokens.shape[0] // prompt_tokens.shape[0]
-        ids = jnp.concatenate([jnp.repeat(prompt_tokens, n, axis=0), tokens], axis=1)
-        mask = jnp.concatenate([jnp.repeat(prompt_mask, n, axis=0), response_mask], axis=1)
-        ids, mask = constrain(ids, ("batch", None)), constrain(mask, ("batch", None))
+        ids, mask = update_rows(prompt_tokens, prompt_mask, tokens, response_mask)
         old_logp, entropy = logprobs_of_pass(
             nnx.merge(graphdef, params), ids, mask, tokens.shape[1], (old_logp, entropy), k, num_micro_batches=K,
             temperature=temperature, with_entropy=True, packing=packing, **extra)

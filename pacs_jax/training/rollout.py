@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -164,15 +165,21 @@ class RolloutCollector:
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
         real = int(np.sum(sampled["prompt_lengths"]) + np.sum(sampled["lengths"]))
         passes = 2 if programs.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
+        bypass = programs.sampler_as_old_policy is not None  # the sampler's log-probs as pi_old: no pass, no entropy
+        if bypass:
+            batch, entropy = programs.sampler_as_old_policy(sampled["sampler_logprobs"], *args), [jnp.full((), jnp.nan)]
+            passes -= 1
         if not programs.packing:
-            batch, entropy = programs.pi_old(state, *args)
+            if not bypass:
+                batch, entropy = programs.pi_old(state, *args)
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
         plans = programs.packing_plans(sampled["prompt_lengths"], sampled["lengths"])
         on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
         (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
-        batch, entropy = programs.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
+        if not bypass:
+            batch, entropy = programs.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
         batch = {**batch, **on_device.pop("update")}
-        computed = plans["logprob"].tokens_computed * (passes // 2) + plans["update"].tokens_computed
+        computed = plans["logprob"].tokens_computed * ((passes - bypass) // 2) + plans["update"].tokens_computed
         if "critic" in plans:
             computed += plans["critic"].tokens_computed
         return batch, entropy, on_device, packing_metrics(passes * real, computed)
@@ -195,7 +202,9 @@ class RolloutCollector:
         watch.start("reward")
         t0 = time.perf_counter()
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
-        mismatch = self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
+        mismatch = ({} if self.programs.bypass is not None else  # bypass: no pi_old to compare with
+                    self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"],
+                                                      batch["response_mask"]))
         correction = {}
         if self.programs.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
             batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.rollout_correction(
@@ -212,7 +221,8 @@ class RolloutCollector:
         watch.wait((entropy_means, mismatch), lambda: dispatches_done(entropy_means, "passes"))
         entropy_mean = float(entropy_means[-1])  # waits for pi_old
         mismatch = {k: float(v) for k, v in {**mismatch, **correction}.items()}  # replicated scalars
-        rollout_consistency.check(mismatch, self.max_logprob_diff)
+        if mismatch:
+            rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
         watch.done()
 

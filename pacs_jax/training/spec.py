@@ -26,6 +26,7 @@ from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl import rollout_correction
+from pacs_jax.rl.bypass import REINFORCE_ESTIMATORS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
 from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
@@ -234,9 +235,7 @@ class RolloutCorrectionSpec:
                 f"must be True or False, got {self.rollout_is_batch_normalize!r}")
         require(self.loss_type in rollout_correction.BYPASS_LOSS_TYPES, field + "loss_type",
                 f"{self.loss_type!r} is not one of {rollout_correction.BYPASS_LOSS_TYPES}")
-        require(not self.bypass_mode, field + "bypass_mode",
-                "bypass mode (the sampler's log-probs as pi_old, no pi_old pass) is not built yet: "
-                "set it to False (the decoupled correction: pi_old is computed and corrected)")
+        require(isinstance(self.bypass_mode, bool), field + "bypass_mode", f"must be True or False, got {self.bypass_mode!r}")
 
     @property
     def enabled(self) -> bool:
@@ -281,6 +280,12 @@ class AlgorithmSpec:
             OBJECTIVES[self.objective].check_options(self.options)
         except OptionError as e:
             raise ConfigError(f"config.algorithm.{self.objective}.{e.option}: objective {self.objective!r}: {e}") from e
+
+        correction = self.rollout_correction
+        if correction.bypass_mode and correction.loss_type == "reinforce":
+            require(self.objective in (*REINFORCE_ESTIMATORS, "ppo"), "algorithm.rollout_correction.loss_type",
+                    f"'reinforce' replaces a policy-gradient loss by REINFORCE; objective {self.objective!r} has none "
+                    f"(use 'ppo_clip': the objective itself with pi_old = the sampler's)")
 
     @property
     def min_group_size(self) -> int:

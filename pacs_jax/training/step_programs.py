@@ -29,13 +29,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax import console, hlo, sampling, sharding
+from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
 from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
 from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
-from pacs_jax.training.old_policy import old_policy_passes
+from pacs_jax.training.old_policy import old_policy_passes, sampler_as_old_policy
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.rollout_consistency import consistency_program
 from pacs_jax.training.rollout_correction_step import correction_program
@@ -110,10 +111,13 @@ class StepPrograms:
         if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
             self.packed_length = spec.packed_length
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+        correction = spec.algorithm.rollout_correction
+        self.bypass = Bypass(correction.loss_type, correction.options()) if correction.bypass_mode else None
         self.update = make_update_step(
             graphdef, self.optimizer, spec.algorithm.objective, group_size=rc.n,
             objective_options=spec.algorithm.options,
-            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature, state_shardings=self.state_shardings, **extra)
+            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
+            state_shardings=self.state_shardings, bypass=self.bypass, **extra)
         self.pi_old = old_policy_passes(graphdef, temperature=self.settings.temperature,
                                         num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size)
         rows = batch_sharding((0, 0))
@@ -126,8 +130,10 @@ class StepPrograms:
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
         self.rollout_consistency = consistency_program()
-        correction = spec.algorithm.rollout_correction
-        self.rollout_correction = correction_program(correction) if correction.enabled else None
+        # decoupled (pi_old computed): the correction after pi_old; bypass: in the loss, the sampler's as pi_old
+        self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
+                                   else None)
+        self.sampler_as_old_policy = sampler_as_old_policy() if self.bypass is not None else None
         self.critic_state = self.critic = None
         if critic is not None:
             self.add_critic(critic)
@@ -267,7 +273,7 @@ class StepPrograms:
                                                f"{packed} mini-batch, {self.mini_batches} mini-batches",
                                                {name: self.abstract_packing(name)}, opt_bytes, actor_bytes, critic_bytes)
         call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
-        for r in response_buckets:
+        for r in response_buckets if self.bypass is None else ():  # bypass: no pi_old to compare with
             per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
             out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
                                lambda a=(call_logp, *per_row): self.rollout_consistency.lower(*a),
@@ -291,7 +297,14 @@ class StepPrograms:
         prompts = self.abstract_rows((self.num_prompts, batch["input_ids"].shape[1] - batch["old_logp"].shape[1]),
                                      jnp.int32)
         responses = self.abstract_rows(batch["old_logp"].shape, jnp.int32)
-        if not packed or "logprob" in plans:
+        if self.bypass is not None and (not packed or "logprob" in plans):
+            K = self.sampler_calls
+            call_logp = (self.abstract_rows((responses.shape[0] // K, self.settings.max_new_tokens), jnp.float32),) * K
+            args = (call_logp, prompts, prompts, responses, responses)
+            out.append(Program("sampler_as_pi_old", "the sampler's log-probs as pi_old (bypass mode), " + passes,
+                               lambda a=args: self.sampler_as_old_policy.lower(*a), args,
+                               memory_check.per_device_bytes(self.state) + critic_bytes))
+        elif not packed or "logprob" in plans:
             extra = (plans["logprob"],) if packed else ()
             args = (params, prompts, prompts, responses, responses, *extra)
             out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))

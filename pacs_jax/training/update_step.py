@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 from pacs_jax.rl import loss_and_grad_fn
+from pacs_jax.rl.bypass import Bypass
 from pacs_jax.sharding import constrain
 
 
@@ -87,17 +88,18 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
                      group_size: int, objective_options: Mapping[str, Any] | None = None,
                      num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int | None = None,
-                     state_shardings: tuple | None = None) -> MiniBatchUpdates:
+                     state_shardings: tuple | None = None, bypass: Bypass | None = None) -> MiniBatchUpdates:
     """The actor's update: the ``MiniBatchUpdates`` of ``rl.loss_and_grad_fn`` (``objective``),
     ``(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)``.
 
     batch: the update batch of pacs_jax.rl.loss_and_grad (input_ids [B, L], attention_mask [B, L],
     response_mask [B, R], old_logp [B, R], rewards [B]; objective "ppo": advantages [B, R]) holding
-    whole groups of ``group_size``.
+    whole groups of ``group_size``. bypass: the rollout correction's bypass mode (rl/bypass.py; old_logp
+    are then the sampler's).
     """
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}
     loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
-                                     temperature=temperature, **extra)
+                                     temperature=temperature, bypass=bypass, **extra)
     return mini_batch_updates(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
                               state_shardings=state_shardings)
