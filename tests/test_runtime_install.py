@@ -67,9 +67,11 @@ def test_ci_runs_the_readme_tests_then_the_runtime_install_alone_in_a_fresh_venv
     assert test_command in readme
     ci = (REPO / ".ci" / "run").read_text()
     lines = [line.split("  #")[0] for line in ci.splitlines() if line.strip() and not line.startswith("#")]
-    # the README's test command (pip quiet), stopping CI on any failure
+    # the README's test command (pip quiet; each phase's seconds printed), stopping CI on any failure
     tests = next(i for i, line in enumerate(lines) if "requirements-test.txt" in line)
-    assert lines[tests].replace("pip install -q ", "pip install ").startswith(test_command)
+    assert "ci_phase suite" in lines[tests] and "ci_phase() {" in ci
+    command = re.sub(r' && ci_phase (\w+|"[^"]*")', "", lines[tests]).replace("pip install -q ", "pip install ")
+    assert command.startswith(test_command)
     assert lines[tests].rstrip().endswith("|| exit")
     # then a second venv, in another folder, with requirements.txt alone, and the check that needs jinja2
     runtime = lines[tests + 1:]
