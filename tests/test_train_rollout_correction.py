@@ -189,3 +189,16 @@ def test_the_cli_refuses_a_lower_bound_above_the_upper_in_one_line_writing_nothi
     assert lines == ["pacs_jax.train: error: config.algorithm.rollout_correction.rollout_is_threshold: '5.0_0.5' has its "
                      "lower bound above its upper bound"], run.stderr[-2000:]
     assert not workdir.exists()
+
+
+def test_the_run_record_names_the_correction_that_ran():
+    """config.json (workdir.recorded_config) holds the correction's fields as they run, a preset's filled in;
+    off, the record is as it was."""
+    from pacs_jax.training.workdir import recorded_config
+
+    config = load_config("default.py")
+    assert "rollout_correction" not in recorded_config(config, None)["algorithm"]
+    config.algorithm.rollout_correction.preset = "geo_rs"
+    assert recorded_config(config, None)["algorithm"]["rollout_correction"] == dict(
+        rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize=False, rollout_rs="seq_mean_k1",
+        rollout_rs_threshold="0.999_1.001", bypass_mode=False, loss_type="ppo_clip")

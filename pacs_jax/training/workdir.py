@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -43,7 +44,7 @@ from pacs_jax.checkpoints import MODEL_CONFIG_FILE
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.rl.objectives import options_for
-from pacs_jax.training.spec import ConfigError, RunSpec
+from pacs_jax.training.spec import ConfigError, RolloutCorrectionSpec, RunSpec
 
 LOCK_FILE = "trainer.lock"
 CONFIG_FILE = "config.json"
@@ -346,10 +347,14 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
 
 def recorded_config(config: ml_collections.ConfigDict, model_cfg: QwenConfig | None) -> dict:
     """What config.json records of a run: ``config``, with ``algorithm`` the objective and the options
-    it runs with (``options``; the other objectives' namespaces left out) and ``model``'s architecture
-    fields those of ``model_cfg``, the model the run builds (None: unknown, the fields as configured)."""
+    it runs with (``options``; the other objectives' namespaces left out), and the rollout correction's
+    fields as it runs (a preset's filled in) when it is on, and ``model``'s architecture fields those of
+    ``model_cfg``, the model the run builds (None: unknown, the fields as configured)."""
     record = json.loads(config.to_json_best_effort())
     record["algorithm"] = {"objective": config.algorithm.objective, "options": options_for(config.algorithm)}
+    correction = RolloutCorrectionSpec.from_config(config.algorithm.rollout_correction)
+    if correction.enabled or correction.bypass_mode:
+        record["algorithm"]["rollout_correction"] = dataclasses.asdict(correction)
     if model_cfg is not None:
         record["model"].update({field: getattr(model_cfg, field) for field in ARCHITECTURE_FIELDS})
     return record
