@@ -18,6 +18,7 @@ from pacs_jax.models.attention import _splash_attention, attention
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.value import ValueModel, response_values
 from pacs_jax.rl import packing
+from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.critic import micro_batched_values
 from pacs_jax.sharding import batch_sharding, make_mesh
 from pacs_jax.training.spec import RunSpec
@@ -254,23 +255,32 @@ OBJECTIVES = [("pacs", {}), ("pacs", {"use_weight": False}), ("pacs", {"weight_m
               ("pacs", {"adv_estimator": "grpo"}), ("pacs", {"adv_estimator": "naive"}),
               ("grpo", {"loss_agg_mode": "token-mean"}), ("grpo", {"loss_agg_mode": "seq-mean-token-mean"}),
               ("grpo", {"loss_agg_mode": "seq-mean-token-sum"}), ("grpo", {"loss_agg_mode": "seq-mean-token-sum-norm"}),
-              ("drgrpo", {}), ("rloo", {}), ("ppo", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale": "verl",
-                                                    "verl_micro_batch_size": 8, "norm_length": 14})]
+              ("drgrpo", {}), ("rloo", {}), ("gspo", {}), ("cispo", {"loss_agg_mode": "seq-mean-token-sum"}),
+              ("ppo", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale": "verl",
+                       "verl_micro_batch_size": 8, "norm_length": 14})]
+# With the rollout correction (docs/design.md 6.7): its weights in the batch (PACS: a weight per response), and
+# its bypass mode (the correction in the loss, from pi_theta, per pass or micro-batch)
+BYPASS = Bypass("reinforce", dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1",
+                                  rollout_rs_threshold="0.9_1.1"))
+CORRECTED = [("pacs", {}, "weights"), ("grpo", {"loss_agg_mode": "token-mean"}, "weights"),
+             ("gspo", {}, "weights"), ("grpo", {"loss_agg_mode": "token-mean"}, BYPASS),
+             ("cispo", {}, Bypass("ppo_clip", dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.97_1.03")))]
 
 # On the 2x2x2 mesh, one objective of each way of aggregating the loss over the batch (a sequence's
 # score, token-mean, the sequence sums over a fixed length, PPO's per-token advantages): the passes'
 # sharding is the objectives' common code, and every objective's formula is checked on one device
 SHARDED_OBJECTIVES = [("pacs", {}), ("grpo", {"loss_agg_mode": "token-mean"}),
-                      ("grpo", {"loss_agg_mode": "seq-mean-token-sum-norm"}), OBJECTIVES[-1]]
+                      ("grpo", {"loss_agg_mode": "seq-mean-token-sum-norm"}), OBJECTIVES[-1], CORRECTED[0], CORRECTED[3]]
 
 
 @pytest.mark.slow(seconds=60)
-@pytest.mark.parametrize("mesh_shape, objectives", [((1, 1, 1), OBJECTIVES), ((2, 2, 2), SHARDED_OBJECTIVES)],
+@pytest.mark.parametrize("mesh_shape, objectives", [((1, 1, 1), OBJECTIVES + CORRECTED), ((2, 2, 2), SHARDED_OBJECTIVES)],
                          ids=["1x1x1-every-objective", "2x2x2"])
 def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape, objectives):
     """The actor's loss, metrics and every gradient leaf (``rl.loss_and_grad_fn``: a mini-batch of 2
     micro-batches of whole groups, in several packed passes), packed and padded, for each objective and
-    its options (mini-batches: the trainer's steps below); on the 2x2x2 mesh, SHARDED_OBJECTIVES. The
+    its options (mini-batches: the trainer's steps below), and with the rollout correction's weights or in
+    its bypass mode (CORRECTED); on the 2x2x2 mesh, SHARDED_OBJECTIVES. The
     objectives' programs, padded and packed, are compiled as one (one program's compilation, not 26 of
     them: each alone is a few seconds of XLA)."""
     rows = step_rows
@@ -288,16 +298,19 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape, 
                                                ("old_logp", "old_logp"), ("rewards", "rewards"))}
         advantages = (np.random.RandomState(3).randn(B, rows["R"]) * rows["rmask"]).astype(np.float32)
         with_advantages = dict(batch, advantages=put(advantages))  # PPO's actor: per-token GAE advantages
+        weights = np.random.RandomState(5).uniform(0.0, 2.0, (B, rows["R"])) * rows["rmask"]
+        with_weights = dict(batch, rollout_is_weights=put(weights.astype(np.float32)))  # the correction's
         plan_arrays = {k: put(v) for k, v in plan.arrays().items()}
         fns, batches = [], []
-        for name, options in objectives:
-            padded = with_advantages if name == "ppo" else batch
+        for name, options, *correction in objectives:
+            padded = with_advantages if name == "ppo" else with_weights if correction == ["weights"] else batch
+            bypass = correction[0] if correction and isinstance(correction[0], Bypass) else None
             fns.append(rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options,
-                                           num_micro_batches=K))
+                                           num_micro_batches=K, bypass=bypass))
             batches.append((padded, dict(padded, **plan_arrays)))
         results = jax.jit(lambda params, batches: [(fn(params, padded), fn(params, packed))
                                                    for fn, (padded, packed) in zip(fns, batches)])(params, batches)
-        for (name, options), ((la, ma, ga), (lb, mb, gb)) in zip(objectives, results, strict=True):
+        for (name, options, *_), ((la, ma, ga), (lb, mb, gb)) in zip(objectives, results, strict=True):
             try:
                 np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
                 assert sorted(ma) == sorted(mb)
