@@ -366,23 +366,31 @@ def test_export_hf_refuses_to_replace_a_downloaded_model(tmp_path):
     assert {p.name: p.read_bytes() for p in downloaded.iterdir()} == before
 
 
-def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
-    """Item 5: --checkpoint WORKDIR (it was a traceback) exports the workdir's newest checkpoint, as the
-    evaluation CLI evaluates it; the export lists its files in pacs_jax_export.json, so --overwrite may
-    replace it."""
+def _checkpointed_workdir(tmp_path) -> pathlib.Path:
+    """A training workdir with the TINY model's step 3 (zeros: nothing compiles)."""
     import orbax.checkpoint as ocp
 
     from pacs_jax import checkpoints
     from pacs_jax.models.loading import param_shapes
-    from qwen_reference import load_tool
 
     workdir = tmp_path / "run"
     (workdir / "checkpoints").mkdir(parents=True)
     (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
-    with ocp.StandardCheckpointer() as checkpointer:  # zeros: nothing compiles
+    with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(workdir / "checkpoints" / "3" / "params",
                           {name: np.zeros(shape, np.float32) for name, shape in param_shapes(TINY).items()})
     checkpoints.write_model_config(workdir / "checkpoints", TINY)
+    return workdir
+
+
+def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
+    """Item 5: --checkpoint WORKDIR (it was a traceback) exports the workdir's newest checkpoint, as the
+    evaluation CLI evaluates it; the export lists its files in pacs_jax_export.json, so --overwrite may
+    replace it."""
+    from pacs_jax import checkpoints
+    from qwen_reference import load_tool
+
+    workdir = _checkpointed_workdir(tmp_path)
     out = tmp_path / "export"
     load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
     assert f"export_hf: {workdir} is a training workdir: exporting {workdir / 'checkpoints' / '3'}" in capsys.readouterr().out
@@ -390,6 +398,28 @@ def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
         "config.json", "generation_config.json", "model.safetensors"]
     assert checkpoints.check_model_dir(out) == TINY
     check_export_target(out, overwrite=True)  # an export of its own: --overwrite may replace it
+
+
+def test_export_hf_overwrite_refuses_to_delete_the_evaluation_results_naming_them(tmp_path):
+    """Issue 53 item 2: --overwrite onto an export holding the eval/ results that `python -m pacs_jax.evaluate
+    --checkpoint=EXPORT` wrote there deleted them without a word (status 0); it is one line naming them,
+    status 78, every file kept."""
+    from qwen_reference import load_tool
+
+    workdir = _checkpointed_workdir(tmp_path)
+    out = tmp_path / "export"
+    load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
+    (out / "eval").mkdir()
+    (out / "eval" / "eval_metrics.json").write_text('{"pass@1": 0.5}')
+    before = sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*"))
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), "--checkpoint", str(workdir),
+                          "--out", str(out), "--overwrite"], capture_output=True, text=True, timeout=300,
+                         env=_env(), cwd=tmp_path)
+    assert _error_line(run, "export_hf") == (
+        f"export_hf: error: --out {out}: holds eval/, which pacs_jax's export did not write (pacs_jax_export.json "
+        "lists the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
+        "another output folder")
+    assert sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*")) == before
 
 
 def test_progress_bars_write_plain_lines_into_a_log_file():
