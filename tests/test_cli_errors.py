@@ -338,6 +338,31 @@ def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp
     assert not workdir.exists()
 
 
+def test_the_trainer_refuses_a_damaged_file_and_rows_without_the_answer_even_with_allow_skips(tmp_path):
+    """Issue 53 items 4 and 5 through the CLI, with data.allow_skips (as the paper configs set it): a jsonl line
+    of invalid JSON trained (status 0, its only trace "1 malformed rows skipped"); a FILE:problem_answer file
+    whose rows have no "answer" was "config.data.held_out_problems: 4 leaves no training problems of the 0
+    read". Each is one line naming the file and the line (and the missing field), status 78, no workdir."""
+    rows = [json.dumps({"problem": f"{i} + 1 = ?", "answer": str(i + 1)}) for i in range(40)]
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("\n".join([*rows[:6], '{"problem": "7 + 1 = ?", "answer": ', *rows[6:]]) + "\n")
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text("".join(json.dumps({"problem": f"{i} + 1 = ?", "solution": str(i + 1)}) + "\n"
+                                 for i in range(40)))
+    workdir = tmp_path / "workdir"
+    for spec, line in (
+            (damaged, f"{damaged}:7: invalid JSON (Expecting value, column 36)"),
+            (f"{no_answer}:problem_answer", f"{no_answer}:1: missing field 'answer'; no row of the 40 read is a "
+                                            "problem (all malformed): format 'problem_answer' reads the problem from "
+                                            "'problem' and the answer from 'answer'")):
+        run = _run("pacs_jax.train", "--config.data.source=files", f"--config.data.train_files=('{spec}',)",
+                   "--config.data.allow_skips=True", "--config.warmstart.steps=0", "--config.data.warmstart_problems=0",
+                   "--config.data.held_out_problems=4", "--config.train.prompts_per_step=8", f"--workdir={workdir}",
+                   cwd=tmp_path)
+        assert _error_line(run, "pacs_jax.train") == f"pacs_jax.train: error: config.data.train_files: {line}"
+    assert not workdir.exists()
+
+
 def test_the_evaluation_cli_reads_its_checkpoint_before_the_sets_or_the_tokenizer(tmp_path):
     """Item 1 for the evaluation CLI: a folder with config.json and tokenizer files but no weights, and a
     folder with no model, are one line naming --checkpoint and what the folder lacks; no eval/ is written."""
