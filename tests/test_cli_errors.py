@@ -11,7 +11,11 @@ empty, of one's own format or not read by the chosen source (item 3), the sample
 the evaluation CLI checks its checkpoint alike (item 1), export_hf takes a workdir and replaces only
 an export of its own (item 5), a misspelled setup name is one line (item 6). Most cases call the check
 in-process; a few run the CLIs as a user does: status 78, one line naming the field or file, nothing
-written, and launch/supervise.sh does not restart it."""
+written, and launch/supervise.sh does not restart it.
+
+Issue 53: export_hf --overwrite names the evaluation results in an export instead of deleting them (item 2),
+a damaged training file and rows without the format's answer are one line naming the file and line even
+with data.allow_skips (items 4, 5), --help exits 0 naming configs/base.py (item 7)."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from safetensors.numpy import save_file
 
 from conftest import REPO
 from pacs_jax.data import DataError, training_problems
-from pacs_jax.errors import PERMANENT_ERROR_STATUS, PermanentError, unknown_config_field
+from pacs_jax.errors import CONFIG_HELP, CONFIG_SECTIONS, PERMANENT_ERROR_STATUS, PermanentError, unknown_config_field
 from pacs_jax.models import QwenConfig
 from pacs_jax.models.hf_weights import check_export_target
 from pacs_jax.models.loading import hf_shapes
@@ -79,6 +83,22 @@ def test_evaluate_reports_a_misspelled_override_alike(tmp_path):
                             "--config.eval.max_new_tokenz=8"), "pacs_jax.evaluate")
     assert line == ("pacs_jax.evaluate: error: --config.eval.max_new_tokenz: config.eval has no field "
                     "'max_new_tokenz'; did you mean --config.eval.max_new_tokens?")
+
+
+@pytest.mark.parametrize("module, flag", [("pacs_jax.train", "--workdir"), ("pacs_jax.evaluate", "--checkpoint"),
+                                          ("pacs_jax.check_config", "--accelerator")])
+def test_help_exits_0_and_points_to_the_config_fields(module, flag):
+    """Issue 53 item 7: --help exited with status 1 (absl's); it exits 0 with the program's flags and where the
+    config's fields are: configs/base.py, naming its sections."""
+    import ml_collections
+
+    from configs import base
+
+    run = _run(module, "--help")
+    assert run.returncode == 0 and not run.stderr, run.stderr[-3000:]
+    assert f"  {flag}: " in run.stdout and CONFIG_HELP in run.stdout, run.stdout
+    sections = [name for name, value in base.get_config().items() if isinstance(value, ml_collections.ConfigDict)]
+    assert sorted(CONFIG_SECTIONS) == sorted(sections) and "configs/base.py lists every field" in CONFIG_HELP
 
 
 def test_unknown_config_field_leaves_other_errors_alone():
