@@ -11,6 +11,9 @@ The argparse tools (tools/export_hf.py) report one alike with ``run_main``.
 A ``gs://`` store that does not answer (no network, no credentials) is one line too, with status 75
 (``UNREACHABLE_STORE_STATUS``, EX_TEMPFAIL), which supervise.sh restarts.
 
+``--help`` prints the usage and, for a CLI with a config flag, where the config's fields are
+(``CONFIG_HELP``), with status 0 (absl's own exits with 1).
+
 A run stopped by SIGTERM or SIGINT before ``train.steps`` (training/signals.py) exits with
 ``RESUME_NEEDED_STATUS`` (79): unfinished, its checkpoint written; the same command resumes it.
 
@@ -34,6 +37,13 @@ PERMANENT_ERROR_STATUS = 78  # launch/supervise.sh does not restart a command th
 UNREACHABLE_STORE_STATUS = 75  # EX_TEMPFAIL: a store (gs://) that did not answer; supervise.sh restarts it
 RESUME_NEEDED_STATUS = 79  # a stop signal ended the run before train.steps: run it again to resume (supervise.sh:
 #                            a restart when the signal was the trainer's alone, a stop when supervise.sh got it too)
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort", "--helpfull", "-helpfull")
+# configs/base.py's sections, in its order (tests/test_cli_errors.py checks them against it)
+CONFIG_SECTIONS = ("model", "mesh", "data", "warmstart", "rollout", "algorithm", "critic", "optim", "train", "reward",
+                   "eval", "evaluate")
+CONFIG_HELP = ("config: --config=FILE.py[:ARG] loads a config file (configs/), --config.SECTION.FIELD=VALUE sets one "
+               "of its fields (--config.train.steps=3); configs/base.py lists every field with its default and what "
+               f"it does: seed, workdir and the sections {', '.join(CONFIG_SECTIONS)}.")
 # Where a store's client code lives: an error raised through these is the store's (or the network's)
 _STORE_CLIENTS = ("/gcsfs/", "/fsspec/", "/google/auth/", "/google/cloud/", "/aiohttp/")
 
@@ -107,6 +117,20 @@ def _fail(program: str, message: str) -> None:
     sys.exit(PERMANENT_ERROR_STATUS)
 
 
+def _help(args: Sequence[str]) -> None:
+    """Exit with status 0 after the help ``args`` ask for: absl's usage (--helpfull: every module's flags,
+    else the program's), then ``CONFIG_HELP`` when the program has a config flag."""
+    from absl import app, flags
+
+    full = any(arg in ("--helpfull", "-helpfull") for arg in args)
+    app.usage(shorthelp=not full, writeto_stdout=True)
+    if "config" in flags.FLAGS:
+        print(f"\n{CONFIG_HELP}")
+    if not full:
+        print("--helpfull lists every flag, the libraries' too.")
+    sys.exit(0)
+
+
 def run_main(program: str, main: Callable[..., T], *args) -> T:
     """``main(*args)``, except that a ``PermanentError`` prints "``program``: error: MESSAGE" on stderr and
     exits with ``PERMANENT_ERROR_STATUS`` (the argparse tools': tools/export_hf.py)."""
@@ -159,12 +183,13 @@ def repeated_tuple_override(argv: Sequence[str], flag: str, config) -> str | Non
 def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str] | None = None,
             permanent: tuple[type[BaseException], ...] = (),
             prepare: Callable[[list[str]], list[str]] | None = None) -> None:
-    """``absl.app.run(main)``, except that flag errors, ``app.UsageError``, ``PermanentError`` and the
-    ``permanent`` exception types print "``program``: error: MESSAGE" on stderr and exit with
-    ``PERMANENT_ERROR_STATUS`` (no traceback, no flag listing). prepare: rewrites the command line
-    before the flags are parsed (the CLIs': ``data.paths.config_file_args``); a ``PermanentError`` it
-    raises is reported alike. A store that does not answer (``unreachable_store``) is one line too,
-    saying how long the command ran, with ``UNREACHABLE_STORE_STATUS``: a restart may find it again."""
+    """``absl.app.run(main)``, except that ``--help`` exits with status 0 (``_help``), and that flag errors,
+    ``app.UsageError``, ``PermanentError`` and the ``permanent`` exception types print "``program``: error:
+    MESSAGE" on stderr and exit with ``PERMANENT_ERROR_STATUS`` (no traceback, no flag listing). prepare:
+    rewrites the command line before the flags are parsed (the CLIs': ``data.paths.config_file_args``); a
+    ``PermanentError`` it raises is reported alike. A store that does not answer (``unreachable_store``) is
+    one line too, saying how long the command ran, with ``UNREACHABLE_STORE_STATUS``: a restart may find
+    it again."""
     import time
 
     from absl import app, flags
@@ -172,6 +197,9 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
     start = time.monotonic()
 
     def parse_flags(args: list[str]) -> list[str]:
+        flag_args = args[1:args.index("--")] if "--" in args else args[1:]
+        if any(arg in HELP_FLAGS for arg in flag_args):
+            _help(flag_args)
         try:
             rest = flags.FLAGS(prepare(args) if prepare else args)
             for name in flags.FLAGS:  # ml_collections' config flags: a tuple field's override given twice

@@ -11,7 +11,11 @@ empty, of one's own format or not read by the chosen source (item 3), the sample
 the evaluation CLI checks its checkpoint alike (item 1), export_hf takes a workdir and replaces only
 an export of its own (item 5), a misspelled setup name is one line (item 6). Most cases call the check
 in-process; a few run the CLIs as a user does: status 78, one line naming the field or file, nothing
-written, and launch/supervise.sh does not restart it."""
+written, and launch/supervise.sh does not restart it.
+
+Issue 53: export_hf --overwrite names the evaluation results in an export instead of deleting them (item 2),
+a damaged training file and rows without the format's answer are one line naming the file and line even
+with data.allow_skips (items 4, 5), --help exits 0 naming configs/base.py (item 7)."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from safetensors.numpy import save_file
 
 from conftest import REPO
 from pacs_jax.data import DataError, training_problems
-from pacs_jax.errors import PERMANENT_ERROR_STATUS, PermanentError, unknown_config_field
+from pacs_jax.errors import CONFIG_HELP, CONFIG_SECTIONS, PERMANENT_ERROR_STATUS, PermanentError, unknown_config_field
 from pacs_jax.models import QwenConfig
 from pacs_jax.models.hf_weights import check_export_target
 from pacs_jax.models.loading import hf_shapes
@@ -79,6 +83,22 @@ def test_evaluate_reports_a_misspelled_override_alike(tmp_path):
                             "--config.eval.max_new_tokenz=8"), "pacs_jax.evaluate")
     assert line == ("pacs_jax.evaluate: error: --config.eval.max_new_tokenz: config.eval has no field "
                     "'max_new_tokenz'; did you mean --config.eval.max_new_tokens?")
+
+
+@pytest.mark.parametrize("module, flag", [("pacs_jax.train", "--workdir"), ("pacs_jax.evaluate", "--checkpoint"),
+                                          ("pacs_jax.check_config", "--accelerator")])
+def test_help_exits_0_and_points_to_the_config_fields(module, flag):
+    """Issue 53 item 7: --help exited with status 1 (absl's); it exits 0 with the program's flags and where the
+    config's fields are: configs/base.py, naming its sections."""
+    import ml_collections
+
+    from configs import base
+
+    run = _run(module, "--help")
+    assert run.returncode == 0 and not run.stderr, run.stderr[-3000:]
+    assert f"  {flag}: " in run.stdout and CONFIG_HELP in run.stdout, run.stdout
+    sections = [name for name, value in base.get_config().items() if isinstance(value, ml_collections.ConfigDict)]
+    assert sorted(CONFIG_SECTIONS) == sorted(sections) and "configs/base.py lists every field" in CONFIG_HELP
 
 
 def test_unknown_config_field_leaves_other_errors_alone():
@@ -338,6 +358,31 @@ def test_the_trainer_refuses_bad_input_in_one_line_before_its_workdir_exists(tmp
     assert not workdir.exists()
 
 
+def test_the_trainer_refuses_a_damaged_file_and_rows_without_the_answer_even_with_allow_skips(tmp_path):
+    """Issue 53 items 4 and 5 through the CLI, with data.allow_skips (as the paper configs set it): a jsonl line
+    of invalid JSON trained (status 0, its only trace "1 malformed rows skipped"); a FILE:problem_answer file
+    whose rows have no "answer" was "config.data.held_out_problems: 4 leaves no training problems of the 0
+    read". Each is one line naming the file and the line (and the missing field), status 78, no workdir."""
+    rows = [json.dumps({"problem": f"{i} + 1 = ?", "answer": str(i + 1)}) for i in range(40)]
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("\n".join([*rows[:6], '{"problem": "7 + 1 = ?", "answer": ', *rows[6:]]) + "\n")
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text("".join(json.dumps({"problem": f"{i} + 1 = ?", "solution": str(i + 1)}) + "\n"
+                                 for i in range(40)))
+    workdir = tmp_path / "workdir"
+    for spec, line in (
+            (damaged, f"{damaged}:7: invalid JSON (Expecting value, column 36)"),
+            (f"{no_answer}:problem_answer", f"{no_answer}:1: missing field 'answer'; no row of the 40 read is a "
+                                            "problem (all malformed): format 'problem_answer' reads the problem from "
+                                            "'problem' and the answer from 'answer'")):
+        run = _run("pacs_jax.train", "--config.data.source=files", f"--config.data.train_files=('{spec}',)",
+                   "--config.data.allow_skips=True", "--config.warmstart.steps=0", "--config.data.warmstart_problems=0",
+                   "--config.data.held_out_problems=4", "--config.train.prompts_per_step=8", f"--workdir={workdir}",
+                   cwd=tmp_path)
+        assert _error_line(run, "pacs_jax.train") == f"pacs_jax.train: error: config.data.train_files: {line}"
+    assert not workdir.exists()
+
+
 def test_the_evaluation_cli_reads_its_checkpoint_before_the_sets_or_the_tokenizer(tmp_path):
     """Item 1 for the evaluation CLI: a folder with config.json and tokenizer files but no weights, and a
     folder with no model, are one line naming --checkpoint and what the folder lacks; no eval/ is written."""
@@ -366,23 +411,31 @@ def test_export_hf_refuses_to_replace_a_downloaded_model(tmp_path):
     assert {p.name: p.read_bytes() for p in downloaded.iterdir()} == before
 
 
-def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
-    """Item 5: --checkpoint WORKDIR (it was a traceback) exports the workdir's newest checkpoint, as the
-    evaluation CLI evaluates it; the export lists its files in pacs_jax_export.json, so --overwrite may
-    replace it."""
+def _checkpointed_workdir(tmp_path) -> pathlib.Path:
+    """A training workdir with the TINY model's step 3 (zeros: nothing compiles)."""
     import orbax.checkpoint as ocp
 
     from pacs_jax import checkpoints
     from pacs_jax.models.loading import param_shapes
-    from qwen_reference import load_tool
 
     workdir = tmp_path / "run"
     (workdir / "checkpoints").mkdir(parents=True)
     (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
-    with ocp.StandardCheckpointer() as checkpointer:  # zeros: nothing compiles
+    with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(workdir / "checkpoints" / "3" / "params",
                           {name: np.zeros(shape, np.float32) for name, shape in param_shapes(TINY).items()})
     checkpoints.write_model_config(workdir / "checkpoints", TINY)
+    return workdir
+
+
+def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
+    """Item 5: --checkpoint WORKDIR (it was a traceback) exports the workdir's newest checkpoint, as the
+    evaluation CLI evaluates it; the export lists its files in pacs_jax_export.json, so --overwrite may
+    replace it."""
+    from pacs_jax import checkpoints
+    from qwen_reference import load_tool
+
+    workdir = _checkpointed_workdir(tmp_path)
     out = tmp_path / "export"
     load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
     assert f"export_hf: {workdir} is a training workdir: exporting {workdir / 'checkpoints' / '3'}" in capsys.readouterr().out
@@ -390,6 +443,28 @@ def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
         "config.json", "generation_config.json", "model.safetensors"]
     assert checkpoints.check_model_dir(out) == TINY
     check_export_target(out, overwrite=True)  # an export of its own: --overwrite may replace it
+
+
+def test_export_hf_overwrite_refuses_to_delete_the_evaluation_results_naming_them(tmp_path):
+    """Issue 53 item 2: --overwrite onto an export holding the eval/ results that `python -m pacs_jax.evaluate
+    --checkpoint=EXPORT` wrote there deleted them without a word (status 0); it is one line naming them,
+    status 78, every file kept."""
+    from qwen_reference import load_tool
+
+    workdir = _checkpointed_workdir(tmp_path)
+    out = tmp_path / "export"
+    load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
+    (out / "eval").mkdir()
+    (out / "eval" / "eval_metrics.json").write_text('{"pass@1": 0.5}')
+    before = sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*"))
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), "--checkpoint", str(workdir),
+                          "--out", str(out), "--overwrite"], capture_output=True, text=True, timeout=300,
+                         env=_env(), cwd=tmp_path)
+    assert _error_line(run, "export_hf") == (
+        f"export_hf: error: --out {out}: holds eval/, which pacs_jax's export did not write (pacs_jax_export.json "
+        "lists the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
+        "another output folder")
+    assert sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*")) == before
 
 
 def test_progress_bars_write_plain_lines_into_a_log_file():

@@ -77,7 +77,6 @@ def _write_jsonl(path, lines):
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     good = json.dumps({"problem": "1+1?", "answer": "2"})
     cases = {
-        "bad_json": ('{"problem": "1+1?", "answer": ', r"bad_json\.jsonl:2: invalid JSON"),
         "missing": (json.dumps({"problem": "1+1?"}), r"missing\.jsonl:2: missing field 'answer'"),
         "list_answer": (json.dumps({"problem": "1+1?", "answer": ["2"]}),
                         r"list_answer\.jsonl:2: field 'answer' must be a string or a number, got list"),
@@ -93,6 +92,35 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
         problems, stats = data.load_problems(path, format="math_500", on_error="skip")
         assert [p.index for p in problems] == [0, 2] and stats.skipped == 1
         assert stats.first_errors[0].startswith(f"{path}:2: ")
+
+
+def test_a_line_that_is_not_json_is_an_error_even_when_skipping(tmp_path):
+    """Issue 53 item 4: a jsonl line of invalid JSON (a damaged file) was skipped and counted with
+    on_error="skip" (the paper configs' data.allow_skips), leaving only "1 malformed rows skipped"; it is
+    an error naming the file and the line, as it is in a JSON list file."""
+    good = json.dumps({"problem": "1+1?", "answer": "2"})
+    path = _write_jsonl(tmp_path / "damaged.jsonl", [good, '{"problem": "1+1?", "answer": ', good])
+    for on_error in ("raise", "skip"):
+        with pytest.raises(DataError, match=rf"^{path}:2: invalid JSON \(Expecting value, column 31\)$") as error:
+            data.load_problems(path, format="math_500", on_error=on_error)
+        assert not error.value.skippable  # data.allow_skips would not skip it: the trainer does not offer it
+
+
+def test_rows_all_without_the_formats_answer_name_the_field_file_and_first_line(tmp_path):
+    """Issue 53 item 5: a FILE:problem_answer file whose rows have no "answer", read with on_error="skip"
+    (data.allow_skips), gave no problems, which the trainer then reported as "config.data.held_out_problems:
+    0 leaves no training problems of the 0 read"; a read whose every row is malformed names the first
+    row's error and the fields the format reads. Some malformed rows among good ones are still skipped."""
+    rows = [json.dumps({"problem": f"{i} + 1?", "solution": str(i + 1)}) for i in range(3)]
+    path = _write_jsonl(tmp_path / "mine.jsonl", ["", *rows])
+    with pytest.raises(DataError) as error:
+        data.load_problems(f"{path}:problem_answer", on_error="skip")
+    assert str(error.value) == (f"{path}:2: missing field 'answer'; no row of the 3 read is a problem (all "
+                                "malformed): format 'problem_answer' reads the problem from 'problem' and the answer "
+                                "from 'answer'")
+    good = _write_jsonl(tmp_path / "some.jsonl", [*rows, json.dumps({"problem": "1 + 1?", "answer": "2"})])
+    problems, stats = data.load_problems(f"{good}:problem_answer", on_error="skip")
+    assert [p.ground_truth for p in problems] == ["2"] and stats.skipped == 3
 
 
 def test_malformed_json_list_and_parquet(tmp_path):

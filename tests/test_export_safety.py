@@ -2,7 +2,8 @@
 
 Issue 28: `tools/export_hf.py --overwrite` with --out at the workdir or its checkpoints replaced them
 without a word; atomic writes (mkstemp / mkdtemp) left summary.json, curves.png and hf_export/ 0600 /
-0700, unreadable to colleagues on a shared cluster.
+0700, unreadable to colleagues on a shared cluster. Issue 53: --overwrite onto an export deleted the eval/
+results the evaluation CLI had written into it; files an export did not write are named and kept.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ def test_overwrite_refuses_a_folder_without_an_export_and_replaces_a_previous_ex
         check_export_target(a_file, overwrite=True)
     out = tmp_path / "export"
     write_hf_dir(out, CFG, _tensors())
-    (out / "eval").mkdir()  # python -m pacs_jax.evaluate --checkpoint=export writes there
     (out / "model.safetensors").write_bytes(b"old")
     write_hf_dir(out, CFG, _tensors(), overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
@@ -76,9 +76,12 @@ def test_overwrite_refuses_a_folder_without_an_export_and_replaces_a_previous_ex
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         write_hf_dir(out, CFG, _tensors())
     (out / "notes.txt").write_text("mine")  # a file of someone's own in an export: named, the folder kept
-    with pytest.raises(NotAnExportError, match=rf"^{out}: holds notes\.txt besides the export pacs_jax wrote there"):
+    (out / "eval").mkdir()  # issue 53: python -m pacs_jax.evaluate --checkpoint=export writes its results there
+    (out / "eval" / "eval_metrics.json").write_text("{}")
+    with pytest.raises(NotAnExportError, match=rf"^{out}: holds eval/, notes\.txt, which pacs_jax's export did not "
+                                               "write"):
         write_hf_dir(out, CFG, _tensors(), overwrite=True)
-    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "notes.txt").read_text() == "mine" and (out / "eval" / "eval_metrics.json").read_text() == "{}"
 
 
 def test_export_tool_refuses_the_workdir_before_loading_anything(tmp_path, capsys):

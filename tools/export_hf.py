@@ -12,8 +12,9 @@ tokenizer files (of --tokenizer, else the model folder's own, else, for a checkp
 workdir, the run's data.tokenizer; a line says when there are none) and pacs_jax_export.json, the list of the files the export wrote. It is
 written to a temporary directory beside --out and renamed at the end: a failed export leaves nothing
 at --out. --overwrite replaces only a folder this tool (or the trainer's export) wrote, holding
-nothing but the files its pacs_jax_export.json lists: a downloaded HF model, a workdir or anything
-else is refused, naming what it holds. Errors in what was given (a folder that is no checkpoint, an
+nothing but the files its pacs_jax_export.json lists: a downloaded HF model, a workdir, an export
+holding other files (the evaluation CLI's eval/ results) or anything else is refused, naming what it
+holds. Errors in what was given (a folder that is no checkpoint, an
 --out that may not be replaced) are one line and exit status 78 (pacs_jax/errors.py).
 Parameters are loaded on one device; for models larger than one accelerator's memory, run on the
 host CPU (JAX_PLATFORMS=cpu).

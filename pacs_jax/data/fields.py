@@ -22,7 +22,9 @@ picks from the first row's fields (``GENERIC_FORMATS``, in this order):
 An answer may be a string or a number; anything else (list, object, null, boolean) is malformed, and
 so is an empty one (the DeepScaleR MATH file has two null and two empty answers: a problem nobody
 can score would only teach the policy that everything is wrong). Malformed rows raise ``DataError``
-naming their location, or with ``on_error="skip"`` are skipped and counted in ``ReadStats``.
+naming their location, or with ``on_error="skip"`` are skipped and counted in ``ReadStats``; a read
+whose every row is malformed (a file without its format's answer field) raises even so, naming the
+first row's error and the fields the format reads.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class ReadStats:
 
 def convert_rows(rows: Iterable[tuple[str, Any]], format: str, data_source: str,
                  on_error: str = "raise") -> tuple[list[Problem], ReadStats]:
-    """(location, row) pairs -> Problems; ``location`` (e.g. "file.jsonl:12") prefixes every error."""
+    """(location, row) pairs -> Problems; ``location`` (e.g. "file.jsonl:12") prefixes every error. With
+    ``on_error="skip"`` a malformed row is skipped and counted, but rows all malformed are an error."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'skip'")
     if format not in FORMATS:
@@ -104,13 +107,15 @@ def convert_rows(rows: Iterable[tuple[str, Any]], format: str, data_source: str,
             stats.skipped += 1
             if len(stats.first_errors) < 5:
                 stats.first_errors.append(str(error))
+    if stats.skipped and not problems:
+        raise DataError(f"{stats.first_errors[0]}; no row of the {stats.skipped} read is a problem (all malformed): "
+                        f"format {format!r} reads the problem from {_alternatives(fields.problem)} and the answer "
+                        f"from {_alternatives(fields.answer)}")
     stats.rows = len(problems)
     return problems, stats
 
 
 def _to_problem(row: Any, fields: FieldMap, format: str, data_source: str, index: int, where: str) -> Problem:
-    if isinstance(row, DataError):
-        raise row
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     problem_key = _first_present(row, fields.problem, where)
@@ -148,7 +153,11 @@ def _first_present(row: dict, keys: tuple[str, ...], where: str) -> str:
     for key in keys:
         if key in row:
             return key
-    raise DataError(f"{where}: missing field {' or '.join(repr(k) for k in keys)}")
+    raise DataError(f"{where}: missing field {_alternatives(keys)}")
+
+
+def _alternatives(keys: tuple[str, ...]) -> str:
+    return " or ".join(repr(k) for k in keys)
 
 
 def _answer_text(value: Any, key: str, where: str) -> str:

@@ -8,7 +8,10 @@ The format comes from the folder or file name, else from the first row's fields 
 with {problem, answer}, {question, answer} or {prompt, ground_truth} rows), or ``format=``; a spec
 ``PATH:FORMAT`` names it for one file (``split_format``). The field maps are in ``fields.py``.
 Malformed input raises ``DataError`` naming the file and line (JSON list: the line where the item
-starts; parquet: the row), or with ``on_error="skip"`` is skipped and counted in ``ReadStats``.
+starts; parquet: the row). A row of valid JSON without its format's fields or with a bad value is
+instead skipped and counted in ``ReadStats`` with ``on_error="skip"``, unless every row is (then the
+first one's error is raised, ``fields.convert_rows``); a line that is not JSON never is: the file is
+damaged.
 A path may be a ``gs://`` object or folder (read through ``etils.epath``, data/paths.py).
 """
 
@@ -110,11 +113,9 @@ def _rows(path: epath.Path) -> Iterator[tuple[str, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as error:
-                    yield f"{path}:{line_number}", DataError(f"{path}:{line_number}: invalid JSON ({error.msg}, "
-                                                             f"column {error.colno})")
-                    continue
+                    row = json.loads(line.rstrip("\r\n"))  # an error's column on this line, not the next
+                except json.JSONDecodeError as error:  # a damaged file, not a row to skip
+                    raise DataError(f"{path}:{line_number}: invalid JSON ({error.msg}, column {error.colno})") from None
                 yield f"{path}:{line_number}", row
     elif path.suffix == ".json":
         yield from _json_list_items(path)

@@ -281,7 +281,9 @@ def _save_bin(shard: dict[str, np.ndarray], path: pathlib.Path) -> None:
 # never does: named when a folder holding them is refused.
 WORKDIR_MARKERS = ("checkpoints", "metrics.jsonl", "summary.json", "warmstart.json", "tensorboard", "hf_export",
                    "curves.png", "model_config.json", "params", "_CHECKPOINT_METADATA")
-EXPORT_SUBFOLDERS = ("eval",)  # python -m pacs_jax.evaluate --checkpoint=EXPORT writes EXPORT/eval
+# What other programs write into an export (python -m pacs_jax.evaluate --checkpoint=EXPORT writes EXPORT/eval):
+# not a sign of a workdir, but not the export's either, so an overwrite refuses it, naming it
+EXPORT_SUBFOLDERS = ("eval",)
 EXPORT_MARKER = "pacs_jax_export.json"  # written into every export: {"files": [...]}, what an overwrite may replace
 
 
@@ -295,9 +297,10 @@ def _listing(names: list[str]) -> str:
 
 def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     """Refuse to write an HF export over anything but nothing, an empty folder or (with ``overwrite``)
-    an export this code wrote: a folder with ``EXPORT_MARKER`` that holds only the files it lists (and
-    the evaluation CLI's ``eval/``). Anything else, a downloaded HF model, a training workdir or a
-    checkpoint included, is refused naming what it holds, before anything is read or written.
+    an export this code wrote: a folder with ``EXPORT_MARKER`` that holds only the files it lists.
+    Anything else, a downloaded HF model, a training workdir or a checkpoint included, is refused naming
+    what it holds, before anything is read or written; so is an export holding files it did not write
+    (the evaluation CLI's ``eval/`` results), naming them: replacing the folder would delete them.
 
     Used by ``write_hf_dir`` (``tools/export_hf.py`` and the trainer's workdir/hf_export), so that an
     ``--out`` pointing at a folder of someone's files is never deleted.
@@ -334,11 +337,12 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise NotAnExportError(f"{out_dir}: {EXPORT_MARKER} is unreadable ({e!r}); not replacing the folder: "
                                "choose another output folder, or empty it first") from None
-    others = [name for name in names if name not in written | {EXPORT_MARKER, *EXPORT_SUBFOLDERS}]
+    others = [f"{e.name}/" if e.is_dir() else e.name for e in entries if e.name not in written | {EXPORT_MARKER}]
     if others:
         raise NotAnExportError(
-            f"{out_dir}: holds {_listing(others)} besides the export pacs_jax wrote there ({EXPORT_MARKER}); "
-            "not replacing it: move them out, or choose another output folder")
+            f"{out_dir}: holds {_listing(others)}, which pacs_jax's export did not write ({EXPORT_MARKER} lists "
+            "the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
+            "another output folder")
 
 
 def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
