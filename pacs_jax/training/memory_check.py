@@ -134,11 +134,12 @@ def check_fits(programs: list[ProgramMemory], limit: int | None) -> None:
 def report(programs: list[ProgramMemory], hbm_bytes: int, device: str) -> tuple[str, bool]:
     """The table of ``programs`` against ``hbm_bytes`` per device; (text, fits)."""
     g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+    width = max([14] + [len(p.name) + 1 for p in programs])
     lines = [f"per-device memory (GiB) on {device}, {g(hbm_bytes)} GiB HBM each",
-             f"{'program':<14}{'args':>8}{'output':>8}{'alias':>8}{'temp':>8}{'peak':>8}{'+outside':>10}"
+             f"{'program':<{width}}{'args':>8}{'output':>8}{'alias':>8}{'temp':>8}{'peak':>8}{'+outside':>10}"
              f"{'total':>8}{'of HBM':>8}{'compile s':>11}"]
     for p in programs:
-        lines.append(f"{p.name:<14}{g(p.argument):>8}{g(p.output):>8}{g(p.alias):>8}{g(p.temp):>8}{g(p.peak):>8}"
+        lines.append(f"{p.name:<{width}}{g(p.argument):>8}{g(p.output):>8}{g(p.alias):>8}{g(p.temp):>8}{g(p.peak):>8}"
                      f"{g(p.outside):>10}{g(p.total):>8}{p.total / hbm_bytes:>8.0%}{p.compile_seconds:>11.1f}")
     lines.append("(total = XLA's peak + resident state outside the program: the AdamW state during the sampler "
                  "and pi_old, PPO's critic state during the actor's programs and the actor's during the critic's)")
