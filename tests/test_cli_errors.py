@@ -246,7 +246,7 @@ def test_a_model_folder_is_read_before_anything_runs(tmp_path):
         "checkpoint) and no <step>/params/ (a trainer's checkpoints/)")
     workdir = tmp_path / "workdir"
     workdir.mkdir()
-    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": data_config or {}, "train": {}}))
     assert _refusal(_model_config(workdir)).startswith(f"config.model.path: {workdir}: a training workdir, not a model")
 
 
@@ -411,8 +411,9 @@ def test_export_hf_refuses_to_replace_a_downloaded_model(tmp_path):
     assert {p.name: p.read_bytes() for p in downloaded.iterdir()} == before
 
 
-def _checkpointed_workdir(tmp_path) -> pathlib.Path:
-    """A training workdir with the TINY model's step 3 (zeros: nothing compiles)."""
+def _checkpointed_workdir(tmp_path, data_config: dict | None = None) -> pathlib.Path:
+    """A training workdir with the TINY model's step 3 (zeros: nothing compiles); its config.json's data
+    section ``data_config`` (default: empty, no tokenizer recorded)."""
     import orbax.checkpoint as ocp
 
     from pacs_jax import checkpoints
@@ -420,7 +421,7 @@ def _checkpointed_workdir(tmp_path) -> pathlib.Path:
 
     workdir = tmp_path / "run"
     (workdir / "checkpoints").mkdir(parents=True)
-    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
+    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": data_config or {}, "train": {}}))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(workdir / "checkpoints" / "3" / "params",
                           {name: np.zeros(shape, np.float32) for name, shape in param_shapes(TINY).items()})
@@ -440,9 +441,27 @@ def test_export_hf_takes_a_training_workdir(tmp_path, capsys):
     load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
     assert f"export_hf: {workdir} is a training workdir: exporting {workdir / 'checkpoints' / '3'}" in capsys.readouterr().out
     assert json.loads((out / "pacs_jax_export.json").read_text())["files"] == [
-        "config.json", "generation_config.json", "model.safetensors"]
+        "README.md", "config.json", "generation_config.json", "model.safetensors"]  # README.md: no tokenizer
     assert checkpoints.check_model_dir(out) == TINY
     check_export_target(out, overwrite=True)  # an export of its own: --overwrite may replace it
+
+
+def test_export_hf_of_a_char_tokenizer_run_says_it_has_no_hugging_face_tokenizer(tmp_path, capsys):
+    """Issue 53 item 6: the export of a run with the demo's character tokenizer holds no Hugging Face
+    tokenizer, and transformers' AutoTokenizer loaded an empty one from it without a word; one line at
+    export time and the export's own README.md say so, naming what to use instead."""
+    from qwen_reference import load_tool
+
+    workdir = _checkpointed_workdir(tmp_path, {"tokenizer": "char"})
+    out = tmp_path / "export"
+    load_tool("export_hf").main(["--checkpoint", str(workdir), "--out", str(out)])
+    why = ("the run's tokenizer is the character tokenizer (data.tokenizer=\"char\"), which has no Hugging Face files: "
+           "encode and decode with pacs_jax.data.CharTokenizer() instead")
+    assert (f"export_hf: the HF export {out} has no Hugging Face tokenizer ({why}); its README.md says so"
+            in capsys.readouterr().out.splitlines())
+    assert f"no Hugging Face tokenizer: {why}." in (out / "README.md").read_text()
+    assert "README.md" in json.loads((out / "pacs_jax_export.json").read_text())["files"]
+    check_export_target(out, overwrite=True)  # the README is the export's own: --overwrite may replace it
 
 
 def test_export_hf_overwrite_refuses_to_delete_the_evaluation_results_naming_them(tmp_path):

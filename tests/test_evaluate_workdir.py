@@ -73,6 +73,15 @@ def _eval_config(tokenizer: str = "", **fields):
     return config
 
 
+def test_the_demo_s_export_says_it_has_no_hugging_face_tokenizer(demo_workdir):
+    """Issue 53 item 6: the trainer's export of a character-tokenizer run holds no Hugging Face tokenizer
+    (transformers' AutoTokenizer loaded an empty one from it without a word): its log line and the export's
+    own README.md say so, naming pacs_jax.data.CharTokenizer."""
+    export = demo_workdir / "hf_export"
+    assert f"hf_export: the HF export {export} has no Hugging Face tokenizer (" in logs(demo_workdir, "train")
+    assert "pacs_jax.data.CharTokenizer()" in (export / "README.md").read_text()
+
+
 def test_evaluate_the_export_and_a_checkpoint_of_a_demo_workdir(demo_workdir, tmp_path, capsys):
     """WORKDIR/hf_export and WORKDIR/checkpoints/<step> of a char-tokenizer run: the run's config.json
     beside them gives the tokenizer; the outputs go to WORKDIR/eval/evaluate_<which>, not into the

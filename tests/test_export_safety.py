@@ -70,8 +70,8 @@ def test_overwrite_refuses_a_folder_without_an_export_and_replaces_a_previous_ex
     write_hf_dir(out, CFG, _tensors())
     (out / "model.safetensors").write_bytes(b"old")
     write_hf_dir(out, CFG, _tensors(), overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "pacs_jax_export.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                     "model.safetensors", "pacs_jax_export.json"]  # no tokenizer
     assert (out / "model.safetensors").read_bytes() != b"old"
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         write_hf_dir(out, CFG, _tensors())

@@ -65,8 +65,8 @@ def test_roundtrip_is_bit_identical(roundtrips, case):
     hf_dir, hf_model, ckpt, exported = roundtrips[case]
     dtype = str(hf_model.dtype).removeprefix("torch.")
     assert json.loads((ckpt / "model_config.json").read_text())["pacs_jax"]["param_dtype"] == dtype  # kept
-    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                          "pacs_jax_export.json"]
+    assert sorted(p.name for p in exported.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                          "model.safetensors", "pacs_jax_export.json"]
     assert_bit_identical(read_safetensors(exported), read_safetensors(hf_dir))
 
     original, ours = (transformers.AutoConfig.from_pretrained(d).to_dict() for d in (hf_dir, exported))

@@ -21,8 +21,15 @@ Qwen2.5-0.5B, a two-layer model of 64 wide for the trainer, float32, tiny batche
                same tokens, ``rollout_logprob_diff_mean`` / ``_max`` and ``rollout_kl`` (metrics.jsonl)
 
 then prints one table (check, status, seconds, figures) and exits 1 if any check crashed, timed out or
-printed no figures. Each check's full output goes to ``--logs`` (default: a temporary folder, named in
-the table). The device and the peak rates measured beside each figure are in each tool's own lines.
+printed no figures. The first line says which backend jax finds (asked in a process of its own, so that
+this one holds no accelerator the checks need); on a host without an accelerator (jax's default backend
+is the CPU) the full size is refused, one line naming ``--size=tiny``, exit status 78
+(pacs_jax/errors.py): its shapes would run a CPU out of memory for an hour. A figure that could not be
+measured (a step time not positive, a share of the copy rate outside [0, 1]) is "n/a". Each check runs
+in a process group of its own, killed whole when the check times out, fails or is stopped (Ctrl-C,
+SIGTERM): no process outlives the check. Each check's full output goes to ``--logs`` (default: a
+temporary folder, deleted when every check passed unless ``--keep_logs``; kept and named otherwise).
+The device and the peak rates measured beside each figure are in each tool's own lines.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +49,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
+if str(REPO) not in sys.path:  # pacs_jax.errors, when run as a script from anywhere
+    sys.path.insert(0, str(REPO))
+from pacs_jax.errors import UsageError, run_main  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +97,7 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     py = sys.executable
     if size == "tiny":
         model = ("--preset=Qwen2.5-0.5B", "--layers=1")
-        decode = (*model, "--dtype=float32", "--slots=4", "--steps=2", "--rounds=1", "--copy-mb=16")
+        decode = (*model, "--dtype=float32", "--slots=4", "--steps=16", "--rounds=2", "--copy-mb=16")
         fills = (16, 48)
         sampling = (*model, "--dtypes=float32", "--batch=4", "--n=2", "--slots=4", "--tail-slots=2", "--new=16",
                     "--prompt=16")
@@ -99,7 +111,8 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
                     "--new=1024", "--prompt=256")
         update = (*model, "--prompts=8", "--budget=1024", "--micro-batches=4")
         limit = 600
-    step = {"decode step ms": r"decode step (-?[\d.]+) ms", "of copy rate": r"(-?[\d.]+) of the measured copy"}
+    step = {"decode step ms": r"decode step ([\d.]+ ms|n/a)",
+            "of copy rate": r"([\d.]+|n/a)(?: \([^)]*\))? of the measured copy"}
     differ = {"paged tok/s ratio": r"paged vs static: .*tokens/s ratio ([\d.]+)",
               "continuous differing %": r"continuous vs static: differing tokens ([\d.]+) %",
               "paged differing %": r"paged vs static: differing tokens ([\d.]+) %",
@@ -121,27 +134,63 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     return out
 
 
-def run_check(check: Check, log: pathlib.Path) -> dict:
-    """Run one check; its output to ``log``. Returns {status, seconds, figures}: status "ok", "crashed
-    (status N)", "timed out" or "no figures"."""
-    start = time.perf_counter()
+def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def run_group(argv: tuple[str, ...], out, timeout: float) -> int | None:
+    """Run ``argv`` in the repository in a process group of its own, its output (stdout and stderr) to
+    the file ``out``; returns its exit status, or None when it ran past ``timeout`` seconds. The whole
+    group (the tool and every process it started) is killed once it ends, times out or this process
+    is stopped (an exception here: Ctrl-C, or SIGTERM through ``main``'s handler)."""
+    child = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        done = subprocess.run(check.argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=check.timeout)
-        text, status = done.stdout, ("ok" if done.returncode == 0 else f"crashed (status {done.returncode})")
-    except subprocess.TimeoutExpired as e:
-        text, status = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timed out"
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone: nothing of it left
+            pass
+        child.wait()
+
+
+def default_backend(timeout: float = 300) -> str:
+    """jax's default backend here ("cpu", "gpu", "tpu"), asked in a process of its own: this one must
+    not hold the accelerator the checks need (a TPU is one process's; jax takes most of a GPU's
+    memory). Raises ``UsageError`` when jax does not answer."""
+    with tempfile.TemporaryFile("w+") as out:
+        status = run_group((sys.executable, "-c", "import jax; print(jax.default_backend())"), out, timeout)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    if status != 0 or not lines:
+        raise UsageError(f"jax did not start here ({'timed out' if status is None else f'status {status}'}: "
+                         f"{lines[-1] if lines else 'no output'}): check the JAX install (README.md)")
+    return lines[-1].strip()
+
+
+def run_check(check: Check, log: pathlib.Path) -> dict:
+    """Run one check (``run_group``); its output to ``log``. Returns {status, seconds, figures}: status
+    "ok", "crashed (status N)", "timed out" or "no figures"; a figure is a number or "n/a" (the tool
+    could not measure it)."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        code = run_group(check.argv, out, check.timeout)
+    status = "timed out" if code is None else "ok" if code == 0 else f"crashed (status {code})"
+    text = log.read_text(errors="replace")
     if check.metrics is not None and check.metrics.exists():  # the figures are the last step's metrics
         lines = check.metrics.read_text().splitlines()
         text += "\n" + (lines[-1] if lines else "")
-    log.write_text(text)
+        log.write_text(text)
     figures = {}
     for name, pattern in check.figures.items():
         found = re.findall(pattern, text)
         if found:
-            figures[name] = float(found[-1])
+            figures[name] = "n/a" if found[-1] == "n/a" else float(found[-1].removesuffix(" ms"))
     if status == "ok" and not figures:
         status = "no figures"
     last = next((line for line in reversed(text.splitlines()) if line.strip()), "")
@@ -152,18 +201,27 @@ def run_check(check: Check, log: pathlib.Path) -> dict:
 def table(results: dict) -> str:
     lines = [f"{'check':<28}{'status':<22}{'seconds':>8}  figures"]
     for name, r in results.items():
-        figures = ", ".join(f"{k} {v:g}" for k, v in r["figures"].items()) or r["last_line"] or "-"
+        figures = ", ".join(f"{k} {v if isinstance(v, str) else f'{v:g}'}" for k, v in r["figures"].items())
+        figures = figures or r["last_line"] or "-"
         lines.append(f"{name:<28}{r['status']:<22}{r['seconds']:>8.1f}  {figures}")
     return "\n".join(lines)
+
+
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)  # through run_group's cleanup: the running check's group is killed
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=("full", "tiny"), default="full",
-                        help="full: the sizes an accelerator is judged at (default); tiny: any machine, seconds")
+                        help="full: the sizes an accelerator is judged at (default; refused on a CPU host); tiny: "
+                             "any machine, seconds")
     parser.add_argument("--only", default="", help="comma-separated check names' starts (decode, sampling, update, "
                                                    "train); default all")
-    parser.add_argument("--logs", default="", help="folder for each check's output (default: a temporary one)")
+    parser.add_argument("--logs", default="", help="folder for each check's output (default: a temporary one, "
+                                                   "deleted when every check passed)")
+    parser.add_argument("--keep_logs", action="store_true", help="keep the temporary logs folder when every check "
+                                                                 "passed too")
     parser.add_argument("--out", default="", help="also write the results as JSON to this file (after each check)")
     args = parser.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
@@ -171,20 +229,41 @@ def main(argv=None) -> int:
                            if not wanted or any(c.name.startswith(w) for w in wanted)]
     if not chosen(pathlib.Path(".")):  # before anything is written
         parser.error(f"--only={args.only}: no check starts with that (decode, sampling, update, train)")
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return run_main("accelerator_check", _run, args, chosen)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, chosen) -> int:
+    backend = default_backend()
+    if backend == "cpu":
+        if args.size != "tiny":
+            raise UsageError("no accelerator here (jax's default backend is cpu): the full size would run this CPU "
+                             "out of memory; --size=tiny checks the same paths at tiny shapes on any machine")
+        print("[accelerator_check] no accelerator here (jax's default backend is cpu): the tiny sizes", flush=True)
+    else:
+        print(f"[accelerator_check] jax's default backend: {backend}; the {args.size} sizes", flush=True)
+    temporary = not args.logs
     logs = pathlib.Path(args.logs or tempfile.mkdtemp(prefix="accelerator_check_"))
     logs.mkdir(parents=True, exist_ok=True)
-    selected = chosen(logs)
     results = {}
-    for check in selected:
+    for check in chosen(logs):
         print(f"[accelerator_check] {check.name} ...", flush=True)
         results[check.name] = run_check(check, logs / (re.sub(r"\W+", "_", check.name).strip("_") + ".log"))
         print(f"[accelerator_check] {check.name}: {results[check.name]['status']} "
               f"({results[check.name]['seconds']:.0f} s)", flush=True)
         if args.out:
             pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
+    passed = all(r["status"] == "ok" for r in results.values())
     print(table(results))
-    print(f"logs: {logs}")
-    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+    if temporary and passed and not args.keep_logs:
+        shutil.rmtree(logs)
+        print("logs: deleted (every check passed; --keep_logs keeps them)")
+    else:
+        print(f"logs: {logs}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -10,12 +10,16 @@ first). What a step must read: the weights in the compute dtype (the decode layo
 K/V pages, slots x (fill + steps / 2 on average) tokens x layers x 2 (K and V) x kv heads x head dim,
 each token's page read whole (rounded up to pages). The copy bandwidth is measured in the same
 process: a jitted negation of a ``--copy-mb`` array (bytes read + written / its best time). Prints
-``decode step X ms, Y GB live, Z of the measured copy bandwidth`` (Z: Y / X over the copy rate).
+``decode step X ms, Y GB live, Z of the measured copy bandwidth`` (Z: Y / X over the copy rate). X is
+"n/a (too short to time)" when the difference is not positive (the steps took no longer than noise
+on a busy CPU: raise --steps and --rounds), Z too then, and when it falls outside [0, 1] (a step
+faster than the copy rate allows: too short to time, or the weights held in a CPU's cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +38,21 @@ def step_bytes(cfg: models.QwenConfig, params: int, slots: int, fill: int, steps
     tokens = round_up(fill + steps // 2, page_size)
     kv = slots * tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     return params * itemsize + kv
+
+
+NOT_MEASURABLE = "n/a (too short to time)"
+
+
+def result_line(step_seconds: float, live_bytes: float, copy_bytes_per_second: float) -> str:
+    """"decode step X ms, Y GB live, Z of the measured copy bandwidth", Z the share of the copy rate
+    the step reaches (``live_bytes / step_seconds`` over ``copy_bytes_per_second``). X is
+    ``NOT_MEASURABLE`` when ``step_seconds`` is not positive (a difference of two timings), Z when X is
+    or when Z falls outside [0, 1]: never a negative time, never a share above 1 or below 0."""
+    timed = step_seconds > 0 and math.isfinite(step_seconds)
+    share = live_bytes / step_seconds / copy_bytes_per_second if timed and copy_bytes_per_second > 0 else math.nan
+    step_text = f"{step_seconds * 1e3:.2f} ms" if timed else NOT_MEASURABLE
+    share_text = f"{share:.2f}" if 0 <= share <= 1 else NOT_MEASURABLE
+    return f"decode step {step_text}, {live_bytes / 1e9:.3f} GB live, {share_text} of the measured copy bandwidth"
 
 
 def main():
@@ -75,8 +94,7 @@ def main():
     live = step_bytes(cfg, params, args.slots, args.fill, args.steps, args.page_size)
     print(f"copy bandwidth {rate / 1e9:.1f} GB/s (read + write of a {args.copy_mb} MiB array); {args.dtype} matmul "
           f"{matmul_rate(args.dtype, rounds=args.rounds) / 1e12:.2f} TFLOP/s")
-    print(f"decode step {step * 1e3:.2f} ms, {live / 1e9:.3f} GB live, {live / step / rate:.2f} of the measured "
-          "copy bandwidth")
+    print(result_line(step, live, rate))
 
 
 if __name__ == "__main__":

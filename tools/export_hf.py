@@ -9,7 +9,9 @@ and every parameter at its shape in the checkpoint's metadata) before anything l
 config.json, generation_config.json, the weights (model.safetensors, or shards +
 model.safetensors.index.json above --max_shard_size; pytorch_model*.bin with --format bin), the
 tokenizer files (of --tokenizer, else the model folder's own, else, for a checkpoint in a training
-workdir, the run's data.tokenizer; a line says when there are none) and pacs_jax_export.json, the list of the files the export wrote. It is
+workdir, the run's data.tokenizer; when there are none, a README.md in the export and a line say so, and
+why: the demo's character tokenizer has no Hugging Face files, and transformers' AutoTokenizer would load
+an empty one) and pacs_jax_export.json, the list of the files the export wrote. It is
 written to a temporary directory beside --out and renamed at the end: a failed export leaves nothing
 at --out. --overwrite replaces only a folder this tool (or the trainer's export) wrote, holding
 nothing but the files its pacs_jax_export.json lists: a downloaded HF model, a workdir, an export
@@ -33,7 +35,8 @@ from pacs_jax import checkpoints, console, data, models
 from pacs_jax.errors import UsageError, run_main
 from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
-from pacs_jax.models.hf_weights import check_export_target
+from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
+from pacs_jax.models.hf_weights import check_export_target, no_tokenizer_line
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -72,12 +75,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None]:
+def check_args(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None, str]:
     """Everything the export reads and replaces, before anything loads: --out (empty, or with
     --overwrite an export this tool wrote), --tokenizer (a folder), --checkpoint (resolved as the
     evaluation CLI resolves it; its config and parameter shapes read). Returns the model folder to
-    load and the folder of the tokenizer files to copy (``export_tokenizer``); raises ``UsageError``
-    naming the flag."""
+    load, the folder of the tokenizer files to copy and why there is none (``export_tokenizer``);
+    raises ``UsageError`` naming the flag."""
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())) and not args.overwrite:
         raise UsageError(f"--out {args.out}: exists and is not empty (pass --overwrite to replace a previous export)")
     try:  # before loading the checkpoint: --overwrite replaces only a previous export, never a workdir
@@ -93,28 +96,27 @@ def check_args(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | N
         checkpoints.check_model_dir(target.model_dir)
     except checkpoints.ModelFolderError as e:
         raise UsageError(f"--checkpoint: {e}") from None
-    return target.model_dir, export_tokenizer(args.tokenizer, target)
+    return target.model_dir, *export_tokenizer(args.tokenizer, target)
 
 
-def export_tokenizer(given: pathlib.Path | None, target: Target) -> pathlib.Path | None:
-    """The folder whose tokenizer files the export copies: --tokenizer, else the model folder's own
-    (an HF folder, the run's hf_export), else the training run's tokenizer for a checkpoint in a
-    workdir (its config.json's data.tokenizer, as the evaluation CLI reads it; a ``gs://`` folder
-    through its local copy); None, with a line saying so, when there is none (the demo's "char"
-    tokenizer has no files)."""
+def export_tokenizer(given: pathlib.Path | None, target: Target) -> tuple[pathlib.Path | None, str]:
+    """(folder, "") with the folder whose tokenizer files the export copies: --tokenizer, else the model
+    folder's own (an HF folder, the run's hf_export), else the training run's tokenizer for a checkpoint
+    in a workdir (its config.json's data.tokenizer, as the evaluation CLI reads it; a ``gs://`` folder
+    through its local copy). (None, why) when there is none (the demo's "char" tokenizer has no files:
+    why names what to use instead)."""
     if given is not None:
-        return given
+        return given, ""
     if (target.model_dir / "tokenizer_config.json").is_file():
-        return target.model_dir
+        return target.model_dir, ""
     recorded = target.recorded_tokenizer()
     if recorded is not None and recorded != data.CHAR_TOKENIZER:
         folder = data.local_folder(recorded)
         print(f"export_hf: tokenizer files from {folder} (the training run's data.tokenizer)", flush=True)
-        return pathlib.Path(folder)
-    why = ('the training run\'s tokenizer is "char", which has no files' if recorded == data.CHAR_TOKENIZER else
-           "the checkpoint has none and no training run records one")
-    print(f"export_hf: no tokenizer files in the export ({why}; --tokenizer=DIR adds them)", flush=True)
-    return None
+        return pathlib.Path(folder), ""
+    if recorded == data.CHAR_TOKENIZER:
+        return None, NO_HF_TOKENIZER
+    return None, "the checkpoint has none and no training run records one: --tokenizer=DIR adds a tokenizer's files"
 
 
 def main(argv: Sequence[str] | None = None) -> pathlib.Path:
@@ -124,11 +126,14 @@ def main(argv: Sequence[str] | None = None) -> pathlib.Path:
 
 
 def _export(args: argparse.Namespace) -> pathlib.Path:
-    model_dir, tokenizer_dir = check_args(args)
+    model_dir, tokenizer_dir, no_tokenizer = check_args(args)
     start = time.perf_counter()
     model = checkpoints.from_pretrained(model_dir, param_dtype=None if args.param_dtype == "keep" else args.param_dtype)
     out = models.export_hf(model, args.out, fmt=args.format, max_shard_bytes=args.max_shard_size,
-                           tokenizer_dir=tokenizer_dir, overwrite=args.overwrite, progress=True)
+                           tokenizer_dir=tokenizer_dir, overwrite=args.overwrite, progress=True,
+                           no_tokenizer=no_tokenizer)
+    if tokenizer_dir is None:
+        print(f"export_hf: {no_tokenizer_line(out, no_tokenizer)}", flush=True)
     files = sorted(p.name for p in out.iterdir())
     print(f"{model_dir} -> {out}: {model.cfg.model_type} in {model.cfg.param_dtype}, "
           f"{len(files)} files ({', '.join(files)}), {time.perf_counter() - start:.1f} s")

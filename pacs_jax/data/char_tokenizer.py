@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 PAD, EOS = "<pad>", "<eos>"
+# why an HF export of a run with this tokenizer has no tokenizer files, and what to use instead
+NO_HF_TOKENIZER = ("the run's tokenizer is the character tokenizer (data.tokenizer=\"char\"), which has no Hugging "
+                   "Face files: encode and decode with pacs_jax.data.CharTokenizer() instead")
 CHARS = "0123456789+-*=?.,:;!'()\\{}$ abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 

@@ -285,6 +285,21 @@ WORKDIR_MARKERS = ("checkpoints", "metrics.jsonl", "summary.json", "warmstart.js
 # not a sign of a workdir, but not the export's either, so an overwrite refuses it, naming it
 EXPORT_SUBFOLDERS = ("eval",)
 EXPORT_MARKER = "pacs_jax_export.json"  # written into every export: {"files": [...]}, what an overwrite may replace
+NO_TOKENIZER_NOTE = "README.md"  # written into an export without tokenizer files: that it has none, and why
+
+
+def no_tokenizer_line(out_dir: str | os.PathLike, why: str) -> str:
+    """The line an exporter prints when ``write_hf_dir`` wrote no tokenizer files into ``out_dir``."""
+    return f"the HF export {out_dir} has no Hugging Face tokenizer ({why}); its {NO_TOKENIZER_NOTE} says so"
+
+
+def _no_tokenizer_note(why: str) -> str:
+    """``NO_TOKENIZER_NOTE``'s text: transformers' AutoTokenizer loads an empty tokenizer from such a folder
+    (no error), so the folder says it has none, why, and what to use."""
+    return ("# A pacs_jax export without a tokenizer\n\n"
+            f"This folder holds a model (config.json and its weights) but no Hugging Face tokenizer: {why}.\n\n"
+            "`transformers.AutoTokenizer.from_pretrained` on this folder loads an empty tokenizer (or fails): "
+            "do not encode text with it.\n")
 
 
 class NotAnExportError(FileExistsError):
@@ -347,12 +362,14 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
 
 def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,
                  fmt: str = "safetensors", max_shard_bytes: int = 4 * 1024**3,
-                 tokenizer_dir: str | pathlib.Path | None = None, overwrite: bool = False
-                 ) -> pathlib.Path | epath.Path:
+                 tokenizer_dir: str | pathlib.Path | None = None, overwrite: bool = False,
+                 no_tokenizer: str = "no tokenizer folder was given to the export") -> pathlib.Path | epath.Path:
     """Write an HF model directory atomically: into a temp dir beside ``out_dir``, then rename.
 
     ``tensors`` yields (hf_name, array) pairs, consumed shard by shard. ``fmt`` is "safetensors"
-    or "bin" (pytorch_model*.bin for older tooling). A failure leaves nothing at ``out_dir``. An
+    or "bin" (pytorch_model*.bin for older tooling). The tokenizer files of ``tokenizer_dir`` are
+    copied; without one, ``NO_TOKENIZER_NOTE`` says the export has none, ``no_tokenizer`` saying why
+    and what to use instead. A failure leaves nothing at ``out_dir``. An
     existing ``out_dir`` is replaced only with ``overwrite`` and only if it is a previous export
     (``check_export_target``; the export lists its files in ``EXPORT_MARKER``). The folder and its
     files get the modes ``mkdir()`` / ``open()`` give.
@@ -366,7 +383,8 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
         check_export_target(out_dir, overwrite=overwrite)
         with tempfile.TemporaryDirectory(prefix="pacs_jax_export.") as local:
             written = write_hf_dir(pathlib.Path(local) / "export", cfg, tensors, fmt=fmt,
-                                   max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir)
+                                   max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+                                   no_tokenizer=no_tokenizer)
             return _upload(written, epath.Path(out_dir), overwrite=overwrite)
     out_dir = pathlib.Path(out_dir)
     check_export_target(out_dir, overwrite=overwrite)
@@ -406,6 +424,8 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
                 raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
             for f in found:
                 shutil.copy2(tokenizer_dir / f, tmp / f)
+        else:
+            (tmp / NO_TOKENIZER_NOTE).write_text(_no_tokenizer_note(no_tokenizer))
         (tmp / EXPORT_MARKER).write_text(json.dumps(
             {"written_by": "pacs_jax", "files": sorted(p.name for p in tmp.iterdir())}, indent=2))
         for path in tmp.iterdir():  # safetensors writes 0600 files, mkdtemp a 0700 folder

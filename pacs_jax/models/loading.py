@@ -160,9 +160,11 @@ def host_params(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
 
 def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetensors",
               max_shard_bytes: int = 4 * 1024**3, tokenizer_dir: str | pathlib.Path | None = None,
-              overwrite: bool = False, progress: bool = False) -> pathlib.Path | epath.Path:
+              overwrite: bool = False, progress: bool = False,
+              no_tokenizer: str = "no tokenizer folder was given to the export") -> pathlib.Path | epath.Path:
     """Write ``model`` as an HF directory that ``transformers`` loads (atomic; dtype preserved); returns
-    the folder (``out_dir`` local or on ``gs://``: ``write_hf_dir``).
+    the folder (``out_dir`` local or on ``gs://``: ``write_hf_dir``; without ``tokenizer_dir`` its
+    README.md says it has no tokenizer, ``no_tokenizer`` saying why).
 
     Multi-process: every process must call it (each tensor is gathered); process 0 writes."""
     cfg = model.cfg
@@ -175,4 +177,4 @@ def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetenso
             pass
         return epath.Path(out_dir) if is_remote(out_dir) else pathlib.Path(out_dir)
     return write_hf_dir(out_dir, cfg, tensors, fmt=fmt, max_shard_bytes=max_shard_bytes,
-                        tokenizer_dir=tokenizer_dir, overwrite=overwrite)
+                        tokenizer_dir=tokenizer_dir, overwrite=overwrite, no_tokenizer=no_tokenizer)

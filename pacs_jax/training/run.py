@@ -45,7 +45,9 @@ from flax import nnx
 
 from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.data import paths
+from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
+from pacs_jax.models.hf_weights import no_tokenizer_line
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
@@ -280,7 +282,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         after = evaluate_final("final", result.final_step, result.model, pool) if sets else {}
     tokenizer_dir = (None if tokenizer_source == data.CHAR_TOKENIZER  # "char": no files; gs://: the local copy
                      else data.local_folder(tokenizer_source))
-    export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True)
+    export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True,
+                              no_tokenizer=NO_HF_TOKENIZER)
+    if tokenizer_dir is None:
+        say(f"hf_export: {no_tokenizer_line(export, NO_HF_TOKENIZER)}")
     history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
     summary = _summary(ec, before, after, history, sets)
     clock.update(force=True)
