@@ -37,8 +37,8 @@ def _grpo_advantages(rewards):
     return ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
 
 
-def _loss_at_pi_old(objective: str, weights: np.ndarray, kept: np.ndarray) -> float:
-    """Each objective's loss where pi_theta = pi_old (every ratio 1, PACS's scores 0), float64."""
+def _loss_at_pi_old(objective: str, weights: np.ndarray, kept: np.ndarray, old: np.ndarray) -> float:
+    """Each objective's loss where pi_theta = pi_old (every ratio 1, PACS's scores 0), float64; old: log pi_old."""
     if objective == "pacs":  # (1/B) sum_i w_i rho_i softplus(0): rho_i the response's mean weight over kept tokens
         labels = REWARDS.reshape(-1, N)
         positives = labels.sum(1, keepdims=True)
@@ -47,16 +47,24 @@ def _loss_at_pi_old(objective: str, weights: np.ndarray, kept: np.ndarray) -> fl
         w = np.where(mixed, N / (2.0 * same), 1.0).reshape(-1)
         rho = (weights * kept).sum(1) / np.maximum(kept.sum(1), 1.0)
         return float(np.sum(w * rho * np.log(2.0)) / len(REWARDS))
-    token_loss = -_grpo_advantages(REWARDS)[:, None] * weights  # grpo / cispo at ratio 1 (cispo: times log pi)
+    token_loss = -_grpo_advantages(REWARDS)[:, None] * weights  # grpo, gspo at ratio 1
+    if objective == "cispo":  # -sg[clip(1)] A w log pi_theta
+        token_loss = token_loss * old
+    if objective == "gspo":  # seq-mean-token-mean over the kept tokens
+        return float(np.mean(np.sum(token_loss * kept, axis=1) / np.maximum(kept.sum(1), 1.0)))
     return float(np.sum(token_loss * kept) / kept.sum())  # token-mean over the kept tokens
 
 
-@pytest.mark.parametrize("objective", ["grpo", "pacs"])
-def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_batch, objective):  # noqa: F811
+@pytest.mark.parametrize("objective, packing", [("grpo", True), ("pacs", True), ("gspo", True), ("cispo", True),
+                                               ("grpo", False), ("gspo", False), ("cispo", False)])
+def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_batch, objective, packing):  # noqa: F811
+    """The correction program and then the update program of the trainer (packed passes or padded
+    micro-batches), for PACS, GRPO, GSPO and CISPO."""
     hf_model, model, sampled = models_and_batch
     graphdef, params = nnx.split(model)
     config = trainer_config(TEMPERATURE)
-    config.algorithm.objective = objective  # trainer_config's grpo at token-mean; PACS reads none of it
+    config.train.packing = packing
+    config.algorithm.objective = objective  # trainer_config's grpo at token-mean; the others read none of it
     if objective != "grpo":
         config.algorithm.grpo.loss_agg_mode = load_config("default.py").algorithm.grpo.loss_agg_mode
     config.algorithm.rollout_correction.update(CORRECTION)
@@ -88,7 +96,8 @@ def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_bat
     update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS), rollout_is_weights=weights, response_mask=kept)
     fresh = jax.tree.map(np.array, params)  # the update donates its inputs
     _, _, (step_metrics,) = programs.update(fresh, jax.jit(programs.optimizer.init)(fresh), update_batch)
-    np.testing.assert_allclose(float(step_metrics["loss"]), _loss_at_pi_old(objective, np.asarray(weights, np.float64), want_kept),
+    np.testing.assert_allclose(float(step_metrics["loss"]), _loss_at_pi_old(objective, np.asarray(weights, np.float64),
+                                                                            want_kept, old),
                                rtol=2e-4, atol=1e-6)
 
 
