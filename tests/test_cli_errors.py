@@ -246,7 +246,7 @@ def test_a_model_folder_is_read_before_anything_runs(tmp_path):
         "checkpoint) and no <step>/params/ (a trainer's checkpoints/)")
     workdir = tmp_path / "workdir"
     workdir.mkdir()
-    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": data_config or {}, "train": {}}))
+    (workdir / "config.json").write_text(json.dumps({"model": {}, "data": {}, "train": {}}))
     assert _refusal(_model_config(workdir)).startswith(f"config.model.path: {workdir}: a training workdir, not a model")
 
 

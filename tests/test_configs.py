@@ -26,9 +26,9 @@ def _parse(*argv: str):
 
 def _other_value(spec: rl.ObjectiveSpec, option: str, default):
     """A valid value of ``option`` other than its default (verl's micro-batch size 8 divides every
-    config's update micro-batch here)."""
+    config's update micro-batch here); the default itself where it is the only choice (GSPO's aggregation)."""
     if option in spec.choices:
-        return next(choice for choice in spec.choices[option] if choice != str(default))
+        return next((choice for choice in spec.choices[option] if choice != str(default)), default)
     if isinstance(default, bool):
         return not default
     if isinstance(default, float):

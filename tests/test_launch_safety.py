@@ -184,7 +184,7 @@ def test_tpu_pod_run_checks_the_config_on_this_machine_before_asking_gcloud(tmp_
     for config, flags, line in (
             ("configs/paper.py:qwen25_7b,pacs_bet1", MODEL_ON_WORKERS,
              "pacs_jax.check_config: error: flag --config=configs/paper.py:qwen25_7b,pacs_bet1: config arg algorithm "
-             "'pacs_bet1': expected one of ['grpo', "),
+             "'pacs_bet1': expected one of ['cispo', 'grpo', 'gspo', "),
             ("configs/paper.py:qwen25_7b,pacs_beta1", (*MODEL_ON_WORKERS, "--config.rollout.slotz=0"),
              "pacs_jax.check_config: error: --config.rollout.slotz: config.rollout has no field 'slotz'; did you mean "
              "--config.rollout.slots?"),
