@@ -11,8 +11,8 @@
 #
 # Ctrl-C (SIGINT) or SIGTERM reaching this script is passed on to every process (with its children, as
 # a terminal's Ctrl-C would), and the script waits for every one of them with their output still
-# flowing: the trainers stop together at their next warm-start step (exiting with status 128 + the
-# signal's number) or RL step (after writing its checkpoint; status 79, resume needed). A process that exits non-zero
+# flowing: the trainers stop together at their next warm-start step or RL step (after writing its
+# checkpoint), exiting with status 79 (resume needed). A process that exits non-zero
 # after that is named, and the script exits with the first such status once all have exited. Ctrl-C
 # again aborts them at once.
 set -euo pipefail

@@ -9,8 +9,8 @@
 # Exit status 78 is a permanent error (pacs_jax/errors.py: a config value, a flag or the data is
 # wrong, and the trainer printed which): no restart follows, supervise.sh exits 78 at once.
 # Exit status 79 (pacs_jax/errors.py RESUME_NEEDED_STATUS): a stop signal ended the trainer with its last
-# finished step checkpointed. When the signal was COMMAND's alone (a preemption notice, a kill of the
-# trainer), it is restarted and resumes; when supervise.sh got it too, supervise.sh stops with 79.
+# finished step checkpointed (none yet when it came before RL). When the signal was COMMAND's alone (a
+# preemption notice, a kill of the trainer), it is restarted and resumes; when supervise.sh got it too, supervise.sh stops with 79.
 # SIGTERM / SIGINT are passed on to COMMAND, which then saves a checkpoint and exits; no restart follows.
 set -uo pipefail
 

@@ -15,7 +15,8 @@ A ``gs://`` store that does not answer (no network, no credentials) is one line 
 (``CONFIG_HELP``), with status 0 (absl's own exits with 1).
 
 A run stopped by SIGTERM or SIGINT before ``train.steps`` (training/signals.py) exits with
-``RESUME_NEEDED_STATUS`` (79): unfinished, its checkpoint written; the same command resumes it.
+``RESUME_NEEDED_STATUS`` (79), in whichever phase the signal came (the warm-start, an evaluation, RL):
+unfinished, its last finished step checkpointed if RL had begun; the same command resumes it.
 
 Permanent: ``PermanentError`` and its subclasses (``UsageError``, ``pacs_jax.data.DataError``: malformed data),
 absl's ``app.UsageError`` (the trainer raises it for config errors, ``ConfigError`` of

@@ -78,8 +78,10 @@ def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int
     known = math.prod(v for v in sizes.values() if v != -1)
     if unknown:
         if num_devices % known:
-            raise ValueError(
-                f"mesh.{unknown[0]}=-1: {num_devices} devices are not divisible by the other axes ({known})")
+            given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items() if v not in (-1, 1))
+            raise ValueError(f"{given}: {num_devices} devices are not divisible by {known} (mesh.{unknown[0]}=-1 "
+                             f"takes the devices the other axes leave): the sizes set must multiply to a divisor of "
+                             f"{num_devices}")
         sizes[unknown[0]] = num_devices // known
     shape = tuple(sizes[a] for a in MESH_AXES)
     if math.prod(shape) != num_devices:

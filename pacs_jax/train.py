@@ -8,7 +8,8 @@ workdir is created or anything compiles; a restarted run resumes from its workdi
 Exit status: 0 on success; 78 (pacs_jax/errors.py ``PERMANENT_ERROR_STATUS``) with one line on stderr
 for an error a restart cannot fix: a config value (``ConfigError``), a flag, malformed data
 (``DataError``); launch/supervise.sh stops on it. 79 (``RESUME_NEEDED_STATUS``): SIGTERM or SIGINT
-stopped the run before train.steps, its last finished step checkpointed: the same command resumes it
+stopped the run before train.steps, in any phase (the warm-start too), its last finished RL step
+checkpointed: the same command resumes it
 (supervise.sh restarts it, unless it got the signal too). Anything else (a crash) exits non-zero otherwise.
 """
 

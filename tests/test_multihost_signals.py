@@ -126,13 +126,13 @@ def test_ctrl_c_during_the_warm_start_stops_every_process_there_with_the_phase_s
     os.kill(run.pid, signal.SIGINT)  # Ctrl-C in local.sh's terminal
     code = _finish(run, timeout=60)  # the warm-start would have run for hours
     output = log.read_text()
-    assert code == 128 + signal.SIGINT, output[-5000:]  # local.sh's status: its processes'
+    assert code == RESUME_NEEDED_STATUS, output[-5000:]  # local.sh's status: its processes'
 
     for i in (0, 1):  # every process stops at the same warm-start step and exits as a single process does
         assert f"[{i}] SIGINT: every process stops together at the next warm-start step or RL phase boundary" in output
         assert (f"[{i}] SIGINT during the warm-start, which is not checkpointed: a restart runs it again from its "
                 f"first step; exiting") in output, output[-5000:]
-        assert f"local.sh: process {i} exited with status {128 + signal.SIGINT}" in output
+        assert f"local.sh: process {i} exited with status {RESUME_NEEDED_STATUS}" in output
     assert "stopping the others" not in output and "Traceback" not in output
     assert checkpoint_steps(workdir) == [] and metrics_rows(workdir) == []  # RL never started
     assert not (workdir / LOCK_FILE).exists()  # released on the way out

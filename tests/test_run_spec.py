@@ -42,6 +42,13 @@ def test_the_spec_checks_the_mesh_against_its_devices(demo):
     demo.mesh.data = 16
     with pytest.raises(ConfigError, match=r"^config\.mesh .* needs 16 devices, 8 are available$"):
         RunSpec.from_config(demo, device_count=8)
+    demo.mesh.data, demo.mesh.fsdp = -1, 3  # issue 53 item 7: the error names the field set, not data's -1
+    with pytest.raises(ConfigError, match=r"^config\.mesh\.fsdp=3: 8 devices are not divisible by 3 \(mesh\.data=-1 "):
+        RunSpec.from_config(demo, device_count=8)
+    demo.mesh.fsdp, demo.mesh.tensor = 2, 3
+    with pytest.raises(ConfigError, match=r"^config\.mesh\.fsdp=2 x mesh\.tensor=3: 8 devices are not divisible by 6 "):
+        RunSpec.from_config(demo, device_count=8)
+    demo.mesh.fsdp, demo.mesh.tensor = 1, 1
     demo.mesh.data, demo.train.prompts_per_step, demo.rollout.n, demo.train.mini_batches = 8, 4, 2, 1
     RunSpec.from_config(demo, device_count=8)  # 8 responses a micro-batch
     demo.train.mini_batches = 2  # 4 responses a micro-batch on 8 batch shards

@@ -61,6 +61,15 @@ def test_runtime_requirements_pin_the_chat_template_engine():
     assert any(re.match(r"jinja2\b", d, re.IGNORECASE) for d in dependencies), "pyproject.toml lacks jinja2"
 
 
+def test_both_readme_installs_pin_tensorboard_to_read_the_run_s_events():
+    """Issue 53 item 7: the trainer writes TensorBoard events, and neither README command installed
+    TensorBoard itself; requirements-test.txt includes requirements.txt."""
+    assert "tensorboard" in _pinned((REPO / "requirements.txt").read_text())
+    assert "-r requirements.txt" in (REPO / "requirements-test.txt").read_text().splitlines()
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"tensorboard\b(?!X)", d) for d in dependencies), "pyproject.toml lacks tensorboard"
+
+
 def test_ci_runs_the_readme_tests_then_the_runtime_install_alone_in_a_fresh_venv():
     readme = (REPO / "README.md").read_text()
     test_command = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements-test.txt -e . && pytest -q"

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from pacs_jax.errors import RESUME_NEEDED_STATUS
 from pacs_jax.training.signals import StopSignals
 
 
@@ -31,7 +32,7 @@ def test_a_sigterm_inside_a_gc_callback_is_delivered_again_and_exits(capfd):
         finally:
             if send_during_collection in gc.callbacks:
                 gc.callbacks.remove(send_during_collection)
-    assert exited.value.code == 128 + signal.SIGTERM
+    assert exited.value.code == RESUME_NEEDED_STATUS
     err = capfd.readouterr().err
     assert err.count("SIGTERM during the warm-start, which is not checkpointed; exiting") == 1
     assert "Exception ignored" not in err

@@ -1,5 +1,6 @@
 """A user's run is safe (issue 28, items 4 to 8): signals, the workdir lock, resumes that do not fit,
-damaged checkpoints, a full disk, and the bookkeeping of a resumed run.
+damaged checkpoints, a full disk, and the bookkeeping of a resumed run. Issue 53 item 3: a resume with
+another model.path (of the same shapes) is refused naming both paths.
 
 The trainer runs in subprocesses (the shrunk demo, tests/train_helpers.py); the lock, the metrics
 rewrite and the storage-error line are also checked in-process.
@@ -21,9 +22,10 @@ import pytest
 from pacs_jax.errors import RESUME_NEEDED_STATUS
 from pacs_jax.files import storage_error
 from pacs_jax.training import metrics as metrics_lib
-from pacs_jax.training.workdir import LOCK_FILE, WorkdirLock, WorkdirLockedError
+from pacs_jax.training.spec import ConfigError, RunSpec
+from pacs_jax.training.workdir import CONFIG_FILE, LOCK_FILE, WorkdirLock, WorkdirLockedError, check_resume, recorded_config
 from train_helpers import (FAST_DEMO_FLAGS, REPO, RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs,
-                           metrics_rows, start_train, train_env, wait_for)
+                           load_config, metrics_rows, start_train, train_env, wait_for)
 
 LONG = 200  # train.steps of runs that are stopped long before
 
@@ -88,17 +90,19 @@ def test_sigint_checkpoints_the_step_and_a_second_sigint_during_that_checkpoint_
 
 
 @pytest.mark.slow(seconds=40)
-def test_sigterm_during_the_warm_start_says_it_is_not_checkpointed(tmp_path_factory):
+def test_ctrl_c_during_the_warm_start_says_it_is_not_checkpointed_and_exits_79(tmp_path_factory):
+    """Issue 53 item 7: a graceful stop exits 79 in the warm-start too (it exited 128 + SIGINT = 130 there,
+    79 in RL)."""
     workdir = tmp_path_factory.mktemp("warm_signal") / "run"
     flags = (*[f for f in FAST_DEMO_FLAGS if not f.startswith("--config.warmstart.steps")],
              "--config.warmstart.steps=100000", "--config.warmstart.target_accuracy=0.0")
     process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="run",
                           new_session=True)
     wait_for(_log_has(workdir, "run", "warm-start: "), process, "the warm-start", poll=0.2)  # its progress bar
-    os.killpg(process.pid, signal.SIGTERM)
-    assert finish(process) == 128 + signal.SIGTERM
+    os.kill(process.pid, signal.SIGINT)  # Ctrl-C, to the trainer (its reward workers are still importing)
+    assert finish(process) == RESUME_NEEDED_STATUS
     output = logs(workdir, "run")
-    assert ("SIGTERM during the warm-start, which is not checkpointed: a restart runs it again from its first "
+    assert ("SIGINT during the warm-start, which is not checkpointed: a restart runs it again from its first "
             "step; exiting") in output
     assert "Traceback" not in output
     assert checkpoint_steps(workdir) == [] and not (workdir / LOCK_FILE).exists()
@@ -323,3 +327,27 @@ def test_metrics_rewrite_keeps_the_last_row_of_each_step_up_to_the_checkpoint(tm
     assert kept[2]["step"] == 3 and kept[2]["loss"] != kept[2]["loss"]  # nan, read back as a float
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": "nan"}]
+
+
+def test_a_resume_with_another_model_path_is_refused_naming_both_paths(tmp_path, monkeypatch):
+    """A workdir whose config.json records model.path A and holds a checkpoint (check_resume looks for
+    its step folder only): resuming it with model.path B is refused in one line naming A and B (the
+    resume would train the checkpoint's weights, not B's); the same folder, given as a relative path,
+    resumes."""
+    model_a, model_b = tmp_path / "model_a", tmp_path / "model_b"
+    config = load_config("default.py")
+    config.model.path = str(model_a)
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+    (workdir / CONFIG_FILE).write_text(json.dumps(recorded_config(config, None)))
+
+    config.model.path = str(model_b)
+    with pytest.raises(ConfigError) as refused:
+        check_resume(RunSpec.unplaced(config), workdir, None)
+    line = str(refused.value)
+    assert "\n" not in line and f"model.path (checkpoint run {str(model_a)!r}, this config {str(model_b)!r}" in line
+    assert not (workdir / LOCK_FILE).exists()
+
+    monkeypatch.chdir(tmp_path)
+    config.model.path = "model_a"
+    assert check_resume(RunSpec.unplaced(config), workdir, None) == 3

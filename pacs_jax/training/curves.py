@@ -4,8 +4,10 @@
     response length           | entropy           | rollout consistency (sampler vs pi_old)
     periodic evals' pass@k    | accuracy before / after RL by set | seconds per step by phase
 
-Panels of metrics a run did not log (a config without periodic evaluations, an objective without a
-loss of that name) say so instead of plotting nothing silently.
+Panels of metrics a run did not log (an objective without a loss of that name) say so instead of
+plotting nothing silently; a run without periodic evaluations has no panel for them. A line equal to
+another one everywhere (the accuracy of 0/1 rewards is their mean) is not drawn under it: the legend
+of the one drawn says so.
 """
 
 from __future__ import annotations
@@ -33,25 +35,54 @@ PHASES = (("time_sample", "sampling"), ("time_reward", "reward"), ("time_old_log
 
 def plot_curves(history: Sequence[Mapping], before: Mapping[str, float], after: Mapping[str, float],
                 path: epath.Path, periodic: Mapping[int, Mapping[str, Mapping[str, float]]] | None = None) -> None:
-    """history: per-step metrics rows (``step`` and metrics.jsonl's keys); before / after: {eval set:
-    accuracy} (either may be empty); periodic: {step: {eval set: {"pass@k": ..., "mean@n": ...}}}, the
-    periodic evaluations (eval/step_<k>/eval_metrics.json)."""
+    """``curves_figure`` written to ``path`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(history, before, after, periodic)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80), binary=True)
+    plt.close(fig)
+
+
+def curves_figure(history: Sequence[Mapping], before: Mapping[str, float], after: Mapping[str, float],
+                  periodic: Mapping[int, Mapping[str, Mapping[str, float]]] | None = None):
+    """The figure of the panels above. history: per-step metrics rows (``step`` and metrics.jsonl's
+    keys); before / after: {eval set: accuracy} (either may be empty); periodic: {step: {eval set:
+    {"pass@k": ..., "mean@n": ...}}}, the periodic evaluations (eval/step_<k>/eval_metrics.json; none:
+    no panel)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 3, figsize=(16, 12))
     steps = [h["step"] for h in history]
-    panels = iter(axes.flat)
-    for title, series, log in LINE_PANELS:
-        _lines(next(panels), title, steps, [(label, [_value(h, key) for h in history]) for key, label in series], log)
-    _periodic(next(panels), periodic or {})
-    _before_after(next(panels), before, after)
-    _lines(next(panels), "seconds per step", steps,
-           [(label, [_value(h, key) for h in history]) for key, label in PHASES], False)
+    panels = [lambda ax, t=title, s=series, log=log: _lines(ax, t, steps, _series(history, s), log)
+              for title, series, log in LINE_PANELS]
+    if periodic:
+        panels.append(lambda ax: _periodic(ax, periodic))
+    panels.append(lambda ax: _before_after(ax, before, after))
+    panels.append(lambda ax: _lines(ax, "seconds per step", steps, _series(history, PHASES), False))
+    rows = math.ceil(len(panels) / 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(16, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        fig.delaxes(ax)
+    for draw, ax in zip(panels, axes.flat):
+        draw(ax)
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80), binary=True)
-    plt.close(fig)
+    return fig
+
+
+def _series(history: Sequence[Mapping], series: Sequence[tuple[str, str]]) -> list[tuple[str, list[float]]]:
+    """(label, values) of each (metric key, label); a series equal to an earlier one at every step is
+    left out, the earlier one's label then naming it ("mean reward (= accuracy)")."""
+    out: list[tuple[str, list[float]]] = []
+    for key, label in series:
+        values = [_value(h, key) for h in history]
+        same = next((i for i, (_, drawn) in enumerate(out) if drawn == values and
+                     any(math.isfinite(v) for v in values)), None)
+        if same is None:
+            out.append((label, values))
+        else:
+            out[same] = (f"{out[same][0]} (= {label})", out[same][1])
+    return out
 
 
 def _value(row: Mapping, key: str) -> float:
@@ -86,10 +117,6 @@ def _periodic(ax, periodic: Mapping[int, Mapping[str, Mapping[str, float]]]) -> 
     ax.set_title("periodic evaluations (eval.periodic)")
     ax.set_xlabel("RL step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if not periodic:
-        ax.text(0.5, 0.5, "no periodic evaluation (eval.periodic.every = 0)", ha="center", va="center",
-                transform=ax.transAxes)
-        return
     steps = sorted(periodic)
     sets = sorted({name for metrics in periodic.values() for name in metrics})
     for name in sets:

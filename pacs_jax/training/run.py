@@ -18,8 +18,8 @@ run again (their results are kept in workdir/warmstart.json). Evaluation outputs
 workdir/eval/<name>/ (before_rl, step_<k>, final, final_greedy).
 
 Around all of it (docs/design.md section 3.7): the workdir lock (training/workdir.py), the resume
-check, made before anything is written (a checkpoint of other model shapes, objective or critic, or
-``train.steps`` below the checkpoint's step, is refused naming the fields), then config.json; the
+check, made before anything is written (a checkpoint of other model shapes, model.path, objective or
+critic, or ``train.steps`` below the checkpoint's step, is refused naming the fields), then config.json; the
 run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of every session
 (sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
 ``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
@@ -181,12 +181,12 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     primary = jax.process_index() == 0
     say = (lambda line: print(line, flush=True)) if primary else (lambda line: None)
     signals.exit_at_once("the start-up (this session has trained nothing yet)")
-    spec = _with_local_model(spec, say)  # config.json keeps the gs:// model.path
+    configured, spec = spec, _with_local_model(spec, say)  # config.json keeps the gs:// model.path
     dc, ec, wc = spec.data, spec.eval, spec.warmstart
     tokenizer_source = data.run_tokenizer(dataclasses.asdict(dc), spec.model.path)  # "char" or a folder ("": model.path's own)
     tokenizer = data.load_tokenizer(tokenizer_source)
     planned = _planned_model(spec, tokenizer)
-    latest = check_resume(spec, workdir, planned)  # reads only
+    latest = check_resume(configured, workdir, planned)  # reads only; model.path as config.json records it
     if latest and latest == spec.train.steps:
         done = finished_summary(workdir, latest)
         if agree(done is not None):

@@ -15,8 +15,9 @@ One process: both signals are handled alike, by the phase the run is in.
 - Every other phase (``immediate(what_is_lost)``): start-up, the warm-start and the evaluation before
   RL (neither is checkpointed), the compilation before a session's first RL step (training/loop.py;
   not when that step keeps a warm-start), the final evaluation and the export. The first signal prints one
-  line naming the phase and what a restart redoes, and exits (``SystemExit``, status 128 + the
-  signal's number, so the run's cleanup code runs: reward workers, the workdir lock). A signal that
+  line naming the phase and what a restart redoes, and exits (``SystemExit``, so the run's cleanup code
+  runs: reward workers, the workdir lock) with status 79 as well: every graceful stop by a signal
+  exits with it (the same command resumes the run, redoing the phase), whatever the phase. A signal that
   lands inside a garbage-collector callback, where Python would print and drop the ``SystemExit``
   (a warm-start once ran on for ten minutes that way), is raised again 50 ms later.
 
@@ -29,8 +30,8 @@ session's safe points (1, 2, ...), answers True on every process at the same one
 none of them has passed when the notice is shared). The first SIGINT is passed to it as a SIGTERM to
 the process itself, so Ctrl-C on a local multi-process run (launch/local.sh) stops it the same way;
 a second SIGINT takes the default action. At that safe point a warm-start step exits as a single
-process does (the phase's line, status 128 + the signal's number; a process that received no signal
-itself names SIGTERM, the notice's), and an RL step ends as one process's does, on every process: dropped
+process does (the phase's line, status 79; a process that received no signal itself names SIGTERM,
+the notice's), and an RL step ends as one process's does, on every process: dropped
 at a phase boundary (the last finished step's checkpoint written if it was not, status 79), or, at the
 step's end, checkpointed.
 A signal during the evaluation before RL stops at the first RL step (which keeps the warm-start), one
@@ -49,6 +50,8 @@ import gc
 import os
 import signal
 import threading
+
+from pacs_jax.errors import RESUME_NEEDED_STATUS
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 _active: StopSignals | None = None
@@ -153,7 +156,7 @@ class StopSignals:
         self.requested = self.requested or "SIGTERM"
         if self._lost is not None:
             _say(f"{self.requested} during {self._lost}; exiting")
-            raise SystemExit(128 + signal.Signals[self.requested])
+            raise SystemExit(RESUME_NEEDED_STATUS)
         return True
 
     # -------------------------------------------------------------------- the handler
@@ -173,7 +176,7 @@ class StopSignals:
                 threading.Timer(0.05, signal.raise_signal, (signum,)).start()
                 return
             _say(f"{name} during {self._lost}; exiting")
-            raise SystemExit(128 + signum)
+            raise SystemExit(RESUME_NEEDED_STATUS)
         if self.requested is None:
             self.requested = name
             _say(f"{name}: stopping at the step's next phase boundary (a step whose update has not begun is "

@@ -16,7 +16,9 @@
   trainers taking over the same stale lock at the same moment may both start.
 - ``check_resume``: before anything is written, a workdir with checkpoints is refused (one
   ``ConfigError`` naming every differing field) when this config's model shapes (the architecture
-  fields, the vocabulary), objective or critic differ from the checkpoints' run, or when
+  fields, the vocabulary), model.path, objective or critic differ from the checkpoints' run (a resume
+  trains the checkpoint's weights: another model.path's would be loaded and discarded, and config.json
+  would name a model the run never trained), or when
   ``train.steps`` is below the checkpoint's step. ``config.json`` (``write_config``) is the record
   of the run that wrote the checkpoints, so it is written only after that check: the config, with
   the options the objective runs with and the architecture of the model the run builds.
@@ -289,14 +291,24 @@ def _recorded(config_json: epath.Path, section: str, field: str):
         return None
 
 
+def _same_model_path(recorded: str, configured: str) -> bool:
+    """Whether model.path ``configured`` names the model of ``recorded`` (config.json's): the same
+    text, or the same local folder (a relative path read from the current directory)."""
+    if recorded.rstrip("/") == configured.rstrip("/"):
+        return True
+    local = recorded and configured and not is_remote(recorded) and not is_remote(configured)
+    return bool(local) and os.path.realpath(recorded) == os.path.realpath(configured)
+
+
 def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfig | None) -> int:
     """The latest checkpoint step of ``workdir`` (0: none), after checking that the run of ``spec`` can resume it.
 
     model_cfg: the model this config builds (None: unknown before loading it; the shapes are then
     not compared). Raises ``ConfigError`` naming every field that differs from the checkpoints' run
-    (shape fields of the model, algorithm.objective, the critic, train.prompts_per_step: the data
-    iterator's saved position counts batches of that size) and when ``train.steps`` is below
-    the checkpoint's step. Reads only.
+    (shape fields of the model, model.path as configured: ``spec``'s, not a local copy of a ``gs://``
+    folder; algorithm.objective, the critic, train.prompts_per_step: the data iterator's saved
+    position counts batches of that size) and when ``train.steps`` is below the checkpoint's step.
+    Reads only.
     """
     workdir = epath.Path(workdir)
     steps = checkpoint_steps(workdir)
@@ -318,6 +330,10 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
             old, new = getattr(stored_cfg, field), getattr(model_cfg, field)
             if old != new:
                 differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r})")
+    old_path = _recorded(workdir / CONFIG_FILE, "model", "path")
+    if isinstance(old_path, str) and not _same_model_path(old_path, spec.model.path):
+        differs.append(f"model.path (checkpoint run {old_path!r}, this config {spec.model.path!r}: a resume trains "
+                       f"the checkpoint's weights, not this model's)")
     objective = spec.algorithm.objective
     old_objective = _recorded(workdir / CONFIG_FILE, "algorithm", "objective")
     if old_objective is not None and old_objective != objective:
