@@ -395,15 +395,20 @@ def test_the_evaluation_cli_reads_its_checkpoint_before_the_sets_or_the_tokenize
     assert not (model / "eval").exists()
 
 
+def _export_overwrite(checkpoint, out, cwd) -> subprocess.CompletedProcess:
+    """tools/export_hf.py --checkpoint CHECKPOINT --out OUT --overwrite, as a user runs it from ``cwd``."""
+    return subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), "--checkpoint", str(checkpoint),
+                           "--out", str(out), "--overwrite"], capture_output=True, text=True, timeout=300, env=_env(),
+                          cwd=cwd)
+
+
 def test_export_hf_refuses_to_replace_a_downloaded_model(tmp_path):
     """Item 5: --overwrite onto a folder holding a downloaded HF model (no pacs_jax_export.json) is one line
     naming what it holds, status 78, every file kept."""
     downloaded = _model_folder(tmp_path / "Qwen3-tiny")
     (downloaded / "README.md").write_text("mine")
     before = {p.name: p.read_bytes() for p in downloaded.iterdir()}
-    run = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), "--checkpoint", str(tmp_path / "ckpt"),
-                          "--out", str(downloaded), "--overwrite"], capture_output=True, text=True, timeout=300,
-                         env=_env(), cwd=tmp_path)
+    run = _export_overwrite(tmp_path / "ckpt", downloaded, cwd=tmp_path)
     assert _error_line(run, "export_hf") == (
         f"export_hf: error: --out {downloaded}: not an export pacs_jax wrote (no pacs_jax_export.json; it holds "
         "README.md, config.json, merges.txt, model.safetensors, tokenizer_config.json, ... (6 in all)); not "
@@ -476,9 +481,7 @@ def test_export_hf_overwrite_refuses_to_delete_the_evaluation_results_naming_the
     (out / "eval").mkdir()
     (out / "eval" / "eval_metrics.json").write_text('{"pass@1": 0.5}')
     before = sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*"))
-    run = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), "--checkpoint", str(workdir),
-                          "--out", str(out), "--overwrite"], capture_output=True, text=True, timeout=300,
-                         env=_env(), cwd=tmp_path)
+    run = _export_overwrite(workdir, out, cwd=tmp_path)
     assert _error_line(run, "export_hf") == (
         f"export_hf: error: --out {out}: holds eval/, which pacs_jax's export did not write (pacs_jax_export.json "
         "lists the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
