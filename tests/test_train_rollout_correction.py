@@ -167,10 +167,13 @@ def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # 
     (dict(rollout_rs="seq_mean_k3"), "rollout_rs_threshold"),
     (dict(rollout_is="token", rollout_is_threshold="2_0.5"), "rollout_is_threshold"),
     (dict(loss_type="ppo"), "loss_type"),
-    (dict(bypass_mode=True, loss_type="reinforce"), "loss_type"),  # the default objective, PACS, has no REINFORCE form
+    (dict(bypass_mode=True, loss_type="reinforce"), "loss_type"),
+    (dict(bypass_mode=True, max_logprob_diff=0.5), "bypass_mode"),  # no pi_old for rollout.max_logprob_diff  # the default objective, PACS, has no REINFORCE form
 ])
 def test_bad_settings_name_their_field(settings, field):
     config = load_config("default.py")
+    settings = dict(settings)
+    config.rollout.max_logprob_diff = settings.pop("max_logprob_diff", 0.0)
     config.algorithm.rollout_correction.update(settings)
     with pytest.raises(ConfigError, match=r"^config\.algorithm\.rollout_correction\." + field.replace("(", r"\(")
                        .replace(")", r"\)")):

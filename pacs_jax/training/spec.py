@@ -686,6 +686,10 @@ class RunSpec:
         per_mini = tc.prompts_per_step // tc.mini_batches
         require(per_mini % tc.micro_batches == 0, "train.micro_batches",
                 f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
+        require(not (self.algorithm.rollout_correction.bypass_mode and rc.max_logprob_diff > 0),
+                "algorithm.rollout_correction.bypass_mode", f"bypass mode computes no pi_old, so "
+                f"rollout.max_logprob_diff={rc.max_logprob_diff:g} has nothing to compare the sampler with: set it "
+                "to 0 (the loss's rollout_corr/ metrics report the gap to pi_theta)")
         if self.algorithm.options.get("loss_scale") == "verl":
             self._check_verl_micro_batch(self.algorithm.options.get("verl_micro_batch_size"), f"algorithm.{objective}")
         if self.critic is not None and self.critic.loss_scale == "verl":
