@@ -65,16 +65,20 @@ def _terminal_signals() -> None:
 # while step 2 still samples
 LONG_SAMPLING = ("--config.rollout.max_new_tokens=384", "--config.rollout.response_buckets=(384,)")
 # Step 2's sampling held on every process until its own SIGINT handler ran (a stop asked with a sampler call
-# under way, whatever the machine's speed); the hold then lets the wait go on to its stop point
+# under way, whatever the machine's speed); the hold then lets the wait go on to its stop point, each chunk of
+# step 2's decode steps 0.5 s late, so that the preemption notice is shared among the processes before the
+# sampler's last chunk even on a loaded machine (it once reached them only in pi_old or the reward)
 HELD_SAMPLING = """
 import runpy, sys, time
 from pacs_jax.training import progress, signals
 wait = progress.StepWatch.wait
 def held_wait(self, arrays, detail):
     if self.step == 2 and self.phase == "sampling":
-        print("step 2's sampling is held", flush=True)
+        if signals._active is None or signals._active.requested is None:
+            print("step 2's sampling is held", flush=True)
         while signals._active is None or signals._active.requested is None:
             time.sleep(0.05)
+        time.sleep(0.5)  # each chunk after the signal: the notice is shared before the sampler's last chunk on a loaded machine
     return wait(self, arrays, detail)
 progress.StepWatch.wait = held_wait
 sys.argv[0] = "pacs_jax.train"
