@@ -137,6 +137,16 @@ def get_config() -> ml_collections.ConfigDict:
         loss_type="ppo_clip",         # bypass_mode's loss: ppo_clip (the objective; no weights) | reinforce (-A w log pi)
     ))
 
+    # DAPO's dynamic sampling (pacs_jax/rl/filter_groups.py, docs/design.md 6.9), verl's algorithm.filter_groups:
+    # a prompt group whose responses all score the same teaches nothing; it is dropped and more prompts are
+    # sampled until the step holds train.prompts_per_step groups that differ.
+    c.algorithm.filter_groups = ml_collections.ConfigDict(dict(
+        enable=False,
+        metric="acc",                 # acc (correct or not) | score | seq_reward | seq_final_reward (all the reward)
+        max_num_gen_batches=10,       # sampler batches of train.prompts_per_step prompts a step may take before it
+                                      # stops the run naming this field; 0: no limit (verl's meaning)
+    ))
+
     # PPO's critic (read only when algorithm.objective is "ppo"): a Qwen backbone with a scalar head, sharded
     # like the actor, its own AdamW (constant lr), updated on the actor's mini-batches and micro-batches each
     # step, checkpointed with the actor.

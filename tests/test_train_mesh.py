@@ -72,7 +72,7 @@ def rollout_batch(single_model):
     with RewardPool(1) as pool:
         collector = RolloutCollector.from_spec(RunSpec.unplaced(config), programs, decode=lambda ids: " ".join(map(str, ids)),
                                                  reward_pool=pool)
-        rollout = collector(params, PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
+        rollout = collector(params, lambda: PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
                             jax.random.key(0))
     batch = {k: np.asarray(v) for k, v in rollout.batch.items()}
     assert batch["input_ids"].shape == (PROMPTS * N, 16 + MAX_NEW_TOKENS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -121,11 +122,11 @@ def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_
     programs = StepPrograms(spec, graphdef, params, ())
     names = {p.name for p in programs.programs()}
     assert "sampler_as_pi_old" in names and not names & {"pi_old", "rollout_consistency", "rollout_correction"}
-    R = sampled["tokens"].shape[1]
-    drifted = np.zeros((len(sampled["tokens"]), R + 3), np.float32)
+    R = sampled.tokens.shape[1]
+    drifted = np.zeros((len(sampled.tokens), R + 3), np.float32)
     drifted[:, :R] = reference_logprobs(hf_model, sampled, 1.0)  # the sampler's: temperature 1, pi_theta's 0.6
     batch, entropy, *_ = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).old_policy(
-        params, dict(sampled, sampler_logprobs=(drifted[:4], drifted[4:])))
+        params, types.SimpleNamespace(**vars(sampled), sampler_logprobs=(drifted[:4], drifted[4:])))
     assert np.isnan(float(entropy[-1]))  # no pass computed it
     np.testing.assert_array_equal(np.asarray(batch["old_logp"]), drifted[:, :R])
 

@@ -4,6 +4,8 @@ float64 log-softmax."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import ml_collections
 import numpy as np
@@ -38,19 +40,20 @@ def models_and_batch(tmp_path_factory):
     tokens = rs.randint(0, vocab, (PROMPTS * N, RESPONSE_LEN)).astype(np.int32)
     lengths = np.array([6, 1, 4, 2, 5, 6, 3, 2])
     response_mask = (np.arange(RESPONSE_LEN)[None] < lengths[:, None]).astype(np.int32)
-    sampled = dict(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, response_mask=response_mask,
-                   lengths=lengths, prompt_lengths=np.repeat(prompt_mask.sum(axis=1), N))
+    sampled = types.SimpleNamespace(  # the fields of rollout.SampledRows that pi_old reads
+        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, response_mask=response_mask,
+        lengths=lengths, prompt_lengths=np.repeat(prompt_mask.sum(axis=1), N))
     return hf_model, model, sampled
 
 
 def reference_logprobs(hf_model, sampled, temperature):
     """log softmax(transformers logits / T) of each response token, float64, [P n, R]."""
-    ids = np.concatenate([np.repeat(sampled["prompt_tokens"], N, axis=0), sampled["tokens"]], axis=1)
-    mask = np.concatenate([np.repeat(sampled["prompt_mask"], N, axis=0), sampled["response_mask"]], axis=1)
+    ids = np.concatenate([np.repeat(sampled.prompt_tokens, N, axis=0), sampled.tokens], axis=1)
+    mask = np.concatenate([np.repeat(sampled.prompt_mask, N, axis=0), sampled.response_mask], axis=1)
     z = hf_logits(hf_model, ids, mask)[:, PROMPT_LEN - 1:-1] / temperature  # position P - 1 + t predicts token t
     z = z - z.max(axis=-1, keepdims=True)
     logp_all = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    return np.take_along_axis(logp_all, sampled["tokens"][..., None].astype(np.int64), axis=-1)[..., 0]
+    return np.take_along_axis(logp_all, sampled.tokens[..., None].astype(np.int64), axis=-1)[..., 0]
 
 
 def trainer_config(temperature: float) -> ml_collections.ConfigDict:
@@ -71,7 +74,7 @@ def trainer_config(temperature: float) -> ml_collections.ConfigDict:
 def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     hf_model, model, sampled = models_and_batch
     graphdef, params = nnx.split(model)
-    live = sampled["response_mask"].astype(bool)
+    live = sampled.response_mask.astype(bool)
     want = reference_logprobs(hf_model, sampled, TEMPERATURE)
     at_one = reference_logprobs(hf_model, sampled, 1.0)
     assert np.abs(want - at_one)[live].max() > 0.1  # the temperature matters on these logits

@@ -74,10 +74,10 @@ def main(argv) -> None:
                                       programs=programs[name])
                 times[name] += [h["time_step"] for h in result.history[1:]]
                 if name == "on":
-                    sampled = result.collector.sample(params, prompts.next_batch().prompt_ids, jax.random.key(0))
+                    sampled = result.collector.sample(params, prompts.next_batch(), jax.random.key(0))
                     batch, *_ = result.collector.old_policy(params, sampled)
                     correct = programs["on"].rollout_correction
-                    args = (sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
+                    args = (sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
                     jax.block_until_ready(correct(*args))
                     calls = []
                     for _ in range(20):

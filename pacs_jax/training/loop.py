@@ -177,7 +177,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
         data_state = prompts.get_state()  # before the step's batch: a checkpoint of step - 1 holds it
         try:
-            rollout = collector(params, prompts.next_batch(), jax.random.fold_in(base_key, step), watch)
+            rollout = collector(params, prompts.next_batch, jax.random.fold_in(base_key, step), watch, step)
             # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
             # when the last finished step's checkpoint is on disk, else the step runs to its end
             watch.start("update", last_boundary=saved != step - 1)

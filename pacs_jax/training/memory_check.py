@@ -36,6 +36,9 @@ FIELDS = {
     "update": "train.micro_batches / model.remat",
     "warmstart": "warmstart.batch_size / model.remat",
     "rollout_consistency": "train.prompts_per_step",
+    "rollout_correction": "train.prompts_per_step",
+    "sampler_as_pi_old": "train.prompts_per_step",
+    "select_groups": "train.prompts_per_step",
 }
 
 

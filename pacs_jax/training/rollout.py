@@ -19,6 +19,10 @@ the step's programs (training/step_programs.py):
              deadline leaves unscored gets one more round, then counts (``reward_unscored``) or,
              above ``max_unscored_fraction`` of a process's rows, stops the run (rewards.UnscoredError);
              the rewards go back into a global array, and the step's metrics are computed from all rows
+    filter   with ``algorithm.filter_groups`` (DAPO's dynamic sampling, training/dynamic_sampling.py):
+             sample and score batches of prompts until B groups whose rewards differ are kept; their
+             rows move on the device into the step's buffer (one program), then pi_old runs on them
+             (after the scoring: the filter chooses its rows)
 
 Every program's shapes come from the config's buckets, so ``StepPrograms.compile`` compiles all of
 them up front and a run compiles nothing after it. Every process sees the whole PromptBatch (token ids are small)
@@ -38,11 +42,13 @@ import numpy as np
 from flax import nnx
 
 from pacs_jax import distributed, sampling
-from pacs_jax.rewards import STATUSES, RewardPool, reward_for, score_metrics
+from pacs_jax.rewards import STATUSES, RewardPool, ScoredBatch, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding
-from pacs_jax.training import rollout_consistency
+from pacs_jax.rl import filter_groups
+from pacs_jax.training import dynamic_sampling, rollout_consistency
+from pacs_jax.training.dynamic_sampling import CallRows
 from pacs_jax.training.progress import StepWatch, dispatches_done
-from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.spec import FilterGroupsSpec, RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 
 
@@ -78,25 +84,83 @@ def pick_bucket(length: int, buckets: Sequence[int], what: str) -> int:
     raise ValueError(f"{what} of {length} tokens is longer than the largest bucket {buckets[-1]}")
 
 
+@dataclasses.dataclass
+class SampledRows:
+    """The rows of a batch of prompts' sampler calls (``RolloutCollector.sample``): P prompts, n rows each,
+    B = P n rows, K sampler calls, N = max_new_tokens, R the response bucket, Tp the prompt bucket
+    (packed passes: R and Tp the largest buckets)."""
+
+    prompts: PromptBatch
+    calls: tuple[CallRows, ...]  # each call's tokens, log-probs [B / K, N], lengths [B / K] (device)
+    prompt_tokens: jax.Array  # [P, Tp] int32, left-padded (device, sharded over the rows)
+    prompt_mask: jax.Array  # [P, Tp] int32
+    tokens: jax.Array  # [B, R] int32
+    response_mask: jax.Array  # [B, R] int32
+    prompt_lengths: np.ndarray  # [B] every row's prompt tokens (host, the same on every process)
+    lengths: np.ndarray  # [B] every row's response tokens
+    stopped: np.ndarray  # [B] bool: ended at a stop id
+    prompt_bucket: int  # the sampler's
+    response_bucket: int
+    decode_steps: int  # of the calls, summed
+    slot_steps: int  # of the calls, summed (engine.SampleArrays.slot_steps)
+    local_rows: np.ndarray  # [b] the rows this process holds, sorted
+    local_tokens: np.ndarray  # [b, R] their tokens (host)
+
+    @property
+    def sampler_logprobs(self) -> tuple[jax.Array, ...]:
+        """Each call's log-probs of its tokens, [B / K, N]."""
+        return tuple(call.logprobs for call in self.calls)
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Decoded tokens / slot steps (engine.slot_utilisation)."""
+        return sampling.slot_utilisation(self.lengths, self.slot_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """Every row's reward [B] float32 and status [B] (rewards.STATUSES) on every process, the rows' token
+    checksums [B] int32 (``row_checksums``), and the scoring's counts (summed over the processes; the
+    seconds, the slowest process's)."""
+
+    rewards: np.ndarray
+    statuses: list[str]
+    checksums: np.ndarray
+    restarts: int
+    seconds: float
+    deadline_retried: int
+
+
+def row_checksums(rows: np.ndarray, local_tokens: np.ndarray, batch: int) -> np.ndarray:
+    """[batch] int32: a checksum of each of the ``rows`` (local_tokens [b, R]: their tokens) by its place
+    in the [batch, R] batch, 0 for the rows not given (metric ``sampled_tokens_checksum``, their sum)."""
+    R = local_tokens.shape[1]
+    checksums = np.zeros(batch, np.int32)
+    positions = 1 + rows[:, None] * R + np.arange(R)[None, :]
+    checksums[rows] = np.sum(local_tokens.astype(np.int64) * positions % 1_000_003, axis=1) % 1_000_003
+    return checksums
+
+
 class RolloutCollector:
     """Samples, scores and computes pi_old for batches of prompts with a step's programs."""
 
     def __init__(self, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str], reward_pool: RewardPool,
                  reward_name: str, reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
-                 max_logprob_diff: float = 0.0):
+                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec = FilterGroupsSpec()):
         self.programs, self.max_logprob_diff = programs, max_logprob_diff
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
+        self.filter_groups = filter_groups
 
     @classmethod
     def from_spec(cls, spec: RunSpec, programs: StepPrograms, *,
                   decode: Callable[[Sequence[int]], str], reward_pool: RewardPool | None) -> RolloutCollector:
-        """The collector of ``spec.reward`` (the reward, its deadline and unscored fraction) and
-        ``rollout.max_logprob_diff``."""
+        """The collector of ``spec.reward`` (the reward, its deadline and unscored fraction),
+        ``rollout.max_logprob_diff`` and ``algorithm.filter_groups``."""
         rw = spec.reward
         return cls(programs, decode=decode, reward_pool=reward_pool, reward_name=reward_for(rw.name, rw.mode),
                    reward_deadline=rw.deadline, max_unscored_fraction=rw.max_unscored_fraction,
-                   max_logprob_diff=spec.rollout.max_logprob_diff)
+                   max_logprob_diff=spec.rollout.max_logprob_diff, filter_groups=spec.algorithm.filter_groups)
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host array of the global shape -> a global array sharded over the batch axes (each process
@@ -104,32 +168,23 @@ class RolloutCollector:
         return distributed.put_rows(x, batch_sharding(x.shape))
 
     # ------------------------------------------------------------------------ one step
-    def sample(self, state: nnx.State, prompt_ids: Sequence[Sequence[int]], key: jax.Array,
-               watch: StepWatch | None = None) -> dict:
-        """Sample n responses per prompt (every process passes the same ``prompt_ids``); ``watch``
+    def sample(self, state: nnx.State, prompts: PromptBatch, key: jax.Array,
+               watch: StepWatch | None = None) -> SampledRows:
+        """Sample n responses per prompt (every process passes the same ``prompts``); ``watch``
         (training/progress.py) is told of each chunk of decode steps, and may stop between them.
 
         The calls run one after another, each in chunks of decode steps (sampling.sample): ``watch``
-        writes their progress (rows done, tokens so far) and may stop between two chunks.
-
-        Returns global device arrays prompt_tokens, prompt_mask [P, Tp] (left-padded to the prompt
-        bucket), tokens, response_mask [P*n, R] (cut to the response bucket; packed passes: Tp and R
-        the largest buckets), host arrays lengths, stopped, prompt_lengths [P*n] (every row's, on
-        every process), the sampler's prompt and response buckets, the calls' decode steps (summed)
-        and slot utilisation (decoded tokens / slot steps: slots x decode steps at each decode batch
-        width), and
-        sampler_logprobs: each call's log-probs of its tokens, [P*n / K, max_new] device arrays.
+        writes their progress (rows done, tokens so far) and may stop between two chunks. Waits for the
+        sampler (this process's rows of the tokens come to the host).
         """
         programs = self.programs
         K = programs.sampler_calls
+        prompt_ids = prompts.prompt_ids
         num_prompts = len(prompt_ids)
         if num_prompts % K:
             raise ValueError(f"{num_prompts} prompts cannot be split into {K} sampler micro-batches")
         length = pick_bucket(max(len(p) for p in prompt_ids), programs.prompt_buckets, "a prompt")
         tokens_np, mask_np = sampling.left_pad(prompt_ids, num_prompts, length)
-        # the passes' prompts: the sampler's, or packed, the largest bucket's (one program per pass)
-        pass_tokens, pass_mask = (sampling.left_pad(prompt_ids, num_prompts, programs.pass_widths[0])
-                                  if programs.packing else (tokens_np, mask_np))
         per_call = num_prompts // K
         watch = watch or StepWatch.silent()
 
@@ -142,38 +197,48 @@ class RolloutCollector:
                 for c, i in enumerate(range(0, num_prompts, per_call))]
         # one transfer for all calls
         host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
-        lengths, stopped = (np.concatenate(parts) for parts in list(zip(*host_calls))[:2])
-        decode_steps = sum(int(call[2]) for call in host_calls)
-        slot_steps = sum(int(call[3]) for call in host_calls)
-        R = pick_bucket(int(lengths.max()), programs.response_buckets, "a response")
-        tokens, response_mask = programs.assemble(tuple(o.tokens for o in outs), tuple(o.lengths for o in outs),
-                                                  programs.pass_widths[1] if programs.packing else R)
-        return {"prompt_tokens": self._put(pass_tokens), "prompt_mask": self._put(pass_mask), "tokens": tokens,
-                "prompt_lengths": np.repeat([len(p) for p in prompt_ids], self.programs.n), "response_bucket": R,
-                "prompt_bucket": length,
-                "response_mask": response_mask, "lengths": lengths, "stopped": stopped,
-                "decode_steps": decode_steps, "sampler_logprobs": tuple(o.logprobs for o in outs),
-                "slot_utilisation": sampling.slot_utilisation(lengths, slot_steps)}
+        lengths, stopped, decode_steps, slot_steps = zip(*host_calls)
+        return self._rows(prompts, tuple(CallRows(o.tokens, o.logprobs, o.lengths) for o in outs), length,
+                          np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
+                          sum(map(int, slot_steps)))
 
-    def old_policy(self, state: nnx.State, sampled: dict) -> tuple[dict[str, jax.Array], list[jax.Array], dict, dict]:
+    def _rows(self, prompts: PromptBatch, calls: tuple[CallRows, ...], prompt_bucket: int, lengths: np.ndarray,
+              stopped: np.ndarray, decode_steps: int, slot_steps: int) -> SampledRows:
+        """The ``SampledRows`` of ``prompts``' sampler calls: the prompts left-padded to ``prompt_bucket``
+        (packed passes: the largest bucket), the calls' responses joined and cut to the smallest response
+        bucket that holds the longest (packed: the budget's width); waits for them."""
+        programs = self.programs
+        prompt_ids = prompts.prompt_ids
+        R = pick_bucket(int(lengths.max()), programs.response_buckets, "a response")
+        tokens, response_mask = programs.assemble(tuple(c.tokens for c in calls), tuple(c.lengths for c in calls),
+                                                  programs.pass_widths[1] if programs.packing else R)
+        pass_tokens, pass_mask = sampling.left_pad(prompt_ids, len(prompt_ids),
+                                                   programs.pass_widths[0] if programs.packing else prompt_bucket)
+        rows, local_tokens = distributed.local_rows(tokens)  # waits for the sampler
+        return SampledRows(prompts, calls, self._put(pass_tokens), self._put(pass_mask), tokens, response_mask,
+                           np.repeat([len(p) for p in prompt_ids], programs.n), lengths, stopped, prompt_bucket, R,
+                           decode_steps, slot_steps, rows, local_tokens[:, :R])
+
+    def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[dict[str, jax.Array], list[jax.Array], dict,
+                                                                          dict]:
         """Dispatch pi_old's passes on a ``sample`` result (asynchronous): (update batch without
         rewards, the mean entropy of the responses after each pass (the last: all of them), the passes'
         packing plans on the device (by pass, as ``StepPrograms.packing_plans``; {} when padded), the
         packing metrics)."""
         programs = self.programs
-        args = [sampled[k] for k in ("prompt_tokens", "prompt_mask", "tokens", "response_mask")]
+        args = [sampled.prompt_tokens, sampled.prompt_mask, sampled.tokens, sampled.response_mask]
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
-        real = int(np.sum(sampled["prompt_lengths"]) + np.sum(sampled["lengths"]))
+        real = int(np.sum(sampled.prompt_lengths) + np.sum(sampled.lengths))
         passes = 2 if programs.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
         bypass = programs.sampler_as_old_policy is not None  # the sampler's log-probs as pi_old: no pass, no entropy
         if bypass:
-            batch, entropy = programs.sampler_as_old_policy(sampled["sampler_logprobs"], *args), [jnp.full((), jnp.nan)]
+            batch, entropy = programs.sampler_as_old_policy(sampled.sampler_logprobs, *args), [jnp.full((), jnp.nan)]
             passes -= 1
         if not programs.packing:
             if not bypass:
                 batch, entropy = programs.pi_old(state, *args)
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
-        plans = programs.packing_plans(sampled["prompt_lengths"], sampled["lengths"])
+        plans = programs.packing_plans(sampled.prompt_lengths, sampled.lengths)
         on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
         (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
         if not bypass:
@@ -184,38 +249,57 @@ class RolloutCollector:
             computed += plans["critic"].tokens_computed
         return batch, entropy, on_device, packing_metrics(passes * real, computed)
 
-    def __call__(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch | None = None
-                 ) -> Rollout:
-        """One step's rollout of ``prompts``; ``watch`` (training/progress.py): its phases' progress
-        lines and stop boundaries (sampling, reward, pi_old)."""
+    def score(self, sampled: SampledRows, watch: StepWatch) -> ScoredBatch:
+        """Decode and score the rows this process holds (``sampled.local_rows``, in order; a stop ends the
+        scoring within RewardPool's POLL_S)."""
         n = self.programs.n
-        watch = watch or StepWatch.silent()
-        times = {}
-        t0 = time.perf_counter()
-        watch.start("sampling")
-        sampled = self.sample(state, prompts.prompt_ids, key, watch)
-        lengths, stopped = sampled["lengths"], sampled["stopped"]
-        rows, local_tokens = distributed.local_rows(sampled["tokens"])  # waits for the sampler
-        times["time_sample"] = time.perf_counter() - t0
-        watch.done(f"{len(lengths)} rows, {int(lengths.sum())} tokens")
+        rows, local_tokens = sampled.local_rows, sampled.local_tokens
+        texts = [self.decode(local_tokens[i, :sampled.lengths[row]]) for i, row in enumerate(rows)]
+        golds = [sampled.prompts.ground_truths[row // n] for row in rows]
+        return self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
+                               deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction,
+                               poll=watch.poll)
 
-        watch.start("reward")
+    def gather(self, sampled: SampledRows, scored: ScoredBatch) -> Scores:
+        """Every row's reward, status and checksum on every process, in one transfer (a collective of
+        every process), from each process's ``score`` of its rows."""
+        rows, B = sampled.local_rows, len(sampled.lengths)
+        rewards_np, status_np = np.zeros(B, np.float32), np.zeros(B, np.int32)
+        rewards_np[rows] = scored.scores
+        status_np[rows] = [STATUSES.index(status) for status in scored.statuses]
+        rewards, status_ids, checksums = distributed.to_host(
+            (self._put(rewards_np), self._put(status_np), self._put(row_checksums(rows, sampled.local_tokens, B))))
+        restarts, seconds, retried = distributed.gather_per_process(np.asarray(
+            [scored.metrics[k] for k in ("worker_restarts", "seconds", "deadline_retried")])).T
+        return Scores(rewards, [STATUSES[i] for i in status_ids], checksums, int(restarts.sum()), float(seconds.max()),
+                      int(retried.sum()))
+
+    def __call__(self, state: nnx.State, batches: Callable[[], PromptBatch], key: jax.Array,
+                 watch: StepWatch | None = None, step: int = 0) -> Rollout:
+        """One step's rollout of the prompts ``batches()`` gives (one batch; with ``algorithm.filter_groups``,
+        as many as it takes: training/dynamic_sampling.py); ``watch`` (training/progress.py): its phases'
+        progress lines and stop boundaries (sampling, reward, pi_old); ``step`` names the step in errors."""
+        watch = watch or StepWatch.silent()
+        times = {"time_sample": 0.0, "time_reward": 0.0}
+        if self.filter_groups.enable:
+            sampled, scores, filtered = self._filtered(state, batches, key, watch, times, step)
+            watch.start("reward")  # pi_old is dispatched here, after the filter chose the rows
+        else:
+            sampled, filtered = self._sample_phase(state, batches(), key, watch, times), {}
+            watch.start("reward")
         t0 = time.perf_counter()
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
         mismatch = ({} if self.programs.bypass is not None else  # bypass: no pi_old to compare with
-                    self.programs.rollout_consistency(sampled["sampler_logprobs"], batch["old_logp"],
+                    self.programs.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"],
                                                       batch["response_mask"]))
         correction = {}
         if self.programs.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
             batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.rollout_correction(
-                sampled["sampler_logprobs"], batch["old_logp"], batch["response_mask"])
-        texts = [self.decode(local_tokens[i, :lengths[row]]) for i, row in enumerate(rows)]
-        golds = [prompts.ground_truths[row // n] for row in rows]
-        scored = self.pool.score(texts, golds, reward=self.reward_name, deadline=self.reward_deadline,
-                                 deadline_retries=REWARD_DEADLINE_RETRIES, max_unscored_fraction=self.max_unscored_fraction,
-                                 poll=watch.poll)  # one process: a stop ends the scoring within RewardPool's POLL_S
-        times["time_reward"] = time.perf_counter() - t0
-        watch.done(f"{len(texts)} responses scored")
+                sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
+        if not self.filter_groups.enable:
+            scored = self.score(sampled, watch)
+        times["time_reward"] += time.perf_counter() - t0
+        watch.done(f"{len(sampled.local_rows)} responses scored")
         watch.start("pi_old")
         t0 = time.perf_counter()
         watch.wait((entropy_means, mismatch), lambda: dispatches_done(entropy_means, "passes"))
@@ -225,24 +309,14 @@ class RolloutCollector:
             rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
         watch.done()
+        if not self.filter_groups.enable:  # after pi_old: several processes' collective waits for it on the device
+            scores = self.gather(sampled, scored)
 
-        B, R = sampled["tokens"].shape[0], sampled["response_bucket"]
-        local_tokens = local_tokens[:, :R]  # packed passes take the budget's width; the checksum the bucket's
-        rewards_np, status_np, checksum_np = np.zeros(B, np.float32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        rewards_np[rows] = scored.scores
-        status_np[rows] = [STATUSES.index(status) for status in scored.statuses]
-        positions = 1 + rows[:, None] * R + np.arange(R)[None, :]
-        checksum_np[rows] = np.sum(local_tokens.astype(np.int64) * positions % 1_000_003, axis=1) % 1_000_003
-        batch["rewards"] = self._put(rewards_np)
-        # every row's, on every process, in one transfer
-        rewards, status_ids, checksum = distributed.to_host(
-            (batch["rewards"], self._put(status_np), self._put(checksum_np)))
-        statuses = [STATUSES[i] for i in status_ids]
-        restarts, seconds, retried = distributed.gather_per_process(np.asarray(
-            [scored.metrics[k] for k in ("worker_restarts", "seconds", "deadline_retried")])).T
-        reward_metrics = score_metrics(rewards, statuses, restarts=int(restarts.sum()), seconds=float(seconds.max()))
-        reward_metrics["deadline_retried"] = float(retried.sum())
-        per_prompt = rewards.reshape(-1, n)
+        batch["rewards"] = self._put(scores.rewards)
+        rewards, lengths = scores.rewards, sampled.lengths
+        reward_metrics = score_metrics(rewards, scores.statuses, restarts=scores.restarts, seconds=scores.seconds)
+        reward_metrics["deadline_retried"] = float(scores.deadline_retried)
+        per_prompt = rewards.reshape(-1, self.programs.n)
         metrics = {
             "reward_mean": float(rewards.mean()),
             "accuracy": float((rewards == 1.0).mean()),
@@ -250,21 +324,89 @@ class RolloutCollector:
             "groups_all_equal": float((per_prompt.min(1) == per_prompt.max(1)).mean()),
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
-            "response_bucket": float(sampled["response_bucket"]),
+            "response_bucket": float(sampled.response_bucket),
             **packing_stats,
-            "prompt_bucket": float(sampled["prompt_bucket"]),  # the sampler's (packed passes take the largest)
-            "truncated_fraction": float(1.0 - stopped.mean()),  # responses cut at max_new_tokens
+            "prompt_bucket": float(sampled.prompt_bucket),  # the sampler's (packed passes take the largest)
+            "truncated_fraction": float(1.0 - sampled.stopped.mean()),  # responses cut at max_new_tokens
             "entropy": entropy_mean,
             **mismatch,  # the sampler's log-probs against pi_old (training/rollout_consistency.py)
             "generated_tokens": float(lengths.sum()),
-            "decode_steps": float(sampled["decode_steps"]),  # of the step's sampler calls, summed
-            "slot_utilisation": sampled["slot_utilisation"],  # decoded tokens / slot steps
+            "decode_steps": float(sampled.decode_steps),  # of the step's sampler calls, summed
+            "slot_utilisation": sampled.slot_utilisation,  # decoded tokens / slot steps
             # identifies the sampled tokens (resume and multi-process tests compare it across runs)
-            "sampled_tokens_checksum": float(np.sum(checksum.astype(np.int64))),
+            "sampled_tokens_checksum": float(np.sum(scores.checksums.astype(np.int64))),
             **{f"reward_{k}": v for k, v in reward_metrics.items()},
+            **filtered,
             **times,
         }
         return Rollout(batch, rewards, metrics, packing)
+
+    def _sample_phase(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
+                      times: dict[str, float]) -> SampledRows:
+        """The sampling phase of one batch of prompts (its seconds added to ``times["time_sample"]``)."""
+        t0 = time.perf_counter()
+        watch.start("sampling")
+        sampled = self.sample(state, prompts, key, watch)
+        times["time_sample"] += time.perf_counter() - t0
+        watch.done(f"{len(sampled.lengths)} rows, {int(sampled.lengths.sum())} tokens")
+        return sampled
+
+    def _filtered(self, state: nnx.State, batches: Callable[[], PromptBatch], key: jax.Array, watch: StepWatch,
+                  times: dict[str, float], step: int) -> tuple[SampledRows, Scores, dict[str, float]]:
+        """DAPO's dynamic sampling (training/dynamic_sampling.py): gen batches sampled and scored until B
+        groups with spread are kept -> (their rows, their scores, the metrics ``num_gen_batches``,
+        ``filtered_fraction`` (groups drawn and dropped for no spread / groups drawn) and the tokens,
+        decode steps and slot utilisation of every gen batch sampled). Every process decides alike: the
+        rewards are every row's on every process."""
+        fg, n, need = self.filter_groups, self.programs.n, self.programs.num_prompts
+        calls = None
+        have, drawn, dropped, gen = 0, 0, 0, 0
+        ids, golds, sources = [], [], []
+        lengths, stopped, rewards, statuses, sampled_tokens = [], [], [], [], []
+        decode_steps = slot_steps = 0
+        restarts, seconds, retried = 0, 0.0, 0
+        while have < need:
+            if fg.max_num_gen_batches and gen == fg.max_num_gen_batches:
+                raise dynamic_sampling.FilterGroupsExhausted(dynamic_sampling.exhausted_message(
+                    step, gen, need, have, fg.metric))
+            gen += 1
+            prompts = batches()
+            sampled = self._sample_phase(state, prompts, key if gen == 1 else jax.random.fold_in(key, gen - 1),
+                                         watch, times)
+            watch.start("reward")
+            t0 = time.perf_counter()
+            scores = self.gather(sampled, self.score(sampled, watch))
+            times["time_reward"] += time.perf_counter() - t0
+            watch.done(f"{len(sampled.local_rows)} responses scored")
+            spread = filter_groups.groups_with_spread(filter_groups.group_metric(scores.rewards, fg.metric), n)
+            source, taken = dynamic_sampling.placement(spread, have, need, n)
+            calls = self.programs.select_groups(sampled.calls if calls is None else calls, sampled.calls, source)
+            rows = (taken[:, None] * n + np.arange(n)).reshape(-1)
+            ids += [sampled.prompts.prompt_ids[g] for g in taken]
+            golds += [sampled.prompts.ground_truths[g] for g in taken]
+            sources += [sampled.prompts.data_sources[g] for g in taken]
+            lengths.append(sampled.lengths[rows])
+            stopped.append(sampled.stopped[rows])
+            rewards.append(scores.rewards[rows])
+            statuses += [scores.statuses[r] for r in rows]
+            sampled_tokens.append(sampled.lengths)
+            decode_steps, slot_steps = decode_steps + sampled.decode_steps, slot_steps + sampled.slot_steps
+            restarts, seconds, retried = restarts + scores.restarts, seconds + scores.seconds, retried + scores.deadline_retried
+            have += len(taken)
+            drawn += len(spread)
+            dropped += int(np.sum(~spread))
+        kept = PromptBatch(ids, golds, sources)
+        length = pick_bucket(max(len(p) for p in ids), self.programs.prompt_buckets, "a prompt")
+        sampled = self._rows(kept, calls, length, np.concatenate(lengths), np.concatenate(stopped), decode_steps,
+                             slot_steps)
+        B = len(sampled.lengths)
+        checksums = distributed.to_host(self._put(row_checksums(sampled.local_rows, sampled.local_tokens, B)))
+        scores = Scores(np.concatenate(rewards), statuses, checksums, restarts, seconds, retried)
+        generated = np.concatenate(sampled_tokens)
+        # the sampler's work is every gen batch's (tokens_per_second, slot utilisation); the rest, the kept rows'
+        return sampled, scores, {"num_gen_batches": float(gen), "filtered_fraction": dropped / drawn,
+                                 "generated_tokens": float(generated.sum()),
+                                 "slot_utilisation": sampling.slot_utilisation(generated, slot_steps)}
 
 
 def packing_metrics(tokens_real: int, tokens_computed: int) -> dict[str, float]:

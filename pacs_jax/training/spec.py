@@ -25,7 +25,7 @@ from pacs_jax.errors import PermanentError
 from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
-from pacs_jax.rl import rollout_correction
+from pacs_jax.rl import filter_groups, rollout_correction
 from pacs_jax.rl.bypass import REINFORCE_ESTIMATORS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
 from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
@@ -249,6 +249,22 @@ class RolloutCorrectionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class FilterGroupsSpec:
+    """``config.algorithm.filter_groups``: DAPO's dynamic sampling (verl's fields, rl/filter_groups.py)."""
+
+    enable: bool = False
+    metric: str = "acc"
+    max_num_gen_batches: int = 10
+
+    def __post_init__(self):
+        field = "algorithm.filter_groups."
+        require(isinstance(self.enable, bool), field + "enable", f"must be True or False, got {self.enable!r}")
+        require(self.metric in filter_groups.FILTER_METRICS, field + "metric",
+                f"{self.metric!r} is not one of {filter_groups.FILTER_METRICS}")
+        _int_at_least(self.max_num_gen_batches, 0, field + "max_num_gen_batches", " (0: no limit)")
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """``config.algorithm``: the objective and the options it runs with (its namespace, resolved), and
     the rollout correction."""
@@ -256,6 +272,7 @@ class AlgorithmSpec:
     objective: str
     options: dict[str, Any]
     rollout_correction: RolloutCorrectionSpec = RolloutCorrectionSpec()
+    filter_groups: FilterGroupsSpec = FilterGroupsSpec()
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
@@ -273,7 +290,8 @@ class AlgorithmSpec:
                 raise ConfigError(f"config.algorithm.{name}.{option}: {value!r} is set, but algorithm.objective is "
                                   f"{chosen!r}, which does not read algorithm.{name} ({instead})")
         return cls(objective=chosen, options=dict(section[chosen]),
-                   rollout_correction=RolloutCorrectionSpec.from_config(section.rollout_correction))
+                   rollout_correction=RolloutCorrectionSpec.from_config(section.rollout_correction),
+                   filter_groups=FilterGroupsSpec(**_fields(FilterGroupsSpec, section.filter_groups)))
 
     def __post_init__(self):
         try:

@@ -35,6 +35,7 @@ from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
 from pacs_jax.training import memory_check, warmstart
+from pacs_jax.training.dynamic_sampling import CallRows, select_program
 from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
 from pacs_jax.training.old_policy import old_policy_passes, sampler_as_old_policy
 from pacs_jax.training.optim import make_optimizer
@@ -84,7 +85,8 @@ class StepPrograms:
     entropy after each pass)`` (one program dispatched once a pass: training/old_policy.py
     ``OldPolicyPasses``); ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
     ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
-    (training/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
+    (training/rollout_consistency.py); ``select_groups`` (dynamic sampling's, training/dynamic_sampling.py),
+    None unless ``algorithm.filter_groups.enable``; ``rollout_correction`` (the same arguments -> rollout_is_weights,
     response_mask, metrics; training/rollout_correction_step.py), None unless the correction is on;
     PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
     made by ``add_critic`` once the critic exists (it copies the actor after the warm-start);
@@ -134,6 +136,8 @@ class StepPrograms:
         self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
                                    else None)
         self.sampler_as_old_policy = sampler_as_old_policy() if self.bypass is not None else None
+        # dynamic sampling: the kept groups' rows into the step's buffer (training/dynamic_sampling.py)
+        self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
         self.critic_state = self.critic = None
         if critic is not None:
             self.add_critic(critic)
@@ -273,6 +277,11 @@ class StepPrograms:
                                                f"{packed} mini-batch, {self.mini_batches} mini-batches",
                                                {name: self.abstract_packing(name)}, opt_bytes, actor_bytes, critic_bytes)
         call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
+        if self.select_groups is not None:
+            calls = tuple(CallRows(*fields) for fields in zip(call_tokens, call_logp, call_lengths))
+            args = (calls, calls, rows((B,), jnp.int32))
+            out.append(Program("select_groups", f"a gen batch's kept groups into the step's {B} rows (dynamic sampling)",
+                               lambda a=args: self.select_groups.lower(*a), args, actor_bytes + critic_bytes))
         for r in response_buckets if self.bypass is None else ():  # bypass: no pi_old to compare with
             per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
             out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
