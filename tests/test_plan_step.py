@@ -115,6 +115,9 @@ def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
     assert bar, out
     must, compiled = map(float, bar.groups())
     assert 2.0 < must and compiled <= 1.3 * must, out
+    carry = re.search(r"with carry-over .*: (\d+) decode steps a step against (\d+), slot fill ([\d.]+) against "
+                      r"([\d.]+),", out)
+    assert carry and int(carry.group(1)) < int(carry.group(2)) and float(carry.group(3)) > float(carry.group(4)), out
 
 
 @pytest.mark.slow(seconds=140)
@@ -165,3 +168,26 @@ def test_a_finished_runs_lengths_and_the_decode_steps_they_take(tmp_path):
     assert abs(draws.mean() - 600) < 6 and "mean response 600 tokens over its last 2 steps" in words
     assert tool.decode_steps(np.zeros(3), np.array([5, 3, 4]), 2, 1)[0] == 5
     assert tool.decode_steps(np.zeros(4), np.array([5, 3, 4, 9]), 2, 2)[0] == 11  # a slot each: [5, 3] 6, [4, 9] 11
+
+
+def test_carry_over_keeps_the_slots_full_and_drops_what_is_too_stale():
+    """The simulated steady state of carry-over: responses of equal length fill 4 slots in lockstep (2
+    groups of 2 a step: 4 decode steps a step, nothing lost); a log-normal mix (budget 8x the median)
+    takes the decode steps its tokens need at full slots, where today's call waits for its longest
+    response; a mix of short and very long responses loses the long ones that outlive max_staleness
+    steps (and none with a staleness bound above them)."""
+    import numpy as np
+
+    tool = _tool()
+    assert tool.carry_over_decode_steps(np.full(10, 5), 4, 2, 2) == (4.0, 1.0, 0.0)
+    rs = np.random.RandomState(0)
+    lengths = np.minimum(np.maximum(np.round(rs.lognormal(np.log(64), 1.0, 2048)), 1), 512).astype(np.int64)
+    steps, fill, lost = tool.carry_over_decode_steps(lengths, 64, 32, 8)
+    ideal = np.mean(lengths - 1) * 32 * 8 / 64  # a step's tokens over the slots
+    synchronous = tool.decode_steps(np.zeros(256), lengths[:256], 64, 1)[0]
+    assert abs(steps / ideal - 1) < 0.1 and fill > 0.99 and steps < 0.8 * synchronous
+    # a step lasts ~400 decode steps: a 511-token response admitted late in one may outlive the next
+    assert 0 < lost < 0.1 and tool.carry_over_decode_steps(lengths, 64, 32, 8, max_staleness=2)[2] < lost / 4
+    mix = np.array([2] * 30 + [400])
+    assert tool.carry_over_decode_steps(mix, 4, 4, 1, max_staleness=1)[2] > 0.01
+    assert tool.carry_over_decode_steps(mix, 4, 4, 1, max_staleness=1000)[2] == 0.0

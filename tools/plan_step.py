@@ -44,7 +44,9 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
                              queue's page pool, full) / compiled bytes accessed
 
 then the step: predicted seconds (the phases' sum; the host's reward scoring, overlapped with
-pi_old, is not counted), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
+pi_old, is not counted), the same step with carry-over (issue 50: a call ends once the step has its
+groups and unfinished rows continue in the next; its decode steps from a simulated steady state of
+the same lengths, ``carry_over_decode_steps``, each costed as a full-width step), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
 chip-hours. Every time assumes a program runs at its bound's peak: a lower bound on the real time.
 
 A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
@@ -132,6 +134,56 @@ def decode_steps(prompts: np.ndarray, lengths: np.ndarray, slots: int, queues: i
     return longest, reads
 
 
+def carry_over_decode_steps(lengths: np.ndarray, slots: int, groups: int, n: int, *, max_staleness: int = 1,
+                            steps: int = 24, seed: int = 0) -> tuple[float, float, float]:
+    """With carry-over (issue 50: a call ends once the step has its ``groups`` complete groups; rows still
+    running continue in the next step's call), one queue of ``slots`` slots in its steady state: (decode
+    steps a training step, on average; the slots' fill: busy slot-steps / slot-steps; the fraction of
+    decoded tokens dropped for staleness).
+
+    Groups of n responses, their lengths (token 0 from the prefill) drawn from ``lengths`` [Q], are
+    admitted in order as slots free; a step ends in the decode step its ``groups``-th complete group
+    ends and takes the oldest complete groups; a group still unfinished when a step ends with
+    ``max_staleness`` steps since its admission is dropped (its slots freed, its tokens lost). The
+    first third of ``steps`` simulated training steps warm the queue up and are not counted."""
+    rs = np.random.RandomState(seed)
+    need = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
+    running: list[tuple[int, int]] = []  # (end step, group) of the busy slots
+    waiting: list[int] = []  # groups whose rows wait for a slot (one entry a row)
+    left, admitted_at, started = {}, {}, {}  # group -> rows not done, version admitted; row starts
+    complete: list[int] = []
+    now, version, group_id = 0, 0, 0
+    ends, busy, tokens, lost = [], 0, 0, 0
+    while version < steps:
+        while len(running) < slots:  # fill the free slots, admitting groups as needed
+            if not waiting:
+                waiting, left[group_id], admitted_at[group_id] = [group_id] * n, n, version
+                group_id += 1
+            g = waiting.pop(0)
+            length = int(rs.choice(need))
+            heapq.heappush(running, (now + length, g))
+            started.setdefault(g, []).append((now, length))
+        end, g = heapq.heappop(running)
+        busy += (end - now) * (len(running) + 1)
+        now = end
+        left[g] -= 1
+        if left[g] == 0:
+            complete.append(g)
+        if len(complete) >= groups:  # the step ends: the oldest complete groups are trained
+            del complete[:groups]
+            version += 1
+            ends.append((now, busy, sum(min(now, s + l) - s for g2 in started for s, l in started[g2]), lost))
+            stale = {g2 for _, g2 in running if version - admitted_at[g2] > max_staleness}
+            for g2 in stale:
+                lost += sum(min(now, s + l) - s for s, l in started[g2])
+            running = [(e, g2) for e, g2 in running if g2 not in stale]
+            heapq.heapify(running)
+            waiting = [g2 for g2 in waiting if g2 not in stale]
+    first = steps // 3
+    (t0, b0, d0, l0), (t1, b1, d1, l1) = ends[first], ends[-1]
+    return (t1 - t0) / (steps - 1 - first), (b1 - b0) / max((t1 - t0) * slots, 1), (l1 - l0) / max(d1 - d0, 1)
+
+
 # ------------------------------------------------------------------------------------------ costs
 @dataclasses.dataclass
 class Phase:
@@ -147,6 +199,8 @@ class Phase:
     useful_kind: str = ""  # "flops" or "bytes"
     xla_seconds: float | None = None  # XLA's optimal_seconds of the program (its loop bodies once)
     full_pool: tuple[float, float] | None = None  # decode, every page live: (bytes it must read, compiled bytes)
+    carry_over: tuple[float, float, float, float] | None = None  # decode: (trips with carry-over, its slot fill,
+    #                                                     its share of decoded tokens dropped as stale, today's fill)
 
     def times(self, topo) -> dict[str, float]:
         return {"flops": self.flops / topo.bf16_flops, "HBM": self.bytes / topo.hbm_bandwidth,
@@ -290,8 +344,14 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     fill = min(1.0, reads / capacity) if page else 1.0  # the contiguous cache: its rows are read whole
     log(f"  must read a step: weights {weights / 1e9:.2f} GB + page pool {pool / 1e9:.2f} GB (full); compiled "
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
-    return Phase("decode", steps * spec.rollout.micro_batches, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
-                 full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes))
+    calls = spec.rollout.micro_batches
+    queue_slots = step.slots // shards
+    co_steps, co_fill, co_lost = carry_over_decode_steps(lengths, queue_slots, spec.train.prompts_per_step // shards,
+                                                         spec.rollout.n)
+    sync_fill = float(np.sum(np.maximum(lengths - 1, 0))) / shards / calls / max(queue_slots * steps, 1)
+    return Phase("decode", steps * calls, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
+                 full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes),
+                 (co_steps, co_fill, co_lost, sync_fill))
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
@@ -368,7 +428,16 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
     ideal = sum(p.ideal_seconds(topo) for p in phases)
     hours = total * spec.train.steps / 3600
     lines += [f"step: {total:.1f} s predicted (the phases at their bounds' peaks; reward scoring, on the host and "
-              f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}",
+              f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}"]
+    for p in phases:
+        if p.carry_over:  # the same decode step, as many times as carry-over's steady state takes
+            trips, fill, lost, sync_fill = p.carry_over
+            decode = p.seconds(topo) * trips / p.trips
+            lines.append(f"with carry-over (rollout.carry_over, max_staleness 1; simulated steady state): {trips:.0f} "
+                         f"decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against {sync_fill:.2f}, "
+                         f"{lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, step "
+                         f"{total - p.seconds(topo) + decode:.1f} s predicted against {total:.1f} s")
+    lines += [
               f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
               f"{topo.device_kind} chips"]
     return "\n".join(lines)
