@@ -191,3 +191,17 @@ def test_carry_over_keeps_the_slots_full_and_drops_what_is_too_stale():
     mix = np.array([2] * 30 + [400])
     assert tool.carry_over_decode_steps(mix, 4, 4, 1, max_staleness=1)[2] > 0.01
     assert tool.carry_over_decode_steps(mix, 4, 4, 1, max_staleness=1000)[2] == 0.0
+
+
+def test_one_step_off_takes_the_split_that_balances_the_engine_and_the_learner():
+    """Engine 3 s and learner 1 s on 8 chips: 6 chips to the engine (4 s, the learner 4 s on 2); without
+    a learner phase there is no split to make."""
+    import types
+
+    tool = _tool()
+    topo = types.SimpleNamespace(ici_bandwidth=0.0)
+    phase = lambda name, seconds: types.SimpleNamespace(name=name, seconds=lambda topo: seconds, weights=1e9)  # noqa: E731
+    line = tool.one_step_off([phase("decode", 3.0), phase("update", 1.0)], topo, 8)
+    assert "best mesh.rollout_devices=6 of 8: step 4.0 s (engine 4.0 s + weights 0.00 s, learner 4.0 s) against " \
+           "4.0 s synchronous" in line, line
+    assert tool.one_step_off([phase("decode", 3.0)], topo, 8) == ""

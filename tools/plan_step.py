@@ -46,7 +46,8 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
 then the step: predicted seconds (the phases' sum; the host's reward scoring, overlapped with
 pi_old, is not counted), the same step with carry-over (issue 50: a call ends once the step has its
 groups and unfinished rows continue in the next; its decode steps from a simulated steady state of
-the same lengths, ``carry_over_decode_steps``, each costed as a full-width step), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
+the same lengths, ``carry_over_decode_steps``, each costed as a full-width step), one step off at its
+best split of the slice (``one_step_off``: scaled from these phases, an estimate), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
 chip-hours. Every time assumes a program runs at its bound's peak: a lower bound on the real time.
 
 A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
@@ -153,7 +154,7 @@ def carry_over_decode_steps(lengths: np.ndarray, slots: int, groups: int, n: int
     left, admitted_at, started = {}, {}, {}  # group -> rows not done, version admitted; row starts
     complete: list[int] = []
     now, version, group_id = 0, 0, 0
-    ends, busy, tokens, lost = [], 0, 0, 0
+    ends, busy, lost = [], 0, 0
     while version < steps:
         while len(running) < slots:  # fill the free slots, admitting groups as needed
             if not waiting:
@@ -201,6 +202,7 @@ class Phase:
     full_pool: tuple[float, float] | None = None  # decode, every page live: (bytes it must read, compiled bytes)
     carry_over: tuple[float, float, float, float] | None = None  # decode: (trips with carry-over, its slot fill,
     #                                                     its share of decoded tokens dropped as stale, today's fill)
+    weights: float = 0.0  # decode: the bytes of the weights a sampler device holds (the decode layout)
 
     def times(self, topo) -> dict[str, float]:
         return {"flops": self.flops / topo.bf16_flops, "HBM": self.bytes / topo.hbm_bandwidth,
@@ -351,7 +353,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     sync_fill = float(np.sum(np.maximum(lengths - 1, 0))) / shards / calls / max(queue_slots * steps, 1)
     return Phase("decode", steps * calls, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes),
-                 (co_steps, co_fill, co_lost, sync_fill))
+                 (co_steps, co_fill, co_lost, sync_fill), weights)
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
@@ -437,10 +439,36 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
                          f"decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against {sync_fill:.2f}, "
                          f"{lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, step "
                          f"{total - p.seconds(topo) + decode:.1f} s predicted against {total:.1f} s")
-    lines += [
-              f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
+    split = one_step_off(phases, topo, chips)
+    if split:
+        lines.append(split)
+    lines += [f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
               f"{topo.device_kind} chips"]
     return "\n".join(lines)
+
+
+SAMPLER_PHASES = ("prefill", "decode")  # the rollout engine's; the others the learner's
+
+
+def one_step_off(phases: list[Phase], topo, chips: int) -> str:
+    """One step off on split devices (issue 50: ``train.off_policy_steps=1``, ``mesh.rollout_devices``): the
+    engine samples step k + 1 on R chips while the learner trains step k on the rest, so a step takes
+    the longer of the two, the engine's including the weights' move (the decode layout's bytes a
+    device, over one chip's interconnect). Estimated by scaling this slice's phases (the engine's by
+    chips / R, the learner's by chips / (chips - R): each at its bound with the work spread over fewer
+    chips), not compiled per split; the best R of eighths of the slice, or "" without both roles."""
+    sampler = sum(p.seconds(topo) for p in phases if p.name in SAMPLER_PHASES)
+    learner = sum(p.seconds(topo) for p in phases if p.name not in SAMPLER_PHASES)
+    weights = max((p.weights for p in phases), default=0.0)
+    if not sampler or not learner or chips < 2:
+        return ""
+    move = weights / topo.ici_bandwidth if topo.ici_bandwidth else 0.0
+    splits = sorted({max(1, min(chips - 1, chips * k // 8)) for k in range(1, 8)})
+    step, r = min((max(sampler * chips / r + move, learner * chips / (chips - r)), r) for r in splits)
+    return (f"one step off (train.off_policy_steps=1; scaled from these phases, not compiled per split): best "
+            f"mesh.rollout_devices={r} of {chips}: step {step:.1f} s (engine {sampler * chips / r:.1f} s + weights "
+            f"{move:.2f} s, learner {learner * chips / (chips - r):.1f} s) against {sampler + learner:.1f} s "
+            f"synchronous on all {chips}")
 
 
 def main(argv) -> int:
