@@ -12,6 +12,7 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import filter_groups
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.dynamic_sampling import FilterGroupsExhausted
+from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
@@ -129,3 +130,53 @@ def test_a_step_that_finds_too_few_groups_stops_naming_the_field(setup):
                                                         r"step 7 sampled 3 batches of 4 prompts and kept 0 of the 4"):
             collector(params, lambda: next(source), jax.random.key(0), step=7)
     assert next(source) is batches[3]
+
+
+class _Batches:
+    """The fixture's batches as a trainer's prompt source (loop.PromptSource): a cursor saved with every
+    checkpoint."""
+
+    def __init__(self, batches):
+        self.batches, self.next_index = batches, 0
+
+    def next_batch(self) -> PromptBatch:
+        self.next_index += 1
+        return self.batches[self.next_index - 1]
+
+    def get_state(self) -> dict:
+        return {"next_index": self.next_index}
+
+    def set_state(self, state: dict) -> None:
+        self.next_index = state["next_index"]
+
+
+def test_a_resumed_run_draws_the_same_batches_and_trains_no_group_twice(setup, tmp_path):
+    """Two steps with dynamic sampling, straight and as one step plus a resume: the resumed step 2 draws
+    the gen batches after step 1's (the cursor saved with step 1 counts every batch step 1 drew), with
+    the same keys, so its groups, rewards and loss are the straight run's."""
+    mesh, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.train.update(checkpoint_every=1, precompile=False)
+    runs = {}
+    config.optim.update(schedule="constant", warmup_steps=0)  # the same programs for 1 and 2 steps
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        graphdef, params = nnx.split(model)
+        programs = StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,))  # compiled once for the 3 runs
+
+        def train(workdir, steps):
+            config.train.steps = steps
+            source = _Batches(batches)
+            fresh = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, params))
+            result = rl_train(RunSpec.unplaced(config), workdir, fresh, source, decode=_parity, stop_token_ids=(1,),
+                              reward_pool=pool, programs=programs)
+            return result.history, source.next_index
+
+        runs["straight"] = train(tmp_path / "straight", 2)
+        first, drawn_by_step_1 = train(tmp_path / "resumed", 1)
+        runs["resumed"] = train(tmp_path / "resumed", 2)
+    (straight, straight_cursor), (resumed, resumed_cursor) = runs["straight"], runs["resumed"]
+    assert [h["step"] for h in straight] == [1, 2] and [h["step"] for h in resumed] == [2]
+    assert drawn_by_step_1 == first[0]["num_gen_batches"] == straight[0]["num_gen_batches"]
+    assert resumed_cursor == straight_cursor == drawn_by_step_1 + straight[1]["num_gen_batches"]
+    for key in ("sampled_tokens_checksum", "num_gen_batches", "filtered_fraction", "reward_mean", "loss"):
+        assert resumed[0][key] == straight[1][key], key
