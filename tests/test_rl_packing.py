@@ -378,14 +378,14 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
         source = prompt_source(spec, tokenizer)[0]
         graphdef, params = nnx.split(build_model(spec, tokenizer))
         programs = StepPrograms(spec, graphdef, params, (0,))
-        opt_state = programs.init_optimizer(params)
+        opt_state = programs.learner.init_optimizer(params)
         collector = RolloutCollector(programs, decode=lambda ids: "", reward_pool=None, reward_name="math")
         B = config.train.prompts_per_step * config.rollout.n
         rewards = jax.device_put(jnp.asarray(np.arange(B) % 3 == 0, jnp.float32), batch_sharding((B,)))
         for step in range(steps):
             sampled = collector.sample(params, source.next_batch(), jax.random.key(step))
             batch, entropies, _, stats = collector.old_policy(params, sampled)
-            params, opt_state, metrics = programs.update(params, opt_state, dict(batch, rewards=rewards))
+            params, opt_state, metrics = programs.learner.update(params, opt_state, dict(batch, rewards=rewards))
             means = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}  # over the mini-batches
             history.append({"entropy": float(entropies[-1]), **means,
                             "length": float(sampled.lengths.mean()), **stats})

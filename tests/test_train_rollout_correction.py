@@ -78,7 +78,7 @@ def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_bat
     R = live.shape[1]
     drifted = np.zeros((live.shape[0], R + 3), np.float32)  # a sampler call's width is max_new_tokens (>= R)
     drifted[:, :R] = reference_logprobs(hf_model, sampled, 1.0)
-    weights, kept, metrics = programs.rollout_correction((drifted[:4], drifted[4:]), batch["old_logp"],
+    weights, kept, metrics = programs.learner.rollout_correction((drifted[:4], drifted[4:]), batch["old_logp"],
                                                          batch["response_mask"])
     old = np.asarray(batch["old_logp"], np.float64)
     want_w, want_kept, want_metrics = correction_reference(old, drifted[:, :R].astype(np.float64), live,
@@ -96,7 +96,7 @@ def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_bat
 
     update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS), rollout_is_weights=weights, response_mask=kept)
     fresh = jax.tree.map(np.array, params)  # the update donates its inputs
-    _, _, (step_metrics,) = programs.update(fresh, jax.jit(programs.optimizer.init)(fresh), update_batch)
+    _, _, (step_metrics,) = programs.learner.update(fresh, jax.jit(programs.learner.optimizer.init)(fresh), update_batch)
     np.testing.assert_allclose(float(step_metrics["loss"]), _loss_at_pi_old(objective, np.asarray(weights, np.float64),
                                                                             want_kept, old),
                                rtol=2e-4, atol=1e-6)
@@ -132,7 +132,7 @@ def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_
 
     update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS))
     fresh = jax.tree.map(np.array, params)
-    _, _, (metrics,) = programs.update(fresh, jax.jit(programs.optimizer.init)(fresh), update_batch)
+    _, _, (metrics,) = programs.learner.update(fresh, jax.jit(programs.learner.optimizer.init)(fresh), update_batch)
     live = np.asarray(batch["response_mask"], np.float64)
     logp = reference_logprobs(hf_model, sampled, TEMPERATURE)  # pi_theta at the rollout temperature
     weights, kept, want = correction_reference(logp, drifted[:, :R].astype(np.float64), live, **CORRECTION)
@@ -154,8 +154,8 @@ def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # 
     graphdef, params = nnx.split(model)
     spec = RunSpec.unplaced(trainer_config(TEMPERATURE))
     programs = StepPrograms(spec, graphdef, params, ())
-    assert programs.rollout_correction is None
-    assert "rollout_is_weights" not in programs.abstract_batch(5, 6)
+    assert programs.learner.rollout_correction is None
+    assert "rollout_is_weights" not in programs.learner.abstract_batch(5, 6)
     assert "rollout_correction" not in {p.name for p in programs.programs()}
 
 

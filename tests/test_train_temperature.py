@@ -86,7 +86,7 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     np.testing.assert_allclose(np.asarray(batch["old_logp"])[live], want[live], atol=2e-5)
 
     # The update's log pi_theta at T: with pi_old = the reference at T, the ratio is 1 on every token.
-    optimizer, update = programs.optimizer, programs.update
+    optimizer, update = programs.learner.optimizer, programs.learner.update
     batch = dict(batch, old_logp=jax.numpy.asarray(want, np.float32),
                  rewards=jax.numpy.asarray([1, 0, 0, 1, 0, 1, 1, 1], np.float32))
     fresh = jax.tree.map(np.array, params)  # the update donates its inputs
@@ -95,7 +95,7 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     assert float(metrics["pg/clipfrac"]) == 0.0
     # At T = 1 the same old log-probs are far from pi_theta: the check above can fail.
     config_one = trainer_config(1.0)
-    update_one = StepPrograms(RunSpec.unplaced(config_one), graphdef, params, ()).update
+    update_one = StepPrograms(RunSpec.unplaced(config_one), graphdef, params, ()).learner.update
     fresh = jax.tree.map(np.array, params)
     _, _, (metrics_one,) = update_one(fresh, jax.jit(optimizer.init)(fresh), batch)
     assert abs(float(metrics_one["pg/approx_kl_old"])) > 1e-2

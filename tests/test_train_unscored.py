@@ -33,7 +33,7 @@ def test_unscored_responses_are_counted_then_refused():
         config.reward.max_unscored_fraction = 1.0
         collect = RolloutCollector.from_spec(RunSpec.unplaced(config), StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,)),
                                                decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
-        rollout = collect(params, PROMPTS, jax.random.key(0))
+        rollout = collect(params, lambda: PROMPTS, jax.random.key(0))
         assert (rollout.metrics["reward_unscored"], rollout.metrics["reward_unscored_fraction"]) == (4.0, 1.0)
         assert rollout.metrics["reward_deadline_retried"] == 4.0
         assert "reward_unscored" in KEY_METRICS  # on the progress bar
@@ -42,4 +42,4 @@ def test_unscored_responses_are_counted_then_refused():
         collect = RolloutCollector.from_spec(RunSpec.unplaced(config), StepPrograms(RunSpec.unplaced(config), graphdef, params, (1,)),
                                                decode=lambda ids: " ".join(map(str, ids)), reward_pool=pool)
         with pytest.raises(rewards.UnscoredError, match="4 of 4 responses.*reward.max_unscored_fraction"):
-            collect(params, PROMPTS, jax.random.key(0))
+            collect(params, lambda: PROMPTS, jax.random.key(0))

@@ -75,7 +75,7 @@ def main(argv) -> None:
                for k in ("time_step", "time_sample", "time_reward", "time_old_logprob", "time_update")}
 
     # The parts alone: the same compiled programs, back to back, on one more step's prompts.
-    collector, update = result.collector, result.programs.update
+    collector, update = result.collector, result.programs.learner.update
     _, params = nnx.split(result.model)
     key = jax.random.key(1)
     prompt_ids = prompts.next_batch().prompt_ids

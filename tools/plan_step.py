@@ -297,15 +297,15 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     from pacs_jax.training.model_spec import model_config
 
     P = spec.train.prompts_per_step // spec.rollout.micro_batches
-    shards = queues(P, step.slots, step.batch_shards)
-    tensor = len(devices) // step.batch_shards
+    shards = queues(P, step.sampler.slots, step.sampler.batch_shards)
+    tensor = len(devices) // step.sampler.batch_shards
     sub = spec
     if shards > 1:  # one batch shard's chips: a mesh of its "tensor" devices
         sub = dataclasses.replace(spec, mesh=dataclasses.replace(spec.mesh, data=1, fsdp=1, tensor=tensor, device_order=()),
                                   devices=tensor)
-    settings = dataclasses.replace(step.settings, slots=step.slots // shards, tail_slots=None)
+    settings = dataclasses.replace(step.sampler.settings, slots=step.sampler.slots // shards, tail_slots=None)
     cfg = model_config(spec)
-    steps, reads = decode_steps(prompts, lengths, step.slots, shards)
+    steps, reads = decode_steps(prompts, lengths, step.sampler.slots, shards)
     admitted = len(lengths) / shards / max(steps, 1)  # rows a queue's step admits, on average: the refill's loop
 
     def trips(loop):
@@ -315,9 +315,9 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     # and libtpu compiles for ids 0 .. tensor - 1 only)
     queue_devices = sorted(devices, key=lambda d: d.id)[:tensor] if shards > 1 else devices
     with abstract_step(sub, queue_devices, log=lambda s: None) as queue_step:
-        rows = queue_step.abstract_rows((P // shards, step.prompt_buckets[-1]), np.int32)
+        rows = queue_step.sampler.abstract_rows((P // shards, step.sampler.prompt_buckets[-1]), np.int32)
         log(f"compiling a decode step of one queue ({settings.slots} slots, {P // shards} prompts) ...")
-        lowered = lower_decode_step(queue_step.graphdef, queue_step.state[0], rows, rows, settings)
+        lowered = lower_decode_step(queue_step.sampler.graphdef, queue_step.sampler.params, rows, rows, settings)
         _, xla, compiled = compile_cost(lowered, trips, log)
     text = compiled.as_text()
     shardings = jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0], is_leaf=lambda x: x is None)[0]
@@ -342,12 +342,12 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     say_unread_steps(full, log)
     page = settings.page_size
     pages = page and (settings.pages or default_pages(settings.slots, page, settings.max_new_tokens))
-    capacity = page and (P // shards * -(-step.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
+    capacity = page and (P // shards * -(-step.sampler.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
     fill = min(1.0, reads / capacity) if page else 1.0  # the contiguous cache: its rows are read whole
     log(f"  must read a step: weights {weights / 1e9:.2f} GB + page pool {pool / 1e9:.2f} GB (full); compiled "
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
     calls = spec.rollout.micro_batches
-    queue_slots = step.slots // shards
+    queue_slots = step.sampler.slots // shards
     co_steps, co_fill, co_lost = carry_over_decode_steps(lengths, queue_slots, spec.train.prompts_per_step // shards,
                                                          spec.rollout.n)
     sync_fill = float(np.sum(np.maximum(lengths - 1, 0))) / shards / calls / max(queue_slots * steps, 1)
@@ -374,13 +374,13 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
     phases = []
     with abstract_step(spec, devices, log=log) as step:
         programs = {p.name: p for p in step.programs(largest_only=True)}
-        plans = step.packing_plans(prompts, responses) if step.packing else {}
-        chunk = min(DEFAULT_CHUNK_SIZE, step.pass_widths[1])
+        plans = step.learner.packing_plans(prompts, responses) if step.learner.packing else {}
+        chunk = min(DEFAULT_CHUNK_SIZE, step.learner.pass_widths[1])
         if "prefill" in names:
             log(f"compiling the sampler's prefill ({programs['sampler'].shape}) ...")
             chunk_prompts = programs["sampler"].args[1]
-            cost, xla, _ = compile_cost(lower_prefill(step.graphdef, step.state[0], chunk_prompts, chunk_prompts,
-                                                      step.settings), lambda loop: 0.0, log)
+            cost, xla, _ = compile_cost(lower_prefill(step.sampler.graphdef, step.sampler.params, chunk_prompts, chunk_prompts,
+                                                      step.sampler.settings), lambda loop: 0.0, log)
             phases.append(Phase("prefill", calls, cost.flops, cost.bytes, cost.collective_bytes, xla_seconds=xla))
         if "decode" in names:
             phases.append(decode_phase(spec, devices, step, prompts, responses, log))
@@ -396,7 +396,7 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
             # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py);
             # pi_old's one pass's, dispatched once a pass (training/old_policy.py)
             dispatches = {"update": spec.train.mini_batches, "critic_update": spec.train.mini_batches,
-                          "pi_old": plan.passes[0] if plan is not None else step.logprob_micro_batches}.get(name, 1)
+                          "pi_old": plan.passes[0] if plan is not None else step.learner.logprob_micro_batches}.get(name, 1)
             cost = dataclasses.replace(cost, flops=dispatches * cost.flops, bytes=dispatches * cost.bytes,
                                        collective_bytes=dispatches * cost.collective_bytes)
             count = float(sum(plan.passes)) if plan is not None else 1.0

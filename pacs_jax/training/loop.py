@@ -125,7 +125,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
     critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None
     if critic is not None:  # a copy of the actor as RL starts (after the warm-start)
         programs.add_critic(critic.spec())
-    opt_state = programs.init_optimizer(params)
+    opt_state = programs.learner.init_optimizer(params)
 
     checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
                                      keep=tc.keep_checkpoints, with_critic=critic is not None)
@@ -184,11 +184,11 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             t0 = time.perf_counter()
             batch, critic_metrics = rollout.batch, {}
             if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-                batch, per_minibatch = critic.step(programs.critic, batch, rollout.packing)
+                batch, per_minibatch = critic.step(programs.learner.critic, batch, rollout.packing)
                 watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
                 critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
                 t0 = time.perf_counter()
-            params, opt_state, per_minibatch = programs.update(params, opt_state, batch)
+            params, opt_state, per_minibatch = programs.learner.update(params, opt_state, batch)
             watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
@@ -204,7 +204,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         wall = time.perf_counter() - t_step
         metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
                    "time_step": wall,
-                   "lr": float(programs.lr_schedule(step * tc.mini_batches)),
+                   "lr": float(programs.learner.lr_schedule(step * tc.mini_batches)),
                    "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})

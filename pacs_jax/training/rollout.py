@@ -178,12 +178,12 @@ class RolloutCollector:
         sampler (this process's rows of the tokens come to the host).
         """
         programs = self.programs
-        K = programs.sampler_calls
+        K = programs.sampler.sampler_calls
         prompt_ids = prompts.prompt_ids
         num_prompts = len(prompt_ids)
         if num_prompts % K:
             raise ValueError(f"{num_prompts} prompts cannot be split into {K} sampler micro-batches")
-        length = pick_bucket(max(len(p) for p in prompt_ids), programs.prompt_buckets, "a prompt")
+        length = pick_bucket(max(len(p) for p in prompt_ids), programs.sampler.prompt_buckets, "a prompt")
         tokens_np, mask_np = sampling.left_pad(prompt_ids, num_prompts, length)
         per_call = num_prompts // K
         watch = watch or StepWatch.silent()
@@ -192,7 +192,7 @@ class RolloutCollector:
             watch.wait(progress, lambda: f"sampler call {c + 1}/{K}: " + (
                 f"{last.rows_done}/{last.rows} rows done, {last.tokens} tokens" if last else "prefill"))
 
-        outs = [programs.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
+        outs = [programs.sampler.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
                                 jax.random.fold_in(key, c), functools.partial(wait, c=c))
                 for c, i in enumerate(range(0, num_prompts, per_call))]
         # one transfer for all calls
@@ -209,14 +209,14 @@ class RolloutCollector:
         bucket that holds the longest (packed: the budget's width); waits for them."""
         programs = self.programs
         prompt_ids = prompts.prompt_ids
-        R = pick_bucket(int(lengths.max()), programs.response_buckets, "a response")
-        tokens, response_mask = programs.assemble(tuple(c.tokens for c in calls), tuple(c.lengths for c in calls),
-                                                  programs.pass_widths[1] if programs.packing else R)
+        R = pick_bucket(int(lengths.max()), programs.sampler.response_buckets, "a response")
+        tokens, response_mask = programs.sampler.assemble(tuple(c.tokens for c in calls), tuple(c.lengths for c in calls),
+                                                  programs.sampler.pass_widths[1] if programs.sampler.packing else R)
         pass_tokens, pass_mask = sampling.left_pad(prompt_ids, len(prompt_ids),
-                                                   programs.pass_widths[0] if programs.packing else prompt_bucket)
+                                                   programs.sampler.pass_widths[0] if programs.sampler.packing else prompt_bucket)
         rows, local_tokens = distributed.local_rows(tokens)  # waits for the sampler
         return SampledRows(prompts, calls, self._put(pass_tokens), self._put(pass_mask), tokens, response_mask,
-                           np.repeat([len(p) for p in prompt_ids], programs.n), lengths, stopped, prompt_bucket, R,
+                           np.repeat([len(p) for p in prompt_ids], programs.sampler.n), lengths, stopped, prompt_bucket, R,
                            decode_steps, slot_steps, rows, local_tokens[:, :R])
 
     def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[dict[str, jax.Array], list[jax.Array], dict,
@@ -229,20 +229,20 @@ class RolloutCollector:
         args = [sampled.prompt_tokens, sampled.prompt_mask, sampled.tokens, sampled.response_mask]
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
         real = int(np.sum(sampled.prompt_lengths) + np.sum(sampled.lengths))
-        passes = 2 if programs.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
-        bypass = programs.sampler_as_old_policy is not None  # the sampler's log-probs as pi_old: no pass, no entropy
+        passes = 2 if programs.learner.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
+        bypass = programs.learner.sampler_as_old_policy is not None  # the sampler's log-probs as pi_old: no pass, no entropy
         if bypass:
-            batch, entropy = programs.sampler_as_old_policy(sampled.sampler_logprobs, *args), [jnp.full((), jnp.nan)]
+            batch, entropy = programs.learner.sampler_as_old_policy(sampled.sampler_logprobs, *args), [jnp.full((), jnp.nan)]
             passes -= 1
-        if not programs.packing:
+        if not programs.learner.packing:
             if not bypass:
-                batch, entropy = programs.pi_old(state, *args)
+                batch, entropy = programs.learner.pi_old(state, *args)
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
-        plans = programs.packing_plans(sampled.prompt_lengths, sampled.lengths)
+        plans = programs.learner.packing_plans(sampled.prompt_lengths, sampled.lengths)
         on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
         (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
         if not bypass:
-            batch, entropy = programs.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
+            batch, entropy = programs.learner.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
         batch = {**batch, **on_device.pop("update")}
         computed = plans["logprob"].tokens_computed * ((passes - bypass) // 2) + plans["update"].tokens_computed
         if "critic" in plans:
@@ -252,7 +252,7 @@ class RolloutCollector:
     def score(self, sampled: SampledRows, watch: StepWatch) -> ScoredBatch:
         """Decode and score the rows this process holds (``sampled.local_rows``, in order; a stop ends the
         scoring within RewardPool's POLL_S)."""
-        n = self.programs.n
+        n = self.programs.sampler.n
         rows, local_tokens = sampled.local_rows, sampled.local_tokens
         texts = [self.decode(local_tokens[i, :sampled.lengths[row]]) for i, row in enumerate(rows)]
         golds = [sampled.prompts.ground_truths[row // n] for row in rows]
@@ -289,12 +289,12 @@ class RolloutCollector:
             watch.start("reward")
         t0 = time.perf_counter()
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
-        mismatch = ({} if self.programs.bypass is not None else  # bypass: no pi_old to compare with
-                    self.programs.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"],
+        mismatch = ({} if self.programs.learner.bypass is not None else  # bypass: no pi_old to compare with
+                    self.programs.learner.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"],
                                                       batch["response_mask"]))
         correction = {}
-        if self.programs.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
-            batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.rollout_correction(
+        if self.programs.learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
+            batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.learner.rollout_correction(
                 sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
         if not self.filter_groups.enable:
             scored = self.score(sampled, watch)
@@ -316,7 +316,7 @@ class RolloutCollector:
         rewards, lengths = scores.rewards, sampled.lengths
         reward_metrics = score_metrics(rewards, scores.statuses, restarts=scores.restarts, seconds=scores.seconds)
         reward_metrics["deadline_retried"] = float(scores.deadline_retried)
-        per_prompt = rewards.reshape(-1, self.programs.n)
+        per_prompt = rewards.reshape(-1, self.programs.sampler.n)
         metrics = {
             "reward_mean": float(rewards.mean()),
             "accuracy": float((rewards == 1.0).mean()),
@@ -358,7 +358,7 @@ class RolloutCollector:
         ``filtered_fraction`` (groups drawn and dropped for no spread / groups drawn) and the tokens,
         decode steps and slot utilisation of every gen batch sampled). Every process decides alike: the
         rewards are every row's on every process."""
-        fg, n, need = self.filter_groups, self.programs.n, self.programs.num_prompts
+        fg, n, need = self.filter_groups, self.programs.sampler.n, self.programs.sampler.num_prompts
         calls = None
         have, drawn, dropped, gen = 0, 0, 0, 0
         ids, golds, sources = [], [], []
@@ -380,7 +380,7 @@ class RolloutCollector:
             watch.done(f"{len(sampled.local_rows)} responses scored")
             spread = filter_groups.groups_with_spread(filter_groups.group_metric(scores.rewards, fg.metric), n)
             source, taken = dynamic_sampling.placement(spread, have, need, n)
-            calls = self.programs.select_groups(sampled.calls if calls is None else calls, sampled.calls, source)
+            calls = self.programs.sampler.select_groups(sampled.calls if calls is None else calls, sampled.calls, source)
             rows = (taken[:, None] * n + np.arange(n)).reshape(-1)
             ids += [sampled.prompts.prompt_ids[g] for g in taken]
             golds += [sampled.prompts.ground_truths[g] for g in taken]
@@ -396,7 +396,7 @@ class RolloutCollector:
             drawn += len(spread)
             dropped += int(np.sum(~spread))
         kept = PromptBatch(ids, golds, sources)
-        length = pick_bucket(max(len(p) for p in ids), self.programs.prompt_buckets, "a prompt")
+        length = pick_bucket(max(len(p) for p in ids), self.programs.sampler.prompt_buckets, "a prompt")
         sampled = self._rows(kept, calls, length, np.concatenate(lengths), np.concatenate(stopped), decode_steps,
                              slot_steps)
         B = len(sampled.lengths)

@@ -245,7 +245,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
             if wc.steps > 0:
                 signals.exit_at_once("the warm-start, which is not checkpointed: a restart runs it again from its "
                                      "first step")
-                model, warm = warm_start(model, warm_prompts, tokenizer, wc, program=programs.warmstart,
+                model, warm = warm_start(model, warm_prompts, tokenizer, wc, program=programs.learner.warmstart,
                                          probe=prompts.examples[:wc.probe_problems],
                                          prompt_length=dc.max_prompt_length,
                                          seed=spec.seed, pool=pool, reward_name=reward_name,

@@ -1,17 +1,12 @@
-"""Every program of a training step, made in one place from the run's spec (docs/design.md section 3.6).
+"""Every program of a training step, made in one place from the run's spec (docs/design.md section 3.6),
+by role: the rollout engine's (training/sampler_programs.py: the sampler calls, the assembly, dynamic
+sampling's selection) and the learner's (training/learner_programs.py: pi_old, the rollout checks,
+the update, PPO's critic, the warm-start), each made on the mesh in context.
 
     programs = StepPrograms(spec, graphdef, params, stop_token_ids, critic=...)   # on the mesh in context
-    opt_state = programs.init_optimizer(params)
+    opt_state = programs.learner.init_optimizer(params)
     programs.compile()          # before step 1: every bucket's programs; XLA's memory of each, checked
-    programs.sample(...), programs.pi_old(...), programs.update(...), ...   # the step runs them
-
-The spec (training/spec.py ``RunSpec``) is read here and nowhere else for the step's programs: the
-sampler's settings (rollout.*, its sampler section's slots, tail and pages), the prompt and response
-buckets, the pi_old and value micro-batches (``RunSpec.logprob_micro_batches``), the packed passes'
-layouts (``RunSpec.packed_layouts``), the actor's update (objective, options, mini- and micro-batches,
-optim.*) and, for PPO, the critic's two programs. The
-state may be real arrays (the trainer) or ``jax.ShapeDtypeStruct``s with shardings (tools/plan_memory.py
-compiling for a TPU slice it cannot run on): the programs only read shapes and shardings.
+    programs.sampler.sample(...), programs.learner.pi_old(...), programs.learner.update(...)   # a step runs them
 
 ``programs()`` is the one list of a step's programs and their abstract arguments, in the order a
 step runs them (for each bucket): the trainer's warm-up compiles all of them, plan_memory the
@@ -20,358 +15,50 @@ largest bucket's, and both read XLA's memory of each (training/memory_check.py).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from pacs_jax import console, hlo, sampling, sharding
-from pacs_jax.rl.bypass import Bypass
-from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
-from pacs_jax.sampling.engine import lower_sample, queues
-from pacs_jax.sampling.paged import default_pages
-from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
-from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.dynamic_sampling import CallRows, select_program
-from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
-from pacs_jax.training.old_policy import old_policy_passes, sampler_as_old_policy
-from pacs_jax.training.optim import make_optimizer
-from pacs_jax.training.rollout_consistency import consistency_program
-from pacs_jax.training.rollout_correction_step import correction_program
+from pacs_jax import console
+from pacs_jax.training import memory_check
+from pacs_jax.training.critic_step import CriticState
+from pacs_jax.training.learner_programs import LearnerPrograms
+from pacs_jax.training.program import Program
+from pacs_jax.training.sampler_programs import SamplerPrograms
 from pacs_jax.training.spec import RunSpec
-from pacs_jax.training.update_step import make_update_step
-
-
-def spec_optimizer(spec: RunSpec):
-    """(AdamW transformation, learning-rate schedule) of ``spec.optim`` over the run's updates."""
-    o = spec.optim
-    return make_optimizer(o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, schedule=o.schedule,
-                          total_steps=spec.total_updates, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip)
-
-
-def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
-    """The training sampler's settings: ``rollout.*`` and its sampler section for a call's responses; a
-    sample stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
-    rc = spec.rollout
-    stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
-    return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
-                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
-                                     **rc.sampler.call_settings(spec.call_responses))
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One program of a step for one bucket: ``lower()`` lowers it on abstract ``args``.
-
-    name: a key of memory_check.FIELDS. shape: its shapes in words. outside: the training state
-    resident on the device during it but not among its arguments (bytes per device)."""
-
-    name: str
-    shape: str
-    lower: Callable[[], jax.stages.Lowered]
-    args: tuple
-    outside: int
 
 
 class StepPrograms:
-    """The jitted programs of one training step of ``spec`` (see the module docstring).
-
-    Attributes, each jitted: ``update(params, opt_state, batch) -> (params, opt_state, M mini-batches'
-    metrics)`` (one program dispatched once a mini-batch: training/update_step.py ``MiniBatchUpdates``);
-    ``pi_old(params, prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean
-    entropy after each pass)`` (one program dispatched once a pass: training/old_policy.py
-    ``OldPolicyPasses``); ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
-    ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
-    (training/rollout_consistency.py); ``select_groups`` (dynamic sampling's, training/dynamic_sampling.py),
-    None unless ``algorithm.filter_groups.enable``; ``rollout_correction`` (the same arguments -> rollout_is_weights,
-    response_mask, metrics; training/rollout_correction_step.py), None unless the correction is on;
-    PPO: ``critic``, the critic's ``values`` and ``update`` (training/critic_step.py ``CriticPrograms``),
-    made by ``add_critic`` once the critic exists (it copies the actor after the warm-start);
-    ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
-    None when ``warmstart.steps`` is 0).
-    """
+    """The programs of one training step of ``spec``: ``sampler`` (``SamplerPrograms``) and ``learner``
+    (``LearnerPrograms``), made on the mesh in context (the two roles share its devices)."""
 
     def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params,
                  stop_token_ids: Sequence[int], *, critic: CriticState | None = None,
                  chunk_size: int | None = None):
-        tc, rc = spec.train, spec.rollout
-        self.spec, self.graphdef = spec, graphdef
-        self.optimizer, self.lr_schedule = spec_optimizer(spec)
-        self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
-        self.settings = sampling_settings(spec, stop_token_ids)
-        self.num_prompts, self.n = tc.prompts_per_step, rc.n
-        self.prompt_buckets = spec.data.prompt_buckets  # strictly increasing, as the response buckets (the spec)
-        self.response_buckets = rc.buckets
-        self.sampler_calls = rc.micro_batches
-        self.logprob_micro_batches = spec.logprob_micro_batches
-        self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
-        self.packing = tc.packing
-        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
-        if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
-            self.packed_length = spec.packed_length
-        extra = {} if chunk_size is None else {"chunk_size": chunk_size}
-        correction = spec.algorithm.rollout_correction
-        self.bypass = Bypass(correction.loss_type, correction.options()) if correction.bypass_mode else None
-        self.update = make_update_step(
-            graphdef, self.optimizer, spec.algorithm.objective, group_size=rc.n,
-            objective_options=spec.algorithm.options,
-            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
-            state_shardings=self.state_shardings, bypass=self.bypass, **extra)
-        self.pi_old = old_policy_passes(graphdef, temperature=self.settings.temperature,
-                                        num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size)
-        rows = batch_sharding((0, 0))
-
-        def assemble(tokens, lengths, bucket):
-            """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
-            tokens = jnp.concatenate(tokens, axis=0)[:, :bucket]
-            lengths = jnp.concatenate(lengths, axis=0)
-            return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
-
-        self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
-        self.rollout_consistency = consistency_program()
-        # decoupled (pi_old computed): the correction after pi_old; bypass: in the loss, the sampler's as pi_old
-        self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
-                                   else None)
-        self.sampler_as_old_policy = sampler_as_old_policy() if self.bypass is not None else None
-        # dynamic sampling: the kept groups' rows into the step's buffer (training/dynamic_sampling.py)
-        self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
-        self.critic_state = self.critic = None
-        if critic is not None:
-            self.add_critic(critic)
-        wc = spec.warmstart
-        self.warmstart = warmstart.sft_step(graphdef, wc, params) if wc.steps > 0 else None
-        self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
+        self.spec = spec
+        self.learner = LearnerPrograms(spec, graphdef, params, critic=critic, chunk_size=chunk_size)
+        self.sampler = SamplerPrograms(spec, graphdef, params, stop_token_ids,
+                                       resident=self.learner.resident_bytes())
 
     def add_critic(self, critic: CriticState) -> None:
-        """Make PPO's two critic programs for ``critic``'s graph, state shardings and optimizer."""
-        self.critic_state = critic
-        self.critic = critic_programs(
-            critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
-            values_micro_batches=self.logprob_micro_batches, **critic_options(self.spec))
+        """The learner's critic programs (``LearnerPrograms.add_critic``); the engine's programs count its
+        state as resident on their devices."""
+        self.learner.add_critic(critic)
+        self.sampler.resident = self.learner.resident_bytes()
 
-    # ------------------------------------------------------------------------ packing (train.packing)
-    @property
-    def pass_widths(self) -> tuple[int, int]:
-        """Packed: the (prompt, response) widths of the passes' padded rows, the largest buckets."""
-        return self.prompt_buckets[-1], self.settings.max_new_tokens
-
-    def _layouts(self) -> dict[str, dict]:
-        """Each packed pass's layout (``RunSpec.packed_layouts``) on the mesh the programs are made on."""
-        return self.spec.packed_layouts(self.batch_shards, critic=self.critic is not None)
-
-    def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
-        """The step's packing plans, by pass ("logprob", "update", PPO's "critic"), from every row's
-        prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
-        P, R = self.pass_widths
-        return {name: plan_packing(prompt_lengths, response_lengths, prompt_width=P, response_width=R,
-                                   packed_length=self.packed_length, **layout)
-                for name, layout in self._layouts().items()}
-
-    def abstract_packing(self, name: str) -> dict[str, jax.ShapeDtypeStruct]:
-        """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name``, abstract."""
-        lay = self._layouts()[name]
-        shapes = plan_shape(self.num_prompts * self.n, mini_batches=lay["mini_batches"], passes=lay["passes"],
-                            shards=lay["shards"], rows=lay["rows"], packed_length=self.packed_length,
-                            response_width=self.pass_widths[1])
-        return {k: self.abstract_rows(shape, jnp.int32) for k, shape in shapes.items()}
-
-    def init_optimizer(self, params):
-        """AdamW's initial state for ``params``, in the shardings the update keeps."""
-        return jax.jit(self.optimizer.init, out_shardings=self.state_shardings[1])(params)
-
-    @property
-    def state_shardings(self) -> tuple:
-        """The (params, opt_state) shardings every program keeps."""
-        return jax.tree.map(lambda x: x.sharding, self.state)
-
-    # ------------------------------------------------------------------------ the sampler
-    def sample(self, params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-               wait=None) -> sampling.SampleArrays:
-        """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step); wait:
-        ``sampling.sample``'s, told of each chunk of decode steps."""
-        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
-
-    @property
-    def slots(self) -> int:
-        """Decode slots of one sampler call."""
-        return self.settings.slots or self.num_prompts // self.sampler_calls * self.n
-
-    # ------------------------------------------------------------------------ abstract arguments
-    def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
-        """A per-row array of a step, abstract, with its sharding."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
-
-    def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """The actor's update batch of a (prompt bucket, response bucket) (PPO: with advantages [B, R])."""
-        B, rows = self.num_prompts * self.n, self.abstract_rows
-        batch = {"input_ids": rows((B, prompt_bucket + response_bucket), jnp.int32),
-                 "attention_mask": rows((B, prompt_bucket + response_bucket), jnp.int32),
-                 "response_mask": rows((B, response_bucket), jnp.float32),
-                 "old_logp": rows((B, response_bucket), jnp.float32),
-                 "rewards": rows((B,), jnp.float32)}
-        if self.critic is not None:
-            batch["advantages"] = rows((B, response_bucket), jnp.float32)
-        if self.rollout_correction is not None:
-            batch["rollout_is_weights"] = rows((B, response_bucket), jnp.float32)
-        return batch
-
-    # ------------------------------------------------------------------------ the list of programs
     def programs(self, largest_only: bool = False, with_warmstart: bool = False) -> list[Program]:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
-        buckets), in the order a step runs them: sampler, assemble, pi_old, PPO's critic_values and
-        critic_update, update (then the small rollout_consistency check, which runs after pi_old);
-        ``with_warmstart``: the warm-start's step first (a phase of its own before RL, when
-        ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once, on the largest
-        buckets' padded rows (a mini-batch's passes are a loop of a dynamic trip count)."""
-        params, opt_state = self.state
-        P, n, K = self.num_prompts, self.n, self.sampler_calls
-        prompt_buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
-        response_buckets = self.response_buckets[-1:] if largest_only else self.response_buckets
-        critic_bytes = 0 if self.critic is None else memory_check.per_device_bytes(self.critic_state.state)
-        actor_bytes = memory_check.per_device_bytes(self.state)
-        opt_bytes = memory_check.per_device_bytes(opt_state)
-        rows, B = self.abstract_rows, P * n
-        micro_rows = B // self.mini_batches // self.micro_batches
-        out = []
-        if with_warmstart and self.warmstart is not None:
-            batch_rows, prompt, response = self.warmstart_rows
-            warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, params))
-            warm_batch = {"input_ids": rows((batch_rows, prompt + response), jnp.int32),
-                          "attention_mask": rows((batch_rows, prompt + response), jnp.int32),
-                          "response_mask": rows((batch_rows, response), jnp.float32)}
-            out.append(Program("warmstart", f"{batch_rows} prompts x {prompt}+{response} tokens",
-                               lambda: self.warmstart.step.lower(*warm_state, warm_batch), (*warm_state, warm_batch),
-                               0))  # before RL: neither RL's AdamW state nor a critic exists yet
-        for p in prompt_buckets:
-            chunk = rows((P // K, p), jnp.int32)
-            out.append(Program(
-                "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots"
-                           + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
-                           + f" {self._kv_words(p)} per call ({K} calls)",
-                lambda chunk=chunk: lower_sample(self.graphdef, params, chunk, chunk, self.settings),
-                (params, chunk, chunk), opt_bytes + critic_bytes))
-        call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
-        call_lengths = (rows((B // K,), jnp.int32),) * K
-        if self.packing:  # the passes' padded rows are always the largest buckets; one program per pass
-            prompt_buckets, response_buckets = self.pass_widths[:1], self.pass_widths[1:]
-        for r in response_buckets:
-            out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
-                               lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
-                               (call_tokens, call_lengths), actor_bytes + critic_bytes))
-        passes = f"{self.logprob_micro_batches} micro-batches of {B // self.logprob_micro_batches} rows"
-        updates = f"{self.mini_batches} mini-batches x {self.micro_batches} micro-batches of {micro_rows} rows"
-        for p in prompt_buckets:
-            for r in response_buckets:
-                shape = f"{B} rows x {p}+{r} tokens"
-                if not self.packing:
-                    out += self._pass_programs(self.abstract_batch(p, r), f"{shape}, {passes}", f"{shape}, {updates}",
-                                               {}, opt_bytes, actor_bytes, critic_bytes)
-                    continue
-                for name, lay in self._layouts().items():
-                    packed = (f"{shape} packed in passes of {lay['shards'] * lay['rows']} rows x {self.packed_length} "
-                              f"tokens ({lay['rows']} a shard), at most {lay['passes']} a")
-                    out += self._pass_programs(self.abstract_batch(p, r), f"{packed} step",
-                                               f"{packed} mini-batch, {self.mini_batches} mini-batches",
-                                               {name: self.abstract_packing(name)}, opt_bytes, actor_bytes, critic_bytes)
-        call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
-        if self.select_groups is not None:
-            calls = tuple(CallRows(*fields) for fields in zip(call_tokens, call_logp, call_lengths))
-            args = (calls, calls, rows((B,), jnp.int32))
-            out.append(Program("select_groups", f"a gen batch's kept groups into the step's {B} rows (dynamic sampling)",
-                               lambda a=args: self.select_groups.lower(*a), args, actor_bytes + critic_bytes))
-        for r in response_buckets if self.bypass is None else ():  # bypass: no pi_old to compare with
-            per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
-            out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
-                               lambda a=(call_logp, *per_row): self.rollout_consistency.lower(*a),
-                               (call_logp, *per_row), actor_bytes + critic_bytes))
-            if self.rollout_correction is not None:
-                out.append(Program("rollout_correction", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} "
-                                   "tokens: IS weights and rejection mask",
-                                   lambda a=(call_logp, *per_row): self.rollout_correction.lower(*a),
-                                   (call_logp, *per_row), actor_bytes + critic_bytes))
-        return out
-
-    def _pass_programs(self, batch: dict, passes: str, updates: str, plans: dict, opt_bytes: int, actor_bytes: int,
-                       critic_bytes: int) -> list[Program]:
-        """The programs of the passes over an update batch, in a step's order: pi_old, PPO's critic_values
-        and critic_update, update. Padded (``plans`` empty): all of them; packed: those of the pass whose
-        plan ``plans`` holds ({pass name: its plan arrays by name}: "logprob" makes pi_old and
-        critic_values, "critic" critic_update, "update" the update)."""
-        params, opt_state = self.state
-        packed = bool(plans)
-        out = []
-        prompts = self.abstract_rows((self.num_prompts, batch["input_ids"].shape[1] - batch["old_logp"].shape[1]),
-                                     jnp.int32)
-        responses = self.abstract_rows(batch["old_logp"].shape, jnp.int32)
-        if self.bypass is not None and (not packed or "logprob" in plans):
-            K = self.sampler_calls
-            call_logp = (self.abstract_rows((responses.shape[0] // K, self.settings.max_new_tokens), jnp.float32),) * K
-            args = (call_logp, prompts, prompts, responses, responses)
-            out.append(Program("sampler_as_pi_old", "the sampler's log-probs as pi_old (bypass mode), " + passes,
-                               lambda a=args: self.sampler_as_old_policy.lower(*a), args,
-                               memory_check.per_device_bytes(self.state) + critic_bytes))
-        elif not packed or "logprob" in plans:
-            extra = (plans["logprob"],) if packed else ()
-            args = (params, prompts, prompts, responses, responses, *extra)
-            out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
-        if self.critic is not None:
-            critic_params, critic_opt = self.critic_state.state
-            if not packed or "logprob" in plans:
-                values_batch = {k: v for k, v in batch.items() if k != "advantages"}
-                args = (critic_params, values_batch, plans.get("logprob"))
-                out.append(Program("critic_values", passes + ", then GAE", lambda a=args: self.critic.values.lower(*a),
-                                   args, actor_bytes + memory_check.per_device_bytes(critic_opt)))
-            if not packed or "critic" in plans:
-                critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
-                                "old_values": batch["advantages"], "returns": batch["advantages"],
-                                **plans.get("critic", {})}
-                args = (critic_params, critic_opt, critic_batch)
-                out.append(Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args,
-                                   actor_bytes))
-        if not packed or "update" in plans:
-            actor_batch = {**batch, **plans.get("update", {})}
-            args = (params, opt_state, actor_batch)
-            out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
-        return out
-
-    def _kv_words(self, prompt_tokens: int) -> str:
-        """The sampler's K/V store in words: the contiguous cache's slots, or the page pool of a batch
-        shard (each prompt once, then the response pages: ``rollout.pages`` or every slot's longest row)."""
-        s = self.settings
-        if not s.page_size:
-            return f"x {prompt_tokens + s.max_new_tokens} cache slots"
-        prompts = self.num_prompts // self.sampler_calls
-        shards = queues(prompts, self.slots, self.batch_shards)
-        slots = self.slots // shards
-        pages = s.pages or default_pages(slots, s.page_size, s.max_new_tokens)
-        prompt_pages = prompts // shards * -(-prompt_tokens // s.page_size)
-        return (f"over a page pool a batch shard of {prompt_pages} prompt + {pages} response pages of {s.page_size} "
-                f"tokens ({pages * s.page_size // slots} response tokens a slot)")
-
-    def _sampler_loop_facts(self, text: str, prompt_tokens: int) -> tuple[str, ...]:
-        """What the compiled sampler (HLO ``text``, prompts of ``prompt_tokens``) does inside its loops,
-        each fact a line: a weight gathered there crosses the network every decode step; a copy of the
-        page pool there reads and writes all of it every step; a [slots, prompt + max_new, ...] array
-        there is the contiguous cache the paged sampler must not hold; and what its loops launch
-        (``hlo.loop_profile``: kernels, copies, loops whose trips sync with the host on a GPU)."""
-        gathers = hlo.gathers_of_shapes_in_loops(text, hlo.parameter_shapes(self.state[0]))
-        facts = [(f"{len(gathers)} parameter all-gathers inside its loops: "
-                  + ", ".join(sorted({str(list(c.shape)) for c in gathers})))
-                 if gathers else "no parameter all-gather inside its loops"]
-        page_size, row = self.settings.page_size, prompt_tokens + self.settings.max_new_tokens
-        if page_size:
-            copies = [i for i in hlo.loop_instructions(text, ("copy",)) if len(i.shape) == 5 and i.shape[3] == page_size]
-            facts.append(f"{len(copies)} copies of the page pool inside its loops: "
-                         + ", ".join(sorted({str(list(c.shape)) for c in copies}))
-                         if copies else "no copy of the page pool inside its loops")
-            caches = {i.shape for i in hlo.loop_instructions(text) if len(i.shape) >= 4 and row in i.shape}
-            facts.append(f"{row}-token cache rows inside its loops: {sorted(caches)}" if caches
-                         else f"no {row}-token (prompt + max_new_tokens) cache row inside its loops")
-        facts.append("its decode loops: " + hlo.loop_profile(text, device_trip_loops_only=True).describe())
-        return tuple(facts)
+        buckets), in the order a step runs them: the engine's (sampler, select_groups, assemble), then
+        the learner's (pi_old, PPO's critic_values and critic_update, update, rollout_consistency,
+        rollout_correction); ``with_warmstart``: the warm-start's step first."""
+        sampler, learner = self.sampler, self.learner
+        prompt_buckets = sampler.prompt_buckets[-1:] if largest_only else sampler.prompt_buckets
+        response_buckets = sampler.response_buckets[-1:] if largest_only else sampler.response_buckets
+        learner_programs = learner.programs(prompt_buckets, response_buckets, with_warmstart)
+        warm = [p for p in learner_programs if p.name == "warmstart"]
+        return warm + sampler.programs(largest_only) + [p for p in learner_programs if p.name != "warmstart"]
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
                 progress: bool = True, read_loops: bool = False,
@@ -397,7 +84,7 @@ class StepPrograms:
             memory = memory_check.program_memory(program.name, program.shape, compiled, program.outside,
                                                  time.perf_counter() - t0)
             if read_loops and program.name == "sampler":
-                memory.loop_facts = self._sampler_loop_facts(compiled.as_text(), program.args[1].shape[1])
+                memory.loop_facts = self.sampler.loop_facts(compiled.as_text(), program.args[1].shape[1])
             if log is not None:
                 log(f"  {program.name} compiled in {memory.compile_seconds:.1f} s: peak {memory.peak / memory_check.GiB:.2f} "
                     f"GiB per device")

@@ -1,0 +1,262 @@
+"""The learner's programs of a training step (docs/design.md section 3.6): pi_old, the rollout
+consistency check and correction, the actor's update, PPO's critic and the supervised warm-start.
+
+    learner = LearnerPrograms(spec, graphdef, params)   # on the mesh in context (its own)
+    opt_state = learner.init_optimizer(params)
+    learner.pi_old(...), learner.update(params, opt_state, batch), ...
+    learner.programs()                                                 # its programs, for the warm-up and plans
+
+The spec (training/spec.py ``RunSpec``) is read here for the learner's side: the pi_old and value
+micro-batches (``RunSpec.logprob_micro_batches``), the packed passes' layouts (``RunSpec.packed_layouts``),
+the actor's update (objective, options, mini- and micro-batches, optim.*), the rollout correction and,
+for PPO, the critic's two programs. The state may be real arrays (the trainer) or
+``jax.ShapeDtypeStruct``s with shardings (tools/plan_memory.py compiling for a TPU slice it cannot run
+on): the programs only read shapes and shardings.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax import sharding
+from pacs_jax.rl.bypass import Bypass
+from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
+from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
+from pacs_jax.training import memory_check, warmstart
+from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
+from pacs_jax.training.old_policy import old_policy_passes, sampler_as_old_policy
+from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.program import Program
+from pacs_jax.training.rollout_consistency import consistency_program
+from pacs_jax.training.rollout_correction_step import correction_program
+from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.update_step import make_update_step
+
+
+def spec_optimizer(spec: RunSpec):
+    """(AdamW transformation, learning-rate schedule) of ``spec.optim`` over the run's updates."""
+    o = spec.optim
+    return make_optimizer(o.lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, schedule=o.schedule,
+                          total_steps=spec.total_updates, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip)
+
+
+class LearnerPrograms:
+    """The learner's jitted programs of one step of ``spec``, made on the mesh in context (``mesh``).
+
+    ``update(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)`` (one program
+    dispatched once a mini-batch: training/update_step.py ``MiniBatchUpdates``); ``pi_old(params,
+    prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean entropy after each pass)``
+    (one program dispatched once a pass: training/old_policy.py ``OldPolicyPasses``);
+    ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
+    (training/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
+    response_mask, metrics; training/rollout_correction_step.py), None unless the correction is on;
+    ``sampler_as_old_policy`` (bypass mode's), None otherwise; PPO: ``critic``, the critic's ``values``
+    and ``update`` (training/critic_step.py ``CriticPrograms``), made by ``add_critic`` once the
+    critic exists (it copies the actor after the warm-start, or reads ``critic.path``);
+    ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
+    None when ``warmstart.steps`` is 0). pi_old and the update read the logits at the rollout's
+    temperature.
+    """
+
+    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, *,
+                 critic: CriticState | None = None, chunk_size: int | None = None):
+        tc, rc = spec.train, spec.rollout
+        self.mesh = sharding.current_mesh()
+        self.spec, self.graphdef = spec, graphdef
+        self.optimizer, self.lr_schedule = spec_optimizer(spec)
+        self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
+        self.num_prompts, self.n = tc.prompts_per_step, rc.n
+        self.sampler_calls, self.max_new_tokens = rc.micro_batches, rc.max_new_tokens
+        self.logprob_micro_batches = spec.logprob_micro_batches
+        self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
+        self.packing = tc.packing
+        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
+        if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
+            self.packed_length = spec.packed_length
+        extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+        correction = spec.algorithm.rollout_correction
+        self.bypass = Bypass(correction.loss_type, correction.options()) if correction.bypass_mode else None
+        self.update = make_update_step(
+            graphdef, self.optimizer, spec.algorithm.objective, group_size=rc.n,
+            objective_options=spec.algorithm.options,
+            num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
+            state_shardings=self.state_shardings, bypass=self.bypass, **extra)
+        self.pi_old = old_policy_passes(graphdef, temperature=rc.temperature,
+                                        num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size)
+        self.rollout_consistency = consistency_program()
+        # decoupled (pi_old computed): the correction after pi_old; bypass: in the loss, the sampler's as pi_old
+        self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
+                                   else None)
+        self.sampler_as_old_policy = sampler_as_old_policy() if self.bypass is not None else None
+        self.critic_state = self.critic = None
+        if critic is not None:
+            self.add_critic(critic)
+        wc = spec.warmstart
+        self.warmstart = warmstart.sft_step(graphdef, wc, params) if wc.steps > 0 else None
+        self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
+
+    def add_critic(self, critic: CriticState) -> None:
+        """Make PPO's two critic programs for ``critic``'s graph, state shardings and optimizer."""
+        self.critic_state = critic
+        self.critic = critic_programs(
+            critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
+            values_micro_batches=self.logprob_micro_batches, **critic_options(self.spec))
+
+    # ------------------------------------------------------------------------ packing (train.packing)
+    @property
+    def pass_widths(self) -> tuple[int, int]:
+        """Packed: the (prompt, response) widths of the passes' padded rows, the largest buckets."""
+        return self.spec.data.prompt_buckets[-1], self.max_new_tokens
+
+    def _layouts(self) -> dict[str, dict]:
+        """Each packed pass's layout (``RunSpec.packed_layouts``) on the mesh the programs are made on."""
+        return self.spec.packed_layouts(self.batch_shards, critic=self.critic is not None)
+
+    def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
+        """The step's packing plans, by pass ("logprob", "update", PPO's "critic"), from every row's
+        prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
+        P, R = self.pass_widths
+        return {name: plan_packing(prompt_lengths, response_lengths, prompt_width=P, response_width=R,
+                                   packed_length=self.packed_length, **layout)
+                for name, layout in self._layouts().items()}
+
+    def abstract_packing(self, name: str) -> dict[str, jax.ShapeDtypeStruct]:
+        """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name``, abstract."""
+        lay = self._layouts()[name]
+        shapes = plan_shape(self.num_prompts * self.n, mini_batches=lay["mini_batches"], passes=lay["passes"],
+                            shards=lay["shards"], rows=lay["rows"], packed_length=self.packed_length,
+                            response_width=self.pass_widths[1])
+        return {k: self.abstract_rows(shape, jnp.int32) for k, shape in shapes.items()}
+
+    def init_optimizer(self, params):
+        """AdamW's initial state for ``params``, in the shardings the update keeps."""
+        return jax.jit(self.optimizer.init, out_shardings=self.state_shardings[1])(params)
+
+    @property
+    def state_shardings(self) -> tuple:
+        """The (params, opt_state) shardings every program keeps."""
+        return jax.tree.map(lambda x: x.sharding, self.state)
+
+    def resident_bytes(self) -> int:
+        """The training state a device of the learner holds between programs (bytes): the parameters,
+        AdamW's state and PPO's critic."""
+        critic = 0 if self.critic is None else memory_check.per_device_bytes(self.critic_state.state)
+        return memory_check.per_device_bytes(self.state) + critic
+
+    # ------------------------------------------------------------------------ abstract arguments
+    def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """A per-row array of a step, abstract, with its sharding."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
+
+    def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The actor's update batch of a (prompt bucket, response bucket) (PPO: with advantages [B, R])."""
+        B, rows = self.num_prompts * self.n, self.abstract_rows
+        batch = {"input_ids": rows((B, prompt_bucket + response_bucket), jnp.int32),
+                 "attention_mask": rows((B, prompt_bucket + response_bucket), jnp.int32),
+                 "response_mask": rows((B, response_bucket), jnp.float32),
+                 "old_logp": rows((B, response_bucket), jnp.float32),
+                 "rewards": rows((B,), jnp.float32)}
+        if self.critic is not None:
+            batch["advantages"] = rows((B, response_bucket), jnp.float32)
+        if self.rollout_correction is not None:
+            batch["rollout_is_weights"] = rows((B, response_bucket), jnp.float32)
+        return batch
+
+    # ------------------------------------------------------------------------ the list of programs
+    def programs(self, prompt_buckets, response_buckets, with_warmstart: bool = False) -> list[Program]:
+        """The learner's programs for these buckets, in the order a step runs them: pi_old (bypass:
+        sampler_as_pi_old), PPO's critic_values and critic_update, update, then the small
+        rollout_consistency check and the rollout_correction, which run after pi_old;
+        ``with_warmstart``: the warm-start's step first (a phase of its own before RL, when
+        ``warmstart.steps`` > 0). Packed (``train.packing``): the passes' programs once, on the largest
+        buckets' padded rows (a mini-batch's passes are a loop of a dynamic trip count)."""
+        params, opt_state = self.state
+        B, K, rows = self.num_prompts * self.n, self.sampler_calls, self.abstract_rows
+        critic_bytes = 0 if self.critic is None else memory_check.per_device_bytes(self.critic_state.state)
+        actor_bytes = memory_check.per_device_bytes(self.state)
+        opt_bytes = memory_check.per_device_bytes(opt_state)
+        micro_rows = B // self.mini_batches // self.micro_batches
+        out = []
+        if with_warmstart and self.warmstart is not None:
+            batch_rows, prompt, response = self.warmstart_rows
+            warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, params))
+            warm_batch = {"input_ids": rows((batch_rows, prompt + response), jnp.int32),
+                          "attention_mask": rows((batch_rows, prompt + response), jnp.int32),
+                          "response_mask": rows((batch_rows, response), jnp.float32)}
+            out.append(Program("warmstart", f"{batch_rows} prompts x {prompt}+{response} tokens",
+                               lambda: self.warmstart.step.lower(*warm_state, warm_batch), (*warm_state, warm_batch),
+                               0))  # before RL: neither RL's AdamW state nor a critic exists yet
+        if self.packing:  # the passes' padded rows are always the largest buckets; one program per pass
+            prompt_buckets, response_buckets = self.pass_widths[:1], self.pass_widths[1:]
+        passes = f"{self.logprob_micro_batches} micro-batches of {B // self.logprob_micro_batches} rows"
+        updates = f"{self.mini_batches} mini-batches x {self.micro_batches} micro-batches of {micro_rows} rows"
+        for p in prompt_buckets:
+            for r in response_buckets:
+                shape = f"{B} rows x {p}+{r} tokens"
+                if not self.packing:
+                    out += self._pass_programs(self.abstract_batch(p, r), f"{shape}, {passes}", f"{shape}, {updates}",
+                                               {}, opt_bytes, actor_bytes, critic_bytes)
+                    continue
+                for name, lay in self._layouts().items():
+                    packed = (f"{shape} packed in passes of {lay['shards'] * lay['rows']} rows x {self.packed_length} "
+                              f"tokens ({lay['rows']} a shard), at most {lay['passes']} a")
+                    out += self._pass_programs(self.abstract_batch(p, r), f"{packed} step",
+                                               f"{packed} mini-batch, {self.mini_batches} mini-batches",
+                                               {name: self.abstract_packing(name)}, opt_bytes, actor_bytes, critic_bytes)
+        call_logp = (rows((B // K, self.max_new_tokens), jnp.float32),) * K
+        for r in response_buckets if self.bypass is None else ():  # bypass: no pi_old to compare with
+            per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
+            out.append(Program("rollout_consistency", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} tokens",
+                               lambda a=(call_logp, *per_row): self.rollout_consistency.lower(*a),
+                               (call_logp, *per_row), actor_bytes + critic_bytes))
+            if self.rollout_correction is not None:
+                out.append(Program("rollout_correction", f"{K} calls' sampler log-probs vs pi_old of {B} rows x {r} "
+                                   "tokens: IS weights and rejection mask",
+                                   lambda a=(call_logp, *per_row): self.rollout_correction.lower(*a),
+                                   (call_logp, *per_row), actor_bytes + critic_bytes))
+        return out
+
+    def _pass_programs(self, batch: dict, passes: str, updates: str, plans: dict, opt_bytes: int, actor_bytes: int,
+                       critic_bytes: int) -> list[Program]:
+        """The programs of the passes over an update batch, in a step's order: pi_old, PPO's critic_values
+        and critic_update, update. Padded (``plans`` empty): all of them; packed: those of the pass whose
+        plan ``plans`` holds ({pass name: its plan arrays by name}: "logprob" makes pi_old and
+        critic_values, "critic" critic_update, "update" the update)."""
+        params, opt_state = self.state
+        packed = bool(plans)
+        out = []
+        prompts = self.abstract_rows((self.num_prompts, batch["input_ids"].shape[1] - batch["old_logp"].shape[1]),
+                                     jnp.int32)
+        responses = self.abstract_rows(batch["old_logp"].shape, jnp.int32)
+        if self.bypass is not None and (not packed or "logprob" in plans):
+            K = self.sampler_calls
+            call_logp = (self.abstract_rows((responses.shape[0] // K, self.max_new_tokens), jnp.float32),) * K
+            args = (call_logp, prompts, prompts, responses, responses)
+            out.append(Program("sampler_as_pi_old", "the sampler's log-probs as pi_old (bypass mode), " + passes,
+                               lambda a=args: self.sampler_as_old_policy.lower(*a), args,
+                               memory_check.per_device_bytes(self.state) + critic_bytes))
+        elif not packed or "logprob" in plans:
+            extra = (plans["logprob"],) if packed else ()
+            args = (params, prompts, prompts, responses, responses, *extra)
+            out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
+        if self.critic is not None:
+            critic_params, critic_opt = self.critic_state.state
+            if not packed or "logprob" in plans:
+                values_batch = {k: v for k, v in batch.items() if k != "advantages"}
+                args = (critic_params, values_batch, plans.get("logprob"))
+                out.append(Program("critic_values", passes + ", then GAE", lambda a=args: self.critic.values.lower(*a),
+                                   args, actor_bytes + memory_check.per_device_bytes(critic_opt)))
+            if not packed or "critic" in plans:
+                critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
+                                "old_values": batch["advantages"], "returns": batch["advantages"],
+                                **plans.get("critic", {})}
+                args = (critic_params, critic_opt, critic_batch)
+                out.append(Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args,
+                                   actor_bytes))
+        if not packed or "update" in plans:
+            actor_batch = {**batch, **plans.get("update", {})}
+            args = (params, opt_state, actor_batch)
+            out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
+        return out

@@ -1,0 +1,164 @@
+"""The rollout engine's programs of a training step (docs/design.md section 3.6): the sampler calls, the
+assembly of their rows into the update batch's, and dynamic sampling's selection of kept groups.
+
+    engine = SamplerPrograms(spec, graphdef, params, stop_token_ids)   # on the mesh in context (its own)
+    engine.sample(params, prompt_tokens, prompt_mask, key, wait)       # one sampler call
+    engine.programs()                                                  # its programs, for the warm-up and plans
+
+The spec (training/spec.py ``RunSpec``) is read here for the sampler's side only: the sampler's
+settings (rollout.*, its sampler section's slots, tail and pages), the prompt and response buckets,
+the calls a step (``rollout.micro_batches``) and the packed passes' padded widths the assembly cuts to.
+The learner's programs (pi_old, the update, PPO's critic) are training/learner_programs.py's;
+training/step_programs.py joins the two lists in the order a step runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax import hlo, sampling, sharding
+from pacs_jax.sampling.engine import lower_sample, queues
+from pacs_jax.sampling.paged import default_pages
+from pacs_jax.sharding import abstract, batch_sharding
+from pacs_jax.training import memory_check
+from pacs_jax.training.dynamic_sampling import CallRows, select_program
+from pacs_jax.training.program import Program
+from pacs_jax.training.spec import RunSpec
+
+
+def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
+    """The training sampler's settings: ``rollout.*`` and its sampler section for a call's responses; a
+    sample stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
+    rc = spec.rollout
+    stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
+    return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
+                                     top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
+                                     **rc.sampler.call_settings(spec.call_responses))
+
+
+class SamplerPrograms:
+    """The engine's jitted programs of one step of ``spec``, made on the mesh in context (``mesh``).
+
+    ``sample(params, prompt_tokens, prompt_mask, key, wait)``: one sampler call (sampling.sample);
+    ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
+    ``select_groups`` (dynamic sampling's, training/dynamic_sampling.py), None unless
+    ``algorithm.filter_groups.enable``. ``resident`` (bytes a device): the training state that stays on
+    the engine's devices during its programs (the parameters, AdamW's state and PPO's critic when the
+    two roles share the devices; the memory check counts it beside them, the parameters as the
+    sampler's argument).
+    """
+
+    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], *,
+                 resident: int = 0):
+        tc, rc = spec.train, spec.rollout
+        self.mesh = sharding.current_mesh()
+        self.graphdef, self.params = graphdef, abstract(params)
+        self.settings = sampling_settings(spec, stop_token_ids)
+        self.num_prompts, self.n = tc.prompts_per_step, rc.n
+        self.prompt_buckets = spec.data.prompt_buckets  # strictly increasing, as the response buckets (the spec)
+        self.response_buckets = rc.buckets
+        self.sampler_calls = rc.micro_batches
+        self.packing = tc.packing
+        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
+        self.resident = resident
+        rows = batch_sharding((0, 0))
+
+        def assemble(tokens, lengths, bucket):
+            """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
+            tokens = jnp.concatenate(tokens, axis=0)[:, :bucket]
+            lengths = jnp.concatenate(lengths, axis=0)
+            return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
+
+        self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
+        self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
+
+    @property
+    def pass_widths(self) -> tuple[int, int]:
+        """Packed: the (prompt, response) widths of the passes' padded rows, the largest buckets."""
+        return self.prompt_buckets[-1], self.settings.max_new_tokens
+
+    def sample(self, params, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+               wait=None) -> sampling.SampleArrays:
+        """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step); wait:
+        ``sampling.sample``'s, told of each chunk of decode steps."""
+        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
+
+    @property
+    def slots(self) -> int:
+        """Decode slots of one sampler call."""
+        return self.settings.slots or self.num_prompts // self.sampler_calls * self.n
+
+    def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """A per-row array of a step, abstract, with its sharding."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
+
+    def programs(self, largest_only: bool = False) -> list[Program]:
+        """The engine's programs, for every bucket (``largest_only``: the largest prompt and response
+        buckets), in the order a step runs them: sampler, select_groups (dynamic sampling), assemble
+        (packed: once, at the passes' padded width)."""
+        params = self.params
+        P, n, K = self.num_prompts, self.n, self.sampler_calls
+        B, rows = P * n, self.abstract_rows
+        out = []
+        for p in self.prompt_buckets[-1:] if largest_only else self.prompt_buckets:
+            chunk = rows((P // K, p), jnp.int32)
+            out.append(Program(
+                "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots"
+                           + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
+                           + f" {self._kv_words(p)} per call ({K} calls)",
+                lambda chunk=chunk: lower_sample(self.graphdef, params, chunk, chunk, self.settings),
+                (params, chunk, chunk), self.resident - memory_check.per_device_bytes(params)))
+        call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
+        call_lengths = (rows((B // K,), jnp.int32),) * K
+        if self.select_groups is not None:
+            call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
+            calls = tuple(CallRows(*fields) for fields in zip(call_tokens, call_logp, call_lengths))
+            args = (calls, calls, rows((B,), jnp.int32))
+            out.append(Program("select_groups", f"a gen batch's kept groups into the step's {B} rows (dynamic sampling)",
+                               lambda a=args: self.select_groups.lower(*a), args, self.resident))
+        response_buckets = self.response_buckets[-1:] if largest_only else self.response_buckets
+        for r in self.pass_widths[1:] if self.packing else response_buckets:  # packed: one padded width
+            out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
+                               lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
+                               (call_tokens, call_lengths), self.resident))
+        return out
+
+    def _kv_words(self, prompt_tokens: int) -> str:
+        """The sampler's K/V store in words: the contiguous cache's slots, or the page pool of a batch
+        shard (each prompt once, then the response pages: ``rollout.pages`` or every slot's longest row)."""
+        s = self.settings
+        if not s.page_size:
+            return f"x {prompt_tokens + s.max_new_tokens} cache slots"
+        prompts = self.num_prompts // self.sampler_calls
+        shards = queues(prompts, self.slots, self.batch_shards)
+        slots = self.slots // shards
+        pages = s.pages or default_pages(slots, s.page_size, s.max_new_tokens)
+        prompt_pages = prompts // shards * -(-prompt_tokens // s.page_size)
+        return (f"over a page pool a batch shard of {prompt_pages} prompt + {pages} response pages of {s.page_size} "
+                f"tokens ({pages * s.page_size // slots} response tokens a slot)")
+
+    def loop_facts(self, text: str, prompt_tokens: int) -> tuple[str, ...]:
+        """What the compiled sampler (HLO ``text``, prompts of ``prompt_tokens``) does inside its loops,
+        each fact a line: a weight gathered there crosses the network every decode step; a copy of the
+        page pool there reads and writes all of it every step; a [slots, prompt + max_new, ...] array
+        there is the contiguous cache the paged sampler must not hold; and what its loops launch
+        (``hlo.loop_profile``: kernels, copies, loops whose trips sync with the host on a GPU)."""
+        gathers = hlo.gathers_of_shapes_in_loops(text, hlo.parameter_shapes(self.params))
+        facts = [(f"{len(gathers)} parameter all-gathers inside its loops: "
+                  + ", ".join(sorted({str(list(c.shape)) for c in gathers})))
+                 if gathers else "no parameter all-gather inside its loops"]
+        page_size, row = self.settings.page_size, prompt_tokens + self.settings.max_new_tokens
+        if page_size:
+            copies = [i for i in hlo.loop_instructions(text, ("copy",)) if len(i.shape) == 5 and i.shape[3] == page_size]
+            facts.append(f"{len(copies)} copies of the page pool inside its loops: "
+                         + ", ".join(sorted({str(list(c.shape)) for c in copies}))
+                         if copies else "no copy of the page pool inside its loops")
+            caches = {i.shape for i in hlo.loop_instructions(text) if len(i.shape) >= 4 and row in i.shape}
+            facts.append(f"{row}-token cache rows inside its loops: {sorted(caches)}" if caches
+                         else f"no {row}-token (prompt + max_new_tokens) cache row inside its loops")
+        facts.append("its decode loops: " + hlo.loop_profile(text, device_trip_loops_only=True).describe())
+        return tuple(facts)
