@@ -9,6 +9,7 @@ jax's compilation events, and ``engine.sample``'s slot utilisation on the same l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -17,11 +18,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax import models, sampling
+from pacs_jax import models, sampling, sharding
 from pacs_jax.models.qwen import KVCache, positions_from_mask
 from pacs_jax.sampling import carry_over
 from pacs_jax.sampling.engine import _decode_layout
 from pacs_jax.sampling.selection import Selection
+from pacs_jax.sharding import make_mesh
 
 CFG = models.QwenConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -31,9 +33,20 @@ SETTINGS = sampling.SamplingSettings(max_new_tokens=N, n=2, temperature=1.0, top
 CALLS, DRAIN = 3, 4  # calls with prompts, then calls of batch padding only until every group is back
 
 
+_MESHES = {}
+
+
+def _on_mesh(mesh_shape):
+    """The context of a run on a mesh of ``mesh_shape`` (one mesh object a shape), or one device (None)."""
+    if mesh_shape is None:
+        return contextlib.nullcontext()
+    return jax.set_mesh(_MESHES.setdefault(mesh_shape, make_mesh(*mesh_shape)))
+
+
 @functools.cache
-def _graphdef_and_params(seed: int):
-    return nnx.split(models.init_random(CFG, seed=seed))
+def _graphdef_and_params(seed: int, mesh_shape=None):
+    with _on_mesh(mesh_shape):
+        return nnx.split(models.init_random(CFG, seed=seed))
 
 
 def _batch(call: int):
@@ -47,12 +60,17 @@ def _batch(call: int):
     return tokens, mask, rng.integers(1, N + 1, size=P * SETTINGS.n).astype(np.int32), jax.random.key(call)
 
 
-def _run(seeds, *, compiles=None):
+def _run(seeds, *, compiles=None, mesh_shape=None):
     """The schedule (CALLS + DRAIN calls, B = 3 of P = 4 groups a call, max_staleness 2), call v with
-    the weights of seed ``seeds[v]``: {(version, prompt): its n rows (tokens, logprobs, versions,
-    lengths, stopped)} and each call's ``CarryOverRows``. ``compiles`` gets the compilations of
-    every call after the first."""
-    graphdef = _graphdef_and_params(seeds[0])[0]
+    the weights of seed ``seeds[v]`` (on a mesh of ``mesh_shape``, the prompts split over its batch
+    axes): {(version, prompt): its n rows (tokens, logprobs, versions, lengths, stopped)} and each
+    call's ``CarryOverRows``. ``compiles`` gets the compilations of every call after the first."""
+    with _on_mesh(mesh_shape):
+        return _schedule(seeds, compiles, mesh_shape)
+
+
+def _schedule(seeds, compiles, mesh_shape):
+    graphdef = _graphdef_and_params(seeds[0], mesh_shape)[0]
     sampler = carry_over.CarryOverSampler(graphdef, SETTINGS, prompts=P, prompt_length=T, groups=3, max_staleness=2)
     groups, calls = {}, []
     events = []
@@ -61,7 +79,9 @@ def _run(seeds, *, compiles=None):
     try:
         for v in range(CALLS + DRAIN):
             tokens, mask, budgets, key = _batch(v)
-            params = _graphdef_and_params(seeds[v])[1]
+            params = _graphdef_and_params(seeds[v], mesh_shape)[1]
+            placed = sharding.placement(("batch", "length"), tokens.shape)
+            tokens, mask = jax.device_put(tokens, placed), jax.device_put(mask, placed)
             events.clear()
             out = jax.device_get(sampler.step(params, v, tokens, mask, key, budgets))
             if compiles is not None and v:
@@ -79,25 +99,28 @@ def _run(seeds, *, compiles=None):
     return groups, calls
 
 
-@pytest.mark.slow(seconds=90)
-def test_unchanged_weights_give_sample_rows_and_nothing_compiles_after_the_first_call():
+@pytest.mark.slow(seconds=120)
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
+def test_unchanged_weights_give_sample_rows_and_nothing_compiles_after_the_first_call(mesh_shape):
     """Weights unchanged between calls: every real prompt's group comes back once, none dropped, and
     its rows equal ``engine.sample``'s of its call's prompts and key (tokens, lengths, stop flags
     exactly; log-probs to float tolerance); rows ran across calls (carried_rows > 0); the calls
-    after the first compile nothing."""
+    after the first compile nothing. On the 2x2x2 mesh the carry-over runs one queue, GSPMD-split,
+    and ``engine.sample`` a queue per batch shard (4 of 1 slot)."""
     compiles = []
     before = carry_over.compile_count()
-    groups, calls = _run([3] * (CALLS + DRAIN), compiles=compiles)
+    groups, calls = _run([3] * (CALLS + DRAIN), compiles=compiles, mesh_shape=mesh_shape)
     assert compiles == [0] * (CALLS + DRAIN - 1)
     assert carry_over.compile_count() - before <= 4  # init, insert, chunk, harvest: once each (0 if cached)
     assert not any(out.dropped.any() for out in calls)
     assert sum(int(out.carried_rows) for out in calls) > 0
     assert sorted(groups) == [(v, p) for v in range(CALLS) for p in range(P)]
-    graphdef, params = _graphdef_and_params(3)
+    graphdef, params = _graphdef_and_params(3, mesh_shape)
     n = SETTINGS.n
     for v in range(CALLS):
         tokens, mask, budgets, key = _batch(v)
-        ref = jax.device_get(sampling.sample(graphdef, params, tokens, mask, SETTINGS, key, budgets))
+        with _on_mesh(mesh_shape):
+            ref = jax.device_get(sampling.sample(graphdef, params, tokens, mask, SETTINGS, key, budgets))
         for p in range(P):
             got_tokens, got_logprobs, got_versions, got_lengths, got_stopped = groups[v, p]
             rows = slice(p * n, p * n + n)

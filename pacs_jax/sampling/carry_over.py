@@ -141,8 +141,8 @@ class CarryOverRows(NamedTuple):
     response_mask:   [B n, N] int32, 1 on generated tokens
     lengths:         [B n] int32
     stopped:         [B n] bool, True at a stop id, False at the budget
-    group_version:   [B] int32, the version (call) whose prompt batch the group came from
-    group_prompt:    [B] int32, its index in that batch
+    group_version:   [B] int32, the version (call) whose prompt batch the group came from (-1: none)
+    group_prompt:    [B] int32, its index in that batch (-1: none)
     group_valid:     [B] bool, False where fewer than B groups completed (no row left to run)
     dropped:         [P] bool, prompts of the batch of ``dropped_version`` dropped by this call
                      (unreturned when their generation retired: queue them again)
@@ -353,7 +353,8 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
     steps = state.decode.steps
     result = CarryOverRows(
         picked(outputs.tokens, PAD_ID), picked(outputs.logprobs, 0.0), token_versions, mask.astype(jnp.int32),
-        lengths, valid_rows & outputs.stopped[rows], state.inserted[pick // P], pick % P, valid, dropped,
+        lengths, valid_rows & outputs.stopped[rows], jnp.where(valid, state.inserted[pick // P], -1),
+        jnp.where(valid, pick % P, -1), valid, dropped,
         dropped_version, carried, steps, jnp.sum(outputs.lengths - state.call_start, dtype=jnp.int32),
         steps * spec.engine.slots,
         jnp.sum(staleness, dtype=jnp.float32) / jnp.maximum(tokens_returned, 1).astype(jnp.float32),
