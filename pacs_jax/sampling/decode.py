@@ -145,15 +145,21 @@ def make_queue(real, first_tokens, budgets, row_keys, prompt_lengths, stop_ids) 
                  first_tokens, budgets, row_keys, prompt_lengths, stop_ids)
 
 
+def first_outputs(real, first_tokens, first_logp, stop_ids, max_new_tokens: int, pad_id: int) -> Outputs:
+    """The outputs of rows real [Q] bool (False: no sample) with only token 0 written: first_tokens
+    [Q] int32, first_logp [Q] float32, stop_ids [S] -> ``Outputs`` of [Q, max_new_tokens]."""
+    Q, N = real.shape[0], max_new_tokens
+    return Outputs(jnp.zeros((Q, N), jnp.int32).at[:, 0].set(jnp.where(real, first_tokens, pad_id)),
+                   jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0)),
+                   real.astype(jnp.int32), real & is_stop(first_tokens, stop_ids))
+
+
 def start(model, queue: Queue, store: KVStore, real: jax.Array, first_logp: jax.Array, max_new_tokens: int,
           slots: int, pad_id: int) -> DecodeState:
     """The state before the first decode step: token 0 of every row written (real [Q] bool, False
     for rows without a sample; first_logp [Q]) and the C slots filled from the queue."""
-    Q, N = queue.rows, max_new_tokens
-    first_stop = real & is_stop(queue.first_tokens, queue.stop_ids)
-    outputs = Outputs(jnp.zeros((Q, N), jnp.int32).at[:, 0].set(jnp.where(real, queue.first_tokens, pad_id)),
-                      jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0)),
-                      real.astype(jnp.int32), first_stop)
+    Q = queue.rows
+    outputs = first_outputs(real, queue.first_tokens, first_logp, queue.stop_ids, max_new_tokens, pad_id)
     zeros = jnp.zeros((slots,), jnp.int32)
     idle = DecodeState(jnp.int32(0), Slots(jnp.full((slots,), Q, jnp.int32), zeros, zeros), store.init(model, slots),
                        jnp.int32(0), outputs)

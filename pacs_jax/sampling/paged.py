@@ -53,10 +53,9 @@ def table_width(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
     return -(-(prompt_tokens + max_new_tokens - 1) // page_size)
 
 
-def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int, pages: int) -> PagedKVCache:
+def prompt_pages(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int) -> PagedKVCache:
     """The prefill's K/V [L, P, K, T, Dh] (prompt_real [P, T]: one contiguous run of real tokens per
-    prompt) -> the pool [K, L, P TP + pages + 1, s, Dh]: each prompt's real tokens first, in its TP
-    pages, then ``pages`` + 1 zero pages."""
+    prompt) -> the prompts' pages [K, L, P TP, s, Dh]: each prompt's real tokens first, in its TP pages."""
     L, P, K, T, Dh = prompt_cache.k.shape
     TP = -(-T // page_size)
     start = jnp.argmax(prompt_real, axis=1).astype(jnp.int32)  # [P]: the first real token (0 if none)
@@ -65,10 +64,26 @@ def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int,
     def paged(x):
         x = jnp.take_along_axis(x, source[None, :, None, :, None], axis=3)
         x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, TP * page_size - T), (0, 0)))
-        x = x.reshape(L, P, K, TP, page_size, Dh).transpose(2, 0, 1, 3, 4, 5).reshape(K, L, P * TP, page_size, Dh)
-        return constrain(jnp.concatenate([x, jnp.zeros((K, L, pages + 1, page_size, Dh), x.dtype)], axis=2), POOL_AXES)
+        return x.reshape(L, P, K, TP, page_size, Dh).transpose(2, 0, 1, 3, 4, 5).reshape(K, L, P * TP, page_size, Dh)
 
     return PagedKVCache(paged(prompt_cache.k), paged(prompt_cache.v))
+
+
+def _compact_pool(prompt_cache: KVCache, prompt_real: jax.Array, page_size: int, pages: int) -> PagedKVCache:
+    """The prompts' pages (``prompt_pages``), then ``pages`` + 1 zero pages: the pool [K, L, P TP +
+    pages + 1, s, Dh]."""
+    def pool(x):
+        K, L, _, s, Dh = x.shape
+        return constrain(jnp.concatenate([x, jnp.zeros((K, L, pages + 1, s, Dh), x.dtype)], axis=2), POOL_AXES)
+
+    return PagedKVCache(*(pool(x) for x in prompt_pages(prompt_cache, prompt_real, page_size)))
+
+
+def row_promise(prompt_lengths: jax.Array, budgets: jax.Array, n: int, page_size: int) -> jax.Array:
+    """The own pages each row may need: prompt_lengths [P], budgets [P n] -> [P n] int32,
+    ceil((len_p mod s + budget - 1) / s) (its prompt's partly filled page and its decoded tokens)."""
+    prompt = jnp.arange(budgets.shape[0], dtype=jnp.int32) // n
+    return -(-(prompt_lengths[prompt] % page_size + budgets - 1) // page_size)
 
 
 class PageState(NamedTuple):
@@ -107,8 +122,7 @@ class PageStore:
         """The store of one queue: prompt_cache [L, P, K, T, Dh], prompt_real [P, T], budgets [Q]."""
         T = prompt_real.shape[1]
         prompt_lengths = jnp.sum(prompt_real, axis=-1, dtype=jnp.int32)
-        rows_prompt = jnp.arange(budgets.shape[0], dtype=jnp.int32) // n
-        promise = -(-(prompt_lengths[rows_prompt] % page_size + budgets - 1) // page_size)
+        promise = row_promise(prompt_lengths, budgets, n, page_size)
         return cls(_compact_pool(prompt_cache, prompt_real, page_size, pages), promise, prompt_lengths, page_size,
                    pages, -(-T // page_size), table_width(T, max_new_tokens, page_size))
 

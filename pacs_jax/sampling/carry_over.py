@@ -1,0 +1,451 @@
+"""Carry-over rollouts (issue 50): a paged sampler whose decode state outlives one call. A call ends
+as soon as B complete groups (all n rows of a prompt ended) are available; the rows still running
+keep their slots and pages and go on in the next call, with the weights of that call, beside the
+next batch of prompts. Every token records the policy version that sampled it.
+
+Shapes: P prompts a call (padded), T prompt length, n samples a prompt, G = max_staleness + 1
+generations (the prompt batches of the last G calls), R = G P n rows, C decode slots, B groups a
+call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response pages.
+
+    regions  the prompt batch inserted at version v is generation v; it lives in region g = v mod G:
+             prompts g P .. g P + P - 1 (their K/V in pool pages (g P + p) TP ..), rows g P n .. g P n
+             + P n - 1 (row (g P + p) n + j is sample j of prompt p), so every array has a fixed shape
+             and the decode step (sampling/decode.py) and the page store (sampling/paged.py) run on
+             the G P prompts and R rows as on one call's.
+    insert   (a call's first program) retire the generation in region g (inserted G versions ago):
+             its rows in slots free their slots and pages, and its prompts not yet returned are
+             dropped (reported: the caller queues them again); then prefill the new prompts with the
+             current weights into region g, token 0 of their rows, and rebuild the queue: the rows
+             waiting, the oldest generation's first, then the new ones, each in row order; free slots
+             take rows at once.
+    decode   chunks of decode steps (decode.decode_step, refilling slots as rows end) with the
+             current weights, until B groups are complete or no row runs.
+    harvest  (the last program) the tokens made in this call stamped with its version; the B oldest
+             complete groups (oldest generation first, then prompt order) gathered and marked
+             returned.
+
+The K/V of every token stays where it was written, computed by the weights of the call that wrote
+it (the prompt's by its insert call's; a token's by the call whose decode step fed it, that is the
+version of the token after it); nothing is recomputed. Token t of row (i, j) of the prompts
+inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
+as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
+the rows equal ``engine.sample``'s of the same prompts and key.
+
+One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
+over the call's arrays as ``engine.sample``'s one-queue path does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
+from pacs_jax.sampling import decode
+from pacs_jax.sampling.engine import PAD_ID, EngineSpec, _prefill, stop_id_array
+from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
+from pacs_jax.sampling.selection import Selection
+from pacs_jax.sampling.settings import SamplingSettings, row_pages
+from pacs_jax.sharding import constrain, replicated
+
+_TRACE_COUNT = 0
+
+
+def compile_count() -> int:
+    """How many times the carry-over programs (init, insert, chunk, harvest) have been traced (=
+    compiled) in this process."""
+    return _TRACE_COUNT
+
+
+def _traced() -> None:
+    global _TRACE_COUNT
+    _TRACE_COUNT += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CarryOverSpec:
+    """The static part of the carry-over programs: the one-queue paged ``EngineSpec`` (n,
+    max_new_tokens, slots, page size, response pages F, chunk steps), P prompts a call of T tokens,
+    G generations, B groups a call returns."""
+
+    engine: EngineSpec
+    prompts: int
+    prompt_length: int
+    generations: int
+    groups: int
+
+    @property
+    def rows(self) -> int:
+        """R = G P n."""
+        return self.generations * self.prompts * self.engine.n
+
+    @property
+    def prompt_pages(self) -> int:
+        """TP."""
+        return -(-self.prompt_length // self.engine.page_size)
+
+    def store(self, promise: jax.Array, prompt_lengths: jax.Array, pool: PagedKVCache | None = None) -> PageStore:
+        """The page store of the G P prompts: promise [R], prompt_lengths [G P]."""
+        s, N = self.engine.page_size, self.engine.max_new_tokens
+        return PageStore(pool, promise, prompt_lengths, s, self.engine.pages, self.prompt_pages,
+                         table_width(self.prompt_length, N, s))
+
+
+class CarryState(NamedTuple):
+    """The decode state that outlives a call (a pytree of fixed shapes).
+
+    decode:         decode.DecodeState: steps [] (this call's decode steps), slots [C] (row R: idle),
+                    kv (paged.PageState: the pool [K, L, G P TP + F + 1, s, Dh], free pages, the
+                    slots' tables), taken [] (rows of ``order`` taken this call), outputs (tokens,
+                    logprobs [R, N], lengths [R], stopped [R])
+    versions:       [R, N] int32, the policy version that sampled each token (0 past a row's end)
+    call_start:     [R] int32, each row's length when this call's decode began
+    first_tokens:   [R] int32, token 0 of each row
+    budgets:        [R] int32, each row's budget
+    row_keys:       [R] PRNG keys
+    promise:        [R] int32, the response pages each row may need (paged.row_promise)
+    prompt_lengths: [G P] int32
+    order:          [R] int32, the queue: waiting rows first, oldest generation first, in row order
+    queued:         [] int32, waiting rows in ``order``
+    inserted:       [G] int32, the version that inserted each region's generation (-1: none yet)
+    live:           [G P] bool, real prompts inserted and neither returned nor dropped
+    """
+
+    decode: decode.DecodeState
+    versions: jax.Array
+    call_start: jax.Array
+    first_tokens: jax.Array
+    budgets: jax.Array
+    row_keys: jax.Array
+    promise: jax.Array
+    prompt_lengths: jax.Array
+    order: jax.Array
+    queued: jax.Array
+    inserted: jax.Array
+    live: jax.Array
+
+
+class CarryOverRows(NamedTuple):
+    """One call's results (device arrays): B groups' rows, row k n + j sample j of group k.
+
+    tokens:          [B n, N] int32, PAD_ID after the end
+    logprobs:        [B n, N] float32, 0 after the end
+    versions:        [B n, N] int32, the policy version that sampled each token, 0 after the end
+    response_mask:   [B n, N] int32, 1 on generated tokens
+    lengths:         [B n] int32
+    stopped:         [B n] bool, True at a stop id, False at the budget
+    group_version:   [B] int32, the version (call) whose prompt batch the group came from (-1: none)
+    group_prompt:    [B] int32, its index in that batch (-1: none)
+    group_valid:     [B] bool, False where fewer than B groups completed (no row left to run)
+    dropped:         [P] bool, prompts of the batch of ``dropped_version`` dropped by this call
+                     (unreturned when their generation retired: queue them again)
+    dropped_version: [] int32, the version whose batch ``dropped`` indexes (-1: none retired)
+    carried_rows:    [] int32, rows of earlier calls still running or waiting when this call began
+    decode_steps:    [] int32, this call's decode steps
+    decoded_tokens:  [] int32, tokens its decode steps sampled (every row's, returned or not)
+    slot_steps:      [] int32, C x decode steps
+    staleness_mean:  [] float32, mean of (this version - token version) over the returned tokens
+    staleness_max:   [] int32, its max
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    versions: jax.Array
+    response_mask: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    group_version: jax.Array
+    group_prompt: jax.Array
+    group_valid: jax.Array
+    dropped: jax.Array
+    dropped_version: jax.Array
+    carried_rows: jax.Array
+    decode_steps: jax.Array
+    decoded_tokens: jax.Array
+    slot_steps: jax.Array
+    staleness_mean: jax.Array
+    staleness_max: jax.Array
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Tokens sampled by this call's decode steps / slot steps (1: no slot ever idle)."""
+        return int(self.decoded_tokens) / int(self.slot_steps) if int(self.slot_steps) else 1.0
+
+
+class CarryOverProgress(NamedTuple):
+    """A call's progress after a chunk: groups complete (not yet returned), rows running, and
+    whether the call's decode is done (B groups complete, or no row runs)."""
+
+    groups: int
+    running: int
+    done: bool
+
+    @classmethod
+    def read(cls, progress: jax.Array) -> CarryOverProgress:
+        """From the chunk program's replicated [3] array."""
+        groups, running, done = np.asarray(progress.addressable_data(0)).tolist()
+        return cls(groups, running, bool(done))
+
+
+def _queue(state: CarryState, stop_ids: jax.Array) -> decode.Queue:
+    return decode.Queue(state.order, state.queued, state.first_tokens, state.budgets, state.row_keys,
+                        state.prompt_lengths, stop_ids)
+
+
+def _store(state: CarryState, spec: CarryOverSpec) -> PageStore:
+    """The page store as the decode steps read it (the pool lives in ``state.decode.kv``)."""
+    return spec.store(state.promise, state.prompt_lengths)
+
+
+def _finished(state: CarryState, outputs: decode.Outputs) -> jax.Array:
+    """[R] bool: rows ended (a stop id, or their budget); rows never inserted are not."""
+    return outputs.stopped | (outputs.lengths >= state.budgets)
+
+
+def _complete(state: CarryState, outputs: decode.Outputs, n: int) -> jax.Array:
+    """[G P] bool: live prompts whose n rows all ended."""
+    return state.live & jnp.all(_finished(state, outputs).reshape(-1, n), axis=1)
+
+
+def _age_rank(generations: int, version: jax.Array) -> jax.Array:
+    """[G] int32: each region's generation by age at ``version`` (0 the oldest, G - 1 this version's)."""
+    return jnp.mod(jnp.arange(generations, dtype=jnp.int32) - version - 1, generations)
+
+
+def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
+    """The state in the shardings the init program gave it (None: as XLA places it), so every call's
+    programs see the same signature."""
+    if shardings is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, jax.tree.unflatten(jax.tree.structure(state), shardings))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
+def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, spec: CarryOverSpec) -> CarryState:
+    """The empty state: a zero pool, every slot idle, no generation inserted (key only lends the row
+    keys' type)."""
+    _traced()
+    cfg = nnx.merge(graphdef, params).cfg
+    G, P, n, C, N, R = (spec.generations, spec.prompts, spec.engine.n, spec.engine.slots, spec.engine.max_new_tokens,
+                        spec.rows)
+    shape = (cfg.num_key_value_heads, cfg.num_hidden_layers, G * P * spec.prompt_pages + spec.engine.pages + 1,
+             spec.engine.page_size, cfg.head_dim)
+    zeros = lambda: constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), POOL_AXES)
+    store = spec.store(jnp.zeros((R,), jnp.int32), jnp.zeros((G * P,), jnp.int32), PagedKVCache(zeros(), zeros()))
+    outputs = decode.Outputs(jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.int32),
+                             jnp.zeros((R,), bool))
+    idle = jnp.zeros((C,), jnp.int32)
+    state = decode.DecodeState(jnp.int32(0), decode.Slots(jnp.full((C,), R, jnp.int32), idle, idle),
+                               store.init(None, C), jnp.int32(0), outputs)
+    return CarryState(state, jnp.zeros((R, N), jnp.int32), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32),
+                      jnp.ones((R,), jnp.int32), jax.random.split(key, R), store.promise, store.prompt_lengths,
+                      jnp.arange(R, dtype=jnp.int32), jnp.int32(0), jnp.full((G,), -1, jnp.int32),
+                      jnp.zeros((G * P,), bool))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
+                    prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, selection: Selection,
+                    stop_ids: jax.Array, version: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None):
+    """A call's first program: retire region ``version mod G``, prefill the new prompts [P, T] with
+    ``params`` into it, token 0 of their rows, the queue rebuilt and the free slots filled.
+    Returns (the decode layout, the state, dropped [P] bool, dropped_version [], carried_rows [])."""
+    _traced()
+    G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
+    model, inputs, _, _ = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
+                                   spec.engine, ())
+    g = jnp.mod(version, G)
+    region = lambda index, size: index // size == g  # index in a [G size] array -> in region g
+    rows = jnp.arange(R, dtype=jnp.int32)
+    old = state.decode
+
+    # Retire the generation in region g: its slots and pages freed, its unreturned prompts dropped.
+    retired = (old.slots.row < R) & region(old.slots.row, P * n)
+    kv = _store(state, spec).release(old.kv, retired)
+    slots = old.slots._replace(row=jnp.where(retired, R, old.slots.row))
+    dropped = jax.lax.dynamic_slice_in_dim(state.live, g * P, P)
+    dropped_version = jnp.where(jnp.any(dropped), state.inserted[g], -1)
+    carried = jnp.sum(jnp.repeat(state.live, n) & ~region(rows, P * n) & ~_finished(state, old.outputs),
+                      dtype=jnp.int32)
+
+    # The new generation into region g.
+    put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
+                                                                  g * part.shape[0], axis=0)
+    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
+    at = g * P * spec.prompt_pages
+    kv = kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
+                     v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
+    lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
+    first = decode.first_outputs(inputs.real, inputs.first_tokens, inputs.first_logp, stop_ids, N, PAD_ID)
+    outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(old.outputs, first)))
+    state = state._replace(
+        versions=put(state.versions, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version)),
+        call_start=outputs.lengths, first_tokens=put(state.first_tokens, inputs.first_tokens),
+        budgets=put(state.budgets, inputs.budgets), row_keys=put(state.row_keys, inputs.row_keys),
+        promise=put(state.promise, row_promise(lengths, inputs.budgets, n, spec.engine.page_size)),
+        prompt_lengths=put(state.prompt_lengths, lengths), inserted=state.inserted.at[g].set(version),
+        live=put(state.live, jnp.any(prompt_mask != 0, axis=-1)))
+
+    # The queue: rows waiting (live, not ended, in no slot), oldest generation first, in row order.
+    in_slot = jnp.zeros((R,), bool).at[slots.row].set(True, mode="drop")
+    waiting = jnp.repeat(state.live, n) & ~_finished(state, outputs) & ~in_slot
+    rank = _age_rank(G, version)[rows // (P * n)] * (P * n) + rows % (P * n)
+    state = state._replace(order=jnp.argsort(jnp.where(waiting, rank, R), stable=True).astype(jnp.int32),
+                           queued=jnp.sum(waiting, dtype=jnp.int32))
+    decode_state = decode.DecodeState(jnp.int32(0), slots, kv, jnp.int32(0), outputs)
+    decode_state = decode.refill(_queue(state, stop_ids), _store(state, spec), decode_state, slots.row == R)
+    state = _pinned(state._replace(decode=decode_state), shardings)
+    return nnx.state(model), state, dropped, dropped_version, carried
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, selection: Selection,
+                   stop_ids: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None):
+    """Up to ``spec.engine.chunk_steps`` decode steps, while fewer than B groups are complete and some
+    row runs -> (state, progress [3] int32, replicated: groups complete, rows running, 1 once done)."""
+    _traced()
+    n, R = spec.engine.n, spec.rows
+    queue, store = _queue(state, stop_ids), _store(state, spec)
+    limit = state.decode.steps + spec.engine.chunk_steps
+    running = lambda d: jnp.sum(d.slots.row < R, dtype=jnp.int32)
+    groups = lambda d: jnp.sum(_complete(state, d.outputs, n), dtype=jnp.int32)
+    more = lambda d: (running(d) > 0) & (groups(d) < spec.groups)
+    step = functools.partial(decode.decode_step, nnx.merge(graphdef, layout), queue, store, selection, refills=True)
+    decode_state = jax.lax.while_loop(lambda d: more(d) & (d.steps < limit), step, state.decode)
+    progress = jnp.stack([groups(decode_state), running(decode_state), (~more(decode_state)).astype(jnp.int32)])
+    return _pinned(state._replace(decode=decode_state), shardings), constrain(progress, (None,))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, dropped_version: jax.Array,
+                     carried: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None
+                     ) -> tuple[CarryState, CarryOverRows]:
+    """A call's last program: this call's tokens stamped with ``version``, the B oldest complete
+    groups gathered and marked returned (with the insert's dropped [P], dropped_version [] and
+    carried_rows [] passed through)."""
+    _traced()
+    G, P, n, B, N = spec.generations, spec.prompts, spec.engine.n, spec.groups, spec.engine.max_new_tokens
+    outputs = state.decode.outputs
+    t = jnp.arange(N, dtype=jnp.int32)[None, :]
+    made = (t >= state.call_start[:, None]) & (t < outputs.lengths[:, None])  # [R, N]: sampled in this call
+    versions = jnp.where(made, version, state.versions)
+
+    complete = _complete(state, outputs, n)
+    prompts = jnp.arange(G * P, dtype=jnp.int32)
+    rank = _age_rank(G, version)[prompts // P] * P + prompts % P
+    pick = jnp.argsort(jnp.where(complete, rank, G * P), stable=True)[:B].astype(jnp.int32)  # [B]
+    valid = complete[pick]
+    rows = (pick[:, None] * n + jnp.arange(n, dtype=jnp.int32)).reshape(B * n)
+    valid_rows = jnp.repeat(valid, n)
+    lengths = jnp.where(valid_rows, outputs.lengths[rows], 0)
+    mask = t < lengths[:, None]  # [B n, N]
+    picked = lambda x, empty: jnp.where(mask, x[rows], empty)
+    token_versions = picked(versions, 0)
+    staleness = jnp.where(mask, version - token_versions, 0)
+    tokens_returned = jnp.sum(mask, dtype=jnp.int32)
+    steps = state.decode.steps
+    result = CarryOverRows(
+        picked(outputs.tokens, PAD_ID), picked(outputs.logprobs, 0.0), token_versions, mask.astype(jnp.int32),
+        lengths, valid_rows & outputs.stopped[rows], jnp.where(valid, state.inserted[pick // P], -1),
+        jnp.where(valid, pick % P, -1), valid, dropped,
+        dropped_version, carried, steps, jnp.sum(outputs.lengths - state.call_start, dtype=jnp.int32),
+        steps * spec.engine.slots,
+        jnp.sum(staleness, dtype=jnp.float32) / jnp.maximum(tokens_returned, 1).astype(jnp.float32),
+        jnp.max(staleness))
+    live = state.live.at[pick].set(state.live[pick] & ~valid)
+    state = state._replace(versions=versions, call_start=outputs.lengths, live=live)
+    return _pinned(state, shardings), result
+
+
+def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: int, groups: int,
+                    max_staleness: int) -> CarryOverSpec:
+    """The programs' static part, checked: the paged sampler with ``settings.slots`` slots, at most
+    ``prompts`` groups a call, max_staleness >= 0."""
+    if settings.sampler != "paged" or settings.slots is None:
+        raise ValueError("carry-over runs the paged sampler: settings need page_size and slots")
+    if settings.tail_slots is not None:
+        raise ValueError(f"tail_slots={settings.tail_slots}: carry-over never narrows (its calls end before a tail)")
+    if not 1 <= groups <= prompts:
+        raise ValueError(f"groups={groups}: must be in [1, prompts={prompts}] (a call returns at most its prompts' "
+                         "worth of groups)")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+    need = row_pages(settings.page_size, settings.max_new_tokens)
+    pages = settings.pages or default_pages(settings.slots, settings.page_size, settings.max_new_tokens)
+    if pages < need:
+        raise ValueError(f"pages={pages}: the pool must hold one row's response pages, {need} of "
+                         f"{settings.page_size} tokens (max_new_tokens={settings.max_new_tokens})")
+    engine = EngineSpec("paged", settings.n, settings.max_new_tokens, settings.slots, None, settings.page_size, pages,
+                        settings.chunk_steps)
+    return CarryOverSpec(engine, prompts, prompt_length, max_staleness + 1, groups)
+
+
+class CarryOverSampler:
+    """The host side of carry-over rollouts: holds the ``CarryState`` between calls.
+
+    sampler = CarryOverSampler(graphdef, settings, prompts=P, prompt_length=T, groups=B, max_staleness=1)
+    rows = sampler.step(params, version, prompt_tokens, prompt_mask, key)  # B groups, ``CarryOverRows``
+
+    One call a version: ``version`` goes up by 1 from call to call (a generation lives G calls).
+    Every call has the same shapes (P, T, the settings), so only the first compiles.
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, settings: SamplingSettings, *, prompts: int, prompt_length: int,
+                 groups: int, max_staleness: int = 1):
+        self.graphdef = graphdef
+        self.settings = settings
+        self.spec = carry_over_spec(settings, prompts=prompts, prompt_length=prompt_length, groups=groups,
+                                    max_staleness=max_staleness)
+        self._state: CarryState | None = None
+        self._shardings: tuple | None = None
+        self._version: int | None = None
+
+    def step(self, params: nnx.State, version: int, prompt_tokens, prompt_mask, key: jax.Array, budgets=None, *,
+             wait: Callable[[jax.Array, CarryOverProgress | None], None] | None = None) -> CarryOverRows:
+        """Insert P new prompts [P, T] (mask 1 on real tokens; an all-zero row is batch padding) sampled
+        with ``params`` (``nnx.split``'s state, the same structure every call) at policy ``version``,
+        decode until B groups are complete, return them. budgets: None or [P n] ints in [1,
+        max_new_tokens]. wait(progress, last): as ``engine.sample``'s, with ``CarryOverProgress``."""
+        spec, settings = self.spec, self.settings
+        P, T = spec.prompts, spec.prompt_length
+        if np.shape(prompt_tokens) != (P, T) or np.shape(prompt_mask) != (P, T):
+            raise ValueError(f"prompt_tokens {np.shape(prompt_tokens)} and prompt_mask {np.shape(prompt_mask)} "
+                             f"must both be [{P}, {T}]")
+        if self._version is not None and version != self._version + 1:
+            raise ValueError(f"version={version}: one call a version, the last was {self._version}")
+        rows = P * settings.n
+        budgets = np.full(rows, settings.max_new_tokens, np.int32) if budgets is None else np.asarray(budgets)
+        if budgets.shape != (rows,) or budgets.min() < 1 or budgets.max() > settings.max_new_tokens:
+            raise ValueError(f"budgets: expected {rows} integers in [1, max_new_tokens={settings.max_new_tokens}]")
+        key = jax.device_put(key, replicated())
+        selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
+        stop_ids = stop_id_array(settings.stop_token_ids)
+        if self._state is None:
+            self._state = _init_program(self.graphdef, params, key, spec=spec)
+            self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(self._state))
+        pinned = dict(spec=spec, shardings=self._shardings)
+        version_array = np.int32(version)
+        layout, state, dropped, dropped_version, carried = _insert_program(
+            self.graphdef, params, self._state, prompt_tokens, prompt_mask, budgets.astype(np.int32), key, selection,
+            stop_ids, version_array, **pinned)
+        self._state = None  # donated: a failed call leaves no state to reuse
+        pending, last = None, None
+        while True:  # the next chunk is queued before a chunk's progress is read, as in engine.sample
+            state, progress = _chunk_program(self.graphdef, layout, state, selection, stop_ids, **pinned)
+            if pending is not None:
+                if wait is not None:
+                    wait(pending, last)
+                last = CarryOverProgress.read(pending)
+                if last.done:
+                    break
+            pending = progress
+        self._state, result = _harvest_program(state, version_array, dropped, dropped_version, carried, **pinned)
+        self._version = version
+        return result
