@@ -117,6 +117,12 @@ def get_config() -> ml_collections.ConfigDict:
                                   # each); 0: all `slots` decode to the call's end
         max_logprob_diff=0.0,     # > 0: refuse a step whose sampler log-probs differ from pi_old by more than this on
                                   # some response token (metric rollout_logprob_diff_max); 0: only report
+        carry_over=False,         # True (paged sampler, one call a step): a step's sampler call ends once it has
+                                  # prompts_per_step complete groups; responses still running keep their pages and go on
+                                  # in the next step's call with the new weights (docs/design.md 3.2b); the rollout
+                                  # correction weighs the stale tokens (token TIS 2.0 unless one is set)
+        max_staleness=1,          # carry_over: a prompt batch still unfinished this many steps after its call is dropped
+                                  # and its prompts sampled again
     ))
 
     # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective

@@ -17,6 +17,7 @@ from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
+from train_helpers import ListPromptSource
 
 CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
@@ -132,24 +133,6 @@ def test_a_step_that_finds_too_few_groups_stops_naming_the_field(setup):
     assert next(source) is batches[3]
 
 
-class _Batches:
-    """The fixture's batches as a trainer's prompt source (loop.PromptSource): a cursor saved with every
-    checkpoint."""
-
-    def __init__(self, batches):
-        self.batches, self.next_index = batches, 0
-
-    def next_batch(self) -> PromptBatch:
-        self.next_index += 1
-        return self.batches[self.next_index - 1]
-
-    def get_state(self) -> dict:
-        return {"next_index": self.next_index}
-
-    def set_state(self, state: dict) -> None:
-        self.next_index = state["next_index"]
-
-
 def test_a_resumed_run_draws_the_same_batches_and_trains_no_group_twice(setup, tmp_path):
     """Two steps with dynamic sampling, straight and as one step plus a resume: the resumed step 2 draws
     the gen batches after step 1's (the cursor saved with step 1 counts every batch step 1 drew), with
@@ -165,7 +148,7 @@ def test_a_resumed_run_draws_the_same_batches_and_trains_no_group_twice(setup, t
 
         def train(workdir, steps):
             config.train.steps = steps
-            source = _Batches(batches)
+            source = ListPromptSource(batches)
             fresh = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, params))
             result = rl_train(RunSpec.unplaced(config), workdir, fresh, source, decode=_parity, stop_token_ids=(1,),
                               reward_pool=pool, programs=programs)

@@ -127,3 +127,21 @@ def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
     temporary directory to ``<step>`` once it is complete)."""
     root = workdir / "checkpoints"
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+class ListPromptSource:
+    """A list of ``PromptBatch``es as a trainer's prompt source (training/loop.py ``PromptSource``): a
+    cursor saved with every checkpoint."""
+
+    def __init__(self, batches):
+        self.batches, self.next_index = batches, 0
+
+    def next_batch(self):
+        self.next_index += 1
+        return self.batches[self.next_index - 1]
+
+    def get_state(self) -> dict:
+        return {"next_index": self.next_index}
+
+    def set_state(self, state: dict) -> None:
+        self.next_index = state["next_index"]

@@ -407,6 +407,10 @@ class CarryOverSampler:
         self._shardings: tuple | None = None
         self._version: int | None = None
 
+    def reset(self) -> None:
+        """Forget the rows in flight: the next call starts from an empty state, at any version (a resume)."""
+        self._state, self._version = None, None
+
     def step(self, params: nnx.State, version: int, prompt_tokens, prompt_mask, key: jax.Array, budgets=None, *,
              wait: Callable[[jax.Array, CarryOverProgress | None], None] | None = None) -> CarryOverRows:
         """Insert P new prompts [P, T] (mask 1 on real tokens; an all-zero row is batch padding) sampled

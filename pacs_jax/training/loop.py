@@ -39,6 +39,7 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.models import kernels
 from pacs_jax.training import memory_check
+from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.compilations import compilations, start_counting, uncounted
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
@@ -122,6 +123,10 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
     tc = spec.train
     graphdef, params = nnx.split(model)
     programs = programs or StepPrograms(spec, graphdef, params, stop_token_ids)
+    carry = None
+    if programs.sampler.carry_over is not None:  # the engine keeps responses in flight between steps
+        programs.sampler.carry_over.reset()
+        prompts = carry = CarryOverRollouts(prompts, programs.sampler.carry_over, tc.prompts_per_step)
     critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None
     if critic is not None:  # a copy of the actor as RL starts (after the warm-start)
         programs.add_critic(critic.spec())
@@ -150,7 +155,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
     base_key = jax.random.key(spec.seed)
     stopped = False
     single_process = jax.process_count() == 1
-    collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool)
+    collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
     rc = spec.rollout
     if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
         if primary:                         # cannot fit stops here

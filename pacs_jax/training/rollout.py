@@ -46,6 +46,7 @@ from pacs_jax.rewards import STATUSES, RewardPool, ScoredBatch, reward_for, scor
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.rl import filter_groups
 from pacs_jax.training import dynamic_sampling, rollout_consistency
+from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.dynamic_sampling import CallRows
 from pacs_jax.training.progress import StepWatch, dispatches_done
 from pacs_jax.training.spec import FilterGroupsSpec, RunSpec
@@ -105,6 +106,7 @@ class SampledRows:
     slot_steps: int  # of the calls, summed (engine.SampleArrays.slot_steps)
     local_rows: np.ndarray  # [b] the rows this process holds, sorted
     local_tokens: np.ndarray  # [b, R] their tokens (host)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler's own (carry-over's)
 
     @property
     def sampler_logprobs(self) -> tuple[jax.Array, ...]:
@@ -146,21 +148,24 @@ class RolloutCollector:
 
     def __init__(self, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str], reward_pool: RewardPool,
                  reward_name: str, reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
-                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec = FilterGroupsSpec()):
+                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec = FilterGroupsSpec(),
+                 carry: CarryOverRollouts | None = None):
         self.programs, self.max_logprob_diff = programs, max_logprob_diff
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
-        self.filter_groups = filter_groups
+        self.filter_groups, self.carry = filter_groups, carry
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, programs: StepPrograms, *,
-                  decode: Callable[[Sequence[int]], str], reward_pool: RewardPool | None) -> RolloutCollector:
+    def from_spec(cls, spec: RunSpec, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str],
+                  reward_pool: RewardPool | None, carry: CarryOverRollouts | None = None) -> RolloutCollector:
         """The collector of ``spec.reward`` (the reward, its deadline and unscored fraction),
-        ``rollout.max_logprob_diff`` and ``algorithm.filter_groups``."""
+        ``rollout.max_logprob_diff`` and ``algorithm.filter_groups``; ``carry``: the run's carry-over
+        prompt source (``rollout.carry_over``; training/carry_over.py), which samples its steps."""
         rw = spec.reward
         return cls(programs, decode=decode, reward_pool=reward_pool, reward_name=reward_for(rw.name, rw.mode),
                    reward_deadline=rw.deadline, max_unscored_fraction=rw.max_unscored_fraction,
-                   max_logprob_diff=spec.rollout.max_logprob_diff, filter_groups=spec.algorithm.filter_groups)
+                   max_logprob_diff=spec.rollout.max_logprob_diff, filter_groups=spec.algorithm.filter_groups,
+                   carry=carry)
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host array of the global shape -> a global array sharded over the batch axes (each process
@@ -169,13 +174,14 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------------ one step
     def sample(self, state: nnx.State, prompts: PromptBatch, key: jax.Array,
-               watch: StepWatch | None = None) -> SampledRows:
+               watch: StepWatch | None = None, version: int = 0) -> SampledRows:
         """Sample n responses per prompt (every process passes the same ``prompts``); ``watch``
         (training/progress.py) is told of each chunk of decode steps, and may stop between them.
 
         The calls run one after another, each in chunks of decode steps (sampling.sample): ``watch``
         writes their progress (rows done, tokens so far) and may stop between two chunks. Waits for the
-        sampler (this process's rows of the tokens come to the host).
+        sampler (this process's rows of the tokens come to the host). With carry-over (``carry``): step
+        ``version``'s call, whose rows are the groups it returns (training/carry_over.py).
         """
         programs = self.programs
         K = programs.sampler.sampler_calls
@@ -183,10 +189,12 @@ class RolloutCollector:
         num_prompts = len(prompt_ids)
         if num_prompts % K:
             raise ValueError(f"{num_prompts} prompts cannot be split into {K} sampler micro-batches")
+        watch = watch or StepWatch.silent()
+        if self.carry is not None:
+            return self._carried(state, prompts, key, watch, version)
         length = pick_bucket(max(len(p) for p in prompt_ids), programs.sampler.prompt_buckets, "a prompt")
         tokens_np, mask_np = sampling.left_pad(prompt_ids, num_prompts, length)
         per_call = num_prompts // K
-        watch = watch or StepWatch.silent()
 
         def wait(progress, last, c):  # each chunk of decode steps: progress lines, and a stop between chunks
             watch.wait(progress, lambda: f"sampler call {c + 1}/{K}: " + (
@@ -201,6 +209,26 @@ class RolloutCollector:
         return self._rows(prompts, tuple(CallRows(o.tokens, o.logprobs, o.lengths) for o in outs), length,
                           np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
                           sum(map(int, slot_steps)))
+
+    def _carried(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
+                 version: int) -> SampledRows:
+        """Carry-over's call of step ``version`` on ``prompts`` (at the largest prompt bucket): the groups it
+        returns as the step's rows, its metrics in ``SampledRows.metrics``."""
+        length, slots = self.programs.sampler.prompt_buckets[-1], self.carry.engine.spec.prompts
+        tokens_np, mask_np = sampling.left_pad(prompts.prompt_ids, slots, length)  # rows past them: batch padding
+
+        def wait(progress, last):
+            watch.wait(progress, lambda: "carry-over call: " + (
+                f"{last.groups} groups complete, {last.running} rows running" if last else "insert"))
+
+        rows, (ids, golds, sources), metrics, decode_steps, slot_steps = self.carry.sample(
+            state, version, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
+        lengths, stopped = distributed.to_host((rows.lengths, rows.stopped))
+        kept = PromptBatch(ids, golds, sources)
+        bucket = pick_bucket(max(len(p) for p in ids), self.programs.sampler.prompt_buckets, "a prompt")
+        sampled = self._rows(kept, (CallRows(rows.tokens, rows.logprobs, rows.lengths),), bucket, lengths, stopped,
+                             decode_steps, slot_steps)
+        return dataclasses.replace(sampled, metrics=metrics)
 
     def _rows(self, prompts: PromptBatch, calls: tuple[CallRows, ...], prompt_bucket: int, lengths: np.ndarray,
               stopped: np.ndarray, decode_steps: int, slot_steps: int) -> SampledRows:
@@ -285,7 +313,8 @@ class RolloutCollector:
             sampled, scores, filtered = self._filtered(state, batches, key, watch, times, step)
             watch.start("reward")  # pi_old is dispatched here, after the filter chose the rows
         else:
-            sampled, filtered = self._sample_phase(state, batches(), key, watch, times), {}
+            sampled = self._sample_phase(state, batches(), key, watch, times, step)
+            filtered = sampled.metrics  # carry-over's: staleness, carried rows, the call's tokens and slot fill
             watch.start("reward")
         t0 = time.perf_counter()
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
@@ -342,11 +371,11 @@ class RolloutCollector:
         return Rollout(batch, rewards, metrics, packing)
 
     def _sample_phase(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
-                      times: dict[str, float]) -> SampledRows:
+                      times: dict[str, float], version: int = 0) -> SampledRows:
         """The sampling phase of one batch of prompts (its seconds added to ``times["time_sample"]``)."""
         t0 = time.perf_counter()
         watch.start("sampling")
-        sampled = self.sample(state, prompts, key, watch)
+        sampled = self.sample(state, prompts, key, watch, version)
         times["time_sample"] += time.perf_counter() - t0
         watch.done(f"{len(sampled.lengths)} rows, {int(sampled.lengths.sum())} tokens")
         return sampled

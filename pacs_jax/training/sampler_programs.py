@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax import hlo, sampling, sharding
+from pacs_jax.sampling.carry_over import CarryOverSampler
 from pacs_jax.sampling.engine import lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, batch_sharding
@@ -46,7 +47,8 @@ class SamplerPrograms:
     ``sample(params, prompt_tokens, prompt_mask, key, wait)``: one sampler call (sampling.sample);
     ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
     ``select_groups`` (dynamic sampling's, training/dynamic_sampling.py), None unless
-    ``algorithm.filter_groups.enable``. ``resident`` (bytes a device): the training state that stays on
+    ``algorithm.filter_groups.enable``; ``carry_over``, the engine of ``rollout.carry_over``
+    (``CarryOverSampler``, its decode state kept between steps), None without it. ``resident`` (bytes a device): the training state that stays on
     the engine's devices during its programs (the parameters, AdamW's state and PPO's critic when the
     two roles share the devices; the memory check counts it beside them, the parameters as the
     sampler's argument).
@@ -75,6 +77,11 @@ class SamplerPrograms:
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
         self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
+        # carry-over (sampling/carry_over.py): one call a step at the largest prompt bucket, B = P groups returned;
+        # room for 2P prompts a call, so that P groups can be in flight between calls (training/carry_over.py)
+        self.carry_over = (CarryOverSampler(graphdef, self.settings, prompts=2 * self.num_prompts,
+                                            prompt_length=self.prompt_buckets[-1], groups=self.num_prompts,
+                                            max_staleness=rc.max_staleness) if rc.carry_over else None)
 
     @property
     def pass_widths(self) -> tuple[int, int]:

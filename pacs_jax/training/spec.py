@@ -169,6 +169,8 @@ class RolloutSpec:
     micro_batches: int
     max_logprob_diff: float
     sampler: SamplerSpec
+    carry_over: bool = False
+    max_staleness: int = 1
 
     @classmethod
     def from_config(cls, section) -> RolloutSpec:
@@ -184,6 +186,17 @@ class RolloutSpec:
                        "rollout.max_new_tokens", allow_empty=True)
         require(self.max_logprob_diff >= 0, "rollout.max_logprob_diff",
                 f"must be >= 0 (0: report the sampler / pi_old mismatch only), got {self.max_logprob_diff}")
+        require(isinstance(self.carry_over, bool), "rollout.carry_over", f"must be True or False, got {self.carry_over!r}")
+        _int_at_least(self.max_staleness, 0, "rollout.max_staleness")
+        if self.carry_over:
+            require(self.sampler.sampler == "paged", "rollout.carry_over",
+                    f"carries responses over in the paged sampler's pages; rollout.sampler is {self.sampler.sampler!r}: "
+                    "set rollout.sampler=paged")
+            require(self.micro_batches == 1, "rollout.carry_over",
+                    f"runs one sampler call a step; set rollout.micro_batches=1 (it is {self.micro_batches})")
+            require(self.sampler.tail_slots == 0, "rollout.carry_over",
+                    f"a call ends before its tail, so it never narrows: set rollout.tail_slots=0 (it is "
+                    f"{self.sampler.tail_slots})")
         pages, longest = self.sampler.pages, row_pages(self.sampler.page_size, self.max_new_tokens)
         require(isinstance(pages, int) and (pages == 0 or pages >= longest), "rollout.pages",
                 f"must be 0 (every slot's longest response) or hold one response's {longest} pages "
@@ -308,6 +321,17 @@ class AlgorithmSpec:
     @property
     def min_group_size(self) -> int:
         return OBJECTIVES[self.objective].min_group_size
+
+
+def run_algorithm(config) -> AlgorithmSpec:
+    """``config.algorithm`` as a run reads it: with ``rollout.carry_over`` and no rollout correction set, the
+    stale tokens are weighed by token TIS at 2.0 (issue 50; decoupled: pi_old is the learner's recompute)."""
+    algorithm = AlgorithmSpec.from_config(config.algorithm)
+    correction = algorithm.rollout_correction
+    if config.rollout.carry_over and not correction.enabled:
+        algorithm = dataclasses.replace(algorithm, rollout_correction=dataclasses.replace(
+            correction, rollout_is="token", rollout_is_threshold=2.0))
+    return algorithm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,7 +683,7 @@ class RunSpec:
         and what the mesh must divide (``on_devices``)."""
         train = TrainSpec(**_fields(TrainSpec, config.train))
         ev = EvalSpec.from_config(config.eval)
-        algorithm = AlgorithmSpec.from_config(config.algorithm)
+        algorithm = run_algorithm(config)
         rollout = RolloutSpec.from_config(config.rollout)
         critic = CriticSpec(**_fields(CriticSpec, config.critic)) if algorithm.objective == "ppo" else None
         optim = OptimSpec(**_fields(OptimSpec, config.optim))
@@ -704,6 +728,9 @@ class RunSpec:
         per_mini = tc.prompts_per_step // tc.mini_batches
         require(per_mini % tc.micro_batches == 0, "train.micro_batches",
                 f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
+        require(not (rc.carry_over and self.algorithm.filter_groups.enable), "algorithm.filter_groups.enable",
+                "dynamic sampling with rollout.carry_over=True is not built yet (the filter would drop groups as the "
+                "carried call completes them); turn one of them off")
         require(not (self.algorithm.rollout_correction.bypass_mode and rc.max_logprob_diff > 0),
                 "algorithm.rollout_correction.bypass_mode", f"bypass mode computes no pi_old, so "
                 f"rollout.max_logprob_diff={rc.max_logprob_diff:g} has nothing to compare the sampler with: set it "

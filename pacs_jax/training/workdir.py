@@ -46,7 +46,7 @@ from pacs_jax.checkpoints import MODEL_CONFIG_FILE
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.rl.objectives import options_for
-from pacs_jax.training.spec import ConfigError, RolloutCorrectionSpec, RunSpec
+from pacs_jax.training.spec import ConfigError, RunSpec, run_algorithm
 
 LOCK_FILE = "trainer.lock"
 CONFIG_FILE = "config.json"
@@ -363,14 +363,17 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
 
 def recorded_config(config: ml_collections.ConfigDict, model_cfg: QwenConfig | None) -> dict:
     """What config.json records of a run: ``config``, with ``algorithm`` the objective and the options
-    it runs with (``options``; the other objectives' namespaces left out), and the rollout correction's
-    fields as it runs (a preset's filled in) when it is on, and ``model``'s architecture fields those of
+    it runs with (``options``; the other objectives' namespaces left out), the rollout correction's
+    fields as it runs (a preset's filled in; carry-over's default) when it is on, dynamic sampling's when on, and ``model``'s architecture fields those of
     ``model_cfg``, the model the run builds (None: unknown, the fields as configured)."""
     record = json.loads(config.to_json_best_effort())
     record["algorithm"] = {"objective": config.algorithm.objective, "options": options_for(config.algorithm)}
-    correction = RolloutCorrectionSpec.from_config(config.algorithm.rollout_correction)
+    algorithm = run_algorithm(config)
+    correction = algorithm.rollout_correction
     if correction.enabled or correction.bypass_mode:
         record["algorithm"]["rollout_correction"] = dataclasses.asdict(correction)
+    if algorithm.filter_groups.enable:
+        record["algorithm"]["filter_groups"] = dataclasses.asdict(algorithm.filter_groups)
     if model_cfg is not None:
         record["model"].update({field: getattr(model_cfg, field) for field in ARCHITECTURE_FIELDS})
     return record

@@ -1,0 +1,150 @@
+"""Carry-over rollouts in the trainer (``rollout.carry_over``; issue 50), on the (2, 2, 2) mesh: each step
+trains the groups that the engine (sampling/carry_over.py) returns when driven step by step as the
+trainer should drive it (step s's call at version s, with the weights after step s - 1's update, its
+own prompts and key); rows go over from step to step; nothing compiles after step 1; and a run
+stopped after step 2 and resumed loses no prompt and trains none twice."""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pacs_jax import models, sharding
+from pacs_jax.rewards import RewardPool
+from pacs_jax.sampling import buckets
+from pacs_jax.sampling.carry_over import CarryOverSampler
+from pacs_jax.training import rollout as rollout_module
+from pacs_jax.training.config_check import ConfigError, validate_config
+from pacs_jax.training.loop import rl_train
+from pacs_jax.training.rollout import PromptBatch
+from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.step_programs import StepPrograms
+from test_train_config import load_config
+from train_helpers import ListPromptSource
+
+CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
+                        bos_token_id=None, eos_token_id=1, max_position_embeddings=128)
+N, PROMPTS, MAX_NEW_TOKENS, SEED = 2, 4, 12, 4
+STOPS = tuple(range(2, 22))  # about 1 token in 5 ends a response: lengths from 1 to the budget
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = sharding.make_mesh(2, 2, 2)
+    with jax.set_mesh(mesh):
+        model = models.init_random(CFG, seed=5)
+    config = load_config("default.py")
+    config.seed = SEED
+    config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, carry_over=True, max_staleness=1,
+                          slots=4, stop_token_ids=STOPS)
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.update(prompts_per_step=PROMPTS, logprob_micro_batches=1, mini_batches=1, packing=False,
+                        checkpoint_every=1, precompile=False)
+    config.optim.update(schedule="constant", warmup_steps=0, lr=1e-3)
+    rs = np.random.RandomState(0)
+    batches = [PromptBatch([list(rs.randint(30, CFG.vocab_size, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
+                           ["7"] * PROMPTS, [f"prompt {b * PROMPTS + i}" for i in range(PROMPTS)]) for b in range(12)]
+    return mesh, model, config, batches
+
+
+def _parity(ids) -> str:
+    return "7" if len(ids) and int(ids[0]) % 2 == 0 else "8"
+
+
+def test_carry_over_needs_the_paged_sampler_and_one_call_a_step():
+    for field, value, words in (("sampler", "continuous", "set rollout.sampler=paged"),
+                                ("micro_batches", 2, "set rollout.micro_batches=1")):
+        config = load_config("default.py")
+        config.rollout.carry_over = True
+        config.rollout[field] = value
+        with pytest.raises(ConfigError, match=f"config.rollout.carry_over: .*{words}"):
+            validate_config(config)
+    config = load_config("default.py")
+    config.rollout.carry_over = True
+    assert RunSpec.unplaced(config).algorithm.rollout_correction.rollout_is == "token"  # the stale tokens weighed
+
+
+def _train(config, model, batches, workdir, steps, pool, trained):
+    """rl_train for ``steps`` (resuming ``workdir``): its history, each step's params before its update
+    (by step) and its carry-over prompt source; the rows each step trained appended to ``trained``."""
+    config.train.steps = steps
+    graphdef, params = nnx.split(model)
+    weights = {}
+
+    def on_step(step, model, metrics):
+        weights[step + 1] = jax.tree.map(np.asarray, nnx.state(model))
+
+    collect = rollout_module.RolloutCollector.__call__
+
+    def recording(self, state, batches_fn, key, watch=None, step=0):
+        weights.setdefault(step, jax.tree.map(np.asarray, state))
+        inserted = []
+        result = collect(self, state, lambda: inserted.append(batches_fn()) or inserted[-1], key, watch, step)
+        trained.append((step, {k: np.asarray(v) for k, v in result.batch.items() if k in ("input_ids", "response_mask")},
+                        result.metrics, inserted[0]))
+        return result
+
+    rollout_module.RolloutCollector.__call__ = recording
+    try:
+        source = ListPromptSource(batches)
+        fresh = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, params))
+        result = rl_train(RunSpec.unplaced(config), workdir, fresh, source, decode=_parity, stop_token_ids=(1,),
+                          reward_pool=pool, on_step=on_step)
+    finally:
+        rollout_module.RolloutCollector.__call__ = collect
+    return result.history, weights, result.collector.carry
+
+
+def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setup, tmp_path):
+    mesh, model, config, batches = setup
+    trained = []
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        history, weights, _ = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 4, pool,
+                                     trained)
+        # the reference: the engine alone, step s's call with the weights step s started from
+        spec = RunSpec.unplaced(config)
+        graphdef, _ = nnx.split(model)
+        settings = StepPrograms(spec, *nnx.split(model), (1,)).sampler.settings
+        engine = CarryOverSampler(graphdef, settings, prompts=2 * PROMPTS, prompt_length=16, groups=PROMPTS,
+                                  max_staleness=1)
+        base = jax.random.key(SEED)
+        for step, batch, metrics, prompts in trained:
+            tokens, mask = buckets.left_pad(prompts.prompt_ids, 2 * PROMPTS, 16)
+            rows = jax.tree.map(np.asarray, engine.step(weights[step], step, tokens, mask,
+                                                        jax.random.fold_in(base, step)))
+            R = batch["response_mask"].shape[1]
+            for r in range(PROMPTS * N):
+                L = int(rows.lengths[r])
+                assert batch["response_mask"][r].sum() == L, (step, r)
+                np.testing.assert_array_equal(batch["input_ids"][r, -R:][:L], rows.tokens[r, :L], err_msg=f"{step} {r}")
+            assert metrics["rollout_staleness_max"] == float(rows.staleness_max)
+            assert metrics["carried_rows"] == float(rows.carried_rows)
+    assert [len(prompts.prompt_ids) for *_, prompts in trained][0] == 2 * PROMPTS  # then what the last call returned
+    assert all(m["carried_rows"] > 0 for _, _, m, _ in trained[1:])  # responses went over to the next step
+    assert max(m["rollout_staleness_max"] for _, _, m, _ in trained) == 1.0
+    assert len({h["compilations"] for h in history}) == 1  # nothing compiled after step 1
+
+
+def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once(setup, tmp_path):
+    """The checkpoint of step 2 holds the prompts in flight; the resumed session samples them again first:
+    over the two sessions no prompt is trained twice, and every prompt drawn is trained or still held."""
+    mesh, model, config, batches = setup
+    trained = []
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 2, pool, trained)
+        _, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 5, pool, trained)
+    assert [step for step, *_ in trained] == [1, 2, 3, 4, 5]
+    counts = collections.Counter()
+    for _, batch, *_ in trained:
+        R = batch["response_mask"].shape[1]
+        for g in range(PROMPTS):
+            prompt = tuple(int(t) for t in batch["input_ids"][g * N, :-R] if t)  # left padding is 0
+            counts[prompt] += 1
+    assert max(counts.values()) == 1, counts  # no prompt trained twice
+    drawn = {tuple(p) for b in batches[:source.source.next_index] for p in b.prompt_ids}
+    held = {tuple(p) for p, _, _ in source.queued} | {tuple(source.inserted[v][p][0]) for v in source.live
+                                                      for p in source.live[v]}
+    assert drawn == set(counts) | held and not set(counts) & held
