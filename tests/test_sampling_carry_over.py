@@ -63,8 +63,8 @@ def _batch(call: int):
 def _run(seeds, *, compiles=None, mesh_shape=None):
     """The schedule (CALLS + DRAIN calls, B = 3 of P = 4 groups a call, max_staleness 2), call v with
     the weights of seed ``seeds[v]`` (on a mesh of ``mesh_shape``, the prompts split over its batch
-    axes): {(version, prompt): its n rows (tokens, logprobs, versions, lengths, stopped)} and each
-    call's ``CarryOverRows``. ``compiles`` gets the compilations of every call after the first."""
+    axes): {(version, prompt): its n rows (tokens, logprobs, versions, lengths, stopped)}, each call's
+    ``CarryOverRows`` and the sampler. ``compiles`` gets the compilations of every call after the first."""
     with _on_mesh(mesh_shape):
         return _schedule(seeds, compiles, mesh_shape)
 
@@ -96,7 +96,7 @@ def _schedule(seeds, compiles, mesh_shape):
                                 out.stopped[rows])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    return groups, calls
+    return groups, calls, sampler
 
 
 @pytest.mark.slow(seconds=120)
@@ -109,11 +109,15 @@ def test_unchanged_weights_give_sample_rows_and_nothing_compiles_after_the_first
     and ``engine.sample`` a queue per batch shard (4 of 1 slot)."""
     compiles = []
     before = carry_over.compile_count()
-    groups, calls = _run([3] * (CALLS + DRAIN), compiles=compiles, mesh_shape=mesh_shape)
+    groups, calls, sampler = _run([3] * (CALLS + DRAIN), compiles=compiles, mesh_shape=mesh_shape)
     assert compiles == [0] * (CALLS + DRAIN - 1)
     assert carry_over.compile_count() - before <= 4  # init, insert, chunk, harvest: once each (0 if cached)
     assert not any(out.dropped.any() for out in calls)
     assert sum(int(out.carried_rows) for out in calls) > 0
+    assert not calls[-1].carried_rows and not calls[-1].decode_steps  # drained: every slot idle, every page back
+    decode_state = sampler._state.decode
+    assert (np.asarray(decode_state.slots.row) == sampler.spec.rows).all()
+    assert int(decode_state.kv.count) == sampler.spec.engine.pages
     assert sorted(groups) == [(v, p) for v in range(CALLS) for p in range(P)]
     graphdef, params = _graphdef_and_params(3, mesh_shape)
     n = SETTINGS.n
@@ -185,7 +189,7 @@ def test_changed_weights_rows_equal_a_per_row_decode_switching_weights_where_the
     selected with the weights of its recorded version (the K/V of earlier tokens as computed then):
     same tokens, log-probs to tolerance; some rows span two or more versions."""
     seeds = [20 + v for v in range(CALLS + DRAIN)]
-    groups, _ = _run(seeds)
+    groups, _, _ = _run(seeds)
     assert sorted(groups) == [(v, p) for v in range(CALLS) for p in range(P)]
     spanning = 0
     for (v, p), (tokens, logprobs, versions, lengths, _) in groups.items():
