@@ -416,7 +416,8 @@ class CarryOverSampler:
         """Insert P new prompts [P, T] (mask 1 on real tokens; an all-zero row is batch padding) sampled
         with ``params`` (``nnx.split``'s state, the same structure every call) at policy ``version``,
         decode until B groups are complete, return them. budgets: None or [P n] ints in [1,
-        max_new_tokens]. wait(progress, last): as ``engine.sample``'s, with ``CarryOverProgress``."""
+        max_new_tokens]. wait(progress, last): as ``engine.sample``'s, with ``CarryOverProgress``; a call
+        it abandons (by raising) loses the rows in flight: the next call starts from an empty state."""
         spec, settings = self.spec, self.settings
         P, T = spec.prompts, spec.prompt_length
         if np.shape(prompt_tokens) != (P, T) or np.shape(prompt_mask) != (P, T):
@@ -426,7 +427,8 @@ class CarryOverSampler:
             raise ValueError(f"version={version}: one call a version, the last was {self._version}")
         rows = P * settings.n
         budgets = np.full(rows, settings.max_new_tokens, np.int32) if budgets is None else np.asarray(budgets)
-        if budgets.shape != (rows,) or budgets.min() < 1 or budgets.max() > settings.max_new_tokens:
+        if budgets.shape != (rows,) or not np.issubdtype(budgets.dtype, np.integer) or budgets.min() < 1 \
+                or budgets.max() > settings.max_new_tokens:
             raise ValueError(f"budgets: expected {rows} integers in [1, max_new_tokens={settings.max_new_tokens}]")
         key = jax.device_put(key, replicated())
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
