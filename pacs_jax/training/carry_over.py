@@ -26,6 +26,7 @@ import numpy as np
 
 from pacs_jax import distributed
 from pacs_jax.sampling.carry_over import CarryOverRows, CarryOverSampler
+from pacs_jax.training.prompt_batch import PromptBatch
 
 
 class CarryOverRollouts:
@@ -42,8 +43,6 @@ class CarryOverRollouts:
     def next_batch(self):
         """The next call's new prompts, as many as bring the engine's groups to its 2P (at least one, at
         most 2P): those queued again first, then the source's (drawn a batch at a time; the rest wait)."""
-        from pacs_jax.training.rollout import PromptBatch
-
         count = max(self.engine.spec.prompts - sum(map(len, self.live.values())), 1)
         while len(self.queued) < count:
             batch = self.source.next_batch()

@@ -44,7 +44,8 @@ from pacs_jax.training.compilations import compilations, start_counting, uncount
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.progress import StepInterrupted, StepWatch, dispatches_done
-from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.prompt_batch import PromptBatch
+from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.signals import stop_signals
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms

@@ -49,20 +49,12 @@ from pacs_jax.training import dynamic_sampling, rollout_consistency
 from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.dynamic_sampling import CallRows
 from pacs_jax.training.progress import StepWatch, dispatches_done
+from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.spec import FilterGroupsSpec, RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 
 
 REWARD_DEADLINE_RETRIES = 1  # rounds with a fresh reward deadline for what the first one left unscored
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptBatch:
-    """Prompts of one step: token ids, gold answers and where each came from (same length)."""
-
-    prompt_ids: Sequence[Sequence[int]]
-    ground_truths: Sequence[str]
-    data_sources: Sequence[str]
 
 
 @dataclasses.dataclass

@@ -54,7 +54,7 @@ from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.metrics import EvalScalars
 from pacs_jax.training.progress import planned_step_warning
-from pacs_jax.training.rollout import PromptBatch
+from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.spec import EvalSpec, RunSpec
 from pacs_jax.training.step_programs import StepPrograms
