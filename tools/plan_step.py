@@ -200,8 +200,8 @@ class Phase:
     useful_kind: str = ""  # "flops" or "bytes"
     xla_seconds: float | None = None  # XLA's optimal_seconds of the program (its loop bodies once)
     full_pool: tuple[float, float] | None = None  # decode, every page live: (bytes it must read, compiled bytes)
-    carry_over: tuple[float, float, float, float] | None = None  # decode: (trips with carry-over, its slot fill,
-    #                                                     its share of decoded tokens dropped as stale, today's fill)
+    carry_over: tuple[dict, float] | None = None  # decode: ({max_staleness: carry_over_decode_steps' (trips,
+    #                                               slot fill, share of decoded tokens dropped as stale)}, today's fill)
     weights: float = 0.0  # decode: the bytes of the weights a sampler device holds (the decode layout)
 
     def times(self, topo) -> dict[str, float]:
@@ -348,12 +348,13 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
     calls = spec.rollout.micro_batches
     queue_slots = step.sampler.slots // shards
-    co_steps, co_fill, co_lost = carry_over_decode_steps(lengths, queue_slots, spec.train.prompts_per_step // shards,
-                                                         spec.rollout.n)
+    staleness = spec.rollout.max_staleness
+    carry = {s: carry_over_decode_steps(lengths, queue_slots, spec.train.prompts_per_step // shards, spec.rollout.n,
+                                        max_staleness=s) for s in (staleness, staleness + 1, staleness + 2)}
     sync_fill = float(np.sum(np.maximum(lengths - 1, 0))) / shards / calls / max(queue_slots * steps, 1)
     return Phase("decode", steps * calls, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes),
-                 (co_steps, co_fill, co_lost, sync_fill), weights)
+                 (carry, sync_fill), weights)
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
@@ -433,12 +434,16 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
               f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}"]
     for p in phases:
         if p.carry_over:  # the same decode step, as many times as carry-over's steady state takes
-            trips, fill, lost, sync_fill = p.carry_over
+            carry, sync_fill = p.carry_over
+            staleness = min(carry)
+            trips, fill, lost = carry[staleness]
             decode = p.seconds(topo) * trips / p.trips
-            lines.append(f"with carry-over (rollout.carry_over, max_staleness 1; simulated steady state): {trips:.0f} "
-                         f"decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against {sync_fill:.2f}, "
-                         f"{lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, step "
-                         f"{total - p.seconds(topo) + decode:.1f} s predicted against {total:.1f} s")
+            lines.append(f"with carry-over (rollout.carry_over, max_staleness {staleness}; simulated steady state): "
+                         f"{trips:.0f} decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against "
+                         f"{sync_fill:.2f}, {lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, step "
+                         f"{total - p.seconds(topo) + decode:.1f} s predicted against {total:.1f} s; "
+                         + ", ".join(f"max_staleness {s}: {t:.0f} decode steps, {d:.1%} dropped"
+                                     for s, (t, _, d) in sorted(carry.items())[1:]))
     split = one_step_off(phases, topo, chips)
     if split:
         lines.append(split)
