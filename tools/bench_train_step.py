@@ -78,11 +78,11 @@ def main(argv) -> None:
     collector, update = result.collector, result.programs.learner.update
     _, params = nnx.split(result.model)
     key = jax.random.key(1)
-    prompt_ids = prompts.next_batch().prompt_ids
-    collector.sample(params, prompt_ids, key)  # warm (same bucket as the timed call)
-    sampled, t_sample = _timed(lambda: collector.sample(params, prompt_ids, key))
+    batch_prompts = prompts.next_batch()
+    collector.sample(params, batch_prompts, key)  # warm (same bucket as the timed call)
+    sampled, t_sample = _timed(lambda: collector.sample(params, batch_prompts, key))
     (batch, *_), t_old = _timed(lambda: jax.block_until_ready(collector.old_policy(params, sampled)))
-    rows = sampled["tokens"].shape[0]
+    rows = sampled.tokens.shape[0]
     batch = dict(batch, rewards=collector._put(np.tile([1.0, 0.0], rows // 2).astype(np.float32)))
     # the trained state is donated to this last update (no second copy of params + optimizer state)
     _, t_update = _timed(lambda: jax.block_until_ready(update(params, result.opt_state, batch)))
