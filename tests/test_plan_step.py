@@ -194,14 +194,20 @@ def test_carry_over_keeps_the_slots_full_and_drops_what_is_too_stale():
 
 
 def test_one_step_off_takes_the_split_that_balances_the_engine_and_the_learner():
-    """Engine 3 s and learner 1 s on 8 chips: 6 chips to the engine (4 s, the learner 4 s on 2); without
-    a learner phase there is no split to make."""
+    """A decode of 3 s whose queues' tail does not shrink (the same trips on 4, 6 or 2 of 8 chips) and a
+    learner of 3 s: 2 chips to the engine (3 s), the learner 4 s on 6; without a learner phase there is
+    no split to make."""
     import types
 
     tool = _tool()
     topo = types.SimpleNamespace(ici_bandwidth=0.0)
-    phase = lambda name, seconds: types.SimpleNamespace(name=name, seconds=lambda topo: seconds, weights=1e9)  # noqa: E731
-    line = tool.one_step_off([phase("decode", 3.0), phase("update", 1.0)], topo, 8)
-    assert "best mesh.rollout_devices=6 of 8: step 4.0 s (engine 4.0 s + weights 0.00 s, learner 4.0 s) against " \
-           "4.0 s synchronous" in line, line
-    assert tool.one_step_off([phase("decode", 3.0)], topo, 8) == ""
+
+    def phase(name, seconds, **fields):
+        return types.SimpleNamespace(name=name, seconds=lambda topo: seconds, trips=100.0, weights=1e9,
+                                     split_trips=fields.get("split_trips", {}))
+
+    decode = phase("decode", 3.0, split_trips={2: 100.0, 4: 100.0, 6: 100.0})
+    line = tool.one_step_off([decode, phase("update", 3.0)], topo, 8)
+    assert "best mesh.rollout_devices=2 of 8: step 4.0 s (engine 3.0 s + weights 0.00 s, learner 4.0 s) against " \
+           "6.0 s synchronous" in line, line
+    assert tool.one_step_off([decode], topo, 8) == ""

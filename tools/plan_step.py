@@ -203,6 +203,7 @@ class Phase:
     carry_over: tuple[dict, float] | None = None  # decode: ({max_staleness: carry_over_decode_steps' (trips,
     #                                               slot fill, share of decoded tokens dropped as stale)}, today's fill)
     weights: float = 0.0  # decode: the bytes of the weights a sampler device holds (the decode layout)
+    split_trips: dict[int, float] = dataclasses.field(default_factory=dict)  # decode: {engine chips: its trips}
 
     def times(self, topo) -> dict[str, float]:
         return {"flops": self.flops / topo.bf16_flops, "HBM": self.bytes / topo.hbm_bandwidth,
@@ -352,9 +353,12 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     carry = {s: carry_over_decode_steps(lengths, queue_slots, spec.train.prompts_per_step // shards, spec.rollout.n,
                                         max_staleness=s) for s in (staleness, staleness + 1, staleness + 2)}
     sync_fill = float(np.sum(np.maximum(lengths - 1, 0))) / shards / calls / max(queue_slots * steps, 1)
+    # one step off: the engine on q of the batch shards' chip groups runs q queues of the same slots (the same
+    # decode step), each with its share of the step's responses
+    split_trips = {q * tensor: decode_steps(prompts, lengths, queue_slots * q, q)[0] * calls for q in range(1, shards)}
     return Phase("decode", steps * calls, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes),
-                 (carry, sync_fill), weights)
+                 (carry, sync_fill), weights, split_trips)
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
@@ -459,21 +463,28 @@ def one_step_off(phases: list[Phase], topo, chips: int) -> str:
     """One step off on split devices (issue 50: ``train.off_policy_steps=1``, ``mesh.rollout_devices``): the
     engine samples step k + 1 on R chips while the learner trains step k on the rest, so a step takes
     the longer of the two, the engine's including the weights' move (the decode layout's bytes a
-    device, over one chip's interconnect). Estimated by scaling this slice's phases (the engine's by
-    chips / R, the learner's by chips / (chips - R): each at its bound with the work spread over fewer
-    chips), not compiled per split; the best R of eighths of the slice, or "" without both roles."""
-    sampler = sum(p.seconds(topo) for p in phases if p.name in SAMPLER_PHASES)
+    device, over one chip's interconnect). Estimated from this slice's phases, not compiled per split:
+    the decode step is the same program (a queue on a batch shard's chips), run as many times as the
+    longest of the R chips' queues takes for the step's responses (``Phase.split_trips``: a queue's
+    tail does not shrink with fewer queues); the prefill and the learner's phases scale with their chips
+    (chips / R, chips / (chips - R)). The best R, or "" without a decode phase and a learner phase."""
+    decode = next((p for p in phases if p.name == "decode" and p.split_trips), None)
+    prefill = sum(p.seconds(topo) for p in phases if p.name == "prefill")
     learner = sum(p.seconds(topo) for p in phases if p.name not in SAMPLER_PHASES)
-    weights = max((p.weights for p in phases), default=0.0)
-    if not sampler or not learner or chips < 2:
+    if decode is None or not learner:
         return ""
-    move = weights / topo.ici_bandwidth if topo.ici_bandwidth else 0.0
-    splits = sorted({max(1, min(chips - 1, chips * k // 8)) for k in range(1, 8)})
-    step, r = min((max(sampler * chips / r + move, learner * chips / (chips - r)), r) for r in splits)
-    return (f"one step off (train.off_policy_steps=1; scaled from these phases, not compiled per split): best "
-            f"mesh.rollout_devices={r} of {chips}: step {step:.1f} s (engine {sampler * chips / r:.1f} s + weights "
-            f"{move:.2f} s, learner {learner * chips / (chips - r):.1f} s) against {sampler + learner:.1f} s "
-            f"synchronous on all {chips}")
+    move = decode.weights / topo.ici_bandwidth if topo.ici_bandwidth else 0.0
+
+    def times(r):
+        engine = prefill * chips / r + decode.seconds(topo) * decode.split_trips[r] / decode.trips
+        return max(engine + move, learner * chips / (chips - r)), engine, learner * chips / (chips - r)
+
+    r = min(decode.split_trips, key=lambda r: times(r)[0])
+    step, engine, learner_r = times(r)
+    synchronous = prefill + decode.seconds(topo) + learner
+    return (f"one step off (train.off_policy_steps=1; from these phases, not compiled per split): best "
+            f"mesh.rollout_devices={r} of {chips}: step {step:.1f} s (engine {engine:.1f} s + weights {move:.2f} s, "
+            f"learner {learner_r:.1f} s) against {synchronous:.1f} s synchronous on all {chips}")
 
 
 def main(argv) -> int:
