@@ -71,7 +71,7 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
     node, 3000 new tokens: a 220-page table (512 + 2999 tokens in pages of 16), whose largest divisor
     <= 8 is 5, the library kernel's lowering error. With a rollout correction (seq_mis: weights and a
     rejection mask in the update batch, and the correction's own program). Every program compiles; the kernels are chosen by
-    models/kernels.py (cuDNN padded, the Pallas mha kernel packed, our paged kernel) and printed."""
+    models/kernels.py (cuDNN padded, our block-sparse Pallas kernel packed, our paged kernel) and printed."""
     result = _run(["tools/plan_memory.py", "--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x8",
                    "--programs=sampler,pi_old,update,rollout_correction", *SHRUNK,
                    "--config.algorithm.rollout_correction.preset=seq_mis", "--config.rollout.max_new_tokens=3000",
@@ -94,11 +94,13 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
 
 
 def test_packed_attention_kernel_compiles_for_an_h200_at_several_shapes():
-    """Packed rows' attention on GPU (the Pallas mha kernel, its backward too) for lengths that are no
-    multiple of its blocks, head sizes 64, 96 (padded to 128) and 128, GQA groups 1..7, bf16 and f32:
-    each compiles with its three Triton kernels (forward, dK/dV, dQ), none falling back to the XLA path."""
+    """Packed rows' attention on GPU (our block-sparse Pallas kernel, its backward too) for lengths that
+    are no multiple of its blocks, head sizes 64, 96 (padded to 128) and 128, GQA groups 1..7, bf16 and
+    f32: each compiles with its three Triton kernels (forward, dq, dk/dv), none falling back to the XLA
+    path."""
     result = _run(["tests/gpu/packed_shapes.py"], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed"] == [] and len(report["compiled"]) == 4, report
-    assert all(shape[-1] == 3 for shape in report["compiled"]), report
+    names = ["pacs_packed_attention_dkv", "pacs_packed_attention_dq", "pacs_packed_attention_fwd"]
+    assert all(shape[-2:] == [3, names] for shape in report["compiled"]), report
