@@ -6,7 +6,9 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
    (tests/gpu/paged_widths.py), and the old block rule with the library kernel at a width where it
    failed, reproducing that error.
 2. The packed-rows kernel (tests/gpu/packed_shapes.py) forward and backward at several shapes.
-3. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
+3. One decode step of the issue 52 H200 run's shape (tools/plan_step.py --topology=h200x1): its layers
+   read their weights in place, no layer's weight copied out of its stack but the attention output's.
+4. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
    (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
    described (kernels, copies, loops whose trips sync with the host).
@@ -104,3 +106,28 @@ def test_packed_attention_kernel_compiles_for_an_h200_at_several_shapes():
     assert report["failed"] == [] and len(report["compiled"]) == 4, report
     names = ["pacs_packed_attention_dkv", "pacs_packed_attention_dq", "pacs_packed_attention_fwd"]
     assert all(shape[-2:] == [3, names] for shape in report["compiled"]), report
+
+
+# The H200 trainer run of issue 52: the paper's Qwen2.5 setup with the 1.5B preset, 32 prompts x 8 x 1,024
+# tokens, 256 slots narrowing to 32, one GPU
+H200_RUN = ["--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x1", "--lengths=budget",
+            "--config.model.preset=Qwen2.5-1.5B", "--config.train.prompts_per_step=32",
+            "--config.rollout.max_new_tokens=1024", "--config.rollout.response_buckets=(1024,)",
+            "--config.rollout.slots=256", "--config.rollout.tail_slots=32", "--config.mesh.data=1",
+            "--config.mesh.fsdp=1", "--config.mesh.tensor=1", "--config.train.mini_batches=1",
+            "--config.train.micro_batches=1", "--config.train.logprob_micro_batches=1"]
+
+
+@pytest.mark.slow(seconds=100)
+def test_a_decode_step_reads_its_layers_weights_in_place_on_an_h200():
+    """The decode step of the issue 52 run, compiled for an H200: its layers unrolled, their gemms read
+    the stacked weights in place. Before, XLA:GPU copied seven slices a layer out of the stacks (the
+    layer scan's dynamic slices, and the weights of the dots it merged: gate with up, q with k and v),
+    196 a step, and the step was compiled to read 21.13 GB where it must read 11.19. Left: the attention
+    output's weights, sliced for the split-K cuBLAS gemm XLA picks for it (without autotuning)."""
+    result = _run(["tools/plan_step.py", "--phases=decode", *H200_RUN], timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "copies of a layer's weights a step: o_kernel 28\n" in out, out
+    ratio = re.search(r"decode at a full pool: must read 11\.19 GB, compiled ([\d.]+) GB \(ratio ([\d.]+)\)", out)
+    assert ratio and float(ratio.group(2)) >= 0.70, out

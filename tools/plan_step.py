@@ -234,7 +234,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     the costliest, or with top_p 1 and no top_k as the cheapest (no top-p bisection)."""
     import jax
 
-    from pacs_jax import hlo_cost
+    from pacs_jax import hlo, hlo_cost
     from pacs_jax.sampling.engine import lower_decode_step, queues
     from pacs_jax.sampling.paged import default_pages
     from pacs_jax.training.abstract_step import abstract_step
@@ -271,6 +271,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     def per_device(paths) -> int:
         return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for s, a in (sizes[p] for p in paths))
 
+    log(f"  the step launches {hlo.program_profile(text).describe()}; {weight_copies_line(sizes, cfg, text)}")
     pool = per_device([p for p in sizes if p in ("[4].kv.k", "[4].kv.v")])  # the K/V the decode loop carries
     weights = per_device([p for p in sizes if p.startswith("[0]") and (cfg.tie_word_embeddings or "embedding" not in p)])
     L = cfg.num_hidden_layers
@@ -292,6 +293,23 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
     return Phase("decode", steps * spec.rollout.micro_batches, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes))
+
+
+def weight_copies_line(sizes: dict, cfg, text: str) -> str:
+    """What a compiled decode step copies of its layers' weights: "copies of a layer's weights a step:
+    NAME COUNT, ..." (or "none"), over the stacked [L, ...] parameters among ``sizes`` ({argument path:
+    (sharding, aval)}), at their per-device shapes (hlo.weight_copies)."""
+    import jax
+
+    from pacs_jax import hlo
+
+    L = cfg.num_hidden_layers
+    stacked = {path.split("[")[-1].split("]")[0].strip("'"): jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype)
+               for path, (s, a) in sizes.items()
+               if path.startswith("[0]") and "'layers'" in path and len(a.shape) >= 3 and a.shape[0] == L}
+    copies = hlo.weight_copies(text, stacked)
+    listed = ", ".join(f"{name} {n}" for name, n in sorted(copies.items())) or "none"
+    return f"copies of a layer's weights a step: {listed}"
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
