@@ -16,7 +16,7 @@ masks do on TPU; a block of padding only is visited by none. JAX's ``pallas.ops.
 (used before) visits every block up to the diagonal and masks the rows' other sequences: for rows
 of four sequences, about four times the blocks these visit.
 
-Three kernels, each one program per (row, query head, block):
+Three kernels, each one program per (block, row, query head):
 * forward, query block i over its key blocks: an online softmax in float32 (scores accumulated in
   float32 and scaled by Dh**-0.5 in float32, p rounded to V's dtype for p v), out and the
   log-sum-exp (0 for a query that sees no key: padding);
@@ -129,21 +129,22 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, interpret, *args):
 
 
 def _specs(B, T, H, K, Dh, block):
-    """BlockSpecs over the grid (b, h, i): a block of rows of q-like [B, T, H, Dh] arrays, a whole row
+    """BlockSpecs over the grid (i, b, h) (a row and head's blocks launched one after another, so they
+    find its K/V, or q, rows in the L2 cache): a block of rows of q-like [B, T, H, Dh] arrays, a whole row
     of head h // G of k-like [B, T, K, Dh] arrays or of q-like ones, a row of [B, H, T] (lse, delta), a
     row of ids, block i's entry of a [B, n] schedule array."""
     from jax.experimental import pallas as pl
 
     G = H // K
     return dict(
-        q_block=pl.BlockSpec((None, block, None, Dh), lambda b, h, i: (b, i, h, 0)),
-        q_row=pl.BlockSpec((None, T, None, Dh), lambda b, h, i: (b, 0, h, 0)),
-        kv_row=pl.BlockSpec((None, T, None, Dh), lambda b, h, i: (b, 0, h // G, 0)),
-        kv_block=pl.BlockSpec((None, block, None, Dh), lambda b, h, i: (b, i, h // G, 0)),
-        stat_block=pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i)),
-        stat_row=pl.BlockSpec((None, None, T), lambda b, h, i: (b, h, 0)),
-        ids=pl.BlockSpec((None, T), lambda b, h, i: (b, 0)),
-        bound=pl.BlockSpec((None, 1), lambda b, h, i: (b, i)),
+        q_block=pl.BlockSpec((None, block, None, Dh), lambda i, b, h: (b, i, h, 0)),
+        q_row=pl.BlockSpec((None, T, None, Dh), lambda i, b, h: (b, 0, h, 0)),
+        kv_row=pl.BlockSpec((None, T, None, Dh), lambda i, b, h: (b, 0, h // G, 0)),
+        kv_block=pl.BlockSpec((None, block, None, Dh), lambda i, b, h: (b, i, h // G, 0)),
+        stat_block=pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i)),
+        stat_row=pl.BlockSpec((None, None, T), lambda i, b, h: (b, h, 0)),
+        ids=pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+        bound=pl.BlockSpec((None, 1), lambda i, b, h: (b, i)),
     )
 
 
@@ -152,7 +153,7 @@ def _forward(q, k, v, ids, plan, scale, block, interpret):
     B, T, H, Dh = q.shape
     s = _specs(B, T, H, k.shape[2], Dh, block)
     kernel = functools.partial(_forward_kernel, block=block, scale=scale)
-    return _call(kernel, "pacs_packed_attention_fwd", (B, H, T // block),
+    return _call(kernel, "pacs_packed_attention_fwd", (T // block, B, H),
                  [s["q_block"], s["kv_row"], s["kv_row"], s["ids"], s["bound"], s["bound"]],
                  [s["q_block"], s["stat_block"]],
                  [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), _F32)], interpret,
@@ -164,7 +165,7 @@ def _backward_dq(q, k, v, ids, plan, dout, lse, delta, scale, block, interpret):
     B, T, H, Dh = q.shape
     s = _specs(B, T, H, k.shape[2], Dh, block)
     kernel = functools.partial(_dq_kernel, block=block, scale=scale)
-    return _call(kernel, "pacs_packed_attention_dq", (B, H, T // block),
+    return _call(kernel, "pacs_packed_attention_dq", (T // block, B, H),
                  [s["q_block"], s["kv_row"], s["kv_row"], s["ids"], s["q_block"], s["stat_block"], s["stat_block"],
                   s["bound"], s["bound"]],
                  s["q_block"], jax.ShapeDtypeStruct(q.shape, q.dtype), interpret,
@@ -177,7 +178,7 @@ def _backward_dkv(q, k, v, ids, plan, dout, lse, delta, scale, block, interpret)
     s = _specs(B, T, H, k.shape[2], Dh, block)
     kernel = functools.partial(_dkv_kernel, block=block, scale=scale)
     shape = jax.ShapeDtypeStruct((B, T, H, Dh), _F32)
-    return _call(kernel, "pacs_packed_attention_dkv", (B, H, T // block),
+    return _call(kernel, "pacs_packed_attention_dkv", (T // block, B, H),
                  [s["q_row"], s["kv_block"], s["kv_block"], s["ids"], s["q_row"], s["stat_row"], s["stat_row"],
                   s["bound"], s["bound"]],
                  [s["q_block"], s["q_block"]], [shape, shape], interpret,
@@ -201,7 +202,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, last_ref, o_ref, ls
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    i = pl.program_id(2)
+    i = pl.program_id(0)
     q = q_ref[...]
     q_ids = ids_ref[pl.ds(i * block, block)]
 
@@ -229,7 +230,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_ref, first_r
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    i = pl.program_id(2)
+    i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
     q_ids = ids_ref[pl.ds(i * block, block)]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -254,7 +255,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, ids_ref, do_ref, lse_ref, delta_ref, first_
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    j = pl.program_id(2)
+    j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     k_ids = ids_ref[pl.ds(j * block, block)]
 
