@@ -162,7 +162,7 @@ def program_profile(hlo_text: str) -> LoopProfile:
         comps = _computations(module)
         fusions = copies = loops = unknown = conditionals = 0
         calls: dict[str, int] = {}
-        for name, times in _launched(comps).items():
+        for name, (times, _) in _launched(comps).items():
             for line in comps[name].split("\n")[1:]:
                 match = _LINE_OP.match(line)
                 if not match:
@@ -194,18 +194,22 @@ def _launch(op: str, rest: str) -> str | None:
 
 
 _HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int32": "s32"}
-_SHAPED_OP = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\((.*)$")
-_MATERIALIZING = ("copy", "slice", "dynamic-slice")  # a fusion of one of these at its root writes a new buffer
+_ARRAY_OUT = re.compile(r"(\w+)\[([\d,]*)\]")
+# a fusion of one of these at its root (a tuple: several slices at once) writes a new buffer
+_MATERIALIZING = ("copy", "slice", "dynamic-slice", "tuple")
 
 
-def weight_copies(hlo_text: str, weights: dict[str, jax.ShapeDtypeStruct]) -> dict[str, int]:
+def weight_copies(hlo_text: str, weights: dict[str, jax.ShapeDtypeStruct], *,
+                  device_trip_loops_only: bool = False) -> dict[str, int]:
     """How many times a run of a compiled module writes one layer's slice of a stacked weight to a
     buffer of its own: {weight name: count} over ``weights`` ({name: its stacked [L, ...] shape and
     dtype}), those never copied left out; an instruction in a loop counts its loop's known trips (a
     loop whose trips only the device knows: one). A copy is a ``copy`` or a fusion whose root copies or slices
     (XLA:GPU's slice of a stacked weight for a gemm that cannot read it in place), of the shape
-    [1, ...] or [...] of one layer's slice, in the weight's dtype; weights of the same slice shape
-    share a count (named together, "a/b")."""
+    [1, ...] or [...] of one layer's slice, in the weight's dtype (each such output of a fusion of
+    several); weights of the same slice shape share a count (named together, "a/b").
+    device_trip_loops_only: only those inside a loop whose trips only the device knows (a sampler's
+    decode loops: a copy there runs every decode step)."""
     names: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for name, w in weights.items():
         dtype = _HLO_DTYPES.get(jax.numpy.dtype(w.dtype).name, jax.numpy.dtype(w.dtype).name)
@@ -214,20 +218,24 @@ def weight_copies(hlo_text: str, weights: dict[str, jax.ShapeDtypeStruct]) -> di
     counts: dict[str, int] = {}
     for module in _modules(hlo_text):
         comps = _computations(module)
-        for name, times in _launched(comps).items():
+        for name, (times, in_device_loop) in _launched(comps).items():
+            if device_trip_loops_only and not in_device_loop:
+                continue
             for line in comps[name].split("\n")[1:]:
-                match = _SHAPED_OP.match(line)
+                match = _LINE_OP.match(line)
                 if not match:
                     continue
-                dtype, dims, op, rest = match.groups()
-                shape = tuple(int(d) for d in dims.split(",") if d)
-                if (dtype, shape) not in names or op not in ("copy", "fusion"):
+                op, rest = match.groups()
+                if op not in ("copy", "fusion"):
                     continue
                 callee = re.search(r"calls=%?([\w.\-]+)", rest)
                 if op == "fusion" and (not callee or _root_op(comps.get(callee.group(1), "")) not in _MATERIALIZING):
                     continue
-                key = "/".join(sorted(set(names[(dtype, shape)])))
-                counts[key] = counts.get(key, 0) + times
+                for dtype, dims in _ARRAY_OUT.findall(line.split(" = ", 1)[1].split(f" {op}(", 1)[0]):
+                    shape = tuple(int(d) for d in dims.split(",") if d)
+                    if (dtype, shape) in names:
+                        key = "/".join(sorted(set(names[(dtype, shape)])))
+                        counts[key] = counts.get(key, 0) + times
     return counts
 
 
@@ -237,25 +245,27 @@ def _root_op(computation: str) -> str | None:
     return root.group(1) if root else None
 
 
-def _launched(comps: dict[str, str]) -> dict[str, int]:
-    """The computations a module's ENTRY runs, each with how many times a run runs it: itself and the
-    loop bodies, conditions, branches and calls it reaches (not the computations fused into
-    kernels); a loop's body times its known trip count (one when only the device knows it)."""
+def _launched(comps: dict[str, str]) -> dict[str, tuple[int, bool]]:
+    """The computations a module's ENTRY runs, each with how many times a run runs it and whether it
+    is inside a loop whose trips only the device knows: itself and the loop bodies, conditions,
+    branches and calls it reaches (not the computations fused into kernels); a loop's body times its
+    known trip count (one when only the device knows it)."""
     entry = next((name for name, text in comps.items() if text.startswith("ENTRY")), None)
-    todo, times = [(entry, 1)], {}
+    todo, launched = [(entry, 1, False)], {}
     while todo:
-        name, n = todo.pop()
-        if name in times or name not in comps:
+        name, n, in_device_loop = todo.pop()
+        if name in launched or name not in comps:
             continue
-        times[name] = n
+        launched[name] = (n, in_device_loop)
         for line in comps[name].split("\n")[1:]:
             match = _LINE_OP.match(line)
             if match and match.group(1) in ("while", "conditional", "call"):
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', match.group(2))
                 inner = n * (int(trips.group(1)) if trips else 1)
-                todo += [(c.strip().lstrip("%"), inner) for group in _CONTROL.findall(match.group(2))
+                device = in_device_loop or (match.group(1) == "while" and not trips)
+                todo += [(c.strip().lstrip("%"), inner, device) for group in _CONTROL.findall(match.group(2))
                          for c in group.split(",")]
-    return times
+    return launched
 
 
 def loop_profile(hlo_text: str, *, device_trip_loops_only: bool = False) -> LoopProfile:

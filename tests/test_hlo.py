@@ -98,5 +98,6 @@ def test_weight_copies_counts_a_layers_slice_written_to_its_own_buffer_times_the
     weights = {name: jax.ShapeDtypeStruct(shape, jnp.bfloat16) for name, shape in (
         ("gate_kernel", (28, 1536, 8960)), ("up_kernel", (28, 1536, 8960)), ("o_kernel", (28, 12, 128, 1536)))}
     assert hlo.weight_copies(_SCANNED, weights) == {"gate_kernel/up_kernel": 28}
+    assert hlo.weight_copies(_SCANNED, weights, device_trip_loops_only=True) == {}  # its loop's trips are known
     assert hlo.weight_copies(_UNROLLED, weights) == {"o_kernel": 1}  # the gemm reads gate / up in place
     assert hlo.program_profile(_UNROLLED).custom_calls == {"__triton_nested_gemm_fusion": 1}

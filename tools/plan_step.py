@@ -43,9 +43,13 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
                              the embedding table only if the LM head is tied to it, and the
                              queue's page pool, full) / compiled bytes accessed
 
-then the step: predicted seconds (the phases' sum; the host's reward scoring, overlapped with
-pi_old, is not counted), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
-chip-hours. Every time assumes a program runs at its bound's peak: a lower bound on the real time.
+For the decode step it also prints what the compiled step launches (``hlo.program_profile``: fusions,
+library kernels, copies, each times the known trips around it) and how many slices of its layers'
+stacked weights it copies to buffers of their own (``hlo.weight_copies``: a copy XLA:GPU makes for a
+gemm that cannot read the stack in place; compiled alone, not inside the sampler's decode loops,
+where XLA may copy what the step alone reads in place), then the step: predicted seconds (the phases'
+sum; the host's reward scoring, overlapped with pi_old, is not counted), at 100 % of every bound /
+predicted, the run's (``train.steps``) hours and chip-hours. Every time assumes a program runs at its bound's peak: a lower bound on the real time.
 
 A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
 topology's compiler is not installed.

@@ -9,8 +9,6 @@ softmax and logits run in float32.
 
 The decoder stack is one ``jax.lax.scan`` over layers: every per-layer parameter is stacked along a
 leading "layers" axis ([L, ...]), so the program (and its compile time) does not grow with depth.
-A decode step on a GPU unrolls it (``_reads_weights_in_place``): there a layer's weights inside a
-loop are copied out of the stack before each gemm, while an unrolled layer's gemms read them in place.
 Training applies the remat policy (``config.remat``) to the scanned body; prefill and decode never
 do (remat belongs to the gradient computation). The KV cache is stacked the same way, [L, B, K, S, Dh],
 and carried through the scan so each layer writes its new keys in place.
@@ -138,17 +136,16 @@ class Attention(nnx.Module):
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
         """
         cfg = self.cfg
-        decode = cache is not None and x.shape[1] == 1
-        x_q, x_k, x_v = _apart(x, 3, _reads_weights_in_place(decode))
-        q = self._project(x_q, self.q_kernel, "q_bias")  # [B, T, H, Dh]
-        k = self._project(x_k, self.k_kernel, "k_bias")  # [B, T, K, Dh]
-        v = self._project(x_v, self.v_kernel, "v_bias")
+        q = self._project(x, self.q_kernel, "q_bias")  # [B, T, H, Dh]
+        k = self._project(x, self.k_kernel, "k_bias")  # [B, T, K, Dh]
+        v = self._project(x, self.v_kernel, "v_bias")
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary(q, positions, cfg.rope_theta)
         k = rotary(k, positions, cfg.rope_theta)
         q = constrain(q, ("batch", "length", "act_heads", None))
         new_cache = None
+        decode = cache is not None and q.shape[1] == 1
         paged = isinstance(cache_index, PageView)
         if paged:  # paged decode: this token into its page, then attention over the live pages
             k_pool, v_pool, layer = cache
@@ -190,22 +187,6 @@ def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.
     return cache.at[layer, rows, :, slots].set(x[:, 0], mode="promise_in_bounds")
 
 
-def _reads_weights_in_place(decode: bool) -> bool:
-    """Whether this call unrolls the layer scan and keeps its gemms apart: a decode step (one token a
-    row, with a cache) on a GPU. XLA:GPU copies each layer's slice of a stacked weight out of the
-    stack before its gemm when the layer index is a loop's (a slice it cannot fuse into the gemm:
-    five copies a layer in the Qwen2.5-1.5B decode step), and when it merges two dots that share
-    their input (gate and up, k and v) into one gemm over the weights concatenated (a copy of both);
-    unrolled and kept apart, every gemm reads its weights where they lie (docs/design.md 4.1)."""
-    return decode and platform() == "gpu"
-
-
-def _apart(x: jax.Array, n: int, on: bool) -> tuple[jax.Array, ...]:
-    """x n times, as n values XLA cannot tell are equal when ``on`` (one optimization barrier), so
-    that dots reading them are not merged; plain x n times otherwise."""
-    return jax.lax.optimization_barrier((x,) * n) if on else (x,) * n
-
-
 def _matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x @ kernel accumulated and returned in float32 (bf16 x bf16 -> f32 is also the fast CPU path)."""
     return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
@@ -221,11 +202,9 @@ class MLP(nnx.Module):
         self.up_kernel = param((D, F), ("embed", "mlp"))
         self.down_kernel = param((F, D), ("mlp", "embed"))
 
-    def __call__(self, x, apart: bool = False):
-        """x [B, T, D]; apart: keep the gate and up gemms from being merged (``_reads_weights_in_place``)."""
-        x_gate, x_up = _apart(x, 2, apart)
-        gate = _matmul_f32(x_gate, self.gate_kernel[...].astype(x.dtype))
-        up = _matmul_f32(x_up, self.up_kernel[...].astype(x.dtype))
+    def __call__(self, x):
+        gate = _matmul_f32(x, self.gate_kernel[...].astype(x.dtype))
+        up = _matmul_f32(x, self.up_kernel[...].astype(x.dtype))
         h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "length", "act_mlp"))
         return _matmul_f32(h, self.down_kernel[...].astype(x.dtype)).astype(x.dtype)
 
@@ -245,10 +224,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, layers)
 
     def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None):
-        apart = _reads_weights_in_place(cache is not None and x.shape[1] == 1)
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
         x = x + attn_out
-        x = x + self.mlp(self.post_attn_norm(x), apart)
+        x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed")), cache
 
 
@@ -293,8 +271,7 @@ class Qwen(nnx.Module):
         A paged decode call gives a ``PagedKVCache`` and cache_index a ``PageView`` (kv_valid None).
 
         The layers run as one ``lax.scan`` over the stacked parameters; without a cache (the
-        gradient path) its body is rematerialised per ``config.remat``; a decode step on a GPU
-        unrolls it (``_reads_weights_in_place``).
+        gradient path) its body is rematerialised per ``config.remat``.
         """
         cfg = self.cfg
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
@@ -319,8 +296,7 @@ class Qwen(nnx.Module):
             return (x, k_cache, v_cache), None
 
         layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v), (layer_params, layers),
-                                                unroll=_reads_weights_in_place(tokens.shape[1] == 1))
+        (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v), (layer_params, layers))
         return self.final_norm(x), type(cache)(k_cache, v_cache)
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
