@@ -204,10 +204,10 @@ def weight_copies(hlo_text: str, weights: dict[str, jax.ShapeDtypeStruct], *,
     """How many times a run of a compiled module writes one layer's slice of a stacked weight to a
     buffer of its own: {weight name: count} over ``weights`` ({name: its stacked [L, ...] shape and
     dtype}), those never copied left out; an instruction in a loop counts its loop's known trips (a
-    loop whose trips only the device knows: one). A copy is a ``copy`` or a fusion whose root copies or slices
-    (XLA:GPU's slice of a stacked weight for a gemm that cannot read it in place), of the shape
-    [1, ...] or [...] of one layer's slice, in the weight's dtype (each such output of a fusion of
-    several); weights of the same slice shape share a count (named together, "a/b").
+    loop whose trips only the device knows: one). A copy is a ``copy`` or a fusion whose root copies
+    or slices (XLA:GPU's slice of a stacked weight for a gemm that cannot read it in place), of the
+    shape [1, ...] or [...] of one layer's slice, in the weight's dtype (each such output of a fusion
+    of several); weights of the same slice shape share a count (named together, "a/b").
     device_trip_loops_only: only those inside a loop whose trips only the device knows (a sampler's
     decode loops: a copy there runs every decode step)."""
     names: dict[tuple[str, tuple[int, ...]], list[str]] = {}
