@@ -42,7 +42,8 @@ def test_tiny_check_runs_every_tool_and_prints_one_table(tmp_path):
                              f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(), capture_output=True,
                             text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("check  "):]
+    table = result.stdout[result.stdout.index("check  "):result.stdout.index("predicted: ")]
+    assert "\npredicted: none on a CPU (tools/plan_step.py compiles for an accelerator's topology)\n" in result.stdout
     rows = {line[:28].strip(): line for line in table.splitlines()[1:] if line[:28].strip() and "logs:" not in line}
     assert set(rows) == {"decode fill 16", "decode fill 48", "sampling", "update packed vs padded",
                          "train 2 steps (paged)", "train 2 steps (continuous)"}, table
