@@ -152,13 +152,132 @@ class LoopProfile(NamedTuple):
                 f"({self.unknown_trip_loops} with a trip count only the device knows); {self.conditionals} conditionals")
 
 
+def program_profile(hlo_text: str) -> LoopProfile:
+    """What one run of a compiled module launches, inside loops or not (e.g. one decode step compiled
+    alone), as a ``LoopProfile``: fusions, library kernels, copies and conditionals each times the
+    known trips of the loops around it (a loop whose trips only the device knows: once; every branch
+    of a conditional counted), and its loops."""
+    profiles = []
+    for module in _modules(hlo_text):
+        comps = _computations(module)
+        fusions = copies = loops = unknown = conditionals = 0
+        calls: dict[str, int] = {}
+        for name, (times, _) in _launched(comps).items():
+            for line in comps[name].split("\n")[1:]:
+                match = _LINE_OP.match(line)
+                if not match:
+                    continue
+                op, rest = match.groups()
+                launch = _launch(op, rest)
+                if launch == "fusion":
+                    fusions += times
+                elif launch:
+                    calls[launch] = calls.get(launch, 0) + times
+                copies += times * (op == "copy")
+                conditionals += times * (op == "conditional")
+                loops += op == "while"
+                unknown += op == "while" and "known_trip_count" not in rest
+        profiles.append(LoopProfile(fusions, calls, copies, loops, unknown, conditionals))
+    return _sum_profiles(profiles)
+
+
+def _launch(op: str, rest: str) -> str | None:
+    """What an instruction launches: "fusion", a library kernel's name (a custom call's target, a
+    library fusion's kind), or None."""
+    if op == "fusion":
+        kind = _FUSION_KIND.search(rest)
+        return kind.group(1) if kind and kind.group(1).startswith("__") else "fusion"
+    if op == "custom-call":
+        target = _TARGET.search(rest)
+        return target.group(1) if target else "custom-call"
+    return None
+
+
+_HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int32": "s32"}
+_ARRAY_OUT = re.compile(r"(\w+)\[([\d,]*)\]")
+# a fusion of one of these at its root (a tuple: several slices at once) writes a new buffer
+_MATERIALIZING = ("copy", "slice", "dynamic-slice", "tuple")
+
+
+def weight_copies(hlo_text: str, weights: dict[str, jax.ShapeDtypeStruct], *,
+                  device_trip_loops_only: bool = False) -> dict[str, int]:
+    """How many times a run of a compiled module writes one layer's slice of a stacked weight to a
+    buffer of its own: {weight name: count} over ``weights`` ({name: its stacked [L, ...] shape and
+    dtype}), those never copied left out; an instruction in a loop counts its loop's known trips (a
+    loop whose trips only the device knows: one). A copy is a ``copy`` or a fusion whose root copies
+    or slices (XLA:GPU's slice of a stacked weight for a gemm that cannot read it in place), of the
+    shape [1, ...] or [...] of one layer's slice, in the weight's dtype (each such output of a fusion
+    of several); weights of the same slice shape share a count (named together, "a/b").
+    device_trip_loops_only: only those inside a loop whose trips only the device knows (a sampler's
+    decode loops: a copy there runs every decode step)."""
+    names: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for name, w in weights.items():
+        dtype = _HLO_DTYPES.get(jax.numpy.dtype(w.dtype).name, jax.numpy.dtype(w.dtype).name)
+        for shape in ((1, *w.shape[1:]), tuple(w.shape[1:])):
+            names.setdefault((dtype, shape), []).append(name)
+    counts: dict[str, int] = {}
+    for module in _modules(hlo_text):
+        comps = _computations(module)
+        for name, (times, in_device_loop) in _launched(comps).items():
+            if device_trip_loops_only and not in_device_loop:
+                continue
+            for line in comps[name].split("\n")[1:]:
+                match = _LINE_OP.match(line)
+                if not match:
+                    continue
+                op, rest = match.groups()
+                if op not in ("copy", "fusion"):
+                    continue
+                callee = re.search(r"calls=%?([\w.\-]+)", rest)
+                if op == "fusion" and (not callee or _root_op(comps.get(callee.group(1), "")) not in _MATERIALIZING):
+                    continue
+                for dtype, dims in _ARRAY_OUT.findall(line.split(" = ", 1)[1].split(f" {op}(", 1)[0]):
+                    shape = tuple(int(d) for d in dims.split(",") if d)
+                    if (dtype, shape) in names:
+                        key = "/".join(sorted(set(names[(dtype, shape)])))
+                        counts[key] = counts.get(key, 0) + times
+    return counts
+
+
+def _root_op(computation: str) -> str | None:
+    """The op of a computation's ROOT instruction."""
+    root = re.search(r"^\s*ROOT %[\w.\-]+ = .*? ([\w\-]+)\(", computation, re.M)
+    return root.group(1) if root else None
+
+
+def _launched(comps: dict[str, str]) -> dict[str, tuple[int, bool]]:
+    """The computations a module's ENTRY runs, each with how many times a run runs it and whether it
+    is inside a loop whose trips only the device knows: itself and the loop bodies, conditions,
+    branches and calls it reaches (not the computations fused into kernels); a loop's body times its
+    known trip count (one when only the device knows it)."""
+    entry = next((name for name, text in comps.items() if text.startswith("ENTRY")), None)
+    todo, launched = [(entry, 1, False)], {}
+    while todo:
+        name, n, in_device_loop = todo.pop()
+        if name in launched or name not in comps:
+            continue
+        launched[name] = (n, in_device_loop)
+        for line in comps[name].split("\n")[1:]:
+            match = _LINE_OP.match(line)
+            if match and match.group(1) in ("while", "conditional", "call"):
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', match.group(2))
+                inner = n * (int(trips.group(1)) if trips else 1)
+                device = in_device_loop or (match.group(1) == "while" and not trips)
+                todo += [(c.strip().lstrip("%"), inner, device) for group in _CONTROL.findall(match.group(2))
+                         for c in group.split(",")]
+    return launched
+
+
 def loop_profile(hlo_text: str, *, device_trip_loops_only: bool = False) -> LoopProfile:
     """The ``LoopProfile`` of a compiled module (of several: their sum): its ENTRY computation, the
     loops and branches it runs and those inside them, down to (not into) fused kernels.
     device_trip_loops_only: only the outermost loops whose trip count only the device knows (a
     sampler's decode loops, one per decode width), and what runs inside them (not, e.g., the
     prefill's layer scan)."""
-    profiles = [_loop_profile(module, device_trip_loops_only) for module in _modules(hlo_text)]
+    return _sum_profiles([_loop_profile(module, device_trip_loops_only) for module in _modules(hlo_text)])
+
+
+def _sum_profiles(profiles: list[LoopProfile]) -> LoopProfile:
     calls: dict[str, int] = {}
     for profile in profiles:
         for target, count in profile.custom_calls.items():
@@ -192,16 +311,11 @@ def _loop_profile(hlo_text: str, device_trip_loops_only: bool) -> LoopProfile:
                          for group in _CONTROL.findall(rest) for n in group.split(",")]
             if not in_loop:
                 continue
-            if op == "fusion":
-                kind = _FUSION_KIND.search(rest)
-                if kind and kind.group(1).startswith("__"):  # a library kernel emitted as a fusion
-                    calls[kind.group(1)] = calls.get(kind.group(1), 0) + 1
-                else:
-                    fusions += 1
-            elif op == "custom-call":
-                target = _TARGET.search(rest)
-                key = target.group(1) if target else "custom-call"
-                calls[key] = calls.get(key, 0) + 1
+            launch = _launch(op, rest)  # a library kernel may be emitted as a fusion
+            if launch == "fusion":
+                fusions += 1
+            elif launch:
+                calls[launch] = calls.get(launch, 0) + 1
             elif op == "copy":
                 copies += 1
             elif op == "conditional":

@@ -130,6 +130,7 @@ TOPOLOGIES: dict[str, Topology] = {t.name: t for t in (
     _tpu("v6e-16", "TPU v6 lite", "v6e:4x4", 16, 4, 32 * GiB),
     _tpu("v6e-64", "TPU v6 lite", "v6e:8x8", 64, 16, 32 * GiB),
     _tpu("v6e-256", "TPU v6 lite", "v6e:16x16", 256, 64, 32 * GiB, wrap=(True, True, False)),
+    _gpu("h100x1", "NVIDIA H100 80GB HBM3", 1, 1, 84942979072),
     _gpu("h100x8", "NVIDIA H100 80GB HBM3", 1, 8, 84942979072),
     _gpu("h100x16", "NVIDIA H100 80GB HBM3", 2, 8, 84942979072),
     _gpu("h200x1", "NVIDIA H200 141GB HBM3e", 1, 1, 151397597184),

@@ -42,7 +42,8 @@ def test_tiny_check_runs_every_tool_and_prints_one_table(tmp_path):
                              f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(), capture_output=True,
                             text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("check  "):]
+    table = result.stdout[result.stdout.index("check  "):result.stdout.index("predicted: ")]
+    assert "\npredicted: none on a CPU (tools/plan_step.py compiles for an accelerator's topology)\n" in result.stdout
     rows = {line[:28].strip(): line for line in table.splitlines()[1:] if line[:28].strip() and "logs:" not in line}
     assert set(rows) == {"decode fill 16", "decode fill 48", "sampling", "update packed vs padded",
                          "train 2 steps (paged)", "train 2 steps (continuous)"}, table
@@ -151,3 +152,40 @@ def test_the_temporary_logs_are_deleted_when_every_check_passed_and_kept_when_on
     assert tool.main(["--size=tiny"]) == 1
     failed = [p for p in tmp_path.iterdir() if p not in kept]
     assert len(failed) == 1 and capsys.readouterr().out.endswith(f"logs: {failed[0]}\n")
+
+
+# tools/plan_step.py's table and step line, as it prints them (h200x1, the paged trainer check's shape)
+PLAN_REPORT = """phase             GFLOP       GB  coll GB   trips  ms flops   ms HBM  ms coll  XLA ms        bound  seconds  ratio
+prefill          1234.5     9.87    0.000       1      1.25     2.06     0.00       -          HBM     0.02
+decode            790.3    17.45    0.000     511      0.80     3.64     0.00       -          HBM     1.86  0.430 must-read/compiled bytes
+pi_old          12345.6    45.67    0.000       2     12.48     9.51     0.00    12.0        flops     0.40  0.812 useful/compiled FLOPs
+update          45678.9   456.78    0.000       1     46.19    95.16     0.00       -          HBM     2.10  0.610 useful/compiled FLOPs
+step: 4.4 s predicted (the phases at their bounds' peaks; reward scoring, on the host and overlapped with pi_old, not counted); at 100 % of every bound 2.0 s: ratio 0.455
+"""
+
+
+def test_plan_steps_prediction_is_printed_beside_each_phase_the_trainer_measured(tmp_path):
+    """Issue 52 item 4: on a GPU that pacs_jax/topologies.py knows, the check runs tools/plan_step.py for the paged
+    trainer check's shape and prints each predicted phase beside the measured one; elsewhere it says why not."""
+    tool = _tool()
+    assert tool.plan_checks("full", None) == []
+    plan = tool.plan_checks("full", "h200x1")[0]
+    assert plan.argv[1:4] == (str(REPO / "tools" / "plan_step.py"), "--topology=h200x1", "--lengths=budget")
+    train = next(c for c in tool.checks("full", tmp_path) if c.name == "train 2 steps (paged)")
+    assert plan.argv[4:] == train.argv[3:-1]  # the trainer check's config flags, less its workdir
+    check = tool.Check(plan.name, (sys.executable, "-c", f"print({PLAN_REPORT!r})"), plan.figures, 60)
+    results = {plan.name: tool.run_check(check, tmp_path / "plan.log")}
+    assert results[plan.name]["figures"] == {"prefill s": 0.02, "decode s": 1.86, "pi_old s": 0.4, "update s": 2.1,
+                                             "step s": 4.4}
+    metrics = ('{"time_sample": 7.52, "time_old_logprob": 0.8, "time_update": 6.3, "time_step": 15.7, '
+               '"rollout_kl": 1e-05}')
+    check = tool.Check(train.name, (sys.executable, "-c", f"print({metrics!r})"), train.figures, 60)
+    results[train.name] = tool.run_check(check, tmp_path / "train.log")
+    assert tool.comparison(results, "unused").splitlines() == [
+        "phase        predicted s  measured s  predicted/measured",
+        "sampling            1.88        7.52  0.25",
+        "pi_old              0.40        0.80  0.50",
+        "update              2.10        6.30  0.33",
+        "step                4.40       15.70  0.28"]
+    del results[plan.name]
+    assert tool.comparison(results, "none on a CPU") == "predicted: none on a CPU"

@@ -1,14 +1,16 @@
-"""Packed rows on GPU: the "cudnn" attention path with segment ids runs JAX's Pallas (Triton)
-flash-attention kernel (``models/attention.py``, ``_packed_gpu_attention``). On CPU the kernel runs
-in the Pallas interpreter, on a GPU (JAX_PLATFORMS=cuda,cpu) compiled by Triton, on packed layouts
-made by the trainer's own planner (``rl.packing.plan_packing``: several sequences a row, padding
-after them, a row of padding only), with GQA (H != K) and head sizes the kernel pads to a power of
-2: values against a float64 NumPy reference and the "xla" path, gradients of q, k and v against the
-"xla" path, float32 and bfloat16.
+"""Packed rows on GPU: the "cudnn" attention path with segment ids runs our block-sparse Pallas (Triton)
+flash-attention kernel (``models/packed_attention_gpu.py``, through ``models/attention.py``
+``_packed_gpu_attention``). On CPU the kernel runs in the Pallas interpreter, on a GPU
+(JAX_PLATFORMS=cuda,cpu) compiled by Triton, on packed layouts made by the trainer's own planner
+(``rl.packing.plan_packing``: several sequences a row, padding after them, a row of padding only),
+with GQA (H != K) and head sizes padded to a power of 2: values against a float64 NumPy reference and
+the "xla" path, gradients of q, k and v against the "xla" path, float32 and bfloat16; and the blocks
+each of its three kernels visits, recorded in the interpreter, against the blocks that hold a visible
+(query, key) pair and the count a padded layout needs.
 """
-
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 
 from pacs_jax.models import attention as attention_module
-from pacs_jax.models import kernels
+from pacs_jax.models import kernels, packed_attention_gpu
 from pacs_jax.models.attention import attention
 from pacs_jax.models.kernels import packed_gpu_unsupported
 from pacs_jax.rl import packing
@@ -31,14 +33,17 @@ def _full_precision_float32_dots():
         yield
 
 
-def packed_segment_ids(packed_length: int, rows: int) -> np.ndarray:
-    """[rows, packed_length] int32 segment ids (0: padding) of eight sequences (prompt + response
-    lengths below, prompts left-padded to 8, responses right-padded to 24) packed by the trainer's
-    planner into rows of ``packed_length``, two rows a pass; its first ``rows`` rows."""
-    prompts, responses, width = np.array([5, 3, 7, 2, 4, 6, 8, 1]), np.array([9, 1, 12, 20, 3, 24, 15, 2]), 8 + 24
+def packed_segment_ids(packed_length: int, rows: int, prompts=(5, 3, 7, 2, 4, 6, 8, 1),
+                       responses=(9, 1, 12, 20, 3, 24, 15, 2), prompt_width: int = 8,
+                       response_width: int = 24) -> np.ndarray:
+    """[rows, packed_length] int32 segment ids (0: padding) of sequences of these prompt and response
+    lengths (prompts left-padded to ``prompt_width``, responses right-padded to ``response_width``)
+    packed by the trainer's planner into rows of ``packed_length``, two rows a pass; its first ``rows``
+    rows."""
+    prompts, responses, width = np.array(prompts), np.array(responses), prompt_width + response_width
     passes = packing.pass_slots(len(prompts), width, packed_length, unit=1, shards=1, rows=2)
-    plan = packing.plan_packing(prompts, responses, prompt_width=8, response_width=24, packed_length=packed_length,
-                                mini_batches=1, passes=passes, unit=1, shards=1, rows=2)
+    plan = packing.plan_packing(prompts, responses, prompt_width=prompt_width, response_width=response_width,
+                                packed_length=packed_length, mini_batches=1, passes=passes, unit=1, shards=1, rows=2)
     index = plan.pack_index[:rows]
     return np.where(index >= 0, index // width + 1, 0).astype(np.int32)  # as rl.packing.packed_inputs
 
@@ -171,3 +176,54 @@ def test_kernel_under_mesh_in_interpreter():
         assert "shard_map" in str(jax.make_jaxpr(fn)(q, k, v))
         out = fn(q, k, v)
     np.testing.assert_allclose(np.asarray(out), reference(q, k, v, ids), rtol=1e-5, atol=1e-5)
+
+
+def visible_blocks(ids: np.ndarray, block: int) -> collections.Counter:
+    """(query block, key block) -> in how many rows that block holds a visible (query, key) pair."""
+    T = ids.shape[1]
+    mask = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0) & np.tril(np.ones((T, T), bool))
+    n = T // block
+    held = mask.reshape(len(ids), n, block, n, block).any(axis=(2, 4))  # [B, n, n]
+    return collections.Counter((int(i), int(j)) for _, i, j in np.argwhere(held))
+
+
+# 24 sequences of 40 to 250 tokens (prompts left-padded to 64, responses right-padded to 192), packed
+# into rows of 768: the padded layout holds each in a row of 256.
+LONG = dict(prompts=np.arange(24) % 5 * 6 + 20, responses=(np.arange(24) * 37) % 181 + 11, prompt_width=64,
+            response_width=192)
+
+
+def test_kernels_visit_only_the_blocks_that_hold_a_visible_pair(monkeypatch):
+    """In the Pallas interpreter, every block each kernel scores is recorded (forward, dq, dk/dv): each
+    visits exactly the (query block, key block) pairs holding a query that sees a key, once per (row,
+    head); none of a row's other sequences, none of padding. Fewer than a padded layout of the same
+    sequences needs, and about a quarter of the blocks up to the diagonal (all that the kernel visited
+    before, masking the others)."""
+    block, H = 16, 2
+    ids = packed_segment_ids(768, 4, **LONG)
+    B, T = ids.shape
+    width = LONG["prompt_width"] + LONG["response_width"]
+    assert len(np.unique(ids[ids > 0])) == len(LONG["prompts"])  # every sequence in these rows
+    padded = len(LONG["prompts"]) * (width // block) * (width // block + 1) // 2  # a causal triangle a sequence
+    diagonal = B * (T // block) * (T // block + 1) // 2
+    want = visible_blocks(ids, block)
+    forward, dkv = packed_attention_gpu.blocks_visited(ids, block)
+    assert forward == dkv == sum(want.values())
+    print(f"blocks of {block} a head: packed {forward}, padded layout {padded}, packed up to the diagonal {diagonal}")
+    assert forward < 0.8 * padded and forward < 0.3 * diagonal
+
+    visited = []
+    scores = packed_attention_gpu.block_scores
+
+    def recorded(q, k, q_ids, k_ids, q_start, k_start, scale):
+        jax.debug.callback(lambda i, j: visited.append((int(i) // block, int(j) // block)), q_start, k_start)
+        return scores(q, k, q_ids, k_ids, q_start, k_start, scale)
+
+    monkeypatch.setattr(packed_attention_gpu, "block_scores", recorded)
+    q, k, v, dout = inputs(T, B, H, 1, 16, jnp.float32)
+    fn = functools.partial(packed_attention_gpu.packed_attention, ids=jnp.asarray(ids), block=block, interpret=True)
+    jax.block_until_ready(jax.jit(fn)(q, k, v))
+    assert collections.Counter(visited) == collections.Counter({key: H * c for key, c in want.items()})
+    visited.clear()
+    jax.block_until_ready(jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * dout), argnums=(0, 1, 2)))(q, k, v))
+    assert collections.Counter(visited) == collections.Counter({key: 3 * H * c for key, c in want.items()})

@@ -6,7 +6,9 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
    (tests/gpu/paged_widths.py), and the old block rule with the library kernel at a width where it
    failed, reproducing that error.
 2. The packed-rows kernel (tests/gpu/packed_shapes.py) forward and backward at several shapes.
-3. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
+3. One decode step of the issue 52 H200 run's shape (tools/plan_step.py --topology=h200x1): the weight
+   slices it copies out of their stacks, counted and pinned.
+4. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
    (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
    described (kernels, copies, loops whose trips sync with the host).
@@ -71,7 +73,7 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
     node, 3000 new tokens: a 220-page table (512 + 2999 tokens in pages of 16), whose largest divisor
     <= 8 is 5, the library kernel's lowering error. With a rollout correction (seq_mis: weights and a
     rejection mask in the update batch, and the correction's own program). Every program compiles; the kernels are chosen by
-    models/kernels.py (cuDNN padded, the Pallas mha kernel packed, our paged kernel) and printed."""
+    models/kernels.py (cuDNN padded, our block-sparse Pallas kernel packed, our paged kernel) and printed."""
     result = _run(["tools/plan_memory.py", "--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x8",
                    "--programs=sampler,pi_old,update,rollout_correction", *SHRUNK,
                    "--config.algorithm.rollout_correction.preset=seq_mis", "--config.rollout.max_new_tokens=3000",
@@ -94,11 +96,39 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
 
 
 def test_packed_attention_kernel_compiles_for_an_h200_at_several_shapes():
-    """Packed rows' attention on GPU (the Pallas mha kernel, its backward too) for lengths that are no
-    multiple of its blocks, head sizes 64, 96 (padded to 128) and 128, GQA groups 1..7, bf16 and f32:
-    each compiles with its three Triton kernels (forward, dK/dV, dQ), none falling back to the XLA path."""
+    """Packed rows' attention on GPU (our block-sparse Pallas kernel, its backward too) for lengths that
+    are no multiple of its blocks, head sizes 64, 96 (padded to 128) and 128, GQA groups 1..7, bf16 and
+    f32: each compiles with its three Triton kernels (forward, dq, dk/dv), none falling back to the XLA
+    path."""
     result = _run(["tests/gpu/packed_shapes.py"], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed"] == [] and len(report["compiled"]) == 4, report
-    assert all(shape[-1] == 3 for shape in report["compiled"]), report
+    names = ["pacs_packed_attention_dkv", "pacs_packed_attention_dq", "pacs_packed_attention_fwd"]
+    assert all(shape[-2:] == [3, names] for shape in report["compiled"]), report
+
+
+# The H200 trainer run of issue 52: the paper's Qwen2.5 setup with the 1.5B preset, 32 prompts x 8 x 1,024
+# tokens, 256 slots narrowing to 32, one GPU
+H200_RUN = ["--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x1", "--lengths=budget",
+            "--config.model.preset=Qwen2.5-1.5B", "--config.train.prompts_per_step=32",
+            "--config.rollout.max_new_tokens=1024", "--config.rollout.response_buckets=(1024,)",
+            "--config.rollout.slots=256", "--config.rollout.tail_slots=32", "--config.mesh.data=1",
+            "--config.mesh.fsdp=1", "--config.mesh.tensor=1", "--config.train.mini_batches=1",
+            "--config.train.micro_batches=1", "--config.train.logprob_micro_batches=1"]
+
+
+@pytest.mark.slow(seconds=60)
+def test_a_decode_steps_weight_copies_are_counted_for_an_h200():
+    """The decode step of the issue 52 run, compiled for an H200: plan_step counts what it launches and
+    the slices of its layers' weights XLA:GPU copies out of their stacks before the gemms (the layer
+    scan's dynamic slices, which it does not fuse into a gemm inside a loop): seven a layer, 196 a step,
+    and the step compiled to read 21.13 GB where it must read 11.19. Pinned: a cut lowers these counts
+    here, and a copy that comes back after it fails."""
+    result = _run(["tools/plan_step.py", "--phases=decode", *H200_RUN], timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert ("copies of a layer's weights a step: down_kernel 28, gate_kernel/up_kernel 56, k_kernel/v_kernel 56, "
+            "o_kernel 28, q_kernel 28\n") in out, out
+    assert re.search(r"the step launches \d+ fusions, library kernels: .*28 __gpu\$xla\.gpu\.triton", out), out
+    assert "decode at a full pool: must read 11.19 GB, compiled 21.13 GB (ratio 0.530)" in out, out

@@ -20,8 +20,18 @@ Qwen2.5-0.5B, a two-layer model of 64 wide for the trainer, float32, tiny batche
                with the continuous one: the sampler's log-probs against the trainer's (pi_old) on the
                same tokens, ``rollout_logprob_diff_mean`` / ``_max`` and ``rollout_kl`` (metrics.jsonl)
 
-then prints one table (check, status, seconds, figures) and exits 1 if any check crashed, timed out or
-printed no figures. The first line says which backend jax finds (asked in a process of its own, so that
+and, on a GPU that pacs_jax/topologies.py knows as a one-device topology (an H200: h200x1, an H100:
+h100x1),
+
+    plan       tools/plan_step.py --topology=that one for the trainer check's shape (its config, every
+               response at its budget, as random weights run): each phase's predicted seconds at its
+               bound's peak, compiled for that GPU on this host's CPU
+
+then prints one table (check, status, seconds, figures), then plan_step's prediction beside each phase
+the paged trainer check measured in its second step (sampling against prefill + decode, pi_old,
+update, the step; predicted / measured: how close the GPU runs to its bounds, where time goes; the
+step's reward scoring, overlapped with pi_old, is not predicted), or why there is none, and exits 1
+if any check crashed, timed out or printed no figures. The first line says which backend jax finds (asked in a process of its own, so that
 this one holds no accelerator the checks need); on a host without an accelerator (jax's default backend
 is the CPU) the full size is refused, one line naming ``--size=tiny``, exit status 78
 (pacs_jax/errors.py): its shapes would run a CPU out of memory for an hour. A figure that could not be
@@ -70,15 +80,25 @@ class Check:
 def _train_argv(size: str, sampler: str, workdir: pathlib.Path) -> tuple[str, ...]:
     """Two trainer steps of the paper's Qwen2.5 setup (PACS, beta 1) shrunk to one device and the
     data shipped in the repository; random weights."""
-    prompts, new, model = (2, 8, ["--config.model.preset=", "--config.model.hidden_size=64",
-                                   "--config.model.intermediate_size=128", "--config.model.num_hidden_layers=2",
-                                   "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2",
-                                   "--config.model.head_dim=16", "--config.model.vocab_size=151936",
-                                   "--config.model.model_type=qwen2", "--config.model.rope_theta=1000000.0",
-                                   "--config.model.dtype=float32"]) \
-        if size == "tiny" else (16, 512, ["--config.model.preset=Qwen2.5-1.5B"])
-    return (sys.executable, "-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_3b,pacs_beta1",
-            f"--workdir={workdir}", "--config.model.random_init=True", *model,
+    return (sys.executable, "-m", "pacs_jax.train", *_config_argv(size, sampler), f"--workdir={workdir}")
+
+
+def _train_shape(size: str) -> tuple[int, int, list[str]]:
+    """The trainer check's prompts a step, new tokens and model flags at ``size``."""
+    if size == "tiny":
+        return 2, 8, ["--config.model.preset=", "--config.model.hidden_size=64", "--config.model.intermediate_size=128",
+                      "--config.model.num_hidden_layers=2", "--config.model.num_attention_heads=4",
+                      "--config.model.num_key_value_heads=2", "--config.model.head_dim=16",
+                      "--config.model.vocab_size=151936", "--config.model.model_type=qwen2",
+                      "--config.model.rope_theta=1000000.0", "--config.model.dtype=float32"]
+    return 16, 512, ["--config.model.preset=Qwen2.5-1.5B"]
+
+
+def _config_argv(size: str, sampler: str) -> tuple[str, ...]:
+    """The trainer check's config flags (the paper's Qwen2.5 setup shrunk to one device and the data
+    shipped in the repository; random weights)."""
+    prompts, new, model = _train_shape(size)
+    return ("--config=configs/paper.py:qwen25_3b,pacs_beta1", "--config.model.random_init=True", *model,
             "--config.data.tokenizer=data/tokenizers/qwen3", "--config.data.tokenizer_force=True",
             "--config.data.train_files=('data/deepscaler_subset/math.json',)",
             "--config.data.max_prompt_length=256", "--config.data.prompt_buckets=(256,)",
@@ -90,6 +110,54 @@ def _train_argv(size: str, sampler: str, workdir: pathlib.Path) -> tuple[str, ..
             f"--config.rollout.slots={prompts * 8}", f"--config.rollout.tail_slots={max(prompts, 8)}",
             "--config.eval.before_rl=False", "--config.eval.sets=", "--config.eval.periodic.every=0",
             "--config.train.checkpoint_every=0")
+
+
+PREDICTED = {"prefill s": r"(?m)^prefill +(?:\S+ +){9}([\d.]+)", "decode s": r"(?m)^decode +(?:\S+ +){9}([\d.]+)",
+             "pi_old s": r"(?m)^pi_old +(?:\S+ +){9}([\d.]+)", "update s": r"(?m)^update +(?:\S+ +){9}([\d.]+)",
+             "step s": r"(?m)^step: ([\d.]+) s predicted"}
+# (phase, the plan's figures summed, the paged trainer check's metric in its last step)
+COMPARED = (("sampling", ("prefill s", "decode s"), "time_sample"), ("pi_old", ("pi_old s",), "time_old_logprob"),
+            ("update", ("update s",), "time_update"), ("step", ("step s",), "time_step"))
+
+
+def plan_checks(size: str, topology: str | None) -> list[Check]:
+    """The plan check (tools/plan_step.py for the paged trainer check's shape on ``topology``), or none
+    without a topology."""
+    if topology is None:
+        return []
+    argv = (sys.executable, str(TOOLS / "plan_step.py"), f"--topology={topology}", "--lengths=budget",
+            *_config_argv(size, "paged"))
+    return [Check("plan (predicted)", argv, PREDICTED, 900)]
+
+
+def local_topology(timeout: float = 300) -> tuple[str | None, str]:
+    """(the one-device GPU topology of pacs_jax/topologies.py whose device is this host's first, or
+    None; that device's kind), asked in a process of its own."""
+    from pacs_jax.topologies import TOPOLOGIES
+
+    with tempfile.TemporaryFile("w+") as out:
+        status = run_group((sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"), out, timeout)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    kind = lines[-1].strip() if status == 0 and lines else "unknown"
+    return next((t.name for t in TOPOLOGIES.values() if t.platform == "gpu" and t.devices == 1
+                 and t.device_kind == kind), None), kind
+
+
+def comparison(results: dict, why_none: str) -> str:
+    """plan_step's predicted seconds beside the paged trainer check's measured ones, phase by phase:
+    "phase  predicted s  measured s  predicted/measured"; ``why_none`` when there is no prediction."""
+    plan, train = (results.get(name, {}).get("figures", {}) for name in ("plan (predicted)", "train 2 steps (paged)"))
+    if not plan:
+        return f"predicted: {why_none}"
+    number = lambda x: f"{x:.2f}" if isinstance(x, float) else "n/a"  # noqa: E731
+    lines = [f"{'phase':<12}{'predicted s':>12}{'measured s':>12}  predicted/measured"]
+    for phase, parts, metric in COMPARED:
+        predicted = sum(plan[p] for p in parts) if all(isinstance(plan.get(p), float) for p in parts) else None
+        measured = train.get(metric)
+        ratio = predicted / measured if predicted is not None and isinstance(measured, float) and measured > 0 else None
+        lines.append(f"{phase:<12}{number(predicted):>12}{number(measured):>12}  {number(ratio)}")
+    return "\n".join(lines)
 
 
 def checks(size: str, workdir: pathlib.Path) -> list[Check]:
@@ -120,7 +188,8 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
               "continuous first diverge (median)": r"continuous vs static: differing.*at token \d+ \.\. (\d+) \.\."}
     consistency = {"rollout_logprob_diff_mean": r'"rollout_logprob_diff_mean": ([-\d.e]+)',
                    "rollout_logprob_diff_max": r'"rollout_logprob_diff_max": ([-\d.e]+)',
-                   "rollout_kl": r'"rollout_kl": ([-\d.e]+)'}
+                   "rollout_kl": r'"rollout_kl": ([-\d.e]+)',
+                   **{metric: rf'"{metric}": ([\d.e+-]+)' for _, _, metric in COMPARED}}
     out = [Check(f"decode fill {fill}", (py, str(TOOLS / "bench_decode.py"), *decode, f"--fill={fill}"), step, limit)
            for fill in fills]
     out.append(Check("sampling", (py, str(TOOLS / "bench_sampling.py"), "--compare", *sampling), differ, limit))
@@ -217,7 +286,7 @@ def main(argv=None) -> int:
                         help="full: the sizes an accelerator is judged at (default; refused on a CPU host); tiny: "
                              "any machine, seconds")
     parser.add_argument("--only", default="", help="comma-separated check names' starts (decode, sampling, update, "
-                                                   "train); default all")
+                                                   "train, plan); default all")
     parser.add_argument("--logs", default="", help="folder for each check's output (default: a temporary one, "
                                                    "deleted when every check passed)")
     parser.add_argument("--keep_logs", action="store_true", help="keep the temporary logs folder when every check "
@@ -225,10 +294,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="", help="also write the results as JSON to this file (after each check)")
     args = parser.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    chosen = lambda logs: [c for c in checks(args.size, logs)  # noqa: E731
-                           if not wanted or any(c.name.startswith(w) for w in wanted)]
-    if not chosen(pathlib.Path(".")):  # before anything is written
-        parser.error(f"--only={args.only}: no check starts with that (decode, sampling, update, train)")
+    chosen = lambda logs, topology=None: [c for c in plan_checks(args.size, topology) + checks(args.size, logs)  # noqa: E731
+                                          if not wanted or any(c.name.startswith(w) for w in wanted)]
+    if not chosen(pathlib.Path("."), "h200x1"):  # before anything is written
+        parser.error(f"--only={args.only}: no check starts with that (decode, sampling, update, train, plan)")
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
         return run_main("accelerator_check", _run, args, chosen)
@@ -238,7 +307,12 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace, chosen) -> int:
     backend = default_backend()
+    topology, why_none = None, "none on a TPU (the check predicts one-GPU hosts)"
+    if backend == "gpu":
+        topology, kind = local_topology()
+        why_none = f"none: pacs_jax/topologies.py has no one-device topology of a {kind}"
     if backend == "cpu":
+        why_none = "none on a CPU (tools/plan_step.py compiles for an accelerator's topology)"
         if args.size != "tiny":
             raise UsageError("no accelerator here (jax's default backend is cpu): the full size would run this CPU "
                              "out of memory; --size=tiny checks the same paths at tiny shapes on any machine")
@@ -249,7 +323,7 @@ def _run(args: argparse.Namespace, chosen) -> int:
     logs = pathlib.Path(args.logs or tempfile.mkdtemp(prefix="accelerator_check_"))
     logs.mkdir(parents=True, exist_ok=True)
     results = {}
-    for check in chosen(logs):
+    for check in chosen(logs, topology):
         print(f"[accelerator_check] {check.name} ...", flush=True)
         results[check.name] = run_check(check, logs / (re.sub(r"\W+", "_", check.name).strip("_") + ".log"))
         print(f"[accelerator_check] {check.name}: {results[check.name]['status']} "
@@ -258,6 +332,7 @@ def _run(args: argparse.Namespace, chosen) -> int:
             pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
     passed = all(r["status"] == "ok" for r in results.values())
     print(table(results))
+    print(comparison(results, why_none))
     if temporary and passed and not args.keep_logs:
         shutil.rmtree(logs)
         print("logs: deleted (every check passed; --keep_logs keeps them)")

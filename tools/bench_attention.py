@@ -8,7 +8,7 @@ The gradient of sum(out * g) with respect to q, k and v (random, the preset's H,
 ``models.attention.attention`` on ``--rows`` rows of ``--length`` tokens, as the trainer's layers call it:
     padded      impl "cudnn", each row one sequence of ``length`` real tokens (on a GPU: cuDNN)
     packed      impl "cudnn" with segment ids, each row ``--sequences`` sequences of equal length
-                (on a GPU: the Pallas flash-attention kernel, models/attention.py)
+                (on a GPU: our block-sparse Pallas kernel, models/packed_attention_gpu.py)
     packed-xla  impl "xla" with the same segment ids (the blockwise XLA path)
 Every run computes the same tokens; the causal masks differ (one long sequence against several short
 ones). Prints the device and its measured peak rates (tools/device_rates.py), then each run's best

@@ -43,12 +43,18 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
                              the embedding table only if the LM head is tied to it, and the
                              queue's page pool, full) / compiled bytes accessed
 
-then the step: predicted seconds (the phases' sum; the host's reward scoring, overlapped with
-pi_old, is not counted), the same step with carry-over (issue 50: a call ends once the step has its
-groups and unfinished rows continue in the next; its decode steps from a simulated steady state of
-the same lengths, ``carry_over_decode_steps``, each costed as a full-width step), one step off at its
-best split of the slice (``one_step_off``: scaled from these phases, an estimate), at 100 % of every bound / predicted, the run's (``train.steps``) hours and
-chip-hours. Every time assumes a program runs at its bound's peak: a lower bound on the real time.
+For the decode step it also prints what the compiled step launches (``hlo.program_profile``: fusions,
+library kernels, copies, each times the known trips around it) and how many slices of its layers'
+stacked weights it copies to buffers of their own (``hlo.weight_copies``: a copy XLA:GPU makes for a
+gemm that cannot read the stack in place; compiled alone, not inside the sampler's decode loops,
+where XLA may copy what the step alone reads in place), then the step: predicted seconds (the phases'
+sum; the host's reward scoring, overlapped with pi_old, is not counted), the same step with carry-over
+(issue 50: a call ends once the step has its groups and unfinished rows continue in the next; its
+decode steps from a simulated steady state of the same lengths, ``carry_over_decode_steps``, each
+costed as a full-width step), one step off at its best split of the slice (``one_step_off``: from
+these phases, not compiled per split), at 100 % of every bound / predicted, the run's
+(``train.steps``) hours and chip-hours. Every time assumes a program runs at its bound's peak: a lower
+bound on the real time.
 
 A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
 topology's compiler is not installed.
@@ -291,7 +297,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     the costliest, or with top_p 1 and no top_k as the cheapest (no top-p bisection)."""
     import jax
 
-    from pacs_jax import hlo_cost
+    from pacs_jax import hlo, hlo_cost
     from pacs_jax.sampling.engine import lower_decode_step, queues
     from pacs_jax.sampling.paged import default_pages
     from pacs_jax.training.abstract_step import abstract_step
@@ -328,6 +334,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     def per_device(paths) -> int:
         return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for s, a in (sizes[p] for p in paths))
 
+    log(f"  the step launches {hlo.program_profile(text).describe()}; {weight_copies_line(sizes, cfg, text)}")
     pool = per_device([p for p in sizes if p in ("[4].kv.k", "[4].kv.v")])  # the K/V the decode loop carries
     weights = per_device([p for p in sizes if p.startswith("[0]") and (cfg.tie_word_embeddings or "embedding" not in p)])
     L = cfg.num_hidden_layers
@@ -359,6 +366,23 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     return Phase("decode", steps * calls, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes),
                  (carry, sync_fill), weights, split_trips)
+
+
+def weight_copies_line(sizes: dict, cfg, text: str) -> str:
+    """What a compiled decode step copies of its layers' weights: "copies of a layer's weights a step:
+    NAME COUNT, ..." (or "none"), over the stacked [L, ...] parameters among ``sizes`` ({argument path:
+    (sharding, aval)}), at their per-device shapes (hlo.weight_copies)."""
+    import jax
+
+    from pacs_jax import hlo
+
+    L = cfg.num_hidden_layers
+    stacked = {path.split("[")[-1].split("]")[0].strip("'"): jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype)
+               for path, (s, a) in sizes.items()
+               if path.startswith("[0]") and "'layers'" in path and len(a.shape) >= 3 and a.shape[0] == L}
+    copies = hlo.weight_copies(text, stacked)
+    listed = ", ".join(f"{name} {n}" for name, n in sorted(copies.items())) or "none"
+    return f"copies of a layer's weights a step: {listed}"
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order

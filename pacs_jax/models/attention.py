@@ -33,10 +33,11 @@ Implementations (``attention(impl=...)``; "auto" picks by backend, see ``resolve
   leading pads so that its real tokens start at slot 0; queries get length T - start (a query in
   the right padding still sees every real token) and keys the number of real tokens; the output is
   rolled back and the queries that see no key are zeroed. Packed rows (segment ids), whose masks
-  cuDNN through ``jax.nn`` cannot express, run JAX's Pallas (Triton) flash-attention kernel
-  ``jax.experimental.pallas.ops.gpu.attention.mha`` instead (causal + segment ids, its own fused
-  backward kernel; K/V heads repeated to the query heads, as it takes no GQA), or the "xla" path
-  where it does not take the shapes (``models/kernels.py``: each kernel's limits and the choice).
+  cuDNN through ``jax.nn`` cannot express, run our block-sparse Pallas (Triton) flash-attention
+  kernel instead (``models/packed_attention_gpu.py``: causal + segment ids, forward and backward
+  kernels that visit only the blocks holding a visible (query, key) pair; GQA by reading each K/V
+  head in place), or the "xla" path where it does not take the shapes (``models/kernels.py``: each
+  kernel's limits and the choice).
 * "splash" (TPU): the Pallas splash-attention kernel (heads-major, causal mask block-sparse) with
   segment ids for the padding (and for the sequences of packed rows), one kernel call per batch row (``jax.vmap``), under ``shard_map``
   when a mesh is set with ``jax.set_mesh``.
@@ -57,7 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pacs_jax.models import kernels
+from pacs_jax.models import kernels, packed_attention_gpu
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax import sharding
 from pacs_jax.sharding import LOGICAL_RULES
@@ -380,61 +381,30 @@ def _cudnn_core(q, k, v, q_len, kv_len):
 
 
 # ---------------------------------------------------------------------------------------------
-# "cudnn" with segment ids: packed rows through the Pallas (Triton) GPU flash-attention kernel
-
-_PACKED_GPU_BLOCKS = dict(block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
-_PACKED_GPU_SEQ_MULTIPLE = 64  # T is padded to this: a multiple of every block above
-# 4 warps and 3 pipeline stages a program (forward and backward): on an H200, Qwen2.5-1.5B heads, 8 rows x 4608
-# tokens, bfloat16, forward + backward 7.61 ms against 8.81 ms for the kernel's own (8 warps for a head size > 64,
-# 2 stages); 128-query or 128-key blocks were no faster (7.74 - 15.3 ms); docs/design.md 4.4
-_PACKED_GPU_LAUNCH = dict(num_warps=4, num_stages=3)
+# "cudnn" with segment ids: packed rows through our block-sparse Pallas (Triton) kernel
 
 
 def _packed_gpu_attention(q, k, v, segment_ids, *, interpret: bool = False):
-    """q [B, T, H, Dh], k/v [B, T, K, Dh], segment_ids [B, T] int32 (0: padding) -> [B, T, H, Dh]
-    in q.dtype: query t sees key s iff s <= t and segment_ids[b, s] == segment_ids[b, t] > 0.
+    """q [B, T, H, Dh], k/v [B, T, K, Dh], segment_ids [B, T] int32 (0: padding; each sequence one
+    contiguous run) -> [B, T, H, Dh] in q.dtype: query t sees key s iff s <= t and
+    segment_ids[b, s] == segment_ids[b, t] > 0 (``models/packed_attention_gpu.py``: only the blocks
+    not wholly masked are visited, forward and backward; padding queries output zeros, zero gradients).
 
-    The kernel masks by causality and equal ids only: a padding query (id 0) sees the padding keys
-    before it, never a real one, and a real query never a padding key; padding queries are zeroed
-    afterwards, so their gradients are zero and no gradient reaches a padding key, as on the "xla"
-    path. T is padded with id 0 to a multiple of the blocks; K/V heads are repeated to H (their
-    gradients summed over each group in float32). Under a mesh set with ``jax.set_mesh`` the kernel
-    runs in ``shard_map`` over the batch and head axes (``_on_mesh``), as splash does.
-    interpret: run the kernel in the Pallas interpreter (testing on CPU).
+    T is padded with id 0 to a multiple of the kernel's block, the head size with zeros to a power of
+    2. Under a mesh set with ``jax.set_mesh`` the kernel runs in ``shard_map`` over the batch and head
+    axes (``_on_mesh``), as splash does; K/V heads are repeated to H only when their count does not
+    divide over the head axes. interpret: run the kernel in the Pallas interpreter (testing on CPU).
     """
     B, T, H, Dh = q.shape
-    G = H // k.shape[2]
-    pad = -T % _PACKED_GPU_SEQ_MULTIPLE
+    pad = -T % packed_attention_gpu.BLOCK
+    head_pad = (1 << max(0, Dh - 1).bit_length()) - Dh
     ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
-    k, v = (_repeat_heads(x, G) for x in (k, v))
-    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-    kernel, _ = _on_mesh(functools.partial(_packed_rows, interpret=interpret), B, H, H, head_axis=2, id_arrays=1)
-    out = kernel(q, k, v, ids)[:, :T]
-    return jnp.where((segment_ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
-
-
-def _packed_rows(q, k, v, ids, *, interpret: bool):
-    """q, k, v [B, T, H, Dh], ids int32 [B, T] (T a multiple of the blocks) -> [B, T, H, Dh]: the
-    Pallas GPU flash-attention kernel, causal, within segments, with its fused backward kernel."""
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
-    sizes = gpu_attention.BlockSizes(**_PACKED_GPU_BLOCKS)
-    return gpu_attention.mha(q, k, v, ids, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=sizes,
-                             interpret=interpret, **_PACKED_GPU_LAUNCH)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _repeat_heads(x: jax.Array, groups: int) -> jax.Array:
-    """x [B, T, K, Dh] -> [B, T, K groups, Dh], head k at k groups .. (k + 1) groups - 1."""
-    return jnp.repeat(x, groups, axis=2)
-
-
-def _repeat_heads_bwd(groups, _, dy):
-    B, T, H, Dh = dy.shape
-    return (jnp.sum(dy.reshape(B, T, H // groups, groups, Dh), axis=3, dtype=_F32).astype(dy.dtype),)
-
-
-_repeat_heads.defvjp(lambda x, groups: (_repeat_heads(x, groups), None), _repeat_heads_bwd)
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, head_pad))) for x in (q, k, v))
+    kernel = functools.partial(packed_attention_gpu.packed_attention, scale=Dh ** -0.5, interpret=interpret)
+    kernel, repeat = _on_mesh(kernel, B, H, k.shape[2], head_axis=2, id_arrays=1)
+    if repeat:
+        k, v = (jnp.repeat(x, H // k.shape[2], axis=2) for x in (k, v))
+    return kernel(q, k, v, ids)[:, :T, :, :Dh]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ What each kernel takes (docs/design.md section 4.4):
 * cuDNN flash attention (GPU, ``jax.nn.dot_product_attention``): bfloat16 / float16 operands (a
   float32 model would be computed in bfloat16: it runs the XLA path, at float32), head size a
   multiple of 8 and at most 256 (Hopper); no segment ids.
-* The Pallas (Triton) flash-attention kernel for packed rows on GPU
-  (``pallas.ops.gpu.attention.mha``, models/attention.py ``_packed_gpu_attention``): it pads the head
-  size to a power of 2 p; Triton's dots need p >= 16 and, with its 64 x 64 blocks and float32
-  accumulators [64, p] in registers, p <= 128 (every Qwen2.5 / Qwen3 model has 128); bfloat16,
-  float16 or float32 (dots at JAX's default precision, as the XLA path's); any B, T, H, K.
+* Our block-sparse Pallas (Triton) flash-attention kernel for packed rows on GPU
+  (``models/packed_attention_gpu.py``, called by models/attention.py ``_packed_gpu_attention``, which
+  pads the head size to a power of 2 p): Triton's dots need p >= 16 and, with 64 x 64 blocks and
+  float32 accumulators [64, p] in registers, p <= 128 (every Qwen2.5 / Qwen3 model has 128);
+  bfloat16, float16 or float32 (dots at JAX's default precision, as the XLA path's); any B, T, H, K.
 * Splash attention (TPU): any head size and length (the sequence is padded to 128 lanes).
 * The TPU paged-attention kernel (``pallas.ops.tpu.paged_attention``): head size a multiple of 128
   (the lane width of its blocks), a compute block dividing the table width (always found: 1 divides).
@@ -39,7 +39,7 @@ _LOG = logging.getLogger(__name__)
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CUDNN_MAX_HEAD = 256  # Hopper; 128 on earlier GPUs
 _PACKED_GPU_DTYPES = ("bfloat16", "float16", "float32")
-_PACKED_GPU_HEAD_DIMS = (16, 128)  # the head size, padded to a power of 2 by the kernel, must fall in here
+_PACKED_GPU_HEAD_DIMS = (16, 128)  # the head size, padded to a power of 2 for the kernel, must fall in here
 _TPU_LANES = 128
 
 

@@ -1,10 +1,12 @@
-"""Run by tests/test_gpu_compile.py with the GPU-compiling interpreter: the packed-rows attention (the
-Pallas mha kernel, models/attention.py) forward and backward for a compile-only H200, at several lengths,
-head sizes, GQA groups and dtypes. Prints one JSON object: the shapes compiled and those that failed."""
+"""Run by tests/test_gpu_compile.py with the GPU-compiling interpreter: the packed-rows attention (our
+block-sparse Pallas kernel, models/packed_attention_gpu.py) forward and backward for a compile-only H200,
+at several lengths, head sizes, GQA groups and dtypes. Prints one JSON object: the shapes compiled (with
+their Triton calls and the names of our kernels among them) and those that failed."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from pacs_jax import topologies
 
@@ -34,7 +36,8 @@ def main() -> dict:
         try:
             with jax.set_mesh(mesh):
                 text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
-            compiled.append([B, T, H, K, Dh, dtype, text.count("__gpu$xla.gpu.triton")])
+            names = sorted(set(re.findall(r"pacs_packed_attention_\w+", text)))
+            compiled.append([B, T, H, K, Dh, dtype, text.count("__gpu$xla.gpu.triton"), names])
         except Exception as e:  # a lowering error: reported, the test fails on it
             failed.append([B, T, H, K, Dh, dtype, str(e).splitlines()[0][:300]])
     return {"compiled": compiled, "failed": failed}
