@@ -13,7 +13,8 @@ an export of its own (item 5), a misspelled setup name is one line (item 6). Mos
 in-process; a few run the CLIs as a user does: status 78, one line naming the field or file, nothing
 written, and launch/supervise.sh does not restart it.
 
-Issue 53: export_hf --overwrite names the evaluation results in an export instead of deleting them (item 2),
+Issue 53: export_hf --overwrite, and the trainer's own export into workdir/hf_export (refused before it trains),
+name the evaluation results in an export instead of deleting them (item 2),
 a damaged training file and rows without the format's answer are one line naming the file and line even
 with data.allow_skips (items 4, 5), --help exits 0 naming configs/base.py (item 7)."""
 
@@ -487,6 +488,29 @@ def test_export_hf_overwrite_refuses_to_delete_the_evaluation_results_naming_the
         "lists the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
         "another output folder")
     assert sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*")) == before
+
+
+def test_the_trainer_refuses_an_hf_export_holding_the_evaluation_results_before_it_trains(tmp_path):
+    """Issue 53: the trainer's own export at the end of a run (workdir/hf_export) onto an export holding the
+    eval/ results that `python -m pacs_jax.evaluate --checkpoint=WORKDIR/hf_export` wrote there trained every
+    step, then ended in a FileExistsError traceback (status 1). It is one line naming the folder and the files,
+    status 78, before anything is written (no config.json, nothing trained), every file kept."""
+    from qwen_reference import load_tool
+    from train_helpers import RL_ONLY_FLAGS
+
+    workdir = tmp_path / "workdir"
+    out = workdir / "hf_export"
+    load_tool("export_hf").main(["--checkpoint", str(_checkpointed_workdir(tmp_path)), "--out", str(out)])
+    (out / "eval").mkdir()
+    (out / "eval" / "eval_metrics.json").write_text('{"pass@1": 0.5}')
+    before = sorted((str(p.relative_to(workdir)), p.read_bytes() if p.is_file() else None) for p in workdir.rglob("*"))
+    run = _run("pacs_jax.train", *RL_ONLY_FLAGS, "--config.train.steps=1", f"--workdir={workdir}", cwd=tmp_path)
+    assert _error_line(run, "pacs_jax.train") == (
+        f"pacs_jax.train: error: {out}: holds eval/, which pacs_jax's export did not write (pacs_jax_export.json "
+        f"lists the files it wrote); not replacing the folder, which would delete them: move them out, or move it "
+        f"out of {workdir} (the run replaces hf_export with its HF export when it ends)")
+    assert sorted((str(p.relative_to(workdir)), p.read_bytes() if p.is_file() else None)
+                  for p in workdir.rglob("*")) == before
 
 
 def test_progress_bars_write_plain_lines_into_a_log_file():
