@@ -14,9 +14,10 @@ in-process; a few run the CLIs as a user does: status 78, one line naming the fi
 written, and launch/supervise.sh does not restart it.
 
 Issue 53: export_hf --overwrite, and the trainer's own export into workdir/hf_export (refused before it trains),
-name the evaluation results in an export instead of deleting them (item 2),
-a damaged training file and rows without the format's answer are one line naming the file and line even
-with data.allow_skips (items 4, 5), --help exits 0 naming configs/base.py (item 7)."""
+name the evaluation results in an export instead of deleting them (item 2); a damaged training file and rows
+without the format's answer are one line naming the file and line even with data.allow_skips, and each row
+data.allow_skips skips is named in the log and in the workdir (items 4, 5); --help exits 0 naming
+configs/base.py (item 7)."""
 
 from __future__ import annotations
 
@@ -382,6 +383,35 @@ def test_the_trainer_refuses_a_damaged_file_and_rows_without_the_answer_even_wit
                    cwd=tmp_path)
         assert _error_line(run, "pacs_jax.train") == f"pacs_jax.train: error: config.data.train_files: {line}"
     assert not workdir.exists()
+
+
+def test_each_row_data_allow_skips_skips_is_named_once_in_the_log_and_in_the_workdir(tmp_path):
+    """Issue 53 item 4, when the user asked to skip malformed rows (data.allow_skips): the only trace was "2
+    malformed rows skipped" in the count line. Each skipped row is named once, file and line and why, in the
+    log and in workdir/skipped_rows.txt; a later session that skips none removes that record."""
+    from pacs_jax.training.run import SKIPPED_ROWS_FILE, _record_skipped_rows
+    from train_helpers import RL_ONLY_FLAGS, compile_cache_dir, train_env
+
+    rows = [json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) for i in range(40)]
+    rows[4], rows[9] = json.dumps({"problem": "4+1="}), json.dumps({"problem": "9+1=", "answer": None})
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(rows) + "\n")
+    workdir = tmp_path / "workdir"
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *RL_ONLY_FLAGS, "--config.data.source=files",
+                          f"--config.data.train_files=('{train}',)", "--config.data.allow_skips=True",
+                          "--config.train.steps=1", f"--workdir={workdir}"], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env=train_env(compile_cache_dir()))
+    assert run.returncode == 0, run.stderr[-3000:]
+    named = [f"{train}:5: missing field 'answer'", f"{train}:10: field 'answer' must be a string or a number, got null"]
+    lines = run.stdout.splitlines()
+    assert "30 of 38 problems read (0 for the warm-start only, 8 held out, 2 malformed rows skipped" in run.stdout
+    for message in named:
+        assert lines.count(f"skipped (data.allow_skips): {message}") == 1, run.stdout
+    assert sum(f"{train}:" in line for line in lines) == 2, run.stdout  # each named once
+    assert f"the 2 skipped rows are listed in {workdir / SKIPPED_ROWS_FILE}" in lines
+    assert (workdir / SKIPPED_ROWS_FILE).read_text().splitlines() == named
+    _record_skipped_rows([], workdir, print)  # a session whose data has no malformed row: no stale record
+    assert not (workdir / SKIPPED_ROWS_FILE).exists()
 
 
 def test_the_evaluation_cli_reads_its_checkpoint_before_the_sets_or_the_tokenizer(tmp_path):

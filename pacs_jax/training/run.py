@@ -2,7 +2,8 @@
 
     tokenizer (data.tokenizer; "": model.path's own) and model (model.path, model.preset, or config.model's
     fields at random init)
-    -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems)
+    -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems);
+       each malformed row that data.allow_skips skipped named in the log and in workdir/skipped_rows.txt
     -> supervised warm-start (warmstart.steps > 0) on the problems data.warmstart_problems sets aside
        from RL (0: on RL's problems), stopped early at a greedy accuracy on RL's first prompts
        (warmstart.target_accuracy)                                              training/warmstart.py
@@ -64,6 +65,7 @@ from pacs_jax.training.workdir import (EXPORT_FOLDER, SessionClock, WorkdirLock,
                                        check_resume, finished_summary, write_config)
 
 HELD_OUT = "held_out"  # the evaluation set of the problems data.held_out_problems sets aside
+SKIPPED_ROWS_FILE = "skipped_rows.txt"  # the malformed rows data.allow_skips skipped, "FILE:LINE: why" a line
 
 
 class GrainPromptSource:
@@ -87,10 +89,11 @@ class GrainPromptSource:
 
 
 def prompt_source(spec: RunSpec, tokenizer
-                  ) -> tuple[GrainPromptSource, list[data.PromptExample], list[data.Problem], dict[str, int]]:
+                  ) -> tuple[GrainPromptSource, list[data.PromptExample], list[data.Problem], dict]:
     """The run's RL prompts (data.source minus the warm-start's and the held-out splits, through the
     tokenizer's chat template), the warm-start's prompts (RL's when data.warmstart_problems is 0), the
-    held-out problems, and counts (rows, skipped, held_out, warmstart, dropped_overlong)."""
+    held-out problems, and counts (rows, skipped, held_out, warmstart, dropped_overlong; skipped_rows: the
+    skipped rows' messages)."""
     dc = spec.data
     train, warm, held_out, counts = data.training_problems(dataclasses.asdict(dc), seed=spec.seed)
     examples, dropped = data.build_prompts(train, tokenizer, dc.max_prompt_length, dc.instruction)
@@ -206,6 +209,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
+        _record_skipped_rows(counts["skipped_rows"], workdir, say)
         warning = planned_step_warning(spec, jax.devices()[0].platform)
         if warning:
             print(warning, flush=True)
@@ -305,6 +309,20 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
                         _per_set(after.get("sampled", {})), workdir / "curves.png", _periodic_evals(workdir))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _record_skipped_rows(messages: list[str], workdir: epath.Path, say) -> None:
+    """Name each malformed row that data.allow_skips skipped ("FILE:LINE: why"), once in the log and once in
+    workdir/SKIPPED_ROWS_FILE (removed when a later session skips none: the file is this session's data)."""
+    record = workdir / SKIPPED_ROWS_FILE
+    if not messages:
+        if record.exists():
+            record.unlink()
+        return
+    for message in messages:
+        say(f"skipped (data.allow_skips): {message}")
+    atomic_write_text(record, "".join(f"{m}\n" for m in messages))
+    say(f"the {len(messages)} skipped rows are listed in {record}")
 
 
 def _warm_start_line(warm: WarmStartResult, target: float) -> str:
