@@ -13,9 +13,11 @@ an export of its own (item 5), a misspelled setup name is one line (item 6). Mos
 in-process; a few run the CLIs as a user does: status 78, one line naming the field or file, nothing
 written, and launch/supervise.sh does not restart it.
 
-Issue 53: export_hf --overwrite names the evaluation results in an export instead of deleting them (item 2),
-a damaged training file and rows without the format's answer are one line naming the file and line even
-with data.allow_skips (items 4, 5), --help exits 0 naming configs/base.py (item 7)."""
+Issue 53: export_hf --overwrite, and the trainer's own export into workdir/hf_export (refused before it trains),
+name the evaluation results in an export instead of deleting them (item 2); a damaged training file and rows
+without the format's answer are one line naming the file and line even with data.allow_skips, and each row
+data.allow_skips skips is named in the log and in the workdir (items 4, 5); --help exits 0 naming
+configs/base.py (item 7)."""
 
 from __future__ import annotations
 
@@ -383,6 +385,35 @@ def test_the_trainer_refuses_a_damaged_file_and_rows_without_the_answer_even_wit
     assert not workdir.exists()
 
 
+def test_each_row_data_allow_skips_skips_is_named_once_in_the_log_and_in_the_workdir(tmp_path):
+    """Issue 53 item 4, when the user asked to skip malformed rows (data.allow_skips): the only trace was "2
+    malformed rows skipped" in the count line. Each skipped row is named once, file and line and why, in the
+    log and in workdir/skipped_rows.txt; a later session that skips none removes that record."""
+    from pacs_jax.training.run import SKIPPED_ROWS_FILE, _record_skipped_rows
+    from train_helpers import RL_ONLY_FLAGS, compile_cache_dir, train_env
+
+    rows = [json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) for i in range(40)]
+    rows[4], rows[9] = json.dumps({"problem": "4+1="}), json.dumps({"problem": "9+1=", "answer": None})
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(rows) + "\n")
+    workdir = tmp_path / "workdir"
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *RL_ONLY_FLAGS, "--config.data.source=files",
+                          f"--config.data.train_files=('{train}',)", "--config.data.allow_skips=True",
+                          "--config.train.steps=1", f"--workdir={workdir}"], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env=train_env(compile_cache_dir()))
+    assert run.returncode == 0, run.stderr[-3000:]
+    named = [f"{train}:5: missing field 'answer'", f"{train}:10: field 'answer' must be a string or a number, got null"]
+    lines = run.stdout.splitlines()
+    assert "30 of 38 problems read (0 for the warm-start only, 8 held out, 2 malformed rows skipped" in run.stdout
+    for message in named:
+        assert lines.count(f"skipped (data.allow_skips): {message}") == 1, run.stdout
+    assert sum(f"{train}:" in line for line in lines) == 2, run.stdout  # each named once
+    assert f"the 2 skipped rows are listed in {workdir / SKIPPED_ROWS_FILE}" in lines
+    assert (workdir / SKIPPED_ROWS_FILE).read_text().splitlines() == named
+    _record_skipped_rows([], workdir, print)  # a session whose data has no malformed row: no stale record
+    assert not (workdir / SKIPPED_ROWS_FILE).exists()
+
+
 def test_the_evaluation_cli_reads_its_checkpoint_before_the_sets_or_the_tokenizer(tmp_path):
     """Item 1 for the evaluation CLI: a folder with config.json and tokenizer files but no weights, and a
     folder with no model, are one line naming --checkpoint and what the folder lacks; no eval/ is written."""
@@ -487,6 +518,29 @@ def test_export_hf_overwrite_refuses_to_delete_the_evaluation_results_naming_the
         "lists the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
         "another output folder")
     assert sorted((str(p.relative_to(out)), p.read_bytes() if p.is_file() else None) for p in out.rglob("*")) == before
+
+
+def test_the_trainer_refuses_an_hf_export_holding_the_evaluation_results_before_it_trains(tmp_path):
+    """Issue 53: the trainer's own export at the end of a run (workdir/hf_export) onto an export holding the
+    eval/ results that `python -m pacs_jax.evaluate --checkpoint=WORKDIR/hf_export` wrote there trained every
+    step, then ended in a FileExistsError traceback (status 1). It is one line naming the folder and the files,
+    status 78, before anything is written (no config.json, nothing trained), every file kept."""
+    from qwen_reference import load_tool
+    from train_helpers import RL_ONLY_FLAGS
+
+    workdir = tmp_path / "workdir"
+    out = workdir / "hf_export"
+    load_tool("export_hf").main(["--checkpoint", str(_checkpointed_workdir(tmp_path)), "--out", str(out)])
+    (out / "eval").mkdir()
+    (out / "eval" / "eval_metrics.json").write_text('{"pass@1": 0.5}')
+    before = sorted((str(p.relative_to(workdir)), p.read_bytes() if p.is_file() else None) for p in workdir.rglob("*"))
+    run = _run("pacs_jax.train", *RL_ONLY_FLAGS, "--config.train.steps=1", f"--workdir={workdir}", cwd=tmp_path)
+    assert _error_line(run, "pacs_jax.train") == (
+        f"pacs_jax.train: error: {out}: holds eval/, which pacs_jax's export did not write (pacs_jax_export.json "
+        f"lists the files it wrote); not replacing the folder, which would delete them: move them out, or move it "
+        f"out of {workdir} (the run replaces hf_export with its HF export when it ends)")
+    assert sorted((str(p.relative_to(workdir)), p.read_bytes() if p.is_file() else None)
+                  for p in workdir.rglob("*")) == before
 
 
 def test_progress_bars_write_plain_lines_into_a_log_file():

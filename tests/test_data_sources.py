@@ -41,7 +41,7 @@ def test_the_demo_holds_out_problems_it_never_trains_on_and_gives_rl_problems_th
     assert (len(warm), len(train), len(held_out)) == (
         dc.warmstart_problems, dc.arithmetic.problems - dc.warmstart_problems, dc.held_out_problems)
     assert counts == {"rows": dc.arithmetic.problems + dc.held_out_problems, "skipped": 0,
-                      "held_out": dc.held_out_problems, "warmstart": dc.warmstart_problems}
+                      "held_out": dc.held_out_problems, "warmstart": dc.warmstart_problems, "skipped_rows": []}
     equations = lambda ps: {tuple(re.findall(r"\d+", p.problem)) + (_solve(p.problem),) for p in ps}  # noqa: E731
     assert len(equations(warm) | equations(train) | equations(held_out)) == counts["rows"]  # pairwise disjoint
     with pytest.raises(ValueError, match="config.data.warmstart_problems: 2200 with data.held_out_problems=200 leaves no RL"):
@@ -57,7 +57,8 @@ def _files_config(shared_data, held_out: int, seed: int = 0, warmstart: int = 0)
 
 def test_files_source_reads_every_file_and_splits_off_seeded_held_out_and_warm_start_sets(shared_data):
     whole, no_warm, none, counts = data.training_problems(_files_config(shared_data, 0), seed=0)
-    assert counts == {"rows": 70, "skipped": 0, "held_out": 0, "warmstart": 0} and none == no_warm == []
+    assert counts == {"rows": 70, "skipped": 0, "held_out": 0, "warmstart": 0, "skipped_rows": []}
+    assert none == no_warm == []
     assert [p.data_source for p in whole] == ["amc23"] * 40 + ["aime_2025"] * 30  # file order without a split
     train, _, held_out, _ = data.training_problems(_files_config(shared_data, 10), seed=0)
     key = lambda p: (p.data_source, p.index)  # noqa: E731

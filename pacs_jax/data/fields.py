@@ -85,6 +85,7 @@ class ReadStats:
     rows: int = 0
     skipped: int = 0
     first_errors: list[str] = dataclasses.field(default_factory=list)  # up to 5 messages of skipped rows
+    skipped_rows: list[str] = dataclasses.field(default_factory=list)  # every skipped row's message ("FILE:LINE: why")
 
 
 def convert_rows(rows: Iterable[tuple[str, Any]], format: str, data_source: str,
@@ -105,6 +106,7 @@ def convert_rows(rows: Iterable[tuple[str, Any]], format: str, data_source: str,
                 error.skippable = True  # one row's: on_error="skip" would have skipped it
                 raise
             stats.skipped += 1
+            stats.skipped_rows.append(str(error))
             if len(stats.first_errors) < 5:
                 stats.first_errors.append(str(error))
     if stats.skipped and not problems:

@@ -32,16 +32,18 @@ SOURCES = ("files", "arithmetic")
 
 
 def training_problems(data_config: Mapping, seed: int
-                      ) -> tuple[list[Problem], list[Problem], list[Problem], dict[str, int]]:
+                      ) -> tuple[list[Problem], list[Problem], list[Problem], dict]:
     """(RL's problems, the warm-start's own problems, held-out problems, counts) of ``data_config``;
-    counts: rows read, skipped (malformed rows, with data.allow_skips), held_out, warmstart."""
+    counts: rows read, skipped (malformed rows, with data.allow_skips), held_out, warmstart, and
+    skipped_rows: each skipped row's message, "FILE:LINE: why" (the trainer names them in its log and in
+    workdir/skipped_rows.txt)."""
     source, held, warm = data_config["source"], data_config["held_out_problems"], data_config["warmstart_problems"]
     if source == "arithmetic":
         task = data_config["arithmetic"]
         problems = arithmetic.make_problems(task["problems"] + held, seed, task["max_operand"])
-        skipped = 0
+        skipped, skipped_rows = 0, []
     elif source == "files":
-        problems, skipped = [], 0
+        problems, skipped, skipped_rows = [], 0, []
         for spec in data_config["train_files"]:
             try:
                 read, stats = load_problems(spec, format=data_config.get("format", "auto"),
@@ -50,9 +52,10 @@ def training_problems(data_config: Mapping, seed: int
                 if not error.skippable:
                     raise
                 raise DataError(f"{error} (a malformed row; --config.data.allow_skips=True skips such rows, "
-                                "counts them and prints the count)") from None
+                                "naming each in the log and in the workdir's skipped_rows.txt)") from None
             problems += read
             skipped += stats.skipped
+            skipped_rows += stats.skipped_rows
         order = np.random.default_rng(data_config["shuffle_seed"]).permutation(len(problems))
         problems = [problems[i] for i in order] if held or warm else problems
     else:
@@ -64,5 +67,6 @@ def training_problems(data_config: Mapping, seed: int
         raise UsageError(f"config.data.warmstart_problems: {warm} with data.held_out_problems={held} leaves no RL "
                          f"problems of the {len(problems)} read; set them to less than {len(problems)} together")
     cut = len(problems) - held
-    counts = {"rows": len(problems), "skipped": skipped, "held_out": held, "warmstart": warm}
+    counts = {"rows": len(problems), "skipped": skipped, "held_out": held, "warmstart": warm,
+              "skipped_rows": skipped_rows}
     return problems[warm:cut], problems[:warm], problems[cut:], counts

@@ -310,7 +310,8 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
 
 
-def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
+def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool,
+                        instead: str = "choose another output folder") -> None:
     """Refuse to write an HF export over anything but nothing, an empty folder or (with ``overwrite``)
     an export this code wrote: a folder with ``EXPORT_MARKER`` that holds only the files it lists.
     Anything else, a downloaded HF model, a training workdir or a checkpoint included, is refused naming
@@ -320,7 +321,8 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     Used by ``write_hf_dir`` (``tools/export_hf.py`` and the trainer's workdir/hf_export), so that an
     ``--out`` pointing at a folder of someone's files is never deleted.
     Raises ``NotAnExportError`` (a ``FileExistsError``) with one line naming ``out_dir``, a local folder
-    or one on a store (``gs://``).
+    or one on a store (``gs://``), ending with what to do: move the files out, or ``instead`` (the
+    trainer, whose export folder is fixed, says what it is).
     """
     local = not is_remote(out_dir)
     out_dir = pathlib.Path(out_dir) if local else epath.Path(out_dir)
@@ -342,22 +344,21 @@ def check_export_target(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
         raise NotAnExportError(
             f"{out_dir}: not a previous HF export (it holds {', '.join(workdir_like[:4])}"
             f"{', ...' if len(workdir_like) > 4 else ''}: a training workdir or checkpoint?); "
-            "not replacing it: choose another output folder")
+            f"not replacing it: {instead}")
     if EXPORT_MARKER not in names:
         raise NotAnExportError(
             f"{out_dir}: not an export pacs_jax wrote (no {EXPORT_MARKER}; it holds {_listing(names)}); "
-            "not replacing it: choose another output folder, or empty it first")
+            f"not replacing it: {instead}, or empty it first")
     try:
         written = set(json.loads((out_dir / EXPORT_MARKER).read_text())["files"])
     except (ValueError, KeyError, TypeError) as e:
         raise NotAnExportError(f"{out_dir}: {EXPORT_MARKER} is unreadable ({e!r}); not replacing the folder: "
-                               "choose another output folder, or empty it first") from None
+                               f"{instead}, or empty it first") from None
     others = [f"{e.name}/" if e.is_dir() else e.name for e in entries if e.name not in written | {EXPORT_MARKER}]
     if others:
         raise NotAnExportError(
             f"{out_dir}: holds {_listing(others)}, which pacs_jax's export did not write ({EXPORT_MARKER} lists "
-            "the files it wrote); not replacing the folder, which would delete them: move them out, or choose "
-            "another output folder")
+            f"the files it wrote); not replacing the folder, which would delete them: move them out, or {instead}")
 
 
 def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[tuple[str, np.ndarray]], *,

@@ -2,7 +2,8 @@
 
     tokenizer (data.tokenizer; "": model.path's own) and model (model.path, model.preset, or config.model's
     fields at random init)
-    -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems)
+    -> training problems (data.source: files | arithmetic), minus the held-out split (data.held_out_problems);
+       each malformed row that data.allow_skips skipped named in the log and in workdir/skipped_rows.txt
     -> supervised warm-start (warmstart.steps > 0) on the problems data.warmstart_problems sets aside
        from RL (0: on RL's problems), stopped early at a greedy accuracy on RL's first prompts
        (warmstart.target_accuracy)                                              training/warmstart.py
@@ -19,7 +20,8 @@ workdir/eval/<name>/ (before_rl, step_<k>, final, final_greedy).
 
 Around all of it (docs/design.md section 3.7): the workdir lock (training/workdir.py), the resume
 check, made before anything is written (a checkpoint of other model shapes, model.path, objective or
-critic, or ``train.steps`` below the checkpoint's step, is refused naming the fields), then config.json; the
+critic, or ``train.steps`` below the checkpoint's step, is refused naming the fields; so is a workdir/hf_export
+holding files the export at the end would delete, naming them), then config.json; the
 run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of every session
 (sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
 ``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
@@ -47,7 +49,7 @@ from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.data import paths
 from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
-from pacs_jax.models.hf_weights import no_tokenizer_line
+from pacs_jax.models.hf_weights import NotAnExportError, no_tokenizer_line
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
@@ -56,12 +58,14 @@ from pacs_jax.training.metrics import EvalScalars
 from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.signals import StopSignals
-from pacs_jax.training.spec import EvalSpec, RunSpec
+from pacs_jax.training.spec import ConfigError, EvalSpec, RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.warmstart import WarmStartResult, warm_start
-from pacs_jax.training.workdir import SessionClock, WorkdirLock, agree, check_resume, finished_summary, write_config
+from pacs_jax.training.workdir import (EXPORT_FOLDER, SessionClock, WorkdirLock, agree, check_export_folder,
+                                       check_resume, finished_summary, write_config)
 
 HELD_OUT = "held_out"  # the evaluation set of the problems data.held_out_problems sets aside
+SKIPPED_ROWS_FILE = "skipped_rows.txt"  # the malformed rows data.allow_skips skipped, "FILE:LINE: why" a line
 
 
 class GrainPromptSource:
@@ -85,10 +89,11 @@ class GrainPromptSource:
 
 
 def prompt_source(spec: RunSpec, tokenizer
-                  ) -> tuple[GrainPromptSource, list[data.PromptExample], list[data.Problem], dict[str, int]]:
+                  ) -> tuple[GrainPromptSource, list[data.PromptExample], list[data.Problem], dict]:
     """The run's RL prompts (data.source minus the warm-start's and the held-out splits, through the
     tokenizer's chat template), the warm-start's prompts (RL's when data.warmstart_problems is 0), the
-    held-out problems, and counts (rows, skipped, held_out, warmstart, dropped_overlong)."""
+    held-out problems, and counts (rows, skipped, held_out, warmstart, dropped_overlong; skipped_rows: the
+    skipped rows' messages)."""
     dc = spec.data
     train, warm, held_out, counts = data.training_problems(dataclasses.asdict(dc), seed=spec.seed)
     examples, dropped = data.build_prompts(train, tokenizer, dc.max_prompt_length, dc.instruction)
@@ -195,6 +200,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
             return done or {"final_step": latest}
         say(f"all {latest} steps of train.steps are checkpointed in {workdir / 'checkpoints'}, but the last "
             f"session stopped before the end: running the final evaluation and the export")
+    check_export_folder(workdir)  # the export at the end replaces workdir/hf_export: refused now, not then
     write_config(recorded, workdir, planned)
     clock.update(force=True)
     model = build_model(spec, tokenizer)
@@ -203,6 +209,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
+        _record_skipped_rows(counts["skipped_rows"], workdir, say)
         warning = planned_step_warning(spec, jax.devices()[0].platform)
         if warning:
             print(warning, flush=True)
@@ -282,8 +289,12 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         after = evaluate_final("final", result.final_step, result.model, pool) if sets else {}
     tokenizer_dir = (None if tokenizer_source == data.CHAR_TOKENIZER  # "char": no files; gs://: the local copy
                      else data.local_folder(tokenizer_source))
-    export = models.export_hf(result.model, workdir / "hf_export", tokenizer_dir=tokenizer_dir, overwrite=True,
-                              no_tokenizer=NO_HF_TOKENIZER)
+    try:
+        export = models.export_hf(result.model, workdir / EXPORT_FOLDER, tokenizer_dir=tokenizer_dir, overwrite=True,
+                                  no_tokenizer=NO_HF_TOKENIZER)
+    except NotAnExportError as e:  # files put there during the run (check_export_folder passed at its start)
+        raise ConfigError(f"{e}; all {result.final_step} steps are checkpointed: once the files are moved, the same "
+                          f"command runs the final evaluation and the export") from None
     if tokenizer_dir is None:
         say(f"hf_export: {no_tokenizer_line(export, NO_HF_TOKENIZER)}")
     history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
@@ -298,6 +309,20 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
                         _per_set(after.get("sampled", {})), workdir / "curves.png", _periodic_evals(workdir))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _record_skipped_rows(messages: list[str], workdir: epath.Path, say) -> None:
+    """Name each malformed row that data.allow_skips skipped ("FILE:LINE: why"), once in the log and once in
+    workdir/SKIPPED_ROWS_FILE (removed when a later session skips none: the file is this session's data)."""
+    record = workdir / SKIPPED_ROWS_FILE
+    if not messages:
+        if record.exists():
+            record.unlink()
+        return
+    for message in messages:
+        say(f"skipped (data.allow_skips): {message}")
+    atomic_write_text(record, "".join(f"{m}\n" for m in messages))
+    say(f"the {len(messages)} skipped rows are listed in {record}")
 
 
 def _warm_start_line(warm: WarmStartResult, target: float) -> str:

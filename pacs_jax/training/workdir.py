@@ -19,7 +19,9 @@
   fields, the vocabulary), model.path, objective or critic differ from the checkpoints' run (a resume
   trains the checkpoint's weights: another model.path's would be loaded and discarded, and config.json
   would name a model the run never trained), or when
-  ``train.steps`` is below the checkpoint's step. ``config.json`` (``write_config``) is the record
+  ``train.steps`` is below the checkpoint's step; ``check_export_folder``: so is a workdir whose
+  ``hf_export`` holds files the run's export would delete (the evaluation CLI's ``eval/`` results),
+  rather than failing with a traceback after the last step. ``config.json`` (``write_config``) is the record
   of the run that wrote the checkpoints, so it is written only after that check: the config, with
   the options the objective runs with and the architecture of the model the run builds.
 - ``SessionClock``: ``<workdir>/sessions.json`` records every session's wall time, so that
@@ -45,6 +47,7 @@ from etils import epath
 from pacs_jax.checkpoints import MODEL_CONFIG_FILE
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.hf_weights import NotAnExportError, check_export_target
 from pacs_jax.rl.objectives import options_for
 from pacs_jax.training.spec import ConfigError, RunSpec, run_algorithm
 
@@ -359,6 +362,25 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
             f"({latest}): nothing to train (a checkpoint is never rolled back). Set train.steps above {latest} to "
             f"train further, or use another --workdir")
     return latest
+
+
+EXPORT_FOLDER = "hf_export"  # the run's HF export of its final model, replaced at every run's end
+
+
+def check_export_folder(workdir: str | os.PathLike) -> None:
+    """Refuse, before anything is written, a workdir whose ``EXPORT_FOLDER`` the run's export at its end
+    would not replace (``hf_weights.check_export_target``: files the export did not write, such as the
+    evaluation CLI's ``eval/``, or a folder that is no export): a ``ConfigError`` naming the folder and
+    those files. Every process reads it; process 0's verdict holds for all (``agree``)."""
+    folder = epath.Path(workdir) / EXPORT_FOLDER
+    try:
+        check_export_target(folder, overwrite=True, instead=f"move it out of {epath.Path(workdir)} (the run "
+                                                            f"replaces {EXPORT_FOLDER} with its HF export when it ends)")
+        refusal = None
+    except NotAnExportError as e:
+        refusal = str(e)
+    if not agree(refusal is None):
+        raise ConfigError(refusal or f"{folder}: refused by process 0 (its error line says why)")
 
 
 def recorded_config(config: ml_collections.ConfigDict, model_cfg: QwenConfig | None) -> dict:
