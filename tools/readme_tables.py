@@ -11,7 +11,8 @@ names the command, the commit it ran at, the date and its wall time. The tables 
 so each number in them is a number the tool printed (a row without a kept output is left out, and named under
 its table with the command that adds it): the memory table from plan_memory's per-program table (each
 program's total: XLA's peak plus the state resident outside it, and the peak in brackets) and its last line, the
-step table from plan_step's phase table, its "step:" and "run:" lines. In README.md each table sits between
+step table from plan_step's phase table, its "step:" and "run:" lines and its carry-over and one-step-off lines
+(issue 50; "-" in a row whose kept output predates them). In README.md each table sits between
 ``<!-- plan_memory table -->`` / ``<!-- plan_step table -->`` and ``<!-- end of table -->``;
 tests/test_readme.py checks that the README's tables are these files' (and that the stored qwen3_4b pi_old is
 what plan_memory prints today). After a change that moves a plan, ``--run`` and commit docs/plans/ and README.md.
@@ -161,6 +162,12 @@ def step_row(config: str, topology: str) -> str:
             raise OutputError(f"{path}: no {name} row in the phase table")
         bound, phase_seconds, ratio = phases[name]
         cells.append(f"{bound}, {phase_seconds} s, {ratio}")
+    # issue 50's lines (outputs kept before them have none: "-")
+    carry = re.search(r"^with carry-over \(rollout.carry_over, max_staleness (\d+);.*, ([\d.]+%) of decoded tokens "
+                      r"dropped as stale: decode [\d.]+ s, step ([\d.]+) s predicted", text, re.M)
+    split = re.search(r"^one step off .*: best mesh.rollout_devices=(\d+) of \d+: step ([\d.]+) s", text, re.M)
+    cells.append(f"{carry.group(3)} s ({carry.group(2)} dropped)" if carry else "-")
+    cells.append(f"{split.group(2)} s ({split.group(1)} chips sample)" if split else "-")
     return (f"| `{config}` | {topology} | {step.group(1)} s | {run.group(2)} h | {run.group(3)} | "
             + " | ".join(cells) + f" | {step.group(2)} | {int(seconds.group(1)) / 60:.1f} min |")
 
@@ -183,8 +190,9 @@ def step_head() -> str:
     steps = {re.search(r"^run: (\d+) steps", _read("plan_step", c)[1], re.M).group(1) for c, _ in kept("plan_step")}
     runs = f"{steps.pop()} steps" if len(steps) == 1 else "run"
     return (f"| config | slice | step | {runs} | chip-hours | decode (bound, s, bytes ratio) | pi_old (bound, s, FLOPs "
-            "ratio) | update (bound, s, FLOPs ratio) | step ratio | tool's time here |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+            "ratio) | update (bound, s, FLOPs ratio) | step with carry-over | one step off, best split | step ratio | "
+            "tool's time here |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def tables() -> dict[str, str]:
