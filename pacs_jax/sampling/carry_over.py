@@ -33,12 +33,17 @@ the rows equal ``engine.sample``'s of the same prompts and key.
 
 One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
 over the call's arrays as ``engine.sample``'s one-queue path does.
+
+``CarryOverSampler.lower`` lowers the four programs on abstract arguments, as ``engine.lower_sample``
+the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a real call then finds
+them compiled) and reads XLA's memory of them; tools/plan_memory.py compiles them for a slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,10 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
-from pacs_jax.sampling.engine import PAD_ID, EngineSpec, _prefill, stop_id_array
+from pacs_jax.sampling.engine import PAD_ID, EngineSpec, _device_bytes, _prefill, _results, stop_id_array
 from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
@@ -364,6 +370,84 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
     return _pinned(state, shardings), result
 
 
+@dataclasses.dataclass(frozen=True)
+class CarryOverCompiled:
+    """The four compiled programs (init, insert, chunk, harvest), read as one: ``as_text()`` their HLO,
+    ``memory_analysis()`` that of the fullest. The ``CarryState`` is an argument (init: the result)
+    of each, so it is counted in all; the parameters are counted among the arguments of the chunk
+    and harvest programs too (``parameter_bytes`` per device), which run while they stay on the
+    device without taking them."""
+
+    programs: tuple[jax.stages.Compiled, ...]
+    parameter_bytes: int
+
+    def as_text(self) -> str:
+        return "\n".join(program.as_text() for program in self.programs)
+
+    def memory_analysis(self):
+        def counted(mem, extra: int):
+            peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or (
+                mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+            return types.SimpleNamespace(argument_size_in_bytes=mem.argument_size_in_bytes + extra,
+                                         output_size_in_bytes=mem.output_size_in_bytes,
+                                         alias_size_in_bytes=mem.alias_size_in_bytes,
+                                         temp_size_in_bytes=mem.temp_size_in_bytes, peak_memory_in_bytes=peak + extra)
+        outside = (0, 0, self.parameter_bytes, self.parameter_bytes)  # init and insert take the parameters
+        return max((counted(p.memory_analysis(), extra) for p, extra in zip(self.programs, outside)),
+                   key=lambda mem: mem.peak_memory_in_bytes)
+
+
+def _as_called(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled):
+    """A compiled program's results, abstract, as a real call's arrays come: ``engine._results``, a
+    PRNG key array's sharding spec padded with None to its rank, as jax gives a key array (not the
+    program's ``output_shardings``), so the state's shardings are the ones ``CarryOverSampler.step``
+    pins."""
+
+    def as_array(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        if not (jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) and isinstance(leaf.sharding, NamedSharding)):
+            return leaf
+        spec = (*leaf.sharding.spec, *(None,) * (len(leaf.shape) - len(leaf.sharding.spec)))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding.update(spec=spec))
+
+    return jax.tree.map(as_array, _results(lowered, compiled))
+
+
+@dataclasses.dataclass(frozen=True)
+class CarryOverLowered:
+    """The init program lowered on abstract arguments (``CarryOverSampler.lower``) and the abstract
+    arguments of the others: ``compile()`` compiles it, then insert, chunk and harvest on the
+    abstract results of the one before (their shapes and the shardings the compiled programs give
+    them, as a real call's arrays come), the state pinned to the init program's shardings as
+    ``CarryOverSampler.step`` pins it, so a real call with these shapes finds all four compiled."""
+
+    init: jax.stages.Lowered
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    prompt_tokens: jax.ShapeDtypeStruct
+    prompt_mask: jax.ShapeDtypeStruct
+    budgets: jax.ShapeDtypeStruct
+    key: jax.ShapeDtypeStruct
+    selection: Selection
+    stop_ids: jax.ShapeDtypeStruct
+    version: jax.ShapeDtypeStruct
+    spec: CarryOverSpec
+
+    def compile(self) -> CarryOverCompiled:
+        init = self.init.compile()
+        state = _as_called(self.init, init)
+        pinned = dict(spec=self.spec, shardings=tuple(leaf.sharding for leaf in jax.tree.leaves(state)))
+        insert_lowered = _insert_program.lower(self.graphdef, self.params, state, self.prompt_tokens, self.prompt_mask,
+                                               self.budgets, self.key, self.selection, self.stop_ids, self.version,
+                                               **pinned)
+        insert = insert_lowered.compile()
+        layout, state, dropped, dropped_version, carried = _as_called(insert_lowered, insert)
+        chunk_lowered = _chunk_program.lower(self.graphdef, layout, state, self.selection, self.stop_ids, **pinned)
+        chunk = chunk_lowered.compile()
+        state = _as_called(chunk_lowered, chunk)[0]
+        harvest = _harvest_program.lower(state, self.version, dropped, dropped_version, carried, **pinned).compile()
+        return CarryOverCompiled((init, insert, chunk, harvest), _device_bytes(self.params))
+
+
 def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: int, groups: int,
                     max_staleness: int) -> CarryOverSpec:
     """The programs' static part, checked: the paged sampler with ``settings.slots`` slots, at most
@@ -410,6 +494,27 @@ class CarryOverSampler:
     def reset(self) -> None:
         """Forget the rows in flight: the next call starts from an empty state, at any version (a resume)."""
         self._state, self._version = None, None
+
+    def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct
+              ) -> CarryOverLowered:
+        """The four programs lowered for abstract arguments: params (``nnx.split``'s state, arrays or
+        ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T] (with the shardings a call's
+        come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
+        made: the key (replicated), the budgets, the version, temperature, top_p and stop ids are
+        abstract, the unsharded ones like the host arrays ``step`` passes, so the programs can be
+        compiled for devices this process cannot use and are the ones a call runs."""
+        spec, settings = self.spec, self.settings
+        if prompt_tokens.shape != (spec.prompts, spec.prompt_length) or prompt_mask.shape != prompt_tokens.shape:
+            raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be "
+                             f"[{spec.prompts}, {spec.prompt_length}]")
+        typed_key = jax.eval_shape(jax.random.key, 0)
+        key = jax.ShapeDtypeStruct(typed_key.shape, typed_key.dtype, sharding=replicated())
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+        return CarryOverLowered(
+            _init_program.lower(self.graphdef, params, key, spec=spec), self.graphdef, params, prompt_tokens,
+            prompt_mask, jax.ShapeDtypeStruct((spec.prompts * settings.n,), jnp.int32), key,
+            Selection(scalar(jnp.float32), scalar(jnp.float32), settings.top_k),
+            jax.ShapeDtypeStruct(stop_id_array(settings.stop_token_ids).shape, jnp.int32), scalar(jnp.int32), spec)
 
     def step(self, params: nnx.State, version: int, prompt_tokens, prompt_mask, key: jax.Array, budgets=None, *,
              wait: Callable[[jax.Array, CarryOverProgress | None], None] | None = None) -> CarryOverRows:
