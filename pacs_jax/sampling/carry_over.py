@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
@@ -115,7 +114,8 @@ class CarryState(NamedTuple):
     call_start:     [R] int32, each row's length when this call's decode began
     first_tokens:   [R] int32, token 0 of each row
     budgets:        [R] int32, each row's budget
-    row_keys:       [R] PRNG keys
+    row_keys:       [R, k] uint32, each row's PRNG key as its key data (``jax.random.key_data``: a key
+                    array's sharding is not the same on every path, a plain array's is)
     promise:        [R] int32, the response pages each row may need (paged.row_promise)
     prompt_lengths: [G P] int32
     order:          [R] int32, the queue: waiting rows first, oldest generation first, in row order
@@ -201,7 +201,8 @@ class CarryOverProgress(NamedTuple):
 
 
 def _queue(state: CarryState, stop_ids: jax.Array) -> decode.Queue:
-    return decode.Queue(state.order, state.queued, state.first_tokens, state.budgets, state.row_keys,
+    return decode.Queue(state.order, state.queued, state.first_tokens, state.budgets,
+                        jax.random.wrap_key_data(state.row_keys),
                         state.prompt_lengths, stop_ids)
 
 
@@ -235,8 +236,8 @@ def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
 def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, spec: CarryOverSpec) -> CarryState:
-    """The empty state: a zero pool, every slot idle, no generation inserted (key only lends the row
-    keys' type)."""
+    """The empty state: a zero pool, every slot idle, no generation inserted (key only lends the shape
+    of the rows' key data)."""
     _traced()
     cfg = nnx.merge(graphdef, params).cfg
     G, P, n, C, N, R = (spec.generations, spec.prompts, spec.engine.n, spec.engine.slots, spec.engine.max_new_tokens,
@@ -251,8 +252,8 @@ def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, 
     state = decode.DecodeState(jnp.int32(0), decode.Slots(jnp.full((C,), R, jnp.int32), idle, idle),
                                store.init(None, C), jnp.int32(0), outputs)
     return CarryState(state, jnp.zeros((R, N), jnp.int32), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32),
-                      jnp.ones((R,), jnp.int32), jax.random.split(key, R), store.promise, store.prompt_lengths,
-                      jnp.arange(R, dtype=jnp.int32), jnp.int32(0), jnp.full((G,), -1, jnp.int32),
+                      jnp.ones((R,), jnp.int32), jax.random.key_data(jax.random.split(key, R)), store.promise,
+                      store.prompt_lengths, jnp.arange(R, dtype=jnp.int32), jnp.int32(0), jnp.full((G,), -1, jnp.int32),
                       jnp.zeros((G * P,), bool))
 
 
@@ -294,7 +295,7 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     state = state._replace(
         versions=put(state.versions, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version)),
         call_start=outputs.lengths, first_tokens=put(state.first_tokens, inputs.first_tokens),
-        budgets=put(state.budgets, inputs.budgets), row_keys=put(state.row_keys, inputs.row_keys),
+        budgets=put(state.budgets, inputs.budgets), row_keys=put(state.row_keys, jax.random.key_data(inputs.row_keys)),
         promise=put(state.promise, row_promise(lengths, inputs.budgets, n, spec.engine.page_size)),
         prompt_lengths=put(state.prompt_lengths, lengths), inserted=state.inserted.at[g].set(version),
         live=put(state.live, jnp.any(prompt_mask != 0, axis=-1)))
@@ -397,21 +398,6 @@ class CarryOverCompiled:
                    key=lambda mem: mem.peak_memory_in_bytes)
 
 
-def _as_called(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled):
-    """A compiled program's results, abstract, as a real call's arrays come: ``engine._results``, a
-    PRNG key array's sharding spec padded with None to its rank, as jax gives a key array (not the
-    program's ``output_shardings``), so the state's shardings are the ones ``CarryOverSampler.step``
-    pins."""
-
-    def as_array(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        if not (jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) and isinstance(leaf.sharding, NamedSharding)):
-            return leaf
-        spec = (*leaf.sharding.spec, *(None,) * (len(leaf.shape) - len(leaf.sharding.spec)))
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding.update(spec=spec))
-
-    return jax.tree.map(as_array, _results(lowered, compiled))
-
-
 @dataclasses.dataclass(frozen=True)
 class CarryOverLowered:
     """The init program lowered on abstract arguments (``CarryOverSampler.lower``) and the abstract
@@ -434,16 +420,16 @@ class CarryOverLowered:
 
     def compile(self) -> CarryOverCompiled:
         init = self.init.compile()
-        state = _as_called(self.init, init)
+        state = _results(self.init, init)
         pinned = dict(spec=self.spec, shardings=tuple(leaf.sharding for leaf in jax.tree.leaves(state)))
         insert_lowered = _insert_program.lower(self.graphdef, self.params, state, self.prompt_tokens, self.prompt_mask,
                                                self.budgets, self.key, self.selection, self.stop_ids, self.version,
                                                **pinned)
         insert = insert_lowered.compile()
-        layout, state, dropped, dropped_version, carried = _as_called(insert_lowered, insert)
+        layout, state, dropped, dropped_version, carried = _results(insert_lowered, insert)
         chunk_lowered = _chunk_program.lower(self.graphdef, layout, state, self.selection, self.stop_ids, **pinned)
         chunk = chunk_lowered.compile()
-        state = _as_called(chunk_lowered, chunk)[0]
+        state = _results(chunk_lowered, chunk)[0]
         harvest = _harvest_program.lower(state, self.version, dropped, dropped_version, carried, **pinned).compile()
         return CarryOverCompiled((init, insert, chunk, harvest), _device_bytes(self.params))
 
@@ -535,6 +521,9 @@ class CarryOverSampler:
         if budgets.shape != (rows,) or not np.issubdtype(budgets.dtype, np.integer) or budgets.min() < 1 \
                 or budgets.max() > settings.max_new_tokens:
             raise ValueError(f"budgets: expected {rows} integers in [1, max_new_tokens={settings.max_new_tokens}]")
+        if key.dtype != jax.eval_shape(jax.random.key, 0).dtype:
+            raise ValueError(f"key: a {key.dtype} key; the state keeps its rows' keys as key data of the default "
+                             f"implementation, {jax.eval_shape(jax.random.key, 0).dtype} (jax.random.key)")
         key = jax.device_put(key, replicated())
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
         stop_ids = stop_id_array(settings.stop_token_ids)
