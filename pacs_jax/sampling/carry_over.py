@@ -521,9 +521,9 @@ class CarryOverSampler:
         if budgets.shape != (rows,) or not np.issubdtype(budgets.dtype, np.integer) or budgets.min() < 1 \
                 or budgets.max() > settings.max_new_tokens:
             raise ValueError(f"budgets: expected {rows} integers in [1, max_new_tokens={settings.max_new_tokens}]")
-        if key.dtype != jax.eval_shape(jax.random.key, 0).dtype:
-            raise ValueError(f"key: a {key.dtype} key; the state keeps its rows' keys as key data of the default "
-                             f"implementation, {jax.eval_shape(jax.random.key, 0).dtype} (jax.random.key)")
+        typed = jax.eval_shape(jax.random.key, 0).dtype
+        if key.dtype != typed:  # the state keeps the rows' keys as their data, wrapped again as this kind
+            raise ValueError(f"key: a {key.dtype} key; expected a {typed} key (jax.random.key)")
         key = jax.device_put(key, replicated())
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
         stop_ids = stop_id_array(settings.stop_token_ids)
