@@ -239,7 +239,7 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model
     assert "mock" not in (REPO / "tools" / "plan_memory.py").read_text()  # no backend patched
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=120)
 def test_tool_compiles_carry_overs_sampler_for_a_paper_config_on_v5p_64():
     """rollout.carry_over: the sampler plan_memory compiles (and the trainer's warm-up, the same list) is the
     carry-over engine's four programs (init, insert, chunk, harvest) for the step's one call of 2P
