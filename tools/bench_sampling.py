@@ -276,8 +276,8 @@ def carry_over_steps(cfg: models.QwenConfig, *, batch: int, n: int, slots: int, 
         for side, (decoded, decode_steps, seconds) in (("paged", paged), ("carry-over", carried)):
             if step:
                 totals[side] = [t + x for t, x in zip(totals[side], (decoded, decode_steps, seconds))]
-            line.append(f"{side} {decode_steps:>5} decode steps, utilisation {decoded / max(decode_steps * slots, 1):.3f}, "
-                        f"{seconds:6.2f} s")
+            utilisation = decoded / max(decode_steps * slots, 1)
+            line.append(f"{side} {decode_steps:>5} decode steps, utilisation {utilisation:.3f}, {seconds:6.2f} s")
         print(f"step {step + 1}: " + "; ".join(line) + f"; carry-over: {int(rows.carried_rows)} rows carried in, "
               f"staleness mean {float(rows.staleness_mean):.2f} max {int(rows.staleness_max)}, {len(dropped)} prompts "
               "dropped", flush=True)
@@ -334,7 +334,8 @@ def main():
     parser.add_argument("--slots", type=int, default=32, help="--compare, --carry-over: the decode slots")
     parser.add_argument("--tail-slots", type=int, default=1,
                         help="--compare: the narrowest decode batch once no row waits (0: no narrowing)")
-    parser.add_argument("--page-size", type=int, default=16, help="--compare, --carry-over: the paged sampler's page size")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="--compare, --carry-over: the paged sampler's page size")
     parser.add_argument("--steps", type=int, default=5, help="--carry-over: training steps (sampler calls)")
     parser.add_argument("--max-staleness", type=int, default=1, help="--carry-over: rollout.max_staleness")
     parser.add_argument("--prompt", type=int, default=64)

@@ -388,7 +388,8 @@ class CarryOverCompiled:
     def memory_analysis(self):
         def counted(mem, extra: int):
             peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or (
-                mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+                mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                + mem.temp_size_in_bytes)
             return types.SimpleNamespace(argument_size_in_bytes=mem.argument_size_in_bytes + extra,
                                          output_size_in_bytes=mem.output_size_in_bytes,
                                          alias_size_in_bytes=mem.alias_size_in_bytes,

@@ -113,7 +113,8 @@ class SamplerPrograms:
         if self.carry_over is not None:  # one call a step, at the largest prompt bucket
             out = [self._carry_over_program()]
         else:
-            out = [self._sampler_program(p) for p in (self.prompt_buckets[-1:] if largest_only else self.prompt_buckets)]
+            buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
+            out = [self._sampler_program(p) for p in buckets]
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
         call_lengths = (rows((B // K,), jnp.int32),) * K
         if self.select_groups is not None:
@@ -135,7 +136,8 @@ class SamplerPrograms:
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         chunk = self.abstract_rows((P // K, prompt_tokens), jnp.int32)
         return Program(
-            "sampler", f"{P // K} prompts x {prompt_tokens} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots"
+            "sampler", f"{P // K} prompts x {prompt_tokens} tokens, n={n}: {P // K * n} rows in {self.slots} decode "
+                       "slots"
                        + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
                        + f" {self._kv_words(prompt_tokens)} per call ({K} calls)",
             lambda: lower_sample(self.graphdef, self.params, chunk, chunk, self.settings),
@@ -152,7 +154,8 @@ class SamplerPrograms:
         return Program(
             "sampler", f"carry-over: {spec.prompts} prompts x {spec.prompt_length} tokens a call, n={self.n}, "
                        f"{spec.generations} generations (max_staleness + 1): {spec.rows} rows in {s.slots} decode "
-                       f"slots over a page pool of {pages} of {s.page_size} tokens; {spec.groups} groups returned a call",
+                       f"slots over a page pool of {pages} of {s.page_size} tokens; {spec.groups} groups returned a "
+                       "call",
             lambda: self.carry_over.lower(self.params, prompts, prompts), (self.params, prompts, prompts),
             self.resident - memory_check.per_device_bytes(self.params))
 
