@@ -2,7 +2,8 @@
 trains the groups that the engine (sampling/carry_over.py) returns when driven step by step as the
 trainer should drive it (step s's call at version s, with the weights after step s - 1's update, its
 own prompts and key); rows go over from step to step; nothing compiles after step 1; and a run
-stopped after step 2 and resumed loses no prompt and trains none twice."""
+stopped after step 2 and resumed loses no prompt and trains none twice; the warm-up before step 1
+compiles the engine's four programs, so step 1 compiles none of them."""
 
 import collections
 
@@ -13,13 +14,14 @@ from flax import nnx
 
 from pacs_jax import models, sharding
 from pacs_jax.rewards import RewardPool
-from pacs_jax.sampling import buckets
+from pacs_jax.sampling import buckets, carry_over
 from pacs_jax.sampling.carry_over import CarryOverSampler
 from pacs_jax.training import rollout as rollout_module
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.spec import RunSpec
+from pacs_jax.training import memory_check
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
 from train_helpers import ListPromptSource
@@ -148,3 +150,44 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once(setup, 
     held = {tuple(p) for p, _, _ in source.queued} | {tuple(source.inserted[v][p][0]) for v in source.live
                                                       for p in source.live[v]}
     assert drawn == set(counts) | held and not set(counts) & held
+
+
+@pytest.mark.slow(seconds=45)
+def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(setup, tmp_path, monkeypatch):
+    """train.precompile: ``StepPrograms.compile`` lists carry-over's sampler (its init, insert, chunk and
+    harvest programs, lowered on abstract arguments; XLA's memory read with the state and parameters
+    among the arguments) and traces the four (max_staleness 2: programs no other test compiled);
+    step 1's call then traces and compiles none of them."""
+    mesh, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.rollout.max_staleness, config.train.precompile = 2, True
+    compiled, calls = [], []
+    compile_step, step = StepPrograms.compile, CarryOverSampler.step
+
+    def compiling(self, **kwargs):
+        compiled.extend(compile_step(self, **kwargs))
+        return compiled
+
+    def calling(self, *args, **kwargs):
+        traced, events = carry_over.compile_count(), []
+        listener = lambda event, duration, **kw: events.append(event) if "backend_compile" in event else None
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+            calls.append((traced, carry_over.compile_count(), len(events)))
+
+    monkeypatch.setattr(StepPrograms, "compile", compiling)
+    monkeypatch.setattr(CarryOverSampler, "step", calling)
+    before = carry_over.compile_count()
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        _train(config, model, batches, tmp_path / "run", 1, pool, [])
+    sampler = [p for p in compiled if p.name == "sampler"]
+    assert len(sampler) == 1 and sampler[0].shape.startswith(
+        f"carry-over: {2 * PROMPTS} prompts x 16 tokens a call, n={N}, 3 generations (max_staleness + 1): "
+        f"{3 * 2 * PROMPTS * N} rows in 4 decode slots"), sampler
+    params = memory_check.per_device_bytes(nnx.state(model))
+    assert sampler[0].argument > params and sampler[0].peak >= sampler[0].argument and not sampler[0].error
+    assert calls[0][0] - before == 4  # the warm-up traced init, insert, chunk and harvest
+    assert [(end - start, events) for start, end, events in calls] == [(0, 0)]

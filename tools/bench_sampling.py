@@ -1,11 +1,13 @@
 """Sampler throughput vs Hugging Face ``transformers`` generate, on the same random weights, one process;
 or (``--compare``) our continuous-batching and paged samplers vs our static one on long-tailed response
-lengths.
+lengths; or (``--carry-over``) carry-over rollouts vs today's paged call, step by step.
 
     python tools/bench_sampling.py [--preset Qwen2.5-0.5B] [--batch 32] [--prompt 64] [--new 64]
                                    [--dtypes float32,bfloat16] [--rounds 3]
     python tools/bench_sampling.py --compare [--preset Qwen2.5-0.5B] [--batch 16] [--n 4] [--slots 32]
                                    [--tail-slots 1] [--page-size 16] [--new 512] [--dtypes float32]
+    python tools/bench_sampling.py --carry-over [--preset Qwen2.5-0.5B] [--layers 2] [--batch 16] [--n 4]
+                                   [--slots 32] [--page-size 16] [--new 512] [--steps 5] [--max-staleness 1]
 
 ``--compare``: ``batch`` random prompts x ``n`` samples, greedy, no stop id; each row's budget is drawn
 from a log-normal with median new / 8 and sigma 1, rounded and clipped to [1, new] (RL response
@@ -25,6 +27,21 @@ differing rows first diverge: 0 on a CPU; on a GPU or TPU matmuls over different
 differently, and a row that once selects another token goes its own way from there); and ends with
 ``continuous vs static: utilisation U_c vs U_s, tokens/s ratio R_c`` and
 ``paged vs static: utilisation U_p vs U_s, tokens/s ratio R_p, differing tokens F %``.
+
+``--carry-over``: ``steps`` training steps of ``batch`` prompt groups of ``n`` samples each, greedy, no
+stop id, each row's budget log-normal as ``--compare``'s (the budget ``new`` is 8x the median). Today's
+paged call (``sampling.sample``, ``slots`` decode slots, no narrowing) samples each step's ``batch``
+prompts and waits for their longest row; the carry-over engine (sampling/carry_over.py, as the
+trainer runs it: room for 2 ``batch`` prompts a call, ``batch`` groups returned, ``max-staleness``)
+inserts 2 ``batch`` prompts at the first call and then as many as the call before returned (and
+those it dropped), and ends each call once ``batch`` groups are complete, the rows still running
+going on in the next call. Both take their prompts and budgets from one stream, in order; both are
+compiled ahead of time. Prints each step's slot utilisation (tokens sampled by decode steps / (decode
+steps x slots): an accelerator's decode step reads all the weights however few of its slots run, so
+this is the fraction of its decode time that samples tokens) and, over the steps after the first (the
+first starts from empty slots), decode steps, utilisation and this CPU's decoded tokens/s (tokens
+sampled by decode steps / wall time of the calls, prefill included) of each, and ends with
+``carry-over vs paged: utilisation U_c vs U_p (ratio X), tokens/s T_c vs T_p (ratio Y)``.
 
 Greedy decoding of ``batch`` random prompts of ``prompt`` tokens, exactly ``new`` new tokens each (no
 stop id), both sides on the same weights (random, exported with models.export_hf).
@@ -60,6 +77,7 @@ from transformers import AutoModelForCausalLM
 from device_rates import device_line, matmul_rate, rates_line
 from pacs_jax import checkpoints, models, sampling, sharding
 from pacs_jax.sampling.buckets import round_up
+from pacs_jax.sampling.carry_over import CarryOverSampler
 from pacs_jax.sampling.engine import lower_sample
 
 
@@ -188,6 +206,102 @@ def compare(args) -> None:
           f"{100 * differing['paged']:.2f} %")
 
 
+def carry_over_steps(cfg: models.QwenConfig, *, batch: int, n: int, slots: int, page_size: int, prompt: int,
+                     new: int, steps: int, max_staleness: int = 1, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """``--carry-over``'s comparison on a model of ``cfg`` (random weights); prints its lines and returns
+    {"carry-over" | "paged": (slot utilisation, decoded tokens/s)} over the steps after the first."""
+    if steps < 2:
+        raise SystemExit(f"--steps {steps}: need 2 or more (the first starts from empty slots and is not counted)")
+    if not 1 <= slots <= batch * n:
+        raise SystemExit(f"--slots {slots}: must be in [1, {batch * n}] (--batch x --n rows a step)")
+    graphdef, state = nnx.split(models.init_random(cfg, seed=seed))
+    settings = sampling.SamplingSettings(max_new_tokens=new, n=n, slots=slots, page_size=page_size)
+    engine = CarryOverSampler(graphdef, settings, prompts=2 * batch, prompt_length=prompt, groups=batch,
+                              max_staleness=max_staleness)
+    rng = np.random.default_rng(seed)
+
+    def draw(count: int) -> list[tuple[list[int], np.ndarray]]:
+        """The stream's next ``count`` prompts and their [n] budgets."""
+        budgets = long_tailed_budgets(count * n, new, seed=int(rng.integers(1 << 31))).reshape(count, n)
+        return [(rng.integers(0, cfg.vocab_size, size=prompt).tolist(), b) for b in budgets]
+
+    def placed(items: list[tuple[list[int], np.ndarray]], width: int) -> tuple[jax.Array, jax.Array, np.ndarray]:
+        """[width, prompt] tokens and mask (rows past ``items``: batch padding) and [width n] budgets."""
+        tokens, mask = sampling.left_pad([p for p, _ in items], width, prompt)
+        budgets = np.full((width, n), 1, np.int32)
+        budgets[:len(items)] = [b for _, b in items]
+        where = sharding.placement(("batch", "length"), tokens.shape)
+        return jax.device_put(tokens, where), jax.device_put(mask, where), budgets.reshape(-1)
+
+    abstract = lambda width: jax.ShapeDtypeStruct((width, prompt), jnp.int32,
+                                                 sharding=sharding.placement(("batch", "length"), (width, prompt)))
+    compile_s = {"paged": _timed(lambda: lower_sample(graphdef, sharding.abstract(state), abstract(batch),
+                                                      abstract(batch), settings).compile()),
+                 "carry-over": _timed(lambda: engine.lower(sharding.abstract(state), abstract(2 * batch),
+                                                           abstract(2 * batch)).compile())}
+    print(f"{batch} groups of n {n} a step in {slots} slots, pages of {page_size} tokens, prompt {prompt}, budgets "
+          f"log-normal (median {new / 8:g}, sigma 1) clipped to {new}; carry-over: room for {2 * batch} prompts a "
+          f"call, max_staleness {max_staleness}; compiled in {compile_s['paged']:.1f} s (paged), "
+          f"{compile_s['carry-over']:.1f} s (carry-over)", flush=True)
+    stream = []  # the prompts and their budgets in order, drawn as the sides need them
+
+    def take(start: int, count: int) -> list[tuple[list[int], np.ndarray]]:
+        while len(stream) < start + count:
+            stream.extend(draw(batch))
+        return stream[start:start + count]
+
+    cursor, queued, dropped = 0, [], []  # carry-over's next prompt of the stream, its waiting ones, the last dropped
+    inserted = {}  # version -> carry-over's prompts of that call
+    totals = {side: [0, 0, 0.0] for side in ("paged", "carry-over")}  # decoded tokens, decode steps, seconds
+    for step in range(steps):
+        # today's: this step's prompts of the stream, until its longest row ends
+        tokens, mask, budgets = placed(take(step * batch, batch), batch)
+        start = time.perf_counter()
+        out = jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(step), budgets))
+        paged = (int(np.maximum(out.lengths - 1, 0).sum()), int(out.decode_steps), time.perf_counter() - start)
+        # carry-over's call (as training/carry_over.py feeds it): those dropped first, then as many new prompts as
+        # the call before returned, until ``batch`` groups are complete
+        queued = dropped + queued
+        count = 2 * batch if step == 0 else min(batch + len(dropped), 2 * batch)
+        fresh = max(count - len(queued), 0)
+        queued, cursor = queued + take(cursor, fresh), cursor + fresh
+        inserted[step], queued = queued[:count], queued[count:]
+        tokens, mask, budgets = placed(inserted[step], 2 * batch)
+        start = time.perf_counter()
+        rows = jax.device_get(engine.step(state, step, tokens, mask, jax.random.key(step), budgets))
+        carried = (int(rows.decoded_tokens), int(rows.decode_steps), time.perf_counter() - start)
+        dropped = ([inserted[int(rows.dropped_version)][p] for p in np.flatnonzero(rows.dropped)]
+                   if int(rows.dropped_version) >= 0 else [])
+        line = []
+        for side, (decoded, decode_steps, seconds) in (("paged", paged), ("carry-over", carried)):
+            if step:
+                totals[side] = [t + x for t, x in zip(totals[side], (decoded, decode_steps, seconds))]
+            utilisation = decoded / max(decode_steps * slots, 1)
+            line.append(f"{side} {decode_steps:>5} decode steps, utilisation {utilisation:.3f}, {seconds:6.2f} s")
+        print(f"step {step + 1}: " + "; ".join(line) + f"; carry-over: {int(rows.carried_rows)} rows carried in, "
+              f"staleness mean {float(rows.staleness_mean):.2f} max {int(rows.staleness_max)}, {len(dropped)} prompts "
+              "dropped", flush=True)
+    results = {}
+    for side, (decoded, decode_steps, seconds) in totals.items():
+        results[side] = (decoded / (decode_steps * slots), decoded / seconds)
+        print(f"steps 2-{steps} {side:<10} decode steps {decode_steps:>6}  utilisation {results[side][0]:.3f}  "
+              f"{seconds:7.1f} s  {results[side][1]:8.1f} decoded tokens/s", flush=True)
+    (u_c, r_c), (u_p, r_p) = results["carry-over"], results["paged"]
+    print(f"carry-over vs paged: utilisation {u_c:.3f} vs {u_p:.3f} (ratio {u_c / u_p:.2f}), tokens/s {r_c:.1f} vs "
+          f"{r_p:.1f} (ratio {r_c / r_p:.2f})")
+    return results
+
+
+def carry_over(args) -> None:
+    """``--carry-over``: carry-over rollouts against today's paged call on the preset (random weights)."""
+    dtype = args.dtypes.split(",")[0]
+    cfg = models.preset(args.preset, eos_token_id=None, dtype=dtype, param_dtype=dtype)
+    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers)
+    print(f"{args.preset} ({dtype}), {cfg.num_hidden_layers} layers; {device_line()}", flush=True)
+    carry_over_steps(cfg, batch=args.batch, n=args.n, slots=args.slots, page_size=args.page_size, prompt=args.prompt,
+                     new=args.new, steps=args.steps, max_staleness=args.max_staleness)
+
+
 def divergence(tokens: np.ndarray, reference: np.ndarray, lengths: np.ndarray) -> tuple[float, str]:
     """How two samplers' tokens of the same rows differ: (the fraction of differing tokens, a line
     saying it and where the rows that differ first diverge (on an accelerator, matmuls over different batch widths
@@ -211,26 +325,33 @@ def divergence(tokens: np.ndarray, reference: np.ndarray, lengths: np.ndarray) -
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", action="store_true", help="continuous vs static on long-tailed budgets")
+    parser.add_argument("--carry-over", action="store_true", help="carry-over rollouts vs today's paged call")
     parser.add_argument("--preset", default="Qwen2.5-0.5B")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (default 0: the preset's)")
-    parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; --compare: 16)")
-    parser.add_argument("--n", type=int, default=4, help="--compare: samples per prompt")
-    parser.add_argument("--slots", type=int, default=32, help="--compare: the continuous sampler's slots")
+    parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; --compare: 16; --carry-over: "
+                                                                "groups a step, 16)")
+    parser.add_argument("--n", type=int, default=4, help="--compare, --carry-over: samples per prompt")
+    parser.add_argument("--slots", type=int, default=32, help="--compare, --carry-over: the decode slots")
     parser.add_argument("--tail-slots", type=int, default=1,
                         help="--compare: the narrowest decode batch once no row waits (0: no narrowing)")
-    parser.add_argument("--page-size", type=int, default=16, help="--compare: the paged sampler's page size")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="--compare, --carry-over: the paged sampler's page size")
+    parser.add_argument("--steps", type=int, default=5, help="--carry-over: training steps (sampler calls)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="--carry-over: rollout.max_staleness")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=None, help="new tokens (default 64; --compare: 512)")
     parser.add_argument("--dtypes", default=None, help="default float32,bfloat16; --compare: float32")
     parser.add_argument("--rounds", type=int, default=None, help="default 3; --compare: 1")
     args = parser.parse_args()
-    defaults = dict(batch=16, new=512, dtypes="float32", rounds=1) if args.compare else \
+    defaults = dict(batch=16, new=512, dtypes="float32", rounds=1) if args.compare or args.carry_over else \
         dict(batch=32, new=64, dtypes="float32,bfloat16", rounds=3)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.compare:
         return compare(args)
+    if args.carry_over:
+        return carry_over(args)
     if args.new < 2 or args.rounds < 1:
         parser.error("need --new >= 2 and --rounds >= 1")
     dtypes = args.dtypes.split(",")

@@ -33,12 +33,17 @@ the rows equal ``engine.sample``'s of the same prompts and key.
 
 One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
 over the call's arrays as ``engine.sample``'s one-queue path does.
+
+``CarryOverSampler.lower`` lowers the four programs on abstract arguments, as ``engine.lower_sample``
+the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a real call then finds
+them compiled) and reads XLA's memory of them; tools/plan_memory.py compiles them for a slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -49,7 +54,7 @@ from flax import nnx
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
-from pacs_jax.sampling.engine import PAD_ID, EngineSpec, _prefill, stop_id_array
+from pacs_jax.sampling.engine import PAD_ID, EngineSpec, _device_bytes, _prefill, _results, stop_id_array
 from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
@@ -109,7 +114,8 @@ class CarryState(NamedTuple):
     call_start:     [R] int32, each row's length when this call's decode began
     first_tokens:   [R] int32, token 0 of each row
     budgets:        [R] int32, each row's budget
-    row_keys:       [R] PRNG keys
+    row_keys:       [R, k] uint32, each row's PRNG key as its key data (``jax.random.key_data``: a key
+                    array's sharding is not the same on every path, a plain array's is)
     promise:        [R] int32, the response pages each row may need (paged.row_promise)
     prompt_lengths: [G P] int32
     order:          [R] int32, the queue: waiting rows first, oldest generation first, in row order
@@ -195,7 +201,8 @@ class CarryOverProgress(NamedTuple):
 
 
 def _queue(state: CarryState, stop_ids: jax.Array) -> decode.Queue:
-    return decode.Queue(state.order, state.queued, state.first_tokens, state.budgets, state.row_keys,
+    return decode.Queue(state.order, state.queued, state.first_tokens, state.budgets,
+                        jax.random.wrap_key_data(state.row_keys),
                         state.prompt_lengths, stop_ids)
 
 
@@ -229,8 +236,8 @@ def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
 def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, spec: CarryOverSpec) -> CarryState:
-    """The empty state: a zero pool, every slot idle, no generation inserted (key only lends the row
-    keys' type)."""
+    """The empty state: a zero pool, every slot idle, no generation inserted (key only lends the shape
+    of the rows' key data)."""
     _traced()
     cfg = nnx.merge(graphdef, params).cfg
     G, P, n, C, N, R = (spec.generations, spec.prompts, spec.engine.n, spec.engine.slots, spec.engine.max_new_tokens,
@@ -245,8 +252,8 @@ def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, 
     state = decode.DecodeState(jnp.int32(0), decode.Slots(jnp.full((C,), R, jnp.int32), idle, idle),
                                store.init(None, C), jnp.int32(0), outputs)
     return CarryState(state, jnp.zeros((R, N), jnp.int32), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32),
-                      jnp.ones((R,), jnp.int32), jax.random.split(key, R), store.promise, store.prompt_lengths,
-                      jnp.arange(R, dtype=jnp.int32), jnp.int32(0), jnp.full((G,), -1, jnp.int32),
+                      jnp.ones((R,), jnp.int32), jax.random.key_data(jax.random.split(key, R)), store.promise,
+                      store.prompt_lengths, jnp.arange(R, dtype=jnp.int32), jnp.int32(0), jnp.full((G,), -1, jnp.int32),
                       jnp.zeros((G * P,), bool))
 
 
@@ -288,7 +295,7 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     state = state._replace(
         versions=put(state.versions, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version)),
         call_start=outputs.lengths, first_tokens=put(state.first_tokens, inputs.first_tokens),
-        budgets=put(state.budgets, inputs.budgets), row_keys=put(state.row_keys, inputs.row_keys),
+        budgets=put(state.budgets, inputs.budgets), row_keys=put(state.row_keys, jax.random.key_data(inputs.row_keys)),
         promise=put(state.promise, row_promise(lengths, inputs.budgets, n, spec.engine.page_size)),
         prompt_lengths=put(state.prompt_lengths, lengths), inserted=state.inserted.at[g].set(version),
         live=put(state.live, jnp.any(prompt_mask != 0, axis=-1)))
@@ -364,6 +371,70 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
     return _pinned(state, shardings), result
 
 
+@dataclasses.dataclass(frozen=True)
+class CarryOverCompiled:
+    """The four compiled programs (init, insert, chunk, harvest), read as one: ``as_text()`` their HLO,
+    ``memory_analysis()`` that of the fullest. The ``CarryState`` is an argument (init: the result)
+    of each, so it is counted in all; the parameters are counted among the arguments of the chunk
+    and harvest programs too (``parameter_bytes`` per device), which run while they stay on the
+    device without taking them."""
+
+    programs: tuple[jax.stages.Compiled, ...]
+    parameter_bytes: int
+
+    def as_text(self) -> str:
+        return "\n".join(program.as_text() for program in self.programs)
+
+    def memory_analysis(self):
+        def counted(mem, extra: int):
+            peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or (
+                mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                + mem.temp_size_in_bytes)
+            return types.SimpleNamespace(argument_size_in_bytes=mem.argument_size_in_bytes + extra,
+                                         output_size_in_bytes=mem.output_size_in_bytes,
+                                         alias_size_in_bytes=mem.alias_size_in_bytes,
+                                         temp_size_in_bytes=mem.temp_size_in_bytes, peak_memory_in_bytes=peak + extra)
+        outside = (0, 0, self.parameter_bytes, self.parameter_bytes)  # init and insert take the parameters
+        return max((counted(p.memory_analysis(), extra) for p, extra in zip(self.programs, outside)),
+                   key=lambda mem: mem.peak_memory_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CarryOverLowered:
+    """The init program lowered on abstract arguments (``CarryOverSampler.lower``) and the abstract
+    arguments of the others: ``compile()`` compiles it, then insert, chunk and harvest on the
+    abstract results of the one before (their shapes and the shardings the compiled programs give
+    them, as a real call's arrays come), the state pinned to the init program's shardings as
+    ``CarryOverSampler.step`` pins it, so a real call with these shapes finds all four compiled."""
+
+    init: jax.stages.Lowered
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    prompt_tokens: jax.ShapeDtypeStruct
+    prompt_mask: jax.ShapeDtypeStruct
+    budgets: jax.ShapeDtypeStruct
+    key: jax.ShapeDtypeStruct
+    selection: Selection
+    stop_ids: jax.ShapeDtypeStruct
+    version: jax.ShapeDtypeStruct
+    spec: CarryOverSpec
+
+    def compile(self) -> CarryOverCompiled:
+        init = self.init.compile()
+        state = _results(self.init, init)
+        pinned = dict(spec=self.spec, shardings=tuple(leaf.sharding for leaf in jax.tree.leaves(state)))
+        insert_lowered = _insert_program.lower(self.graphdef, self.params, state, self.prompt_tokens, self.prompt_mask,
+                                               self.budgets, self.key, self.selection, self.stop_ids, self.version,
+                                               **pinned)
+        insert = insert_lowered.compile()
+        layout, state, dropped, dropped_version, carried = _results(insert_lowered, insert)
+        chunk_lowered = _chunk_program.lower(self.graphdef, layout, state, self.selection, self.stop_ids, **pinned)
+        chunk = chunk_lowered.compile()
+        state = _results(chunk_lowered, chunk)[0]
+        harvest = _harvest_program.lower(state, self.version, dropped, dropped_version, carried, **pinned).compile()
+        return CarryOverCompiled((init, insert, chunk, harvest), _device_bytes(self.params))
+
+
 def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: int, groups: int,
                     max_staleness: int) -> CarryOverSpec:
     """The programs' static part, checked: the paged sampler with ``settings.slots`` slots, at most
@@ -411,6 +482,27 @@ class CarryOverSampler:
         """Forget the rows in flight: the next call starts from an empty state, at any version (a resume)."""
         self._state, self._version = None, None
 
+    def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct
+              ) -> CarryOverLowered:
+        """The four programs lowered for abstract arguments: params (``nnx.split``'s state, arrays or
+        ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T] (with the shardings a call's
+        come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
+        made: the key (replicated), the budgets, the version, temperature, top_p and stop ids are
+        abstract, the unsharded ones like the host arrays ``step`` passes, so the programs can be
+        compiled for devices this process cannot use and are the ones a call runs."""
+        spec, settings = self.spec, self.settings
+        if prompt_tokens.shape != (spec.prompts, spec.prompt_length) or prompt_mask.shape != prompt_tokens.shape:
+            raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be "
+                             f"[{spec.prompts}, {spec.prompt_length}]")
+        typed_key = jax.eval_shape(jax.random.key, 0)
+        key = jax.ShapeDtypeStruct(typed_key.shape, typed_key.dtype, sharding=replicated())
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+        return CarryOverLowered(
+            _init_program.lower(self.graphdef, params, key, spec=spec), self.graphdef, params, prompt_tokens,
+            prompt_mask, jax.ShapeDtypeStruct((spec.prompts * settings.n,), jnp.int32), key,
+            Selection(scalar(jnp.float32), scalar(jnp.float32), settings.top_k),
+            jax.ShapeDtypeStruct(stop_id_array(settings.stop_token_ids).shape, jnp.int32), scalar(jnp.int32), spec)
+
     def step(self, params: nnx.State, version: int, prompt_tokens, prompt_mask, key: jax.Array, budgets=None, *,
              wait: Callable[[jax.Array, CarryOverProgress | None], None] | None = None) -> CarryOverRows:
         """Insert P new prompts [P, T] (mask 1 on real tokens; an all-zero row is batch padding) sampled
@@ -430,6 +522,9 @@ class CarryOverSampler:
         if budgets.shape != (rows,) or not np.issubdtype(budgets.dtype, np.integer) or budgets.min() < 1 \
                 or budgets.max() > settings.max_new_tokens:
             raise ValueError(f"budgets: expected {rows} integers in [1, max_new_tokens={settings.max_new_tokens}]")
+        typed = jax.eval_shape(jax.random.key, 0).dtype
+        if key.dtype != typed:  # the state keeps the rows' keys as their data, wrapped again as this kind
+            raise ValueError(f"key: a {key.dtype} key; expected a {typed} key (jax.random.key)")
         key = jax.device_put(key, replicated())
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
         stop_ids = stop_id_array(settings.stop_token_ids)

@@ -105,20 +105,16 @@ class SamplerPrograms:
 
     def programs(self, largest_only: bool = False) -> list[Program]:
         """The engine's programs, for every bucket (``largest_only``: the largest prompt and response
-        buckets), in the order a step runs them: sampler, select_groups (dynamic sampling), assemble
-        (packed: once, at the passes' padded width)."""
-        params = self.params
+        buckets), in the order a step runs them: sampler (carry-over: its four programs, at the largest
+        prompt bucket only), select_groups (dynamic sampling), assemble (packed: once, at the passes'
+        padded width)."""
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         B, rows = P * n, self.abstract_rows
-        out = []
-        for p in self.prompt_buckets[-1:] if largest_only else self.prompt_buckets:
-            chunk = rows((P // K, p), jnp.int32)
-            out.append(Program(
-                "sampler", f"{P // K} prompts x {p} tokens, n={n}: {P // K * n} rows in {self.slots} decode slots"
-                           + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
-                           + f" {self._kv_words(p)} per call ({K} calls)",
-                lambda chunk=chunk: lower_sample(self.graphdef, params, chunk, chunk, self.settings),
-                (params, chunk, chunk), self.resident - memory_check.per_device_bytes(params)))
+        if self.carry_over is not None:  # one call a step, at the largest prompt bucket
+            out = [self._carry_over_program()]
+        else:
+            buckets = self.prompt_buckets[-1:] if largest_only else self.prompt_buckets
+            out = [self._sampler_program(p) for p in buckets]
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
         call_lengths = (rows((B // K,), jnp.int32),) * K
         if self.select_groups is not None:
@@ -133,6 +129,35 @@ class SamplerPrograms:
                                lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
                                (call_tokens, call_lengths), self.resident))
         return out
+
+    def _sampler_program(self, prompt_tokens: int) -> Program:
+        """The sampler (sampling/engine.py, lowered by ``lower_sample``) of one call, for prompts of
+        ``prompt_tokens``: P / K prompts a call, K calls a step."""
+        P, n, K = self.num_prompts, self.n, self.sampler_calls
+        chunk = self.abstract_rows((P // K, prompt_tokens), jnp.int32)
+        return Program(
+            "sampler", f"{P // K} prompts x {prompt_tokens} tokens, n={n}: {P // K * n} rows in {self.slots} decode "
+                       "slots"
+                       + (f" (narrowing to {self.settings.tail_slots})" if self.settings.tail_slots else "")
+                       + f" {self._kv_words(prompt_tokens)} per call ({K} calls)",
+            lambda: lower_sample(self.graphdef, self.params, chunk, chunk, self.settings),
+            (self.params, chunk, chunk), self.resident - memory_check.per_device_bytes(self.params))
+
+    def _carry_over_program(self) -> Program:
+        """Carry-over's sampler (sampling/carry_over.py, lowered by ``CarryOverSampler.lower``): one call
+        a step of 2P prompts at the largest prompt bucket; its ``CarryState`` (G generations' rows and
+        the page pool) is among its programs' arguments."""
+        spec = self.carry_over.spec
+        prompts = self.abstract_rows((spec.prompts, spec.prompt_length), jnp.int32)
+        s = self.settings
+        pages = f"{spec.generations * spec.prompts * spec.prompt_pages} prompt + {spec.engine.pages} response pages"
+        return Program(
+            "sampler", f"carry-over: {spec.prompts} prompts x {spec.prompt_length} tokens a call, n={self.n}, "
+                       f"{spec.generations} generations (max_staleness + 1): {spec.rows} rows in {s.slots} decode "
+                       f"slots over a page pool of {pages} of {s.page_size} tokens; {spec.groups} groups returned a "
+                       "call",
+            lambda: self.carry_over.lower(self.params, prompts, prompts), (self.params, prompts, prompts),
+            self.resident - memory_check.per_device_bytes(self.params))
 
     def _kv_words(self, prompt_tokens: int) -> str:
         """The sampler's K/V store in words: the contiguous cache's slots, or the page pool of a batch
