@@ -54,7 +54,7 @@ from flax import nnx
 
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
-from pacs_jax.sampling.engine import PAD_ID, EngineSpec, _device_bytes, _prefill, _results, stop_id_array
+from pacs_jax.sampling.engine import EngineSpec, PAD_ID, run_chunks, stop_id_array, _device_bytes, _prefill, _results
 from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
@@ -537,16 +537,8 @@ class CarryOverSampler:
             self.graphdef, params, self._state, prompt_tokens, prompt_mask, budgets.astype(np.int32), key, selection,
             stop_ids, version_array, **pinned)
         self._state = None  # donated: a failed call leaves no state to reuse
-        pending, last = None, None
-        while True:  # the next chunk is queued before a chunk's progress is read, as in engine.sample
-            state, progress = _chunk_program(self.graphdef, layout, state, selection, stop_ids, **pinned)
-            if pending is not None:
-                if wait is not None:
-                    wait(pending, last)
-                last = CarryOverProgress.read(pending)
-                if last.done:
-                    break
-            pending = progress
+        state = run_chunks(lambda state: _chunk_program(self.graphdef, layout, state, selection, stop_ids, **pinned),
+                           state, CarryOverProgress.read, wait)
         self._state, result = _harvest_program(state, version_array, dropped, dropped_version, carried, **pinned)
         self._version = version
         return result

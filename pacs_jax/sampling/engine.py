@@ -522,18 +522,26 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
     layout, queue, store, loop, origin, prefill_tokens = _start_program(graphdef, state, *args, spec=spec)
     loop_shardings = _carry_shardings(loop, axes)
+    loop = run_chunks(lambda loop: _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes,
+                                                  loop_shardings=loop_shardings), loop, DecodeProgress.read, wait)
+    return _finish_program(store, loop, origin, prefill_tokens, spec=spec, axes=axes)
+
+
+def run_chunks(chunk: Callable, loop, read: Callable, wait: Callable | None):
+    """A call's chunk programs until one's progress says it is done: ``chunk(loop) -> (loop, progress
+    array)``, ``read(progress) -> a progress with .done`` (``DecodeProgress.read``), ``wait(progress,
+    last)`` as ``sample``'s. The next chunk is queued before a chunk's progress is read, so the device
+    never waits for the host (the chunk after the last runs no step). Returns the last loop state."""
     pending, last = None, None
-    while True:  # the next chunk is queued before a chunk's progress is read: the device never waits for the host
-        loop, progress = _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes,
-                                        loop_shardings=loop_shardings)
+    while True:
+        loop, progress = chunk(loop)
         if pending is not None:
             if wait is not None:
                 wait(pending, last)
-            last = DecodeProgress.read(pending)
+            last = read(pending)
             if last.done:
-                break
+                return loop
         pending = progress
-    return _finish_program(store, loop, origin, prefill_tokens, spec=spec, axes=axes)
 
 
 @dataclasses.dataclass(frozen=True)
