@@ -2,9 +2,9 @@
 authors' code it does not report) selects the authors' formula for its options, shown on the trainer's own
 loss and gradient (``loss_and_grad_fn`` as the update step builds it from the config) for a tiny real batch:
 real DeepScaleR problems in the real Qwen chat template, responses scored by the authors' math-verify call
-(``reward.mode`` "paper"), log-probs of a tiny random Qwen with the Qwen tokenizer cut to 4,096 entries (conftest.py's small_tokenizer_dir:
-its BPE, chat template and special tokens) as its vocabulary and pi_old a perturbed copy
-of it (a later mini-batch of a step). The reference is a float64 NumPy statement of the authors'
+(``reward.mode`` "paper"), log-probs of a tiny random Qwen with the Qwen tokenizer cut to 4,096 entries
+(conftest.py's small_tokenizer_dir: its BPE, chat template and special tokens) as its vocabulary and pi_old a
+perturbed copy of it (a later mini-batch of a step). The reference is a float64 NumPy statement of the authors'
 compute_pacs_loss (ritzz-ai/PACS src/pacs/pacs_core_algos.py) with log pi_theta from the model's logits in
 float64. Each setup's loss equals its own formula and no other setup's; its gradient equals the backward
 pass of the log-probs applied to the float64 formula's dL/dlogp. A second of CPU per setup: the cheap
@@ -55,7 +55,7 @@ SETUPS = {
 }
 OPTIONS = {name: dict(PACS_BETA1, **changed) for name, (changed, _) in SETUPS.items()}
 N = 8  # the paper's responses per prompt
-RESPONSE = 36  # response bucket (tokens): the longest response is 34 with the small tokenizer (24 with the real one)
+RESPONSE = 36  # response bucket (tokens): the longest response is 34 small-tokenizer tokens (24 real ones)
 CORRECT = (3, 6, 0, 8)  # right answers of each prompt's 8: mixed groups either way, all wrong, all right
 
 

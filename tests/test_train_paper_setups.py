@@ -1,6 +1,6 @@
 """The paper's setups, shrunk as in test_train_real_config.py (a tiny random Qwen of each model's
-family with the Qwen tokenizer cut to 4,096 entries, conftest.py's small_tokenizer_dir, and DeepScaleR rows): each MODEL of
-configs/paper.py takes a step at its own remat, dtype and tensor axis on the 8-device CPU mesh (the
+family with the Qwen tokenizer cut to 4,096 entries, conftest.py's small_tokenizer_dir, and DeepScaleR rows):
+each MODEL of configs/paper.py takes a step at its own remat, dtype and tensor axis on the 8-device CPU mesh (the
 qwen25_7b run evaluated before and after RL as the paper's tables are); and the compiled pi_old and
 update programs hold no [B, H, T, T] or [B, T, V] buffer and do not grow with depth."""
 

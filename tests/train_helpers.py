@@ -66,7 +66,8 @@ def write_small_tokenizer(source: pathlib.Path, folder: pathlib.Path, size: int 
     added = sorted(config["added_tokens_decoder"].items(), key=lambda item: int(item[0]))
     base = size - len(added)
     kept = {token: i for token, i in vocab.items() if i < base}
-    assert len(kept) == base and all(kept.get("".join(m.split(" "))) == 256 + r for r, m in enumerate(merges[:base - 256]))
+    assert len(kept) == base and all(kept.get("".join(m.split(" "))) == 256 + rank
+                                     for rank, m in enumerate(merges[:base - 256]))
     config["added_tokens_decoder"] = {str(base + j): token for j, (_, token) in enumerate(added)}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.json").write_text(json.dumps(kept, ensure_ascii=False), encoding="utf-8")
