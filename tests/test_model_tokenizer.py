@@ -248,3 +248,31 @@ def test_the_models_own_tokenizer_needs_a_model_folder_with_tokenizer_files(deep
     config.model.path = ""  # the shrunk config's random tiny Qwen2
     validate_config(config)
     assert pathlib.Path(data.run_tokenizer(config.data, "")).resolve() == REPO / "data" / "tokenizers" / "qwen3"
+
+
+def test_the_small_tokenizer_of_the_shrunk_trainings_is_qwens_cut_short(qwen_tokenizer_dir, small_tokenizer_dir,
+                                                                          shared_data):
+    """conftest.py's small_tokenizer_dir (the shrunk trainings' vocabulary, 4,096 entries): the same chat
+    template, the same added tokens in the same order (their ids after the kept merges), the same eos
+    (<|im_end|>) and pad (<|endoftext|>), Qwen's family to the trainer, and every text it encodes decodes to
+    itself, with Qwen's own tokens where Qwen's are short merges (the byte tokens and the first merges keep
+    their ids)."""
+    from train_helpers import SMALL_TOKENIZER_SIZE
+
+    real, small = data.load_tokenizer(qwen_tokenizer_dir), data.load_tokenizer(small_tokenizer_dir)
+    assert len(small) == SMALL_TOKENIZER_SIZE == 4096
+    real_added = {i: t.content for i, t in real.added_tokens_decoder.items()}
+    small_added = {i: t.content for i, t in small.added_tokens_decoder.items()}
+    assert list(small_added.values()) == list(real_added.values()) and min(small_added) == 4096 - len(real_added)
+    assert small.eos_token == real.eos_token == "<|im_end|>" and small.pad_token == real.pad_token == "<|endoftext|>"
+    assert data.prompts.tokenizer_family(small_tokenizer_dir)[0] == "qwen3"
+    problems = [r["problem"] for r in json.loads((shared_data / "deepscaler_subset" / "math.json").read_text())[:50]]
+    for problem in problems:
+        text = data.prompts.render_prompt(small, problem)
+        assert text == data.prompts.render_prompt(real, problem)
+        ids = small(text, add_special_tokens=False)["input_ids"]
+        assert small.decode(ids) == text and max(ids) < 4096
+        assert ids[0] == small.convert_tokens_to_ids("<|im_start|>") and small.decode(ids[:1]) == "<|im_start|>"
+    short = " in the 12 + 7 = 19 and x^2 is"  # Qwen's tokens of it are all among the first merges
+    assert max(real(short)["input_ids"]) < 4096 - len(real_added)
+    assert small(short)["input_ids"] == real(short)["input_ids"]

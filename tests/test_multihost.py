@@ -1,7 +1,8 @@
 """One run on several processes (issue: multi-host), proven with real processes on this machine.
 
 Two processes x 4 CPU devices (launch/local.sh, gloo collectives) train a shrunk paper config (tiny
-random Qwen, the real tokenizer and DeepScaleR prompts) with the continuous sampler exactly as one
+random Qwen, the Qwen tokenizer cut to 4,096 entries as its vocabulary, conftest.py's small_tokenizer_dir,
+and DeepScaleR prompts) with the continuous sampler exactly as one
 process x 8 devices does with the static one, on a
 mesh whose device order gives each process rows at two places of the batch axis; a checkpoint
 the 2 processes wrote restores in one; a process that never starts is named by the others; and
@@ -65,7 +66,8 @@ def _train(workdir, data_file, *, processes: int, flags: tuple[str, ...] = ()) -
     writing the session's compilation cache (whose file lock, tests/conftest.py, keeps a process from
     reading an entry that another is writing: before it, an abort seen once in CI). The 2-process run on
     padded rows reads the sampler that the first 2-process run compiled, the resumed run every program."""
-    flags = [*SHRUNK, *flags, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}"]
+    flags = [*SHRUNK, *flags, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}",
+             f"--config.data.tokenizer={data_file.parents[1] / 'tokenizer'}"]  # data_file's, written beside it
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
     if processes == 1:  # the static sampler (one slot per response) against the 2 processes' paged one (the default)
         command.append("--config.rollout.sampler=static")
@@ -96,10 +98,12 @@ def _assert_same_params(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def data_file(shared_data, tmp_path_factory):
-    """The 24 shortest problems of the real DeepScaleR subset, in its own file format."""
+def data_file(shared_data, small_tokenizer_dir, tmp_path_factory):
+    """The 24 shortest problems of the real DeepScaleR subset, in its own file format, and beside its folder
+    the small tokenizer that _train's runs read (data_file.parents[1] / "tokenizer")."""
     rows = json.loads((shared_data / "deepscaler_subset" / "math.json").read_text())
     path = tmp_path_factory.mktemp("data") / "deepscaler_subset" / "math.json"  # the folder names the format
+    shutil.copytree(small_tokenizer_dir, path.parents[1] / "tokenizer")
     path.parent.mkdir()
     path.write_text(json.dumps(sorted(rows, key=lambda r: len(r["problem"]))[:24]))
     return path

@@ -2,8 +2,9 @@
 authors' code it does not report) selects the authors' formula for its options, shown on the trainer's own
 loss and gradient (``loss_and_grad_fn`` as the update step builds it from the config) for a tiny real batch:
 real DeepScaleR problems in the real Qwen chat template, responses scored by the authors' math-verify call
-(``reward.mode`` "paper"), log-probs of a tiny random Qwen with the real vocabulary and pi_old a perturbed copy
-of it (a later mini-batch of a step). The reference is a float64 NumPy statement of the authors'
+(``reward.mode`` "paper"), log-probs of a tiny random Qwen with the Qwen tokenizer cut to 4,096 entries
+(conftest.py's small_tokenizer_dir: its BPE, chat template and special tokens) as its vocabulary and pi_old a
+perturbed copy of it (a later mini-batch of a step). The reference is a float64 NumPy statement of the authors'
 compute_pacs_loss (ritzz-ai/PACS src/pacs/pacs_core_algos.py) with log pi_theta from the model's logits in
 float64. Each setup's loss equals its own formula and no other setup's; its gradient equals the backward
 pass of the log-probs applied to the float64 formula's dL/dlogp. A second of CPU per setup: the cheap
@@ -54,7 +55,7 @@ SETUPS = {
 }
 OPTIONS = {name: dict(PACS_BETA1, **changed) for name, (changed, _) in SETUPS.items()}
 N = 8  # the paper's responses per prompt
-RESPONSE = 24  # response bucket (tokens)
+RESPONSE = 36  # response bucket (tokens): the longest response is 34 small-tokenizer tokens (24 real ones)
 CORRECT = (3, 6, 0, 8)  # right answers of each prompt's 8: mixed groups either way, all wrong, all right
 
 
@@ -102,10 +103,10 @@ def authors_dloss_dlogp(logp, old_logp, mask, labels, n, options) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------ a tiny real batch
 @pytest.fixture(scope="module")
-def batch(shared_data, qwen_tokenizer_dir):
+def batch(shared_data, small_tokenizer_dir):
     """The trainer's update batch (training/rollout.py's layout) for 4 real DeepScaleR problems x 8 responses,
     labels from the authors' scorer, log pi_old from a perturbed copy of the model; and the model."""
-    tokenizer = load_tokenizer(qwen_tokenizer_dir)
+    tokenizer = load_tokenizer(small_tokenizer_dir)
     rows = json.loads((shared_data / "deepscaler_subset" / "math.json").read_text())
     rows = sorted((r for r in rows if (r["answer"] or "").isdigit()), key=lambda r: len(r["problem"]))[:len(CORRECT)]
     prompts, responses, labels = [], [], []
@@ -127,7 +128,7 @@ def batch(shared_data, qwen_tokenizer_dir):
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, P - len(p):P], attention[i, P - len(p):P] = p, 1  # prompt left-padded, response right-padded
         ids[i, P:P + len(r)], attention[i, P:P + len(r)], response_mask[i, :len(r)] = r, 1, 1
-    cfg = models.QwenConfig(model_type="qwen2", vocab_size=151936, hidden_size=32, intermediate_size=64,
+    cfg = models.QwenConfig(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             dtype="float32")
     graphdef, params = nnx.split(models.init_random(cfg, seed=0))
@@ -160,7 +161,7 @@ def batch(shared_data, qwen_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def trained(batch, qwen_tokenizer_dir):
+def trained(batch, small_tokenizer_dir):
     """{ALGO: (its config, (loss, metrics, grads) of the trainer's loss_and_grad on the batch)}: each setup's
     config made valid on the test devices, and what the update step builds from it (objective, options, group
     size rollout.n, temperature; 2 micro-batches), all setups compiled as one program (one compilation, not
@@ -168,7 +169,7 @@ def trained(batch, qwen_tokenizer_dir):
     built = {}
     for name in SETUPS:
         config = load_config("paper.py", f"qwen25_3b,{name}")
-        config.model.random_init, config.data.tokenizer = True, str(qwen_tokenizer_dir)
+        config.model.random_init, config.data.tokenizer = True, str(small_tokenizer_dir)
         config.data.train_files = ("data/deepscaler_subset/math.json",)
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 8, 1
         validate_config(config)

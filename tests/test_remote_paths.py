@@ -79,13 +79,14 @@ def store(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def hf_model_dir(tmp_path_factory, qwen_tokenizer_dir):
-    """A tiny random Qwen2 as an HF folder (config.json, safetensors) with the real Qwen tokenizer files."""
-    tokenizer = data.load_tokenizer(qwen_tokenizer_dir)
+def hf_model_dir(tmp_path_factory, small_tokenizer_dir):
+    """A tiny random Qwen2 as an HF folder (config.json, safetensors) with the files of the Qwen tokenizer cut
+    to 4,096 entries (conftest.py's small_tokenizer_dir), its vocabulary."""
+    tokenizer = data.load_tokenizer(small_tokenizer_dir)
     cfg = models.QwenConfig(**{**TINY, "vocab_size": len(tokenizer)}, attention_bias=True, bos_token_id=None,
                             eos_token_id=tokenizer.eos_token_id)
     out = tmp_path_factory.mktemp("hf") / "tiny_qwen2"
-    return models.export_hf(models.init_random(cfg, seed=3), out, tokenizer_dir=qwen_tokenizer_dir)
+    return models.export_hf(models.init_random(cfg, seed=3), out, tokenizer_dir=small_tokenizer_dir)
 
 
 def _config(data_file: str, model_path: str, steps: int):

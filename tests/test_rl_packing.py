@@ -394,7 +394,7 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
 
 @pytest.mark.slow(seconds=45)
 @pytest.mark.parametrize("setup", ["demo", "paper_qwen25_7b"])
-def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_dir, tmp_path):
+def test_trainer_steps_packed_equal_padded(setup, shared_data, small_tokenizer_dir, tmp_path):
     """The demo (float32) and the Qwen2.5-7B paper setup shrunk (bfloat16, its remat, the (1, 8, 1)
     mesh: 8 rows a micro-batch over 8 shards; prompts of its 256-token bucket) train alike packed and padded: every step's metrics and
     the final parameters agree to the dtype's round-off, and the packed passes compute fewer tokens."""
@@ -409,7 +409,7 @@ def test_trainer_steps_packed_equal_padded(setup, shared_data, qwen_tokenizer_di
         tolerance = dict(rtol=1e-4, atol=1e-5)
     else:
         config = one_prompt_bucket(shrunk_paper_config(shared_data / "deepscaler_subset" / "math.json",
-                                                       qwen_tokenizer_dir, steps=3, arg="qwen25_7b,pacs_beta1"))
+                                                       small_tokenizer_dir, steps=3, arg="qwen25_7b,pacs_beta1"))
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 8, 1
         config.rollout.response_buckets = (8, 16)  # padded: the bucket of each step's longest; packed: 16
         tolerance = dict(rtol=3e-2, atol=3e-3)

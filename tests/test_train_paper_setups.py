@@ -1,6 +1,6 @@
 """The paper's setups, shrunk as in test_train_real_config.py (a tiny random Qwen of each model's
-family with the real vocabulary, the real tokenizer and DeepScaleR rows): each MODEL of
-configs/paper.py takes a step at its own remat, dtype and tensor axis on the 8-device CPU mesh (the
+family with the Qwen tokenizer cut to 4,096 entries, conftest.py's small_tokenizer_dir, and DeepScaleR rows):
+each MODEL of configs/paper.py takes a step at its own remat, dtype and tensor axis on the 8-device CPU mesh (the
 qwen25_7b run evaluated before and after RL as the paper's tables are); and the compiled pi_old and
 update programs hold no [B, H, T, T] or [B, T, V] buffer and do not grow with depth."""
 
@@ -60,7 +60,7 @@ REWARD2 = "qwen3_4b,pacs_beta1_reward2"
 
 
 @pytest.fixture(scope="module")
-def setup_runs(deepscaler_rows, qwen_tokenizer_dir, tmp_path_factory):
+def setup_runs(deepscaler_rows, small_tokenizer_dir, tmp_path_factory):
     """run(arg): (summary, the metrics rows, the workdir, the reward calls) of setup_config's 1-step run
     of ``arg``, trained once a module. EVALUATED's run evaluates 2 problems of AMC23 and GSM8K before RL
     and after, at the paper's per-set settings (1 token a sample); the reward calls are the (number of
@@ -69,7 +69,7 @@ def setup_runs(deepscaler_rows, qwen_tokenizer_dir, tmp_path_factory):
 
     def run(arg: str) -> tuple:
         if arg not in done:
-            config = setup_config(deepscaler_rows, qwen_tokenizer_dir, arg)
+            config = setup_config(deepscaler_rows, small_tokenizer_dir, arg)
             reference = load_config("paper.py", arg)
             assert (config.model.remat, config.model.dtype) == (reference.model.remat, reference.model.dtype) == \
                 ("dots_with_no_batch_dims_saveable", "bfloat16")
@@ -206,7 +206,7 @@ def test_the_reward_method_2_ablation_trains_shrunk(setup_runs):
     (row,) = rows
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
-    assert row["pacs/reward_proxy_mean"] < -1.0, row  # beta * mean log pi over a ~150k vocabulary
+    assert row["pacs/reward_proxy_mean"] < -1.0, row  # beta * mean log pi over a 4,096-token vocabulary (~ -8.3)
 
 
 # ------------------------------------------------------------------------------------ compiled programs

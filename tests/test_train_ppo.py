@@ -99,9 +99,9 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
 
 
 @pytest.mark.slow(seconds=50)
-def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscaler_rows, qwen_tokenizer_dir,
+def test_paper_ppo_setup_trains_with_the_critic_sharded_like_the_actor(deepscaler_rows, small_tokenizer_dir,
                                                                       tmp_path):
-    config = shrunk_paper_config(deepscaler_rows, qwen_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")
+    config = shrunk_paper_config(deepscaler_rows, small_tokenizer_dir, steps=2, arg="qwen25_3b,ppo")
     # prompts of the 128-token bucket (the update's time goes with the rows' length) and responses of 8
     # tokens in one bucket: a random model never stops early, so a second bucket would never run
     config.rollout.max_new_tokens = 8

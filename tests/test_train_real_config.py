@@ -1,5 +1,6 @@
-"""The paper's configs, shrunk (issue: real scale): a tiny random Qwen with the real vocabulary, the
-real tokenizer and the DeepScaleR subset prompts, under the config's own remat, dtype and mesh on the
+"""The paper's configs, shrunk (issue: real scale): a tiny random Qwen with the Qwen tokenizer cut to 4,096
+entries (conftest.py's small_tokenizer_dir: its BPE, chat template and special tokens; the real vocabulary's
+[T, V] logits were half a step) and the DeepScaleR subset prompts, under the config's own remat, dtype and mesh on the
 8-device CPU mesh. Trains under every remat policy (in fp32 or bf16, each dtype under two policies)
 and compiles nothing after the first step on ragged prompts. test_train_paper_setups.py runs each
 model of the paper config (the qwen25_7b run evaluated as the paper's tables are) and checks the
@@ -24,7 +25,7 @@ from test_train_config import load_config
 
 TINY = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
-            vocab_size=0)  # vocab 0: the real tokenizer's
+            vocab_size=0)  # vocab 0: the tokenizer's
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +128,14 @@ def matrix_config(data_file, tokenizer_dir, remat: str, sampler: str = "continuo
 
 
 @pytest.fixture(scope="module")
-def matrix_runs(deepscaler_rows, qwen_tokenizer_dir, tmp_path_factory):
+def matrix_runs(deepscaler_rows, small_tokenizer_dir, tmp_path_factory):
     """run(remat, sampler="continuous"): the metrics rows of matrix_config's run, trained once a module
     (the matrix's COMPARED_REMAT run is the sampler comparison's continuous run too)."""
     done: dict[tuple[str, str], list[dict]] = {}
 
     def run(remat: str, sampler: str = "continuous") -> list[dict]:
         if (remat, sampler) not in done:
-            config = matrix_config(deepscaler_rows, qwen_tokenizer_dir, remat, sampler)
+            config = matrix_config(deepscaler_rows, small_tokenizer_dir, remat, sampler)
             done[remat, sampler] = _train(config, tmp_path_factory.mktemp(f"{remat}_{sampler}"))
         return done[remat, sampler]
 
