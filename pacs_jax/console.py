@@ -83,8 +83,12 @@ def terminal() -> bool:
 class _Bar(tqdm):
     """tqdm, except that off a terminal ``close`` writes no second copy of a last line already written."""
 
-    def close(self) -> None:
-        if not terminal() and self.leave and getattr(self, "last_print_n", None) == self.n:
+    def close(self, _terminal=terminal) -> None:  # bound here: tqdm's __del__ may close it as the interpreter exits
+        try:
+            plain = not _terminal()
+        except (AttributeError, TypeError, ValueError):  # the interpreter's teardown (sys.stderr gone): nothing to draw
+            plain = False
+        if plain and self.leave and getattr(self, "last_print_n", None) == self.n:
             self.leave = False  # its last state is the line before: clear it instead (PlainLines drops that)
         super().close()
 
