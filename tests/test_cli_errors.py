@@ -37,7 +37,7 @@ from pacs_jax.errors import CONFIG_HELP, CONFIG_SECTIONS, PERMANENT_ERROR_STATUS
 from pacs_jax.models import QwenConfig
 from pacs_jax.models.hf_weights import check_export_target
 from pacs_jax.models.loading import hf_shapes
-from pacs_jax.training.config_check import ConfigError, check_inputs, validate_config
+from pacs_jax.training.config_check import check_inputs, validate_config
 from train_helpers import load_config
 
 

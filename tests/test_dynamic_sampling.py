@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax import models, sharding
 from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import filter_groups
 from pacs_jax.training.config_check import ConfigError, validate_config
@@ -17,11 +16,8 @@ from pacs_jax.training.rollout import PromptBatch, RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
-from train_helpers import ListPromptSource
+from train_helpers import ListPromptSource, tiny_model_on_mesh
 
-CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
-                        bos_token_id=None, eos_token_id=1, max_position_embeddings=128)
 N, PROMPTS, MAX_NEW_TOKENS = 2, 4, 6
 
 
@@ -54,16 +50,14 @@ def test_bad_filter_groups_values_name_their_field():
 
 @pytest.fixture(scope="module")
 def setup():
-    mesh = sharding.make_mesh(2, 2, 2)
-    with jax.set_mesh(mesh):
-        model = models.init_random(CFG, seed=5)
+    mesh, model = tiny_model_on_mesh()
     config = load_config("default.py")
     config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0)
     config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
     config.train.update(prompts_per_step=PROMPTS, logprob_micro_batches=1, packing=False)
     config.algorithm.filter_groups.update(enable=True, max_num_gen_batches=20)
     rs = np.random.RandomState(0)
-    batches = [PromptBatch([list(rs.randint(2, CFG.vocab_size, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
+    batches = [PromptBatch([list(rs.randint(2, 96, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
                            ["7"] * PROMPTS, [f"batch {b}"] * PROMPTS) for b in range(20)]
     return mesh, model, config, batches
 

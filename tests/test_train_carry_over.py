@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax import models, sharding
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sampling import buckets, carry_over
 from pacs_jax.sampling.carry_over import CarryOverSampler
@@ -24,20 +23,15 @@ from pacs_jax.training.spec import RunSpec
 from pacs_jax.training import memory_check
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
-from train_helpers import ListPromptSource
+from train_helpers import ListPromptSource, tiny_model_on_mesh
 
-CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False,
-                        bos_token_id=None, eos_token_id=1, max_position_embeddings=128)
 N, PROMPTS, MAX_NEW_TOKENS, SEED = 2, 4, 12, 4
 STOPS = tuple(range(2, 22))  # about 1 token in 5 ends a response: lengths from 1 to the budget
 
 
 @pytest.fixture(scope="module")
 def setup():
-    mesh = sharding.make_mesh(2, 2, 2)
-    with jax.set_mesh(mesh):
-        model = models.init_random(CFG, seed=5)
+    mesh, model = tiny_model_on_mesh()
     config = load_config("default.py")
     config.seed = SEED
     config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, carry_over=True, max_staleness=1,
@@ -47,7 +41,7 @@ def setup():
                         checkpoint_every=1, precompile=False)
     config.optim.update(schedule="constant", warmup_steps=0, lr=1e-3)
     rs = np.random.RandomState(0)
-    batches = [PromptBatch([list(rs.randint(30, CFG.vocab_size, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
+    batches = [PromptBatch([list(rs.randint(30, 96, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
                            ["7"] * PROMPTS, [f"prompt {b * PROMPTS + i}" for i in range(PROMPTS)]) for b in range(12)]
     return mesh, model, config, batches
 

@@ -48,7 +48,6 @@ it. Nothing is patched: the programs are the ones the trainer compiles on that s
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import sys
 from collections.abc import Callable
