@@ -61,6 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(
         data=-1, fsdp=1, tensor=1,
         device_order=(),          # positions in jax.devices() in mesh order; () = jax.make_mesh's topology-aware order
+        rollout_devices=0,        # > 0 (train.off_policy_steps=1): the first this many devices are the rollout engine's
+                                  # own mesh (data x tensor, mesh.tensor wide) and data/fsdp/tensor split the rest, the
+                                  # learner's; 0: both roles on every device (tools/plan_step.py says which split pays)
     ))
 
     c.data = ml_collections.ConfigDict(dict(
@@ -177,6 +180,9 @@ def get_config() -> ml_collections.ConfigDict:
         packed_rows=0,            # packed rows of a pass on a batch shard (its activation memory: rows x packed_length
                                   # tokens); 0 = a quarter of a padded micro-batch's rows, at least a prompt group's
         precompile=True,          # compile every bucket's programs before step 1 (no compilation after)
+        off_policy_steps=0,       # 1: one step off: step k's rollout is sampled with the weights step k - 1 started
+                                  # from, while the learner trains step k - 1 (on mesh.rollout_devices of their own);
+                                  # its stale tokens are weighed by the rollout correction (token TIS 2.0 unless set)
         checkpoint_every=50,
         keep_checkpoints=3,
         progress_seconds=30.0,    # a phase of a step (sampling, reward, pi_old, update) longer than this prints a line

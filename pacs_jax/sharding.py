@@ -121,9 +121,22 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence 
 
 def config_mesh(mesh_config: Mapping) -> Mesh:
     """The mesh a config's ``mesh`` fields (data, fsdp, tensor, device_order) ask for over all devices
-    (1 x 1 x 1 on a single device)."""
+    (1 x 1 x 1 on a single device); with ``rollout_devices`` R > 0, the learner's: over the devices
+    after the first R of ``jax.devices()`` (``rollout_mesh`` has those)."""
+    split = mesh_config.get("rollout_devices", 0)
     return make_mesh(mesh_config["data"], mesh_config["fsdp"], mesh_config["tensor"],
+                     devices=jax.devices()[split:] if split else None,
                      device_order=tuple(mesh_config.get("device_order", ())))
+
+
+def rollout_mesh(mesh_config: Mapping, tensor: int) -> Mesh | None:
+    """The rollout engine's own mesh of a config's ``mesh.rollout_devices`` R (one step off on split
+    devices): the first R of ``jax.devices()``, R / ``tensor`` over data and the learner's ``tensor``
+    axis; None when R is 0 (the roles share the devices)."""
+    split = mesh_config.get("rollout_devices", 0)
+    if not split:
+        return None
+    return make_mesh(split // tensor, 1, tensor, devices=jax.devices()[:split])
 
 
 @functools.cache

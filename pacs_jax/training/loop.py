@@ -43,6 +43,7 @@ from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.compilations import compilations, start_counting, uncounted
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
+from pacs_jax.training.one_step_off import OneStepOff
 from pacs_jax.training.progress import StepInterrupted, StepWatch, dispatches_done
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.rollout import RolloutCollector
@@ -170,8 +171,16 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
-    watch = StepWatch(logger.write if primary else lambda line: None, tc.progress_seconds,
-                      stop_requested=signals.safe_point, lockstep=not single_process)
+    write = logger.write if primary else lambda line: None
+    watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
+    # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
+    # with its copy of the weights step s started from, while the learner trains step s (training/weight_sync.py)
+    ahead = OneStepOff(programs, collector, prompts, StepWatch(write, tc.progress_seconds,
+                                                               stop_requested=signals.safe_point,
+                                                               lockstep=not single_process)) if tc.off_policy_steps else None
+    if ahead is not None and start and primary and start < tc.steps:
+        print(f"one step off: step {start + 1}'s rows are sampled with the weights it starts from (a checkpoint keeps "
+              f"no copy of the ones before them), the steps after it with their previous step's", flush=True)
     step = start
     for step in range(start + 1, tc.steps + 1):
         if primary and step == start + 1:  # a long first step says what it is doing
@@ -181,9 +190,14 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                   "(train.progress_seconds)", flush=True)
         t_step = time.perf_counter()
         watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
-        data_state = prompts.get_state()  # before the step's batch: a checkpoint of step - 1 holds it
+        # before the step's batch: a checkpoint of step - 1 holds it
+        data_state = prompts.get_state() if ahead is None else ahead.state_before(step)
+        key = jax.random.fold_in(base_key, step)
         try:
-            rollout = collector(params, prompts.next_batch, jax.random.fold_in(base_key, step), watch, step)
+            if ahead is None:
+                rollout = collector(params, prompts.next_batch, key, watch, step)
+            else:
+                rollout = ahead.rollout(params, key, watch, step)
             # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
             # when the last finished step's checkpoint is on disk, else the step runs to its end
             watch.start("update", last_boundary=saved != step - 1)
@@ -195,6 +209,8 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                 critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
                 t0 = time.perf_counter()
             params, opt_state, per_minibatch = programs.learner.update(params, opt_state, batch)
+            if ahead is not None and step < tc.steps:  # step + 1's rows, while the update runs
+                ahead.sample(jax.random.fold_in(base_key, step + 1), step + 1)
             watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
@@ -215,9 +231,11 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})
         logger.log(step, metrics)
-        meta = {"step": step, "seed": spec.seed, "data_state": prompts.get_state()}
+        meta = {"step": step, "seed": spec.seed,
+                "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
         critic_state = None if critic is None else (critic.params, critic.opt_state)
         preempted = signals.safe_point()  # several processes: the same step on every one
+        preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
         if _save(checkpointer, step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
             saved = step
         if on_step is not None:

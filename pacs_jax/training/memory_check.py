@@ -39,6 +39,7 @@ FIELDS = {
     "rollout_correction": "train.prompts_per_step",
     "sampler_as_pi_old": "train.prompts_per_step",
     "select_groups": "train.prompts_per_step",
+    "weight_sync": "mesh.rollout_devices / model.dtype",
 }
 
 

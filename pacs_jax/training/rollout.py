@@ -43,7 +43,7 @@ from flax import nnx
 
 from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, ScoredBatch, reward_for, score_metrics
-from pacs_jax.sharding import batch_sharding
+from pacs_jax.sharding import batch_sharding, replicated
 from pacs_jax.rl import filter_groups
 from pacs_jax.training import dynamic_sampling, rollout_consistency
 from pacs_jax.training.carry_over import CarryOverRollouts
@@ -123,6 +123,42 @@ class Scores:
     restarts: int
     seconds: float
     deadline_retried: int
+
+
+@dataclasses.dataclass
+class Collected:
+    """The rollout engine's part of a step (``RolloutCollector.collect``): its rows, their scores, the
+    engine's own metrics (dynamic sampling's, carry-over's) and its phases' seconds (time_sample,
+    time_reward)."""
+
+    sampled: SampledRows
+    scores: Scores
+    metrics: dict[str, float]
+    times: dict[str, float]
+
+
+@dataclasses.dataclass
+class OldPolicy:
+    """pi_old's passes on a step's rows, dispatched (``RolloutCollector._old_policy_phase``): the update
+    batch without rewards, the mean entropy after each pass [] (the last: all rows), the critic passes'
+    packing plans, the packing metrics, and the sampler / pi_old comparison's and the correction's
+    metrics (device scalars)."""
+
+    batch: dict[str, jax.Array]
+    entropy_means: list[jax.Array]
+    packing: dict[str, dict[str, jax.Array]]
+    packing_stats: dict[str, float]
+    mismatch: dict[str, jax.Array]
+
+
+def to_mesh(sampled: SampledRows) -> SampledRows:
+    """``sampled``'s device arrays moved to the mesh in context, each sharded over its rows (the engine's
+    rows to the learner's mesh, one step off on split devices)."""
+    move = lambda x: jax.device_put(x, batch_sharding(x.shape))  # noqa: E731
+    return dataclasses.replace(
+        sampled, calls=tuple(CallRows(*map(move, c)) for c in sampled.calls),
+        prompt_tokens=move(sampled.prompt_tokens), prompt_mask=move(sampled.prompt_mask),
+        tokens=move(sampled.tokens), response_mask=move(sampled.response_mask))
 
 
 def row_checksums(rows: np.ndarray, local_tokens: np.ndarray, batch: int) -> np.ndarray:
@@ -297,43 +333,90 @@ class RolloutCollector:
     def __call__(self, state: nnx.State, batches: Callable[[], PromptBatch], key: jax.Array,
                  watch: StepWatch | None = None, step: int = 0) -> Rollout:
         """One step's rollout of the prompts ``batches()`` gives (one batch; with ``algorithm.filter_groups``,
-        as many as it takes: training/dynamic_sampling.py); ``watch`` (training/progress.py): its phases'
-        progress lines and stop boundaries (sampling, reward, pi_old); ``step`` names the step in errors."""
+        as many as it takes: training/dynamic_sampling.py), sampled and trained with the same weights
+        ``state``; ``watch`` (training/progress.py): its phases' progress lines and stop boundaries
+        (sampling, reward, pi_old); ``step`` names the step in errors. Unfiltered, pi_old runs on the
+        device while the host scores."""
         watch = watch or StepWatch.silent()
-        times = {"time_sample": 0.0, "time_reward": 0.0}
         if self.filter_groups.enable:
-            sampled, scores, filtered = self._filtered(state, batches, key, watch, times, step)
-            watch.start("reward")  # pi_old is dispatched here, after the filter chose the rows
-        else:
-            sampled = self._sample_phase(state, batches(), key, watch, times, step)
-            filtered = sampled.metrics  # carry-over's: staleness, carried rows, the call's tokens and slot fill
-            watch.start("reward")
+            return self.finish(state, self.collect(state, batches, key, watch, step), watch)
+        times = {"time_sample": 0.0, "time_reward": 0.0}
+        sampled = self._sample_phase(state, batches(), key, watch, times, step)
+        watch.start("reward")
         t0 = time.perf_counter()
-        batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
-        mismatch = ({} if self.programs.learner.bypass is not None else  # bypass: no pi_old to compare with
-                    self.programs.learner.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"],
-                                                      batch["response_mask"]))
-        correction = {}
-        if self.programs.learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
-            batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.learner.rollout_correction(
-                sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
-        if not self.filter_groups.enable:
-            scored = self.score(sampled, watch)
+        dispatched = self._old_policy_phase(state, sampled)  # on the device while the host scores
+        scored = self.score(sampled, watch)
         times["time_reward"] += time.perf_counter() - t0
         watch.done(f"{len(sampled.local_rows)} responses scored")
+        mismatch = self._wait_old_policy(dispatched, watch, times)
+        scores = self.gather(sampled, scored)  # after pi_old: several processes' collective waits for it on the device
+        return self._rollout(sampled, scores, dispatched, mismatch, {**sampled.metrics, **times})
+
+    def collect(self, state: nnx.State, batches: Callable[[], PromptBatch], key: jax.Array, watch: StepWatch,
+                step: int) -> Collected:
+        """The rollout engine's part of a step (on its mesh, from its copy of the weights ``state``): the
+        rows of ``batches()`` sampled (with ``algorithm.filter_groups``, of as many batches as it takes)
+        and scored; ``finish`` makes the update batch of them on the learner's mesh."""
+        times = {"time_sample": 0.0, "time_reward": 0.0}
+        with self.programs.on_engine():
+            if self.programs.split:  # the key, as every array the engine's programs take, on its mesh
+                key = jax.device_put(key, replicated())
+            if self.filter_groups.enable:
+                sampled, scores, metrics = self._filtered(state, batches, key, watch, times, step)
+                return Collected(sampled, scores, metrics, times)
+            sampled = self._sample_phase(state, batches(), key, watch, times, step)
+            watch.start("reward")
+            t0 = time.perf_counter()
+            scores = self.gather(sampled, self.score(sampled, watch))
+            times["time_reward"] += time.perf_counter() - t0
+            watch.done(f"{len(sampled.local_rows)} responses scored")
+        return Collected(sampled, scores, sampled.metrics, times)
+
+    def finish(self, state: nnx.State, collected: Collected, watch: StepWatch) -> Rollout:
+        """The learner's part of a step on ``collect``'s rows: they move to the learner's mesh (when the
+        engine has its own), pi_old runs with the learner's weights ``state``, the rollout checks and the
+        correction after it, and the update batch is made."""
+        sampled = to_mesh(collected.sampled) if self.programs.split else collected.sampled
+        times = dict(collected.times)
         watch.start("pi_old")
+        dispatched = self._old_policy_phase(state, sampled)
+        mismatch = self._wait_old_policy(dispatched, watch, times, started=True)
+        return self._rollout(sampled, collected.scores, dispatched, mismatch, {**collected.metrics, **times})
+
+    def _old_policy_phase(self, state: nnx.State, sampled: SampledRows) -> OldPolicy:
+        """Dispatch pi_old's passes on ``sampled``, the sampler / pi_old comparison and the rollout
+        correction (asynchronous)."""
+        batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)
+        learner = self.programs.learner
+        mismatch = ({} if learner.bypass is not None else  # bypass: no pi_old to compare with
+                    learner.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"]))
+        correction = {}
+        if learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
+            batch["rollout_is_weights"], batch["response_mask"], correction = learner.rollout_correction(
+                sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
+        return OldPolicy(batch, entropy_means, packing, packing_stats, {**mismatch, **correction})
+
+    def _wait_old_policy(self, dispatched: OldPolicy, watch: StepWatch, times: dict[str, float],
+                         started: bool = False) -> dict[str, float]:
+        """Wait for pi_old (phase "pi_old", unless ``started``) and check the sampler against it: the
+        comparison's and the correction's metrics; its seconds in ``times["time_old_logprob"]``."""
+        if not started:
+            watch.start("pi_old")
         t0 = time.perf_counter()
-        watch.wait((entropy_means, mismatch), lambda: dispatches_done(entropy_means, "passes"))
-        entropy_mean = float(entropy_means[-1])  # waits for pi_old
-        mismatch = {k: float(v) for k, v in {**mismatch, **correction}.items()}  # replicated scalars
+        watch.wait((dispatched.entropy_means, dispatched.mismatch),
+                   lambda: dispatches_done(dispatched.entropy_means, "passes"))
+        mismatch = {k: float(v) for k, v in dispatched.mismatch.items()}  # replicated scalars
         if mismatch:
             rollout_consistency.check(mismatch, self.max_logprob_diff)
         times["time_old_logprob"] = time.perf_counter() - t0
         watch.done()
-        if not self.filter_groups.enable:  # after pi_old: several processes' collective waits for it on the device
-            scores = self.gather(sampled, scored)
+        return mismatch
 
-        batch["rewards"] = self._put(scores.rewards)
+    def _rollout(self, sampled: SampledRows, scores: Scores, dispatched: OldPolicy, mismatch: dict[str, float],
+                 extra: dict[str, float]) -> Rollout:
+        """The step's ``Rollout``: the update batch with the rewards, and the step's metrics (``extra``:
+        the sampler's own and the phases' seconds)."""
+        batch = {**dispatched.batch, "rewards": self._put(scores.rewards)}
         rewards, lengths = scores.rewards, sampled.lengths
         reward_metrics = score_metrics(rewards, scores.statuses, restarts=scores.restarts, seconds=scores.seconds)
         reward_metrics["deadline_retried"] = float(scores.deadline_retried)
@@ -346,10 +429,10 @@ class RolloutCollector:
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
             "response_bucket": float(sampled.response_bucket),
-            **packing_stats,
+            **dispatched.packing_stats,
             "prompt_bucket": float(sampled.prompt_bucket),  # the sampler's (packed passes take the largest)
             "truncated_fraction": float(1.0 - sampled.stopped.mean()),  # responses cut at max_new_tokens
-            "entropy": entropy_mean,
+            "entropy": float(dispatched.entropy_means[-1]),
             **mismatch,  # the sampler's log-probs against pi_old (training/rollout_consistency.py)
             "generated_tokens": float(lengths.sum()),
             "decode_steps": float(sampled.decode_steps),  # of the step's sampler calls, summed
@@ -357,10 +440,9 @@ class RolloutCollector:
             # identifies the sampled tokens (resume and multi-process tests compare it across runs)
             "sampled_tokens_checksum": float(np.sum(scores.checksums.astype(np.int64))),
             **{f"reward_{k}": v for k, v in reward_metrics.items()},
-            **filtered,
-            **times,
+            **extra,
         }
-        return Rollout(batch, rewards, metrics, packing)
+        return Rollout(batch, rewards, metrics, dispatched.packing)
 
     def _sample_phase(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
                       times: dict[str, float], version: int = 0) -> SampledRows:

@@ -45,7 +45,7 @@ import ml_collections
 from etils import epath
 from flax import nnx
 
-from pacs_jax import checkpoints, data, evaluation, models
+from pacs_jax import checkpoints, data, evaluation, models, sharding
 from pacs_jax.data import paths
 from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
@@ -215,7 +215,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
             print(warning, flush=True)
     sets = eval_sets(spec, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
-    programs = StepPrograms(spec, *nnx.split(model), stop_ids)  # every program of the run's steps
+    # every program of the run's steps; the engine's on a mesh of its own with mesh.rollout_devices
+    programs = StepPrograms(spec, *nnx.split(model), stop_ids,
+                            rollout_mesh=sharding.rollout_mesh(dataclasses.asdict(spec.mesh),
+                                                              sharding.current_mesh().shape["tensor"]))
     reward_name = reward_for(spec.reward.name, spec.reward.mode)
 
     def evaluate(name: str, step: int, current: models.Qwen, pool: RewardPool, n: int, temperature: float,

@@ -91,8 +91,11 @@ class TrainSpec:
     checkpoint_every: int
     keep_checkpoints: int
     progress_seconds: float
+    off_policy_steps: int = 0
 
     def __post_init__(self):
+        require(self.off_policy_steps in (0, 1) and isinstance(self.off_policy_steps, int), "train.off_policy_steps",
+                f"must be 0 (synchronous) or 1 (one step off), got {self.off_policy_steps!r}")
         for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
             _int_at_least(getattr(self, field), 1, f"train.{field}")
         for field in ("checkpoint_every", "keep_checkpoints"):
@@ -324,11 +327,12 @@ class AlgorithmSpec:
 
 
 def run_algorithm(config) -> AlgorithmSpec:
-    """``config.algorithm`` as a run reads it: with ``rollout.carry_over`` and no rollout correction set, the
-    stale tokens are weighed by token TIS at 2.0 (issue 50; decoupled: pi_old is the learner's recompute)."""
+    """``config.algorithm`` as a run reads it: with ``rollout.carry_over`` or ``train.off_policy_steps`` and no
+    rollout correction set, the stale tokens are weighed by token TIS at 2.0 (issue 50; decoupled: pi_old is
+    the learner's recompute)."""
     algorithm = AlgorithmSpec.from_config(config.algorithm)
     correction = algorithm.rollout_correction
-    if config.rollout.carry_over and not correction.enabled:
+    if (config.rollout.carry_over or config.train.off_policy_steps) and not correction.enabled:
         algorithm = dataclasses.replace(algorithm, rollout_correction=dataclasses.replace(
             correction, rollout_is="token", rollout_is_threshold=2.0))
     return algorithm
@@ -460,15 +464,28 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """``config.mesh``: the (data, fsdp, tensor) sizes (one may be -1) and the devices' order."""
+    """``config.mesh``: the (data, fsdp, tensor) sizes (one may be -1), the devices' order, and the devices
+    of the rollout engine's own mesh (``rollout_devices``; 0: the roles share every device)."""
 
     data: int
     fsdp: int
     tensor: int
     device_order: tuple[int, ...]
+    rollout_devices: int = 0
+
+    def __post_init__(self):
+        _int_at_least(self.rollout_devices, 0, "mesh.rollout_devices")
+        require(not (self.rollout_devices and self.device_order), "mesh.device_order",
+                "orders the devices of one mesh; with mesh.rollout_devices the rollout engine takes the first "
+                f"{self.rollout_devices} of jax.devices() and the learner the rest: leave it ()")
 
     def shape(self, devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) on ``devices`` devices (``sharding.mesh_shape``), refused naming the field."""
+        """(data, fsdp, tensor) of the learner's mesh on ``devices`` devices (``sharding.mesh_shape``, on
+        those ``rollout_devices`` leaves), refused naming the field."""
+        if self.rollout_devices:
+            require(self.rollout_devices < devices, "mesh.rollout_devices",
+                    f"{self.rollout_devices} leaves none of the {devices} devices to the learner")
+            devices -= self.rollout_devices
         try:
             shape = mesh_shape(self.data, self.fsdp, self.tensor, devices)
             if self.device_order and sorted(self.device_order) != list(range(devices)):
@@ -477,6 +494,18 @@ class MeshSpec:
         except ValueError as e:
             raise ConfigError(f"config.{e}") from e
         return shape
+
+    def rollout_shape(self, devices: int) -> tuple[int, int, int] | None:
+        """(data, fsdp, tensor) of the rollout engine's mesh: its ``rollout_devices`` over data, the
+        learner's tensor axis kept (the sampler's layout splits the weights over "tensor" only); None
+        when the roles share the devices."""
+        if not self.rollout_devices:
+            return None
+        tensor = self.shape(devices)[2]
+        require(self.rollout_devices % tensor == 0, "mesh.rollout_devices",
+                f"{self.rollout_devices} is not a multiple of the learner's tensor axis ({tensor}), which the rollout "
+                "engine's mesh keeps")
+        return self.rollout_devices // tensor, 1, tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -731,6 +760,16 @@ class RunSpec:
         require(not (rc.carry_over and self.algorithm.filter_groups.enable), "algorithm.filter_groups.enable",
                 "dynamic sampling with rollout.carry_over=True is not built yet (the filter would drop groups as the "
                 "carried call completes them); turn one of them off")
+        if tc.off_policy_steps:
+            require(not rc.carry_over, "train.off_policy_steps",
+                    "one step off with rollout.carry_over=True is not built yet; turn one of them off")
+            require(rc.max_logprob_diff == 0, "rollout.max_logprob_diff",
+                    f"{rc.max_logprob_diff:g} with train.off_policy_steps=1: the sampler's weights are a step behind "
+                    "pi_old's by design, so the two differ; set it to 0 (the rollout_logprob_diff metrics still report "
+                    "the gap)")
+        require(not self.mesh.rollout_devices or tc.off_policy_steps, "mesh.rollout_devices",
+                f"{self.mesh.rollout_devices} gives the rollout engine devices of its own, which only one step off "
+                "keeps busy: set train.off_policy_steps=1, or mesh.rollout_devices=0")
         require(not (self.algorithm.rollout_correction.bypass_mode and rc.max_logprob_diff > 0),
                 "algorithm.rollout_correction.bypass_mode", f"bypass mode computes no pi_old, so "
                 f"rollout.max_logprob_diff={rc.max_logprob_diff:g} has nothing to compare the sampler with: set it "
@@ -749,11 +788,11 @@ class RunSpec:
         if tc.packing:  # every packed pass holds a prompt group (train.packed_rows), as the step's programs plan them
             self.packed_layouts(batch_shards, critic=self.critic is not None)
         if rc.sampler.sampler != "static":
-            slots = self.sampler_slots
-            require(slots % batch_shards == 0, "rollout.slots",
+            slots, engine_shards = self.sampler_slots, self.rollout_batch_shards
+            require(slots % engine_shards == 0, "rollout.slots",
                     f"{rc.sampler.slots}, capped at a sampler call's {slots} responses (prompts_per_step / "
-                    f"rollout.micro_batches x rollout.n), must be a multiple of the mesh's data x fsdp = {batch_shards} "
-                    "(one queue per batch shard)")
+                    f"rollout.micro_batches x rollout.n), must be a multiple of the rollout engine's data x fsdp = "
+                    f"{engine_shards} (one queue per batch shard)")
 
     def _check_verl_micro_batch(self, size, section: str) -> None:
         require(isinstance(size, int) and size >= 1 and self.micro_rows % size == 0, f"{section}.verl_micro_batch_size",
@@ -814,6 +853,12 @@ class RunSpec:
         """The mesh's data x fsdp: the shards of a batch."""
         data, fsdp, _ = self.mesh_shape
         return data * fsdp
+
+    @property
+    def rollout_batch_shards(self) -> int:
+        """The rollout engine's batch shards: its own mesh's (``mesh.rollout_devices``), else the mesh's."""
+        shape = self.mesh.rollout_shape(self.devices)
+        return self.batch_shards if shape is None else shape[0] * shape[1]
 
     @property
     def responses(self) -> int:

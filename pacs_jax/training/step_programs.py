@@ -1,7 +1,9 @@
 """Every program of a training step, made in one place from the run's spec (docs/design.md section 3.6),
 by role: the rollout engine's (training/sampler_programs.py: the sampler calls, the assembly, dynamic
 sampling's selection) and the learner's (training/learner_programs.py: pi_old, the rollout checks,
-the update, PPO's critic, the warm-start), each made on the mesh in context.
+the update, PPO's critic, the warm-start). The learner's are made on the mesh in context; the engine's
+on it too, or on a mesh of their own (``rollout_mesh``: one step off on split devices), where they
+sample from a copy of the weights that ``weight_sync`` (training/weight_sync.py) moves there.
 
     programs = StepPrograms(spec, graphdef, params, stop_token_ids, critic=...)   # on the mesh in context
     opt_state = programs.learner.init_optimizer(params)
@@ -15,50 +17,87 @@ largest bucket's, and both read XLA's memory of each (training/memory_check.py).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
-from pacs_jax import console
+from pacs_jax import console, sharding
 from pacs_jax.training import memory_check
 from pacs_jax.training.critic_step import CriticState
 from pacs_jax.training.learner_programs import LearnerPrograms
 from pacs_jax.training.program import Program
 from pacs_jax.training.sampler_programs import SamplerPrograms
 from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.weight_sync import WeightSync
 
 
 class StepPrograms:
     """The programs of one training step of ``spec``: ``sampler`` (``SamplerPrograms``) and ``learner``
-    (``LearnerPrograms``), made on the mesh in context (the two roles share its devices)."""
+    (``LearnerPrograms``), made on the mesh in context; ``rollout_mesh``: the engine's on that mesh
+    instead (``split``). One step off (``train.off_policy_steps=1``), the engine samples from a copy of
+    the weights that ``weight_sync`` makes on its mesh (None otherwise)."""
 
     def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params,
                  stop_token_ids: Sequence[int], *, critic: CriticState | None = None,
-                 chunk_size: int | None = None):
-        self.spec = spec
+                 chunk_size: int | None = None, rollout_mesh: Mesh | None = None):
+        self.spec, self.split = spec, rollout_mesh is not None
         self.learner = LearnerPrograms(spec, graphdef, params, critic=critic, chunk_size=chunk_size)
-        self.sampler = SamplerPrograms(spec, graphdef, params, stop_token_ids,
-                                       resident=self.learner.resident_bytes())
+        self.weight_sync = (WeightSync(params, rollout_mesh or sharding.current_mesh(), spec.model.dtype)
+                            if spec.train.off_policy_steps else None)
+        with self.on_engine():
+            self.sampler = SamplerPrograms(spec, graphdef, params if self.weight_sync is None else self.weight_sync.abstract,
+                                           stop_token_ids, resident=self._engine_resident())
+
+    def _engine_resident(self) -> int:
+        """What stays on the engine's devices between its programs (bytes a device): the learner's state
+        when the roles share the devices, and the engine's copy of the weights one step off."""
+        copy = 0 if self.weight_sync is None else self.weight_sync.copy_bytes()
+        return copy + (0 if self.split else self.learner.resident_bytes())
+
+    def on_engine(self):
+        """The context the engine's programs run in: its own mesh set, or nothing when the roles share
+        the mesh in context."""
+        return jax.set_mesh(self.weight_sync.mesh) if self.split else contextlib.nullcontext()
 
     def add_critic(self, critic: CriticState) -> None:
         """The learner's critic programs (``LearnerPrograms.add_critic``); the engine's programs count its
-        state as resident on their devices."""
+        state as resident on their devices when they share them."""
         self.learner.add_critic(critic)
-        self.sampler.resident = self.learner.resident_bytes()
+        self.sampler.resident = self._engine_resident()
 
     def programs(self, largest_only: bool = False, with_warmstart: bool = False) -> list[Program]:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
-        buckets), in the order a step runs them: the engine's (sampler, select_groups, assemble), then
-        the learner's (pi_old, PPO's critic_values and critic_update, update, rollout_consistency,
+        buckets), in the order a step runs them: one step off, the weights' move (``weight_sync``: the
+        cast of each shape of parameter); the engine's (sampler, select_groups, assemble), then the
+        learner's (pi_old, PPO's critic_values and critic_update, update, rollout_consistency,
         rollout_correction); ``with_warmstart``: the warm-start's step first."""
         sampler, learner = self.sampler, self.learner
         prompt_buckets = sampler.prompt_buckets[-1:] if largest_only else sampler.prompt_buckets
         response_buckets = sampler.response_buckets[-1:] if largest_only else sampler.response_buckets
         learner_programs = learner.programs(prompt_buckets, response_buckets, with_warmstart)
         warm = [p for p in learner_programs if p.name == "warmstart"]
-        return warm + sampler.programs(largest_only) + [p for p in learner_programs if p.name != "warmstart"]
+        with self.on_engine():
+            engine = sampler.programs(largest_only)
+        if self.split:  # the engine's programs lower on its mesh
+            engine = [dataclasses.replace(p, lower=self._on_engine(p.lower)) for p in engine]
+        if self.weight_sync is not None:  # the move's casts, a parameter at a time, on the learner's devices
+            resident = learner.resident_bytes()
+            engine[:0] = [Program("weight_sync", f"a parameter {list(p.shape)} cast to {self.weight_sync.dtype} for the "
+                                  "engine's copy", lambda p=p: self.weight_sync.cast.lower(p), (p,),
+                                  resident - memory_check.per_device_bytes(p)) for p in self.weight_sync.casts]
+        return warm + engine + [p for p in learner_programs if p.name != "warmstart"]
+
+    def _on_engine(self, lower: Callable[[], jax.stages.Lowered]) -> Callable[[], jax.stages.Lowered]:
+        """``lower``, lowered on the engine's mesh."""
+        def on_engine():
+            with self.on_engine():
+                return lower()
+        return on_engine
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
                 progress: bool = True, read_loops: bool = False,

@@ -1,0 +1,206 @@
+"""One step off on split devices (``train.off_policy_steps=1``, ``mesh.rollout_devices=4``; issue 50 item 4):
+the rollout engine on the first 4 of the 8 simulated devices, the learner on the other 4. The trainer,
+which samples step s + 1 while step s's update runs, equals a sequential reference that samples step s
+with the weights step s - 1 started from and then trains it, bit for bit (the tokens, pi_old, the losses,
+the weights after every step); the weights round-trip the move to the engine's mesh exactly; a run
+stopped at each phase of a step and resumed trains every prompt once; and the config refuses what one
+step off cannot do, naming the field."""
+
+import collections
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pacs_jax import models, sharding
+from pacs_jax.rewards import RewardPool
+from pacs_jax.training import progress
+from pacs_jax.training.config_check import ConfigError, validate_config
+from pacs_jax.training.learner_programs import LearnerPrograms
+from pacs_jax.training.loop import rl_train
+from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.weight_sync import WeightSync
+from test_train_config import load_config
+from train_helpers import ListPromptSource
+
+N, PROMPTS, MAX_NEW_TOKENS, SEED, ENGINE = 2, 4, 10, 4, 4
+STOPS = tuple(range(2, 22))  # about 1 token in 5 ends a response
+
+
+def _parity(ids) -> str:
+    return "7" if len(ids) and int(ids[0]) % 2 == 0 else "8"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(learner mesh (1, 2, 2) on devices 4-7, engine mesh (2, 1, 2) on devices 0-3, a 1-layer Qwen3 of a 96-token
+    vocabulary on the learner's mesh, the config, 12 batches of prompts)."""
+    config = load_config("default.py")
+    config.seed = SEED
+    config.mesh.update(data=-1, fsdp=2, tensor=2, rollout_devices=ENGINE)
+    config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, slots=4, stop_token_ids=STOPS)
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.update(prompts_per_step=PROMPTS, logprob_micro_batches=1, mini_batches=1, packing=False,
+                        checkpoint_every=1, precompile=False, off_policy_steps=1)
+    config.optim.update(schedule="constant", warmup_steps=0, lr=1e-3)
+    learner = sharding.config_mesh(config.mesh)
+    engine = sharding.rollout_mesh(config.mesh, learner.shape["tensor"])
+    cfg = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            attention_bias=False, bos_token_id=None, eos_token_id=1, max_position_embeddings=128)
+    with jax.set_mesh(learner):
+        model = models.init_random(cfg, seed=5)
+    rs = np.random.RandomState(0)
+    batches = [PromptBatch([list(rs.randint(30, 96, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
+                           ["7"] * PROMPTS, [f"prompt {b * PROMPTS + i}" for i in range(PROMPTS)]) for b in range(12)]
+    return learner, engine, model, config, batches
+
+
+def test_the_meshes_split_the_devices(setup):
+    learner, engine, *_ = setup
+    assert [d.id for d in engine.devices.reshape(-1)] == [0, 1, 2, 3] and dict(engine.shape) == {
+        "data": 2, "fsdp": 1, "tensor": 2}
+    assert [d.id for d in learner.devices.reshape(-1)] == [4, 5, 6, 7] and dict(learner.shape) == {
+        "data": 1, "fsdp": 2, "tensor": 2}
+
+
+def _copy(params):
+    return jax.tree.map(jnp.copy, params)
+
+
+def _train(config, model, batches, workdir, steps, pool, programs, trained, on_step=None):
+    """rl_train for ``steps`` (resuming ``workdir``) with ``programs``; each step's trained rows (input_ids,
+    response_mask, old_logp, rewards on the host) and metrics appended to ``trained``."""
+    config.train.steps = steps
+    finish = RolloutCollector.finish
+
+    def recording(self, state, collected, watch):
+        rollout = finish(self, state, collected, watch)
+        trained.append(({k: np.asarray(v) for k, v in rollout.batch.items()
+                         if k in ("input_ids", "response_mask", "old_logp", "rewards")}, rollout.metrics))
+        return rollout
+
+    RolloutCollector.finish = recording
+    try:
+        graphdef, params = nnx.split(model)
+        return rl_train(RunSpec.unplaced(config), workdir, nnx.merge(graphdef, _copy(params)), ListPromptSource(batches),
+                        decode=_parity, stop_token_ids=(1,), reward_pool=pool, programs=programs, on_step=on_step)
+    finally:
+        RolloutCollector.finish = finish
+
+
+def test_the_trainer_equals_the_sequential_reference_bit_for_bit(setup, tmp_path):
+    """The reference, step by step and nothing overlapped: the engine's copy of the weights step s - 1 started
+    from (cast and put on the engine's devices by hand, not by WeightSync) samples step s's rows with step s's
+    key, the learner computes pi_old with the weights step s starts from and updates."""
+    learner, engine, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    steps, trained, weights = 4, [], {}
+    with jax.set_mesh(learner), RewardPool(1) as pool:
+        spec = RunSpec.unplaced(config)
+        programs = StepPrograms(spec, *nnx.split(model), (1,), rollout_mesh=engine)
+        result = _train(config, model, batches, tmp_path / "run", steps, pool, programs, trained,
+                        on_step=lambda s, m, _: weights.__setitem__(s, jax.tree.map(np.asarray, nnx.state(m))))
+        assert spec.algorithm.rollout_correction.rollout_is == "token"  # the stale tokens weighed, by default
+        collector = RolloutCollector.from_spec(spec, programs, decode=_parity, reward_pool=pool)
+        graphdef, params = nnx.split(model)
+        params = _copy(params)
+        opt_state = programs.learner.init_optimizer(params)
+        targets = programs.weight_sync.abstract
+        by_hand = lambda p: jax.tree.map(lambda x, t: jax.device_put(x.astype(t.dtype), t.sharding), p, targets)  # noqa: E731
+        base, source = jax.random.key(SEED), ListPromptSource(batches)
+        started_from = {1: by_hand(params)}  # the engine's copies of the weights each step started from
+        reference = []
+        for step in range(1, steps + 1):
+            started_from[step] = by_hand(params)
+            weights_of_rows = started_from[max(step - 1, 1)]
+            rows = collector.collect(weights_of_rows, source.next_batch, jax.random.fold_in(base, step),
+                                     progress.StepWatch.silent(), step)
+            rollout = collector.finish(params, rows, progress.StepWatch.silent())
+            reference.append(({k: np.asarray(v) for k, v in rollout.batch.items()}, rollout.metrics))
+            params, opt_state, per_minibatch = programs.learner.update(params, opt_state, rollout.batch)
+            reference[-1][1].update(jax.tree.map(float, per_minibatch[0]))
+            for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(weights[step]), strict=True):
+                np.testing.assert_array_equal(np.asarray(ours), theirs, err_msg=f"weights after step {step}")
+    assert [m["rollout_staleness_max"] for _, m in trained] == [0.0, 1.0, 1.0, 1.0]
+    for step, ((batch, metrics), (ref_batch, ref_metrics), row) in enumerate(
+            zip(trained, reference, result.history, strict=True), 1):
+        for k in ("input_ids", "response_mask", "old_logp", "rewards"):
+            np.testing.assert_array_equal(batch[k], ref_batch[k], err_msg=f"step {step} {k}")
+        for k in ("loss", "grad_norm", "entropy", "rollout_kl", "sampled_tokens_checksum"):
+            assert row[k] == ref_metrics[k], (step, k)
+    assert len({h["compilations"] for h in result.history[1:]}) == 1  # nothing compiled after step 2's
+
+
+def test_the_weights_round_trip_the_move_exactly(setup):
+    learner, engine, model, *_ = setup
+    with jax.set_mesh(learner):
+        params = _copy(nnx.state(model))
+        exact = WeightSync(params, engine, jnp.float32)
+        copy = exact(params)
+        for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(copy), strict=True):
+            assert {d.id for d in y.sharding.device_set} == {0, 1, 2, 3}
+            back = jax.device_put(y, x.sharding)
+            np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+            assert back.dtype == x.dtype
+        cast = WeightSync(params, engine, jnp.bfloat16)
+        moved = cast(params)
+        again = cast(params, previous=moved)  # the previous copy's buffers freed as the new ones arrive
+        assert all(x.is_deleted() for x in jax.tree.leaves(moved))
+        for x, y, t in zip(jax.tree.leaves(params), jax.tree.leaves(again), jax.tree.leaves(cast.abstract), strict=True):
+            assert y.dtype == jnp.bfloat16 and y.sharding == t.sharding
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x.astype(jnp.bfloat16)))
+            # the decode layout: replicated over the engine's batch axes, split over its tensor axis only
+            assert "data" not in str(y.sharding.spec) and "fsdp" not in str(y.sharding.spec)
+
+
+@pytest.mark.parametrize("stop", [(2, "sampling"), (2, "reward"), (2, "pi_old"), (2, "update"), (3, "sampling")])
+def test_a_run_stopped_at_each_phase_and_resumed_trains_every_prompt_once(setup, tmp_path, monkeypatch, stop):
+    """A stop signal at the start of ``stop`` = (step, phase): step 2's sampling and reward run ahead, during
+    step 1's update (the rows are dropped; step 1 ends: finished and checkpointed, or its update abandoned);
+    its pi_old and update are the learner's (step 2 dropped); step 3's sampling runs during step 2's update. Over the stopped session and the
+    resumed one, the steps trained are the prompt batches in order, each once."""
+    learner, engine, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    start, asked = progress.StepWatch.start, []
+
+    def start_phase(self, phase, last_boundary=False):
+        if (self.step, phase) == stop and not asked:
+            asked.append(phase)
+            signal.raise_signal(signal.SIGINT)
+        return start(self, phase, last_boundary)
+
+    monkeypatch.setattr(progress.StepWatch, "start", start_phase)
+    finished, rows = [], {}
+    record = lambda step, m, metrics: finished.append((step, rows[step]))  # noqa: E731
+    finish = RolloutCollector.finish
+
+    def keep(self, state, collected, watch):
+        rollout = finish(self, state, collected, watch)
+        rows[watch.step] = np.asarray(rollout.batch["input_ids"])
+        return rollout
+
+    monkeypatch.setattr(RolloutCollector, "finish", keep)
+    with jax.set_mesh(learner), RewardPool(1) as pool:
+        programs = StepPrograms(RunSpec.unplaced(config), *nnx.split(model), (1,), rollout_mesh=engine)
+        first = _train(config, model, batches, tmp_path / "run", 4, pool, programs, [], on_step=record)
+        assert first.stopped_by_signal and asked
+        # a stop in the learner's phases drops its step; one while sampling ahead drops those rows and ends the
+        # step under way (finished, or its update abandoned if it is still running: step - 1's checkpoint is on disk)
+        s = stop[0]
+        assert (first.final_step, first.dropped_step) in ([(s - 1, None), (s - 2, s - 1)] if stop[1] in ("sampling", "reward")
+                                                          else [(s - 1, s)])
+        second = _train(config, model, batches, tmp_path / "run", 4, pool, programs, [], on_step=record)
+    assert not second.stopped_by_signal
+    assert [step for step, _ in finished] == [1, 2, 3, 4][:len(finished)] and len(finished) == 4
+    counts = collections.Counter()
+    for step, ids in finished:
+        prompts = [tuple(int(t) for t in ids[g * N, :16] if t) for g in range(PROMPTS)]  # left padding is 0
+        assert prompts == [tuple(p) for p in batches[step - 1].prompt_ids], step  # in order: none lost
+        counts.update(prompts)
+    assert max(counts.values()) == 1  # none trained twice
