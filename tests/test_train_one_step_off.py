@@ -204,3 +204,23 @@ def test_a_run_stopped_at_each_phase_and_resumed_trains_every_prompt_once(setup,
         assert prompts == [tuple(p) for p in batches[step - 1].prompt_ids], step  # in order: none lost
         counts.update(prompts)
     assert max(counts.values()) == 1  # none trained twice
+
+
+@pytest.mark.parametrize("changes, field, words", [
+    ({"mesh.rollout_devices": 4}, "mesh.rollout_devices", "set train.off_policy_steps=1"),
+    ({"train.off_policy_steps": 2}, "train.off_policy_steps", "must be 0 .* or 1"),
+    ({"train.off_policy_steps": 1, "rollout.carry_over": True}, "train.off_policy_steps", "carry_over=True is not built"),
+    ({"train.off_policy_steps": 1, "rollout.max_logprob_diff": 0.5}, "rollout.max_logprob_diff", "a step behind"),
+    ({"train.off_policy_steps": 1, "mesh.rollout_devices": 8}, "mesh.rollout_devices", "leaves none of the 8 devices"),
+    ({"train.off_policy_steps": 1, "mesh.rollout_devices": 2, "mesh.fsdp": 2, "mesh.tensor": 3},
+     "mesh.rollout_devices", r"2 is not a multiple of the learner's tensor axis \(3\)"),
+    ({"train.off_policy_steps": 1, "mesh.rollout_devices": 4, "mesh.device_order": (0, 1, 2, 3)}, "mesh.device_order",
+     "leave it"),
+])
+def test_the_config_refuses_what_one_step_off_cannot_do(changes, field, words):
+    config = load_config("default.py")
+    for dotted, value in changes.items():
+        section, name = dotted.split(".")
+        config[section][name] = value
+    with pytest.raises(ConfigError, match=f"config.{field}: .*{words}"):
+        RunSpec.from_config(config, 8)

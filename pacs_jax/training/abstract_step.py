@@ -20,7 +20,7 @@ import jax
 @contextlib.contextmanager
 def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_overrides) -> Iterator:
     """The ``StepPrograms`` of the RunSpec ``spec`` on abstract state, on a mesh of ``spec.mesh`` over
-    ``devices`` set as the context (as the trainer's CLI sets it: attention "auto" and dot dtypes
+    ``devices`` (the rollout engine's on the first ``mesh.rollout_devices`` of them) set as the context (as the trainer's CLI sets it: attention "auto" and dot dtypes
     follow the devices' platform). model_overrides: QwenConfig fields to replace (e.g. the layers)."""
     from pacs_jax import models, sharding
     from pacs_jax.models.attention import resolve_impl
@@ -34,11 +34,16 @@ def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_
     cfg = model_config(spec, **model_overrides)
     if cfg is None:
         raise ValueError(f"config.model.path={spec.model.path!r}: no config.json / model_config.json to read")
-    mesh = sharding.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
+    split = mc.rollout_devices  # one step off on split devices: the engine's mesh on the first of them
+    mesh = sharding.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices[split:])
+    engine = None
+    if split:
+        engine = sharding.make_mesh(split // mesh.shape["tensor"], 1, mesh.shape["tensor"], devices=devices[:split])
     with jax.set_mesh(mesh):
         log(f"model {spec.model.preset or spec.model.path or 'custom'}: {cfg.num_hidden_layers} layers, "
             f"dtype {cfg.dtype}, params {cfg.param_dtype}, remat {cfg.remat}, attention "
-            f"{resolve_impl(cfg.attention)}; mesh {dict(mesh.shape)} on {len(devices)} {devices[0].device_kind} devices")
+            f"{resolve_impl(cfg.attention)}; mesh {dict(mesh.shape)} on {len(devices) - split} {devices[0].device_kind} "
+            "devices" + (f", the rollout engine's {dict(engine.shape)} on {split} of their own" if split else ""))
         graphdef, params = models.abstract_model(cfg)
         critic = None
         if spec.critic is not None:  # as PPOCritic.from_spec builds it, on abstract state
@@ -48,7 +53,7 @@ def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_
                                  optimizer)
         eos = cfg.eos_token_id
         stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        yield StepPrograms(spec, graphdef, params, stop_ids, critic=critic)
+        yield StepPrograms(spec, graphdef, params, stop_ids, critic=critic, rollout_mesh=engine)
 
 
 def slice_devices(spec, topology: str, say: Callable[[str], None], *, tool: str):
