@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
 import jax
+from jax.sharding import Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,10 +15,17 @@ class Program:
     """One program of a step for one bucket: ``lower()`` lowers it on abstract ``args``.
 
     name: a key of memory_check.FIELDS. shape: its shapes in words. outside: the training state
-    resident on the device during it but not among its arguments (bytes per device)."""
+    resident on the device during it but not among its arguments (bytes per device). mesh: the mesh it
+    is lowered and compiled on (the rollout engine's own), or None: the mesh in context."""
 
     name: str
     shape: str
     lower: Callable[[], jax.stages.Lowered]
     args: tuple
     outside: int
+    mesh: Mesh | None = None
+
+    def compile(self) -> jax.stages.Compiled:
+        """The program lowered and compiled ahead of time on its mesh."""
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return self.lower().compile()

@@ -83,21 +83,14 @@ class StepPrograms:
         warm = [p for p in learner_programs if p.name == "warmstart"]
         with self.on_engine():
             engine = sampler.programs(largest_only)
-        if self.split:  # the engine's programs lower on its mesh
-            engine = [dataclasses.replace(p, lower=self._on_engine(p.lower)) for p in engine]
+        if self.split:  # the engine's programs lower and compile on its mesh
+            engine = [dataclasses.replace(p, mesh=self.weight_sync.mesh) for p in engine]
         if self.weight_sync is not None:  # the move's casts, a parameter at a time, on the learner's devices
             resident = learner.resident_bytes()
             engine[:0] = [Program("weight_sync", f"a parameter {list(p.shape)} cast to {self.weight_sync.dtype} for the "
                                   "engine's copy", lambda p=p: self.weight_sync.cast.lower(p), (p,),
                                   resident - memory_check.per_device_bytes(p)) for p in self.weight_sync.casts]
         return warm + engine + [p for p in learner_programs if p.name != "warmstart"]
-
-    def _on_engine(self, lower: Callable[[], jax.stages.Lowered]) -> Callable[[], jax.stages.Lowered]:
-        """``lower``, lowered on the engine's mesh."""
-        def on_engine():
-            with self.on_engine():
-                return lower()
-        return on_engine
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
                 progress: bool = True, read_loops: bool = False,
@@ -113,7 +106,7 @@ class StepPrograms:
                 log(f"compiling {program.name} ({program.shape}) ...")
             t0 = time.perf_counter()
             try:
-                compiled = program.lower().compile()
+                compiled = program.compile()
             except jax.errors.JaxRuntimeError as e:
                 if not memory_check.is_out_of_memory(e):
                     raise
