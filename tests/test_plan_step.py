@@ -211,3 +211,27 @@ def test_one_step_off_takes_the_split_that_balances_the_engine_and_the_learner()
     assert "best mesh.rollout_devices=2 of 8: step 4.0 s (engine 3.0 s + weights 0.00 s, learner 4.0 s) against " \
            "6.0 s synchronous" in line, line
     assert tool.one_step_off([decode], topo, 8) == ""
+
+
+def test_one_step_off_takes_only_a_split_the_config_accepts():
+    """The 7B paper config on v5p-64 (mesh 8 fsdp x 4 tensor, micro-batches of 32 responses): its mesh as it
+    is fits no split of the 32 chips (the learner's 8 x 4 needs them all); with mesh.fsdp filling the
+    learner's chips, only 16 for the engine leaves a learner whose batch shards (4) divide a micro-batch (24
+    chips' 6 do not). The split plan_step names is one of those."""
+    import types
+
+    from pacs_jax.training.spec import RunSpec
+    from train_helpers import load_config
+
+    tool = _tool()
+    spec = RunSpec.unplaced(load_config("paper.py", "qwen25_7b,pacs_beta1"))
+    needs = {r: tool.split_overrides(spec, r, 32) for r in (4, 8, 12, 16, 20, 24, 28)}
+    assert needs == {4: None, 8: None, 12: None, 16: "mesh.data=1 mesh.fsdp=-1", 20: None, 24: None, 28: None}
+    topo = types.SimpleNamespace(ici_bandwidth=0.0)
+    phase = lambda name, s, split=None: types.SimpleNamespace(  # noqa: E731
+        name=name, seconds=lambda topo: s, trips=100.0, weights=1e9, split_trips=split or {})
+    decode = phase("decode", 3.0, {8: 100.0, 16: 100.0, 24: 100.0})
+    line = tool.one_step_off([decode, phase("update", 3.0)], topo, 32, lambda r: needs.get(r))
+    assert "best mesh.rollout_devices=16 of 32" in line and "with mesh.data=1 mesh.fsdp=-1" in line, line
+    assert "refuses mesh.rollout_devices in [8, 24]" in line, line
+    assert "no split" in tool.one_step_off([decode, phase("update", 3.0)], topo, 32, lambda r: None)

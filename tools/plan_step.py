@@ -472,7 +472,7 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
                          f"{total - p.seconds(topo) + decode:.1f} s predicted against {total:.1f} s; "
                          + ", ".join(f"max_staleness {s}: {t:.0f} decode steps, {d:.1%} dropped"
                                      for s, (t, _, d) in sorted(carry.items())[1:]))
-    split = one_step_off(phases, topo, chips)
+    split = one_step_off(phases, topo, chips, lambda r: split_overrides(spec, r, chips))
     if split:
         lines.append(split)
     lines += [f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
@@ -483,7 +483,23 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
 SAMPLER_PHASES = ("prefill", "decode")  # the rollout engine's; the others the learner's
 
 
-def one_step_off(phases: list[Phase], topo, chips: int) -> str:
+def split_overrides(spec, r: int, chips: int) -> str | None:
+    """Whether the config accepts one step off with ``r`` of the ``chips`` for the engine: "" as it is, the
+    mesh overrides it needs ("mesh.data=1 mesh.fsdp=-1": the learner's fsdp axis fills its chips), or None
+    (its batch sizes or mesh refuse it either way)."""
+    from pacs_jax.training.spec import ConfigError
+
+    for mesh, words in ((spec.mesh, ""), (dataclasses.replace(spec.mesh, data=1, fsdp=-1), "mesh.data=1 mesh.fsdp=-1")):
+        try:
+            dataclasses.replace(spec, devices=chips, train=dataclasses.replace(spec.train, off_policy_steps=1),
+                                mesh=dataclasses.replace(mesh, rollout_devices=r))
+        except ConfigError:
+            continue
+        return words
+    return None
+
+
+def one_step_off(phases: list[Phase], topo, chips: int, overrides: Callable[[int], str | None] = lambda r: "") -> str:
     """One step off on split devices (issue 50: ``train.off_policy_steps=1``, ``mesh.rollout_devices``): the
     engine samples step k + 1 on R chips while the learner trains step k on the rest, so a step takes
     the longer of the two, the engine's including the weights' move (the decode layout's bytes a
@@ -491,7 +507,9 @@ def one_step_off(phases: list[Phase], topo, chips: int) -> str:
     the decode step is the same program (a queue on a batch shard's chips), run as many times as the
     longest of the R chips' queues takes for the step's responses (``Phase.split_trips``: a queue's
     tail does not shrink with fewer queues); the prefill and the learner's phases scale with their chips
-    (chips / R, chips / (chips - R)). The best R, or "" without a decode phase and a learner phase."""
+    (chips / R, chips / (chips - R)). The best R among those the config accepts (``overrides(R)``: the
+    mesh overrides it needs, "" none, None refused: ``split_overrides``), or "" without a decode phase
+    and a learner phase."""
     decode = next((p for p in phases if p.name == "decode" and p.split_trips), None)
     prefill = sum(p.seconds(topo) for p in phases if p.name == "prefill")
     learner = sum(p.seconds(topo) for p in phases if p.name not in SAMPLER_PHASES)
@@ -503,12 +521,19 @@ def one_step_off(phases: list[Phase], topo, chips: int) -> str:
         engine = prefill * chips / r + decode.seconds(topo) * decode.split_trips[r] / decode.trips
         return max(engine + move, learner * chips / (chips - r)), engine, learner * chips / (chips - r)
 
-    r = min(decode.split_trips, key=lambda r: times(r)[0])
-    step, engine, learner_r = times(r)
+    needs = {r: overrides(r) for r in decode.split_trips}
+    refused = sorted(r for r, words in needs.items() if words is None)
     synchronous = prefill + decode.seconds(topo) + learner
+    if len(refused) == len(needs):
+        return (f"one step off (train.off_policy_steps=1): no split of the {chips} chips fits the config's mesh and "
+                f"batch sizes (mesh.rollout_devices in {refused} refused, also with mesh.data=1 mesh.fsdp=-1)")
+    r = min((r for r in needs if needs[r] is not None), key=lambda r: times(r)[0])
+    step, engine, learner_r = times(r)
     return (f"one step off (train.off_policy_steps=1; from these phases, not compiled per split): best "
             f"mesh.rollout_devices={r} of {chips}: step {step:.1f} s (engine {engine:.1f} s + weights {move:.2f} s, "
-            f"learner {learner_r:.1f} s) against {synchronous:.1f} s synchronous on all {chips}")
+            f"learner {learner_r:.1f} s) against {synchronous:.1f} s synchronous on all {chips}"
+            + (f", with {needs[r]}" if needs[r] else "")
+            + (f"; the config refuses mesh.rollout_devices in {refused}" if refused else ""))
 
 
 def main(argv) -> int:

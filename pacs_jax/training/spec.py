@@ -781,6 +781,7 @@ class RunSpec:
         self._check_warmstart_data()
         if self.devices is None:
             return
+        self.mesh.rollout_shape(self.devices)  # the engine's own mesh, if any, fits its devices
         batch_shards = self.batch_shards
         require(self.micro_rows % batch_shards == 0, "train.prompts_per_step",
                 f"a micro-batch of {self.micro_rows} responses (prompts_per_step x rollout.n / mini_batches / "
