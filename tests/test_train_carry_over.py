@@ -150,16 +150,17 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once(setup, 
 def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(setup, tmp_path, monkeypatch):
     """train.precompile: ``StepPrograms.compile`` lists carry-over's sampler (its init, insert, chunk and
     harvest programs, lowered on abstract arguments; XLA's memory read with the state and parameters
-    among the arguments) and traces the four (max_staleness 2: programs no other test compiled);
+    among the arguments; the state, as a real call leaves it, counted beside every later program) and traces the four (max_staleness 2: programs no other test compiled);
     step 1's call then traces and compiles none of them."""
     mesh, model, config, batches = setup
     config = config.copy_and_resolve_references()
     config.rollout.max_staleness, config.train.precompile = 2, True
-    compiled, calls = [], []
+    compiled, calls, made = [], [], []
     compile_step, step = StepPrograms.compile, CarryOverSampler.step
 
     def compiling(self, **kwargs):
         compiled.extend(compile_step(self, **kwargs))
+        made.append(self)
         return compiled
 
     def calling(self, *args, **kwargs):
@@ -176,7 +177,13 @@ def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(s
     monkeypatch.setattr(CarryOverSampler, "step", calling)
     before = carry_over.compile_count()
     with jax.set_mesh(mesh), RewardPool(1) as pool:
-        _train(config, model, batches, tmp_path / "run", 1, pool, [])
+        _, _, carry = _train(config, model, batches, tmp_path / "run", 1, pool, [])
+    # the engine's state stays on the devices beside every later program: the memory check counts it there
+    state = memory_check.per_device_bytes(carry.engine._state)
+    listed = {p.name: p.outside for p in made[0].programs()}
+    for program in compiled:
+        if program.name != "sampler":
+            assert program.outside == listed[program.name] + state, program.name
     sampler = [p for p in compiled if p.name == "sampler"]
     assert len(sampler) == 1 and sampler[0].shape.startswith(
         f"carry-over: {2 * PROMPTS} prompts x 16 tokens a call, n={N}, 3 generations (max_staleness + 1): "

@@ -98,8 +98,11 @@ class StepPrograms:
         """Compile (ahead of time, nothing runs) ``programs()`` and read XLA's memory of each; a program
         XLA refuses for lack of memory comes back with its ``error`` (``memory_check.refused``).
         names: only the programs of these names. read_loops: also read the sampler's HLO for parameter
-        all-gathers inside its loops."""
+        all-gathers inside its loops. Carry-over: the engine's state (its rows and page pool: the init
+        program's result) stays on the devices between calls, so every program after the sampler's
+        counts it outside itself (when the sampler is among those compiled)."""
         out = []
+        carry_state = 0  # bytes a device, once carry-over's sampler is compiled
         programs = [p for p in self.programs(largest_only, with_warmstart) if names is None or p.name in names]
         for program in console.bar(programs, desc="compiling programs", leave=False, disable=not progress):
             if log is not None:
@@ -111,10 +114,13 @@ class StepPrograms:
                 if not memory_check.is_out_of_memory(e):
                     raise
                 out.append(memory_check.refused(program.name, program.shape, memory_check.per_device_bytes(program.args),
-                                                str(e), program.outside, time.perf_counter() - t0))
+                                                str(e), program.outside + (carry_state if program.name != "sampler" else 0),
+                                                time.perf_counter() - t0))
                 continue
-            memory = memory_check.program_memory(program.name, program.shape, compiled, program.outside,
-                                                 time.perf_counter() - t0)
+            outside = program.outside + (carry_state if program.name not in ("sampler", "warmstart") else 0)
+            memory = memory_check.program_memory(program.name, program.shape, compiled, outside, time.perf_counter() - t0)
+            if program.name == "sampler" and self.sampler.carry_over is not None:  # its init program makes the state
+                carry_state = memory_check.per_device_bytes(compiled.programs[0].out_info)
             if read_loops and program.name == "sampler":
                 memory.loop_facts = self.sampler.loop_facts(compiled.as_text(), program.args[1].shape[1])
             if log is not None:
