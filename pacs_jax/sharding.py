@@ -132,10 +132,15 @@ def config_mesh(mesh_config: Mapping) -> Mesh:
 def rollout_mesh(mesh_config: Mapping, tensor: int) -> Mesh | None:
     """The rollout engine's own mesh of a config's ``mesh.rollout_devices`` R (one step off on split
     devices): the first R of ``jax.devices()``, R / ``tensor`` over data and the learner's ``tensor``
-    axis; None when R is 0 (the roles share the devices)."""
+    axis; None when R is 0 (the roles share the devices). One process only: a ValueError naming the
+    field otherwise."""
     split = mesh_config.get("rollout_devices", 0)
     if not split:
         return None
+    if jax.process_count() > 1:
+        raise ValueError(f"mesh.rollout_devices={split}: the rollout engine's own mesh is built for one process (the "
+                         f"weights' move between the two device sets is not built across {jax.process_count()} "
+                         "processes); set it to 0 (train.off_policy_steps=1 then shares the devices)")
     return make_mesh(split // tensor, 1, tensor, devices=jax.devices()[:split])
 
 

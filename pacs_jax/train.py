@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
     elif _MULTIHOST.value:
         distributed.initialize()
 
-    from pacs_jax.sharding import config_mesh
+    from pacs_jax.sharding import config_mesh, rollout_mesh
     from pacs_jax.training.config_check import check_inputs
 
     config = _CONFIG.value
@@ -89,6 +89,7 @@ def main(argv: list[str]) -> None:
     spec = check_inputs(config)  # every input read, before the workdir exists: a ConfigError is one line, status 78
     try:
         mesh = config_mesh(config.mesh)
+        rollout_mesh(config.mesh, mesh.shape["tensor"])  # one step off's engine mesh, if any, can be built here
     except ValueError as e:  # a shape the slice's physical topology cannot take
         raise app.UsageError(f"config.{e}") from None
     if jax.process_index() == 0:

@@ -224,3 +224,15 @@ def test_the_config_refuses_what_one_step_off_cannot_do(changes, field, words):
         config[section][name] = value
     with pytest.raises(ConfigError, match=f"config.{field}: .*{words}"):
         RunSpec.from_config(config, 8)
+
+
+def test_the_engines_own_mesh_is_refused_across_processes(monkeypatch):
+    """The weights' move is a device_put between the two device sets of one process: with several processes
+    building the engine's mesh is a ValueError naming the field (the CLI prints it as a usage error)."""
+    config = load_config("default.py")
+    config.mesh.rollout_devices = 4
+    assert sharding.rollout_mesh(config.mesh, 1).devices.size == 4
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"mesh.rollout_devices=4: the rollout engine's own mesh is built for one "
+                                         r"process .* set it to 0"):
+        sharding.rollout_mesh(config.mesh, 1)
