@@ -128,6 +128,9 @@ def test_the_trainer_equals_the_sequential_reference_bit_for_bit(setup, tmp_path
             for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(weights[step]), strict=True):
                 np.testing.assert_array_equal(np.asarray(ours), theirs, err_msg=f"weights after step {step}")
     assert [m["rollout_staleness_max"] for _, m in trained] == [0.0, 1.0, 1.0, 1.0]
+    # the sampler's own log-probs against pi_old's recompute: the same weights at step 1, an update apart after
+    diffs = [m["rollout_logprob_diff_max"] for _, m in trained]
+    assert diffs[0] < 1e-5 < 1e-3 < min(diffs[1:]), diffs
     for step, ((batch, metrics), (ref_batch, ref_metrics), row) in enumerate(
             zip(trained, reference, result.history, strict=True), 1):
         for k in ("input_ids", "response_mask", "old_logp", "rewards"):
