@@ -67,6 +67,7 @@ import heapq
 import json
 import math
 import pathlib
+import re
 import sys
 from collections.abc import Callable
 
@@ -370,16 +371,23 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
 
 def weight_copies_line(sizes: dict, cfg, text: str) -> str:
     """What a compiled decode step copies of its layers' weights: "copies of a layer's weights a step:
-    NAME COUNT, ..." (or "none"), over the stacked [L, ...] parameters among ``sizes`` ({argument path:
-    (sharding, aval)}), at their per-device shapes (hlo.weight_copies)."""
+    NAME COUNT, ..." (or "none"), over the layers' parameters among ``sizes`` ({argument path:
+    (sharding, aval)}) of rank >= 2 a layer, at their per-device shapes (hlo.weight_copies): held a
+    buffer a layer, "...['q_kernel'].value[l]" (the decode layout, sampling/engine.py), or stacked,
+    "...['q_kernel'].value" of [L, ...]."""
     import jax
 
     from pacs_jax import hlo
 
     L = cfg.num_hidden_layers
-    stacked = {path.split("[")[-1].split("]")[0].strip("'"): jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype)
-               for path, (s, a) in sizes.items()
-               if path.startswith("[0]") and "'layers'" in path and len(a.shape) >= 3 and a.shape[0] == L}
+    stacked = {}
+    for path, (s, a) in sizes.items():
+        param = re.fullmatch(r"\[0\]\['layers'\].*\['(\w+)'\]\.value(\[\d+\])?", path)
+        shape = s.shard_shape(a.shape)
+        if param and param.group(2):  # one layer's buffer
+            shape = (L, *shape)
+        if param and len(shape) >= 3 and shape[0] == L:
+            stacked[param.group(1)] = jax.ShapeDtypeStruct(shape, a.dtype)
     copies = hlo.weight_copies(text, stacked)
     listed = ", ".join(f"{name} {n}" for name, n in sorted(copies.items())) or "none"
     return f"copies of a layer's weights a step: {listed}"

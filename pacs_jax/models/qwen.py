@@ -230,6 +230,37 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed")), cache
 
 
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def unstack_layers(state: nnx.State, place=lambda x, logical_axes: x) -> nnx.State:
+    """A model's state with every stacked layer parameter ([L, ...], its first logical axis "layers")
+    held as a tuple of L arrays [...], one buffer a layer; ``place(x, logical_axes)`` places each (a
+    sharding constraint). The sampler's decode layout (sampling/engine.py): ``Qwen.forward`` with a
+    cache then runs the layers one by one, each gemm reading its layer's buffer in place, where a
+    layer scan's slice of the stack is copied out on XLA:GPU inside a decode loop (issue 52)."""
+    def unstack(var: nnx.Variable) -> nnx.Variable:
+        axes = getattr(var, "logical_axes", None)
+        if not axes or axes[0] != "layers":
+            return var
+        x = var.get_value()
+        return var.replace(value=tuple(place(x[layer], axes[1:]) for layer in range(x.shape[0])))
+
+    return jax.tree.map(unstack, state, is_leaf=_is_variable)
+
+
+def is_unstacked(layer_params: nnx.State) -> bool:
+    """Whether a layer stack's parameters are held per layer (``unstack_layers``)."""
+    variables = jax.tree.leaves(layer_params, is_leaf=_is_variable)
+    return bool(variables) and isinstance(variables[0].get_value(), tuple)
+
+
+def layer_slice(layer_params: nnx.State, layer: int) -> nnx.State:
+    """Layer ``layer``'s parameters of an unstacked layer stack (``unstack_layers``): its own buffers."""
+    return jax.tree.map(lambda var: var.replace(value=var.get_value()[layer]), layer_params, is_leaf=_is_variable)
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     """[B, T] 0/1 mask -> [B, T] int32 positions: 0, 1, ... over the real tokens (pads get 0)."""
     mask = attention_mask.astype(jnp.int32)
@@ -295,8 +326,14 @@ class Qwen(nnx.Module):
                 x, positions, kv_valid, (k_cache, v_cache, layer), cache_index)
             return (x, k_cache, v_cache), None
 
-        layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v), (layer_params, layers))
+        carry = (x, cache.k, cache.v)
+        if is_unstacked(layer_params):  # the decode layout: layer l's own buffers, read in place
+            for layer in range(cfg.num_hidden_layers):
+                carry, _ = cached_body(carry, (layer_slice(layer_params, layer), layer))
+        else:
+            layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+            carry, _ = jax.lax.scan(cached_body, carry, (layer_params, layers))
+        x, k_cache, v_cache = carry
         return self.final_norm(x), type(cache)(k_cache, v_cache)
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,

@@ -66,7 +66,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from pacs_jax.models.qwen import KVCache, positions_from_mask
+from pacs_jax.models.qwen import KVCache, positions_from_mask, unstack_layers
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.contiguous import RowStore
@@ -131,19 +131,23 @@ def slot_utilisation(lengths: np.ndarray, slot_steps: int) -> float:
 def _decode_layout(state: nnx.State, dtype) -> nnx.State:
     """The parameters as decode reads them: floats in the compute dtype, replicated over the batch
     axes of the mesh in context and split over "tensor" only (one gather per call, none per decode
-    step)."""
+    step), and the layers' stacked [L, ...] parameters as L buffers [...] of their own
+    (``qwen.unstack_layers``), so no decode step copies a layer's slice out of its stack."""
     rules = current_rules()
     decode_rules = rules.without(*rules.batch_axes())
 
-    def place(var: nnx.Variable) -> nnx.Variable:
-        x = var.get_value()
+    def place(x: jax.Array, logical_axes) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
-        if getattr(var, "logical_axes", None) is not None:
-            x = jax.lax.with_sharding_constraint(x, decode_rules.sharding(var.logical_axes, x.shape))
-        return var.replace(value=x)
+        if logical_axes is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, decode_rules.sharding(logical_axes, x.shape))
 
-    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    def unstacked(var: nnx.Variable) -> nnx.Variable:  # the stacked ones are placed a layer at a time
+        axes = getattr(var, "logical_axes", None)
+        return var if axes and axes[0] == "layers" else var.replace(value=place(var.get_value(), axes))
+
+    return unstack_layers(jax.tree.map(unstacked, state, is_leaf=lambda x: isinstance(x, nnx.Variable)), place)
 
 
 def queues(prompts: int, slots: int, batch_shards: int) -> int:
