@@ -11,7 +11,10 @@ The decoder stack is one ``jax.lax.scan`` over layers: every per-layer parameter
 leading "layers" axis ([L, ...]), so the program (and its compile time) does not grow with depth.
 Training applies the remat policy (``config.remat``) to the scanned body; prefill and decode never
 do (remat belongs to the gradient computation). The KV cache is stacked the same way, [L, B, K, S, Dh],
-and carried through the scan so each layer writes its new keys in place.
+and carried through the scan so each layer writes its new keys in place. The sampler's decode layout
+(sampling/engine.py) may hold the layers' parameters a buffer a layer instead (``unstack_layers``):
+the cached forward (prefill, decode) then runs the layers unrolled, each reading its own buffers in
+place, where XLA:GPU copies a scan's slice of a stack out for each gemm inside a decode loop.
 
 Attention (pacs_jax/models/attention.py) never builds a [B, H, T, T] buffer: causal blockwise
 attention over the call's own tokens in training and prefill (a call with a cache starts at slot 0:
@@ -301,7 +304,8 @@ class Qwen(nnx.Module):
         cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
         A paged decode call gives a ``PagedKVCache`` and cache_index a ``PageView`` (kv_valid None).
 
-        The layers run as one ``lax.scan`` over the stacked parameters; without a cache (the
+        The layers run as one ``lax.scan`` over the stacked parameters (unrolled over their per-layer
+        buffers when the decode layout holds them so, ``unstack_layers``); without a cache (the
         gradient path) its body is rematerialised per ``config.remat``.
         """
         cfg = self.cfg
