@@ -45,10 +45,10 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
 
 For the decode step it also prints what the compiled step launches (``hlo.program_profile``: fusions,
 library kernels, copies, each times the known trips around it) and how many of its layers' weights
-it copies to buffers of their own (``hlo.weight_copies``: none since the decode layout holds them a
-buffer a layer, sampling/engine.py; a layer scan's slices of the stacked weights were copied out by
-XLA:GPU for its gemms, 196 a step for the 1.5B; tools/plan_memory.py counts them inside the
-sampler's decode loops), then the step: predicted seconds (the phases'
+it copies to buffers of their own (``hlo.weight_copies``; on a GPU, where the decode layout holds
+them a buffer a layer (sampling/engine.py), none: a layer scan's slices of the stacked weights were
+copied out by XLA:GPU for its gemms, 196 a step for the 1.5B; tools/plan_memory.py counts them
+inside the sampler's decode loops), then the step: predicted seconds (the phases'
 sum; the host's reward scoring, overlapped with pi_old, is not counted), the same step with carry-over
 (issue 50: a call ends once the step has its groups and unfinished rows continue in the next; its
 decode steps from a simulated steady state of the same lengths, ``carry_over_decode_steps``, each
