@@ -6,12 +6,13 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
    (tests/gpu/paged_widths.py), and the old block rule with the library kernel at a width where it
    failed, reproducing that error.
 2. The packed-rows kernel (tests/gpu/packed_shapes.py) forward and backward at several shapes.
-3. One decode step of the issue 52 H200 run's shape (tools/plan_step.py --topology=h200x1): the weight
-   slices it copies out of their stacks, counted and pinned.
+3. One decode step of the issue 52 H200 run's shape (tools/plan_step.py --topology=h200x1): none of
+   its layers' weights copied to a buffer of its own, and its bytes against what it must read.
 4. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
    (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
-   described (kernels, copies, loops whose trips sync with the host).
+   described (kernels, copies, loops whose trips sync with the host): its decode loops copy none of
+   the layers' weights.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
     assert profile, out
     assert "__gpu$xla.gpu.triton" in profile.group(2)  # our paged kernel: a Pallas Triton call in the decode loop
     assert int(profile.group(5)) >= 2  # the decode loops themselves (one a width): one host round trip a step
+    assert "sampler: copies of a layer's weights inside its decode loops (a trip of each): none" in out, out
     assert re.search(r"peak per device: [\d.]+ GiB of 141\.00 GiB \(fits\)", out)
 
 
@@ -119,16 +121,18 @@ H200_RUN = ["--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x1
 
 
 @pytest.mark.slow(seconds=60)
-def test_a_decode_steps_weight_copies_are_counted_for_an_h200():
+def test_a_decode_step_copies_none_of_its_weights_for_an_h200():
     """The decode step of the issue 52 run, compiled for an H200: plan_step counts what it launches and
-    the slices of its layers' weights XLA:GPU copies out of their stacks before the gemms (the layer
-    scan's dynamic slices, which it does not fuse into a gemm inside a loop): seven a layer, 196 a step,
-    and the step compiled to read 21.13 GB where it must read 11.19. Pinned: a cut lowers these counts
-    here, and a copy that comes back after it fails."""
+    the layers' weights XLA:GPU copies to buffers of their own before the gemms. A layer scan over the
+    stacked [L, ...] weights copied seven slices a layer, 196 a step (21.13 GB compiled where 11.19
+    must be read, 0.530); the decode layout holds each layer's weights in buffers of their own
+    (sampling/engine.py) and the step reads them in place: none copied, 15.88 GB (0.705). A copy that
+    comes back (e.g. the stacked layout) fails here."""
     result = _run(["tools/plan_step.py", "--phases=decode", *H200_RUN], timeout=600)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    assert ("copies of a layer's weights a step: down_kernel 28, gate_kernel/up_kernel 56, k_kernel/v_kernel 56, "
-            "o_kernel 28, q_kernel 28\n") in out, out
-    assert re.search(r"the step launches \d+ fusions, library kernels: .*28 __gpu\$xla\.gpu\.triton", out), out
-    assert "decode at a full pool: must read 11.19 GB, compiled 21.13 GB (ratio 0.530)" in out, out
+    assert "copies of a layer's weights a step: none\n" in out, out
+    launches = re.search(r"the step launches \d+ fusions, library kernels: (.*); (\d+) copies;", out)
+    assert launches and "28 __gpu$xla.gpu.triton" in launches.group(1), out  # our paged kernel, a layer
+    assert "__custom_fusion" not in launches.group(1), out  # XLA:GPU's dynamic-slice copies of the stack
+    assert "decode at a full pool: must read 11.19 GB, compiled 15.88 GB (ratio 0.705)" in out, out

@@ -44,10 +44,11 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
                              queue's page pool, full) / compiled bytes accessed
 
 For the decode step it also prints what the compiled step launches (``hlo.program_profile``: fusions,
-library kernels, copies, each times the known trips around it) and how many slices of its layers'
-stacked weights it copies to buffers of their own (``hlo.weight_copies``: a copy XLA:GPU makes for a
-gemm that cannot read the stack in place; compiled alone, not inside the sampler's decode loops,
-where XLA may copy what the step alone reads in place), then the step: predicted seconds (the phases'
+library kernels, copies, each times the known trips around it) and how many of its layers' weights
+it copies to buffers of their own (``hlo.weight_copies``; on a GPU, where the decode layout holds
+them a buffer a layer (sampling/engine.py), none: a layer scan's slices of the stacked weights were
+copied out by XLA:GPU for its gemms, 196 a step for the 1.5B; tools/plan_memory.py counts them
+inside the sampler's decode loops), then the step: predicted seconds (the phases'
 sum; the host's reward scoring, overlapped with pi_old, is not counted), the same step with carry-over
 (issue 50: a call ends once the step has its groups and unfinished rows continue in the next; its
 decode steps from a simulated steady state of the same lengths, ``carry_over_decode_steps``, each
@@ -298,7 +299,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     import jax
 
     from pacs_jax import hlo, hlo_cost
-    from pacs_jax.sampling.engine import lower_decode_step, queues
+    from pacs_jax.sampling.engine import decode_layer_weights, lower_decode_step, queues
     from pacs_jax.sampling.paged import default_pages
     from pacs_jax.training.abstract_step import abstract_step
     from pacs_jax.training.model_spec import model_config
@@ -325,6 +326,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
         rows = queue_step.sampler.abstract_rows((P // shards, step.sampler.prompt_buckets[-1]), np.int32)
         log(f"compiling a decode step of one queue ({settings.slots} slots, {P // shards} prompts) ...")
         lowered = lower_decode_step(queue_step.sampler.graphdef, queue_step.sampler.params, rows, rows, settings)
+        layer_weights = decode_layer_weights(queue_step.sampler.graphdef, queue_step.sampler.params)
         _, xla, compiled = compile_cost(lowered, trips, log)
     text = compiled.as_text()
     shardings = jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0], is_leaf=lambda x: x is None)[0]
@@ -334,7 +336,7 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     def per_device(paths) -> int:
         return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize for s, a in (sizes[p] for p in paths))
 
-    log(f"  the step launches {hlo.program_profile(text).describe()}; {weight_copies_line(sizes, cfg, text)}")
+    log(f"  the step launches {hlo.program_profile(text).describe()}; {weight_copies_line(layer_weights, text)}")
     pool = per_device([p for p in sizes if p in ("[4].kv.k", "[4].kv.v")])  # the K/V the decode loop carries
     weights = per_device([p for p in sizes if p.startswith("[0]") and (cfg.tie_word_embeddings or "embedding" not in p)])
     L = cfg.num_hidden_layers
@@ -368,19 +370,13 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
                  (carry, sync_fill), weights, split_trips)
 
 
-def weight_copies_line(sizes: dict, cfg, text: str) -> str:
+def weight_copies_line(weights: dict, text: str) -> str:
     """What a compiled decode step copies of its layers' weights: "copies of a layer's weights a step:
-    NAME COUNT, ..." (or "none"), over the stacked [L, ...] parameters among ``sizes`` ({argument path:
-    (sharding, aval)}), at their per-device shapes (hlo.weight_copies)."""
-    import jax
-
+    NAME COUNT, ..." (or "none"), over ``weights`` (engine.decode_layer_weights: {name: [L, ...] a
+    device's share}; hlo.weight_copies)."""
     from pacs_jax import hlo
 
-    L = cfg.num_hidden_layers
-    stacked = {path.split("[")[-1].split("]")[0].strip("'"): jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype)
-               for path, (s, a) in sizes.items()
-               if path.startswith("[0]") and "'layers'" in path and len(a.shape) >= 3 and a.shape[0] == L}
-    copies = hlo.weight_copies(text, stacked)
+    copies = hlo.weight_copies(text, weights)
     listed = ", ".join(f"{name} {n}" for name, n in sorted(copies.items())) or "none"
     return f"copies of a layer's weights a step: {listed}"
 

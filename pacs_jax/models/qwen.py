@@ -11,7 +11,10 @@ The decoder stack is one ``jax.lax.scan`` over layers: every per-layer parameter
 leading "layers" axis ([L, ...]), so the program (and its compile time) does not grow with depth.
 Training applies the remat policy (``config.remat``) to the scanned body; prefill and decode never
 do (remat belongs to the gradient computation). The KV cache is stacked the same way, [L, B, K, S, Dh],
-and carried through the scan so each layer writes its new keys in place.
+and carried through the scan so each layer writes its new keys in place. The sampler's decode layout
+(sampling/engine.py) may hold the layers' parameters a buffer a layer instead (``unstack_layers``):
+the cached forward (prefill, decode) then runs the layers unrolled, each reading its own buffers in
+place, where XLA:GPU copies a scan's slice of a stack out for each gemm inside a decode loop.
 
 Attention (pacs_jax/models/attention.py) never builds a [B, H, T, T] buffer: causal blockwise
 attention over the call's own tokens in training and prefill (a call with a cache starts at slot 0:
@@ -230,6 +233,37 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed")), cache
 
 
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def unstack_layers(state: nnx.State, place=lambda x, logical_axes: x) -> nnx.State:
+    """A model's state with every stacked layer parameter ([L, ...], its first logical axis "layers")
+    held as a tuple of L arrays [...], one buffer a layer; ``place(x, logical_axes)`` places each (a
+    sharding constraint). The sampler's decode layout (sampling/engine.py): ``Qwen.forward`` with a
+    cache then runs the layers one by one, each gemm reading its layer's buffer in place, where a
+    layer scan's slice of the stack is copied out on XLA:GPU inside a decode loop (issue 52)."""
+    def unstack(var: nnx.Variable) -> nnx.Variable:
+        axes = getattr(var, "logical_axes", None)
+        if not axes or axes[0] != "layers":
+            return var
+        x = var.get_value()
+        return var.replace(value=tuple(place(x[layer], axes[1:]) for layer in range(x.shape[0])))
+
+    return jax.tree.map(unstack, state, is_leaf=_is_variable)
+
+
+def is_unstacked(layer_params: nnx.State) -> bool:
+    """Whether a layer stack's parameters are held per layer (``unstack_layers``)."""
+    variables = jax.tree.leaves(layer_params, is_leaf=_is_variable)
+    return bool(variables) and isinstance(variables[0].get_value(), tuple)
+
+
+def layer_slice(layer_params: nnx.State, layer: int) -> nnx.State:
+    """Layer ``layer``'s parameters of an unstacked layer stack (``unstack_layers``): its own buffers."""
+    return jax.tree.map(lambda var: var.replace(value=var.get_value()[layer]), layer_params, is_leaf=_is_variable)
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     """[B, T] 0/1 mask -> [B, T] int32 positions: 0, 1, ... over the real tokens (pads get 0)."""
     mask = attention_mask.astype(jnp.int32)
@@ -270,7 +304,8 @@ class Qwen(nnx.Module):
         cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
         A paged decode call gives a ``PagedKVCache`` and cache_index a ``PageView`` (kv_valid None).
 
-        The layers run as one ``lax.scan`` over the stacked parameters; without a cache (the
+        The layers run as one ``lax.scan`` over the stacked parameters (unrolled over their per-layer
+        buffers when the decode layout holds them so, ``unstack_layers``); without a cache (the
         gradient path) its body is rematerialised per ``config.remat``.
         """
         cfg = self.cfg
@@ -295,8 +330,14 @@ class Qwen(nnx.Module):
                 x, positions, kv_valid, (k_cache, v_cache, layer), cache_index)
             return (x, k_cache, v_cache), None
 
-        layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, cache.k, cache.v), (layer_params, layers))
+        carry = (x, cache.k, cache.v)
+        if is_unstacked(layer_params):  # the decode layout: layer l's own buffers, read in place
+            for layer in range(cfg.num_hidden_layers):
+                carry, _ = cached_body(carry, (layer_slice(layer_params, layer), layer))
+        else:
+            layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+            carry, _ = jax.lax.scan(cached_body, carry, (layer_params, layers))
+        x, k_cache, v_cache = carry
         return self.final_norm(x), type(cache)(k_cache, v_cache)
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,

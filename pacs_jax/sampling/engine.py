@@ -66,7 +66,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from pacs_jax.models.qwen import KVCache, positions_from_mask
+from pacs_jax.models.qwen import KVCache, positions_from_mask, unstack_layers
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.contiguous import RowStore
@@ -74,7 +74,7 @@ from pacs_jax.sampling.narrowing import WidthLoop, start_widths
 from pacs_jax.sampling.paged import PageStore, default_pages
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
-from pacs_jax.sharding import constrain, current_rules, replicated
+from pacs_jax.sharding import constrain, current_rules, platform, replicated
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this, so changing them rarely recompiles
@@ -131,19 +131,47 @@ def slot_utilisation(lengths: np.ndarray, slot_steps: int) -> float:
 def _decode_layout(state: nnx.State, dtype) -> nnx.State:
     """The parameters as decode reads them: floats in the compute dtype, replicated over the batch
     axes of the mesh in context and split over "tensor" only (one gather per call, none per decode
-    step)."""
+    step), and, but on TPU, the layers' stacked [L, ...] parameters as L buffers [...] of their own
+    (``qwen.unstack_layers``): XLA:GPU copies a layer scan's slice of a stack to a buffer of its own for
+    each gemm inside a decode loop (7 a layer), XLA:TPU reads it in place (and its larger programs
+    would compile slower unrolled)."""
     rules = current_rules()
     decode_rules = rules.without(*rules.batch_axes())
 
-    def place(var: nnx.Variable) -> nnx.Variable:
-        x = var.get_value()
+    def place(x: jax.Array, logical_axes) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
-        if getattr(var, "logical_axes", None) is not None:
-            x = jax.lax.with_sharding_constraint(x, decode_rules.sharding(var.logical_axes, x.shape))
-        return var.replace(value=x)
+        if logical_axes is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, decode_rules.sharding(logical_axes, x.shape))
 
-    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    per_layer = platform() != "tpu"
+
+    def cast(var: nnx.Variable) -> nnx.Variable:
+        axes = getattr(var, "logical_axes", None)
+        if per_layer and axes and axes[0] == "layers":
+            return var  # placed a layer at a time by ``unstack_layers``
+        return var.replace(value=place(var.get_value(), axes))
+
+    state = jax.tree.map(cast, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return unstack_layers(state, place) if per_layer else state
+
+
+def decode_layer_weights(graphdef: nnx.GraphDef, state) -> dict[str, jax.ShapeDtypeStruct]:
+    """The layers' weights as the decode layout holds them (``_decode_layout``) on the mesh in context,
+    to count their copies in a compiled decode (``hlo.weight_copies``): {name: [L, ...], each layer's
+    buffer as one device holds it, in the compute dtype}, the stacked parameters of rank >= 2 a layer.
+    state: the model's parameters (arrays or abstract ones)."""
+    dtype = jnp.dtype(nnx.merge(graphdef, state).cfg.dtype)
+    rules = current_rules()
+    decode_rules = rules.without(*rules.batch_axes())
+    weights = {}
+    for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        axes, shape = getattr(var, "logical_axes", None), var.get_value().shape
+        if axes and axes[0] == "layers" and len(shape) >= 3:
+            layer = decode_rules.sharding(axes[1:], shape[1:]).shard_shape(shape[1:])
+            weights[str(path[-1].key)] = jax.ShapeDtypeStruct((shape[0], *layer), dtype)
+    return weights
 
 
 def queues(prompts: int, slots: int, batch_shards: int) -> int:

@@ -20,17 +20,29 @@ def restrict_to_top(scaled: jax.Array, top_k: int, top_p: jax.Array | None) -> j
     and top-p keeps the smallest set of the highest-probability survivors whose mass (renormalised
     over the survivors) reaches top_p; the most likely token is always kept. Ties with the last kept
     logit are kept too.
-
-    Top-p sorts nothing: the kept set is every logit >= the largest logit value whose survivors'
-    mass reaches top_p, found by a 32-step bisection over the float32 values' order-preserving
-    integer keys (32 masked sums over V per row, where a sort of a 152k vocabulary per row and
-    decode step cost minutes on a CPU evaluation of 256 samples).
     """
-    if top_k:
-        threshold = jax.lax.top_k(scaled, top_k)[0][:, -1]  # [B]: the k-th largest
-        scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+    scaled = _top_k(scaled, top_k)
     if top_p is None:
         return scaled
+    return _keep_from(scaled, _top_p_floor(scaled, top_p))
+
+
+def _top_k(scaled: jax.Array, top_k: int) -> jax.Array:
+    """[B, V] -> [B, V]: the logits below the k-th largest of their row set to -inf (top_k 0: unchanged)."""
+    if not top_k:
+        return scaled
+    threshold = jax.lax.top_k(scaled, top_k)[0][:, -1]  # [B]: the k-th largest
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def _top_p_floor(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B, V] -> [B] uint32: the order key (``_order_keys``) of the largest logit value whose survivors
+    (the logits at or above it) hold a mass of at least top_p.
+
+    Sorts nothing: a 32-step bisection over the float32 values' order-preserving integer keys (32
+    masked sums over V per row, where a sort of a 152k vocabulary per row and decode step cost minutes
+    on a CPU evaluation of 256 samples).
+    """
     probs = jax.nn.softmax(scaled, axis=-1)  # renormalised over the top-k survivors
     keys = _order_keys(scaled)
 
@@ -42,7 +54,13 @@ def restrict_to_top(scaled: jax.Array, top_k: int, top_p: jax.Array | None) -> j
 
     lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)  # the largest is a finite logit's:
     lo, _ = jax.lax.fori_loop(0, 32, bisect, (lowest, highest + jnp.uint32(1)))  # + 1 never wraps
-    return jnp.where(keys >= lo[:, None], scaled, -jnp.inf)
+    return lo
+
+
+def _keep_from(scaled: jax.Array, floor: jax.Array) -> jax.Array:
+    """[B, V] -> [B, V]: the logits whose order key is below their row's floor [B] set to -inf (floor
+    0 keeps every one)."""
+    return jnp.where(_order_keys(scaled) >= floor[:, None], scaled, -jnp.inf)
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -88,8 +106,12 @@ def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
         return first_argmax(scaled)
 
     def sample():
-        allowed = jax.lax.cond(top_p < 1.0, lambda: restrict_to_top(scaled, top_k, top_p),
-                               lambda: restrict_to_top(scaled, top_k, None))
+        # the branch gives only the top-p floor [B], not the logits: a branch that returned its operand
+        # (top_p off) copied all [B, V] of them every decode step
+        survivors = _top_k(scaled, top_k)
+        floor = jax.lax.cond(top_p < 1.0, lambda: _top_p_floor(survivors, top_p),
+                             lambda: jnp.zeros(survivors.shape[:1], jnp.uint32))
+        allowed = _keep_from(survivors, floor)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, allowed.shape[-1:], jnp.float32))(keys)
         return first_argmax(allowed + noise)
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.sampling.carry_over import CarryOverSampler
-from pacs_jax.sampling.engine import lower_sample, queues
+from pacs_jax.sampling.engine import decode_layer_weights, lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, batch_sharding
 from pacs_jax.training import memory_check
@@ -177,8 +177,10 @@ class SamplerPrograms:
         """What the compiled sampler (HLO ``text``, prompts of ``prompt_tokens``) does inside its loops,
         each fact a line: a weight gathered there crosses the network every decode step; a copy of the
         page pool there reads and writes all of it every step; a [slots, prompt + max_new, ...] array
-        there is the contiguous cache the paged sampler must not hold; and what its loops launch
-        (``hlo.loop_profile``: kernels, copies, loops whose trips sync with the host on a GPU)."""
+        there is the contiguous cache the paged sampler must not hold; what its loops launch
+        (``hlo.loop_profile``: kernels, copies, loops whose trips sync with the host on a GPU); and the
+        layers' weights it copies to buffers of their own inside its decode loops, each read and
+        written again every decode step (``hlo.weight_copies``, a trip of each decode loop)."""
         gathers = hlo.gathers_of_shapes_in_loops(text, hlo.parameter_shapes(self.params))
         facts = [(f"{len(gathers)} parameter all-gathers inside its loops: "
                   + ", ".join(sorted({str(list(c.shape)) for c in gathers})))
@@ -193,4 +195,9 @@ class SamplerPrograms:
             facts.append(f"{row}-token cache rows inside its loops: {sorted(caches)}" if caches
                          else f"no {row}-token (prompt + max_new_tokens) cache row inside its loops")
         facts.append("its decode loops: " + hlo.loop_profile(text, device_trip_loops_only=True).describe())
+        with jax.set_mesh(self.mesh):
+            weights = decode_layer_weights(self.graphdef, self.params)
+        copies = hlo.weight_copies(text, weights, device_trip_loops_only=True)
+        facts.append("copies of a layer's weights inside its decode loops (a trip of each): "
+                     + (", ".join(f"{name} {n}" for name, n in sorted(copies.items())) or "none"))
         return tuple(facts)
