@@ -170,6 +170,10 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+    if carry is not None and start < tc.steps:  # the checkpoint's rows in flight back into the engine
+        line = carry.resume(params, start)
+        if line and primary:
+            print(line, flush=True)
     watch = StepWatch(logger.write if primary else lambda line: None, tc.progress_seconds,
                       stop_requested=signals.safe_point, lockstep=not single_process)
     step = start
