@@ -144,7 +144,12 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
         capsys.readouterr()
         history, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 5, pool,
                                     trained)
-    out = capsys.readouterr().out
+        out = capsys.readouterr().out
+        whole = []  # the run never stopped
+        _train(config.copy_and_resolve_references(), model, batches, tmp_path / "whole", 5, pool, whole)
+    for (step, batch, *_), (_, reference, *_) in zip(trained, whole):
+        for name in ("input_ids", "response_mask"):
+            np.testing.assert_array_equal(batch[name], reference[name], err_msg=f"step {step} {name}")
     assert re.search(rf"resumed {len(saved)} rows in flight \({sum(map(len, saved.values())):,} tokens, "
                      rf"{exported.running} of them mid-decode in slots\): their K/V recomputed with step 2's weights",
                      out), out
