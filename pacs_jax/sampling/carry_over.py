@@ -26,7 +26,18 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
 
 The K/V of every token stays where it was written, computed by the weights of the call that wrote
 it (the prompt's by its insert call's; a token's by the call whose decode step fed it, that is the
-version of the token after it); nothing is recomputed. Token t of row (i, j) of the prompts
+version of the token after it); nothing is recomputed, but on a resume:
+
+    export   (host) the rows in flight after a call: each generation with a live prompt, its rows'
+             tokens, log-probs, versions, lengths, stop flags, budgets and keys, and the row each slot
+             holds (``InFlightRows``; no K/V)
+    restore  (a resume's program a generation) its prompts prefilled with the current weights into its
+             region, its rows' outputs as exported
+    reseat   (a resume's last program) the rows that held slots back in them, each admitted as a
+             refill admits it, then its tokens 0 .. length - 2 fed through the store's ``attend`` one
+             position a step (the decode step's K/V write): their K/V recomputed with the current
+             weights, the slots as a decode step leaves them (next token ``length``, last token fed
+             next), so the next call goes on as the engine that exported them would. Token t of row (i, j) of the prompts
 inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
 as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
 the rows equal ``engine.sample``'s of the same prompts and key.
@@ -34,8 +45,8 @@ the rows equal ``engine.sample``'s of the same prompts and key.
 One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
 over the call's arrays as ``engine.sample``'s one-queue path does.
 
-``CarryOverSampler.lower`` lowers the four programs on abstract arguments, as ``engine.lower_sample``
-the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a real call then finds
+``CarryOverSampler.lower`` lowers the four programs and a resume's two on abstract arguments, as
+``engine.lower_sample`` the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a real call then finds
 them compiled) and reads XLA's memory of them; tools/plan_memory.py compiles them for a slice.
 """
 
@@ -492,11 +503,11 @@ def _reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState
 
 @dataclasses.dataclass(frozen=True)
 class CarryOverCompiled:
-    """The four compiled programs (init, insert, chunk, harvest), read as one: ``as_text()`` their HLO,
-    ``memory_analysis()`` that of the fullest. The ``CarryState`` is an argument (init: the result)
-    of each, so it is counted in all; the parameters are counted among the arguments of the chunk
-    and harvest programs too (``parameter_bytes`` per device), which run while they stay on the
-    device without taking them."""
+    """The six compiled programs (init, insert, chunk, harvest; a resume's restore and reseat), read as
+    one: ``as_text()`` their HLO, ``memory_analysis()`` that of the fullest. The ``CarryState`` is an
+    argument (init: the result) of each, so it is counted in all; the parameters are counted among the
+    arguments of the chunk, harvest and reseat programs too (``parameter_bytes`` per device), which run
+    while they stay on the device without taking them."""
 
     programs: tuple[jax.stages.Compiled, ...]
     parameter_bytes: int
@@ -522,10 +533,11 @@ class CarryOverCompiled:
 @dataclasses.dataclass(frozen=True)
 class CarryOverLowered:
     """The init program lowered on abstract arguments (``CarryOverSampler.lower``) and the abstract
-    arguments of the others: ``compile()`` compiles it, then insert, chunk and harvest on the
-    abstract results of the one before (their shapes and the shardings the compiled programs give
-    them, as a real call's arrays come), the state pinned to the init program's shardings as
-    ``CarryOverSampler.step`` pins it, so a real call with these shapes finds all four compiled."""
+    arguments of the others: ``compile()`` compiles it, then insert, chunk, harvest, restore and
+    reseat on the abstract results of the one before (their shapes and the shardings the compiled
+    programs give them, as a real call's arrays come), the state pinned to the init program's
+    shardings as ``CarryOverSampler.step`` pins it, so a real call (or a resume) with these shapes
+    finds all six compiled. saved: a generation's ``SavedRows``, slot_rows [C] (a resume's)."""
 
     init: jax.stages.Lowered
     graphdef: nnx.GraphDef
@@ -591,6 +603,8 @@ class CarryOverSampler:
 
     sampler = CarryOverSampler(graphdef, settings, prompts=P, prompt_length=T, groups=B, max_staleness=1)
     rows = sampler.step(params, version, prompt_tokens, prompt_mask, key)  # B groups, ``CarryOverRows``
+    saved = sampler.export()                  # the rows in flight, host arrays (a checkpoint's)
+    fresh.resume(params, saved, prompts)      # another sampler goes on with them, K/V recomputed
 
     One call a version: ``version`` goes up by 1 from call to call (a generation lives G calls).
     Every call has the same shapes (P, T, the settings), so only the first compiles.
@@ -668,12 +682,13 @@ class CarryOverSampler:
 
     def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct
               ) -> CarryOverLowered:
-        """The four programs lowered for abstract arguments: params (``nnx.split``'s state, arrays or
+        """The six programs (a call's four, a resume's two) lowered for abstract arguments: params (``nnx.split``'s state, arrays or
         ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T] (with the shardings a call's
         come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
-        made: the key (replicated), the budgets, the version, temperature, top_p and stop ids are
-        abstract, the unsharded ones like the host arrays ``step`` passes, so the programs can be
-        compiled for devices this process cannot use and are the ones a call runs."""
+        made: the key (replicated), the budgets, the version, temperature, top_p, stop ids and a
+        resume's saved rows are abstract, the unsharded ones like the host arrays ``step`` and
+        ``resume`` pass, so the programs can be compiled for devices this process cannot use and are
+        the ones a call runs."""
         spec, settings = self.spec, self.settings
         if prompt_tokens.shape != (spec.prompts, spec.prompt_length) or prompt_mask.shape != prompt_tokens.shape:
             raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be "
