@@ -37,8 +37,9 @@ version of the token after it); nothing is recomputed, but on a resume:
              refill admits it, then its tokens 0 .. length - 2 fed through the store's ``attend`` one
              position a step (the decode step's K/V write): their K/V recomputed with the current
              weights, the slots as a decode step leaves them (next token ``length``, last token fed
-             next), so the next call goes on as the engine that exported them would. Token t of row (i, j) of the prompts
-inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
+             next), so the next call goes on as the engine that exported them would.
+
+Token t of row (i, j) of the prompts inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
 as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
 the rows equal ``engine.sample``'s of the same prompts and key.
 
@@ -46,8 +47,9 @@ One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs
 over the call's arrays as ``engine.sample``'s one-queue path does.
 
 ``CarryOverSampler.lower`` lowers the four programs and a resume's two on abstract arguments, as
-``engine.lower_sample`` the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a real call then finds
-them compiled) and reads XLA's memory of them; tools/plan_memory.py compiles them for a slice.
+``engine.lower_sample`` the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a
+real call, or a resume, then finds them compiled) and reads XLA's memory of them;
+tools/plan_memory.py compiles them for a slice.
 """
 
 from __future__ import annotations
@@ -682,9 +684,9 @@ class CarryOverSampler:
 
     def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct
               ) -> CarryOverLowered:
-        """The six programs (a call's four, a resume's two) lowered for abstract arguments: params (``nnx.split``'s state, arrays or
-        ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T] (with the shardings a call's
-        come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
+        """The six programs (a call's four, a resume's two) lowered for abstract arguments: params
+        (``nnx.split``'s state, arrays or ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T]
+        (with the shardings a call's come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
         made: the key (replicated), the budgets, the version, temperature, top_p, stop ids and a
         resume's saved rows are abstract, the unsharded ones like the host arrays ``step`` and
         ``resume`` pass, so the programs can be compiled for devices this process cannot use and are
@@ -696,7 +698,8 @@ class CarryOverSampler:
         typed_key = jax.eval_shape(jax.random.key, 0)
         key = jax.ShapeDtypeStruct(typed_key.shape, typed_key.dtype, sharding=replicated())
         scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
-        Q, N, k = spec.prompts * settings.n, settings.max_new_tokens, jax.eval_shape(jax.random.key_data, typed_key).shape
+        Q, N = spec.prompts * settings.n, settings.max_new_tokens
+        k = jax.eval_shape(jax.random.key_data, typed_key).shape
         saved = SavedRows(jax.ShapeDtypeStruct((Q, N), jnp.int32), jax.ShapeDtypeStruct((Q, N), jnp.float32),
                           jax.ShapeDtypeStruct((Q, N), jnp.int32), jax.ShapeDtypeStruct((Q,), jnp.int32),
                           jax.ShapeDtypeStruct((Q,), bool), jax.ShapeDtypeStruct((Q,), jnp.int32),

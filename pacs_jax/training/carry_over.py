@@ -147,8 +147,8 @@ class CarryOverRollouts:
         exported = InFlightRows(saved["version"], tuple(v for v, _ in generations), tuple(r for _, r in generations),
                                 _unpacked(saved["slots"]))
         self.engine.resume(params, exported, prompts)
-        return (f"resumed {exported.row_count} rows in flight ({exported.tokens:,} tokens, {exported.running} in decode "
-                f"slots): their K/V recomputed with step {step}'s weights")
+        return (f"resumed {exported.row_count} rows in flight ({exported.tokens:,} tokens, {exported.running} in "
+                f"decode slots): their K/V recomputed with step {step}'s weights")
 
     # ------------------------------------------------------------------------ a step's call
     def sample(self, params, version: int, prompts, prompt_tokens: jax.Array, prompt_mask: jax.Array,
