@@ -1,9 +1,11 @@
 """Carry-over rollouts in the trainer (``rollout.carry_over``; issue 50), on the (2, 2, 2) mesh: each step
 trains the groups that the engine (sampling/carry_over.py) returns when driven step by step as the
 trainer should drive it (step s's call at version s, with the weights after step s - 1's update, its
-own prompts and key); rows go over from step to step; nothing compiles after step 1; and a run
-stopped after step 2 and resumed loses no prompt and trains none twice; the warm-up before step 1
-compiles the engine's four programs, so step 1 compiles none of them."""
+own prompts and key); rows go over from step to step; nothing compiles after step 1; a run stopped
+after step 2 and resumed trains what the run never stopped trains: no prompt lost or trained twice,
+the rows in flight at the stop continue from their saved tokens (their K/V recomputed, said in one
+line), nothing compiled after the resumed session's step 1; the warm-up before step 1 compiles the
+engine's six programs (a call's four, a resume's two), so step 1 compiles none of them."""
 
 import collections
 import re
@@ -182,9 +184,9 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
 @pytest.mark.slow(seconds=45)
 def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(setup, tmp_path, monkeypatch):
     """train.precompile: ``StepPrograms.compile`` lists carry-over's sampler (its init, insert, chunk and
-    harvest programs, lowered on abstract arguments; XLA's memory read with the state and parameters
-    among the arguments) and traces the four (max_staleness 2: programs no other test compiled);
-    step 1's call then traces and compiles none of them."""
+    harvest programs and a resume's restore and reseat, lowered on abstract arguments; XLA's memory read
+    with the state and parameters among the arguments) and traces the six (max_staleness 2: programs no
+    other test compiled); step 1's call then traces and compiles none of them."""
     mesh, model, config, batches = setup
     config = config.copy_and_resolve_references()
     config.rollout.max_staleness, config.train.precompile = 2, True
