@@ -3,10 +3,10 @@ complete, the rows still running go on in the next call with that call's weights
 a call and resumed in a fresh sampler go on as in the one never stopped.
 
 References: ``engine.sample`` of each call's prompts and key (weights unchanged between calls), the
-sampler never stopped (a resume), a
-per-row decode with a contiguous cache that switches weights at the tokens where the returned
-version array changes (weights changed every call), the budgets for which generation is dropped,
-jax's compilation events, and ``engine.sample``'s slot utilisation on the same length mix.
+sampler never stopped (a resume), a per-row decode with a contiguous cache that switches weights at
+the tokens where the returned version array changes (weights changed every call), the budgets for
+which generation is dropped, jax's compilation events, and ``engine.sample``'s slot utilisation on
+the same length mix.
 """
 
 from __future__ import annotations
