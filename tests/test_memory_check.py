@@ -242,9 +242,10 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model
 @pytest.mark.slow(seconds=120)
 def test_tool_compiles_carry_overs_sampler_for_a_paper_config_on_v5p_64():
     """rollout.carry_over: the sampler plan_memory compiles (and the trainer's warm-up, the same list) is the
-    carry-over engine's four programs (init, insert, chunk, harvest) for the step's one call of 2P
-    prompts, its state of G = max_staleness + 1 generations' rows and their one page pool among their
-    arguments: Qwen2.5-7B's config shrunk as above, compile-only for the v5p-64."""
+    carry-over engine's six programs (init, insert, chunk, harvest; a resume's restore and reseat) for
+    the step's one call of 2P prompts, its state of G = max_staleness + 1 generations' rows and their
+    one page pool among their arguments: Qwen2.5-7B's config shrunk as above, compile-only for the
+    v5p-64."""
     shrink = [*SHRUNK_LAYERS, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
               "--config.model.num_key_value_heads=4"]
     result = subprocess.run([sys.executable, "tools/plan_memory.py", "--config=configs/paper.py:qwen25_7b,pacs_beta1",

@@ -1,10 +1,12 @@
 """Carry-over rollouts (pacs_jax/sampling/carry_over.py): a sampler call ends once B groups are
-complete, the rows still running go on in the next call with that call's weights.
+complete, the rows still running go on in the next call with that call's weights; rows exported after
+a call and resumed in a fresh sampler go on as in the one never stopped.
 
-References: ``engine.sample`` of each call's prompts and key (weights unchanged between calls), a
-per-row decode with a contiguous cache that switches weights at the tokens where the returned
-version array changes (weights changed every call), the budgets for which generation is dropped,
-jax's compilation events, and ``engine.sample``'s slot utilisation on the same length mix.
+References: ``engine.sample`` of each call's prompts and key (weights unchanged between calls), the
+sampler never stopped (a resume), a per-row decode with a contiguous cache that switches weights at
+the tokens where the returned version array changes (weights changed every call), the budgets for
+which generation is dropped, jax's compilation events, and ``engine.sample``'s slot utilisation on
+the same length mix.
 """
 
 from __future__ import annotations
@@ -60,18 +62,25 @@ def _batch(call: int):
     return tokens, mask, rng.integers(1, N + 1, size=P * SETTINGS.n).astype(np.int32), jax.random.key(call)
 
 
-def _run(seeds, *, compiles=None, mesh_shape=None):
+def _run(seeds, *, compiles=None, mesh_shape=None, resume_after=None):
     """The schedule (CALLS + DRAIN calls, B = 3 of P = 4 groups a call, max_staleness 2), call v with
     the weights of seed ``seeds[v]`` (on a mesh of ``mesh_shape``, the prompts split over its batch
     axes): {(version, prompt): its n rows (tokens, logprobs, versions, lengths, stopped)}, each call's
-    ``CarryOverRows`` and the sampler. ``compiles`` gets the compilations of every call after the first."""
+    ``CarryOverRows`` and the sampler. ``compiles`` gets the compilations of every call after the first.
+    ``resume_after`` v: after call v the rows in flight are exported and the calls after it run in a
+    fresh sampler that resumed them with the next call's weights (the export is the sampler's
+    ``exported``)."""
     with _on_mesh(mesh_shape):
-        return _schedule(seeds, compiles, mesh_shape)
+        return _schedule(seeds, compiles, mesh_shape, resume_after)
 
 
-def _schedule(seeds, compiles, mesh_shape):
+def _new_sampler(graphdef):
+    return carry_over.CarryOverSampler(graphdef, SETTINGS, prompts=P, prompt_length=T, groups=3, max_staleness=2)
+
+
+def _schedule(seeds, compiles, mesh_shape, resume_after):
     graphdef = _graphdef_and_params(seeds[0], mesh_shape)[0]
-    sampler = carry_over.CarryOverSampler(graphdef, SETTINGS, prompts=P, prompt_length=T, groups=3, max_staleness=2)
+    sampler = _new_sampler(graphdef)
     groups, calls = {}, []
     events = []
     listener = lambda event, duration, **kw: events.append(event) if "backend_compile" in event else None
@@ -94,6 +103,12 @@ def _schedule(seeds, compiles, mesh_shape):
                 assert key_ not in groups, f"group {key_} returned twice"
                 groups[key_] = (out.tokens[rows], out.logprobs[rows], out.versions[rows], out.lengths[rows],
                                 out.stopped[rows])
+            if v == resume_after:
+                exported = sampler.export()
+                sampler = _new_sampler(graphdef)
+                sampler.resume(_graphdef_and_params(seeds[v + 1], mesh_shape)[1], exported,
+                               [_batch(version)[:2] for version in exported.generations])
+                sampler.exported = exported
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     return groups, calls, sampler
@@ -133,6 +148,33 @@ def test_unchanged_weights_give_sample_rows_and_nothing_compiles_after_the_first
             np.testing.assert_array_equal(got_stopped, ref.stopped[rows])
             np.testing.assert_allclose(got_logprobs, ref.logprobs[rows], rtol=1e-5, atol=1e-5)
             assert ((got_versions >= v) & (got_versions < CALLS + DRAIN))[ref.response_mask[rows] == 1].all()
+
+
+@pytest.mark.slow(seconds=60)
+@pytest.mark.parametrize("stop", [1, 2])
+def test_rows_exported_and_resumed_in_a_fresh_engine_continue_as_the_engine_that_exported_them(stop):
+    """After call ``stop`` the rows in flight (their tokens, log-probs, versions, keys; some mid-response in a
+    slot) are exported and resumed in a fresh sampler with the same weights, their K/V recomputed
+    (prompts prefilled, each slot's tokens fed through the decode step's ``attend``): every group
+    comes back as from the sampler never stopped, tokens, versions, lengths and stop flags exactly, and
+    log-probs exactly too (on this CPU the recompute runs the decode step's arithmetic: the same K/V
+    bit for bit). The export is small host arrays; dropping its tokens fails the comparison."""
+    seeds = [3] * (CALLS + DRAIN)
+    groups, _, _ = _run(seeds)
+    resumed, _, sampler = _run(seeds, resume_after=stop)
+    exported = sampler.exported
+    assert exported.version == stop and exported.generations
+    Q, G = P * SETTINGS.n, sampler.spec.generations
+    lengths = {version % G: rows.lengths for version, rows in zip(exported.generations, exported.rows)}
+    assert any(lengths[row // Q][row % Q] >= 2 for row in exported.slots[exported.slots >= 0])  # mid-response
+    assert sorted(resumed) == sorted(groups) == [(v, p) for v in range(CALLS) for p in range(P)]
+    for key, (tokens, logprobs, versions, lengths, stopped) in groups.items():
+        got = resumed[key]
+        np.testing.assert_array_equal(got[0], tokens, err_msg=f"{key}")
+        np.testing.assert_array_equal(got[1], logprobs, err_msg=f"{key}")
+        np.testing.assert_array_equal(got[2], versions, err_msg=f"{key}")
+        np.testing.assert_array_equal(got[3], lengths, err_msg=f"{key}")
+        np.testing.assert_array_equal(got[4], stopped, err_msg=f"{key}")
 
 
 @functools.cache

@@ -1,11 +1,14 @@
 """Carry-over rollouts in the trainer (``rollout.carry_over``; issue 50), on the (2, 2, 2) mesh: each step
 trains the groups that the engine (sampling/carry_over.py) returns when driven step by step as the
 trainer should drive it (step s's call at version s, with the weights after step s - 1's update, its
-own prompts and key); rows go over from step to step; nothing compiles after step 1; and a run
-stopped after step 2 and resumed loses no prompt and trains none twice; the warm-up before step 1
-compiles the engine's four programs, so step 1 compiles none of them."""
+own prompts and key); rows go over from step to step; nothing compiles after step 1; a run stopped
+after step 2 and resumed trains what the run never stopped trains: no prompt lost or trained twice,
+the rows in flight at the stop continue from their saved tokens (their K/V recomputed, said in one
+line), nothing compiled after the resumed session's step 1; the warm-up before step 1 compiles the
+engine's six programs (a call's four, a resume's two), so step 1 compiles none of them."""
 
 import collections
+import re
 
 import jax
 import numpy as np
@@ -124,34 +127,67 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
     assert len({h["compilations"] for h in history}) == 1  # nothing compiled after step 1
 
 
-def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once(setup, tmp_path):
-    """The checkpoint of step 2 holds the prompts in flight; the resumed session samples them again first:
-    over the two sessions no prompt is trained twice, and every prompt drawn is trained or still held."""
+def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its_rows_in_flight_go_on(
+        setup, tmp_path, capsys):
+    """The checkpoint of step 2 holds the prompt cursor, the queue and the rows in flight (their tokens so
+    far); the resumed session puts them back into the engine, their K/V recomputed with step 2's
+    weights, and says so in one line: over the two sessions no prompt is trained twice, every prompt
+    drawn is trained or still held, the rows in flight at the stop are trained with their saved tokens
+    as prefixes (they went on, not sampled again), and the resumed session compiles nothing after its
+    step 1."""
     mesh, model, config, batches = setup
     trained = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
-        _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 2, pool, trained)
-        _, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 5, pool, trained)
+        _, _, first = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 2, pool, trained)
+        exported = first.engine.export()
+        saved = {(tuple(first.inserted[v][p][0]), j): rows.tokens[p * N + j, :rows.lengths[p * N + j]]
+                 for v, rows in zip(exported.generations, exported.rows) for p in np.flatnonzero(rows.live)
+                 for j in range(N) if rows.lengths[p * N + j]}
+        capsys.readouterr()
+        history, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 5, pool,
+                                    trained)
+        out = capsys.readouterr().out
+        whole = []  # the run never stopped
+        _train(config.copy_and_resolve_references(), model, batches, tmp_path / "whole", 5, pool, whole)
+    for (step, batch, *_), (_, reference, *_) in zip(trained, whole):
+        for name in ("input_ids", "response_mask"):
+            np.testing.assert_array_equal(batch[name], reference[name], err_msg=f"step {step} {name}")
+    assert re.search(rf"resumed {len(saved)} rows in flight \({sum(map(len, saved.values())):,} tokens, "
+                     rf"{exported.running} in decode slots\): their K/V recomputed with step 2's weights",
+                     out), out
+    assert exported.running and max(map(len, saved.values())) >= 2  # some rows were mid-response at the stop
     assert [step for step, *_ in trained] == [1, 2, 3, 4, 5]
-    counts = collections.Counter()
-    for _, batch, *_ in trained:
+    counts, responses = collections.Counter(), {}
+    for step, batch, *_ in trained:
         R = batch["response_mask"].shape[1]
         for g in range(PROMPTS):
             prompt = tuple(int(t) for t in batch["input_ids"][g * N, :-R] if t)  # left padding is 0
             counts[prompt] += 1
+            for j in range(N):
+                row = g * N + j
+                responses[prompt, j] = batch["input_ids"][row, -R:][:int(batch["response_mask"][row].sum())]
     assert max(counts.values()) == 1, counts  # no prompt trained twice
     drawn = {tuple(p) for b in batches[:source.source.next_index] for p in b.prompt_ids}
     held = {tuple(p) for p, _, _ in source.queued} | {tuple(source.inserted[v][p][0]) for v in source.live
                                                       for p in source.live[v]}
     assert drawn == set(counts) | held and not set(counts) & held
+    # a saved row goes on to be trained with its tokens as a prefix, unless its prompt was later dropped as
+    # stale (max_staleness 1) and sampled afresh
+    went_on = {key for key, tokens in saved.items() if key in responses
+               and np.array_equal(responses[key][:len(tokens)], tokens)}
+    not_on = {prompt for prompt, _ in set(saved) - went_on}
+    assert len(went_on) >= len(saved) // 2 and len(not_on) <= sum(h["carry_over_dropped"] for h in history), (
+        len(went_on), len(saved), not_on)
+    assert len({h["compilations"] for h in history}) == 1  # the resumed session: nothing compiled after its step 1
 
 
 @pytest.mark.slow(seconds=45)
 def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(setup, tmp_path, monkeypatch):
     """train.precompile: ``StepPrograms.compile`` lists carry-over's sampler (its init, insert, chunk and
-    harvest programs, lowered on abstract arguments; XLA's memory read with the state and parameters
-    among the arguments; the state, as a real call leaves it, counted beside every later program) and traces the four (max_staleness 2: programs no other test compiled);
-    step 1's call then traces and compiles none of them."""
+    harvest programs and a resume's restore and reseat, lowered on abstract arguments; XLA's memory read
+    with the state and parameters among the arguments; the state, as a real call leaves it, counted beside
+    every later program) and traces the six (max_staleness 2: programs no other test compiled); step 1's
+    call then traces and compiles none of them."""
     mesh, model, config, batches = setup
     config = config.copy_and_resolve_references()
     config.rollout.max_staleness, config.train.precompile = 2, True
@@ -190,5 +226,5 @@ def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(s
         f"{3 * 2 * PROMPTS * N} rows in 4 decode slots"), sampler
     params = memory_check.per_device_bytes(nnx.state(model))
     assert sampler[0].argument > params and sampler[0].peak >= sampler[0].argument and not sampler[0].error
-    assert calls[0][0] - before == 4  # the warm-up traced init, insert, chunk and harvest
+    assert calls[0][0] - before == 6  # the warm-up traced init, insert, chunk, harvest, restore and reseat
     assert [(end - start, events) for start, end, events in calls] == [(0, 0)]

@@ -10,8 +10,9 @@ trainer's own (training/step_programs.py ``StepPrograms.programs``, the list the
 compiles before step 1):
 
     sampler  the sampler for the largest prompt bucket, prompts_per_step / rollout.micro_batches prompts
-             (rollout.carry_over: the carry-over engine's four programs, 2 x prompts_per_step prompts a
-             call, its state of max_staleness + 1 generations' rows and page pool)
+             (rollout.carry_over: the carry-over engine's six programs, a call's four and a resume's
+             two, 2 x prompts_per_step prompts a call, its state of max_staleness + 1 generations'
+             rows and page pool)
     pi_old   pi_old for the largest (prompt bucket, response bucket)
     update   the actor's update on the abstract update batch of that bucket pair
 

@@ -26,17 +26,30 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
 
 The K/V of every token stays where it was written, computed by the weights of the call that wrote
 it (the prompt's by its insert call's; a token's by the call whose decode step fed it, that is the
-version of the token after it); nothing is recomputed. Token t of row (i, j) of the prompts
-inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
+version of the token after it); nothing is recomputed, but on a resume:
+
+    export   (host) the rows in flight after a call: each generation with a live prompt, its rows'
+             tokens, log-probs, versions, lengths, stop flags, budgets and keys, and the row each slot
+             holds (``InFlightRows``; no K/V)
+    restore  (a resume's program a generation) its prompts prefilled with the current weights into its
+             region, its rows' outputs as exported
+    reseat   (a resume's last program) the rows that held slots back in them, each admitted as a
+             refill admits it, then its tokens 0 .. length - 2 fed through the store's ``attend`` one
+             position a step (the decode step's K/V write): their K/V recomputed with the current
+             weights, the slots as a decode step leaves them (next token ``length``, last token fed
+             next), so the next call goes on as the engine that exported them would.
+
+Token t of row (i, j) of the prompts inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
 as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
 the rows equal ``engine.sample``'s of the same prompts and key.
 
 One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
 over the call's arrays as ``engine.sample``'s one-queue path does.
 
-``CarryOverSampler.lower`` lowers the four programs on abstract arguments, as ``engine.lower_sample``
-the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a real call then finds
-them compiled) and reads XLA's memory of them; tools/plan_memory.py compiles them for a slice.
+``CarryOverSampler.lower`` lowers the four programs and a resume's two on abstract arguments, as
+``engine.lower_sample`` the ordinary sampler's: the trainer's warm-up compiles them before step 1 (a
+real call, or a resume, then finds them compiled) and reads XLA's memory of them;
+tools/plan_memory.py compiles them for a slice.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pacs_jax import distributed
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.engine import EngineSpec, PAD_ID, run_chunks, stop_id_array, _device_bytes, _prefill, _results
@@ -257,6 +271,32 @@ def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, 
                       jnp.zeros((G * P,), bool))
 
 
+def _put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryOverSpec, g: jax.Array,
+                    version: jax.Array, inputs, rows: decode.Outputs, versions: jax.Array, first_tokens: jax.Array,
+                    row_keys: jax.Array, live: jax.Array) -> tuple[CarryState, object, decode.Outputs]:
+    """Region g takes the generation inserted at ``version``: its prompts' pages from the prefill
+    (``inputs``, ``engine.QueueInputs``: its K/V [L, P, K, T, Dh], budgets [P n]), its rows' outputs
+    (``rows``: [P n, N] / [P n]), versions [P n, N], token 0 [P n], key data [P n, k], live prompts
+    [P] -> (state, the pool's state kv, the outputs of all R rows)."""
+    P, n = spec.prompts, spec.engine.n
+    put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
+                                                                  g * part.shape[0], axis=0)
+    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
+    at = g * P * spec.prompt_pages
+    kv = kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
+                     v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
+    lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
+    outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(outputs, rows)))
+    state = state._replace(
+        versions=put(state.versions, versions), call_start=outputs.lengths,
+        first_tokens=put(state.first_tokens, first_tokens), budgets=put(state.budgets, inputs.budgets),
+        row_keys=put(state.row_keys, row_keys),
+        promise=put(state.promise, row_promise(lengths, inputs.budgets, n, spec.engine.page_size)),
+        prompt_lengths=put(state.prompt_lengths, lengths), inserted=state.inserted.at[g].set(version),
+        live=put(state.live, live))
+    return state, kv, outputs
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
 def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
                     prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, selection: Selection,
@@ -282,23 +322,10 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     carried = jnp.sum(jnp.repeat(state.live, n) & ~region(rows, P * n) & ~_finished(state, old.outputs),
                       dtype=jnp.int32)
 
-    # The new generation into region g.
-    put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
-                                                                  g * part.shape[0], axis=0)
-    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
-    at = g * P * spec.prompt_pages
-    kv = kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
-                     v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
-    lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
     first = decode.first_outputs(inputs.real, inputs.first_tokens, inputs.first_logp, stop_ids, N, PAD_ID)
-    outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(old.outputs, first)))
-    state = state._replace(
-        versions=put(state.versions, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version)),
-        call_start=outputs.lengths, first_tokens=put(state.first_tokens, inputs.first_tokens),
-        budgets=put(state.budgets, inputs.budgets), row_keys=put(state.row_keys, jax.random.key_data(inputs.row_keys)),
-        promise=put(state.promise, row_promise(lengths, inputs.budgets, n, spec.engine.page_size)),
-        prompt_lengths=put(state.prompt_lengths, lengths), inserted=state.inserted.at[g].set(version),
-        live=put(state.live, jnp.any(prompt_mask != 0, axis=-1)))
+    state, kv, outputs = _put_generation(
+        state, kv, old.outputs, spec, g, version, inputs, first, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version),
+        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(prompt_mask != 0, axis=-1))
 
     # The queue: rows waiting (live, not ended, in no slot), oldest generation first, in row order.
     in_slot = jnp.zeros((R,), bool).at[slots.row].set(True, mode="drop")
@@ -371,13 +398,118 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
     return _pinned(state, shardings), result
 
 
+class SavedRows(NamedTuple):
+    """One generation's rows as exported (``InFlightRows``), the arguments of the restore program.
+
+    tokens, logprobs, versions: [P n, N] (int32, float32, int32; PAD_ID / 0 / 0 past a row's length)
+    lengths:  [P n] int32, tokens made so far
+    stopped:  [P n] bool
+    budgets:  [P n] int32
+    row_keys: [P n, k] uint32, each row's key data
+    live:     [P] bool, the prompts neither returned nor dropped
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    versions: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    budgets: jax.Array
+    row_keys: jax.Array
+    live: jax.Array
+
+
+class InFlightRows(NamedTuple):
+    """What a resume needs of the rows in flight after a call, on the host (numpy; every process the
+    same): ``CarryOverSampler.export`` -> ``CarryOverSampler.resume``. Their K/V is not in it: a
+    resume recomputes it with the weights it is given.
+
+    version:     the version of the call after which they were exported
+    generations: the versions whose prompt batches still hold live prompts, oldest first
+    rows:        one ``SavedRows`` of numpy arrays a generation (the rows of its prompts not live
+                 emptied: length 0)
+    slots:       [C] int32, the row each decode slot held (-1: idle)
+    """
+
+    version: int
+    generations: tuple[int, ...]
+    rows: tuple[SavedRows, ...]
+    slots: np.ndarray
+
+    @property
+    def running(self) -> int:
+        """Rows in decode slots (their K/V is what a resume recomputes)."""
+        return int(np.sum(self.slots >= 0))
+
+    @property
+    def tokens(self) -> int:
+        """Tokens sampled so far by the rows in flight."""
+        return int(sum(rows.lengths.sum() for rows in self.rows))
+
+    @property
+    def row_count(self) -> int:
+        """Rows in flight: rows of live prompts with a token."""
+        return int(sum(np.sum(rows.lengths > 0) for rows in self.rows))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+def _restore_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
+                     prompt_mask: jax.Array, selection: Selection, stop_ids: jax.Array, version: jax.Array,
+                     saved: SavedRows, *, spec: CarryOverSpec, shardings: tuple | None) -> tuple[nnx.State, CarryState]:
+    """A resume's program for each generation in flight (oldest first): its prompts [P, T] prefilled with
+    ``params`` into region ``version mod G`` (their K/V recomputed), its rows' outputs, versions,
+    budgets and keys as ``saved`` holds them (token 0 as sampled then, not the prefill's). No slot
+    takes a row. Returns (the decode layout, the state)."""
+    _traced()
+    key = jax.random.wrap_key_data(saved.row_keys[0])  # the prefill's token 0 is not kept: any key
+    model, inputs, _, _ = _prefill(graphdef, params, prompt_tokens, prompt_mask, saved.budgets, key, selection,
+                                   stop_ids, spec.engine, ())
+    g = jnp.mod(version, spec.generations)
+    rows = decode.Outputs(saved.tokens, saved.logprobs, saved.lengths, saved.stopped)
+    state, kv, outputs = _put_generation(state, state.decode.kv, state.decode.outputs, spec, g, version, inputs, rows,
+                                         saved.versions, saved.tokens[:, 0], saved.row_keys, saved.live)
+    state = state._replace(decode=state.decode._replace(kv=kv, outputs=outputs))
+    return nnx.state(model), _pinned(state, shardings)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+def _reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, slot_rows: jax.Array, *,
+                    spec: CarryOverSpec, shardings: tuple | None) -> CarryState:
+    """A resume's last program: the rows that held decode slots back in the same slots (slot_rows [C]
+    int32, R: idle), each admitted as a refill admits it (its first page, its prompt's partly filled
+    page copied in, its promise), then its tokens 0 .. length - 2 fed one position a step through the
+    store's ``attend`` with the decode layout ``layout``, as the decode steps fed them: their K/V
+    recomputed with these weights into pages of their own; each slot's next token is its row's
+    token ``length``, its last the row's last token."""
+    _traced()
+    R, n = spec.rows, spec.engine.n
+    model, store, outputs = nnx.merge(graphdef, layout), _store(state, spec), state.decode.outputs
+    take = slot_rows < R
+    r = jnp.minimum(slot_rows, R - 1)
+    kv = store.admit(state.decode.kv, take, slot_rows, r // n)
+    target = jnp.where(take, outputs.lengths[r], 1)  # [C]: a slot's t once its tokens are fed
+    positions = lambda t: state.prompt_lengths[r // n] + t - 1
+    token = lambda t: jnp.take_along_axis(outputs.tokens[r], (t - 1)[:, None], axis=1)[:, 0]
+
+    def feed(carry):
+        kv, t = carry
+        busy = t < target
+        _, kv = store.attend(model, kv, token(t), positions(t), t, busy)
+        return kv, jnp.where(busy, t + 1, t)
+
+    ones = jnp.ones_like(slot_rows)
+    kv, t = jax.lax.while_loop(lambda carry: jnp.any(carry[1] < target), feed, (kv, ones))
+    slots = decode.Slots(jnp.where(take, slot_rows, R), jnp.where(take, t, 0), jnp.where(take, token(t), 0))
+    return _pinned(state._replace(decode=state.decode._replace(slots=slots, kv=kv)), shardings)
+
+
 @dataclasses.dataclass(frozen=True)
 class CarryOverCompiled:
-    """The four compiled programs (init, insert, chunk, harvest), read as one: ``as_text()`` their HLO,
-    ``memory_analysis()`` that of the fullest. The ``CarryState`` is an argument (init: the result)
-    of each, so it is counted in all; the parameters are counted among the arguments of the chunk
-    and harvest programs too (``parameter_bytes`` per device), which run while they stay on the
-    device without taking them."""
+    """The six compiled programs (init, insert, chunk, harvest; a resume's restore and reseat), read as
+    one: ``as_text()`` their HLO, ``memory_analysis()`` that of the fullest. The ``CarryState`` is an
+    argument (init: the result) of each, so it is counted in all; the parameters are counted among the
+    arguments of the chunk, harvest and reseat programs too (``parameter_bytes`` per device), which run
+    while they stay on the device without taking them."""
 
     programs: tuple[jax.stages.Compiled, ...]
     parameter_bytes: int
@@ -394,7 +526,8 @@ class CarryOverCompiled:
                                          output_size_in_bytes=mem.output_size_in_bytes,
                                          alias_size_in_bytes=mem.alias_size_in_bytes,
                                          temp_size_in_bytes=mem.temp_size_in_bytes, peak_memory_in_bytes=peak + extra)
-        outside = (0, 0, self.parameter_bytes, self.parameter_bytes)  # init and insert take the parameters
+        # init, insert and restore take the parameters; chunk, harvest and reseat run beside them
+        outside = (0, 0, self.parameter_bytes, self.parameter_bytes, 0, self.parameter_bytes)
         return max((counted(p.memory_analysis(), extra) for p, extra in zip(self.programs, outside)),
                    key=lambda mem: mem.peak_memory_in_bytes)
 
@@ -402,10 +535,11 @@ class CarryOverCompiled:
 @dataclasses.dataclass(frozen=True)
 class CarryOverLowered:
     """The init program lowered on abstract arguments (``CarryOverSampler.lower``) and the abstract
-    arguments of the others: ``compile()`` compiles it, then insert, chunk and harvest on the
-    abstract results of the one before (their shapes and the shardings the compiled programs give
-    them, as a real call's arrays come), the state pinned to the init program's shardings as
-    ``CarryOverSampler.step`` pins it, so a real call with these shapes finds all four compiled."""
+    arguments of the others: ``compile()`` compiles it, then insert, chunk, harvest, restore and
+    reseat on the abstract results of the one before (their shapes and the shardings the compiled
+    programs give them, as a real call's arrays come), the state pinned to the init program's
+    shardings as ``CarryOverSampler.step`` pins it, so a real call (or a resume) with these shapes
+    finds all six compiled. saved: a generation's ``SavedRows``, slot_rows [C] (a resume's)."""
 
     init: jax.stages.Lowered
     graphdef: nnx.GraphDef
@@ -417,6 +551,8 @@ class CarryOverLowered:
     selection: Selection
     stop_ids: jax.ShapeDtypeStruct
     version: jax.ShapeDtypeStruct
+    saved: SavedRows
+    slot_rows: jax.ShapeDtypeStruct
     spec: CarryOverSpec
 
     def compile(self) -> CarryOverCompiled:
@@ -432,7 +568,13 @@ class CarryOverLowered:
         chunk = chunk_lowered.compile()
         state = _results(chunk_lowered, chunk)[0]
         harvest = _harvest_program.lower(state, self.version, dropped, dropped_version, carried, **pinned).compile()
-        return CarryOverCompiled((init, insert, chunk, harvest), _device_bytes(self.params))
+        restore_lowered = _restore_program.lower(self.graphdef, self.params, state, self.prompt_tokens,
+                                                 self.prompt_mask, self.selection, self.stop_ids, self.version,
+                                                 self.saved, **pinned)
+        restore = restore_lowered.compile()
+        layout, state = _results(restore_lowered, restore)
+        reseat = _reseat_program.lower(self.graphdef, layout, state, self.slot_rows, **pinned).compile()
+        return CarryOverCompiled((init, insert, chunk, harvest, restore, reseat), _device_bytes(self.params))
 
 
 def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: int, groups: int,
@@ -463,6 +605,8 @@ class CarryOverSampler:
 
     sampler = CarryOverSampler(graphdef, settings, prompts=P, prompt_length=T, groups=B, max_staleness=1)
     rows = sampler.step(params, version, prompt_tokens, prompt_mask, key)  # B groups, ``CarryOverRows``
+    saved = sampler.export()                  # the rows in flight, host arrays (a checkpoint's)
+    fresh.resume(params, saved, prompts)      # another sampler goes on with them, K/V recomputed
 
     One call a version: ``version`` goes up by 1 from call to call (a generation lives G calls).
     Every call has the same shapes (P, T, the settings), so only the first compiles.
@@ -479,17 +623,74 @@ class CarryOverSampler:
         self._version: int | None = None
 
     def reset(self) -> None:
-        """Forget the rows in flight: the next call starts from an empty state, at any version (a resume)."""
+        """Forget the rows in flight: the next call starts from an empty state, at any version."""
         self._state, self._version = None, None
+
+    def export(self) -> InFlightRows | None:
+        """The rows in flight after the last call, on the host (None before any call): every generation
+        with a live prompt, oldest first, its rows' tokens, log-probs, versions, lengths, stop flags,
+        budgets and keys (the rows of prompts not live emptied), and the row each slot holds. A
+        transfer of the state's [R, N] outputs from the device (``distributed.to_host``)."""
+        if self._state is None:
+            return None
+        state = self._state
+        G, P, n, R = self.spec.generations, self.spec.prompts, self.settings.n, self.spec.rows
+        outputs = state.decode.outputs
+        (tokens, logprobs, lengths, stopped, versions, budgets, row_keys, inserted, live, slots) = distributed.to_host(
+            (outputs.tokens, outputs.logprobs, outputs.lengths, outputs.stopped, state.versions, state.budgets,
+             state.row_keys, state.inserted, state.live, state.decode.slots.row))
+        live = live.reshape(G, P)
+        regions = sorted((int(inserted[g]), g) for g in range(G) if inserted[g] >= 0 and live[g].any())
+        saved = []
+        for _, g in regions:
+            rows = slice(g * P * n, (g + 1) * P * n)
+            kept = np.repeat(live[g], n)  # [P n]
+            inside = np.arange(self.settings.max_new_tokens)[None, :] < np.where(kept, lengths[rows], 0)[:, None]
+            saved.append(SavedRows(np.where(inside, tokens[rows], PAD_ID).astype(np.int32),
+                                   np.where(inside, logprobs[rows], 0.0).astype(np.float32),
+                                   np.where(inside, versions[rows], 0).astype(np.int32),
+                                   np.where(kept, lengths[rows], 0).astype(np.int32), kept & stopped[rows],
+                                   budgets[rows].astype(np.int32), row_keys[rows].astype(np.uint32), live[g].copy()))
+        in_flight = np.isin(slots // (P * n), [g for _, g in regions]) & (slots < R)
+        return InFlightRows(self._version, tuple(v for v, _ in regions), tuple(saved),
+                            np.where(in_flight, slots, -1).astype(np.int32))
+
+    def resume(self, params: nnx.State, rows: InFlightRows, prompts) -> None:
+        """Continue the rows in flight that ``export`` gave (a checkpoint's), with ``params``: for each of
+        its generations (prompts: (tokens [P, T], mask [P, T]) a generation, as its call had them) the
+        prompts prefilled again and the rows' outputs put back, then the rows that held slots back in
+        them, the K/V of their tokens recomputed with ``params`` (``_reseat_program``). The next call is
+        version ``rows.version`` + 1; its rows continue as the engine that exported them would (the
+        same tokens where the recomputed K/V gives the same logits). The programs are compiled by
+        ``lower(...).compile()`` (the warm-up) with the shapes of a call."""
+        if len(prompts) != len(rows.generations):
+            raise ValueError(f"{len(prompts)} prompt batches for {len(rows.generations)} generations in flight")
+        self.reset()
+        spec, settings = self.spec, self.settings
+        key = jax.device_put(jax.random.key(0), replicated())  # the init program's: only the keys' shape is read
+        state = _init_program(self.graphdef, params, key, spec=spec)
+        self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(state))
+        pinned = dict(spec=spec, shardings=self._shardings)
+        selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
+        stop_ids = stop_id_array(settings.stop_token_ids)
+        layout = None
+        for version, saved, (tokens, mask) in zip(rows.generations, rows.rows, prompts):
+            layout, state = _restore_program(self.graphdef, params, state, tokens, mask, selection, stop_ids,
+                                             np.int32(version), saved, **pinned)
+        if layout is not None:
+            state = _reseat_program(self.graphdef, layout, state,
+                                    np.where(rows.slots >= 0, rows.slots, spec.rows).astype(np.int32), **pinned)
+        self._state, self._version = state, rows.version
 
     def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct
               ) -> CarryOverLowered:
-        """The four programs lowered for abstract arguments: params (``nnx.split``'s state, arrays or
-        ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T] (with the shardings a call's
-        come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
-        made: the key (replicated), the budgets, the version, temperature, top_p and stop ids are
-        abstract, the unsharded ones like the host arrays ``step`` passes, so the programs can be
-        compiled for devices this process cannot use and are the ones a call runs."""
+        """The six programs (a call's four, a resume's two) lowered for abstract arguments: params
+        (``nnx.split``'s state, arrays or ``jax.ShapeDtypeStruct``s with shardings) and prompts [P, T]
+        (with the shardings a call's come with); ``.compile()`` them ahead of time (warm-up, memory planning). Nothing concrete is
+        made: the key (replicated), the budgets, the version, temperature, top_p, stop ids and a
+        resume's saved rows are abstract, the unsharded ones like the host arrays ``step`` and
+        ``resume`` pass, so the programs can be compiled for devices this process cannot use and are
+        the ones a call runs."""
         spec, settings = self.spec, self.settings
         if prompt_tokens.shape != (spec.prompts, spec.prompt_length) or prompt_mask.shape != prompt_tokens.shape:
             raise ValueError(f"prompt_tokens {prompt_tokens.shape} and prompt_mask {prompt_mask.shape} must both be "
@@ -497,11 +698,18 @@ class CarryOverSampler:
         typed_key = jax.eval_shape(jax.random.key, 0)
         key = jax.ShapeDtypeStruct(typed_key.shape, typed_key.dtype, sharding=replicated())
         scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+        Q, N = spec.prompts * settings.n, settings.max_new_tokens
+        k = jax.eval_shape(jax.random.key_data, typed_key).shape
+        saved = SavedRows(jax.ShapeDtypeStruct((Q, N), jnp.int32), jax.ShapeDtypeStruct((Q, N), jnp.float32),
+                          jax.ShapeDtypeStruct((Q, N), jnp.int32), jax.ShapeDtypeStruct((Q,), jnp.int32),
+                          jax.ShapeDtypeStruct((Q,), bool), jax.ShapeDtypeStruct((Q,), jnp.int32),
+                          jax.ShapeDtypeStruct((Q, *k), jnp.uint32), jax.ShapeDtypeStruct((spec.prompts,), bool))
         return CarryOverLowered(
             _init_program.lower(self.graphdef, params, key, spec=spec), self.graphdef, params, prompt_tokens,
-            prompt_mask, jax.ShapeDtypeStruct((spec.prompts * settings.n,), jnp.int32), key,
+            prompt_mask, jax.ShapeDtypeStruct((Q,), jnp.int32), key,
             Selection(scalar(jnp.float32), scalar(jnp.float32), settings.top_k),
-            jax.ShapeDtypeStruct(stop_id_array(settings.stop_token_ids).shape, jnp.int32), scalar(jnp.int32), spec)
+            jax.ShapeDtypeStruct(stop_id_array(settings.stop_token_ids).shape, jnp.int32), scalar(jnp.int32), saved,
+            jax.ShapeDtypeStruct((settings.slots,), jnp.int32), spec)
 
     def step(self, params: nnx.State, version: int, prompt_tokens, prompt_mask, key: jax.Array, budgets=None, *,
              wait: Callable[[jax.Array, CarryOverProgress | None], None] | None = None) -> CarryOverRows:

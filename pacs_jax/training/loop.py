@@ -9,7 +9,9 @@
         -> metrics; checkpoint every k steps and on SIGTERM / SIGINT          checkpoints.py, training/signals.py
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
-every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done.
+every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done (with
+carry-over, the state holds the rows in flight too, and a resume puts them back into the engine with
+their K/V recomputed before its first step: training/carry_over.py).
 A step's phases write progress lines and are where a stop signal ends an unfinished step
 (training/progress.py): one process drops the step under way if the signal comes before its update
 begins (the previous step's checkpoint is written if it was not; a resume runs the step again with
@@ -171,6 +173,10 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+    if carry is not None and start < tc.steps:  # the checkpoint's rows in flight back into the engine
+        line = carry.resume(params, start)
+        if line and primary:
+            print(line, flush=True)
     write = logger.write if primary else lambda line: None
     watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
     # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,

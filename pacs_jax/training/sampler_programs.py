@@ -105,8 +105,8 @@ class SamplerPrograms:
 
     def programs(self, largest_only: bool = False) -> list[Program]:
         """The engine's programs, for every bucket (``largest_only``: the largest prompt and response
-        buckets), in the order a step runs them: sampler (carry-over: its four programs, at the largest
-        prompt bucket only), select_groups (dynamic sampling), assemble (packed: once, at the passes'
+        buckets), in the order a step runs them: sampler (carry-over: its six programs, a call's four and a
+        resume's two, at the largest prompt bucket only), select_groups (dynamic sampling), assemble (packed: once, at the passes'
         padded width)."""
         P, n, K = self.num_prompts, self.n, self.sampler_calls
         B, rows = P * n, self.abstract_rows
