@@ -45,6 +45,8 @@ from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, ScoredBatch, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.rl import filter_groups
+from pacs_jax.rl.packing import PackedPlanArrays
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.training import dynamic_sampling, rollout_consistency
 from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.dynamic_sampling import CallRows
@@ -61,11 +63,10 @@ REWARD_DEADLINE_RETRIES = 1  # rounds with a fresh reward deadline for what the 
 class Rollout:
     """One step's rollout: the update batch (global device arrays) and what the host saw."""
 
-    batch: dict[str, jax.Array]  # input_ids, attention_mask [B, P+R]; response_mask, old_logp [B, R]; rewards [B];
-    #                              packed: the update's plan arrays (rl/packing.py PACKING_KEYS)
+    batch: UpdateBatch  # with rewards [B]; packed: with the update's plan
     rewards: np.ndarray  # [B] every row's reward (the same on every process)
     metrics: dict[str, float]  # over all rows of all processes
-    packing: dict[str, dict[str, jax.Array]] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
+    packing: dict[str, PackedPlanArrays] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
     #                              plans ("logprob": the values, "critic": its update), when packed
 
 
@@ -239,7 +240,7 @@ class RolloutCollector:
                            np.repeat([len(p) for p in prompt_ids], programs.sampler.n), lengths, stopped, prompt_bucket, R,
                            decode_steps, slot_steps, rows, local_tokens[:, :R])
 
-    def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[dict[str, jax.Array], list[jax.Array], dict,
+    def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[UpdateBatch, list[jax.Array], dict,
                                                                           dict]:
         """Dispatch pi_old's passes on a ``sample`` result (asynchronous): (update batch without
         rewards, the mean entropy of the responses after each pass (the last: all of them), the passes'
@@ -259,11 +260,11 @@ class RolloutCollector:
                 batch, entropy = programs.learner.pi_old(state, *args)
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
         plans = programs.learner.packing_plans(sampled.prompt_lengths, sampled.lengths)
-        on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
+        on_device = {name: jax.tree.map(self._put, plan.arrays()) for name, plan in plans.items()}
         (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
         if not bypass:
             batch, entropy = programs.learner.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
-        batch = {**batch, **on_device.pop("update")}
+        batch = batch.replace(packing=on_device.pop("update"))
         computed = plans["logprob"].tokens_computed * ((passes - bypass) // 2) + plans["update"].tokens_computed
         if "critic" in plans:
             computed += plans["critic"].tokens_computed
@@ -311,12 +312,13 @@ class RolloutCollector:
         t0 = time.perf_counter()
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)  # on the device while the host scores
         mismatch = ({} if self.programs.learner.bypass is not None else  # bypass: no pi_old to compare with
-                    self.programs.learner.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"],
-                                                      batch["response_mask"]))
+                    self.programs.learner.rollout_consistency(sampled.sampler_logprobs, batch.old_logp,
+                                                      batch.response_mask))
         correction = {}
         if self.programs.learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
-            batch["rollout_is_weights"], batch["response_mask"], correction = self.programs.learner.rollout_correction(
-                sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
+            weights, response_mask, correction = self.programs.learner.rollout_correction(
+                sampled.sampler_logprobs, batch.old_logp, batch.response_mask)
+            batch = batch.replace(rollout_is_weights=weights, response_mask=response_mask)
         if not self.filter_groups.enable:
             scored = self.score(sampled, watch)
         times["time_reward"] += time.perf_counter() - t0
@@ -333,7 +335,7 @@ class RolloutCollector:
         if not self.filter_groups.enable:  # after pi_old: several processes' collective waits for it on the device
             scores = self.gather(sampled, scored)
 
-        batch["rewards"] = self._put(scores.rewards)
+        batch = batch.replace(rewards=self._put(scores.rewards))
         rewards, lengths = scores.rewards, sampled.lengths
         reward_metrics = score_metrics(rewards, scores.statuses, restarts=scores.restarts, seconds=scores.seconds)
         reward_metrics["deadline_retried"] = float(scores.deadline_retried)
