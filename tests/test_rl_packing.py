@@ -295,7 +295,8 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape, 
         assert plan.passes[0] > 1
         put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
         batch = UpdateBatch(input_ids=put(rows["ids"]), attention_mask=put(rows["mask"]),
-                            response_mask=put(rows["rmask"]), old_logp=put(rows["old_logp"]), rewards=put(rows["rewards"]))
+                            response_mask=put(rows["rmask"]), old_logp=put(rows["old_logp"]),
+                            rewards=put(rows["rewards"]))
         advantages = (np.random.RandomState(3).randn(B, rows["R"]) * rows["rmask"]).astype(np.float32)
         with_advantages = batch.replace(advantages=put(advantages))  # PPO's actor: per-token GAE advantages
         weights = np.random.RandomState(5).uniform(0.0, 2.0, (B, rows["R"])) * rows["rmask"]
@@ -338,7 +339,8 @@ def test_critic_update_packed_equals_padded(step_rows, mesh_shape):
         plan = _plan(rows["prompts"], rows["responses"], P=rows["P"], R=R, Lp=rows["P"] + R, M=1, K=2, unit=1,
                      S=packing.shards_for(B // 2))
         put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
-        batch = CriticBatch(input_ids=put(rows["ids"]), attention_mask=put(rows["mask"]), response_mask=put(rows["rmask"]),
+        batch = CriticBatch(input_ids=put(rows["ids"]), attention_mask=put(rows["mask"]),
+                            response_mask=put(rows["rmask"]),
                             old_values=put((rs.randn(B, R) * live).astype(np.float32)),
                             returns=put((rs.randn(B, R) * live).astype(np.float32)))
         packed = batch.replace(packing=jax.tree.map(put, plan.arrays()))

@@ -345,12 +345,24 @@ def _queue_spec(spec: EngineSpec, axes: tuple[str, ...]) -> EngineSpec:
     return spec.per_queue(_shards(axes)) if axes else spec
 
 
+class Started(NamedTuple):
+    """What the sampler's start program (``_start_program``) gives the chunk and finish programs; the
+    per-queue parts stacked on a leading queue axis when the batch shards run their own queues."""
+
+    layout: nnx.State  # the model's state in the decode layout
+    queue: decode.Queue  # each queue's rows waiting for a slot
+    store: object  # each queue's K/V store, its carried arrays (``KVStore.carried``)
+    loop: WidthLoop  # each queue's decode state before its first decode step (donated to the chunks)
+    origin: jax.Array  # [Q] int32: the call's row i*n + j of each queue position's row
+    prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
 def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                   budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *, spec: EngineSpec):
+                   budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *,
+                   spec: EngineSpec) -> Started:
     """The sampler's first program: the prefill, then each queue's rows, K/V store and decode state
-    before its first decode step. Returns (the decode layout, queue, store, loops (stacked per queue
-    when the batch shards run their own), origin [Q], prefill tokens [])."""
+    before its first decode step."""
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
@@ -367,7 +379,7 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     layout = nnx.state(model)
     queue, store, loop = _on_queues(per_queue, axes, (layout,), (inputs,), split_in=(
         QueueInputs(cache_split, split, split, split, split, split, split, whole),))
-    return layout, queue, store, loop, origin, prefill_tokens
+    return Started(layout, queue, store, loop, origin, prefill_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "loop_shardings"),
@@ -520,11 +532,12 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     """
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
-    layout, queue, store, loop, origin, prefill_tokens = _start_program(graphdef, state, *args, spec=spec)
-    loop_shardings = _carry_shardings(loop, axes)
-    loop = run_chunks(lambda loop: _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes,
-                                                  loop_shardings=loop_shardings), loop, DecodeProgress.read, wait)
-    return _finish_program(store, loop, origin, prefill_tokens, spec=spec, axes=axes)
+    started = _start_program(graphdef, state, *args, spec=spec)
+    loop_shardings = _carry_shardings(started.loop, axes)
+    loop = run_chunks(lambda loop: _chunk_program(graphdef, started.layout, started.queue, started.store, args[4], loop,
+                                                  spec=spec, axes=axes, loop_shardings=loop_shardings),
+                      started.loop, DecodeProgress.read, wait)
+    return _finish_program(started.store, loop, started.origin, started.prefill_tokens, spec=spec, axes=axes)
 
 
 def run_chunks(chunk: Callable, loop, read: Callable, wait: Callable | None):
@@ -585,12 +598,14 @@ class SamplerLowered:
 
     def compile(self) -> SamplerCompiled:
         start = self.start.compile()
-        layout, queue, store, loop, origin, prefill_tokens = _results(self.start, start)
-        chunk_lowered = _chunk_program.lower(self.graphdef, layout, queue, store, self.selection, loop, spec=self.spec,
-                                             axes=self.axes, loop_shardings=_carry_shardings(loop, self.axes))
+        started = _results(self.start, start)
+        chunk_lowered = _chunk_program.lower(self.graphdef, started.layout, started.queue, started.store,
+                                             self.selection, started.loop, spec=self.spec, axes=self.axes,
+                                             loop_shardings=_carry_shardings(started.loop, self.axes))
         chunk = chunk_lowered.compile()
         loop = _results(chunk_lowered, chunk)[0]
-        finish = _finish_program.lower(store, loop, origin, prefill_tokens, spec=self.spec, axes=self.axes).compile()
+        finish = _finish_program.lower(started.store, loop, started.origin, started.prefill_tokens, spec=self.spec,
+                                       axes=self.axes).compile()
         return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
 
 

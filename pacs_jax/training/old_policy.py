@@ -36,8 +36,8 @@ class OldPolicyPasses:
     """``(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None, passes=None) ->
     (update batch without rewards, entropy_means)``: prompts [P, Tp], responses [P*n, R] -> the update
     batch (rl/update_batch.py ``UpdateBatch``: input_ids, attention_mask [P*n, Tp + R] int32;
-    response_mask, old_logp [P*n, R] float32) and, a pass, the mean entropy of the response tokens of the passes so far ([] float32 each: the
-    last one's is the step's).
+    response_mask, old_logp [P*n, R] float32) and, a pass, the mean entropy of the response tokens of
+    the passes so far ([] float32 each: the last one's is the step's).
 
     program: jitted ``(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy,
     k, packing) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp and entropy donated.

@@ -214,14 +214,14 @@ class RolloutCollector:
             watch.wait(progress, lambda: "carry-over call: " + (
                 f"{last.groups} groups complete, {last.running} rows running" if last else "insert"))
 
-        rows, (ids, golds, sources), metrics, decode_steps, slot_steps = self.carry.sample(
-            state, version, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
+        call = self.carry.sample(state, version, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
+        rows = call.rows
         lengths, stopped = distributed.to_host((rows.lengths, rows.stopped))
-        kept = PromptBatch(ids, golds, sources)
-        bucket = pick_bucket(max(len(p) for p in ids), self.programs.sampler.prompt_buckets, "a prompt")
-        sampled = self._rows(kept, (CallRows(rows.tokens, rows.logprobs, rows.lengths),), bucket, lengths, stopped,
-                             decode_steps, slot_steps)
-        return dataclasses.replace(sampled, metrics=metrics)
+        bucket = pick_bucket(max(len(p) for p in call.prompts.prompt_ids), self.programs.sampler.prompt_buckets,
+                             "a prompt")
+        sampled = self._rows(call.prompts, (CallRows(rows.tokens, rows.logprobs, rows.lengths),), bucket, lengths,
+                             stopped, call.decode_steps, call.slot_steps)
+        return dataclasses.replace(sampled, metrics=call.metrics)
 
     def _rows(self, prompts: PromptBatch, calls: tuple[CallRows, ...], prompt_bucket: int, lengths: np.ndarray,
               stopped: np.ndarray, decode_steps: int, slot_steps: int) -> SampledRows:

@@ -70,9 +70,8 @@ def mini_batch_updates(loss_and_grad: Callable, optimizer: optax.GradientTransfo
     M = num_mini_batches
 
     def step(params, opt_state, batch, k):
-        mini = jax.tree.map(
-            lambda v: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))[k],
-            batch)
+        mini = jax.tree.map(lambda v: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]),
+                                                (None, "batch") + (None,) * (v.ndim - 1))[k], batch)
         loss, metrics, grads = loss_and_grad(params, mini)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
