@@ -141,12 +141,13 @@ class RolloutCollector:
 
     def __init__(self, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str], reward_pool: RewardPool,
                  reward_name: str, reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
-                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec = FilterGroupsSpec(),
+                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec | None = None,
                  carry: CarryOverRollouts | None = None):
         self.programs, self.max_logprob_diff = programs, max_logprob_diff
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
-        self.filter_groups, self.carry = filter_groups, carry
+        self.filter_groups = filter_groups or FilterGroupsSpec.disabled()  # None: no dynamic sampling
+        self.carry = carry
 
     @classmethod
     def from_spec(cls, spec: RunSpec, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str],
