@@ -1,5 +1,5 @@
-"""The learner's batches of a training step, each one registered pytree: the actor's update batch
-(``UpdateBatch``) and PPO's critic update batch (``CriticBatch``).
+"""The learner's batches, each one registered pytree: the actor's update batch (``UpdateBatch``), PPO's
+critic update batch (``CriticBatch``) and the supervised warm-start's (``SFTBatch``).
 
 Shapes: B rows (responses; rows i*n .. i*n+n-1 answer the same prompt), P the prompt width
 (left-padded), R the response width (right-padded), L = P + R. An optional field is None when the
@@ -63,3 +63,17 @@ class CriticBatch:
     old_values: jax.Array
     returns: jax.Array
     packing: PackedPlanArrays | None = None
+
+
+@struct.dataclass
+class SFTBatch:
+    """The supervised warm-start's batch (training/warmstart.py): prompts left-padded to P tokens,
+    target responses right-padded to R.
+
+    input_ids, attention_mask  [B, P + R] int32
+    response_mask              [B, R] float32  1 on the target's tokens
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    response_mask: jax.Array

@@ -23,7 +23,7 @@ from flax import nnx
 from pacs_jax import sharding
 from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.packing import PackedPlan, PackedPlanArrays, plan_packing, plan_shape
-from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
+from pacs_jax.rl.update_batch import CriticBatch, SFTBatch, UpdateBatch
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
 from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
@@ -181,9 +181,9 @@ class LearnerPrograms:
         if with_warmstart and self.warmstart is not None:
             batch_rows, prompt, response = self.warmstart_rows
             warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, params))
-            warm_batch = {"input_ids": rows((batch_rows, prompt + response), jnp.int32),
-                          "attention_mask": rows((batch_rows, prompt + response), jnp.int32),
-                          "response_mask": rows((batch_rows, response), jnp.float32)}
+            warm_batch = SFTBatch(input_ids=rows((batch_rows, prompt + response), jnp.int32),
+                                  attention_mask=rows((batch_rows, prompt + response), jnp.int32),
+                                  response_mask=rows((batch_rows, response), jnp.float32))
             out.append(Program("warmstart", f"{batch_rows} prompts x {prompt}+{response} tokens",
                                lambda: self.warmstart.step.lower(*warm_state, warm_batch), (*warm_state, warm_batch),
                                0))  # before RL: neither RL's AdamW state nor a critic exists yet
