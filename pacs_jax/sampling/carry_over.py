@@ -276,8 +276,9 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     ``params`` into it, token 0 of their rows, the queue rebuilt and the free slots filled."""
     _traced()
     G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
-    model, inputs, _, _ = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
-                                   spec.engine, ())
+    prefilled = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine,
+                         ())
+    model, inputs = prefilled.model, prefilled.inputs
     g = jnp.mod(version, G)
     region = lambda index, size: index // size == g  # index in a [G size] array -> in region g
     rows = jnp.arange(R, dtype=jnp.int32)
