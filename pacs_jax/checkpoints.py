@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -296,6 +296,18 @@ class _Manager(ocp.CheckpointManager):
         return False
 
 
+class RestoredStep(NamedTuple):
+    """A training checkpoint restored (``TrainCheckpointer.restore``): its step, the actor's params and
+    AdamW state in the templates' shardings, its meta (JSON: step, seed, data_state) and PPO's critic
+    (params, opt_state), or None without one."""
+
+    step: int
+    params: nnx.State
+    opt_state: Any
+    meta: dict
+    critic: tuple[nnx.State, Any] | None
+
+
 class TrainCheckpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest.
 
@@ -340,9 +352,9 @@ class TrainCheckpointer:
         return True
 
     def restore(self, step: int, params: nnx.State, opt_state: Any, critic: tuple[nnx.State, Any] | None = None
-                ) -> tuple[nnx.State, Any, dict, tuple[nnx.State, Any] | None]:
+                ) -> RestoredStep:
         """Restore ``step`` into the shardings/dtypes of the given (template) params and opt_state (and
-        the critic's): (params, opt_state, meta, (critic params, critic opt_state) or None)."""
+        the critic's)."""
         self._check_critic(critic)
         items = dict(params=ocp.args.StandardRestore(abstract(flat_params(params))),
                      opt_state=ocp.args.StandardRestore(abstract(opt_state)), meta=ocp.args.JsonRestore())
@@ -352,11 +364,12 @@ class TrainCheckpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         critic_state = None if critic is None else (params_from_flat(critic[0], restored["critic_params"]),
                                                     restored["critic_opt_state"])
-        return params_from_flat(params, restored["params"]), restored["opt_state"], restored["meta"], critic_state
+        return RestoredStep(step, params_from_flat(params, restored["params"]), restored["opt_state"], restored["meta"],
+                            critic_state)
 
     def restore_latest(self, params: nnx.State, opt_state: Any, critic: tuple[nnx.State, Any] | None = None,
-                       *, warn=print) -> tuple[int, tuple] | None:
-        """Restore the newest step that restores: (step, ``restore``'s tuple), or None without steps.
+                       *, warn=print) -> RestoredStep | None:
+        """Restore the newest step that restores (``restore``), or None without steps.
 
         A step that fails to restore while an older one restores is damaged: it is moved aside to
         ``<root>/<step>.damaged`` (process 0) and ``warn`` gets a line naming it and the error.
@@ -375,7 +388,7 @@ class TrainCheckpointer:
                     for bad, why in failures:
                         warn(f"warning: checkpoint step {bad} in {self.directory} is damaged ({why}); moved it to "
                              f"{moved.get(bad, f'{bad}.damaged')} and resumed from step {step}")
-                return step, restored
+                return restored
             failures.append((step, error or "failed on another process"))
         if not failures:
             return None

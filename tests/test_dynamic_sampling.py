@@ -86,7 +86,7 @@ def test_the_step_keeps_the_first_groups_with_spread_as_the_unfiltered_sampler_d
             sampled = collector.sample(params, batches[g], key if g == 0 else jax.random.fold_in(key, g))
             tokens = np.asarray(sampled.tokens)
             rewards = np.array([_parity(tokens[r, :sampled.lengths[r]]) == "7" for r in range(len(tokens))], float)
-            old_logp = np.asarray(collector.old_policy(params, sampled)[0]["old_logp"])
+            old_logp = np.asarray(collector.old_policy(params, sampled)[0].old_logp)
             dropped += int(np.sum(rewards.reshape(-1, N).std(axis=1) == 0))
             for group in np.flatnonzero(rewards.reshape(-1, N).std(axis=1) > 0):
                 for r in range(group * N, group * N + N):
@@ -97,15 +97,15 @@ def test_the_step_keeps_the_first_groups_with_spread_as_the_unfiltered_sampler_d
     kept_rows, want_logp = kept_rows[:PROMPTS * N], want_logp[:PROMPTS * N]  # the first B groups, in draw order
 
     batch = jax.tree.map(np.asarray, rollout.batch)
-    R = batch["response_mask"].shape[1]
+    R = batch.response_mask.shape[1]
     for row, (tokens, reward, prompt) in enumerate(kept_rows):
         L = len(tokens)
-        np.testing.assert_array_equal(batch["input_ids"][row, -R:][:L], tokens, err_msg=f"row {row}")
-        assert batch["response_mask"][row].sum() == L
-        assert batch["rewards"][row] == reward == rollout.rewards[row]
-        prompt_part = batch["input_ids"][row, :-R][batch["attention_mask"][row, :-R] == 1]
+        np.testing.assert_array_equal(batch.input_ids[row, -R:][:L], tokens, err_msg=f"row {row}")
+        assert batch.response_mask[row].sum() == L
+        assert batch.rewards[row] == reward == rollout.rewards[row]
+        prompt_part = batch.input_ids[row, :-R][batch.attention_mask[row, :-R] == 1]
         np.testing.assert_array_equal(prompt_part, prompt)
-        np.testing.assert_allclose(batch["old_logp"][row, :L], want_logp[row], atol=2e-5, err_msg=f"row {row}")
+        np.testing.assert_allclose(batch.old_logp[row, :L], want_logp[row], atol=2e-5, err_msg=f"row {row}")
     assert (rollout.rewards.reshape(-1, N).std(axis=1) > 0).all()  # every kept group differs
     assert rollout.metrics["groups_all_equal"] == 0.0
     assert rollout.metrics["filtered_fraction"] == dropped / (drawn * PROMPTS) and dropped > 0

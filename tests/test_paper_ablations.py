@@ -33,6 +33,7 @@ from pacs_jax.rewards.paper import judge_paper
 from pacs_jax.rl import options_for
 from pacs_jax.rl.logprobs import response_logprobs
 from pacs_jax.rl.loss_and_grad import loss_and_grad_fn
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.training.config_check import validate_config
 from train_helpers import load_config
 
@@ -152,8 +153,8 @@ def batch(shared_data, small_tokenizer_dir):
         top = logits.max(-1, keepdims=True)
         logsumexp = top[:, 0] + np.log(np.exp(logits - top).sum(-1))
         logp64[i] = logits[np.arange(RESPONSE), np.asarray(ids[i, P:])] - logsumexp
-    update_batch = dict(input_ids=ids, attention_mask=attention, response_mask=jnp.asarray(response_mask),
-                        old_logp=jnp.asarray(old_logp), rewards=jnp.asarray(labels, jnp.float32))
+    update_batch = UpdateBatch(input_ids=ids, attention_mask=attention, response_mask=jnp.asarray(response_mask),
+                               old_logp=jnp.asarray(old_logp), rewards=jnp.asarray(labels, jnp.float32))
     # the backward pass of the log-probs, for any cotangent dL/dlogp [B, R]
     backward = jax.jit(lambda params, cotangent: jax.vjp(logp_of, params)[1](cotangent)[0])
     return dict(batch=update_batch, logp64=logp64, old_logp=old_logp, mask=response_mask,

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax import models, rl
+from pacs_jax.rl.update_batch import CriticBatch
 from test_rl_ppo import verl_critic_mini_batch_loss
 
 CFG = models.QwenConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -27,22 +28,22 @@ def critic_and_batch():
     for i in range(ROWS):
         mask[i, PROMPT - rs.randint(1, PROMPT + 1):PROMPT + rs.randint(1, RESPONSE + 1)] = 1
     values = np.asarray(models.response_values(critic, jnp.asarray(ids), jnp.asarray(mask), RESPONSE))
-    batch = dict(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
-                 old_values=(values + 0.6 * rs.randn(*values.shape)).astype(np.float32),  # some beyond the clip
-                 returns=rs.randint(0, 2, values.shape).astype(np.float32))
+    batch = CriticBatch(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
+                        old_values=(values + 0.6 * rs.randn(*values.shape)).astype(np.float32),  # some beyond the clip
+                        returns=rs.randint(0, 2, values.shape).astype(np.float32))
     return critic, batch, values
 
 
 def test_critic_loss_over_micro_batches_matches_numpy(critic_and_batch):
     critic, batch, values = critic_and_batch
     graphdef, params = nnx.split(critic)
-    critic_mask = batch["attention_mask"][:, -RESPONSE - 1:-1]  # verl's critic mask (dp_critic.py)
-    assert (critic_mask > batch["response_mask"]).any()  # the slots after responses shorter than RESPONSE
-    assert (np.abs(values - batch["old_values"])[critic_mask > 0] > 0.5).any()  # the value clip is exercised
+    critic_mask = batch.attention_mask[:, -RESPONSE - 1:-1]  # verl's critic mask (dp_critic.py)
+    assert (critic_mask > batch.response_mask).any()  # the slots after responses shorter than RESPONSE
+    assert (np.abs(values - batch.old_values)[critic_mask > 0] > 0.5).any()  # the value clip is exercised
 
     def verl(mode, micro_batch_size, rows=slice(None)):  # the authors' verl critic loss (test_rl_ppo), float64
-        return verl_critic_mini_batch_loss(values[rows], batch["old_values"][rows], batch["returns"][rows],
-                                           batch["attention_mask"][rows], mode, micro_batch_size, ranks=1)
+        return verl_critic_mini_batch_loss(values[rows], batch.old_values[rows], batch.returns[rows],
+                                           batch.attention_mask[rows], mode, micro_batch_size, ranks=1)
 
     whole = jax.jit(rl.critic_loss_and_grad_fn(graphdef))(params, batch)
     split = jax.jit(rl.critic_loss_and_grad_fn(graphdef, num_micro_batches=2))(params, batch)
@@ -68,7 +69,7 @@ def test_critic_loss_over_micro_batches_matches_numpy(critic_and_batch):
 def test_critic_batch_is_checked(critic_and_batch):
     critic, batch, _ = critic_and_batch
     graphdef, params = nnx.split(critic)
-    with pytest.raises(ValueError, match="takes exactly"):
-        rl.critic_loss_and_grad_fn(graphdef)(params, {k: v for k, v in batch.items() if k != "returns"})
+    with pytest.raises(TypeError, match="returns"):  # the typed batch names a missing array
+        CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask, batch.old_values)
     with pytest.raises(ValueError, match="num_micro_batches=3"):
         rl.critic_loss_and_grad_fn(graphdef, num_micro_batches=3)(params, batch)

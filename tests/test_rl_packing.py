@@ -20,6 +20,7 @@ from pacs_jax.models.value import ValueModel, response_values
 from pacs_jax.rl import packing
 from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.critic import micro_batched_values
+from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
 from pacs_jax.sharding import batch_sharding, make_mesh
 from pacs_jax.training.spec import RunSpec
 
@@ -52,10 +53,9 @@ def _plan(prompts, responses, *, P, R, Lp, M, K, unit, S=1, rows=0):
                                 passes=slots, unit=unit, shards=S, rows=rows)
 
 
-def one_pass(plan: dict, p: int = 0) -> dict:
+def one_pass(plan: packing.PackedPlanArrays, p: int = 0) -> packing.PassPlan:
     """Pass ``p``'s arrays of a mini-batch's plan, as ``rl.packing.run_passes`` gives them to a pass."""
-    slices = packing.pass_slices(plan)
-    return {**{k: v[p] for k, v in slices.items()}, "unpack_index": plan["unpack_index"], "row_pass": plan["row_pass"]}
+    return packing.pass_plan(plan, jnp.int32(p))
 
 
 @pytest.mark.parametrize("case", ["ragged", "exact_length", "empty_and_one", "one_group_many_rows", "batch_padding",
@@ -199,7 +199,7 @@ def _forward_and_grads(model_cls, rows):
                       rows=B // S),  # one pass of every row: the gradient below
              2: _plan(rows["prompts"], rows["responses"], P=P, R=R, Lp=P + R + 5, M=1, K=2, unit=1, S=S)}
     assert plans[1].passes == (1,) and plans[2].passes[0] > 1
-    on_device = {k: {name: put(a) for name, a in p.arrays().items()} for k, p in plans.items()}
+    on_device = {k: jax.tree.map(put, p.arrays()) for k, p in plans.items()}
     ids, mask = put(rows["ids"]), put(rows["mask"])
     live = np.arange(R)[None] <= rows["responses"][:, None] if model_cls is ValueModel else rows["rmask"] > 0
     cotangent = put((np.random.RandomState(5).randn(B, R) * live).astype(np.float32))  # masked tokens: no gradient
@@ -294,20 +294,21 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape, 
                      unit=N_GROUP, S=packing.shards_for(B // K))
         assert plan.passes[0] > 1
         put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
-        batch = {k: put(rows[v]) for k, v in (("input_ids", "ids"), ("attention_mask", "mask"), ("response_mask", "rmask"),
-                                               ("old_logp", "old_logp"), ("rewards", "rewards"))}
+        batch = UpdateBatch(input_ids=put(rows["ids"]), attention_mask=put(rows["mask"]),
+                            response_mask=put(rows["rmask"]), old_logp=put(rows["old_logp"]),
+                            rewards=put(rows["rewards"]))
         advantages = (np.random.RandomState(3).randn(B, rows["R"]) * rows["rmask"]).astype(np.float32)
-        with_advantages = dict(batch, advantages=put(advantages))  # PPO's actor: per-token GAE advantages
+        with_advantages = batch.replace(advantages=put(advantages))  # PPO's actor: per-token GAE advantages
         weights = np.random.RandomState(5).uniform(0.0, 2.0, (B, rows["R"])) * rows["rmask"]
-        with_weights = dict(batch, rollout_is_weights=put(weights.astype(np.float32)))  # the correction's
-        plan_arrays = {k: put(v) for k, v in plan.arrays().items()}
+        with_weights = batch.replace(rollout_is_weights=put(weights.astype(np.float32)))  # the correction's
+        plan_arrays = jax.tree.map(put, plan.arrays())
         fns, batches = [], []
         for name, options, *correction in objectives:
             padded = with_advantages if name == "ppo" else with_weights if correction == ["weights"] else batch
             bypass = correction[0] if correction and isinstance(correction[0], Bypass) else None
             fns.append(rl.loss_and_grad_fn(graphdef, name, group_size=N_GROUP, objective_options=options,
                                            num_micro_batches=K, bypass=bypass))
-            batches.append((padded, dict(padded, **plan_arrays)))
+            batches.append((padded, padded.replace(packing=plan_arrays)))
         results = jax.jit(lambda params, batches: [(fn(params, padded), fn(params, packed))
                                                    for fn, (padded, packed) in zip(fns, batches)])(params, batches)
         for (name, options, *_), ((la, ma, ga), (lb, mb, gb)) in zip(objectives, results, strict=True):
@@ -338,10 +339,11 @@ def test_critic_update_packed_equals_padded(step_rows, mesh_shape):
         plan = _plan(rows["prompts"], rows["responses"], P=rows["P"], R=R, Lp=rows["P"] + R, M=1, K=2, unit=1,
                      S=packing.shards_for(B // 2))
         put = lambda x: jax.device_put(jnp.asarray(x), batch_sharding(np.shape(x)))  # noqa: E731
-        batch = {"input_ids": put(rows["ids"]), "attention_mask": put(rows["mask"]), "response_mask": put(rows["rmask"]),
-                 "old_values": put((rs.randn(B, R) * live).astype(np.float32)),
-                 "returns": put((rs.randn(B, R) * live).astype(np.float32))}
-        packed = dict(batch, **{k: put(v) for k, v in plan.arrays().items()})
+        batch = CriticBatch(input_ids=put(rows["ids"]), attention_mask=put(rows["mask"]),
+                            response_mask=put(rows["rmask"]),
+                            old_values=put((rs.randn(B, R) * live).astype(np.float32)),
+                            returns=put((rs.randn(B, R) * live).astype(np.float32)))
+        packed = batch.replace(packing=jax.tree.map(put, plan.arrays()))
         fn = rl.critic.critic_loss_and_grad_fn(graphdef, num_micro_batches=2, loss_agg_mode="seq-mean-token-sum-norm",
                                                norm_length=R, loss_scale="verl", verl_micro_batch_size=8)
         both = jax.jit(lambda params, padded, packed: (fn(params, padded), fn(params, packed)))  # one program
@@ -385,7 +387,7 @@ def _train_steps(config, steps: int = 3) -> tuple[list[dict], dict]:
         for step in range(steps):
             sampled = collector.sample(params, source.next_batch(), jax.random.key(step))
             batch, entropies, _, stats = collector.old_policy(params, sampled)
-            params, opt_state, metrics = programs.learner.update(params, opt_state, dict(batch, rewards=rewards))
+            params, opt_state, metrics = programs.learner.update(params, opt_state, batch.replace(rewards=rewards))
             means = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}  # over the mini-batches
             history.append({"entropy": float(entropies[-1]), **means,
                             "length": float(sampled.lengths.mean()), **stats})

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import models, rl, sharding
+from pacs_jax.rl.update_batch import UpdateBatch
 from test_rl_policy_gradient import numeric_gradient, verl_mini_batch_loss, verl_objective
 from test_rl_ppo import ref_ppo_token_losses
 
@@ -49,15 +50,15 @@ def make_batch(groups, seed=0):
         attention_mask[i, PROMPT:PROMPT + rs.randint(1, RESPONSE + 1)] = 1
     patterns = ([1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0])
     rewards = np.concatenate([patterns[g % 4] for g in range(groups)]).astype(np.float32)
-    return dict(input_ids=input_ids, attention_mask=attention_mask,
-                response_mask=attention_mask[:, PROMPT:].astype(np.float32),
-                old_logp=(-4.2 + 0.3 * rs.randn(B, RESPONSE)).astype(np.float32), rewards=rewards)
+    return UpdateBatch(input_ids=input_ids, attention_mask=attention_mask,
+                       response_mask=attention_mask[:, PROMPT:].astype(np.float32),
+                       old_logp=(-4.2 + 0.3 * rs.randn(B, RESPONSE)).astype(np.float32), rewards=rewards)
 
 
 def test_response_logprobs_align_with_the_models_full_logits(tiny):
     graphdef, params = tiny
     batch = make_batch(groups=4)
-    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    ids, mask = jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask)
     one_pass = jax.jit(lambda p, out, k: rl.logprobs_of_pass(nnx.merge(graphdef, p), ids, mask, RESPONSE, out, k,
                                                              num_micro_batches=2, chunk_size=4))
     got = jnp.full(ids[:, PROMPT:].shape, np.nan, jnp.float32)
@@ -69,7 +70,7 @@ def test_response_logprobs_align_with_the_models_full_logits(tiny):
     for i in range(len(logits)):
         for t in range(RESPONSE):  # the logits at position P - 1 + t predict response token t
             z = logits[i, PROMPT - 1 + t]
-            want[i, t] = z[batch["input_ids"][i, PROMPT + t]] - np.log(np.exp(z - z.max()).sum()) - z.max()
+            want[i, t] = z[batch.input_ids[i, PROMPT + t]] - np.log(np.exp(z - z.max()).sum()) - z.max()
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
@@ -137,14 +138,14 @@ def test_verl_scale_through_micro_batches_equals_verls_loss_and_gradient(tiny, m
     loss, _, grads = jitted_loss_and_grad(graphdef, "grpo", objective_options=options, num_micro_batches=K)(params, batch)
 
     def logprobs(p):
-        return rl.response_logprobs(nnx.merge(graphdef, p), jnp.asarray(batch["input_ids"]),
-                                    jnp.asarray(batch["attention_mask"]), RESPONSE, chunk_size=4)
+        return rl.response_logprobs(nnx.merge(graphdef, p), jnp.asarray(batch.input_ids),
+                                    jnp.asarray(batch.attention_mask), RESPONSE, chunk_size=4)
 
     logp, pullback = jax.vjp(logprobs, params)
     # the rows of update micro-batch k (groups k, k + K, ...) in order: verl's micro-batches are S of them
     order = np.concatenate([np.arange(g * N, (g + 1) * N) for k in range(K) for g in range(k, 4, K)])
     rows = lambda x: np.asarray(x, np.float64)[order]  # noqa: E731
-    old_logp, mask, rewards = rows(batch["old_logp"]), rows(batch["response_mask"]), rows(batch["rewards"])
+    old_logp, mask, rewards = rows(batch.old_logp), rows(batch.response_mask), rows(batch.rewards)
     reference = lambda lp: verl_objective("grpo", lp, old_logp, mask, rewards, N, mode, S, ranks=1)  # noqa: E731
     np.testing.assert_allclose(float(loss), reference(rows(logp)), rtol=1e-5)
     d_logp = np.zeros(logp.shape)
@@ -158,21 +159,21 @@ def test_ppo_objective_through_micro_batches_matches_numpy(tiny):
     # objective "ppo": the batch's per-token advantages, verl's scale (micro-batches of 4 responses)
     graphdef, params = tiny
     batch = make_batch(groups=4, seed=6)
-    batch["advantages"] = np.random.RandomState(6).randn(*batch["old_logp"].shape).astype(np.float32)
+    batch = batch.replace(advantages=np.random.RandomState(6).randn(*batch.old_logp.shape).astype(np.float32))
     options = dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale="verl", verl_micro_batch_size=4)
     loss, _, grads = jitted_loss_and_grad(graphdef, "ppo", objective_options=options, num_micro_batches=2)(params, batch)
-    logp = rl.response_logprobs(nnx.merge(graphdef, params), jnp.asarray(batch["input_ids"]),
-                                jnp.asarray(batch["attention_mask"]), RESPONSE, chunk_size=4)
+    logp = rl.response_logprobs(nnx.merge(graphdef, params), jnp.asarray(batch.input_ids),
+                                jnp.asarray(batch.attention_mask), RESPONSE, chunk_size=4)
     order = np.concatenate([np.arange(g * N, (g + 1) * N) for k in range(2) for g in range(k, 4, 2)])
-    token_losses = ref_ppo_token_losses(np.asarray(logp)[order], batch["old_logp"][order], batch["advantages"][order])
-    want = verl_mini_batch_loss(token_losses, batch["response_mask"][order], "seq-mean-token-sum-norm", 4, ranks=1)
+    token_losses = ref_ppo_token_losses(np.asarray(logp)[order], batch.old_logp[order], batch.advantages[order])
+    want = verl_mini_batch_loss(token_losses, batch.response_mask[order], "seq-mean-token-sum-norm", 4, ranks=1)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     whole_loss, _, whole_grads = jitted_loss_and_grad(graphdef, "ppo", objective_options=options)(params, batch)
     np.testing.assert_allclose(float(whole_loss), float(loss), rtol=1e-5)  # S = 4 = one group: any split agrees
     for a, b in zip(_flat(grads), _flat(whole_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     with pytest.raises(ValueError, match="needs the update batch's 'advantages'"):
-        jitted_loss_and_grad(graphdef, "ppo")(params, {k: v for k, v in batch.items() if k != "advantages"})
+        jitted_loss_and_grad(graphdef, "ppo")(params, batch.replace(advantages=None))
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 1, 8)])
@@ -186,7 +187,7 @@ def test_sharded_update_equals_single_device(tiny, pacs_update, mesh_shape):
         mesh_graphdef, abstract = models.abstract_model(CFG)
         mesh_params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
         rows = NamedSharding(mesh, P(("data", "fsdp")))
-        mesh_batch = {k: jax.device_put(v, rows) for k, v in batch.items()}
+        mesh_batch = jax.device_put(batch, rows)
         loss_and_grad = jitted_loss_and_grad(mesh_graphdef, num_micro_batches=2, objective_options=dict(beta=2.0))
         loss, _, grads = loss_and_grad(mesh_params, mesh_batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
@@ -199,7 +200,7 @@ def test_bad_batches_and_options_raise_naming_them(tiny, pacs_update):
     graphdef, params = tiny
     good = make_batch(groups=2)
     with pytest.raises(ValueError, match="old_logp must have"):
-        pacs_update(params, dict(good, old_logp=good["old_logp"][:, 1:]))
+        pacs_update(params, good.replace(old_logp=good.old_logp[:, 1:]))
     with pytest.raises(ValueError, match="group_size=1"):
         jax.jit(rl.loss_and_grad_fn(graphdef, "pacs", group_size=1))(params, good)
     with pytest.raises(ValueError, match="objective='sft'"):
@@ -213,9 +214,11 @@ def test_compiled_update_holds_no_batch_by_length_by_vocab_buffer():
     cfg = CFG.replace(vocab_size=32768)
     B, R, L = 8, 48, 64
     graphdef, abstract = models.abstract_model(cfg)
-    specs = dict(input_ids=jax.ShapeDtypeStruct((B, L), jnp.int32), attention_mask=jax.ShapeDtypeStruct((B, L), jnp.int32),
-                 response_mask=jax.ShapeDtypeStruct((B, R), jnp.float32),
-                 old_logp=jax.ShapeDtypeStruct((B, R), jnp.float32), rewards=jax.ShapeDtypeStruct((B,), jnp.float32))
+    specs = UpdateBatch(input_ids=jax.ShapeDtypeStruct((B, L), jnp.int32),
+                        attention_mask=jax.ShapeDtypeStruct((B, L), jnp.int32),
+                        response_mask=jax.ShapeDtypeStruct((B, R), jnp.float32),
+                        old_logp=jax.ShapeDtypeStruct((B, R), jnp.float32),
+                        rewards=jax.ShapeDtypeStruct((B,), jnp.float32))
     fn = rl.loss_and_grad_fn(graphdef, "pacs", group_size=N, num_micro_batches=2, chunk_size=16)
     hlo = jax.jit(fn).lower(abstract, specs).compile().as_text()
     sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"\[(\d+(?:,\d+)*)\]", hlo)]

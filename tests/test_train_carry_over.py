@@ -82,7 +82,7 @@ def _train(config, model, batches, workdir, steps, pool, trained):
         weights.setdefault(step, jax.tree.map(np.asarray, state))
         inserted = []
         result = collect(self, state, lambda: inserted.append(batches_fn()) or inserted[-1], key, watch, step)
-        trained.append((step, {k: np.asarray(v) for k, v in result.batch.items() if k in ("input_ids", "response_mask")},
+        trained.append((step, {k: np.asarray(getattr(result.batch, k)) for k in ("input_ids", "response_mask")},
                         result.metrics, inserted[0]))
         return result
 

@@ -74,11 +74,10 @@ def rollout_batch(single_model):
                                                  reward_pool=pool)
         rollout = collector(params, lambda: PromptBatch(prompt_ids, ["7"] * PROMPTS, ["test"] * PROMPTS),
                             jax.random.key(0))
-    batch = {k: np.asarray(v) for k, v in rollout.batch.items()}
-    assert batch["input_ids"].shape == (PROMPTS * N, 16 + MAX_NEW_TOKENS)
-    assert batch["response_mask"].sum() > PROMPTS * N  # real responses, several tokens each
-    batch["rewards"] = REWARDS.copy()
-    return batch
+    batch = jax.tree.map(np.asarray, rollout.batch)
+    assert batch.input_ids.shape == (PROMPTS * N, 16 + MAX_NEW_TOKENS)
+    assert batch.response_mask.sum() > PROMPTS * N  # real responses, several tokens each
+    return batch.replace(rewards=REWARDS.copy())
 
 
 def test_same_seed_gives_the_same_weights_on_the_mesh_and_they_are_sharded(single_model, mesh_model, mesh):
@@ -101,17 +100,17 @@ def _train_step(model, batch, put):
     params = jax.tree.map(lambda x: x.copy(), params)  # the update donates its inputs
     old_logp = jax.jit(lambda p, ids, mask: rl.logprobs_of_pass(  # one pass of every row
         nnx.merge(graphdef, p), ids, mask, MAX_NEW_TOKENS, jnp.zeros((ids.shape[0], MAX_NEW_TOKENS)), 0))(
-        params, put(batch["input_ids"]), put(batch["attention_mask"]))
+        params, put(batch.input_ids), put(batch.attention_mask))
     optimizer, _ = make_optimizer(LR, weight_decay=0.01, total_steps=MINI_BATCHES)
     opt_state = jax.jit(optimizer.init)(params)
     update = make_update_step(graphdef, optimizer, "pacs", group_size=N, objective_options=OPTIONS,
                               num_micro_batches=MICRO_BATCHES)
-    full = dict(batch, old_logp=np.asarray(old_logp))
+    full = batch.replace(old_logp=np.asarray(old_logp))
     rows = PROMPTS * N // MINI_BATCHES
     metrics = []
     for k in range(MINI_BATCHES):
-        params, opt_state, (m,) = update(params, opt_state, {name: put(v[k * rows:(k + 1) * rows])
-                                                             for name, v in full.items()})
+        params, opt_state, (m,) = update(params, opt_state, jax.tree.map(lambda v: put(v[k * rows:(k + 1) * rows]),
+                                                                         full))
         metrics.append(jax.device_get(m))
     return np.asarray(old_logp), metrics, params
 
@@ -123,7 +122,7 @@ def test_training_step_on_the_2x2x2_mesh_equals_one_device(single_model, mesh_mo
         mesh_logp, mesh_metrics, mesh_params = _train_step(mesh_model, rollout_batch, lambda x: jax.device_put(x, rows))
 
     # the batch from the rollout: pi_old recomputed on the mesh matches the collector's own
-    np.testing.assert_allclose(one_logp, rollout_batch["old_logp"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one_logp, rollout_batch.old_logp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mesh_logp, one_logp, rtol=1e-5, atol=1e-6)
     for one, on_mesh in zip(one_metrics, mesh_metrics):
         assert one["skipped"] == on_mesh["skipped"] == 0.0

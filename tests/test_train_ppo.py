@@ -17,6 +17,7 @@ from pacs_jax import data, distributed, evaluation, models, sharding
 from pacs_jax.checkpoints import flat_params
 from pacs_jax.models.value import response_values, value_model_from_actor
 from pacs_jax.rewards import RewardPool
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.critic_step import PPOCritic, critic_programs
@@ -43,10 +44,10 @@ def update_batch(seed=0):
     mask = np.zeros(ids.shape, np.int32)
     for i in range(ROWS):
         mask[i, PROMPT - rs.randint(1, PROMPT + 1):PROMPT + lengths[i]] = 1
-    host = dict(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
-                old_logp=np.zeros((ROWS, T), np.float32), rewards=rs.randint(0, 2, ROWS).astype(np.float32))
-    host["rewards"][:2] = 1.0, 0.0
-    return host, lengths, {k: distributed.put_rows(v, batch_sharding(v.shape)) for k, v in host.items()}
+    host = UpdateBatch(input_ids=ids, attention_mask=mask, response_mask=mask[:, PROMPT:].astype(np.float32),
+                       old_logp=np.zeros((ROWS, T), np.float32), rewards=rs.randint(0, 2, ROWS).astype(np.float32))
+    host.rewards[:2] = 1.0, 0.0
+    return host, lengths, jax.tree.map(lambda v: distributed.put_rows(v, batch_sharding(v.shape)), host)
 
 
 @pytest.mark.slow
@@ -57,13 +58,13 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
         host, lengths, batch = update_batch()
         # the reference: the critic's values in one plain forward pass (no micro-batches) times verl's critic
         # mask (attention_mask[:, -T - 1:-1]), GAE in float64 as verl computes it
-        critic_mask = host["attention_mask"][:, -T - 1:-1].astype(np.float64)
-        values = np.asarray(jax.jit(response_values, static_argnums=3)(critic_model, batch["input_ids"],
-                                                                       batch["attention_mask"], T), np.float64)
+        critic_mask = host.attention_mask[:, -T - 1:-1].astype(np.float64)
+        values = np.asarray(jax.jit(response_values, static_argnums=3)(critic_model, batch.input_ids,
+                                                                       batch.attention_mask, T), np.float64)
         values = values * critic_mask
         token_rewards = np.zeros((ROWS, T))
-        token_rewards[np.arange(ROWS), lengths - 1] = host["rewards"]
-        want_adv, want_ret = ref_gae_verl(token_rewards, values, host["response_mask"], critic_mask, GAMMA, LAM)
+        token_rewards[np.arange(ROWS), lengths - 1] = host.rewards
+        want_adv, want_ret = ref_gae_verl(token_rewards, values, host.response_mask, critic_mask, GAMMA, LAM)
         before = {k: np.asarray(v) for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
         shardings = {k: v.sharding for k, v in flat_params(nnx.state(critic_model, nnx.Param)).items()}
 
@@ -74,16 +75,16 @@ def test_critic_step_matches_the_float64_gae_and_value_loss_on_the_mesh():
                                    verl_micro_batch_size=0, num_mini_batches=1, num_micro_batches=2, values_micro_batches=4)
         actor_batch, (metrics,) = critic.step(programs, batch)
 
-        assert set(actor_batch) == set(batch) | {"advantages"}
-        advantages = actor_batch["advantages"]
+        assert jax.tree.structure(actor_batch) == jax.tree.structure(batch.replace(advantages=batch.old_logp))
+        advantages = actor_batch.advantages
         assert advantages.sharding == batch_sharding((ROWS, T)) and advantages.sharding.spec[0] == ("data", "fsdp")
-        live = host["response_mask"] > 0
+        live = host.response_mask > 0
         np.testing.assert_allclose(np.asarray(advantages)[live], want_adv[live], rtol=1e-4, atol=1e-4)
         # one mini-batch: the loss is read before the update, where the values are the rollout's (no clip):
         # verl's critic loss (no 1/2; token-mean over its mask, "mean" scale: one verl micro-batch of all rows);
         # the explained variance is the mean of the 2 micro-batches' (rows 0, 2, ... and 1, 3, ...)
-        assert (critic_mask > host["response_mask"]).any()  # slots after responses shorter than T count
-        want_loss = verl_critic_mini_batch_loss(values, values, want_ret, host["attention_mask"], "token-mean", ROWS, 1)
+        assert (critic_mask > host.response_mask).any()  # slots after responses shorter than T count
+        want_loss = verl_critic_mini_batch_loss(values, values, want_ret, host.attention_mask, "token-mean", ROWS, 1)
         np.testing.assert_allclose(float(metrics["value_loss"]), want_loss, rtol=1e-4)
         residual, on = want_ret - values, critic_mask > 0
         explained = [1 - residual[k::2][on[k::2]].var() / want_ret[k::2][on[k::2]].var() for k in range(2)]

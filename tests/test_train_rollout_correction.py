@@ -73,14 +73,14 @@ def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_bat
     programs = StepPrograms(spec, graphdef, params, ())
     batch, *_ = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).old_policy(
         params, sampled)
-    live = np.asarray(batch["response_mask"], np.float64)
+    live = np.asarray(batch.response_mask, np.float64)
     # The sampler's log-probs: those of temperature 1 where the trainer's pi_old is at 0.6.
     R = live.shape[1]
     drifted = np.zeros((live.shape[0], R + 3), np.float32)  # a sampler call's width is max_new_tokens (>= R)
     drifted[:, :R] = reference_logprobs(hf_model, sampled, 1.0)
-    weights, kept, metrics = programs.learner.rollout_correction((drifted[:4], drifted[4:]), batch["old_logp"],
-                                                         batch["response_mask"])
-    old = np.asarray(batch["old_logp"], np.float64)
+    weights, kept, metrics = programs.learner.rollout_correction((drifted[:4], drifted[4:]), batch.old_logp,
+                                                         batch.response_mask)
+    old = np.asarray(batch.old_logp, np.float64)
     want_w, want_kept, want_metrics = correction_reference(old, drifted[:, :R].astype(np.float64), live,
                                                             **CORRECTION)
     np.testing.assert_array_equal(np.asarray(kept), want_kept)
@@ -94,7 +94,7 @@ def test_a_drifting_sampler_is_corrected_as_the_float64_reference(models_and_bat
     assert 0 < float(metrics["rollout_corr/rollout_rs_masked_fraction"]) < 1
     assert float(metrics["rollout_corr/kl"]) != 0
 
-    update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS), rollout_is_weights=weights, response_mask=kept)
+    update_batch = batch.replace(rewards=jax.numpy.asarray(REWARDS), rollout_is_weights=weights, response_mask=kept)
     fresh = jax.tree.map(np.array, params)  # the update donates its inputs
     _, _, (step_metrics,) = programs.learner.update(fresh, jax.jit(programs.learner.optimizer.init)(fresh), update_batch)
     np.testing.assert_allclose(float(step_metrics["loss"]), _loss_at_pi_old(objective, np.asarray(weights, np.float64),
@@ -128,12 +128,12 @@ def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_
     batch, entropy, *_ = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).old_policy(
         params, types.SimpleNamespace(**vars(sampled), sampler_logprobs=(drifted[:4], drifted[4:])))
     assert np.isnan(float(entropy[-1]))  # no pass computed it
-    np.testing.assert_array_equal(np.asarray(batch["old_logp"]), drifted[:, :R])
+    np.testing.assert_array_equal(np.asarray(batch.old_logp), drifted[:, :R])
 
-    update_batch = dict(batch, rewards=jax.numpy.asarray(REWARDS))
+    update_batch = batch.replace(rewards=jax.numpy.asarray(REWARDS))
     fresh = jax.tree.map(np.array, params)
     _, _, (metrics,) = programs.learner.update(fresh, jax.jit(programs.learner.optimizer.init)(fresh), update_batch)
-    live = np.asarray(batch["response_mask"], np.float64)
+    live = np.asarray(batch.response_mask, np.float64)
     logp = reference_logprobs(hf_model, sampled, TEMPERATURE)  # pi_theta at the rollout temperature
     weights, kept, want = correction_reference(logp, drifted[:, :R].astype(np.float64), live, **CORRECTION)
     adv = _grpo_advantages(REWARDS)
@@ -155,7 +155,7 @@ def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # 
     spec = RunSpec.unplaced(trainer_config(TEMPERATURE))
     programs = StepPrograms(spec, graphdef, params, ())
     assert programs.learner.rollout_correction is None
-    assert "rollout_is_weights" not in programs.learner.abstract_batch(5, 6)
+    assert programs.learner.abstract_batch(5, 6).rollout_is_weights is None
     assert "rollout_correction" not in {p.name for p in programs.programs()}
 
 

@@ -83,12 +83,12 @@ def test_pi_old_and_the_update_use_the_rollout_temperature(models_and_batch):
     programs = StepPrograms(RunSpec.unplaced(config), graphdef, params, ())
     batch, *_ = RolloutCollector.from_spec(RunSpec.unplaced(config), programs, decode=lambda ids: "", reward_pool=None).old_policy(
         params, sampled)  # the config's passes run packed (train.packing)
-    np.testing.assert_allclose(np.asarray(batch["old_logp"])[live], want[live], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(batch.old_logp)[live], want[live], atol=2e-5)
 
     # The update's log pi_theta at T: with pi_old = the reference at T, the ratio is 1 on every token.
     optimizer, update = programs.learner.optimizer, programs.learner.update
-    batch = dict(batch, old_logp=jax.numpy.asarray(want, np.float32),
-                 rewards=jax.numpy.asarray([1, 0, 0, 1, 0, 1, 1, 1], np.float32))
+    batch = batch.replace(old_logp=jax.numpy.asarray(want, np.float32),
+                          rewards=jax.numpy.asarray([1, 0, 0, 1, 0, 1, 1, 1], np.float32))
     fresh = jax.tree.map(np.array, params)  # the update donates its inputs
     _, _, (metrics,) = update(fresh, jax.jit(optimizer.init)(fresh), batch)
     assert abs(float(metrics["pg/approx_kl_old"])) < 1e-5

@@ -42,13 +42,13 @@ def sft_program(model, wc):
 def test_batches_have_the_rollout_layout(task):
     tokenizer, examples, responses = task
     batch = warmstart.sft_batch(examples[:3], responses[:3], prompt_length=64, response_length=12)
-    assert batch["input_ids"].shape == (3, 76) and batch["response_mask"].shape == (3, 12)
+    assert batch.input_ids.shape == (3, 76) and batch.response_mask.shape == (3, 12)
     for row, (example, response) in enumerate(zip(examples[:3], responses[:3])):
         prompt = np.asarray(example.prompt_ids)
-        assert (batch["input_ids"][row, 64 - len(prompt):64] == prompt).all()  # left-padded prompt
-        assert (batch["attention_mask"][row, :64] == (np.arange(64) >= 64 - len(prompt))).all()
-        assert (batch["input_ids"][row, 64:64 + len(response)] == response).all()  # right-padded response
-        assert batch["response_mask"][row].sum() == len(response) and batch["response_mask"][row, 0] == 1
+        assert (batch.input_ids[row, 64 - len(prompt):64] == prompt).all()  # left-padded prompt
+        assert (batch.attention_mask[row, :64] == (np.arange(64) >= 64 - len(prompt))).all()
+        assert (batch.input_ids[row, 64:64 + len(response)] == response).all()  # right-padded response
+        assert batch.response_mask[row].sum() == len(response) and batch.response_mask[row, 0] == 1
     with pytest.raises(ValueError, match="warmstart.max_response_tokens=4: a target response has"):
         warmstart.sft_batch(examples[:1], responses[:1], prompt_length=64, response_length=4)
 

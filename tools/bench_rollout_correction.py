@@ -77,7 +77,7 @@ def main(argv) -> None:
                     sampled = result.collector.sample(params, prompts.next_batch(), jax.random.key(0))
                     batch, *_ = result.collector.old_policy(params, sampled)
                     correct = programs["on"].learner.rollout_correction
-                    args = (sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
+                    args = (sampled.sampler_logprobs, batch.old_logp, batch.response_mask)
                     jax.block_until_ready(correct(*args))
                     calls = []
                     for _ in range(20):

@@ -83,7 +83,7 @@ def main(argv) -> None:
     sampled, t_sample = _timed(lambda: collector.sample(params, batch_prompts, key))
     (batch, *_), t_old = _timed(lambda: jax.block_until_ready(collector.old_policy(params, sampled)))
     rows = sampled.tokens.shape[0]
-    batch = dict(batch, rewards=collector._put(np.tile([1.0, 0.0], rows // 2).astype(np.float32)))
+    batch = batch.replace(rewards=collector._put(np.tile([1.0, 0.0], rows // 2).astype(np.float32)))
     # the trained state is donated to this last update (no second copy of params + optimizer state)
     _, t_update = _timed(lambda: jax.block_until_ready(update(params, result.opt_state, batch)))
     parts = {"sample": t_sample, "old_logprob": t_old, "update": t_update}

@@ -25,12 +25,13 @@ from flax import nnx
 from device_rates import device_line
 from bench_forward import forward_flops, interleaved_best_times, jax_matmul, xla_flops
 from pacs_jax import models
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.update_step import make_update_step
 
 
 def synthetic_batch(cfg: models.QwenConfig, prompts: int, n: int, prompt_len: int, response_len: int,
-                    seed: int = 0) -> dict[str, jax.Array]:
+                    seed: int = 0) -> UpdateBatch:
     """A mini-batch of ``prompts`` groups of ``n``: random tokens, ragged responses, both labels per group."""
     rng = np.random.default_rng(seed)
     B, L = prompts * n, prompt_len + response_len
@@ -40,8 +41,8 @@ def synthetic_batch(cfg: models.QwenConfig, prompts: int, n: int, prompt_len: in
     attention = np.concatenate([np.ones((B, prompt_len), np.int32), response_mask.astype(np.int32)], axis=1)
     rewards = np.tile(np.arange(n) % 2, prompts).astype(np.float32)
     old_logp = -rng.random((B, response_len), dtype=np.float32) * 5 * response_mask
-    return {k: jnp.asarray(v) for k, v in dict(input_ids=ids, attention_mask=attention, response_mask=response_mask,
-                                               old_logp=old_logp, rewards=rewards).items()}
+    return jax.tree.map(jnp.asarray, UpdateBatch(input_ids=ids, attention_mask=attention, response_mask=response_mask,
+                                                 old_logp=old_logp, rewards=rewards))
 
 
 def main(argv=None) -> dict[str, float]:

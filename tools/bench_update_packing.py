@@ -44,6 +44,7 @@ from pacs_jax import data, models
 from pacs_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from pacs_jax.rl import packing
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.training.update_step import make_update_step
 
 REPO_DATA = data.__file__.rsplit("/pacs_jax/", 1)[0] + "/data"
@@ -130,13 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     P, R, B, K = PROMPT_BUCKET, args.budget, args.prompts * args.n, args.micro_batches
     update = make_update_step(graphdef, optax.adamw(1e-6), "pacs", group_size=args.n, num_micro_batches=K,
                               chunk_size=args.chunk)
-    batch = {k: jnp.asarray(rows[k]) for k in ("input_ids", "attention_mask", "response_mask", "old_logp", "rewards")}
+    batch = UpdateBatch(**{k: jnp.asarray(rows[k]) for k in ("input_ids", "attention_mask", "response_mask", "old_logp",
+                                                             "rewards")})
     S = packing.shards_for(B // K)
     N = args.rows or packing.pass_rows(B // (K * S), P + R, P + R, unit=args.n, shards=S)
     plan = packing.plan_packing(rows["prompt_lengths"], rows["response_lengths"], prompt_width=P, response_width=R,
                                 packed_length=P + R, mini_batches=1, unit=args.n, shards=S, rows=N,
                                 passes=packing.pass_slots(B, P + R, P + R, unit=args.n, shards=S, rows=N))
-    packed = dict(batch, **{k: jnp.asarray(v) for k, v in plan.arrays().items()})
+    packed = batch.replace(packing=jax.tree.map(jnp.asarray, plan.arrays()))
     real = plan.tokens_real
     print(f"step: {args.prompts} prompts x {args.n} responses, "
           f"prompts {rows['prompt_lengths'].min()}-{rows['prompt_lengths'].max()} tokens (bucket {P}), responses "

@@ -31,7 +31,8 @@ from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.rl.micro_batches import put_strided_micro_batch, strided_micro_batch
-from pacs_jax.rl.packing import keep_own_rows, packed_inputs, pass_plan, response_stream, unpack
+from pacs_jax.rl.packing import (PackedPlanArrays, PassPlan, keep_own_rows, packed_inputs, pass_plan, response_stream,
+                                 unpack)
 from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
@@ -86,37 +87,37 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
 
 
 def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
-                             plan: dict[str, jax.Array], *, temperature: float = 1.0,
+                             plan: PassPlan, *, temperature: float = 1.0,
                              chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
     """``response_logprobs`` of one pass's rows computed on its packed rows (rl/packing.py): input_ids,
-    attention_mask [B_m, P + R] (the mini-batch's padded rows, read through ``plan["pack_index"]``
+    attention_mask [B_m, P + R] (the mini-batch's padded rows, read through ``plan.pack_index``
     [S N, Lp]) -> [B_m, R] float32 (and entropy [B_m, R]), the padded rows' numbers at every response
     token of the pass's own rows (``rl.packing.own_rows``), from S N x Lp tokens through the decoder
     and only the response stream [S, Q] through the LM head. plan: one pass's arrays
     (``rl.packing.run_passes``).
     """
-    tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan["pack_index"])
+    tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan.pack_index)
     hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True)  # [S N, Lp, D]
-    args = (response_stream(hidden, plan["stream_index"]), model.lm_head_kernel(),
-            response_stream(targets, plan["stream_index"]))  # [S, Q, D], [D, V], [S, Q]
+    args = (response_stream(hidden, plan.stream_index), model.lm_head_kernel(),
+            response_stream(targets, plan.stream_index))  # [S, Q, D], [D, V], [S, Q]
     # chunks of at most R stream positions: the [S, chunk, V] logits of a trip no larger than a padded row's
-    kwargs = dict(temperature=temperature, chunk_size=min(chunk_size, plan["unpack_index"].shape[1]),
-                  valid=plan["stream_length"])
+    kwargs = dict(temperature=temperature, chunk_size=min(chunk_size, plan.unpack_index.shape[1]),
+                  valid=plan.stream_length)
     if not with_entropy:
-        return unpack(token_logprobs(*args, **kwargs), plan["unpack_index"])
+        return unpack(token_logprobs(*args, **kwargs), plan.unpack_index)
     logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
-    return unpack(logp, plan["unpack_index"]), unpack(entropy, plan["unpack_index"])
+    return unpack(logp, plan.unpack_index), unpack(entropy, plan.unpack_index)
 
 
 def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                      out, k: jax.Array, *, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                     packing: dict[str, jax.Array] | None = None):
+                     packing: PackedPlanArrays | None = None):
     """Pass ``k`` (int32 []) of a batch's ``response_logprobs`` without gradient, its rows written into
     ``out`` (returned): log-probs [B, R] float32, or with ``with_entropy`` (log-probs, entropy). One
     pass is a micro-batch's forward: padded (``packing`` None), micro-batch k of ``num_micro_batches``
     of B / K strided rows (``rl.micro_batches.split_micro_batches``); packed, pass k of the plan
-    (its arrays by rl/packing.py ``PACKING_KEYS``), its own rows (``rl.packing.own_rows``). Every k
+    (rl/packing.py ``PackedPlanArrays``), its own rows (``rl.packing.own_rows``). Every k
     (< K, or < the plan's passes) once, in any order, gives every row: pi_old dispatches one call a
     pass (training/old_policy.py), so activation memory is a micro-batch's and the host sees each
     pass end."""

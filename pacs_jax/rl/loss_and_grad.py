@@ -1,18 +1,10 @@
 """The actor's loss and gradient over its parameters for one mini-batch of whole prompt groups
 (``loss_and_grad_fn``; the optimizer step around it is training/update_step.py's).
 
-Batch layout (the verl layout; L = P + R):
-  input_ids       [B, L] int32   prompt left-padded to P tokens, then the response right-padded to R
-  attention_mask  [B, L]         1 on real tokens (prompt and response)
-  response_mask   [B, R]         1 on the response tokens the loss sees
-  old_logp        [B, R] float   log pi_old of the response tokens (``logprobs_of_pass``)
-  rewards         [B]    float   verifiable rewards; rows i*n .. i*n+n-1 answer the same prompt
-  advantages      [B, R] float   optional: per-token advantages (objective "ppo", rl.compute_gae)
-  rollout_is_weights [B, R] float optional: rollout-correction weights (rl/rollout_correction.py;
-                                 response_mask is then the rejection mask)
-  pack_index, stream_index, stream_length, unpack_index, row_pass   optional: a packing plan of
-                                 this mini-batch (rl/packing.py): it then runs as its packed passes
-                                 (``rl.packing.accumulate_passes``), not as micro-batches
+Batch: rl/update_batch.py ``UpdateBatch`` (input_ids, attention_mask [B, P + R]; response_mask,
+old_logp [B, R]; rewards [B]; optionally advantages, rollout_is_weights [B, R] and the mini-batch's
+packing plan, with which it runs as its packed passes, ``rl.packing.accumulate_passes``, not as
+micro-batches).
 The hidden state at position P - 1 + t predicts response token t: log pi_theta of the response
 tokens is ``rl.logprobs.response_logprobs`` (packed: ``packed_response_logprobs``), the same path
 as pi_old's.
@@ -39,14 +31,13 @@ from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, packed_response_logprobs, r
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
 from pacs_jax.rl.objectives import get_objective
 from pacs_jax.rl.packing import accumulate_passes
-
-Batch = Mapping[str, jax.Array]
+from pacs_jax.rl.update_batch import UpdateBatch
 
 
 def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
                      objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                     bypass: Bypass | None = None) -> Callable[[nnx.State, Batch], tuple]:
+                     bypass: Bypass | None = None) -> Callable[[nnx.State, UpdateBatch], tuple]:
     """The pure (un-jitted) ``(params, batch) -> (loss, metrics, grads)``, to compose into a train step.
 
     graphdef/params: ``nnx.split(model)`` of a model whose state is all parameters. objective: a name
@@ -64,21 +55,20 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         """log pi_theta of the response tokens [b, R] (packed: of the pass ``plan``'s rows)."""
         model = nnx.merge(graphdef, params)
         if plan is not None:
-            return packed_response_logprobs(model, rows["input_ids"], rows["attention_mask"], plan, **kwargs)
-        return response_logprobs(model, rows["input_ids"], rows["attention_mask"], rows["response_mask"].shape[1],
-                                 **kwargs)
+            return packed_response_logprobs(model, rows.input_ids, rows.attention_mask, plan, **kwargs)
+        return response_logprobs(model, rows.input_ids, rows.attention_mask, rows.response_mask.shape[1], **kwargs)
 
     def loss(logp, rows, totals):
-        extra = {k: rows[k] for k in ("advantages", "rollout_is_weights") if k in rows}
-        return fn(logp, rows["old_logp"], rows["response_mask"], rows["rewards"], group_size, totals=totals, **extra)
+        return fn(logp, rows.old_logp, rows.response_mask, rows.rewards, group_size, totals=totals,
+                  advantages=rows.advantages, rollout_is_weights=rows.rollout_is_weights)
 
     grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(forward(params, micro), micro, totals),
                                  has_aux=True)
 
-    def loss_and_grad(params: nnx.State, batch: Batch):
-        if "pack_index" in batch:
-            return accumulate_passes(forward, loss, params, batch, placeholder="old_logp", unit=group_size,
-                                     num_micro_batches=K)
+    def loss_and_grad(params: nnx.State, batch: UpdateBatch):
+        if batch.packing is not None:
+            return accumulate_passes(forward, loss, params, batch.replace(packing=None), batch.packing, batch.old_logp,
+                                     unit=group_size, num_micro_batches=K)
         return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
 
     return loss_and_grad

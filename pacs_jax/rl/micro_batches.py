@@ -12,7 +12,7 @@ so when the batch axis is sharded over ("data", "fsdp") every micro-batch is spr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,26 +68,26 @@ def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_
     return jax.lax.stop_gradient(jax.tree.map(lambda x: merge_micro_batches(x, 1), out))
 
 
-def mini_batch_totals(batch: Mapping[str, jax.Array]) -> BatchTotals:
-    """The normalisers of a mini-batch's loss: its rows and its ``response_mask`` [B, R] tokens."""
-    return BatchTotals(num_sequences=batch["response_mask"].shape[0],
-                       num_tokens=jnp.sum(batch["response_mask"].astype(jnp.float32)))
+def mini_batch_totals(batch) -> BatchTotals:
+    """The normalisers of a mini-batch's loss: its rows and its ``response_mask`` [B, R] tokens (batch:
+    rl/update_batch.py ``UpdateBatch`` or ``CriticBatch``)."""
+    return BatchTotals(num_sequences=batch.response_mask.shape[0],
+                       num_tokens=jnp.sum(batch.response_mask.astype(jnp.float32)))
 
 
-def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch: Mapping[str, jax.Array], *, unit: int,
+def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch, *, unit: int,
                              num_micro_batches: int) -> tuple[jax.Array, dict, nnx.State]:
     """Gradient accumulation: ``grad_fn(params, micro_batch, totals) -> ((loss, metrics), grads)`` over
-    ``num_micro_batches`` micro-batches of ``batch`` (each value [B, ...]; blocks of ``unit`` rows,
-    strided) in a
+    ``num_micro_batches`` micro-batches of ``batch`` (rl/update_batch.py ``UpdateBatch`` or
+    ``CriticBatch`` without a packing plan, each array [B, ...]; blocks of ``unit`` rows, strided) in a
     ``lax.scan``. ``totals`` are the whole batch's (its rows and ``response_mask`` tokens), so an
     objective normalised by them sums to the whole batch's loss.
 
     Returns (summed loss, metrics averaged over micro-batches, summed float32 gradients).
     """
-    batch = dict(batch)
     totals = mini_batch_totals(batch)
-    micro = {k: split_micro_batches(v, unit, num_micro_batches) for k, v in batch.items()}
-    micro = {k: constrain(v, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
+    micro = jax.tree.map(lambda v: constrain(split_micro_batches(v, unit, num_micro_batches),
+                                             (None, "batch") + (None,) * (v.ndim - 1)), batch)
 
     def step(acc, mb):
         loss_sum, grad_sum = acc

@@ -40,26 +40,55 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from pacs_jax.models.qwen import positions_from_mask
 from pacs_jax.rl.micro_batches import mini_batch_totals, split_micro_batches
 from pacs_jax.sharding import batch_shards, constrain
 
 
-PACKING_KEYS = ("pack_index", "stream_index", "stream_length", "unpack_index", "row_pass")  # a plan's arrays
-PASS_KEYS = ("pack_index", "stream_index", "stream_length")  # the arrays split by pass (the rest: by row)
+@struct.dataclass
+class PackedPlanArrays:
+    """A plan's arrays as one pytree (host or device arrays; shapes in the module docstring): the
+    packing of an update batch (rl/update_batch.py), a pi_old pass's or the critic's.
+
+    pack_index     [M S K N, Lp] int32
+    stream_index   [M S K, Q] int32
+    stream_length  [M K, 1] int32
+    unpack_index   [B, R] int32
+    row_pass       [B] int32
+    """
+
+    pack_index: jax.Array
+    stream_index: jax.Array
+    stream_length: jax.Array
+    unpack_index: jax.Array
+    row_pass: jax.Array
+
+
+class PassPlan(NamedTuple):
+    """One pass of a mini-batch's plan (``pass_plan``): the pass's pack_index [S N, Lp], stream_index
+    [S, Q] and stream_length [] int32, and the mini-batch's unpack_index [B_m, R] and row_pass [B_m].
+    ``pass_slices`` holds the same with every pass's arrays stacked: [K, S N, Lp], [K, S, Q], [K]."""
+
+    pack_index: jax.Array
+    stream_index: jax.Array
+    stream_length: jax.Array
+    unpack_index: jax.Array
+    row_pass: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedPlan:
-    """One pass's plan (see the module docstring): its arrays (``PACKING_KEYS``, host arrays, the same
-    on every process), N = ``rows`` packed rows a pass and shard, the passes each mini-batch runs, and
-    the tokens the pass computes: real (prompt + response tokens of every sequence) and computed
-    (sum of passes x S N Lp)."""
+    """One pass's plan (see the module docstring): its arrays (``PackedPlanArrays``' fields, host
+    arrays, the same on every process), N = ``rows`` packed rows a pass and shard, the passes each
+    mini-batch runs, and the tokens the pass computes: real (prompt + response tokens of every
+    sequence) and computed (sum of passes x S N Lp)."""
 
     pack_index: np.ndarray
     stream_index: np.ndarray
@@ -71,9 +100,10 @@ class PackedPlan:
     tokens_real: int
     tokens_computed: int
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The plan's arrays by ``PACKING_KEYS``."""
-        return {k: getattr(self, k) for k in PACKING_KEYS}
+    def arrays(self) -> PackedPlanArrays:
+        """The plan's arrays (host)."""
+        return PackedPlanArrays(self.pack_index, self.stream_index, self.stream_length, self.unpack_index,
+                                self.row_pass)
 
 
 def shards_for(rows: int, mesh_shards: int | None = None) -> int:
@@ -102,11 +132,12 @@ def pass_slots(num_rows: int, padded_width: int, packed_length: int, *, unit: in
 
 
 def plan_shape(num_rows: int, *, mini_batches: int, passes: int, shards: int, rows: int, packed_length: int,
-               response_width: int) -> dict[str, tuple[int, ...]]:
-    """The shapes of a plan's arrays by ``PACKING_KEYS`` (for the programs compiled before step 1)."""
+               response_width: int) -> PackedPlanArrays:
+    """The shapes of a plan's arrays, each a tuple in its ``PackedPlanArrays`` field (for the programs
+    compiled before step 1)."""
     M, K, S, N = mini_batches, passes, shards, rows
-    return {"pack_index": (M * S * K * N, packed_length), "stream_index": (M * S * K, N * packed_length),
-            "stream_length": (M * K, 1), "unpack_index": (num_rows, response_width), "row_pass": (num_rows,)}
+    return PackedPlanArrays(pack_index=(M * S * K * N, packed_length), stream_index=(M * S * K, N * packed_length),
+                            stream_length=(M * K, 1), unpack_index=(num_rows, response_width), row_pass=(num_rows,))
 
 
 def _place(lengths: np.ndarray, free: np.ndarray, capacity: int) -> list[tuple[int, int]] | None:
@@ -202,52 +233,52 @@ def plan_packing(prompt_lengths: np.ndarray, response_lengths: np.ndarray, *, pr
 # on the device
 
 
-def pass_slices(plan: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """A mini-batch's plan arrays of ``PASS_KEYS`` by pass: pack_index [K, S N, Lp], stream_index
+def pass_slices(plan: PackedPlanArrays) -> PassPlan:
+    """A mini-batch's plan with its pass arrays by pass: pack_index [K, S N, Lp], stream_index
     [K, S, Q], stream_length [K]."""
-    K = plan["stream_length"].shape[0]
-    S = plan["stream_index"].shape[0] // K
-    N = plan["pack_index"].shape[0] // (K * S)
-    return {"pack_index": constrain(split_micro_batches(plan["pack_index"], N, K), (None, "batch", None)),
-            "stream_index": constrain(split_micro_batches(plan["stream_index"], 1, K), (None, "batch", None)),
-            "stream_length": plan["stream_length"][:, 0]}
+    K = plan.stream_length.shape[0]
+    S = plan.stream_index.shape[0] // K
+    N = plan.pack_index.shape[0] // (K * S)
+    return PassPlan(constrain(split_micro_batches(plan.pack_index, N, K), (None, "batch", None)),
+                    constrain(split_micro_batches(plan.stream_index, 1, K), (None, "batch", None)),
+                    plan.stream_length[:, 0], plan.unpack_index, plan.row_pass)
 
 
-def pass_plan(plan: dict[str, jax.Array], p: jax.Array) -> dict[str, jax.Array]:
-    """Pass ``p`` (int32 []) of a mini-batch's plan: its pack_index [S N, Lp], stream_index [S, Q],
-    stream_length [] and the mini-batch's unpack_index [B_m, R] and row_pass [B_m]."""
-    return _index_pass(pass_slices(plan), plan, p)
+def pass_plan(plan: PackedPlanArrays, p: jax.Array) -> PassPlan:
+    """Pass ``p`` (int32 []) of a mini-batch's plan."""
+    return _index_pass(pass_slices(plan), p)
 
 
-def _index_pass(slices: dict[str, jax.Array], plan: dict[str, jax.Array], p) -> dict[str, jax.Array]:
-    """Pass p's arrays of ``slices`` (``pass_slices``) and the mini-batch's of ``plan``."""
-    one = {k: jax.lax.dynamic_index_in_dim(v, p, keepdims=False) for k, v in slices.items()}
-    return {**one, **{k: plan[k] for k in PACKING_KEYS if k not in PASS_KEYS}}
+def _index_pass(slices: PassPlan, p) -> PassPlan:
+    """Pass p of ``slices`` (``pass_slices``)."""
+    one = lambda x: jax.lax.dynamic_index_in_dim(x, p, keepdims=False)  # noqa: E731
+    return slices._replace(pack_index=one(slices.pack_index), stream_index=one(slices.stream_index),
+                           stream_length=one(slices.stream_length))
 
 
-def run_passes(body: Callable, plan: dict[str, jax.Array], init):
+def run_passes(body: Callable, plan: PackedPlanArrays, init):
     """``carry = body(p, pass_plan, carry)`` for each pass p of a mini-batch's plan (a loop of as many
     trips as it has passes; ``pass_plan`` above)."""
     slices = pass_slices(plan)
-    return jax.lax.fori_loop(0, jnp.sum(slices["stream_length"] > 0),
-                             lambda p, carry: body(p, _index_pass(slices, plan, p), carry), init)
+    return jax.lax.fori_loop(0, jnp.sum(slices.stream_length > 0),
+                             lambda p, carry: body(p, _index_pass(slices, p), carry), init)
 
 
-def map_passes(forward: Callable, plan: dict[str, jax.Array], init):
+def map_passes(forward: Callable, plan: PackedPlanArrays, init):
     """``forward(pass_plan)`` -> a pytree of [B_m, ...] arrays, of which the pass's own rows are kept
     (``row_pass``): the mini-batch's values over all its passes (``init``: the same pytree, its
     starting values)."""
     return run_passes(lambda p, one, acc: keep_own_rows(one, p, acc, forward(one)), plan, init)
 
 
-def keep_own_rows(pass_plan: dict[str, jax.Array], p, acc, out):
+def keep_own_rows(pass_plan: PassPlan, p, acc, out):
     """``acc`` (a pytree of [B_m, ...] arrays) with pass ``p``'s own rows taken from ``out`` (the same pytree)."""
     return jax.tree.map(lambda a, o: jnp.where(own_rows(pass_plan, p, o.ndim), o, a), acc, out)
 
 
-def own_rows(pass_plan: dict[str, jax.Array], p, ndim: int = 2) -> jax.Array:
+def own_rows(pass_plan: PassPlan, p, ndim: int = 2) -> jax.Array:
     """[B_m, 1, ...] (``ndim`` dims): whether each row of the mini-batch belongs to pass ``p``."""
-    return (pass_plan["row_pass"] == p).reshape(-1, *(1,) * (ndim - 1))
+    return (pass_plan.row_pass == p).reshape(-1, *(1,) * (ndim - 1))
 
 
 def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: jax.Array
@@ -284,25 +315,24 @@ def unpack(stream: jax.Array, unpack_index: jax.Array) -> jax.Array:
     return constrain(whole[unpack_index], ("batch", None))
 
 
-def accumulate_passes(forward: Callable, loss: Callable, params, batch: dict[str, jax.Array], *, placeholder: str,
+def accumulate_passes(forward: Callable, loss: Callable, params, rows, plan: PackedPlanArrays, held: jax.Array, *,
                       unit: int, num_micro_batches: int) -> tuple[jax.Array, dict, object]:
     """Gradient accumulation over a packed mini-batch's passes (the packed ``accumulate_micro_batches``).
 
     forward(params, rows, pass_plan) -> [B_m, R] float32, per-token values of the pass's own rows
     (log-probs, the critic's values); loss(values [b, R], rows of b, totals) -> (scalar loss, metrics),
-    for b the rows of a micro-batch or of the whole mini-batch. batch: the mini-batch's [B_m, ...]
-    arrays and its plan (``PACKING_KEYS``), whose passes hold whole blocks of ``unit`` rows: the loss
-    couples only a block's rows (a prompt group), so pass p's gradient is that of the loss with the
-    other passes' rows held at ``batch[placeholder]`` (constants), and the passes' gradients sum to
-    the mini-batch's. The loss and metrics are then those of the padded micro-batches (K =
+    for b the rows of a micro-batch or of the whole mini-batch. rows: the mini-batch's batch without
+    its plan (rl/update_batch.py ``UpdateBatch`` or ``CriticBatch``, [B_m, ...] arrays); plan: its
+    plan, whose passes hold whole blocks of ``unit`` rows: the loss couples only a block's rows (a
+    prompt group), so pass p's gradient is that of the loss with the other passes' rows held at
+    ``held`` [B_m, R] (constants: the batch's old_logp or old_values), and the passes' gradients sum
+    to the mini-batch's. The loss and metrics are then those of the padded micro-batches (K =
     ``num_micro_batches`` strided blocks of ``unit`` rows), at the values the passes computed.
 
     Returns (summed loss, metrics averaged over micro-batches, summed float32 gradients).
     """
-    plan = {k: batch[k] for k in PACKING_KEYS}
-    rows = {k: v for k, v in batch.items() if k not in PACKING_KEYS}
     totals = mini_batch_totals(rows)
-    held = jax.lax.stop_gradient(rows[placeholder].astype(jnp.float32))
+    held = jax.lax.stop_gradient(held.astype(jnp.float32))
 
     def pass_loss(params, one, p):
         out = forward(params, rows, one)
@@ -318,7 +348,7 @@ def accumulate_passes(forward: Callable, loss: Callable, params, batch: dict[str
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
     grads, values = run_passes(body, plan, (zeros, held))
-    micro = {k: split_micro_batches(v, unit, num_micro_batches) for k, v in {**rows, "values": values}.items()}
-    micro = {k: constrain(v, (None, "batch") + (None,) * (v.ndim - 2)) for k, v in micro.items()}
-    losses, metrics = jax.lax.map(lambda mb: loss(mb["values"], mb, totals), micro)
+    micro = jax.tree.map(lambda v: constrain(split_micro_batches(v, unit, num_micro_batches),
+                                             (None, "batch") + (None,) * (v.ndim - 1)), (rows, values))
+    losses, metrics = jax.lax.map(lambda mb: loss(mb[1], mb[0], totals), micro)
     return jnp.sum(losses), jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads

@@ -297,17 +297,28 @@ def _put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryO
     return state, kv, outputs
 
 
+class Inserted(NamedTuple):
+    """What a call's insert program (``_insert_program``) gives its chunk and harvest programs."""
+
+    layout: nnx.State  # the model's state in the decode layout
+    state: CarryState  # the decode state with the new prompts in (donated to the chunks)
+    dropped: jax.Array  # [P] bool: the retired generation's prompts never returned
+    dropped_version: jax.Array  # [] int32: the retired generation's version when any was dropped, else -1
+    carried: jax.Array  # [] int32: rows of earlier calls still running as the call began
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
 def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
                     prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, selection: Selection,
-                    stop_ids: jax.Array, version: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None):
+                    stop_ids: jax.Array, version: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None
+                    ) -> Inserted:
     """A call's first program: retire region ``version mod G``, prefill the new prompts [P, T] with
-    ``params`` into it, token 0 of their rows, the queue rebuilt and the free slots filled.
-    Returns (the decode layout, the state, dropped [P] bool, dropped_version [], carried_rows [])."""
+    ``params`` into it, token 0 of their rows, the queue rebuilt and the free slots filled."""
     _traced()
     G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
-    model, inputs, _, _ = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
-                                   spec.engine, ())
+    prefilled = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine,
+                         ())
+    model, inputs = prefilled.model, prefilled.inputs
     g = jnp.mod(version, G)
     region = lambda index, size: index // size == g  # index in a [G size] array -> in region g
     rows = jnp.arange(R, dtype=jnp.int32)
@@ -336,7 +347,7 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     decode_state = decode.DecodeState(jnp.int32(0), slots, kv, jnp.int32(0), outputs)
     decode_state = decode.refill(_queue(state, stop_ids), _store(state, spec), decode_state, slots.row == R)
     state = _pinned(state._replace(decode=decode_state), shardings)
-    return nnx.state(model), state, dropped, dropped_version, carried
+    return Inserted(nnx.state(model), state, dropped, dropped_version, carried)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
@@ -462,8 +473,9 @@ def _restore_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryStat
     takes a row. Returns (the decode layout, the state)."""
     _traced()
     key = jax.random.wrap_key_data(saved.row_keys[0])  # the prefill's token 0 is not kept: any key
-    model, inputs, _, _ = _prefill(graphdef, params, prompt_tokens, prompt_mask, saved.budgets, key, selection,
-                                   stop_ids, spec.engine, ())
+    prefilled = _prefill(graphdef, params, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids,
+                         spec.engine, ())
+    model, inputs = prefilled.model, prefilled.inputs
     g = jnp.mod(version, spec.generations)
     rows = decode.Outputs(saved.tokens, saved.logprobs, saved.lengths, saved.stopped)
     state, kv, outputs = _put_generation(state, state.decode.kv, state.decode.outputs, spec, g, version, inputs, rows,
@@ -563,11 +575,13 @@ class CarryOverLowered:
                                                self.budgets, self.key, self.selection, self.stop_ids, self.version,
                                                **pinned)
         insert = insert_lowered.compile()
-        layout, state, dropped, dropped_version, carried = _results(insert_lowered, insert)
-        chunk_lowered = _chunk_program.lower(self.graphdef, layout, state, self.selection, self.stop_ids, **pinned)
+        inserted = _results(insert_lowered, insert)
+        chunk_lowered = _chunk_program.lower(self.graphdef, inserted.layout, inserted.state, self.selection,
+                                             self.stop_ids, **pinned)
         chunk = chunk_lowered.compile()
         state = _results(chunk_lowered, chunk)[0]
-        harvest = _harvest_program.lower(state, self.version, dropped, dropped_version, carried, **pinned).compile()
+        harvest = _harvest_program.lower(state, self.version, inserted.dropped, inserted.dropped_version,
+                                         inserted.carried, **pinned).compile()
         restore_lowered = _restore_program.lower(self.graphdef, self.params, state, self.prompt_tokens,
                                                  self.prompt_mask, self.selection, self.stop_ids, self.version,
                                                  self.saved, **pinned)
@@ -741,12 +755,12 @@ class CarryOverSampler:
             self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(self._state))
         pinned = dict(spec=spec, shardings=self._shardings)
         version_array = np.int32(version)
-        layout, state, dropped, dropped_version, carried = _insert_program(
-            self.graphdef, params, self._state, prompt_tokens, prompt_mask, budgets.astype(np.int32), key, selection,
-            stop_ids, version_array, **pinned)
+        inserted = _insert_program(self.graphdef, params, self._state, prompt_tokens, prompt_mask,
+                                   budgets.astype(np.int32), key, selection, stop_ids, version_array, **pinned)
         self._state = None  # donated: a failed call leaves no state to reuse
-        state = run_chunks(lambda state: _chunk_program(self.graphdef, layout, state, selection, stop_ids, **pinned),
-                           state, CarryOverProgress.read, wait)
-        self._state, result = _harvest_program(state, version_array, dropped, dropped_version, carried, **pinned)
+        state = run_chunks(lambda state: _chunk_program(self.graphdef, inserted.layout, state, selection, stop_ids,
+                                                        **pinned), inserted.state, CarryOverProgress.read, wait)
+        self._state, result = _harvest_program(state, version_array, inserted.dropped, inserted.dropped_version,
+                                               inserted.carried, **pinned)
         self._version = version
         return result

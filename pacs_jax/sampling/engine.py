@@ -284,13 +284,20 @@ def _queue_start(model, inputs: QueueInputs, spec: EngineSpec) -> tuple[decode.Q
     return queue, store, state
 
 
+class Prefilled(NamedTuple):
+    """What ``_prefill`` gives the queues (inside a program)."""
+
+    model: nnx.Module  # the model in the decode layout
+    inputs: QueueInputs  # the loop's inputs: the prompts' K/V, token 0 of every row, budgets, keys
+    origin: jax.Array  # [Q] int32: each position's row i*n + j, Q where none
+    prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
+
+
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
              budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec,
-             axes: tuple[str, ...]):
+             axes: tuple[str, ...]) -> Prefilled:
     """Everything before the decode loop: the decode layout, the rows spread over the positions when
-    the batch shards run their own queues (``axes``), the prefill and token 0 of every row.
-    Returns (the model in the decode layout, the loop's ``QueueInputs``, origin [Q] int32: each
-    position's row i*n + j, Q where none, prefill tokens [])."""
+    the batch shards run their own queues (``axes``), the prefill and token 0 of every row."""
     cfg = nnx.merge(graphdef, state).cfg
     model = nnx.merge(graphdef, _decode_layout(state, jnp.dtype(cfg.dtype)))
     n = spec.n
@@ -335,7 +342,7 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
     rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
     inputs = QueueInputs(prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
                          row_keys.reshape(Q), stop_ids)
-    return model, inputs, origin, prefill_tokens
+    return Prefilled(model, inputs, origin, prefill_tokens)
 
 
 def _stacked(tree):
@@ -373,17 +380,28 @@ def _queue_spec(spec: EngineSpec, axes: tuple[str, ...]) -> EngineSpec:
     return spec.per_queue(_shards(axes)) if axes else spec
 
 
+class Started(NamedTuple):
+    """What the sampler's start program (``_start_program``) gives the chunk and finish programs; the
+    per-queue parts stacked on a leading queue axis when the batch shards run their own queues."""
+
+    layout: nnx.State  # the model's state in the decode layout
+    queue: decode.Queue  # each queue's rows waiting for a slot
+    store: object  # each queue's K/V store, its carried arrays (``KVStore.carried``)
+    loop: WidthLoop  # each queue's decode state before its first decode step (donated to the chunks)
+    origin: jax.Array  # [Q] int32: the call's row i*n + j of each queue position's row
+    prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
 def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                   budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *, spec: EngineSpec):
+                   budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, *,
+                   spec: EngineSpec) -> Started:
     """The sampler's first program: the prefill, then each queue's rows, K/V store and decode state
-    before its first decode step. Returns (the decode layout, queue, store, loops (stacked per queue
-    when the batch shards run their own), origin [Q], prefill tokens [])."""
+    before its first decode step."""
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
-    model, inputs, origin, prefill_tokens = _prefill(graphdef, state, prompt_tokens, prompt_mask, budgets, key,
-                                                     selection, stop_ids, spec, axes)
+    prefilled = _prefill(graphdef, state, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec, axes)
     queue_spec = _queue_spec(spec, axes)
 
     def per_queue(layout, inputs):
@@ -392,10 +410,10 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
 
     split, whole = PartitionSpec(axes), PartitionSpec()
     cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
-    layout = nnx.state(model)
-    queue, store, loop = _on_queues(per_queue, axes, (layout,), (inputs,), split_in=(
+    layout = nnx.state(prefilled.model)
+    queue, store, loop = _on_queues(per_queue, axes, (layout,), (prefilled.inputs,), split_in=(
         QueueInputs(cache_split, split, split, split, split, split, split, whole),))
-    return layout, queue, store, loop, origin, prefill_tokens
+    return Started(layout, queue, store, loop, prefilled.origin, prefilled.prefill_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "loop_shardings"),
@@ -548,11 +566,12 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     """
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, budgets)
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
-    layout, queue, store, loop, origin, prefill_tokens = _start_program(graphdef, state, *args, spec=spec)
-    loop_shardings = _carry_shardings(loop, axes)
-    loop = run_chunks(lambda loop: _chunk_program(graphdef, layout, queue, store, args[4], loop, spec=spec, axes=axes,
-                                                  loop_shardings=loop_shardings), loop, DecodeProgress.read, wait)
-    return _finish_program(store, loop, origin, prefill_tokens, spec=spec, axes=axes)
+    started = _start_program(graphdef, state, *args, spec=spec)
+    loop_shardings = _carry_shardings(started.loop, axes)
+    loop = run_chunks(lambda loop: _chunk_program(graphdef, started.layout, started.queue, started.store, args[4], loop,
+                                                  spec=spec, axes=axes, loop_shardings=loop_shardings),
+                      started.loop, DecodeProgress.read, wait)
+    return _finish_program(started.store, loop, started.origin, started.prefill_tokens, spec=spec, axes=axes)
 
 
 def run_chunks(chunk: Callable, loop, read: Callable, wait: Callable | None):
@@ -613,12 +632,14 @@ class SamplerLowered:
 
     def compile(self) -> SamplerCompiled:
         start = self.start.compile()
-        layout, queue, store, loop, origin, prefill_tokens = _results(self.start, start)
-        chunk_lowered = _chunk_program.lower(self.graphdef, layout, queue, store, self.selection, loop, spec=self.spec,
-                                             axes=self.axes, loop_shardings=_carry_shardings(loop, self.axes))
+        started = _results(self.start, start)
+        chunk_lowered = _chunk_program.lower(self.graphdef, started.layout, started.queue, started.store,
+                                             self.selection, started.loop, spec=self.spec, axes=self.axes,
+                                             loop_shardings=_carry_shardings(started.loop, self.axes))
         chunk = chunk_lowered.compile()
         loop = _results(chunk_lowered, chunk)[0]
-        finish = _finish_program.lower(store, loop, origin, prefill_tokens, spec=self.spec, axes=self.axes).compile()
+        finish = _finish_program.lower(started.store, loop, started.origin, started.prefill_tokens, spec=self.spec,
+                                       axes=self.axes).compile()
         return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
 
 
@@ -653,13 +674,24 @@ def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, sett
                           _queue_groups(prompt_tokens.shape[0], spec.slots), _device_bytes(state))
 
 
+class Preamble(NamedTuple):
+    """The arguments of one queue's decode step (``lower_decode_step``) as the sampler's preamble
+    leaves them."""
+
+    layout: nnx.State  # the model's state in the decode layout
+    queue: decode.Queue
+    store: decode.KVStore
+    decode_state: decode.DecodeState
+    selection: Selection
+
+
 def _preamble(graphdef: nnx.GraphDef, spec: EngineSpec) -> Callable:
     """The sampler program's preamble for one queue of all the call's slots: (parameter state, the
-    program's arguments) -> (the decode layout's state, queue, store, decode state, selection)."""
+    program's arguments) -> ``Preamble``."""
 
     def preamble(state, *args):
-        model, inputs, _, _ = _prefill(graphdef, state, *args, spec=spec, axes=())
-        return (nnx.state(model), *_queue_start(model, inputs, spec), args[4])
+        prefilled = _prefill(graphdef, state, *args, spec=spec, axes=())
+        return Preamble(nnx.state(prefilled.model), *_queue_start(prefilled.model, prefilled.inputs, spec), args[4])
 
     return preamble
 
@@ -671,8 +703,8 @@ def lower_prefill(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, set
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
 
     def prefill(state, *args):
-        model, inputs, origin, prefill_tokens = _prefill(graphdef, state, *args, spec=spec, axes=())
-        return nnx.state(model), inputs, origin, prefill_tokens
+        prefilled = _prefill(graphdef, state, *args, spec=spec, axes=())
+        return prefilled._replace(model=nnx.state(prefilled.model))  # the model's state: a program's output
 
     return jax.jit(prefill).lower(state, *args)
 
@@ -686,9 +718,9 @@ def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask,
     concrete is made. The decode state (the page pool or cache rows in it) is donated, as the decode
     loop carries it: the step updates it in place."""
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
-    layout, queue, store, decode_state, selection = jax.eval_shape(_preamble(graphdef, spec), state, *args)
+    pre = jax.eval_shape(_preamble(graphdef, spec), state, *args)
 
     def step(layout, queue, store, selection, decode_state):
         return decode.decode_step(nnx.merge(graphdef, layout), queue, store, selection, decode_state, refills=refills)
 
-    return jax.jit(step, donate_argnums=4).lower(layout, queue, store, selection, decode_state)
+    return jax.jit(step, donate_argnums=4).lower(pre.layout, pre.queue, pre.store, pre.selection, pre.decode_state)

@@ -3,7 +3,7 @@ side of the engine's ``CarryOverSampler`` (sampling/carry_over.py).
 
     prompts = CarryOverRollouts(source, engine)           # the loop's prompt source from here on
     batch = prompts.next_batch()                          # the P prompts of step s's call
-    rows, groups, metrics = prompts.sample(params, s, batch, tokens, mask, key)   # the B = P groups trained
+    call = prompts.sample(params, s, batch, tokens, mask, key)   # a CarriedCall: the B = P groups trained
 
 Step s's call (policy version s: the weights after step s - 1's update) returns the B = P oldest
 complete groups, from its own prompts or earlier calls'; responses still running stay in the engine
@@ -33,7 +33,7 @@ are the same host arrays on every process (``distributed.to_host``).
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+import dataclasses
 
 import jax
 import numpy as np
@@ -75,6 +75,17 @@ def _rows_from_json(packed: dict, max_new_tokens: int) -> SavedRows:
         full[inside] = arrays[name]
         arrays[name] = full
     return SavedRows(**arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class CarriedCall:
+    """One step's carry-over call (``CarryOverRollouts.sample``): B groups of n rows."""
+
+    rows: CarryOverRows  # the engine's rows of the B groups returned (device arrays, [B n, ...])
+    prompts: PromptBatch  # their B prompts, in the rows' order
+    metrics: dict[str, float]  # the call's (``CarryOverRollouts.sample``)
+    decode_steps: int
+    slot_steps: int  # decode steps x slots (engine.SampleArrays.slot_steps)
 
 
 class CarryOverRollouts:
@@ -152,13 +163,13 @@ class CarryOverRollouts:
 
     # ------------------------------------------------------------------------ a step's call
     def sample(self, params, version: int, prompts, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-               key: jax.Array, wait=None) -> tuple[CarryOverRows, tuple[Sequence, Sequence, Sequence], dict, int, int]:
-        """Step ``version``'s call on ``prompts`` (``next_batch``'s, left-padded: [P, T]) -> (the engine's
-        rows of the B groups returned, their prompts (ids, answers, sources), the call's metrics:
-        ``rollout_staleness_mean`` / ``_max`` (policy versions behind, over the returned tokens),
-        ``carried_rows`` (rows of earlier calls in the engine as the call began), ``carry_over_dropped``
-        (prompts dropped as stale by it, queued again), ``slot_utilisation``, ``generated_tokens``
-        (the tokens this call sampled)) and its decode and slot steps."""
+               key: jax.Array, wait=None) -> CarriedCall:
+        """Step ``version``'s call on ``prompts`` (``next_batch``'s, left-padded: [P, T]): the engine's
+        rows of the B groups returned, their prompts, the call's metrics (``rollout_staleness_mean`` /
+        ``_max``: policy versions behind, over the returned tokens; ``carried_rows``: rows of earlier
+        calls in the engine as the call began; ``carry_over_dropped``: prompts dropped as stale by it,
+        queued again; ``slot_utilisation``; ``generated_tokens``: the tokens this call sampled) and its
+        decode and slot steps."""
         batch = list(zip(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources))
         self.inserted[version], self.live[version] = batch, set(range(len(batch)))
         self._in_flight = None  # the engine's rows change: read them again when asked
@@ -185,4 +196,4 @@ class CarryOverRollouts:
                    "carried_rows": float(carried), "carry_over_dropped": float(dropped_count),
                    "slot_utilisation": float(decoded) / max(float(slot_steps), 1.0),
                    "generated_tokens": float(decoded)}
-        return rows, tuple(map(list, zip(*returned))), metrics, int(steps), int(slot_steps)
+        return CarriedCall(rows, PromptBatch(*map(list, zip(*returned))), metrics, int(steps), int(slot_steps))

@@ -3,7 +3,7 @@
     critic = PPOCritic.from_spec(spec, actor)                 # value model + its AdamW, sharded like the actor
     programs = StepPrograms(spec, ..., critic=critic.spec())    # makes the critic's programs (critic_programs)
     actor_batch, metrics = critic.step(programs.critic, rollout.batch)   # values -> GAE -> critic update
-    params, opt_state, ... = programs.update(params, opt_state, actor_batch)  # objective "ppo" reads "advantages"
+    params, opt_state, ... = programs.update(params, opt_state, actor_batch)  # objective "ppo" reads its advantages
 
 ``step`` runs, on the device and on the update batch's row sharding:
   values     one jitted program per update-batch shape: the critic's values [B, R] of the response
@@ -34,7 +34,8 @@ from flax import nnx
 from pacs_jax import checkpoints
 from pacs_jax.models import Qwen, value_model_from_actor
 from pacs_jax.rl import compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values, value_mask
-from pacs_jax.rl.packing import PACKING_KEYS
+from pacs_jax.rl.packing import PackedPlanArrays
+from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
 from pacs_jax.sharding import batch_sharding, state_shardings
 from pacs_jax.training.model_spec import run_options
 from pacs_jax.training.optim import make_optimizer
@@ -47,14 +48,13 @@ from pacs_jax.training.update_step import MiniBatchUpdates, mini_batch_updates
 METRIC_NAMES = {"loss": "value_loss", "critic/explained_variance": "explained_variance",
                 "critic/value_clipfrac": "value_clip_fraction", "grad_norm": "critic_grad_norm",
                 "skipped": "critic_skipped"}
-CRITIC_INPUTS = ("input_ids", "attention_mask", "response_mask")  # what the critic reads of the update batch
 
 
 class CriticPrograms(NamedTuple):
     """The critic's two jitted programs of a step (``critic_programs``)."""
 
-    values: Callable  # (params, batch, packing) -> (advantages, values, returns), each [B, R]
-    update: MiniBatchUpdates  # (params, opt_state, critic_batch) -> (params, opt_state, M metrics dicts)
+    values: Callable  # (params, UpdateBatch, packing) -> (advantages, values, returns), each [B, R]
+    update: MiniBatchUpdates  # (params, opt_state, CriticBatch) -> (params, opt_state, M metrics dicts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +93,19 @@ class PPOCritic:
     def spec(self) -> CriticState:
         return CriticState(self.graphdef, (self.params, self.opt_state), self.optimizer)
 
-    def step(self, programs: CriticPrograms, batch: dict[str, jax.Array], packing: dict | None = None
-             ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-        """Values, GAE and the critic's update on the update ``batch`` (input_ids, attention_mask
-        [B, P + R], response_mask [B, R], rewards [B], ...; dispatched, nothing waits). packing: the
-        step's plans (training/rollout.py ``Rollout.packing``: "logprob" for the values, "critic" for
-        the update, each its arrays by rl/packing.py PACKING_KEYS) or None. Returns the actor's batch (``batch`` plus
-        advantages [B, R]) and the critic's metrics, a dict a mini-batch."""
+    def step(self, programs: CriticPrograms, batch: UpdateBatch, packing: dict[str, PackedPlanArrays] | None = None
+             ) -> tuple[UpdateBatch, list[dict[str, jax.Array]]]:
+        """Values, GAE and the critic's update on the update ``batch`` (``UpdateBatch`` with rewards;
+        dispatched, nothing waits). packing: the step's plans (training/rollout.py ``Rollout.packing``:
+        "logprob" for the values, "critic" for the update) or None. Returns the actor's batch (``batch``
+        with advantages [B, R]) and the critic's metrics, a dict a mini-batch."""
         packing = packing or {}
-        advantages, values, returns = programs.values(
-            self.params, {k: v for k, v in batch.items() if k not in PACKING_KEYS}, packing.get("logprob"))
-        critic_batch = {**{k: batch[k] for k in CRITIC_INPUTS}, "old_values": values, "returns": returns,
-                        **packing.get("critic", {})}
+        advantages, values, returns = programs.values(self.params, batch.replace(packing=None), packing.get("logprob"))
+        critic_batch = CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask, values, returns,
+                                   packing.get("critic"))
         self.params, self.opt_state, metrics = programs.update(self.params, self.opt_state, critic_batch)
-        return {**batch, "advantages": advantages}, [{name: m[key] for key, name in METRIC_NAMES.items()} for m in metrics]
+        return (batch.replace(advantages=advantages),
+                [{name: m[key] for key, name in METRIC_NAMES.items()} for m in metrics])
 
 
 def critic_optimizer(cc: CriticSpec):
@@ -133,20 +132,21 @@ def critic_programs(graphdef: nnx.GraphDef, optimizer, shardings, *, gamma: floa
                     loss_agg_mode: str = "token-mean", norm_length: int | None = None) -> CriticPrograms:
     """The critic's two jitted programs (the module docstring), for real or abstract state:
     ``values(params, batch, packing=None) -> (advantages, values, returns)`` and
-    ``update(params, opt_state, critic_batch) -> (params, opt_state, metrics)``. ``shardings``: the
+    ``update(params, opt_state, critic_batch) -> (params, opt_state, metrics)`` (rl/update_batch.py
+    ``UpdateBatch`` and ``CriticBatch``). ``shardings``: the
     (params, opt_state) shardings the update keeps. values_micro_batches: forward passes of the values pass."""
     rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
 
     def values_and_advantages(params, batch, packing=None):
         """The update batch -> (whitened advantages, values, returns), each [B, R] float32; values times
         verl's critic mask (what verl's compute_values returns: the value loss's old values). packing:
-        None or the values pass's plan arrays (rl/packing.py PACKING_KEYS)."""
-        mask = batch["response_mask"].astype(jnp.float32)
-        critic_mask = value_mask(batch["attention_mask"], mask.shape[1])
-        values = micro_batched_values(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
+        None or the values pass's plan."""
+        mask = batch.response_mask.astype(jnp.float32)
+        critic_mask = value_mask(batch.attention_mask, mask.shape[1])
+        values = micro_batched_values(nnx.merge(graphdef, params), batch.input_ids, batch.attention_mask,
                                       mask.shape[1], num_micro_batches=values_micro_batches,
                                       packing=packing) * critic_mask
-        advantages, returns = compute_gae(last_token_rewards(batch["rewards"], mask), values, mask, gamma, lam,
+        advantages, returns = compute_gae(last_token_rewards(batch.rewards, mask), values, mask, gamma, lam,
                                           value_mask=critic_mask)
         return advantages, values, returns
 

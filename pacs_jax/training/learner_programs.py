@@ -22,7 +22,8 @@ from flax import nnx
 
 from pacs_jax import sharding
 from pacs_jax.rl.bypass import Bypass
-from pacs_jax.rl.packing import PackedPlan, plan_packing, plan_shape
+from pacs_jax.rl.packing import PackedPlan, PackedPlanArrays, plan_packing, plan_shape
+from pacs_jax.rl.update_batch import CriticBatch, SFTBatch, UpdateBatch
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
 from pacs_jax.training import memory_check, warmstart
 from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
@@ -122,13 +123,14 @@ class LearnerPrograms:
                                    packed_length=self.packed_length, **layout)
                 for name, layout in self._layouts().items()}
 
-    def abstract_packing(self, name: str) -> dict[str, jax.ShapeDtypeStruct]:
-        """The plan arrays (rl/packing.py ``PACKING_KEYS``) of pass ``name``, abstract."""
+    def abstract_packing(self, name: str) -> PackedPlanArrays:
+        """The plan arrays of pass ``name``, abstract (int32 ``jax.ShapeDtypeStruct``s)."""
         lay = self._layouts()[name]
         shapes = plan_shape(self.num_prompts * self.n, mini_batches=lay["mini_batches"], passes=lay["passes"],
                             shards=lay["shards"], rows=lay["rows"], packed_length=self.packed_length,
                             response_width=self.pass_widths[1])
-        return {k: self.abstract_rows(shape, jnp.int32) for k, shape in shapes.items()}
+        return jax.tree.map(lambda shape: self.abstract_rows(shape, jnp.int32), shapes,
+                            is_leaf=lambda x: isinstance(x, tuple))
 
     def init_optimizer(self, params):
         """AdamW's initial state for ``params``, in the shardings the update keeps."""
@@ -150,19 +152,16 @@ class LearnerPrograms:
         """A per-row array of a step, abstract, with its sharding."""
         return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
 
-    def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """The actor's update batch of a (prompt bucket, response bucket) (PPO: with advantages [B, R])."""
+    def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> UpdateBatch:
+        """The actor's update batch of a (prompt bucket, response bucket), abstract (PPO: with advantages;
+        the rollout correction: with its weights; no packing plan)."""
         B, rows = self.num_prompts * self.n, self.abstract_rows
-        batch = {"input_ids": rows((B, prompt_bucket + response_bucket), jnp.int32),
-                 "attention_mask": rows((B, prompt_bucket + response_bucket), jnp.int32),
-                 "response_mask": rows((B, response_bucket), jnp.float32),
-                 "old_logp": rows((B, response_bucket), jnp.float32),
-                 "rewards": rows((B,), jnp.float32)}
-        if self.critic is not None:
-            batch["advantages"] = rows((B, response_bucket), jnp.float32)
-        if self.rollout_correction is not None:
-            batch["rollout_is_weights"] = rows((B, response_bucket), jnp.float32)
-        return batch
+        per_token = rows((B, response_bucket), jnp.float32)
+        return UpdateBatch(input_ids=rows((B, prompt_bucket + response_bucket), jnp.int32),
+                           attention_mask=rows((B, prompt_bucket + response_bucket), jnp.int32),
+                           response_mask=per_token, old_logp=per_token, rewards=rows((B,), jnp.float32),
+                           advantages=per_token if self.critic is not None else None,
+                           rollout_is_weights=per_token if self.rollout_correction is not None else None)
 
     # ------------------------------------------------------------------------ the list of programs
     def programs(self, prompt_buckets, response_buckets, with_warmstart: bool = False) -> list[Program]:
@@ -182,9 +181,9 @@ class LearnerPrograms:
         if with_warmstart and self.warmstart is not None:
             batch_rows, prompt, response = self.warmstart_rows
             warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, params))
-            warm_batch = {"input_ids": rows((batch_rows, prompt + response), jnp.int32),
-                          "attention_mask": rows((batch_rows, prompt + response), jnp.int32),
-                          "response_mask": rows((batch_rows, response), jnp.float32)}
+            warm_batch = SFTBatch(input_ids=rows((batch_rows, prompt + response), jnp.int32),
+                                  attention_mask=rows((batch_rows, prompt + response), jnp.int32),
+                                  response_mask=rows((batch_rows, response), jnp.float32))
             out.append(Program("warmstart", f"{batch_rows} prompts x {prompt}+{response} tokens",
                                lambda: self.warmstart.step.lower(*warm_state, warm_batch), (*warm_state, warm_batch),
                                0))  # before RL: neither RL's AdamW state nor a critic exists yet
@@ -218,18 +217,18 @@ class LearnerPrograms:
                                    (call_logp, *per_row), actor_bytes + critic_bytes))
         return out
 
-    def _pass_programs(self, batch: dict, passes: str, updates: str, plans: dict, opt_bytes: int, actor_bytes: int,
-                       critic_bytes: int) -> list[Program]:
+    def _pass_programs(self, batch: UpdateBatch, passes: str, updates: str, plans: dict[str, PackedPlanArrays],
+                       opt_bytes: int, actor_bytes: int, critic_bytes: int) -> list[Program]:
         """The programs of the passes over an update batch, in a step's order: pi_old, PPO's critic_values
         and critic_update, update. Padded (``plans`` empty): all of them; packed: those of the pass whose
-        plan ``plans`` holds ({pass name: its plan arrays by name}: "logprob" makes pi_old and
+        plan ``plans`` holds ({pass name: its plan arrays}: "logprob" makes pi_old and
         critic_values, "critic" critic_update, "update" the update)."""
         params, opt_state = self.state
         packed = bool(plans)
         out = []
-        prompts = self.abstract_rows((self.num_prompts, batch["input_ids"].shape[1] - batch["old_logp"].shape[1]),
+        prompts = self.abstract_rows((self.num_prompts, batch.input_ids.shape[1] - batch.old_logp.shape[1]),
                                      jnp.int32)
-        responses = self.abstract_rows(batch["old_logp"].shape, jnp.int32)
+        responses = self.abstract_rows(batch.old_logp.shape, jnp.int32)
         if self.bypass is not None and (not packed or "logprob" in plans):
             K = self.sampler_calls
             call_logp = (self.abstract_rows((responses.shape[0] // K, self.max_new_tokens), jnp.float32),) * K
@@ -244,19 +243,18 @@ class LearnerPrograms:
         if self.critic is not None:
             critic_params, critic_opt = self.critic_state.state
             if not packed or "logprob" in plans:
-                values_batch = {k: v for k, v in batch.items() if k != "advantages"}
-                args = (critic_params, values_batch, plans.get("logprob"))
+                args = (critic_params, batch.replace(advantages=None), plans.get("logprob"))
                 out.append(Program("critic_values", passes + ", then GAE", lambda a=args: self.critic.values.lower(*a),
                                    args, actor_bytes + memory_check.per_device_bytes(critic_opt)))
             if not packed or "critic" in plans:
-                critic_batch = {**{k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")},
-                                "old_values": batch["advantages"], "returns": batch["advantages"],
-                                **plans.get("critic", {})}
+                critic_batch = CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                           old_values=batch.advantages, returns=batch.advantages,
+                                           packing=plans.get("critic"))
                 args = (critic_params, critic_opt, critic_batch)
                 out.append(Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args,
                                    actor_bytes))
         if not packed or "update" in plans:
-            actor_batch = {**batch, **plans.get("update", {})}
+            actor_batch = batch.replace(packing=plans.get("update"))
             args = (params, opt_state, actor_batch)
             out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
         return out

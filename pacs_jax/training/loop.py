@@ -144,11 +144,11 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                                            warn=lambda line: print(line, flush=True) if primary else None)
     start = saved = 0  # saved: the newest step with a checkpoint
     if restored is not None:
-        start, (params, opt_state, meta, critic_state) = restored
+        start, params, opt_state = restored.step, restored.params, restored.opt_state
         saved = start
         if critic is not None:
-            critic.params, critic.opt_state = critic_state
-        prompts.set_state(meta["data_state"])
+            critic.params, critic.opt_state = restored.critic
+        prompts.set_state(restored.meta["data_state"])
         if primary:
             print(f"resumed from step {start} (checkpoint {checkpointer.directory / str(start)}); "
                   + (f"training steps {start + 1} to {tc.steps}" if start < tc.steps else

@@ -2,8 +2,8 @@
 under the weights that sampled them (docs/design.md section 3.4).
 
     passes = old_policy_passes(graphdef, temperature=T, num_micro_batches=K)   # training/step_programs.py
-    batch, entropy_means = passes(params, prompt_tokens, prompt_mask, tokens, response_mask)
-    # packed (train.packing): passes(..., packing=plan arrays, passes=the plan's pass count)
+    batch, entropy_means = passes(params, prompt_tokens, prompt_mask, tokens, response_mask)   # an UpdateBatch
+    # packed (train.packing): passes(..., packing=the plan's PackedPlanArrays, passes=the plan's pass count)
 
 One jitted program computes one pass (``rl.logprobs_of_pass``: a padded micro-batch of B / K strided
 rows, or a packed pass of the plan) into the step's log-prob and entropy buffers, which it donates
@@ -25,6 +25,8 @@ from flax import nnx
 
 from pacs_jax import distributed, sharding
 from pacs_jax.rl import logprobs_of_pass
+from pacs_jax.rl.packing import PackedPlanArrays
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.sharding import batch_sharding, constrain
 from pacs_jax.training.rollout_consistency import sampler_rows
 
@@ -33,9 +35,9 @@ from pacs_jax.training.rollout_consistency import sampler_rows
 class OldPolicyPasses:
     """``(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None, passes=None) ->
     (update batch without rewards, entropy_means)``: prompts [P, Tp], responses [P*n, R] -> the update
-    batch (input_ids, attention_mask [P*n, Tp + R] int32; response_mask, old_logp [P*n, R] float32)
-    and, a pass, the mean entropy of the response tokens of the passes so far ([] float32 each: the
-    last one's is the step's).
+    batch (rl/update_batch.py ``UpdateBatch``: input_ids, attention_mask [P*n, Tp + R] int32;
+    response_mask, old_logp [P*n, R] float32) and, a pass, the mean entropy of the response tokens of
+    the passes so far ([] float32 each: the last one's is the step's).
 
     program: jitted ``(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy,
     k, packing) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp and entropy donated.
@@ -46,7 +48,8 @@ class OldPolicyPasses:
     num_micro_batches: int
 
     def __call__(self, params, prompt_tokens, prompt_mask, tokens, response_mask,
-                 packing: dict | None = None, passes: int | None = None) -> tuple[dict, list[jax.Array]]:
+                 packing: PackedPlanArrays | None = None, passes: int | None = None
+                 ) -> tuple[UpdateBatch, list[jax.Array]]:
         if (packing is None) != (passes is None):
             raise ValueError("packed pi_old takes the plan's arrays and its number of passes together")
         logp, entropy = (distributed.put_rows(np.zeros(tokens.shape, np.float32), batch_sharding(tokens.shape))
@@ -55,11 +58,11 @@ class OldPolicyPasses:
         for k in range(self.num_micro_batches if passes is None else passes):
             batch, entropy, mean = self.program(params, prompt_tokens, prompt_mask, tokens, response_mask,
                                                 logp, entropy, np.int32(k), packing)
-            logp = batch["old_logp"]
+            logp = batch.old_logp
             means.append(mean)
         return batch, means
 
-    def lower(self, params, prompt_tokens, prompt_mask, tokens, response_mask, packing: dict | None = None
+    def lower(self, params, prompt_tokens, prompt_mask, tokens, response_mask, packing: PackedPlanArrays | None = None
               ) -> jax.stages.Lowered:
         """The one program of every pass, lowered on (abstract) arguments."""
         buffer = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=batch_sharding(tokens.shape))
@@ -85,11 +88,9 @@ def sampler_as_old_policy() -> jax.stages.Wrapped:
 
     def assemble(sampler_logp, prompt_tokens, prompt_mask, tokens, response_mask):
         ids, mask = update_rows(prompt_tokens, prompt_mask, tokens, response_mask)
-        return {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask.astype(jnp.float32),
-                "old_logp": sampler_rows(sampler_logp, tokens.shape[1])}
+        return UpdateBatch(ids, mask, response_mask.astype(jnp.float32), sampler_rows(sampler_logp, tokens.shape[1]))
 
-    return jax.jit(assemble, out_shardings={"input_ids": rows, "attention_mask": rows, "response_mask": rows,
-                                            "old_logp": rows})
+    return jax.jit(assemble, out_shardings=rows)
 
 
 def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_batches: int,
@@ -107,9 +108,7 @@ def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_b
             temperature=temperature, with_entropy=True, packing=packing, **extra)
         response_mask = response_mask.astype(jnp.float32)
         entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
-        return ({"input_ids": ids, "attention_mask": mask, "response_mask": response_mask, "old_logp": old_logp},
-                entropy, entropy_mean)
+        return UpdateBatch(ids, mask, response_mask, old_logp), entropy, entropy_mean
 
-    out = ({"input_ids": rows, "attention_mask": rows, "response_mask": rows, "old_logp": rows}, rows,
-           sharding.replicated())
+    out = (rows, rows, sharding.replicated())  # every array of the batch: rows
     return OldPolicyPasses(jax.jit(one_pass, donate_argnums=(5, 6), out_shardings=out), K)

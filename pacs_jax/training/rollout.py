@@ -45,6 +45,8 @@ from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, ScoredBatch, reward_for, score_metrics
 from pacs_jax.sharding import batch_sharding, replicated
 from pacs_jax.rl import filter_groups
+from pacs_jax.rl.packing import PackedPlanArrays
+from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.training import dynamic_sampling, rollout_consistency
 from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.dynamic_sampling import CallRows
@@ -61,11 +63,10 @@ REWARD_DEADLINE_RETRIES = 1  # rounds with a fresh reward deadline for what the 
 class Rollout:
     """One step's rollout: the update batch (global device arrays) and what the host saw."""
 
-    batch: dict[str, jax.Array]  # input_ids, attention_mask [B, P+R]; response_mask, old_logp [B, R]; rewards [B];
-    #                              packed: the update's plan arrays (rl/packing.py PACKING_KEYS)
+    batch: UpdateBatch  # with rewards [B]; packed: with the update's plan
     rewards: np.ndarray  # [B] every row's reward (the same on every process)
     metrics: dict[str, float]  # over all rows of all processes
-    packing: dict[str, dict[str, jax.Array]] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
+    packing: dict[str, PackedPlanArrays] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
     #                              plans ("logprob": the values, "critic": its update), when packed
 
 
@@ -144,9 +145,9 @@ class OldPolicy:
     packing plans, the packing metrics, and the sampler / pi_old comparison's and the correction's
     metrics (device scalars)."""
 
-    batch: dict[str, jax.Array]
+    batch: UpdateBatch
     entropy_means: list[jax.Array]
-    packing: dict[str, dict[str, jax.Array]]
+    packing: dict[str, PackedPlanArrays]
     packing_stats: dict[str, float]
     mismatch: dict[str, jax.Array]
 
@@ -176,12 +177,13 @@ class RolloutCollector:
 
     def __init__(self, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str], reward_pool: RewardPool,
                  reward_name: str, reward_deadline: float | None = None, max_unscored_fraction: float | None = None,
-                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec = FilterGroupsSpec(),
+                 max_logprob_diff: float = 0.0, filter_groups: FilterGroupsSpec | None = None,
                  carry: CarryOverRollouts | None = None):
         self.programs, self.max_logprob_diff = programs, max_logprob_diff
         self.decode, self.pool, self.reward_name = decode, reward_pool, reward_name
         self.reward_deadline, self.max_unscored_fraction = reward_deadline, max_unscored_fraction
-        self.filter_groups, self.carry = filter_groups, carry
+        self.filter_groups = filter_groups or FilterGroupsSpec.disabled()  # None: no dynamic sampling
+        self.carry = carry
 
     @classmethod
     def from_spec(cls, spec: RunSpec, programs: StepPrograms, *, decode: Callable[[Sequence[int]], str],
@@ -249,14 +251,14 @@ class RolloutCollector:
             watch.wait(progress, lambda: "carry-over call: " + (
                 f"{last.groups} groups complete, {last.running} rows running" if last else "insert"))
 
-        rows, (ids, golds, sources), metrics, decode_steps, slot_steps = self.carry.sample(
-            state, version, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
+        call = self.carry.sample(state, version, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
+        rows = call.rows
         lengths, stopped = distributed.to_host((rows.lengths, rows.stopped))
-        kept = PromptBatch(ids, golds, sources)
-        bucket = pick_bucket(max(len(p) for p in ids), self.programs.sampler.prompt_buckets, "a prompt")
-        sampled = self._rows(kept, (CallRows(rows.tokens, rows.logprobs, rows.lengths),), bucket, lengths, stopped,
-                             decode_steps, slot_steps)
-        return dataclasses.replace(sampled, metrics=metrics)
+        bucket = pick_bucket(max(len(p) for p in call.prompts.prompt_ids), self.programs.sampler.prompt_buckets,
+                             "a prompt")
+        sampled = self._rows(call.prompts, (CallRows(rows.tokens, rows.logprobs, rows.lengths),), bucket, lengths,
+                             stopped, call.decode_steps, call.slot_steps)
+        return dataclasses.replace(sampled, metrics=call.metrics)
 
     def _rows(self, prompts: PromptBatch, calls: tuple[CallRows, ...], prompt_bucket: int, lengths: np.ndarray,
               stopped: np.ndarray, decode_steps: int, slot_steps: int) -> SampledRows:
@@ -275,7 +277,7 @@ class RolloutCollector:
                            np.repeat([len(p) for p in prompt_ids], programs.sampler.n), lengths, stopped, prompt_bucket, R,
                            decode_steps, slot_steps, rows, local_tokens[:, :R])
 
-    def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[dict[str, jax.Array], list[jax.Array], dict,
+    def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[UpdateBatch, list[jax.Array], dict,
                                                                           dict]:
         """Dispatch pi_old's passes on a ``sample`` result (asynchronous): (update batch without
         rewards, the mean entropy of the responses after each pass (the last: all of them), the passes'
@@ -295,11 +297,11 @@ class RolloutCollector:
                 batch, entropy = programs.learner.pi_old(state, *args)
             return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
         plans = programs.learner.packing_plans(sampled.prompt_lengths, sampled.lengths)
-        on_device = {name: {k: self._put(v) for k, v in plan.arrays().items()} for name, plan in plans.items()}
+        on_device = {name: jax.tree.map(self._put, plan.arrays()) for name, plan in plans.items()}
         (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
         if not bypass:
             batch, entropy = programs.learner.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
-        batch = {**batch, **on_device.pop("update")}
+        batch = batch.replace(packing=on_device.pop("update"))
         computed = plans["logprob"].tokens_computed * ((passes - bypass) // 2) + plans["update"].tokens_computed
         if "critic" in plans:
             computed += plans["critic"].tokens_computed
@@ -389,11 +391,12 @@ class RolloutCollector:
         batch, entropy_means, packing, packing_stats = self.old_policy(state, sampled)
         learner = self.programs.learner
         mismatch = ({} if learner.bypass is not None else  # bypass: no pi_old to compare with
-                    learner.rollout_consistency(sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"]))
+                    learner.rollout_consistency(sampled.sampler_logprobs, batch.old_logp, batch.response_mask))
         correction = {}
         if learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
-            batch["rollout_is_weights"], batch["response_mask"], correction = learner.rollout_correction(
-                sampled.sampler_logprobs, batch["old_logp"], batch["response_mask"])
+            weights, response_mask, correction = learner.rollout_correction(sampled.sampler_logprobs, batch.old_logp,
+                                                                            batch.response_mask)
+            batch = batch.replace(rollout_is_weights=weights, response_mask=response_mask)
         return OldPolicy(batch, entropy_means, packing, packing_stats, {**mismatch, **correction})
 
     def _wait_old_policy(self, dispatched: OldPolicy, watch: StepWatch, times: dict[str, float],
@@ -416,7 +419,7 @@ class RolloutCollector:
                  extra: dict[str, float]) -> Rollout:
         """The step's ``Rollout``: the update batch with the rewards, and the step's metrics (``extra``:
         the sampler's own and the phases' seconds)."""
-        batch = {**dispatched.batch, "rewards": self._put(scores.rewards)}
+        batch = dispatched.batch.replace(rewards=self._put(scores.rewards))
         rewards, lengths = scores.rewards, sampled.lengths
         reward_metrics = score_metrics(rewards, scores.statuses, restarts=scores.restarts, seconds=scores.seconds)
         reward_metrics["deadline_retried"] = float(scores.deadline_retried)

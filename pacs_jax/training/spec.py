@@ -4,6 +4,10 @@
     spec.rollout.sampler.call_settings(responses)       # a section, with what is derived from it
     dataclasses.replace(spec, train=dataclasses.replace(spec.train, packed_rows=8))   # a tool's edit
 
+The config schema has one source, configs/base.py (every field, its default and its comment): a
+section's dataclass declares the fields it reads, with no defaults, and takes every value from the
+config (tests/test_config_schema.py holds the two to each other).
+
 Each section is a frozen dataclass that checks its own values in ``__post_init__``; ``RunSpec`` checks
 how the sections fit together (divisibility, the mesh against the devices, the packed layouts, the
 sampler's slots and pages) and derives what more than one module needs (micro-batch rows, the packed
@@ -172,8 +176,8 @@ class RolloutSpec:
     micro_batches: int
     max_logprob_diff: float
     sampler: SamplerSpec
-    carry_over: bool = False
-    max_staleness: int = 1
+    carry_over: bool
+    max_staleness: int
 
     @classmethod
     def from_config(cls, section) -> RolloutSpec:
@@ -214,25 +218,28 @@ class RolloutSpec:
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrectionSpec:
     """``config.algorithm.rollout_correction`` (verl's fields, rl/rollout_correction.py), a preset's fields
-    under those set; every value checked. ``enabled``: weights or rejection are on."""
+    under those set (left at the schema's defaults); every value checked. ``enabled``: weights or
+    rejection are on."""
 
-    rollout_is: str | None = None
-    rollout_is_threshold: float | str = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | str | None = None
-    bypass_mode: bool = False
-    loss_type: str = "ppo_clip"
+    rollout_is: str | None
+    rollout_is_threshold: float | str
+    rollout_is_batch_normalize: bool
+    rollout_rs: str | None
+    rollout_rs_threshold: float | str | None
+    bypass_mode: bool
+    loss_type: str
 
     @classmethod
     def from_config(cls, section) -> RolloutCorrectionSpec:
-        fields = {f.name: _plain(section[f.name]) for f in dataclasses.fields(cls)}
+        fields = _fields(cls, section)
         preset = section.preset
         if preset:
+            from configs import base  # the schema's defaults: a field still at its default takes the preset's
+
             require(preset in rollout_correction.PRESETS, "algorithm.rollout_correction.preset",
                     f"{preset!r} is not one of {sorted(rollout_correction.PRESETS)}")
-            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-            fields.update({k: v for k, v in rollout_correction.PRESETS[preset].items() if fields[k] == defaults[k]})
+            unset = _fields(cls, base.get_config().algorithm.rollout_correction)
+            fields.update({k: v for k, v in rollout_correction.PRESETS[preset].items() if fields[k] == unset[k]})
         return cls(**fields)
 
     def __post_init__(self):
@@ -268,9 +275,14 @@ class RolloutCorrectionSpec:
 class FilterGroupsSpec:
     """``config.algorithm.filter_groups``: DAPO's dynamic sampling (verl's fields, rl/filter_groups.py)."""
 
-    enable: bool = False
-    metric: str = "acc"
-    max_num_gen_batches: int = 10
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+    @classmethod
+    def disabled(cls) -> FilterGroupsSpec:
+        """Dynamic sampling off (its other fields are not read)."""
+        return cls(enable=False, metric=filter_groups.FILTER_METRICS[0], max_num_gen_batches=0)
 
     def __post_init__(self):
         field = "algorithm.filter_groups."
@@ -287,8 +299,8 @@ class AlgorithmSpec:
 
     objective: str
     options: dict[str, Any]
-    rollout_correction: RolloutCorrectionSpec = RolloutCorrectionSpec()
-    filter_groups: FilterGroupsSpec = FilterGroupsSpec()
+    rollout_correction: RolloutCorrectionSpec
+    filter_groups: FilterGroupsSpec
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
@@ -601,13 +613,14 @@ class WarmstartSpec:
 @dataclasses.dataclass(frozen=True)
 class EvalSettingsSpec:
     """One evaluation's sampling (``eval.periodic``, ``eval.final``, an ``eval.final.per_set`` entry:
-    ``field``, for messages); max_new_tokens None: ``eval.max_new_tokens``."""
+    ``field``, for messages); max_new_tokens: a per-set entry's, None for periodic and final
+    (``eval.max_new_tokens``)."""
 
     field: str
     n: int
     temperature: float
     top_p: float
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None
 
     def __post_init__(self):
         field = self.field
@@ -661,8 +674,9 @@ class EvalSpec:
             per_set[name] = EvalSettingsSpec(field, **settings)
         return cls(sets=names, set_files=dict(ec.set_files), data_dir=ec.data_dir, max_new_tokens=ec.max_new_tokens,
                    max_problems=ec.max_problems, batch_size=ec.batch_size, sampler=sampler, before_rl=ec.before_rl,
-                   every=ec.periodic.every, periodic=EvalSettingsSpec("eval.periodic", **periodic),
-                   final=EvalSettingsSpec("eval.final", **final), greedy=ec.final.greedy, per_set=per_set)
+                   every=ec.periodic.every, periodic=EvalSettingsSpec("eval.periodic", **periodic, max_new_tokens=None),
+                   final=EvalSettingsSpec("eval.final", **final, max_new_tokens=None), greedy=ec.final.greedy,
+                   per_set=per_set)
 
     @property
     def per_set_settings(self) -> dict[str, EvalSettings]:

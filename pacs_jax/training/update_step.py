@@ -26,6 +26,7 @@ from flax import nnx
 
 from pacs_jax.rl import loss_and_grad_fn
 from pacs_jax.rl.bypass import Bypass
+from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
 from pacs_jax.sharding import constrain
 
 
@@ -33,7 +34,8 @@ from pacs_jax.sharding import constrain
 class MiniBatchUpdates:
     """``(params, opt_state, batch) -> (params, opt_state, metrics)``: ``num_mini_batches`` optimizer
     steps, mini-batch k being rows k * B / M .. (k + 1) * B / M - 1 of every [B, ...] array of the batch
-    (of a packing plan's pack_index [M S K N, Lp]: its k-th M-th), as M dispatches of ``program``.
+    (rl/update_batch.py ``UpdateBatch`` or ``CriticBatch``; of a packing plan's pack_index
+    [M S K N, Lp]: its k-th M-th), as M dispatches of ``program``.
     metrics: M dicts, one a mini-batch, each of [] arrays (loss_and_grad's metrics plus loss, grad_norm
     and skipped 0/1), computed when that mini-batch's step is.
 
@@ -44,8 +46,8 @@ class MiniBatchUpdates:
     program: Callable
     num_mini_batches: int
 
-    def __call__(self, params, opt_state, batch: dict) -> tuple[Any, Any, list[dict]]:
-        rows = batch["response_mask"].shape[0]
+    def __call__(self, params, opt_state, batch: UpdateBatch | CriticBatch) -> tuple[Any, Any, list[dict]]:
+        rows = batch.response_mask.shape[0]
         if rows % self.num_mini_batches:
             raise ValueError(f"num_mini_batches={self.num_mini_batches} does not divide the batch of {rows} rows")
         metrics = []
@@ -54,7 +56,7 @@ class MiniBatchUpdates:
             metrics.append(mini)
         return params, opt_state, metrics
 
-    def lower(self, params, opt_state, batch: dict) -> jax.stages.Lowered:
+    def lower(self, params, opt_state, batch: UpdateBatch | CriticBatch) -> jax.stages.Lowered:
         """The one program of every mini-batch, lowered on (abstract) arguments."""
         return self.program.lower(params, opt_state, batch, jax.ShapeDtypeStruct((), jnp.int32))
 
@@ -68,8 +70,8 @@ def mini_batch_updates(loss_and_grad: Callable, optimizer: optax.GradientTransfo
     M = num_mini_batches
 
     def step(params, opt_state, batch, k):
-        mini = {key: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]), (None, "batch") + (None,) * (v.ndim - 1))[k]
-                for key, v in batch.items()}
+        mini = jax.tree.map(lambda v: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]),
+                                                (None, "batch") + (None,) * (v.ndim - 1))[k], batch)
         loss, metrics, grads = loss_and_grad(params, mini)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -92,9 +94,8 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
     """The actor's update: the ``MiniBatchUpdates`` of ``rl.loss_and_grad_fn`` (``objective``),
     ``(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)``.
 
-    batch: the update batch of pacs_jax.rl.loss_and_grad (input_ids [B, L], attention_mask [B, L],
-    response_mask [B, R], old_logp [B, R], rewards [B]; objective "ppo": advantages [B, R]) holding
-    whole groups of ``group_size``. bypass: the rollout correction's bypass mode (rl/bypass.py; old_logp
+    batch: rl/update_batch.py ``UpdateBatch`` (objective "ppo": with advantages) holding whole groups of
+    ``group_size``. bypass: the rollout correction's bypass mode (rl/bypass.py; old_logp
     are then the sampler's).
     """
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}

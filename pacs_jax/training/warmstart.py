@@ -39,6 +39,7 @@ from pacs_jax.data import PromptExample
 from pacs_jax.models import Qwen
 from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import response_logprobs
+from pacs_jax.rl.update_batch import SFTBatch
 from pacs_jax.sampling.buckets import left_pad
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, state_shardings
 from pacs_jax.training.spec import WarmstartSpec
@@ -54,11 +55,10 @@ class WarmStartResult:
 
 
 def sft_batch(examples: Sequence[PromptExample], responses: Sequence[Sequence[int]], prompt_length: int,
-              response_length: int) -> dict[str, np.ndarray]:
-    """Prompts left-padded to ``prompt_length``, target responses right-padded to ``response_length``.
-
-    Returns input_ids, attention_mask [B, prompt_length + response_length] int32 and
-    response_mask [B, response_length] float32 (1 on the target's tokens).
+              response_length: int) -> SFTBatch:
+    """Prompts left-padded to ``prompt_length``, target responses right-padded to ``response_length``:
+    input_ids, attention_mask [B, prompt_length + response_length] int32 and response_mask
+    [B, response_length] float32 (1 on the target's tokens), host arrays.
     """
     prompts, prompt_mask = left_pad([e.prompt_ids for e in examples], len(examples), prompt_length)
     tokens = np.zeros((len(examples), response_length), np.int32)
@@ -68,9 +68,8 @@ def sft_batch(examples: Sequence[PromptExample], responses: Sequence[Sequence[in
                              f"{len(response)} tokens")
         tokens[row, :len(response)] = response
     mask = (np.arange(response_length)[None, :] < np.array([len(r) for r in responses])[:, None]).astype(np.int32)
-    return {"input_ids": np.concatenate([prompts, tokens], axis=1),
-            "attention_mask": np.concatenate([prompt_mask, mask], axis=1),
-            "response_mask": mask.astype(np.float32)}
+    return SFTBatch(input_ids=np.concatenate([prompts, tokens], axis=1),
+                    attention_mask=np.concatenate([prompt_mask, mask], axis=1), response_mask=mask.astype(np.float32))
 
 
 class SFTStep(NamedTuple):
@@ -91,16 +90,17 @@ def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params) -> SFTStep:
 
 def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int,
                   state_shardings: tuple | None = None):
-    """A jitted (params, opt_state, batch) -> (params, opt_state, loss) step; state buffers donated.
+    """A jitted (params, opt_state, batch: ``SFTBatch``) -> (params, opt_state, loss) step; state buffers
+    donated.
 
     state_shardings: the (params, opt_state) shardings its outputs keep (``sharding.state_shardings``), so that step 2 runs the program step 1 compiled (default: XLA's choice, which
     can name the same layout differently, P() for P(None,), and compile the step a second time).
     """
 
     def loss_fn(params, batch):
-        logp = response_logprobs(nnx.merge(graphdef, params), batch["input_ids"], batch["attention_mask"],
+        logp = response_logprobs(nnx.merge(graphdef, params), batch.input_ids, batch.attention_mask,
                                  response_length)  # [B, R]
-        mask = batch["response_mask"]
+        mask = batch.response_mask
         return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
     def step(params, opt_state, batch):
@@ -153,7 +153,7 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: Wa
         rows = order[position * wc.batch_size:(position + 1) * wc.batch_size]
         host = sft_batch([examples[i] for i in rows], [responses[i] for i in rows], prompt_length,
                          wc.max_response_tokens)
-        batch = {k: distributed.put_rows(v, batch_sharding(v.shape)) for k, v in host.items()}
+        batch = jax.tree.map(lambda v: distributed.put_rows(v, batch_sharding(v.shape)), host)
         params, opt_state, loss = step_fn(params, opt_state, batch)
         if wc.target_accuracy > 0 and (steps % wc.check_every == 0 or steps == wc.steps):
             accuracy = probe_accuracy(nnx.merge(graphdef, params), probe, tokenizer, pool, **probe_kwargs)
