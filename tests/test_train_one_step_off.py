@@ -73,6 +73,11 @@ def _copy(params):
     return jax.tree.map(jnp.copy, params)
 
 
+def _host(batch) -> dict[str, np.ndarray]:
+    """An update batch's rows, prompts and responses, pi_old and rewards, on the host."""
+    return {k: np.asarray(getattr(batch, k)) for k in ("input_ids", "response_mask", "old_logp", "rewards")}
+
+
 def _train(config, model, batches, workdir, steps, pool, programs, trained, on_step=None):
     """rl_train for ``steps`` (resuming ``workdir``) with ``programs``; each step's trained rows (input_ids,
     response_mask, old_logp, rewards on the host) and metrics appended to ``trained``."""
@@ -81,8 +86,7 @@ def _train(config, model, batches, workdir, steps, pool, programs, trained, on_s
 
     def recording(self, state, collected, watch):
         rollout = finish(self, state, collected, watch)
-        trained.append(({k: np.asarray(v) for k, v in rollout.batch.items()
-                         if k in ("input_ids", "response_mask", "old_logp", "rewards")}, rollout.metrics))
+        trained.append((_host(rollout.batch), rollout.metrics))
         return rollout
 
     RolloutCollector.finish = recording
@@ -122,7 +126,7 @@ def test_the_trainer_equals_the_sequential_reference_bit_for_bit(setup, tmp_path
             rows = collector.collect(weights_of_rows, source.next_batch, jax.random.fold_in(base, step),
                                      progress.StepWatch.silent(), step)
             rollout = collector.finish(params, rows, progress.StepWatch.silent())
-            reference.append(({k: np.asarray(v) for k, v in rollout.batch.items()}, rollout.metrics))
+            reference.append((_host(rollout.batch), rollout.metrics))
             params, opt_state, per_minibatch = programs.learner.update(params, opt_state, rollout.batch)
             reference[-1][1].update(jax.tree.map(float, per_minibatch[0]))
             for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(weights[step]), strict=True):
@@ -185,7 +189,7 @@ def test_a_run_stopped_at_each_phase_and_resumed_trains_every_prompt_once(setup,
 
     def keep(self, state, collected, watch):
         rollout = finish(self, state, collected, watch)
-        rows[watch.step] = np.asarray(rollout.batch["input_ids"])
+        rows[watch.step] = np.asarray(rollout.batch.input_ids)
         return rollout
 
     monkeypatch.setattr(RolloutCollector, "finish", keep)

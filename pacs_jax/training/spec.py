@@ -95,7 +95,7 @@ class TrainSpec:
     checkpoint_every: int
     keep_checkpoints: int
     progress_seconds: float
-    off_policy_steps: int = 0
+    off_policy_steps: int
 
     def __post_init__(self):
         require(self.off_policy_steps in (0, 1) and isinstance(self.off_policy_steps, int), "train.off_policy_steps",
@@ -483,7 +483,7 @@ class MeshSpec:
     fsdp: int
     tensor: int
     device_order: tuple[int, ...]
-    rollout_devices: int = 0
+    rollout_devices: int
 
     def __post_init__(self):
         _int_at_least(self.rollout_devices, 0, "mesh.rollout_devices")
