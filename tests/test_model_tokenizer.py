@@ -159,9 +159,9 @@ def test_a_qwen25_run_prompts_stops_and_exports_with_its_own_tokenizer(deepscale
     seen = []
     real_sample = rollout.RolloutCollector.sample
 
-    def recording_sample(self, state, prompts, key, watch=None, version=0):
+    def recording_sample(self, state, prompts, key, watch=None):
         seen.append((self.programs.sampler.settings.stop_token_ids, [list(p) for p in prompts.prompt_ids]))
-        return real_sample(self, state, prompts, key, watch, version)
+        return real_sample(self, state, prompts, key, watch)
 
     monkeypatch.setattr(rollout.RolloutCollector, "sample", recording_sample)
     config = _config(deepscaler_rows, qwen25_dir)

@@ -68,7 +68,8 @@ def test_carry_over_needs_the_paged_sampler_and_one_call_a_step():
 
 def _train(config, model, batches, workdir, steps, pool, trained):
     """rl_train for ``steps`` (resuming ``workdir``): its history, each step's params before its update
-    (by step) and its carry-over prompt source; the rows each step trained appended to ``trained``."""
+    (by step) and its carry-over prompt source; each step's trained rows, metrics and the batches of prompts
+    its calls inserted (one a call) appended to ``trained``."""
     config.train.steps = steps
     graphdef, params = nnx.split(model)
     weights = {}
@@ -83,7 +84,7 @@ def _train(config, model, batches, workdir, steps, pool, trained):
         inserted = []
         result = collect(self, state, lambda: inserted.append(batches_fn()) or inserted[-1], key, watch, step)
         trained.append((step, {k: np.asarray(getattr(result.batch, k)) for k in ("input_ids", "response_mask")},
-                        result.metrics, inserted[0]))
+                        result.metrics, inserted))
         return result
 
     rollout_module.RolloutCollector.__call__ = recording
@@ -110,7 +111,7 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
         engine = CarryOverSampler(graphdef, settings, prompts=2 * PROMPTS, prompt_length=16, groups=PROMPTS,
                                   max_staleness=1)
         base = jax.random.key(SEED)
-        for step, batch, metrics, prompts in trained:
+        for step, batch, metrics, (prompts,) in trained:
             tokens, mask = buckets.left_pad(prompts.prompt_ids, 2 * PROMPTS, 16)
             rows = jax.tree.map(np.asarray, engine.step(weights[step], step, tokens, mask,
                                                         jax.random.fold_in(base, step)))
@@ -121,9 +122,48 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
                 np.testing.assert_array_equal(batch["input_ids"][r, -R:][:L], rows.tokens[r, :L], err_msg=f"{step} {r}")
             assert metrics["rollout_staleness_max"] == float(rows.staleness_max)
             assert metrics["carried_rows"] == float(rows.carried_rows)
-    assert [len(prompts.prompt_ids) for *_, prompts in trained][0] == 2 * PROMPTS  # then what the last call returned
+    assert [len(inserted[0].prompt_ids) for *_, inserted in trained][0] == 2 * PROMPTS  # then what the last call returned
     assert all(m["carried_rows"] > 0 for _, _, m, _ in trained[1:])  # responses went over to the next step
     assert max(m["rollout_staleness_max"] for _, _, m, _ in trained) == 1.0
+    assert len({h["compilations"] for h in history}) == 1  # nothing compiled after step 1
+
+
+def test_dynamic_sampling_with_carry_over_keeps_the_first_groups_with_spread_the_engine_returns(setup, tmp_path):
+    """algorithm.filter_groups with rollout.carry_over: a step's gen batches are calls of the engine (versions
+    counting the calls); each step trains the first B groups with spread among the groups those calls return,
+    in order, as the engine driven alone call by call (each with its step's weights and gen-batch key) returns
+    them and the host judges them."""
+    mesh, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.algorithm.filter_groups.update(enable=True, metric="acc", max_num_gen_batches=0)
+    trained = []
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        history, weights, _ = _train(config, model, batches, tmp_path / "run", 3, pool, trained)
+        graphdef, _ = nnx.split(model)
+        settings = StepPrograms(RunSpec.unplaced(config), *nnx.split(model), (1,)).sampler.settings
+        engine = CarryOverSampler(graphdef, settings, prompts=2 * PROMPTS, prompt_length=16, groups=PROMPTS,
+                                  max_staleness=1)
+        base, version = jax.random.key(SEED), 0
+        for step, batch, metrics, inserted in trained:
+            assert metrics["num_gen_batches"] == len(inserted)
+            key, kept = jax.random.fold_in(base, step), []
+            for g, prompts in enumerate(inserted):
+                version += 1
+                tokens, mask = buckets.left_pad(prompts.prompt_ids, 2 * PROMPTS, 16)
+                rows = jax.tree.map(np.asarray, engine.step(weights[step], version, tokens, mask,
+                                                            key if g == 0 else jax.random.fold_in(key, g)))
+                for group in range(PROMPTS):
+                    responses = [rows.tokens[r, :rows.lengths[r]] for r in range(group * N, group * N + N)]
+                    if len({_parity(ids) for ids in responses}) > 1:  # some right, some wrong: spread
+                        kept.append(responses)
+            R = batch["response_mask"].shape[1]
+            for g, responses in enumerate(kept[:PROMPTS]):
+                for j, ids in enumerate(responses):
+                    r = g * N + j
+                    assert batch["response_mask"][r].sum() == len(ids), (step, r)
+                    np.testing.assert_array_equal(batch["input_ids"][r, -R:][:len(ids)], ids, err_msg=f"{step} {r}")
+    assert max(m["num_gen_batches"] for _, _, m, _ in trained) >= 2  # some step needed a second call
+    assert all(m["groups_all_equal"] == 0.0 for _, _, m, _ in trained)
     assert len({h["compilations"] for h in history}) == 1  # nothing compiled after step 1
 
 

@@ -99,6 +99,7 @@ class CarryOverRollouts:
         self.live: dict[int, set[int]] = {}  # version -> its prompts neither trained nor dropped
         self._in_flight: dict | None = None  # the JSON of the rows in flight after the last call, once made
         self._pending = False  # whether ``_in_flight`` is a checkpoint's, not yet put back into the engine
+        self.version = 0  # the engine's last call's (its policy version): one a call, one a step unfiltered
 
     # ------------------------------------------------------------------------ the prompt source
     def next_batch(self):
@@ -138,6 +139,7 @@ class CarryOverRollouts:
         self.engine.reset()
         self._in_flight = state.get("in_flight")
         self._pending = self._in_flight is not None
+        self.version = 0 if self._in_flight is None else self._in_flight["version"]  # an empty engine takes any
 
     def resume(self, params: nnx.State, step: int) -> str | None:
         """The checkpoint's rows in flight (``set_state``) back into the engine, their K/V recomputed with
@@ -162,14 +164,16 @@ class CarryOverRollouts:
                 f"decode slots): their K/V recomputed with step {step}'s weights")
 
     # ------------------------------------------------------------------------ a step's call
-    def sample(self, params, version: int, prompts, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-               key: jax.Array, wait=None) -> CarriedCall:
-        """Step ``version``'s call on ``prompts`` (``next_batch``'s, left-padded: [P, T]): the engine's
-        rows of the B groups returned, their prompts, the call's metrics (``rollout_staleness_mean`` /
-        ``_max``: policy versions behind, over the returned tokens; ``carried_rows``: rows of earlier
-        calls in the engine as the call began; ``carry_over_dropped``: prompts dropped as stale by it,
-        queued again; ``slot_utilisation``; ``generated_tokens``: the tokens this call sampled) and its
-        decode and slot steps."""
+    def sample(self, params, prompts, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+               wait=None) -> CarriedCall:
+        """The engine's next call (policy ``version`` + 1) on ``prompts`` (``next_batch``'s, left-padded:
+        [P, T]): the engine's rows of the B groups returned, their prompts, the call's metrics
+        (``rollout_staleness_mean`` / ``_max``: policy versions behind, over the returned tokens;
+        ``carried_rows``: rows of earlier calls in the engine as the call began; ``carry_over_dropped``:
+        prompts dropped as stale by it, queued again; ``slot_utilisation``; ``generated_tokens``: the
+        tokens this call sampled) and its decode and slot steps. A step makes one call, or with dynamic
+        sampling as many as it takes: versions count the calls."""
+        self.version = version = self.version + 1
         batch = list(zip(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources))
         self.inserted[version], self.live[version] = batch, set(range(len(batch)))
         self._in_flight = None  # the engine's rows change: read them again when asked
@@ -180,7 +184,7 @@ class CarryOverRollouts:
              rows.carried_rows, rows.decode_steps, rows.decoded_tokens, rows.slot_steps, rows.staleness_mean,
              rows.staleness_max))
         if not valid.all():  # every call inserts as many groups as it returns: B are always complete in time
-            raise RuntimeError(f"carry-over: step {version}'s call completed {int(valid.sum())} of {len(valid)} groups")
+            raise RuntimeError(f"carry-over: call {version} completed {int(valid.sum())} of {len(valid)} groups")
         returned = [self.inserted[int(v)][int(p)] for v, p in zip(group_version, group_prompt)]
         for v, p in zip(group_version, group_prompt):
             self.live[int(v)].discard(int(p))

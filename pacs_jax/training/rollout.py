@@ -204,14 +204,14 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------------ one step
     def sample(self, state: nnx.State, prompts: PromptBatch, key: jax.Array,
-               watch: StepWatch | None = None, version: int = 0) -> SampledRows:
+               watch: StepWatch | None = None) -> SampledRows:
         """Sample n responses per prompt (every process passes the same ``prompts``); ``watch``
         (training/progress.py) is told of each chunk of decode steps, and may stop between them.
 
         The calls run one after another, each in chunks of decode steps (sampling.sample): ``watch``
         writes their progress (rows done, tokens so far) and may stop between two chunks. Waits for the
-        sampler (this process's rows of the tokens come to the host). With carry-over (``carry``): step
-        ``version``'s call, whose rows are the groups it returns (training/carry_over.py).
+        sampler (this process's rows of the tokens come to the host). With carry-over (``carry``): the
+        engine's next call, whose rows are the groups it returns (training/carry_over.py).
         """
         programs = self.programs
         K = programs.sampler.sampler_calls
@@ -221,7 +221,7 @@ class RolloutCollector:
             raise ValueError(f"{num_prompts} prompts cannot be split into {K} sampler micro-batches")
         watch = watch or StepWatch.silent()
         if self.carry is not None:
-            return self._carried(state, prompts, key, watch, version)
+            return self._carried(state, prompts, key, watch)
         length = pick_bucket(max(len(p) for p in prompt_ids), programs.sampler.prompt_buckets, "a prompt")
         tokens_np, mask_np = sampling.left_pad(prompt_ids, num_prompts, length)
         per_call = num_prompts // K
@@ -240,10 +240,9 @@ class RolloutCollector:
                           np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
                           sum(map(int, slot_steps)))
 
-    def _carried(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
-                 version: int) -> SampledRows:
-        """Carry-over's call of step ``version`` on ``prompts`` (at the largest prompt bucket): the groups it
-        returns as the step's rows, its metrics in ``SampledRows.metrics``."""
+    def _carried(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch) -> SampledRows:
+        """Carry-over's next call on ``prompts`` (at the largest prompt bucket): the groups it returns as the
+        rows, its metrics in ``SampledRows.metrics``."""
         length, slots = self.programs.sampler.prompt_buckets[-1], self.carry.engine.spec.prompts
         tokens_np, mask_np = sampling.left_pad(prompts.prompt_ids, slots, length)  # rows past them: batch padding
 
@@ -251,7 +250,7 @@ class RolloutCollector:
             watch.wait(progress, lambda: "carry-over call: " + (
                 f"{last.groups} groups complete, {last.running} rows running" if last else "insert"))
 
-        call = self.carry.sample(state, version, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
+        call = self.carry.sample(state, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
         rows = call.rows
         lengths, stopped = distributed.to_host((rows.lengths, rows.stopped))
         bucket = pick_bucket(max(len(p) for p in call.prompts.prompt_ids), self.programs.sampler.prompt_buckets,
@@ -343,7 +342,7 @@ class RolloutCollector:
         if self.filter_groups.enable:
             return self.finish(state, self.collect(state, batches, key, watch, step), watch)
         times = {"time_sample": 0.0, "time_reward": 0.0}
-        sampled = self._sample_phase(state, batches(), key, watch, times, step)
+        sampled = self._sample_phase(state, batches(), key, watch, times)
         watch.start("reward")
         t0 = time.perf_counter()
         dispatched = self._old_policy_phase(state, sampled)  # on the device while the host scores
@@ -366,7 +365,7 @@ class RolloutCollector:
             if self.filter_groups.enable:
                 sampled, scores, metrics = self._filtered(state, batches, key, watch, times, step)
                 return Collected(sampled, scores, metrics, times)
-            sampled = self._sample_phase(state, batches(), key, watch, times, step)
+            sampled = self._sample_phase(state, batches(), key, watch, times)
             watch.start("reward")
             t0 = time.perf_counter()
             scores = self.gather(sampled, self.score(sampled, watch))
@@ -448,11 +447,11 @@ class RolloutCollector:
         return Rollout(batch, rewards, metrics, dispatched.packing)
 
     def _sample_phase(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
-                      times: dict[str, float], version: int = 0) -> SampledRows:
+                      times: dict[str, float]) -> SampledRows:
         """The sampling phase of one batch of prompts (its seconds added to ``times["time_sample"]``)."""
         t0 = time.perf_counter()
         watch.start("sampling")
-        sampled = self.sample(state, prompts, key, watch, version)
+        sampled = self.sample(state, prompts, key, watch)
         times["time_sample"] += time.perf_counter() - t0
         watch.done(f"{len(sampled.lengths)} rows, {int(sampled.lengths.sum())} tokens")
         return sampled
@@ -462,13 +461,15 @@ class RolloutCollector:
         """DAPO's dynamic sampling (training/dynamic_sampling.py): gen batches sampled and scored until B
         groups with spread are kept -> (their rows, their scores, the metrics ``num_gen_batches``,
         ``filtered_fraction`` (groups drawn and dropped for no spread / groups drawn) and the tokens,
-        decode steps and slot utilisation of every gen batch sampled). Every process decides alike: the
-        rewards are every row's on every process."""
+        decode steps and slot utilisation of every gen batch sampled; with carry-over, a gen batch is one
+        call of the engine, and the metrics add its calls' staleness (mean of the calls', and max),
+        ``carried_rows`` (as the first began) and ``carry_over_dropped`` (summed)). Every process decides
+        alike: the rewards are every row's on every process."""
         fg, n, need = self.filter_groups, self.programs.sampler.n, self.programs.sampler.num_prompts
         calls = None
         have, drawn, dropped, gen = 0, 0, 0, 0
         ids, golds, sources = [], [], []
-        lengths, stopped, rewards, statuses, sampled_tokens = [], [], [], [], []
+        lengths, stopped, rewards, statuses, sampled_tokens, engine = [], [], [], [], [], []
         decode_steps = slot_steps = 0
         restarts, seconds, retried = 0, 0.0, 0
         while have < need:
@@ -496,6 +497,7 @@ class RolloutCollector:
             rewards.append(scores.rewards[rows])
             statuses += [scores.statuses[r] for r in rows]
             sampled_tokens.append(sampled.lengths)
+            engine.append(sampled.metrics)  # carry-over's call's
             decode_steps, slot_steps = decode_steps + sampled.decode_steps, slot_steps + sampled.slot_steps
             restarts, seconds, retried = restarts + scores.restarts, seconds + scores.seconds, retried + scores.deadline_retried
             have += len(taken)
@@ -508,11 +510,18 @@ class RolloutCollector:
         B = len(sampled.lengths)
         checksums = distributed.to_host(self._put(row_checksums(sampled.local_rows, sampled.local_tokens, B)))
         scores = Scores(np.concatenate(rewards), statuses, checksums, restarts, seconds, retried)
-        generated = np.concatenate(sampled_tokens)
         # the sampler's work is every gen batch's (tokens_per_second, slot utilisation); the rest, the kept rows'
-        return sampled, scores, {"num_gen_batches": float(gen), "filtered_fraction": dropped / drawn,
-                                 "generated_tokens": float(generated.sum()),
-                                 "slot_utilisation": sampling.slot_utilisation(generated, slot_steps)}
+        metrics = {"num_gen_batches": float(gen), "filtered_fraction": dropped / drawn}
+        if self.carry is None:
+            generated = np.concatenate(sampled_tokens)
+            return sampled, scores, {**metrics, "generated_tokens": float(generated.sum()),
+                                     "slot_utilisation": sampling.slot_utilisation(generated, slot_steps)}
+        decoded = sum(m["generated_tokens"] for m in engine)
+        return sampled, scores, {
+            **metrics, "rollout_staleness_mean": float(np.mean([m["rollout_staleness_mean"] for m in engine])),
+            "rollout_staleness_max": max(m["rollout_staleness_max"] for m in engine),
+            "carried_rows": engine[0]["carried_rows"], "carry_over_dropped": sum(m["carry_over_dropped"] for m in engine),
+            "generated_tokens": decoded, "slot_utilisation": decoded / max(slot_steps, 1)}
 
 
 def packing_metrics(tokens_real: int, tokens_computed: int) -> dict[str, float]:

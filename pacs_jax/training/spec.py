@@ -771,9 +771,6 @@ class RunSpec:
         per_mini = tc.prompts_per_step // tc.mini_batches
         require(per_mini % tc.micro_batches == 0, "train.micro_batches",
                 f"{tc.micro_batches} does not divide the {per_mini} prompts of a mini-batch")
-        require(not (rc.carry_over and self.algorithm.filter_groups.enable), "algorithm.filter_groups.enable",
-                "dynamic sampling with rollout.carry_over=True is not built yet (the filter would drop groups as the "
-                "carried call completes them); turn one of them off")
         if tc.off_policy_steps:
             require(not rc.carry_over, "train.off_policy_steps",
                     "one step off with rollout.carry_over=True is not built yet; turn one of them off")
