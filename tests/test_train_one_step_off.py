@@ -243,3 +243,19 @@ def test_the_engines_own_mesh_is_refused_across_processes(monkeypatch):
     with pytest.raises(ValueError, match=r"mesh.rollout_devices=4: the rollout engine's own mesh is built for one "
                                          r"process .* set it to 0"):
         sharding.rollout_mesh(config.mesh, 1)
+
+
+def test_dynamic_sampling_one_step_off_filters_on_the_engines_side(setup, tmp_path):
+    """algorithm.filter_groups with one step off: the engine samples and filters gen batches on its own mesh
+    (select_groups there), the learner trains only groups whose rewards differ."""
+    learner, engine, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.algorithm.filter_groups.update(enable=True, metric="acc", max_num_gen_batches=0)
+    trained = []
+    with jax.set_mesh(learner), RewardPool(1) as pool:
+        programs = StepPrograms(RunSpec.unplaced(config), *nnx.split(model), (1,), rollout_mesh=engine)
+        result = _train(config, model, batches, tmp_path / "run", 3, pool, programs, trained)
+    assert [m["rollout_staleness_max"] for _, m in trained] == [0.0, 1.0, 1.0]
+    for batch, metrics in trained:
+        assert (batch["rewards"].reshape(-1, N).std(axis=1) > 0).all() and metrics["groups_all_equal"] == 0.0
+    assert sum(h["num_gen_batches"] for h in result.history) > 3  # some step drew more than one batch
