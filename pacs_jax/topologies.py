@@ -24,8 +24,9 @@ the peak is well above arguments + outputs.
 
 Installing the compilers (a separate virtualenv is advisable; neither needs an accelerator):
 
-* TPU: ``pip install "jax[tpu]==<jax version>"`` (brings ``libtpu``, about 210 MB). libtpu prints a
-  few harmless warnings about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES on a non-TPU host.
+* TPU: ``pip install "jax[tpu]==<jax version>"`` (brings ``libtpu``, about 210 MB). On a host without a
+  TPU libtpu complains about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES as it starts (harmless to
+  compiling): ``abstract_devices`` holds those lines back and prints them only when it fails.
 * GPU: ``pip install "jax-cuda12-plugin==<jax version>" "jax-cuda12-pjrt==<jax version>"`` (about
   180 MB; the NVIDIA wheels of ``jax[cuda12]``, about 3 GB, are not needed to compile). Without a GPU the
   CUDA plugin fails its driver check and does not register; set ``JAX_PLATFORMS=cpu`` or
@@ -46,6 +47,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+
+from pacs_jax import native_stderr
 
 __all__ = ["Topology", "TOPOLOGIES", "PEAKS", "get_topology", "abstract_devices"]
 
@@ -193,11 +196,14 @@ def _tpu_devices(topo: Topology, num_slices: int) -> list:
     # Compile-only devices use no chip: libtpu's one-process-per-host lock (/tmp/libtpu_lockfile) would
     # refuse a second plan running beside this one ("Internal error when accessing libtpu multi-process lockfile")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # libtpu's first use in a process prints its start-up complaints on a host without a TPU (no accelerator
+    # type, no worker hostnames: irrelevant to compiling); they are shown only when the devices are not made
     try:
-        desc = topologies.get_topology_desc(
-            platform="tpu", topology_name=topo.topology, chip_config_name="megacore"
-            if topo.device_kind in ("TPU v4", "TPU v5") else "default",
-            chips_per_host_bounds=topo.chips_per_host_bounds, num_slices=num_slices, wrap=topo.wrap)
+        with native_stderr.shown_only_on_error():
+            desc = topologies.get_topology_desc(
+                platform="tpu", topology_name=topo.topology, chip_config_name="megacore"
+                if topo.device_kind in ("TPU v4", "TPU v5") else "default",
+                chips_per_host_bounds=topo.chips_per_host_bounds, num_slices=num_slices, wrap=topo.wrap)
     except jax.errors.JaxRuntimeError as e:
         raise RuntimeError(f"libtpu could not make topology {topo.topology!r} ({topo.name}): {e}") from e
     return list(desc.devices)

@@ -69,6 +69,9 @@ def main(argv: list[str]) -> None:
     from etils import epath
 
     from pacs_jax import distributed
+    from pacs_jax.cpu_host import use_cpu_without_accelerator
+
+    use_cpu_without_accelerator()  # libtpu's start-up lines on a host without a TPU (pacs_jax/cpu_host.py)
 
     if _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
         try:

@@ -90,8 +90,9 @@ def _plan_step(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-SHRUNK_7B = [*SHRUNK_LAYERS, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
-             "--config.model.num_key_value_heads=4"]  # Qwen2.5-7B's heads and head size, two narrow layers
+# Qwen2.5-7B's heads, head size and vocabulary (the update's LM head is part of its FLOP ratio), two narrow layers
+SHRUNK_7B = [*SHRUNK_LAYERS, "--config.model.vocab_size=151936", "--config.model.model_type=qwen2",
+             "--config.model.num_attention_heads=8", "--config.model.num_key_value_heads=4"]
 
 
 def _paper_7b_on_v5p_64(phase: str) -> str:

@@ -60,6 +60,7 @@ def main():
     parser.add_argument("--preset", default="Qwen2.5-0.5B")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (default 0: the preset's)")
+    parser.add_argument("--vocab", type=int, default=0, help="vocabulary entries (default 0: the preset's)")
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--fill", type=int, default=64, help="prompt tokens of every row")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
@@ -67,11 +68,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--copy-mb", type=int, default=1024, help="the copy bandwidth's array")
     args = parser.parse_args()
-    if min(args.slots, args.fill, args.steps, args.page_size, args.rounds, args.copy_mb) < 1 or args.layers < 0:
+    if (min(args.slots, args.fill, args.steps, args.page_size, args.rounds, args.copy_mb) < 1
+            or min(args.layers, args.vocab) < 0):
         parser.error("every size must be >= 1")
 
     cfg = models.preset(args.preset, eos_token_id=None, dtype=args.dtype, param_dtype=args.dtype)
-    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers)
+    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers, vocab_size=args.vocab or cfg.vocab_size)
     model = models.init_random(cfg, seed=0)
     graphdef, state = nnx.split(model)
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
@@ -98,4 +100,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from pacs_jax.cpu_host import use_cpu_without_accelerator
+
+    use_cpu_without_accelerator()  # libtpu's start-up lines on a host without a TPU (pacs_jax/cpu_host.py)
     main()

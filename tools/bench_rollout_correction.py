@@ -97,4 +97,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    from pacs_jax.cpu_host import use_cpu_without_accelerator
+
+    use_cpu_without_accelerator()  # libtpu's start-up lines on a host without a TPU (pacs_jax/cpu_host.py)
     app.run(main, argv=sys.argv)

@@ -136,7 +136,7 @@ def compare(args) -> None:
     decode slots (the same KV-cache memory)."""
     dtype = args.dtypes.split(",")[0]
     cfg = models.preset(args.preset, eos_token_id=None, dtype=dtype, param_dtype=dtype)
-    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers)
+    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers, vocab_size=args.vocab or cfg.vocab_size)
     rows = args.batch * args.n
     if not 1 <= args.slots <= rows or args.slots % args.n or rows % args.slots:
         raise SystemExit(f"--slots {args.slots}: must divide the {rows} rows (--batch x --n) and be a multiple of "
@@ -296,7 +296,7 @@ def carry_over(args) -> None:
     """``--carry-over``: carry-over rollouts against today's paged call on the preset (random weights)."""
     dtype = args.dtypes.split(",")[0]
     cfg = models.preset(args.preset, eos_token_id=None, dtype=dtype, param_dtype=dtype)
-    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers)
+    cfg = cfg.replace(num_hidden_layers=args.layers or cfg.num_hidden_layers, vocab_size=args.vocab or cfg.vocab_size)
     print(f"{args.preset} ({dtype}), {cfg.num_hidden_layers} layers; {device_line()}", flush=True)
     carry_over_steps(cfg, batch=args.batch, n=args.n, slots=args.slots, page_size=args.page_size, prompt=args.prompt,
                      new=args.new, steps=args.steps, max_staleness=args.max_staleness)
@@ -328,6 +328,8 @@ def main():
     parser.add_argument("--carry-over", action="store_true", help="carry-over rollouts vs today's paged call")
     parser.add_argument("--preset", default="Qwen2.5-0.5B")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (default 0: the preset's)")
+    parser.add_argument("--vocab", type=int, default=0, help="--compare, --carry-over: vocabulary entries (default 0: "
+                                                             "the preset's)")
     parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; --compare: 16; --carry-over: "
                                                                 "groups a step, 16)")
     parser.add_argument("--n", type=int, default=4, help="--compare, --carry-over: samples per prompt")
@@ -400,4 +402,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from pacs_jax.cpu_host import use_cpu_without_accelerator
+
+    use_cpu_without_accelerator()  # libtpu's start-up lines on a host without a TPU (pacs_jax/cpu_host.py)
     main()

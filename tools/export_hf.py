@@ -141,5 +141,8 @@ def _export(args: argparse.Namespace) -> pathlib.Path:
 
 
 if __name__ == "__main__":
+    from pacs_jax.cpu_host import use_cpu_without_accelerator
+
+    use_cpu_without_accelerator()  # libtpu's start-up lines on a host without a TPU (pacs_jax/cpu_host.py)
     console.setup([])  # Orbax's INFO lines off; plain progress lines in a log file
     main(sys.argv[1:])

@@ -111,7 +111,10 @@ def run_plan_tool(name: str, main: Callable) -> None:
     from pacs_jax.errors import run_cli
 
     def _main(argv) -> None:
+        from pacs_jax.cpu_host import use_cpu_without_accelerator
+
         console.setup()
+        use_cpu_without_accelerator()  # libtpu's start-up lines on a host without a TPU (pacs_jax/cpu_host.py)
         sys.exit(main(argv))
 
     run_cli(name, _main, sys.argv, prepare=paths.config_file_args)
