@@ -88,8 +88,11 @@ def run(config, checkpoint: str | pathlib.Path) -> dict[str, dict[str, float]]:
     if isinstance(tokenizer, CharTokenizer):
         _check_char_tokenizer(tokenizer, eval_sets, instruction)
     _check_prompts(config, eval_sets, tokenizer, instruction, model_config)
-    # the evaluation's one mesh, set as the context for everything below (config.mesh; use_mesh False: one device)
-    mesh = make_mesh(**config.mesh) if cli.use_mesh else make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    # the evaluation's one mesh over every device, set as the context for everything below (config.mesh's data,
+    # fsdp, tensor and device order: mesh.rollout_devices is a training run's; use_mesh False: one device)
+    m = config.mesh
+    mesh = (make_mesh(m.data, m.fsdp, m.tensor, device_order=tuple(m.device_order)) if cli.use_mesh
+            else make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     with jax.set_mesh(mesh), RewardPool(config.reward.workers or None, item_timeout=config.reward.item_timeout) as pool:
         model = checkpoints.from_pretrained(target.model_dir, dtype=config.model.dtype)
         rows, metrics = evaluate_per_set(

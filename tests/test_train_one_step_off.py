@@ -17,7 +17,7 @@ from flax import nnx
 
 from pacs_jax import models, sharding
 from pacs_jax.rewards import RewardPool
-from pacs_jax.training import progress
+from pacs_jax.training import memory_check, progress
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.learner_programs import LearnerPrograms
 from pacs_jax.training.loop import rl_train
@@ -259,3 +259,17 @@ def test_dynamic_sampling_one_step_off_filters_on_the_engines_side(setup, tmp_pa
     for batch, metrics in trained:
         assert (batch["rewards"].reshape(-1, N).std(axis=1) > 0).all() and metrics["groups_all_equal"] == 0.0
     assert sum(h["num_gen_batches"] for h in result.history) > 3  # some step drew more than one batch
+
+
+def test_on_shared_devices_the_engines_copy_is_counted_beside_the_learners_programs(setup):
+    """mesh.rollout_devices=0: the engine's copy of the weights stays on the learner's devices, so the memory check
+    counts it outside every learner program; on split devices it does not (the copy is on the engine's)."""
+    learner, engine, model, config, _ = setup
+    config = config.copy_and_resolve_references()
+    with jax.set_mesh(learner):
+        split = StepPrograms(RunSpec.unplaced(config), *nnx.split(model), (1,), rollout_mesh=engine)
+        config.mesh.rollout_devices = 0
+        shared = StepPrograms(RunSpec.unplaced(config), *nnx.split(model), (1,))
+        copy = memory_check.per_device_bytes(shared.weight_sync(nnx.state(model)))  # the copy's real buffers
+        outside = lambda programs: {p.name: p.outside for p in programs.programs() if p.name in ("pi_old", "update")}  # noqa: E731
+        assert {k: v + copy for k, v in outside(split).items()} == outside(shared)

@@ -90,7 +90,11 @@ class StepPrograms:
             engine[:0] = [Program("weight_sync", f"a parameter {list(p.shape)} cast to {self.weight_sync.dtype} for the "
                                   "engine's copy", lambda p=p: self.weight_sync.cast.lower(p), (p,),
                                   resident - memory_check.per_device_bytes(p)) for p in self.weight_sync.casts]
-        return warm + engine + [p for p in learner_programs if p.name != "warmstart"]
+        learner_programs = [p for p in learner_programs if p.name != "warmstart"]
+        if self.weight_sync is not None and not self.split:  # the engine's copy stays beside the learner's programs
+            learner_programs = [dataclasses.replace(p, outside=p.outside + self.weight_sync.copy_bytes())
+                                for p in learner_programs]
+        return warm + engine + learner_programs
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
                 progress: bool = True, read_loops: bool = False,
