@@ -221,6 +221,46 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
     assert len({h["compilations"] for h in history}) == 1  # the resumed session: nothing compiled after its step 1
 
 
+@pytest.mark.parametrize("phase", ["sampling", "reward", "pi_old", "update"])
+def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_once(setup, tmp_path, monkeypatch,
+                                                                                      phase):
+    """A stop signal at the start of step 2's ``phase`` drops step 2 (its call abandoned in sampling; the engine's
+    rows after step 1's call are in step 1's checkpoint); the resumed session trains steps 2 to 4: over the
+    sessions no prompt is trained twice, and every prompt drawn is trained or still held."""
+    import signal
+
+    from pacs_jax.training import progress
+
+    mesh, model, config, batches = setup
+    start, asked = progress.StepWatch.start, []
+
+    def start_phase(self, name, last_boundary=False):
+        if (self.step, name) == (2, phase) and not asked:
+            asked.append(name)
+            signal.raise_signal(signal.SIGINT)
+        return start(self, name, last_boundary)
+
+    monkeypatch.setattr(progress.StepWatch, "start", start_phase)
+    sessions = []
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        for steps in (4, 4):
+            trained = []
+            history, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run",
+                                        steps, pool, trained)
+            finished = {h["step"] for h in history}
+            sessions.append([(step, batch) for step, batch, *_ in trained if step in finished])
+    assert asked and [step for step, _ in sessions[0]] == [1] and [step for step, _ in sessions[1]] == [2, 3, 4]
+    counts = collections.Counter()
+    for step, batch in sessions[0] + sessions[1]:
+        R = batch["response_mask"].shape[1]
+        counts.update(tuple(int(t) for t in batch["input_ids"][g * N, :-R] if t) for g in range(PROMPTS))
+    assert max(counts.values()) == 1, counts  # no prompt trained twice
+    drawn = {tuple(p) for b in batches[:source.source.next_index] for p in b.prompt_ids}
+    held = {tuple(p) for p, _, _ in source.queued} | {tuple(source.inserted[v][p][0]) for v in source.live
+                                                      for p in source.live[v]}
+    assert drawn == set(counts) | held and not set(counts) & held  # none lost
+
+
 @pytest.mark.slow(seconds=45)
 def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(setup, tmp_path, monkeypatch):
     """train.precompile: ``StepPrograms.compile`` lists carry-over's sampler (its init, insert, chunk and
