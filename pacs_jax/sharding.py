@@ -253,6 +253,12 @@ class MeshRules:
         return tuple(a for a in dict(self.rules)["batch"] if self.mesh.shape[a] > 1)
 
 
+def decode_rules(rules: MeshRules) -> MeshRules:
+    """The rules of the sampler's decode layout: ``rules`` without their batch axes, so that a weight is
+    replicated over them and split over "tensor" only (gathered once a sampler call, never a decode step)."""
+    return rules.without(*rules.batch_axes())
+
+
 def placement(logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
     """Where an array of ``shape`` whose dims carry ``logical_axes`` lives on the mesh in context."""
     return MeshRules(current_mesh()).sharding(logical_axes, shape)

@@ -57,9 +57,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# in the order a run needs them; sampler_as_pi_old stands for pi_old in the rollout correction's bypass mode, and
-# rollout_correction runs after pi_old when the correction is on (docs/design.md 6.7): each only where it exists
-PROGRAMS = ("warmstart", "sampler", "pi_old", "sampler_as_pi_old", "rollout_correction", "critic_values",
+# in the order a run needs them; sampler_as_pi_old stands for pi_old in the rollout correction's bypass mode,
+# rollout_correction runs after pi_old when the correction is on (docs/design.md 6.7), weight_sync (the casts of the
+# weights' move to the engine's mesh) with train.off_policy_steps=1 (3.2c): each only where it exists
+PROGRAMS = ("warmstart", "weight_sync", "sampler", "pi_old", "sampler_as_pi_old", "rollout_correction", "critic_values",
             "critic_update", "update")
 CRITIC_PROGRAMS = ("critic_values", "critic_update")  # PPO only
 

@@ -74,7 +74,7 @@ from pacs_jax.sampling.narrowing import WidthLoop, start_widths
 from pacs_jax.sampling.paged import PageStore, default_pages
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
-from pacs_jax.sharding import constrain, current_rules, platform, replicated
+from pacs_jax.sharding import constrain, current_rules, decode_rules, platform, replicated
 
 PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this, so changing them rarely recompiles
@@ -135,15 +135,14 @@ def _decode_layout(state: nnx.State, dtype) -> nnx.State:
     (``qwen.unstack_layers``): XLA:GPU copies a layer scan's slice of a stack to a buffer of its own for
     each gemm inside a decode loop (7 a layer), XLA:TPU reads it in place (and its larger programs
     would compile slower unrolled)."""
-    rules = current_rules()
-    decode_rules = rules.without(*rules.batch_axes())
+    rules = decode_rules(current_rules())
 
     def place(x: jax.Array, logical_axes) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(dtype)
         if logical_axes is None:
             return x
-        return jax.lax.with_sharding_constraint(x, decode_rules.sharding(logical_axes, x.shape))
+        return jax.lax.with_sharding_constraint(x, rules.sharding(logical_axes, x.shape))
 
     per_layer = platform() != "tpu"
 
@@ -163,13 +162,12 @@ def decode_layer_weights(graphdef: nnx.GraphDef, state) -> dict[str, jax.ShapeDt
     buffer as one device holds it, in the compute dtype}, the stacked parameters of rank >= 2 a layer.
     state: the model's parameters (arrays or abstract ones)."""
     dtype = jnp.dtype(nnx.merge(graphdef, state).cfg.dtype)
-    rules = current_rules()
-    decode_rules = rules.without(*rules.batch_axes())
+    rules = decode_rules(current_rules())
     weights = {}
     for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
         axes, shape = getattr(var, "logical_axes", None), var.get_value().shape
         if axes and axes[0] == "layers" and len(shape) >= 3:
-            layer = decode_rules.sharding(axes[1:], shape[1:]).shard_shape(shape[1:])
+            layer = rules.sharding(axes[1:], shape[1:]).shard_shape(shape[1:])
             weights[str(path[-1].key)] = jax.ShapeDtypeStruct((shape[0], *layer), dtype)
     return weights
 

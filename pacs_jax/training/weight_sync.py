@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pacs_jax.sharding import MeshRules
+from pacs_jax.sharding import MeshRules, decode_rules
 from pacs_jax.training import memory_check
 
 
@@ -37,8 +37,7 @@ class WeightSync:
 
     def __init__(self, params: nnx.State, mesh: Mesh, dtype):
         self.mesh, self.dtype = mesh, jnp.dtype(dtype)
-        rules = MeshRules(mesh)
-        decode = rules.without(*rules.batch_axes())
+        decode = decode_rules(MeshRules(mesh))  # the layout the sampler's decode reads (sampling/engine.py)
 
         def target(var: nnx.Variable) -> nnx.Variable:
             x = var.get_value()
