@@ -195,6 +195,16 @@ def _matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
 
 
+def _matmul_rounded(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x @ kernel accumulated in float32 and returned in x's dtype: [..., D] @ [D, F] -> [..., F]. A
+    dot of x's dtype, so XLA:GPU's gemm writes that dtype (a float32 dot rounded after it is written
+    in float32: XLA may keep excess precision); on CPU the float32 dot rounded, XLA:CPU's fast path
+    (the same values but for the summation order)."""
+    if platform() == "cpu":
+        return _matmul_f32(x, kernel).astype(x.dtype)
+    return jnp.matmul(x, kernel, preferred_element_type=x.dtype)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), [B, T, D] -> [B, T, D]."""
 
@@ -206,9 +216,12 @@ class MLP(nnx.Module):
         self.down_kernel = param((F, D), ("mlp", "embed"))
 
     def __call__(self, x):
-        gate = _matmul_f32(x, self.gate_kernel[...].astype(x.dtype))
-        up = _matmul_f32(x, self.up_kernel[...].astype(x.dtype))
-        h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "length", "act_mlp"))
+        # gate and up rounded to the compute dtype, SwiGLU in float32 (vLLM's silu_and_mul; transformers
+        # in bfloat16 rounds them too): their gemms write [B, T, F] in bfloat16, not float32 (issue 52)
+        gate = _matmul_rounded(x, self.gate_kernel[...].astype(x.dtype))
+        up = _matmul_rounded(x, self.up_kernel[...].astype(x.dtype))
+        h = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+        h = constrain(h.astype(x.dtype), ("batch", "length", "act_mlp"))
         return _matmul_f32(h, self.down_kernel[...].astype(x.dtype)).astype(x.dtype)
 
 
