@@ -8,6 +8,7 @@ line), nothing compiled after the resumed session's step 1; the warm-up before s
 engine's six programs (a call's four, a resume's two), so step 1 compiles none of them."""
 
 import collections
+import json
 import re
 
 import jax
@@ -251,17 +252,24 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
     assert len({h["compilations"] for h in history}) == 1  # the resumed session: nothing compiled after its step 1
 
 
-@pytest.mark.parametrize("phase", ["sampling", "reward", "pi_old", "update"])
+@pytest.mark.parametrize("phase,every", [("sampling", 1), ("sampling", 2), ("reward", 1), ("pi_old", 2), ("update", 1)])
 def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_once(setup, tmp_path, monkeypatch,
-                                                                                      phase):
-    """A stop signal at the start of step 2's ``phase`` drops step 2 (its call abandoned in sampling; the engine's
-    rows after step 1's call are in step 1's checkpoint); the resumed session trains steps 2 to 4: over the
-    sessions no prompt is trained twice, and every prompt drawn is trained or still held."""
+                                                                                      phase, every):
+    """A stop signal at the start of step 2's ``phase`` drops step 2 (its call abandoned in sampling); the resumed
+    session trains steps 2 to 4: over the sessions no prompt is trained twice, and every prompt drawn is
+    trained or still held. train.checkpoint_every 1: the engine's rows after step 1's call are in step 1's
+    checkpoint; 2: step 1 wrote none, the stop writes it, the rows in flight read from the engine then
+    (the only export of the session) when the stop came before step 2's call began, else (its insert took
+    the engine's state) none read, the prompts in flight queued first instead (sampled again)."""
     import signal
 
     from pacs_jax.training import progress
 
     mesh, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.train.checkpoint_every = every
+    export, exports = CarryOverSampler.export, []
+    monkeypatch.setattr(CarryOverSampler, "export", lambda self: exports.append(1) or export(self))
     start, asked = progress.StepWatch.start, []
 
     def start_phase(self, name, last_boundary=False):
@@ -279,6 +287,13 @@ def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_o
                                         steps, pool, trained)
             finished = {h["step"] for h in history}
             sessions.append([(step, batch) for step, batch, *_ in trained if step in finished])
+            if len(sessions) == 1:
+                meta = tmp_path / "run" / "checkpoints" / "1" / "meta" / "metadata"
+                first = len(exports), json.loads(meta.read_text())["data_state"]
+    if every == 1 or phase == "sampling":  # written after step 1's call, or at a stop before step 2's began
+        assert first[0] == 1 and first[1]["in_flight"]["version"] == 1 and first[1]["in_flight"]["generations"]
+    else:  # step 2's call had begun: no rows read, its prompts in flight queued first
+        assert first[0] == 0 and first[1]["in_flight"] is None and len(first[1]["queued"]) >= PROMPTS
     assert asked and [step for step, _ in sessions[0]] == [1] and [step for step, _ in sessions[1]] == [2, 3, 4]
     counts = collections.Counter()
     for step, batch in sessions[0] + sessions[1]:
