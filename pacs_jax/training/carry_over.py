@@ -18,10 +18,13 @@ Resume loses nothing: the prompt source's state, which every checkpoint holds (`
 the source's cursor, the queue, and the rows in flight after the last call (``in_flight``: each
 generation's prompts and, of its live prompts' rows, the tokens sampled so far with their log-probs
 and policy versions, lengths, stop flags, budgets and keys, and the row each decode slot held:
-``CarryOverSampler.export``). ``resume(params, step)`` puts them back into the engine before the
-resumed session's first call, their K/V recomputed with the restored weights
-(``CarryOverSampler.resume``), so they go on as in the run never stopped: no prompt is lost, none
-trained twice, no partial response thrown away.
+``CarryOverSampler.export``, read from the device only when a checkpoint is written: the loop asks
+for the state then). ``resume(params, step, watch)`` puts them back into the engine in the phase
+"resume" of the resumed session's first step, before its call, their K/V recomputed with the restored
+weights (``CarryOverSampler.resume``), so they go on as in the run never stopped: no prompt is lost,
+none trained twice, no partial response thrown away. A stop that drops a step whose previous step
+wrote no checkpoint writes it with ``state_before_call``'s state, where once the step's call has begun
+the prompts in flight are queued instead (their partial responses sampled again).
 
 In the checkpoint the rows are JSON (the meta item, written by process 0, read by every process, as
 the cursor): each array little-endian bytes in base64, the per-token arrays only up to each row's

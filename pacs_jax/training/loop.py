@@ -10,8 +10,9 @@
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
 every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done (with
-carry-over, the state holds the rows in flight too, and a resume puts them back into the engine with
-their K/V recomputed before its first step: training/carry_over.py).
+carry-over, the state holds the rows in flight too, read from the device only for a checkpoint that is
+written, and a resume puts them back into the engine with their K/V recomputed in its first step's phase
+"resume": training/carry_over.py).
 A step's phases write progress lines and are where a stop signal ends an unfinished step
 (training/progress.py): one process drops the step under way if the signal comes before its update
 begins (the previous step's checkpoint is written if it was not; a resume runs the step again with
