@@ -193,7 +193,8 @@ class CarryOverRollouts:
         watch.say(f"resume: replaying {exported.row_count} rows in flight ({exported.tokens:,} tokens, "
                   f"{exported.running} in decode slots), their K/V recomputed with step {step}'s weights")
 
-        def wait(progress, last):
+        def wait(progress, last):  # after each program: a stop ends the replay here (several processes: in wait)
+            watch.poll()
             watch.wait(progress, lambda: f"{last.left} positions left to feed" if last else "the prompts' prefill")
 
         self.engine.resume(params, exported, prompts, wait=wait)
