@@ -126,6 +126,9 @@ def get_config() -> ml_collections.ConfigDict:
                                   # correction weighs the stale tokens (token TIS 2.0 unless one is set)
         max_staleness=1,          # carry_over: a prompt batch still unfinished this many steps after its call is dropped
                                   # and its prompts sampled again
+        carry_over_order="completion",  # carry_over: which prompts_per_step groups a call returns: "completion", the first
+                                  # to complete (the call ends soonest; they are the shorter responses); "admission", the
+                                  # oldest (the call waits for them, their lengths unbiased; newer rows decode meanwhile)
     ))
 
     # objective: a name in the registry (pacs_jax/rl/objectives.py); the others: one namespace per objective

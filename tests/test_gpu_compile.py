@@ -13,6 +13,8 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
    described (kernels, copies, loops whose trips sync with the host): its decode loops copy none of
    the layers' weights.
+5. A small bfloat16 model's gradient (tests/gpu/layer_dots.py): what its remat saves of the layers'
+   gemms is bfloat16.
 """
 
 from __future__ import annotations
@@ -126,8 +128,10 @@ def test_a_decode_step_copies_none_of_its_weights_for_an_h200():
     the layers' weights XLA:GPU copies to buffers of their own before the gemms. A layer scan over the
     stacked [L, ...] weights copied seven slices a layer, 196 a step (21.13 GB compiled where 11.19
     must be read, 0.530); the decode layout holds each layer's weights in buffers of their own
-    (sampling/engine.py) and the step reads them in place: none copied, 15.88 GB (0.705). A copy that
-    comes back (e.g. the stacked layout) fails here."""
+    (sampling/engine.py) and the step reads them in place: none copied, 15.88 GB (0.705). Then the
+    gate/up gemm writes bfloat16 (models/qwen.py ``_dot_rounded``, not its float32 [256, 17920]) and
+    the greedy selection shares the log-normaliser's max (three passes over the logits, not four):
+    15.21 GB (0.736). A copy or a byte that comes back (e.g. the stacked layout) fails here."""
     result = _run(["tools/plan_step.py", "--phases=decode", *H200_RUN], timeout=600)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
@@ -135,4 +139,16 @@ def test_a_decode_step_copies_none_of_its_weights_for_an_h200():
     launches = re.search(r"the step launches \d+ fusions, library kernels: (.*); (\d+) copies;", out)
     assert launches and "28 __gpu$xla.gpu.triton" in launches.group(1), out  # our paged kernel, a layer
     assert "__custom_fusion" not in launches.group(1), out  # XLA:GPU's dynamic-slice copies of the stack
-    assert "decode at a full pool: must read 11.19 GB, compiled 15.88 GB (ratio 0.705)" in out, out
+    assert "decode at a full pool: must read 11.19 GB, compiled 15.21 GB (ratio 0.736)" in out, out
+
+
+def test_the_remat_saves_the_layers_gemm_outputs_in_bfloat16_for_an_h200():
+    """The update's remat (dots_with_no_batch_dims_saveable) keeps each layer's gemm outputs for the
+    backward pass, stacked over the layer scan. A gemm that returned float32 and was rounded afterwards
+    had them saved in float32 (gate/up at the MLP's width, q/o, k/v: twice the bytes and memory; the
+    issue 52 update on h200x1 at one micro-batch 7227 -> 5042 GB a pass, 268 -> 156 GiB); each now
+    returns the compute dtype (models/qwen.py ``_dot_rounded``)."""
+    result = _run(["tests/gpu/layer_dots.py"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"mlp": ["bf16"], "q/o": ["bf16"], "k/v": ["bf16"]}, report

@@ -278,6 +278,35 @@ def test_a_row_unfinished_two_versions_after_its_insert_is_dropped_and_its_promp
     assert set(running[running < sampler.spec.rows] // 2) == {1, 3}
 
 
+@pytest.mark.parametrize("order", ["completion", "admission"])
+def test_completion_order_returns_the_first_complete_group_and_admission_order_the_oldest(order):
+    """B = 1 of 2 prompts a call, prompt 0's rows with the whole budget N, prompt 1's with 2 tokens, no stop
+    id: in completion order call 0 returns prompt 1 after one decode step and call 1 prompt 0, carried
+    (N - 2 steps later); in admission order call 0 waits N - 1 steps for prompt 0, and call 1 returns
+    call 0's prompt 1, complete since call 0, without a decode step: never a group before an older one."""
+    settings = sampling.SamplingSettings(max_new_tokens=N, n=2, temperature=1.0, slots=4, page_size=4, chunk_steps=3)
+    graphdef, params = _graphdef_and_params(3)
+    sampler = carry_over.CarryOverSampler(graphdef, settings, prompts=2, prompt_length=T, groups=1, max_staleness=1,
+                                          order=order)
+    tokens = np.arange(1, 2 * T + 1, dtype=np.int32).reshape(2, T)
+    mask = np.ones((2, T), np.int32)
+    budgets = np.array([N, N, 2, 2], np.int32)
+    outs = [jax.device_get(sampler.step(params, v, tokens, mask, jax.random.key(v), budgets)) for v in range(2)]
+    returned = [(int(o.group_version[0]), int(o.group_prompt[0])) for o in outs]
+    steps = [int(o.decode_steps) for o in outs]
+    if order == "completion":
+        assert returned == [(0, 1), (0, 0)] and steps == [1, N - 2], (returned, steps)
+    else:
+        assert returned == [(0, 0), (0, 1)] and steps == [N - 1, 0], (returned, steps)
+    assert all(int(o.lengths[0]) == N for o in outs if int(o.group_prompt[0]) == 0)
+
+
+def test_an_unknown_order_is_refused_naming_it():
+    settings = sampling.SamplingSettings(max_new_tokens=N, n=2, temperature=1.0, slots=4, page_size=4)
+    with pytest.raises(ValueError, match="order='newest': must be one of completion, admission"):
+        carry_over.carry_over_spec(settings, prompts=2, prompt_length=T, groups=1, max_staleness=1, order="newest")
+
+
 @pytest.mark.slow(seconds=90)
 def test_slot_utilisation_of_a_log_normal_length_mix_is_near_one_against_a_call_that_waits_for_its_tail():
     """B = 8 groups of 4 samples a step, 8 slots, budgets log-normal (median 4, cut at 8 x the median =

@@ -63,7 +63,11 @@ def test_carry_over_needs_the_paged_sampler_and_one_call_a_step():
         with pytest.raises(ConfigError, match=f"config.rollout.carry_over: .*{words}"):
             validate_config(config)
     config = load_config("default.py")
-    config.rollout.carry_over = True
+    config.rollout.update(carry_over=True, carry_over_order="newest")
+    with pytest.raises(ConfigError, match="config.rollout.carry_over_order: must be one of 'completion', 'admission', "
+                                          "got 'newest'"):
+        validate_config(config)
+    config.rollout.carry_over_order = "admission"
     assert RunSpec.unplaced(config).algorithm.rollout_correction.rollout_is == "token"  # the stale tokens weighed
 
 

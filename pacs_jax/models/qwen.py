@@ -120,8 +120,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers)
 
     def _project(self, x, kernel, bias_name):
-        out = jnp.einsum("btd,dnh->btnh", x, kernel[...].astype(x.dtype),
-                         preferred_element_type=jnp.float32).astype(x.dtype)
+        out = _dot_rounded("btd,dnh->btnh", x, kernel[...].astype(x.dtype))
         if self.cfg.attention_bias:
             out = out + getattr(self, bias_name)[...].astype(x.dtype)
         return out
@@ -171,8 +170,7 @@ class Attention(nnx.Module):
             out = attention(q, k, v, kv_valid[:, :q.shape[1]], segment_ids=segment_ids,
                             impl=resolve_impl(cfg.attention, platform()),
                             block_size=cfg.attention_block_size)  # [B, T, H, Dh]
-        out = jnp.einsum("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype),
-                         preferred_element_type=jnp.float32).astype(x.dtype)
+        out = _dot_rounded("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype))
         return out, new_cache
 
 
@@ -190,9 +188,15 @@ def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.
     return cache.at[layer, rows, :, slots].set(x[:, 0], mode="promise_in_bounds")
 
 
-def _matmul_f32(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x @ kernel accumulated and returned in float32 (bf16 x bf16 -> f32 is also the fast CPU path)."""
-    return jnp.matmul(x, kernel, preferred_element_type=jnp.float32)
+def _dot_rounded(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``einsum(spec, x, kernel)`` accumulated in float32 and returned in x's dtype. A dot of x's
+    dtype, so the gemm writes that dtype, and the remat policy saves it so: a float32 dot rounded
+    after it is written, and saved, in float32 (XLA may keep the excess precision). On CPU the
+    float32 dot rounded, XLA:CPU's fast path (bf16 x bf16 -> f32; the same values but for the
+    summation order)."""
+    if platform() == "cpu":
+        return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum(spec, x, kernel, preferred_element_type=x.dtype)
 
 
 class MLP(nnx.Module):
@@ -206,10 +210,13 @@ class MLP(nnx.Module):
         self.down_kernel = param((F, D), ("mlp", "embed"))
 
     def __call__(self, x):
-        gate = _matmul_f32(x, self.gate_kernel[...].astype(x.dtype))
-        up = _matmul_f32(x, self.up_kernel[...].astype(x.dtype))
-        h = constrain((jax.nn.silu(gate) * up).astype(x.dtype), ("batch", "length", "act_mlp"))
-        return _matmul_f32(h, self.down_kernel[...].astype(x.dtype)).astype(x.dtype)
+        # gate and up rounded to the compute dtype, SwiGLU in float32 (vLLM's silu_and_mul; transformers
+        # in bfloat16 rounds them too): their gemms write [B, T, F] in bfloat16, not float32 (issue 52)
+        gate = _dot_rounded("...d,df->...f", x, self.gate_kernel[...].astype(x.dtype))
+        up = _dot_rounded("...d,df->...f", x, self.up_kernel[...].astype(x.dtype))
+        h = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+        h = constrain(h.astype(x.dtype), ("batch", "length", "act_mlp"))
+        return _dot_rounded("...f,fd->...d", h, self.down_kernel[...].astype(x.dtype))
 
 
 class DecoderLayer(nnx.Module):

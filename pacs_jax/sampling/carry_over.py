@@ -23,6 +23,11 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
     harvest  (the last program) the tokens made in this call stamped with its version; the B oldest
              complete groups (oldest generation first, then prompt order) gathered and marked
              returned.
+    order    which groups a call waits for (``CarryOverSpec.order``): "completion", any B complete
+             groups (the call ends as soon as B are; the groups that complete first are the shorter
+             responses'); "admission", the B oldest live groups (the call ends when they are all
+             complete: no group is returned before an older one, so the returned groups' lengths are
+             not biased short; the newer rows still decode in the slots that free meanwhile).
 
 The K/V of every token stays where it was written, computed by the weights of the call that wrote
 it (the prompt's by its insert call's; a token's by the call whose decode step fed it, that is the
@@ -72,7 +77,7 @@ from pacs_jax.sampling import decode
 from pacs_jax.sampling.engine import EngineSpec, PAD_ID, run_chunks, stop_id_array, _device_bytes, _prefill, _results
 from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
 from pacs_jax.sampling.selection import Selection
-from pacs_jax.sampling.settings import SamplingSettings, row_pages
+from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SamplingSettings, row_pages
 from pacs_jax.sharding import constrain, replicated
 
 _TRACE_COUNT = 0
@@ -93,13 +98,15 @@ def _traced() -> None:
 class CarryOverSpec:
     """The static part of the carry-over programs: the one-queue paged ``EngineSpec`` (n,
     max_new_tokens, slots, page size, response pages F, chunk steps), P prompts a call of T tokens,
-    G generations, B groups a call returns."""
+    G generations, B groups a call returns, and the order it returns them in ("completion" or
+    "admission", ``CARRY_OVER_ORDERS``)."""
 
     engine: EngineSpec
     prompts: int
     prompt_length: int
     generations: int
     groups: int
+    order: str = "completion"
 
     @property
     def rows(self) -> int:
@@ -241,6 +248,23 @@ def _age_rank(generations: int, version: jax.Array) -> jax.Array:
     return jnp.mod(jnp.arange(generations, dtype=jnp.int32) - version - 1, generations)
 
 
+def _prompt_rank(spec: CarryOverSpec, version: jax.Array) -> jax.Array:
+    """[G P] int32: each prompt's place in admission order at ``version`` (oldest generation first, then
+    prompt order)."""
+    prompts = jnp.arange(spec.generations * spec.prompts, dtype=jnp.int32)
+    return _age_rank(spec.generations, version)[prompts // spec.prompts] * spec.prompts + prompts % spec.prompts
+
+
+def _awaited(state: CarryState, spec: CarryOverSpec, version: jax.Array) -> jax.Array:
+    """[G P] bool: the groups a call may return, by ``spec.order``: every live prompt ("completion"), or
+    the B oldest live prompts ("admission")."""
+    if spec.order == "completion":
+        return state.live
+    rank = jnp.where(state.live, _prompt_rank(spec, version), spec.generations * spec.prompts)
+    oldest = jnp.argsort(rank, stable=True)[:spec.groups]
+    return jnp.zeros_like(state.live).at[oldest].set(state.live[oldest])
+
+
 def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
     """The state in the shardings the init program gave it (None: as XLA places it), so every call's
     programs see the same signature."""
@@ -354,14 +378,16 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
 def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, selection: Selection,
                    stop_ids: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None):
-    """Up to ``spec.engine.chunk_steps`` decode steps, while fewer than B groups are complete and some
-    row runs -> (state, progress [3] int32, replicated: groups complete, rows running, 1 once done)."""
+    """Up to ``spec.engine.chunk_steps`` decode steps, while fewer than B groups a call may return
+    (``_awaited``) are complete and some row runs -> (state, progress [3] int32, replicated: those groups
+    complete, rows running, 1 once done)."""
     _traced()
     n, R = spec.engine.n, spec.rows
     queue, store = _queue(state, stop_ids), _store(state, spec)
     limit = state.decode.steps + spec.engine.chunk_steps
+    awaited = _awaited(state, spec, jnp.max(state.inserted))  # this call's insert holds the newest version
     running = lambda d: jnp.sum(d.slots.row < R, dtype=jnp.int32)
-    groups = lambda d: jnp.sum(_complete(state, d.outputs, n), dtype=jnp.int32)
+    groups = lambda d: jnp.sum(_complete(state, d.outputs, n) & awaited, dtype=jnp.int32)
     more = lambda d: (running(d) > 0) & (groups(d) < spec.groups)
     step = functools.partial(decode.decode_step, nnx.merge(graphdef, layout), queue, store, selection, refills=True)
     decode_state = jax.lax.while_loop(lambda d: more(d) & (d.steps < limit), step, state.decode)
@@ -374,8 +400,8 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
                      carried: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None
                      ) -> tuple[CarryState, CarryOverRows]:
     """A call's last program: this call's tokens stamped with ``version``, the B oldest complete
-    groups gathered and marked returned (with the insert's dropped [P], dropped_version [] and
-    carried_rows [] passed through)."""
+    groups that the call may return (``_awaited``) gathered and marked returned (with the insert's
+    dropped [P], dropped_version [] and carried_rows [] passed through)."""
     _traced()
     G, P, n, B, N = spec.generations, spec.prompts, spec.engine.n, spec.groups, spec.engine.max_new_tokens
     outputs = state.decode.outputs
@@ -383,10 +409,8 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
     made = (t >= state.call_start[:, None]) & (t < outputs.lengths[:, None])  # [R, N]: sampled in this call
     versions = jnp.where(made, version, state.versions)
 
-    complete = _complete(state, outputs, n)
-    prompts = jnp.arange(G * P, dtype=jnp.int32)
-    rank = _age_rank(G, version)[prompts // P] * P + prompts % P
-    pick = jnp.argsort(jnp.where(complete, rank, G * P), stable=True)[:B].astype(jnp.int32)  # [B]
+    complete = _complete(state, outputs, n) & _awaited(state, spec, version)
+    pick = jnp.argsort(jnp.where(complete, _prompt_rank(spec, version), G * P), stable=True)[:B].astype(jnp.int32)
     valid = complete[pick]
     rows = (pick[:, None] * n + jnp.arange(n, dtype=jnp.int32)).reshape(B * n)
     valid_rows = jnp.repeat(valid, n)
@@ -616,9 +640,11 @@ class CarryOverLowered:
 
 
 def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: int, groups: int,
-                    max_staleness: int) -> CarryOverSpec:
+                    max_staleness: int, order: str = "completion") -> CarryOverSpec:
     """The programs' static part, checked: the paged sampler with ``settings.slots`` slots, at most
-    ``prompts`` groups a call, max_staleness >= 0."""
+    ``prompts`` groups a call, max_staleness >= 0, an order of ``CARRY_OVER_ORDERS``."""
+    if order not in CARRY_OVER_ORDERS:
+        raise ValueError(f"order={order!r}: must be one of {', '.join(CARRY_OVER_ORDERS)}")
     if settings.sampler != "paged" or settings.slots is None:
         raise ValueError("carry-over runs the paged sampler: settings need page_size and slots")
     if settings.tail_slots is not None:
@@ -635,7 +661,7 @@ def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: 
                          f"{settings.page_size} tokens (max_new_tokens={settings.max_new_tokens})")
     engine = EngineSpec("paged", settings.n, settings.max_new_tokens, settings.slots, None, settings.page_size, pages,
                         settings.chunk_steps)
-    return CarryOverSpec(engine, prompts, prompt_length, max_staleness + 1, groups)
+    return CarryOverSpec(engine, prompts, prompt_length, max_staleness + 1, groups, order)
 
 
 class CarryOverSampler:
@@ -651,11 +677,11 @@ class CarryOverSampler:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, settings: SamplingSettings, *, prompts: int, prompt_length: int,
-                 groups: int, max_staleness: int = 1):
+                 groups: int, max_staleness: int = 1, order: str = "completion"):
         self.graphdef = graphdef
         self.settings = settings
         self.spec = carry_over_spec(settings, prompts=prompts, prompt_length=prompt_length, groups=groups,
-                                    max_staleness=max_staleness)
+                                    max_staleness=max_staleness, order=order)
         self._state: CarryState | None = None
         self._shardings: tuple | None = None
         self._version: int | None = None

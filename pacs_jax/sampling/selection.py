@@ -77,9 +77,14 @@ def first_argmax(x: jax.Array) -> jax.Array:
     reductions, which XLA vectorises, where ``jnp.argmax``'s (value, index) reduction is several
     times slower on CPU for a 150k vocabulary. NaN rows give index 0.
     """
-    best = jnp.max(x, axis=-1, keepdims=True)
+    return first_index_of(x, jnp.max(x, axis=-1))
+
+
+def first_index_of(x: jax.Array, best: jax.Array) -> jax.Array:
+    """Index of the first element equal to ``best`` [B] along the last axis of x [B, V]: [B] int32
+    (``first_argmax`` with the maximum given; 0 where none is)."""
     index = jnp.arange(x.shape[-1], dtype=jnp.float32)
-    first = jnp.min(jnp.where(x == best, index, jnp.float32(x.shape[-1])), axis=-1)
+    first = jnp.min(jnp.where(x == best[:, None], index, jnp.float32(x.shape[-1])), axis=-1)
     return jnp.where(first < x.shape[-1], first, 0.0).astype(jnp.int32)
 
 
@@ -101,9 +106,10 @@ def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     Gumbel-max trick (as ``jax.random.categorical``) over the top-k / top-p restricted logits.
     """
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0.0, temperature, 1.0)
+    best = jnp.max(scaled, axis=-1)  # the greedy token's; XLA merges it with the log-normaliser's own
 
     def greedy():
-        return first_argmax(scaled)
+        return first_index_of(scaled, best)
 
     def sample():
         # the branch gives only the top-p floor [B], not the logits: a branch that returned its operand

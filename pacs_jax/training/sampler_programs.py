@@ -81,7 +81,8 @@ class SamplerPrograms:
         # room for 2P prompts a call, so that P groups can be in flight between calls (training/carry_over.py)
         self.carry_over = (CarryOverSampler(graphdef, self.settings, prompts=2 * self.num_prompts,
                                             prompt_length=self.prompt_buckets[-1], groups=self.num_prompts,
-                                            max_staleness=rc.max_staleness) if rc.carry_over else None)
+                                            max_staleness=rc.max_staleness, order=rc.carry_over_order)
+                           if rc.carry_over else None)
 
     @property
     def pass_widths(self) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from pacs_jax.rl.bypass import REINFORCE_ESTIMATORS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
 from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
-from pacs_jax.sampling.settings import SAMPLERS, row_pages
+from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training.optim import SCHEDULES
 
@@ -178,6 +178,7 @@ class RolloutSpec:
     sampler: SamplerSpec
     carry_over: bool
     max_staleness: int
+    carry_over_order: str
 
     @classmethod
     def from_config(cls, section) -> RolloutSpec:
@@ -195,6 +196,8 @@ class RolloutSpec:
                 f"must be >= 0 (0: report the sampler / pi_old mismatch only), got {self.max_logprob_diff}")
         require(isinstance(self.carry_over, bool), "rollout.carry_over", f"must be True or False, got {self.carry_over!r}")
         _int_at_least(self.max_staleness, 0, "rollout.max_staleness")
+        require(self.carry_over_order in CARRY_OVER_ORDERS, "rollout.carry_over_order",
+                f"must be one of {', '.join(map(repr, CARRY_OVER_ORDERS))}, got {self.carry_over_order!r}")
         if self.carry_over:
             require(self.sampler.sampler == "paged", "rollout.carry_over",
                     f"carries responses over in the paged sampler's pages; rollout.sampler is {self.sampler.sampler!r}: "
