@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -335,16 +336,18 @@ class TrainCheckpointer:
             raise ValueError(f"this checkpointer was made with with_critic={self.with_critic}: pass critic="
                              f"{'(params, opt_state)' if self.with_critic else 'None'}")
 
-    def save(self, step: int, params: nnx.State, opt_state: Any, meta: dict, *, force: bool = False,
-             critic: tuple[nnx.State, Any] | None = None) -> bool:
-        """Save when ``step`` is a multiple of ``every`` (or ``force``); returns whether it saved."""
+    def save(self, step: int, params: nnx.State, opt_state: Any, meta: dict | Callable[[], dict], *,
+             force: bool = False, critic: tuple[nnx.State, Any] | None = None) -> bool:
+        """Save when ``step`` is a multiple of ``every`` (or ``force``); returns whether it saved. meta: the
+        JSON item, or a function that makes it, called only when the step is saved (a carry-over data
+        state reads the rows in flight from the device: training/carry_over.py)."""
         self._check_critic(critic)
         if not force and (self.every <= 0 or step % self.every):
             return False
         if step in self.manager.all_steps():
             return False
         items = dict(params=ocp.args.StandardSave(flat_params(params)), opt_state=ocp.args.StandardSave(opt_state),
-                     meta=ocp.args.JsonSave(meta))
+                     meta=ocp.args.JsonSave(meta() if callable(meta) else meta))
         if critic is not None:
             items.update(critic_params=ocp.args.StandardSave(flat_params(critic[0])),
                          critic_opt_state=ocp.args.StandardSave(critic[1]))

@@ -152,21 +152,27 @@ def test_unchanged_weights_give_sample_rows_and_nothing_compiles_after_the_first
 
 @pytest.mark.slow(seconds=60)
 @pytest.mark.parametrize("stop", [1, 2])
-def test_rows_exported_and_resumed_in_a_fresh_engine_continue_as_the_engine_that_exported_them(stop):
+def test_rows_exported_and_resumed_in_a_fresh_engine_continue_as_the_engine_that_exported_them(stop, monkeypatch):
     """After call ``stop`` the rows in flight (their tokens, log-probs, versions, keys; some mid-response in a
     slot) are exported and resumed in a fresh sampler with the same weights, their K/V recomputed
-    (prompts prefilled, each slot's tokens fed through the decode step's ``attend``): every group
-    comes back as from the sampler never stopped, tokens, versions, lengths and stop flags exactly, and
-    log-probs exactly too (on this CPU the recompute runs the decode step's arithmetic: the same K/V
-    bit for bit). The export is small host arrays; dropping its tokens fails the comparison."""
+    (prompts prefilled, each slot's tokens fed through the decode step's ``attend``, ``chunk_steps``
+    positions a program): every group comes back as from the sampler never stopped, tokens, versions,
+    lengths and stop flags exactly, and log-probs exactly too (on this CPU the recompute runs the decode
+    step's arithmetic: the same K/V bit for bit). The export is small host arrays; dropping its tokens
+    fails the comparison."""
     seeds = [3] * (CALLS + DRAIN)
     groups, _, _ = _run(seeds)
+    reseat, chunks = carry_over._reseat_program, []
+    monkeypatch.setattr(carry_over, "_reseat_program", lambda *args, **kwargs: chunks.append(1) or reseat(*args, **kwargs))
     resumed, _, sampler = _run(seeds, resume_after=stop)
     exported = sampler.exported
     assert exported.version == stop and exported.generations
     Q, G = P * SETTINGS.n, sampler.spec.generations
     lengths = {version % G: rows.lengths for version, rows in zip(exported.generations, exported.rows)}
     assert any(lengths[row // Q][row % Q] >= 2 for row in exported.slots[exported.slots >= 0])  # mid-response
+    fed = max(lengths[row // Q][row % Q] for row in exported.slots[exported.slots >= 0]) - 1  # positions to feed
+    # a chunk a chunk_steps positions, and the one run_chunks queues after the last
+    assert len(chunks) == max(-(-fed // SETTINGS.chunk_steps), 1) + 1, (len(chunks), fed)
     assert sorted(resumed) == sorted(groups) == [(v, p) for v in range(CALLS) for p in range(P)]
     for key, (tokens, logprobs, versions, lengths, stopped) in groups.items():
         got = resumed[key]

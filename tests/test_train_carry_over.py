@@ -8,6 +8,7 @@ line), nothing compiled after the resumed session's step 1; the warm-up before s
 engine's six programs (a call's four, a resume's two), so step 1 compiles none of them."""
 
 import collections
+import json
 import re
 
 import jax
@@ -172,22 +173,52 @@ def test_dynamic_sampling_with_carry_over_keeps_the_first_groups_with_spread_the
 
 
 def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its_rows_in_flight_go_on(
-        setup, tmp_path, capsys):
+        setup, tmp_path, capsys, monkeypatch):
     """The checkpoint of step 2 holds the prompt cursor, the queue and the rows in flight (their tokens so
-    far); the resumed session puts them back into the engine, their K/V recomputed with step 2's
-    weights, and says so in one line: over the two sessions no prompt is trained twice, every prompt
-    drawn is trained or still held, the rows in flight at the stop are trained with their saved tokens
-    as prefixes (they went on, not sampled again), and the resumed session compiles nothing after its
-    step 1."""
+    far), read from the engine only for the steps that write a checkpoint (train.checkpoint_every=2: one
+    export in two steps); the resumed session puts them back into the engine in its first step's phase
+    "resume", their K/V recomputed with step 2's weights, with a line before and after. A session
+    stopped by SIGINT during that replay exits in step 3's phase "resume" with the checkpoint of step 2
+    as it was; the session after it resumes from it: over the sessions no prompt is trained twice,
+    every prompt drawn is trained or still held, every step is the run never stopped's bit for bit,
+    the rows in flight at the stop are trained with their saved tokens as prefixes (they went on, not
+    sampled again), and the resumed session compiles nothing after its step 1."""
+    import signal
+
+    from pacs_jax.training import progress
+
     mesh, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.train.checkpoint_every = 2
+    export, exports = CarryOverSampler.export, []
+    monkeypatch.setattr(CarryOverSampler, "export", lambda self: exports.append(1) or export(self))
     trained = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
         _, _, first = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 2, pool, trained)
+        assert len(exports) == 1  # the rows went to the host for the checkpoint of step 2 only, not after step 1
         exported = first.engine.export()
         saved = {(tuple(first.inserted[v][p][0]), j): rows.tokens[p * N + j, :rows.lengths[p * N + j]]
                  for v, rows in zip(exported.generations, exported.rows) for p in np.flatnonzero(rows.live)
                  for j in range(N) if rows.lengths[p * N + j]}
+        meta = tmp_path / "run" / "checkpoints" / "2" / "meta" / "metadata"
+        written = meta.read_bytes()
+
+        wait, asked = progress.StepWatch.wait, []
+
+        def signalled(self, arrays, detail):  # SIGINT during the replay, after its first program
+            if self.phase == "resume" and not asked:
+                asked.append(detail())
+                signal.raise_signal(signal.SIGINT)
+            return wait(self, arrays, detail)
+
+        monkeypatch.setattr(progress.StepWatch, "wait", signalled)
         capsys.readouterr()
+        stopped, _, _ = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 5, pool, [])
+        out = capsys.readouterr().out
+        monkeypatch.setattr(progress.StepWatch, "wait", wait)
+        assert asked and stopped == [] and "SIGINT during step 3 (resume): step 3 dropped" in out, out
+        assert meta.read_bytes() == written and sorted(p.name for p in meta.parents[1].parent.iterdir()
+                                                       if p.name.isdigit()) == ["2"]  # untouched
         history, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 5, pool,
                                     trained)
         out = capsys.readouterr().out
@@ -196,9 +227,9 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
     for (step, batch, *_), (_, reference, *_) in zip(trained, whole):
         for name in ("input_ids", "response_mask"):
             np.testing.assert_array_equal(batch[name], reference[name], err_msg=f"step {step} {name}")
-    assert re.search(rf"resumed {len(saved)} rows in flight \({sum(map(len, saved.values())):,} tokens, "
-                     rf"{exported.running} in decode slots\): their K/V recomputed with step 2's weights",
-                     out), out
+    assert re.search(rf"step 3: resume: replaying {len(saved)} rows in flight \({sum(map(len, saved.values())):,} "
+                     rf"tokens, {exported.running} in decode slots\), their K/V recomputed with step 2's weights\n"
+                     rf"step 3: resume done in \d+ s \({len(saved)} rows in flight\)\n", out), out
     assert exported.running and max(map(len, saved.values())) >= 2  # some rows were mid-response at the stop
     assert [step for step, *_ in trained] == [1, 2, 3, 4, 5]
     counts, responses = collections.Counter(), {}
@@ -225,17 +256,24 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
     assert len({h["compilations"] for h in history}) == 1  # the resumed session: nothing compiled after its step 1
 
 
-@pytest.mark.parametrize("phase", ["sampling", "reward", "pi_old", "update"])
+@pytest.mark.parametrize("phase,every", [("sampling", 1), ("sampling", 2), ("reward", 1), ("pi_old", 2), ("update", 1)])
 def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_once(setup, tmp_path, monkeypatch,
-                                                                                      phase):
-    """A stop signal at the start of step 2's ``phase`` drops step 2 (its call abandoned in sampling; the engine's
-    rows after step 1's call are in step 1's checkpoint); the resumed session trains steps 2 to 4: over the
-    sessions no prompt is trained twice, and every prompt drawn is trained or still held."""
+                                                                                      phase, every):
+    """A stop signal at the start of step 2's ``phase`` drops step 2 (its call abandoned in sampling); the resumed
+    session trains steps 2 to 4: over the sessions no prompt is trained twice, and every prompt drawn is
+    trained or still held. train.checkpoint_every 1: the engine's rows after step 1's call are in step 1's
+    checkpoint; 2: step 1 wrote none, the stop writes it, the rows in flight read from the engine then
+    (the only export of the session) when the stop came before step 2's call began, else (its insert took
+    the engine's state) none read, the prompts in flight queued first instead (sampled again)."""
     import signal
 
     from pacs_jax.training import progress
 
     mesh, model, config, batches = setup
+    config = config.copy_and_resolve_references()
+    config.train.checkpoint_every = every
+    export, exports = CarryOverSampler.export, []
+    monkeypatch.setattr(CarryOverSampler, "export", lambda self: exports.append(1) or export(self))
     start, asked = progress.StepWatch.start, []
 
     def start_phase(self, name, last_boundary=False):
@@ -253,6 +291,13 @@ def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_o
                                         steps, pool, trained)
             finished = {h["step"] for h in history}
             sessions.append([(step, batch) for step, batch, *_ in trained if step in finished])
+            if len(sessions) == 1:
+                meta = tmp_path / "run" / "checkpoints" / "1" / "meta" / "metadata"
+                first = len(exports), json.loads(meta.read_text())["data_state"]
+    if every == 1 or phase == "sampling":  # written after step 1's call, or at a stop before step 2's began
+        assert first[0] == 1 and first[1]["in_flight"]["version"] == 1 and first[1]["in_flight"]["generations"]
+    else:  # step 2's call had begun: no rows read, its prompts in flight queued first
+        assert first[0] == 0 and first[1]["in_flight"] is None and len(first[1]["queued"]) >= PROMPTS
     assert asked and [step for step, _ in sessions[0]] == [1] and [step for step, _ in sessions[1]] == [2, 3, 4]
     counts = collections.Counter()
     for step, batch in sessions[0] + sessions[1]:

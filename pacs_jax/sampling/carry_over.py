@@ -38,11 +38,12 @@ version of the token after it); nothing is recomputed, but on a resume:
              holds (``InFlightRows``; no K/V)
     restore  (a resume's program a generation) its prompts prefilled with the current weights into its
              region, its rows' outputs as exported
-    reseat   (a resume's last program) the rows that held slots back in them, each admitted as a
-             refill admits it, then its tokens 0 .. length - 2 fed through the store's ``attend`` one
-             position a step (the decode step's K/V write): their K/V recomputed with the current
-             weights, the slots as a decode step leaves them (next token ``length``, last token fed
-             next), so the next call goes on as the engine that exported them would.
+    reseat   (a resume's last program, in chunks of ``chunk_steps`` positions, so a stop signal is
+             answered between two as between a call's decode chunks) the rows that held slots back in
+             them, each admitted as a refill admits it, then its tokens 0 .. length - 2 fed through the
+             store's ``attend`` one position a step (the decode step's K/V write): their K/V recomputed
+             with the current weights, the slots as a decode step leaves them (next token ``length``,
+             last token fed next), so the next call goes on as the engine that exported them would.
 
 Token t of row (i, j) of the prompts inserted with key k is selected with ``fold_in(fold_in(fold_in(k, i), j), t)`` from its own logits,
 as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
@@ -508,35 +509,58 @@ def _restore_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryStat
     return nnx.state(model), _pinned(state, shardings)
 
 
+class ReseatProgress(NamedTuple):
+    """A resume's replay after a chunk (``_reseat_program``): the positions left to feed (the most of any
+    slot) and whether every slot's are fed."""
+
+    left: int
+    done: bool
+
+    @classmethod
+    def read(cls, progress: jax.Array) -> ReseatProgress:
+        """From the reseat program's replicated [2] array."""
+        left, done = np.asarray(progress.addressable_data(0)).tolist()
+        return cls(left, bool(done))
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
 def _reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, slot_rows: jax.Array, *,
-                    spec: CarryOverSpec, shardings: tuple | None) -> CarryState:
-    """A resume's last program: the rows that held decode slots back in the same slots (slot_rows [C]
-    int32, R: idle), each admitted as a refill admits it (its first page, its prompt's partly filled
-    page copied in, its promise), then its tokens 0 .. length - 2 fed one position a step through the
-    store's ``attend`` with the decode layout ``layout``, as the decode steps fed them: their K/V
-    recomputed with these weights into pages of their own; each slot's next token is its row's
-    token ``length``, its last the row's last token."""
+                    spec: CarryOverSpec, shardings: tuple | None) -> tuple[CarryState, jax.Array]:
+    """A resume's last program, run in chunks: the rows that held decode slots back in the same slots
+    (slot_rows [C] int32, R: none; the first chunk's, every later chunk's all R), each admitted as a
+    refill admits it (its first page, its prompt's partly filled page copied in, its promise) at token
+    1, then, in this chunk and the next, the seated rows' tokens 0 .. length - 2 fed one position a
+    step (up to ``spec.engine.chunk_steps`` steps a chunk) through the store's ``attend`` with the
+    decode layout ``layout``, as the decode steps fed them: their K/V recomputed with these weights
+    into pages of their own. Once all are fed each slot's next token is its row's token ``length``,
+    its last the row's last token. Returns (the state, progress [2] int32, replicated: the positions
+    left, 1 once none is)."""
     _traced()
     R, n = spec.rows, spec.engine.n
     model, store, outputs = nnx.merge(graphdef, layout), _store(state, spec), state.decode.outputs
     take = slot_rows < R
-    r = jnp.minimum(slot_rows, R - 1)
-    kv = store.admit(state.decode.kv, take, slot_rows, r // n)
-    target = jnp.where(take, outputs.lengths[r], 1)  # [C]: a slot's t once its tokens are fed
+    kv = store.admit(state.decode.kv, take, slot_rows, jnp.minimum(slot_rows, R - 1) // n)
+    row = jnp.where(take, slot_rows, state.decode.slots.row)
+    seated = row < R
+    r = jnp.minimum(row, R - 1)
+    target = jnp.where(seated, outputs.lengths[r], 1)  # [C]: a slot's t once its tokens are fed
     positions = lambda t: state.prompt_lengths[r // n] + t - 1
     token = lambda t: jnp.take_along_axis(outputs.tokens[r], (t - 1)[:, None], axis=1)[:, 0]
 
     def feed(carry):
-        kv, t = carry
+        kv, t, steps = carry
         busy = t < target
         _, kv = store.attend(model, kv, token(t), positions(t), t, busy)
-        return kv, jnp.where(busy, t + 1, t)
+        return kv, jnp.where(busy, t + 1, t), steps + 1
 
-    ones = jnp.ones_like(slot_rows)
-    kv, t = jax.lax.while_loop(lambda carry: jnp.any(carry[1] < target), feed, (kv, ones))
-    slots = decode.Slots(jnp.where(take, slot_rows, R), jnp.where(take, t, 0), jnp.where(take, token(t), 0))
-    return _pinned(state._replace(decode=state.decode._replace(slots=slots, kv=kv)), shardings)
+    t = jnp.where(take, 1, jnp.where(seated, state.decode.slots.t, 1))  # a seated slot's next position to feed
+    kv, t, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1] < target) & (carry[2] < spec.engine.chunk_steps),
+                                  feed, (kv, t, jnp.int32(0)))
+    slots = decode.Slots(row, jnp.where(seated, t, 0), jnp.where(seated, token(t), 0))
+    left = jnp.max(target - t)
+    progress = jnp.stack([left, (left == 0).astype(jnp.int32)])
+    state = state._replace(decode=state.decode._replace(slots=slots, kv=kv))
+    return _pinned(state, shardings), constrain(progress, (None,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -695,14 +719,18 @@ class CarryOverSampler:
         return InFlightRows(self._version, tuple(v for v, _ in regions), tuple(saved),
                             np.where(in_flight, slots, -1).astype(np.int32))
 
-    def resume(self, params: nnx.State, rows: InFlightRows, prompts) -> None:
+    def resume(self, params: nnx.State, rows: InFlightRows, prompts, *,
+               wait: Callable[[jax.Array, ReseatProgress | None], None] | None = None) -> None:
         """Continue the rows in flight that ``export`` gave (a checkpoint's), with ``params``: for each of
         its generations (prompts: (tokens [P, T], mask [P, T]) a generation, as its call had them) the
         prompts prefilled again and the rows' outputs put back, then the rows that held slots back in
-        them, the K/V of their tokens recomputed with ``params`` (``_reseat_program``). The next call is
-        version ``rows.version`` + 1; its rows continue as the engine that exported them would (the
-        same tokens where the recomputed K/V gives the same logits). The programs are compiled by
-        ``lower(...).compile()`` (the warm-up) with the shapes of a call."""
+        them, the K/V of their tokens recomputed with ``params`` (``_reseat_program``, a chunk of decode
+        steps' worth of positions a program). The next call is version ``rows.version`` + 1; its rows
+        continue as the engine that exported them would (the same tokens where the recomputed K/V gives
+        the same logits). wait(progress, last): called after each generation's program (last None) and
+        each chunk (``ReseatProgress``), as ``step``'s; a resume it abandons (by raising) leaves an
+        empty engine. The programs are compiled by ``lower(...).compile()`` (the warm-up) with the shapes
+        of a call."""
         if len(prompts) != len(rows.generations):
             raise ValueError(f"{len(prompts)} prompt batches for {len(rows.generations)} generations in flight")
         self.reset()
@@ -717,9 +745,13 @@ class CarryOverSampler:
         for version, saved, (tokens, mask) in zip(rows.generations, rows.rows, prompts):
             layout, state = _restore_program(self.graphdef, params, state, tokens, mask, selection, stop_ids,
                                              np.int32(version), saved, **pinned)
+            if wait is not None:
+                wait(state.decode.outputs.lengths, None)
         if layout is not None:
-            state = _reseat_program(self.graphdef, layout, state,
-                                    np.where(rows.slots >= 0, rows.slots, spec.rows).astype(np.int32), **pinned)
+            idle = np.full(spec.engine.slots, spec.rows, np.int32)
+            seats = iter((np.where(rows.slots >= 0, rows.slots, spec.rows).astype(np.int32),))  # the first chunk's
+            state = run_chunks(lambda state: _reseat_program(self.graphdef, layout, state, next(seats, idle), **pinned),
+                               state, ReseatProgress.read, wait)
         self._state, self._version = state, rows.version
 
     def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct

@@ -18,10 +18,13 @@ Resume loses nothing: the prompt source's state, which every checkpoint holds (`
 the source's cursor, the queue, and the rows in flight after the last call (``in_flight``: each
 generation's prompts and, of its live prompts' rows, the tokens sampled so far with their log-probs
 and policy versions, lengths, stop flags, budgets and keys, and the row each decode slot held:
-``CarryOverSampler.export``). ``resume(params, step)`` puts them back into the engine before the
-resumed session's first call, their K/V recomputed with the restored weights
-(``CarryOverSampler.resume``), so they go on as in the run never stopped: no prompt is lost, none
-trained twice, no partial response thrown away.
+``CarryOverSampler.export``, read from the device only when a checkpoint is written: the loop asks
+for the state then). ``resume(params, step, watch)`` puts them back into the engine in the phase
+"resume" of the resumed session's first step, before its call, their K/V recomputed with the restored
+weights (``CarryOverSampler.resume``), so they go on as in the run never stopped: no prompt is lost,
+none trained twice, no partial response thrown away. A stop that drops a step whose previous step
+wrote no checkpoint writes it with ``state_before_call``'s state, where once the step's call has begun
+the prompts in flight are queued instead (their partial responses sampled again).
 
 In the checkpoint the rows are JSON (the meta item, written by process 0, read by every process, as
 the cursor): each array little-endian bytes in base64, the per-token arrays only up to each row's
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -44,6 +48,7 @@ from pacs_jax.sampling.buckets import left_pad
 from pacs_jax.sampling.carry_over import CarryOverRows, CarryOverSampler, InFlightRows, SavedRows
 from pacs_jax.sampling.engine import PAD_ID
 from pacs_jax.sharding import batch_sharding
+from pacs_jax.training.progress import StepWatch
 from pacs_jax.training.prompt_batch import PromptBatch
 
 _PER_TOKEN = ("tokens", "logprobs", "versions")  # SavedRows' [P n, N] fields, kept up to each row's length
@@ -64,6 +69,11 @@ def _rows_json(rows: SavedRows) -> dict:
     inside = np.arange(rows.tokens.shape[1])[None, :] < rows.lengths[:, None]  # [P n, N]
     return {name: _packed(getattr(rows, name)[inside] if name in _PER_TOKEN else getattr(rows, name))
             for name in SavedRows._fields}
+
+
+def _prompts_json(prompts: list[tuple[list[int], str, str]]) -> list:
+    """Prompts (token ids, gold answer, data source) as JSON."""
+    return [[[int(t) for t in ids], gold, data] for ids, gold, data in prompts]
 
 
 def _rows_from_json(packed: dict, max_new_tokens: int) -> SavedRows:
@@ -116,18 +126,36 @@ class CarryOverRollouts:
     def get_state(self) -> dict:
         """The source's state, the prompts queued, and the rows in flight after the last call (None before
         any): ``{"version", "slots", "generations": [{"version", "prompts", "rows"}]}``, each generation's
-        prompts (ids, answer, source) and ``SavedRows`` as JSON. The rows are read from the device once
-        a call (the loop asks at a step's end and at the next one's start)."""
+        prompts (ids, answer, source) and ``SavedRows`` as JSON. The rows are read from the device at most
+        once a call, when a checkpoint is written (the loop asks for the state only then)."""
+        return {"source": self.source.get_state(), "queued": _prompts_json(self.queued), "in_flight": self._rows()}
+
+    def state_before_call(self) -> Callable[[], dict]:
+        """``get_state`` as of now, before the next call, as a function called only when a stop drops the
+        step and writes the checkpoint of the step before (training/loop.py): the rows in flight are then
+        read from the engine if no call has begun since (a stop at the step's first phase boundary); a call
+        that began took the engine's state (its insert donates it), so then the prompts in flight are
+        queued first instead, oldest call first, and a resume samples them again from their start: no
+        prompt lost or trained twice, their partial responses lost."""
+        version, source, queued = self.version, self.source.get_state(), list(self.queued)
+        in_flight = [self.inserted[v][p] for v in sorted(self.live) for p in sorted(self.live[v])]
+
+        def state() -> dict:
+            if self.version == version:
+                return {"source": source, "queued": _prompts_json(queued), "in_flight": self._rows()}
+            return {"source": source, "queued": _prompts_json(in_flight + queued), "in_flight": None}
+        return state
+
+    def _rows(self) -> dict | None:
+        """The JSON of the rows in flight after the last call (``get_state``'s ``in_flight``), read from the
+        engine once a call (``CarryOverSampler.export``); a checkpoint's until the next call."""
         if self._in_flight is None and not self._pending:
             exported = self.engine.export()
             self._in_flight = None if exported is None else {
                 "version": exported.version, "slots": _packed(exported.slots),
-                "generations": [{"version": v, "prompts": [[[int(t) for t in ids], gold, data]
-                                                           for ids, gold, data in self.inserted[v]],
-                                 "rows": _rows_json(rows)} for v, rows in zip(exported.generations, exported.rows)]}
-        return {"source": self.source.get_state(),
-                "queued": [[[int(t) for t in ids], gold, data] for ids, gold, data in self.queued],
-                "in_flight": self._in_flight}
+                "generations": [{"version": v, "prompts": _prompts_json(self.inserted[v]), "rows": _rows_json(rows)}
+                                for v, rows in zip(exported.generations, exported.rows)]}
+        return self._in_flight
 
     def set_state(self, state: dict) -> None:
         """A checkpoint's ``get_state``; its rows in flight go back into the engine at ``resume``. (A
@@ -141,12 +169,14 @@ class CarryOverRollouts:
         self._pending = self._in_flight is not None
         self.version = 0 if self._in_flight is None else self._in_flight["version"]  # an empty engine takes any
 
-    def resume(self, params: nnx.State, step: int) -> str | None:
+    def resume(self, params: nnx.State, step: int, watch: StepWatch) -> None:
         """The checkpoint's rows in flight (``set_state``) back into the engine, their K/V recomputed with
-        ``params`` (step ``step``'s weights, the checkpoint's), before the next call; the line that says
-        so, or None when there are none."""
+        ``params`` (step ``step``'s weights, the checkpoint's), before the next call: the phase "resume" of
+        the session's first step on ``watch``, with a line before it (the rows, their tokens, those in
+        decode slots) and one after (its seconds); a stop signal ends it between two of its programs
+        (``StepInterrupted``: nothing is written, a resume replays them again). Nothing when there are none."""
         if not self._pending:
-            return None
+            return
         saved, self._pending = self._in_flight, False  # the export of the engine resumed: kept as its state
         spec = self.engine.spec
         generations, prompts = [], []
@@ -159,9 +189,16 @@ class CarryOverRollouts:
             generations.append((version, rows))
         exported = InFlightRows(saved["version"], tuple(v for v, _ in generations), tuple(r for _, r in generations),
                                 _unpacked(saved["slots"]))
-        self.engine.resume(params, exported, prompts)
-        return (f"resumed {exported.row_count} rows in flight ({exported.tokens:,} tokens, {exported.running} in "
-                f"decode slots): their K/V recomputed with step {step}'s weights")
+        watch.start("resume")
+        watch.say(f"resume: replaying {exported.row_count} rows in flight ({exported.tokens:,} tokens, "
+                  f"{exported.running} in decode slots), their K/V recomputed with step {step}'s weights")
+
+        def wait(progress, last):  # after each program: a stop ends the replay here (several processes: in wait)
+            watch.poll()
+            watch.wait(progress, lambda: f"{last.left} positions left to feed" if last else "the prompts' prefill")
+
+        self.engine.resume(params, exported, prompts, wait=wait)
+        watch.done(f"{exported.row_count} rows in flight", always=True)
 
     # ------------------------------------------------------------------------ a step's call
     def sample(self, params, prompts, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,

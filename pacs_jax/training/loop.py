@@ -10,8 +10,9 @@
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
 every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done (with
-carry-over, the state holds the rows in flight too, and a resume puts them back into the engine with
-their K/V recomputed before its first step: training/carry_over.py).
+carry-over, the state holds the rows in flight too, read from the device only for a checkpoint that is
+written, and a resume puts them back into the engine with their K/V recomputed in its first step's phase
+"resume": training/carry_over.py).
 A step's phases write progress lines and are where a stop signal ends an unfinished step
 (training/progress.py): one process drops the step under way if the signal comes before its update
 begins (the previous step's checkpoint is written if it was not; a resume runs the step again with
@@ -173,10 +174,6 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
-    if carry is not None and start < tc.steps:  # the checkpoint's rows in flight back into the engine
-        line = carry.resume(params, start)
-        if line and primary:
-            print(line, flush=True)
     write = logger.write if primary else lambda line: None
     watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
     # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
@@ -196,10 +193,12 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                   "(train.progress_seconds)", flush=True)
         t_step = time.perf_counter()
         watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
-        # before the step's batch: a checkpoint of step - 1 holds it
-        data_state = prompts.get_state() if ahead is None else ahead.state_before(step)
+        # before the step's batch: a checkpoint of step - 1 holds it, written here only if a stop drops the step
+        data_state = _state_before_batch(prompts, carry, ahead, step)
         key = jax.random.fold_in(base_key, step)
         try:
+            if carry is not None and step == start + 1:  # a checkpoint's rows in flight back into the engine
+                carry.resume(params, start, watch)
             if ahead is None:
                 rollout = collector(params, prompts.next_batch, key, watch, step)
             else:
@@ -220,7 +219,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
-                       {"step": step - 1, "seed": spec.seed, "data_state": data_state},
+                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()},
                        None if critic is None else (critic.params, critic.opt_state))
             checkpointer.close()
             logger.close()
@@ -237,8 +236,9 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})
         logger.log(step, metrics)
-        meta = {"step": step, "seed": spec.seed,
-                "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
+        # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
+        meta = lambda: {"step": step, "seed": spec.seed,
+                        "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
         critic_state = None if critic is None else (critic.params, critic.opt_state)
         preempted = signals.safe_point()  # several processes: the same step on every one
         preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
@@ -273,11 +273,22 @@ def _save(checkpointer: TrainCheckpointer, *args, **kwargs) -> bool:
         return checkpointer.save(*args, **kwargs)
 
 
+def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, ahead: OneStepOff | None,
+                        step: int) -> Callable[[], dict]:
+    """The prompt source's state before step ``step``'s batch (a checkpoint of step - 1 holds it), as a function
+    called only when a stop drops the step and that checkpoint is written: carry-over's reads the rows in
+    flight then (``CarryOverRollouts.state_before_call``), the others' (a cursor) is taken now."""
+    if carry is not None:
+        return carry.state_before_call()
+    state = prompts.get_state() if ahead is None else ahead.state_before(step)
+    return lambda: state
+
+
 def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
-               logger: MetricsLogger, params, opt_state, meta: dict, critic_state) -> None:
+               logger: MetricsLogger, params, opt_state, meta: Callable[[], dict], critic_state) -> None:
     """A stop signal ended step S before its update (or in it, when step S - 1's checkpoint is on disk:
     then nothing is written, the update's donated state is abandoned): write the checkpoint of step
-    S - 1 (``params``, ``opt_state``, ``meta`` and PPO's ``critic_state`` are still its) unless it has
+    S - 1 (``params``, ``opt_state``, ``meta()`` and PPO's ``critic_state`` are still its) unless it has
     one (``saved``) or is step 0, and say what a resume does."""
     last = interrupted.step - 1
     if last > saved:

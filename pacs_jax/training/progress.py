@@ -1,7 +1,9 @@
 """What a step is doing while it runs: progress lines by phase, and the phase boundaries where a
 stop signal ends an unfinished step (docs/design.md section 3.7).
 
-A step's phases (training/loop.py, training/rollout.py): ``sampling`` (the sampler's
+A step's phases (training/loop.py, training/rollout.py): with carry-over, a resumed session's first
+step begins with ``resume`` (the rows in flight put back into the engine, their K/V recomputed:
+training/carry_over.py), then ``sampling`` (the sampler's
 ``rollout.micro_batches`` calls, each a program per chunk of decode steps: rows done and tokens so far
 are read between two), ``reward`` (decoding and scoring, while the device computes pi_old),
 ``pi_old`` (waiting for it) and ``update`` (PPO's critic update with it). ``StepWatch``:
@@ -91,13 +93,17 @@ class StepWatch:
         if not self.lockstep:
             self.boundary()
 
-    def done(self, detail: str = "") -> None:
+    def done(self, detail: str = "", always: bool = False) -> None:
         """End the current phase: a line "step S: PHASE done in T s (detail)" when it ran ``interval_s``
-        or nothing was written for that long."""
+        or nothing was written for that long (``always``: in any case)."""
         now = self.clock()
         seconds = now - self._phase_start
-        if seconds >= self.interval_s or now - self._last_line >= self.interval_s:
+        if always or seconds >= self.interval_s or now - self._last_line >= self.interval_s:
             self._write(f"{self.phase} done in {seconds:.0f} s" + (f" ({detail})" if detail else ""))
+
+    def say(self, text: str) -> None:
+        """A line "step S: text" now (what a long phase is about to do)."""
+        self._write(text)
 
     def heartbeat(self, detail: str) -> None:
         """Within the current phase: a line "step S: PHASE, detail, T s so far" every ``interval_s`` of
