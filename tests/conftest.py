@@ -15,13 +15,13 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One persistent compilation cache for the whole run, read by both xdist workers and every trainer
-# subprocess (they inherit the variable): the suite compiles many identical programs (each run's
-# StepPrograms, the demo in a dozen subprocesses). The subprocesses write it (those of
-# train_helpers.train_env every program, others those that compile in a second or more); the xdist workers
-# only read it (pytest_configure below). A size limit turns on JAX's file lock around each read and write
-# of the cache, so that no process reads an entry that another is writing (the xdist workers, the trainer
-# subprocesses and the processes of a multi-process run use it at once).
+# One persistent compilation cache for the whole run, read and written by both xdist workers and every
+# trainer subprocess (they inherit the variable): the suite compiles many identical programs (each run's
+# StepPrograms in a dozen files, the demo in a dozen subprocesses). The subprocesses of
+# train_helpers.train_env write every program, the test processes those that compile in 0.3 s or more
+# (pytest_configure below). A size limit turns on JAX's file lock around each read and write of the cache,
+# so that no process reads an entry that another is writing (the xdist workers, the trainer subprocesses
+# and the processes of a multi-process run use it at once).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"pacs_jax_tests_jit_cache_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
@@ -35,13 +35,14 @@ DATA = REPO / "data"
 
 
 def pytest_configure(config):
-    """The test processes only read the compilation cache; the short-lived trainer subprocesses write it.
-    A worker's writes serialize each program it compiles, and a worker crashed in that serialization
-    (``Executable.serialize``, at the mappings limit that ``_free_compiled_programs`` below keeps it from),
-    which stalled xdist's file scheduler until CI's limit."""
+    """The test processes write the programs that took 0.3 s or more to compile to the compilation cache,
+    so that another file's identical program is read, not compiled (four in-process training files, one
+    process: CPU 216 -> 183 s). They once only read it: a worker crashed serializing a program
+    (``Executable.serialize``) at the kernel's mappings limit, which ``_free_compiled_programs`` below now
+    keeps every worker far from."""
     import jax
 
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
 
 
 @pytest.fixture(autouse=True, scope="module")

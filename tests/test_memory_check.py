@@ -16,7 +16,7 @@ from flax import nnx
 from pacs_jax import models, sampling
 from pacs_jax.sampling.engine import lower_sample, sample
 from pacs_jax.sharding import make_mesh, placement
-from pacs_jax.training import memory_check
+from pacs_jax.training import compilations, memory_check
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.memory_check import GiB
 from pacs_jax.training.step_programs import StepPrograms
@@ -282,9 +282,6 @@ def test_sampler_lowered_on_abstract_arguments_is_the_program_a_call_runs():
         lowered.compile()
         tokens = jax.device_put(np.ones((8, 16), np.int32), sharding)
         key = jax.block_until_ready(jax.random.fold_in(jax.random.key(0), 1))  # its own eager programs, before
-        events = []
-        jax.monitoring.register_event_duration_secs_listener(
-            lambda event, duration, **kw: events.append(event) if event == "/jax/core/compile/backend_compile_duration"
-            else None)
-        jax.block_until_ready(sample(graphdef, state, tokens, tokens, settings, key))
-    assert events == []
+        with compilations.built() as events:
+            jax.block_until_ready(sample(graphdef, state, tokens, tokens, settings, key))
+    assert events == []  # nothing compiled, nor read from the persistent compilation cache

@@ -26,6 +26,7 @@ from pacs_jax.sampling import carry_over
 from pacs_jax.sampling.engine import _decode_layout
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sharding import make_mesh
+from pacs_jax.training import compilations
 
 CFG = models.QwenConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -82,10 +83,7 @@ def _schedule(seeds, compiles, mesh_shape, resume_after):
     graphdef = _graphdef_and_params(seeds[0], mesh_shape)[0]
     sampler = _new_sampler(graphdef)
     groups, calls = {}, []
-    events = []
-    listener = lambda event, duration, **kw: events.append(event) if "backend_compile" in event else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compilations.built() as events:
         for v in range(CALLS + DRAIN):
             tokens, mask, budgets, key = _batch(v)
             params = _graphdef_and_params(seeds[v], mesh_shape)[1]
@@ -109,8 +107,6 @@ def _schedule(seeds, compiles, mesh_shape, resume_after):
                 sampler.resume(_graphdef_and_params(seeds[v + 1], mesh_shape)[1], exported,
                                [_batch(version)[:2] for version in exported.generations])
                 sampler.exported = exported
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     return groups, calls, sampler
 
 

@@ -24,7 +24,7 @@ from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.rollout import PromptBatch
 from pacs_jax.training.spec import RunSpec
-from pacs_jax.training import memory_check
+from pacs_jax.training import compilations, memory_check
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
 from train_helpers import ListPromptSource, tiny_model_on_mesh
@@ -329,14 +329,12 @@ def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(s
         return compiled
 
     def calling(self, *args, **kwargs):
-        traced, events = carry_over.compile_count(), []
-        listener = lambda event, duration, **kw: events.append(event) if "backend_compile" in event else None
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
-            return step(self, *args, **kwargs)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
-            calls.append((traced, carry_over.compile_count(), len(events)))
+        traced = carry_over.compile_count()
+        with compilations.built() as events:
+            try:
+                return step(self, *args, **kwargs)
+            finally:
+                calls.append((traced, carry_over.compile_count(), len(events)))
 
     monkeypatch.setattr(StepPrograms, "compile", compiling)
     monkeypatch.setattr(CarryOverSampler, "step", calling)
