@@ -188,15 +188,27 @@ def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.
     return cache.at[layer, rows, :, slots].set(x[:, 0], mode="promise_in_bounds")
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _dot_rounded(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``einsum(spec, x, kernel)`` accumulated in float32 and returned in x's dtype. A dot of x's
-    dtype, so the gemm writes that dtype, and the remat policy saves it so: a float32 dot rounded
-    after it is written, and saved, in float32 (XLA may keep the excess precision). On CPU the
-    float32 dot rounded, XLA:CPU's fast path (bf16 x bf16 -> f32; the same values but for the
-    summation order)."""
-    if platform() == "cpu":
-        return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.einsum(spec, x, kernel, preferred_element_type=x.dtype)
+    """``einsum(spec, x, kernel)`` accumulated in float32 and returned in x's dtype. Off the CPU a dot
+    of x's dtype, so the gemm writes that dtype and the remat policy saves it so (a float32 dot rounded
+    after it is written, and saved, in float32: XLA may keep the excess precision). On CPU the float32
+    dot rounded, XLA:CPU's fast path (bf16 x bf16 -> f32; the same values but for the summation order).
+    Its derivative (``_dot_rounded_jvp``) is float32 dots rounded after, so the gradients' gemms, and the
+    sums of their shards across devices, stay float32 as a float32 dot's would."""
+    preferred = jnp.float32 if platform() == "cpu" else x.dtype
+    return jnp.einsum(spec, x, kernel, preferred_element_type=preferred).astype(x.dtype)
+
+
+@_dot_rounded.defjvp
+def _dot_rounded_jvp(spec: str, primals, tangents):
+    """The primal as ``_dot_rounded`` computes it (its dot is what the remat policy sees and saves); the
+    tangent a float32 dot rounded after (its transpose: the gradients' float32 dots, summed in float32)."""
+    (x, kernel), (dx, dkernel) = primals, tangents
+    preferred = jnp.float32 if platform() == "cpu" else x.dtype
+    out = jnp.einsum(spec, x, kernel, preferred_element_type=preferred).astype(x.dtype)
+    dot = functools.partial(jnp.einsum, spec, preferred_element_type=jnp.float32)
+    return out, (dot(dx, kernel) + dot(x, dkernel)).astype(x.dtype)
 
 
 class MLP(nnx.Module):
