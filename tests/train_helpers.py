@@ -79,7 +79,7 @@ def write_small_tokenizer(source: pathlib.Path, folder: pathlib.Path, size: int 
 def train_env(cache_dir: pathlib.Path | None = None, *, compile_bound: bool = False) -> dict[str, str]:
     """The environment of a trainer subprocess: CPU, one device, LLVM's default optimisation (``compile_bound``:
     level 0, as conftest.py gives the test processes, for a subprocess that compiles more than it runs; the
-    programs are the same HLO, so every figure they print too), optionally a shared compilation cache."""
+    programs are the same HLO, so every compiled figure they print too, not their times), optionally a shared compilation cache."""
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split()  # conftest.py's device count and LLVM level (it runs more)
              if not f.startswith(("--xla_force_host_platform_device_count", "--xla_backend_optimization_level"))]

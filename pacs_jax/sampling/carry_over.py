@@ -106,7 +106,7 @@ class CarryOverSpec:
     prompt_length: int
     generations: int
     groups: int
-    order: str = "completion"
+    order: str = CARRY_OVER_ORDERS[0]
 
     @property
     def rows(self) -> int:
@@ -640,7 +640,7 @@ class CarryOverLowered:
 
 
 def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: int, groups: int,
-                    max_staleness: int, order: str = "completion") -> CarryOverSpec:
+                    max_staleness: int, order: str = CARRY_OVER_ORDERS[0]) -> CarryOverSpec:
     """The programs' static part, checked: the paged sampler with ``settings.slots`` slots, at most
     ``prompts`` groups a call, max_staleness >= 0, an order of ``CARRY_OVER_ORDERS``."""
     if order not in CARRY_OVER_ORDERS:
@@ -677,7 +677,7 @@ class CarryOverSampler:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, settings: SamplingSettings, *, prompts: int, prompt_length: int,
-                 groups: int, max_staleness: int = 1, order: str = "completion"):
+                 groups: int, max_staleness: int = 1, order: str = CARRY_OVER_ORDERS[0]):
         self.graphdef = graphdef
         self.settings = settings
         self.spec = carry_over_spec(settings, prompts=prompts, prompt_length=prompt_length, groups=groups,

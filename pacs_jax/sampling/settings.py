@@ -9,7 +9,7 @@ import numbers
 
 # config values: a fixed number of decode slots, one slot per row, or a fixed number over a page pool
 SAMPLERS = ("continuous", "static", "paged")
-# which B groups a carry-over call returns (sampling/carry_over.py): the first complete, or the oldest
+# which B groups a carry-over call returns (sampling/carry_over.py): the first complete (the default), or the oldest
 CARRY_OVER_ORDERS = ("completion", "admission")
 DECODE_CHUNK_STEPS = 16  # decode steps a program of the decode loop (docs/design.md section 3.2 says why)
 

@@ -195,7 +195,8 @@ class CarryOverRollouts:
 
         def wait(progress, last):  # after each program: a stop ends the replay here (several processes: in wait)
             watch.poll()
-            watch.wait(progress, lambda: f"{last.left} positions left to feed" if last else "the prompts' prefill")
+            watch.wait(progress, lambda: f"{last.left} positions left to feed" if last else
+                       "the prompts' prefill or the first positions fed")
 
         self.engine.resume(params, exported, prompts, wait=wait)
         watch.done(f"{exported.row_count} rows in flight", always=True)
