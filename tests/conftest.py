@@ -3,13 +3,13 @@
 import os
 import tempfile
 
-# LLVM's optimisation level 0 for the CPU programs the test processes compile (not the subprocesses:
-# tests/train_helpers.py's train_env drops it with the device count): compiling dominates the in-process
-# tests, and at level 0 their CPU time fell by 20-40 % (the 2x2x2-mesh training step 43.6 -> 26.1 s, the
-# sampled continuous-vs-static equality 46.3 -> 32.3 s) for slower code where little runs. A trainer
-# subprocess runs more than it compiles: the multihost test's 2-step run took 82 s at level 0 and 53 s
-# at the default (its sampler 18 s a step against 7). HLO passes, and so fusion, layouts, memory and every
-# compiled fact the tests read, are the same at any level; reductions keep their order.
+# LLVM's optimisation level 0 for the CPU programs the test processes compile (and the subprocesses of
+# tests/train_helpers.py's train_env, which keeps it and drops the device count): compiling dominates the
+# in-process tests, and at level 0 their CPU time fell by 20-40 % (the 2x2x2-mesh training step 43.6 -> 26.1
+# s, the sampled continuous-vs-static equality 46.3 -> 32.3 s) for slower code where little runs; the
+# subprocesses' short runs of tiny models gain too (train_env says how much). HLO passes, and so fusion,
+# layouts, memory and every compiled fact the tests read, are the same at any level; reductions keep their
+# order.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
 ).strip()

@@ -76,14 +76,17 @@ def write_small_tokenizer(source: pathlib.Path, folder: pathlib.Path, size: int 
     return folder
 
 
-def train_env(cache_dir: pathlib.Path | None = None, *, compile_bound: bool = False) -> dict[str, str]:
-    """The environment of a trainer subprocess: CPU, one device, LLVM's default optimisation (``compile_bound``:
-    level 0, as conftest.py gives the test processes, for a subprocess that compiles more than it runs; the
-    programs are the same HLO, so every compiled figure they print too, not their times), optionally a shared compilation cache."""
+def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
+    """The environment of a trainer (or tool) subprocess: CPU, one device, LLVM's optimisation level 0 as
+    conftest.py gives the test processes, optionally a shared compilation cache. The tests' short runs of
+    tiny models compile more than they run, so level 0 saves CPU time (one process each, CPU seconds with
+    the default level -> level 0: test_multihost.py 168 -> 145, test_train_stop.py + test_train_stop_phases.py
+    + test_run_outputs.py 107 -> 97, accelerator_check's tiny run 158 -> 130; the paper-table files 169 ->
+    168); the programs are the same HLO, so every compiled figure they print is too (not their times)."""
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()  # conftest.py's device count and LLVM level (it runs more)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()  # conftest.py's device count (the subprocess has one)
              if not f.startswith(("--xla_force_host_platform_device_count", "--xla_backend_optimization_level"))]
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_backend_optimization_level=0"] * compile_bound)
+    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     if cache_dir is not None:
