@@ -291,7 +291,8 @@ def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slot
     # each slot's new K/V and a refilled slot's prompt K/V written in place inside the decode loops: a scatter and
     # dynamic-update-slices with XLA:CPU's fusion emitters, dynamic-update-slices alone without them (the scatter
     # expanded: tests/conftest.py turns them off)
-    writes = [w for name in loops for w in re.findall(rf"= {cache_shape}\S* (scatter|dynamic-update-slice)\(", comps[name])]
+    write = rf"= {cache_shape}\S* (scatter|dynamic-update-slice)\("
+    writes = [w for name in loops for w in re.findall(write, comps[name])]
     assert len(writes) >= 2 and "dynamic-update-slice" in writes, writes
     for name in loops:  # a copy inside a loop would run every decode step
         assert not re.search(rf"= {cache_shape}\S* copy\(", comps[name]), name
