@@ -12,6 +12,7 @@ from pacs_jax.training import compilations
 
 
 def test_a_program_compiled_then_read_from_the_persistent_cache_is_built_both_times():
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs  # conftest.py's
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # this tiny program is written too
     try:
         compilations.start_counting()
@@ -31,7 +32,7 @@ def test_a_program_compiled_then_read_from_the_persistent_cache_is_built_both_ti
         with compilations.built() as cached:
             jax.block_until_ready(shifted(x))
     finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # conftest.py's
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
     assert first == ["/jax/core/compile/backend_compile_duration"], first
     assert again == []
     # read from the cache (cleared caches may also compile a small program of JAX's own beside it)
