@@ -6,6 +6,10 @@ GQA case of docs/design.md section 5.3: K/V projections replicated over "tensor"
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from pacs_jax import checkpoints, models
 from pacs_jax.sharding import make_mesh
+from conftest import REPO
 from qwen_reference import ARCHS, hf_logits, max_rel_err, padded_batch, save_random_hf_model
+from train_helpers import train_env
 
 LENGTHS = [16, 9, 4, 13, 16, 1, 11, 6]  # B = 8: divisible by every batch split below
 T = 16
@@ -136,3 +142,17 @@ def test_fewer_kv_heads_than_tensor_axis_on_published_shape():
     for name in ("k_kernel", "v_kernel", "k_bias", "v_bias"):
         assert all(axis is None for axis in attn[name].get_value().sharding.spec), name
     assert state["layers"]["mlp"]["gate_kernel"].get_value().sharding.spec == P(None, None, "tensor")
+
+
+def test_the_layers_weight_gradients_are_summed_across_a_v5ps_chips_in_float32():
+    """A small bfloat16 Qwen's gradient compiled for two v5p chips splitting the batch (tests/gpu/layer_dots.py,
+    libtpu compile-only): the layers' weight gradients are summed across the chips in float32, the remat still
+    saving the gemm outputs in bfloat16. When the layers cast their float32 master weights to bfloat16 before
+    ``_dot_rounded`` (models/qwen.py), the gradient of that bfloat16 copy was bfloat16 and XLA:TPU summed the 32
+    shards of a paper run in bfloat16 before casting back (the H200's compile summed in float32:
+    tests/test_gpu_compile.py)."""
+    result = subprocess.run([sys.executable, "tests/gpu/layer_dots.py", "v5p-64"], cwd=REPO, env=train_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"mlp": ["bf16"], "q/o": ["bf16"], "k/v": ["bf16"], "grad_sums": ["f32"]}, report

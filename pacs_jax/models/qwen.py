@@ -120,7 +120,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers)
 
     def _project(self, x, kernel, bias_name):
-        out = _dot_rounded("btd,dnh->btnh", x, kernel[...].astype(x.dtype))
+        out = _dot_rounded("btd,dnh->btnh", x, kernel[...])
         if self.cfg.attention_bias:
             out = out + getattr(self, bias_name)[...].astype(x.dtype)
         return out
@@ -170,7 +170,7 @@ class Attention(nnx.Module):
             out = attention(q, k, v, kv_valid[:, :q.shape[1]], segment_ids=segment_ids,
                             impl=resolve_impl(cfg.attention, platform()),
                             block_size=cfg.attention_block_size)  # [B, T, H, Dh]
-        out = _dot_rounded("btnh,nhd->btd", out, self.o_kernel[...].astype(x.dtype))
+        out = _dot_rounded("btnh,nhd->btd", out, self.o_kernel[...])
         return out, new_cache
 
 
@@ -190,25 +190,45 @@ def _write_rows(cache: jax.Array, x: jax.Array, layer: jax.Array, slots) -> jax.
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _dot_rounded(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``einsum(spec, x, kernel)`` accumulated in float32 and returned in x's dtype. Off the CPU a dot
+    """``einsum(spec, x, kernel cast to x's dtype)`` accumulated in float32 and returned in x's dtype;
+    ``kernel`` is the parameter as stored (the float32 master under mixed precision). Off the CPU a dot
     of x's dtype, so the gemm writes that dtype and the remat policy saves it so (a float32 dot rounded
     after it is written, and saved, in float32: XLA may keep the excess precision). On CPU the float32
     dot rounded, XLA:CPU's fast path (bf16 x bf16 -> f32; the same values but for the summation order).
-    Its derivative (``_dot_rounded_jvp``) is float32 dots rounded after, so the gradients' gemms, and the
-    sums of their shards across devices, stay float32 as a float32 dot's would."""
+    Its derivative (``_dot_rounded_jvp``) is float32 dots rounded after, the kernel's taken against the
+    stored parameter itself: its gradient is the float32 dot's output, never rounded to x's dtype, so
+    the sums of its shards across devices are float32 on every target (cast outside, the gradient of
+    the bfloat16 copy was bfloat16, and XLA:TPU summed the shards before casting it back)."""
+    return _rounded(spec, x, kernel)
+
+
+def _rounded(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``_dot_rounded``'s value (a plain function: its dot is traced where the remat policy sees it)."""
     preferred = jnp.float32 if platform() == "cpu" else x.dtype
-    return jnp.einsum(spec, x, kernel, preferred_element_type=preferred).astype(x.dtype)
+    return jnp.einsum(spec, x, kernel.astype(x.dtype), preferred_element_type=preferred).astype(x.dtype)
 
 
 @_dot_rounded.defjvp
 def _dot_rounded_jvp(spec: str, primals, tangents):
     """The primal as ``_dot_rounded`` computes it (its dot is what the remat policy sees and saves); the
-    tangent a float32 dot rounded after (its transpose: the gradients' float32 dots, summed in float32)."""
+    tangent float32 dots rounded after, the kernel's tangent in the stored parameter's dtype (their
+    transposes: the gradients' float32 dots, the kernel's kept in its own dtype)."""
     (x, kernel), (dx, dkernel) = primals, tangents
-    preferred = jnp.float32 if platform() == "cpu" else x.dtype
-    out = jnp.einsum(spec, x, kernel, preferred_element_type=preferred).astype(x.dtype)
+    out = _rounded(spec, x, kernel)
     dot = functools.partial(jnp.einsum, spec, preferred_element_type=jnp.float32)
-    return out, (dot(dx, kernel) + dot(x, dkernel)).astype(x.dtype)
+    return out, (dot(dx, kernel.astype(x.dtype)) + _mixed_dot(spec, x, dkernel)).astype(x.dtype)
+
+
+def _mixed_dot(spec: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``einsum(spec, x, kernel)`` in float32 without casting either operand to the other's dtype (a
+    bfloat16 x against a float32 kernel: ``jnp.einsum`` would promote x), so that its transpose with
+    respect to ``kernel`` returns ``kernel``'s dtype straight from the dot."""
+    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32, _dot_general=_dot_general_mixed)
+
+
+def _dot_general_mixed(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
 
 
 class MLP(nnx.Module):
@@ -224,11 +244,11 @@ class MLP(nnx.Module):
     def __call__(self, x):
         # gate and up rounded to the compute dtype, SwiGLU in float32 (vLLM's silu_and_mul; transformers
         # in bfloat16 rounds them too): their gemms write [B, T, F] in bfloat16, not float32 (issue 52)
-        gate = _dot_rounded("...d,df->...f", x, self.gate_kernel[...].astype(x.dtype))
-        up = _dot_rounded("...d,df->...f", x, self.up_kernel[...].astype(x.dtype))
+        gate = _dot_rounded("...d,df->...f", x, self.gate_kernel[...])
+        up = _dot_rounded("...d,df->...f", x, self.up_kernel[...])
         h = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
         h = constrain(h.astype(x.dtype), ("batch", "length", "act_mlp"))
-        return _dot_rounded("...f,fd->...d", h, self.down_kernel[...].astype(x.dtype))
+        return _dot_rounded("...f,fd->...d", h, self.down_kernel[...])
 
 
 class DecoderLayer(nnx.Module):
