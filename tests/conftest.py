@@ -31,6 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # (pytest_configure below). A size limit turns on JAX's file lock around each read and write of the cache,
 # so that no process reads an entry that another is writing (the xdist workers, the trainer subprocesses
 # and the processes of a multi-process run use it at once).
+# The run's own folder (named after the process that made it: pytest's, whose xdist workers and subprocesses
+# inherit the variable) is removed when that process ends (pytest_unconfigure); a folder the caller named is kept.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"pacs_jax_tests_jit_cache_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
@@ -52,6 +55,15 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache folder is removed by the process that named it (tens of megabytes a run
+    were left in the temporary folder)."""
+    if _OWN_CACHE:
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
