@@ -189,3 +189,20 @@ def test_plan_steps_prediction_is_printed_beside_each_phase_the_trainer_measured
         "step                4.40       15.70  0.28"]
     del results[plan.name]
     assert tool.comparison(results, "none on a CPU") == "predicted: none on a CPU"
+
+
+def test_the_full_size_times_the_decode_step_with_xla_gpus_split_k_and_without(tmp_path, monkeypatch):
+    """Issue 52: the decode step's 256-row gemms are split 8 ways by XLA:GPU's heuristic (float32 partials: 13.23
+    against 15.21 GB compiled without them, docs/design.md 3.2); the full size runs the short fill's bench again
+    with XLA_FLAGS=--xla_gpu_experimental_force_split_k=1 added to the tool's own flags, so a GPU run says which
+    is faster."""
+    tool = _tool()
+    full = {c.name: c for c in tool.checks("full", tmp_path)}
+    plain, split = full["decode fill 64"], full["decode fill 64, split_k 1"]
+    assert split.argv == plain.argv and plain.env == () and split.env == (tool.SPLIT_K_1,)
+    assert not any(c.env for c in tool.checks("tiny", tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    show = tool.Check("flags", (sys.executable, "-c", "import os; print('flags', os.environ['XLA_FLAGS'])"),
+                      {"x": r"(\d)"}, 60, env=split.env)
+    tool.run_check(show, tmp_path / "flags.log")
+    assert "flags --xla_cpu_foo=1 --xla_gpu_experimental_force_split_k=1\n" in (tmp_path / "flags.log").read_text()

@@ -10,7 +10,9 @@ Qwen2.5-0.5B with 4,096 vocabulary entries, a two-layer model of 64 wide for the
 
     decode     tools/bench_decode.py at two fills: a short one (the decode step's fixed cost) and a long
                one whose page table is not a power of 2 pages wide (132 pages: the width the library's
-               GPU kernel could not lower); the step's time and its share of the measured copy rate
+               GPU kernel could not lower); the step's time and its share of the measured copy rate; at
+               the full size the short fill again with XLA:GPU's split-K of the gemms off
+               (XLA_FLAGS=--xla_gpu_experimental_force_split_k=1: which is faster on this GPU)
     sampling   tools/bench_sampling.py --compare: static, continuous and paged samplers on the same rows
                (tokens/s, slot utilisation; how many tokens paged and continuous sample differently from
                static, and where rows first diverge)
@@ -67,14 +69,15 @@ from pacs_jax.errors import UsageError, run_main  # noqa: E402
 @dataclasses.dataclass(frozen=True)
 class Check:
     """One check: its name, the command (argv, run in the repository), the figures read from its
-    output (name -> regex with one group), a time limit in seconds, and a metrics.jsonl whose last row
-    is read as output too (a trainer run's)."""
+    output (name -> regex with one group), a time limit in seconds, a metrics.jsonl whose last row
+    is read as output too (a trainer run's), and environment variables of its own."""
 
     name: str
     argv: tuple[str, ...]
     figures: dict
     timeout: float
     metrics: pathlib.Path | None = None
+    env: tuple[tuple[str, str], ...] = ()  # (variable, value) pairs added to the tool's environment
 
 
 def _train_argv(size: str, sampler: str, workdir: pathlib.Path) -> tuple[str, ...]:
@@ -112,6 +115,9 @@ def _config_argv(size: str, sampler: str) -> tuple[str, ...]:
             "--config.train.checkpoint_every=0")
 
 
+# XLA:GPU splits the decode step's 256-row gemms 8 ways by a shape heuristic (float32 partials written and
+# reduced: 2 GB of the issue 52 step's 15.2 compiled); whether the step is faster without is the device's to say
+SPLIT_K_1 = ("XLA_FLAGS", "--xla_gpu_experimental_force_split_k=1")
 PREDICTED = {"prefill s": r"(?m)^prefill +(?:\S+ +){9}([\d.]+)", "decode s": r"(?m)^decode +(?:\S+ +){9}([\d.]+)",
              "pi_old s": r"(?m)^pi_old +(?:\S+ +){9}([\d.]+)", "update s": r"(?m)^update +(?:\S+ +){9}([\d.]+)",
              "step s": r"(?m)^step: ([\d.]+) s predicted"}
@@ -194,6 +200,8 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
                    **{metric: rf'"{metric}": ([\d.e+-]+)' for _, _, metric in COMPARED}}
     out = [Check(f"decode fill {fill}", (py, str(TOOLS / "bench_decode.py"), *decode, f"--fill={fill}"), step, limit)
            for fill in fills]
+    if size == "full":  # XLA:GPU's split-K of the decode gemms against none (docs/design.md 3.2; a TPU ignores it)
+        out.insert(1, dataclasses.replace(out[0], name=f"decode fill {fills[0]}, split_k 1", env=(SPLIT_K_1,)))
     out.append(Check("sampling", (py, str(TOOLS / "bench_sampling.py"), "--compare", *sampling), differ, limit))
     out.append(Check("update packed vs padded", (py, str(TOOLS / "bench_update.py"), "--packing", *update),
                      {"tokens ratio": r"tokens computed ratio ([\d.]+)", "time ratio": r"time ratio ([\d.]+)",
@@ -205,18 +213,23 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     return out
 
 
-def _env() -> dict[str, str]:
+def _env(extra: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """This process's environment for a tool: the repository on PYTHONPATH, unbuffered output, and ``extra``
+    ((variable, value) pairs; XLA_FLAGS appended to this process's own)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    for name, value in extra:
+        env[name] = " ".join(filter(None, [env.get(name, ""), value])) if name == "XLA_FLAGS" else value
     return env
 
 
-def run_group(argv: tuple[str, ...], out, timeout: float) -> int | None:
-    """Run ``argv`` in the repository in a process group of its own, its output (stdout and stderr) to
-    the file ``out``; returns its exit status, or None when it ran past ``timeout`` seconds. The whole
+def run_group(argv: tuple[str, ...], out, timeout: float, env: tuple[tuple[str, str], ...] = ()) -> int | None:
+    """Run ``argv`` in the repository in a process group of its own (``env``: variables of its own, as
+    ``_env`` adds them), its output (stdout and stderr) to the file ``out``; returns its exit status, or
+    None when it ran past ``timeout`` seconds. The whole
     group (the tool and every process it started) is killed once it ends, times out or this process
     is stopped (an exception here: Ctrl-C, or SIGTERM through ``main``'s handler)."""
-    child = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+    child = subprocess.Popen(argv, cwd=REPO, env=_env(env), stdout=out, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         return child.wait(timeout=timeout)
@@ -250,7 +263,7 @@ def run_check(check: Check, log: pathlib.Path) -> dict:
     could not measure it)."""
     start = time.perf_counter()
     with open(log, "w") as out:
-        code = run_group(check.argv, out, check.timeout)
+        code = run_group(check.argv, out, check.timeout, check.env)
     status = "timed out" if code is None else "ok" if code == 0 else f"crashed (status {code})"
     text = log.read_text(errors="replace")
     if check.metrics is not None and check.metrics.exists():  # the figures are the last step's metrics
