@@ -116,7 +116,7 @@ def _config_argv(size: str, sampler: str) -> tuple[str, ...]:
 
 
 # XLA:GPU splits the decode step's 256-row gemms 8 ways by a shape heuristic (float32 partials written and
-# reduced: 2 GB of the issue 52 step's 15.2 compiled); whether the step is faster without is the device's to say
+# reduced: 1.5 GB of the issue 52 step's 14.74 compiled); whether the step is faster without is the device's to say
 SPLIT_K_1 = ("XLA_FLAGS", "--xla_gpu_experimental_force_split_k=1")
 PREDICTED = {"prefill s": r"(?m)^prefill +(?:\S+ +){9}([\d.]+)", "decode s": r"(?m)^decode +(?:\S+ +){9}([\d.]+)",
              "pi_old s": r"(?m)^pi_old +(?:\S+ +){9}([\d.]+)", "update s": r"(?m)^update +(?:\S+ +){9}([\d.]+)",
