@@ -20,7 +20,9 @@ is a ``Loop`` passed to ``trips``, which returns its trips (its nesting tells wh
 Counted as XLA's HloCostAnalysis counts them, in simplified form: FLOPs of ``dot`` and
 ``convolution`` (2 x output elements x contracted size; elementwise work is not counted), bytes of
 every instruction outside fusions (its operands and output; a fusion's operand that the fusion only
-slices counts the slice, an operand updated in place counts the update), collective bytes (the
+slices counts the slice, also when it slices the operand's sum over a dimension or its conversion (XLA:GPU
+fuses a split-K gemm's partials, summed, into each consumer of a slice of them: each reads its own
+columns' partials); an operand updated in place counts the update), collective bytes (the
 output of an all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute). A
 custom call (a Pallas kernel) counts its operands and outputs as bytes and no FLOPs, as XLA does.
 """
@@ -216,8 +218,8 @@ class _Program:
 
     # -------------------------------------------------------------- bytes of a fusion's operands
     def _fusion_bytes(self, instr: _Instr, table: dict[str, _Instr]) -> float:
-        """The fusion's output and operands; an operand the fusion only slices counts the slices, and
-        the buffer of an in-place dynamic-update-slice (the root) counts the update, read and written."""
+        """The fusion's output and operands; an operand the fusion only slices (or slices the sum or
+        conversion of: ``_read_share``) counts the slices' share of it, and the buffer of an in-place dynamic-update-slice (the root) counts the update, read and written."""
         fused = self.comps.get(_callee(instr.attrs, "calls") or "", [])
         users: dict[str, list[_Instr]] = {}
         for i in fused:
@@ -235,17 +237,34 @@ class _Program:
             if p is not None and (p.name == in_place or in_place in [u.name for u in users.get(p.name, [])
                                                                      if u.op == "bitcast"]):
                 continue
-            reached = self._readers(_callee(instr.attrs, "calls") or "", p.name) if p is not None else []
-            if reached and all(u.op in _SLICING and sliced for u, sliced in reached):
-                total += sum(array_bytes(u.shape) for u, _ in reached)
-            else:
-                total += array_bytes(table[operand].shape) if operand in table else 0.0
+            whole = array_bytes(table[operand].shape) if operand in table else 0.0
+            share = self._read_share(_callee(instr.attrs, "calls") or "", p) if p is not None else None
+            total += whole * min(1.0, share) if share is not None else whole
         return total
 
-    def _readers(self, comp: str, name: str) -> list[tuple[_Instr, bool]]:
+    def _read_share(self, comp: str, value: _Instr) -> float | None:
+        """The share of ``value``'s elements that the fusion ``comp`` reads, when each of its readers only
+        slices it (a slice's elements over its operand's) or reduces or converts it into a value that is
+        only sliced in turn (a split-K gemm's partials [S, M, N], reduced and sliced by each consumer: an
+        output element reads the S partials of its own (m, n) only); None when a reader reads it whole."""
+        share = 0.0
+        for u, first, where in self._readers(comp, value.name):
+            if u.op in _SLICING and first:
+                share += math.prod(_dims(u.shape)) / max(1, math.prod(_dims(value.shape)))
+            elif first and (u.op == "convert" or (u.op == "reduce" and len(u.operands) == 2)):
+                inner = self._read_share(where, u)
+                if inner is None:
+                    return None
+                share += inner
+            else:
+                return None
+        return share or None
+
+    def _readers(self, comp: str, name: str) -> list[tuple[_Instr, bool, str]]:
         """The instructions of ``comp`` that read value ``name``, looking through bitcasts and into
         nested fusions (to the instructions that read the matching parameter there), each with
-        whether ``name`` is its first operand (the array a slice reads from, not an index)."""
+        whether ``name`` is its first operand (the array a slice reads from, not an index) and the
+        computation that holds it."""
         out = []
         for u in self.comps.get(comp, []):
             if name not in u.operands:
@@ -258,7 +277,7 @@ class _Program:
                 out += [r for i in self.comps.get(inner, []) if i.op == "parameter" and int(i.args) in numbers
                         for r in self._readers(inner, i.name)]
             else:
-                out.append((u, u.operands[0] == name))
+                out.append((u, u.operands[0] == name, comp))
         return out
 
     # -------------------------------------------------------------- a computation, loops multiplied

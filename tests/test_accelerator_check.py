@@ -193,7 +193,7 @@ def test_plan_steps_prediction_is_printed_beside_each_phase_the_trainer_measured
 
 def test_the_full_size_times_the_decode_step_with_xla_gpus_split_k_and_without(tmp_path, monkeypatch):
     """Issue 52: the decode step's 256-row gemms are split 8 ways by XLA:GPU's heuristic (float32 partials: 13.23
-    against 15.21 GB compiled without them, docs/design.md 3.2); the full size runs the short fill's bench again
+    against 14.74 GB compiled without them, docs/design.md 3.2); the full size runs the short fill's bench again
     with XLA_FLAGS=--xla_gpu_experimental_force_split_k=1 added to the tool's own flags, so a GPU run says which
     is faster."""
     tool = _tool()

@@ -7,7 +7,8 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
    failed, reproducing that error.
 2. The packed-rows kernel (tests/gpu/packed_shapes.py) forward and backward at several shapes.
 3. One decode step of the issue 52 H200 run's shape (tools/plan_step.py --topology=h200x1): none of
-   its layers' weights copied to a buffer of its own, and its bytes against what it must read.
+   its layers' weights copied to a buffer of its own, and its bytes against what it must read; what
+   pacs_jax/hlo_cost.py counts of a split-K gemm's partials summed and sliced inside a fusion.
 4. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
    (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
@@ -131,7 +132,9 @@ def test_a_decode_step_copies_none_of_its_weights_for_an_h200():
     (sampling/engine.py) and the step reads them in place: none copied, 15.88 GB (0.705). Then the
     gate/up gemm writes bfloat16 (models/qwen.py ``_dot_rounded``, not its float32 [256, 17920]) and
     the greedy selection shares the log-normaliser's max (three passes over the logits, not four):
-    15.21 GB (0.736). A copy or a byte that comes back (e.g. the stacked layout) fails here."""
+    15.21 GB (0.736). Then hlo_cost counts what the q padding and the K/V scatters read of the q/k/v
+    gemm's split-K partials (their own columns, not the whole partials: the test below): 14.74 GB
+    (0.759). A copy or a byte that comes back (e.g. the stacked layout) fails here."""
     result = _run(["tools/plan_step.py", "--phases=decode", *H200_RUN], timeout=600)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
@@ -139,7 +142,22 @@ def test_a_decode_step_copies_none_of_its_weights_for_an_h200():
     launches = re.search(r"the step launches \d+ fusions, library kernels: (.*); (\d+) copies;", out)
     assert launches and "28 __gpu$xla.gpu.triton" in launches.group(1), out  # our paged kernel, a layer
     assert "__custom_fusion" not in launches.group(1), out  # XLA:GPU's dynamic-slice copies of the stack
-    assert "decode at a full pool: must read 11.19 GB, compiled 15.21 GB (ratio 0.736)" in out, out
+    assert "decode at a full pool: must read 11.19 GB, compiled 14.74 GB (ratio 0.759)" in out, out
+
+
+def test_a_fusion_that_sums_split_k_partials_and_slices_them_counts_the_columns_it_reads():
+    """XLA:GPU fuses the sum of a split-K gemm's partials [S, M, N] into each consumer of a slice of it
+    (the decode step's q padding reads q's columns of the q/k/v gemm's partials, each K/V scatter its
+    own): a fusion's elements read only the partials of their own columns. hlo_cost counted each
+    consumer as reading all of them (here 17.76 MB for 8.32); it now counts the sliced columns."""
+    result = _run(["tests/gpu/reduce_slices.py"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    S, M, N, Q, K = 4, 256, 2048, 1536, 256  # tests/gpu/reduce_slices.py
+    assert report["fusions"] == [f"bf16[{M},{Q + 128}]{{1,0}}", f"bf16[{M},{K}]{{1,0}}"], report  # both fuse the sum
+    reads = 4 * S * M * (Q + K) + 2 * K  # the partials' q and k columns, float32; the bias
+    writes = 2 * M * (Q + 128) + 2 * M * K
+    assert report["bytes"] == reads + writes, report
 
 
 def test_the_remat_saves_the_layers_gemm_outputs_in_bfloat16_for_an_h200():
