@@ -210,8 +210,9 @@ def _reference():
 
 def _reference_row(seeds, version, prompt, sample, versions, length):
     """Row (prompt, sample) of call ``version``'s batch decoded alone: the prompt prefilled with the
-    weights of ``versions[0]``, token t selected by a step with the weights of ``versions[t]`` (which
-    writes token t - 1's K/V). -> tokens [length], logprobs [length]."""
+    weights of ``versions[0]`` and again with those of ``versions[t]`` where the version changes (every
+    call prefills its earlier generations' prompts again), token t selected by a step with the weights
+    of ``versions[t]`` (which writes token t - 1's K/V). -> tokens [length], logprobs [length]."""
     prefill, step = _reference()
     tokens, mask, _, key = _batch(version)
     row_key = jax.random.fold_in(jax.random.fold_in(key, prompt), sample)
@@ -220,6 +221,9 @@ def _reference_row(seeds, version, prompt, sample, versions, length):
     out_tokens, out_logprobs = [token], [logp]
     real = int(mask[prompt].sum())
     for t in range(1, length):
+        if versions[t] != versions[t - 1]:  # the prompt's K/V as this call's weights compute it
+            fresh = prefill(params(t), tokens[prompt], mask[prompt], row_key)[2]
+            cache = KVCache(*(c.at[:, :, :, :T].set(f[:, :, :, :T]) for c, f in zip(cache, fresh)))
         token, logp, cache = step(params(t), cache, mask[prompt], token, jnp.int32(real + t - 1), jnp.int32(t), row_key)
         out_tokens.append(token)
         out_logprobs.append(logp)
@@ -229,9 +233,9 @@ def _reference_row(seeds, version, prompt, sample, versions, length):
 @pytest.mark.slow(seconds=120)
 def test_changed_weights_rows_equal_a_per_row_decode_switching_weights_where_the_versions_change():
     """Weights changed every call (a new random model a version): each returned row equals a decode
-    of that row alone with a contiguous cache, prefilled with its insert call's weights, token t
-    selected with the weights of its recorded version (the K/V of earlier tokens as computed then):
-    same tokens, log-probs to tolerance; some rows span two or more versions."""
+    of that row alone with a contiguous cache, token t selected with the weights of its recorded
+    version, attending to its prompt's K/V as those weights compute it and to earlier tokens' K/V as
+    computed then: same tokens, log-probs to tolerance; some rows span two or more versions."""
     seeds = [20 + v for v in range(CALLS + DRAIN)]
     groups, _, _ = _run(seeds)
     assert sorted(groups) == [(v, p) for v in range(CALLS) for p in range(P)]

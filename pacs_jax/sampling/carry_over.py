@@ -296,6 +296,28 @@ def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, 
                       jnp.zeros((G * P,), bool))
 
 
+def _put_prompt_pages(kv, inputs, spec: CarryOverSpec, g: jax.Array):
+    """The pool's state kv with region g's P prompts' pages written from a prefill's K/V (``inputs``,
+    ``engine.QueueInputs``: prompt_cache [L, P, K, T, Dh], prompt_real [P, T])."""
+    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
+    at = g * spec.prompts * spec.prompt_pages
+    return kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
+                       v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
+
+
+def _refresh_prompts(graphdef: nnx.GraphDef, params: nnx.State, kv, carried_prompts: tuple, version: jax.Array,
+                     key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: CarryOverSpec):
+    """The pool's state kv with the prompts of the G - 1 generations before ``version`` prefilled again
+    with ``params`` into their regions (``carried_prompts``: (tokens [P, T], mask [P, T]) a generation,
+    version - 1's first; all-padding where no generation was inserted), so that the rows still to
+    decode in this call attend to the current weights' K/V of their prompt, not to an earlier call's."""
+    budgets = jnp.ones((spec.prompts * spec.engine.n,), jnp.int32)  # token 0 of this prefill is not kept
+    for age, (tokens, mask) in enumerate(carried_prompts, start=1):
+        inputs = _prefill(graphdef, params, tokens, mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
+        kv = _put_prompt_pages(kv, inputs, spec, jnp.mod(version - age, spec.generations))
+    return kv
+
+
 def _put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryOverSpec, g: jax.Array,
                     version: jax.Array, inputs, rows: decode.Outputs, versions: jax.Array, first_tokens: jax.Array,
                     row_keys: jax.Array, live: jax.Array) -> tuple[CarryState, object, decode.Outputs]:
@@ -306,10 +328,7 @@ def _put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryO
     P, n = spec.prompts, spec.engine.n
     put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
                                                                   g * part.shape[0], axis=0)
-    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
-    at = g * P * spec.prompt_pages
-    kv = kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
-                     v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
+    kv = _put_prompt_pages(kv, inputs, spec, g)
     lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
     outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(outputs, rows)))
     state = state._replace(
@@ -335,10 +354,11 @@ class Inserted(NamedTuple):
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
 def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
                     prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, selection: Selection,
-                    stop_ids: jax.Array, version: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None
-                    ) -> Inserted:
+                    stop_ids: jax.Array, version: jax.Array, carried_prompts: tuple, *, spec: CarryOverSpec,
+                    shardings: tuple | None) -> Inserted:
     """A call's first program: retire region ``version mod G``, prefill the new prompts [P, T] with
-    ``params`` into it, token 0 of their rows, the queue rebuilt and the free slots filled."""
+    ``params`` into it, token 0 of their rows, the G - 1 earlier generations' prompts prefilled again
+    (``carried_prompts``, ``_refresh_prompts``), the queue rebuilt and the free slots filled."""
     _traced()
     G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
     prefilled = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine,
@@ -362,6 +382,9 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     state, kv, outputs = _put_generation(
         state, kv, old.outputs, spec, g, version, inputs, first, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version),
         inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(prompt_mask != 0, axis=-1))
+    kv = _refresh_prompts(graphdef, params, kv, carried_prompts, version, key, selection, stop_ids, spec)
+    busy = slots.row < R  # every row in a slot is a carried generation's: its copy of the partial page is redone
+    kv = _store(state, spec).recopy(kv, busy, jnp.minimum(slots.row, R - 1) // n)
 
     # The queue: rows waiting (live, not ended, in no slot), oldest generation first, in row order.
     in_slot = jnp.zeros((R,), bool).at[slots.row].set(True, mode="drop")
@@ -621,6 +644,7 @@ class CarryOverLowered:
         pinned = dict(spec=self.spec, shardings=tuple(leaf.sharding for leaf in jax.tree.leaves(state)))
         insert_lowered = _insert_program.lower(self.graphdef, self.params, state, self.prompt_tokens, self.prompt_mask,
                                                self.budgets, self.key, self.selection, self.stop_ids, self.version,
+                                               ((self.prompt_tokens, self.prompt_mask),) * (self.spec.generations - 1),
                                                **pinned)
         insert = insert_lowered.compile()
         inserted = _results(insert_lowered, insert)
@@ -683,12 +707,13 @@ class CarryOverSampler:
         self.spec = carry_over_spec(settings, prompts=prompts, prompt_length=prompt_length, groups=groups,
                                     max_staleness=max_staleness, order=order)
         self._state: CarryState | None = None
+        self._prompts: dict[int, tuple] = {}  # version -> (tokens, mask) [P, T] of the generations in the state
         self._shardings: tuple | None = None
         self._version: int | None = None
 
     def reset(self) -> None:
         """Forget the rows in flight: the next call starts from an empty state, at any version."""
-        self._state, self._version = None, None
+        self._state, self._version, self._prompts = None, None, {}
 
     def export(self) -> InFlightRows | None:
         """The rows in flight after the last call, on the host (None before any call): every generation
@@ -753,6 +778,17 @@ class CarryOverSampler:
             state = run_chunks(lambda state: _reseat_program(self.graphdef, layout, state, next(seats, idle), **pinned),
                                state, ReseatProgress.read, wait)
         self._state, self._version = state, rows.version
+        self._prompts = dict(zip(rows.generations, prompts))
+
+    def _carried_prompts(self, version: int, prompt_tokens, prompt_mask) -> tuple:
+        """The prompts (tokens, mask) [P, T] of generations version - 1 .. version - G + 1, as their calls
+        had them; where none was inserted, all-padding arrays placed as this call's prompts are."""
+        def padding(like):
+            if isinstance(like, jax.Array):
+                return jax.device_put(np.zeros(like.shape, like.dtype), like.sharding)
+            return np.zeros_like(np.asarray(like))
+        return tuple(self._prompts.get(version - age) or (padding(prompt_tokens), padding(prompt_mask))
+                     for age in range(1, self.spec.generations))
 
     def lower(self, params, prompt_tokens: jax.ShapeDtypeStruct, prompt_mask: jax.ShapeDtypeStruct
               ) -> CarryOverLowered:
@@ -814,7 +850,10 @@ class CarryOverSampler:
         pinned = dict(spec=spec, shardings=self._shardings)
         version_array = np.int32(version)
         inserted = _insert_program(self.graphdef, params, self._state, prompt_tokens, prompt_mask,
-                                   budgets.astype(np.int32), key, selection, stop_ids, version_array, **pinned)
+                                   budgets.astype(np.int32), key, selection, stop_ids, version_array,
+                                   self._carried_prompts(version, prompt_tokens, prompt_mask), **pinned)
+        self._prompts = {v: batch for v, batch in self._prompts.items() if v > version - spec.generations}
+        self._prompts[version] = (prompt_tokens, prompt_mask)
         self._state = None  # donated: a failed call leaves no state to reuse
         state = run_chunks(lambda state: _chunk_program(self.graphdef, inserted.layout, state, selection, stop_ids,
                                                         **pinned), inserted.state, CarryOverProgress.read, wait)

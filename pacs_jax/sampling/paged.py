@@ -168,6 +168,27 @@ class PageStore:
                            promised=jnp.where(take, self.promise[jnp.minimum(row, self.promise.shape[0] - 1)],
                                               kv.promised))
 
+    def recopy(self, kv: PageState, busy, prompt) -> PageState:
+        """Each busy slot's first own page takes its prompt's partly filled page again at the prompt's
+        positions (its row's tokens after them kept): after the prompts' pages were written again
+        (carry-over's refresh, sampling/carry_over.py). busy [w] bool, prompt [w] int32."""
+        s, TP = self.page_size, self.prompt_pages
+        w = busy.shape[0]
+        first = kv.table[jnp.arange(w), jnp.minimum(kv.own, self.table_width - 1)]  # [w]: the slot's first own page
+        partial = prompt * TP + jnp.minimum(kv.own, TP - 1)
+        head = self.prompt_lengths[prompt] % s  # [w]: the prompt's tokens in that page
+        fill = jnp.argsort(~busy, stable=True).astype(jnp.int32)
+
+        def copy(k, kv):
+            i = fill[k]
+            keep = (jnp.arange(s) < head[i])[None, None, None, :, None]
+            move = lambda x: jax.lax.dynamic_update_slice_in_dim(
+                x, jnp.where(keep, jax.lax.dynamic_slice_in_dim(x, partial[i], 1, axis=2),
+                             jax.lax.dynamic_slice_in_dim(x, first[i], 1, axis=2)), first[i], axis=2)
+            return kv._replace(k=move(kv.k), v=move(kv.v))
+
+        return jax.lax.fori_loop(0, jnp.sum(busy, dtype=jnp.int32), copy, kv)
+
     def attend(self, model, kv: PageState, last, positions, t, busy):
         """A slot whose token starts a new page takes one first; idle slots write into the scratch page."""
         s, M = self.page_size, self.table_width
