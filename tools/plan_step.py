@@ -52,7 +52,8 @@ inside the sampler's decode loops), then the step: predicted seconds (the phases
 sum; the host's reward scoring, overlapped with pi_old, is not counted), the same step with carry-over
 (issue 50: a call ends once the step has its groups and unfinished rows continue in the next; its
 decode steps from a simulated steady state of the same lengths, ``carry_over_decode_steps``, each
-costed as a full-width step), one step off at its best split of the slice (``one_step_off``: from
+costed as a full-width step; its prefills 2 (max_staleness + 1) times the synchronous call's: room for
+2P prompts a call, prefilled for the new batch and again for each carried one), one step off at its best split of the slice (``one_step_off``: from
 these phases, not compiled per split), at 100 % of every bound / predicted, the run's
 (``train.steps``) hours and chip-hours. Every time assumes a program runs at its bound's peak: a lower
 bound on the real time.
@@ -456,16 +457,22 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
     hours = total * spec.train.steps / 3600
     lines += [f"step: {total:.1f} s predicted (the phases at their bounds' peaks; reward scoring, on the host and "
               f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}"]
+    prefill = sum(p.seconds(topo) for p in phases if p.name == "prefill")
     for p in phases:
         if p.carry_over:  # the same decode step, as many times as carry-over's steady state takes
             carry, sync_fill = p.carry_over
             staleness = min(carry)
             trips, fill, lost = carry[staleness]
             decode = p.seconds(topo) * trips / p.trips
+            # a call prefills 2P prompts of room for its new batch and again each of the max_staleness carried
+            # batches' (sampling/carry_over.py), against the P prompts of a synchronous call
+            prefills = 2 * (staleness + 1)
             lines.append(f"with carry-over (rollout.carry_over, max_staleness {staleness}; simulated steady state): "
                          f"{trips:.0f} decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against "
-                         f"{sync_fill:.2f}, {lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, step "
-                         f"{total - p.seconds(topo) + decode:.1f} s predicted against {total:.1f} s; "
+                         f"{sync_fill:.2f}, {lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, "
+                         f"prefill x{prefills} {prefills * prefill:.2f} s, step "
+                         f"{total - p.seconds(topo) - prefill + decode + prefills * prefill:.1f} s predicted against "
+                         f"{total:.1f} s; "
                          + ", ".join(f"max_staleness {s}: {t:.0f} decode steps, {d:.1%} dropped"
                                      for s, (t, _, d) in sorted(carry.items())[1:]))
     split = one_step_off(phases, topo, chips, lambda r: split_overrides(spec, r, chips))

@@ -15,9 +15,17 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
     insert   (a call's first program) retire the generation in region g (inserted G versions ago):
              its rows in slots free their slots and pages, and its prompts not yet returned are
              dropped (reported: the caller queues them again); then prefill the new prompts with the
-             current weights into region g, token 0 of their rows, and rebuild the queue: the rows
-             waiting, the oldest generation's first, then the new ones, each in row order; free slots
-             take rows at once.
+             current weights into region g, token 0 of their rows; prefill the G - 1 earlier
+             generations' prompts again with the same weights into their regions (``refresh``); and
+             rebuild the queue: the rows waiting, the oldest generation's first, then the new ones,
+             each in row order; free slots take rows at once.
+    refresh  a carried row decodes with the current weights, and with them the K/V of its prompt:
+             left as an earlier call wrote them, the new weights would attend to the old weights'
+             K/V, a model neither policy is (on the demo: ten times the sampler's KL to the learner's
+             pi_old and 9 to 15 points of held-out accuracy lost, docs/demo_results.md).
+             ``CarryOverSampler`` keeps the earlier generations' prompts and hands them back; each row
+             in a slot takes its prompt's partly filled page again (``PageStore.recopy``). It costs
+             one more prefill of P prompts a carried generation, a call.
     decode   chunks of decode steps (decode.decode_step, refilling slots as rows end) with the
              current weights, until B groups are complete or no row runs.
     harvest  (the last program) the tokens made in this call stamped with its version; the B oldest
@@ -29,9 +37,9 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
              complete: no group is returned before an older one, so the returned groups' lengths are
              not biased short; the newer rows still decode in the slots that free meanwhile).
 
-The K/V of every token stays where it was written, computed by the weights of the call that wrote
-it (the prompt's by its insert call's; a token's by the call whose decode step fed it, that is the
-version of the token after it); nothing is recomputed, but on a resume:
+A prompt's K/V is that of the current call's weights (inserted or refreshed); a response token's K/V
+stays where it was written, computed by the weights of the call whose decode step fed it (the version
+of the token after it), and is not recomputed but on a resume:
 
     export   (host) the rows in flight after a call: each generation with a live prompt, its rows'
              tokens, log-probs, versions, lengths, stop flags, budgets and keys, and the row each slot
