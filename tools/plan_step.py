@@ -465,8 +465,9 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
             trips, fill, lost = carry[staleness]
             decode = p.seconds(topo) * trips / p.trips
             # a call prefills 2P prompts of room for its new batch and again each of the max_staleness carried
-            # batches' (sampling/carry_over.py), against the P prompts of a synchronous call
-            prefills = 2 * (staleness + 1)
+            # batches' (sampling/carry_over.py); the prefill phase is a synchronous step's P prompts, or with
+            # rollout.carry_over one region's 2P
+            prefills = (staleness + 1) * (1 if spec.rollout.carry_over else 2)
             lines.append(f"with carry-over (rollout.carry_over, max_staleness {staleness}; simulated steady state): "
                          f"{trips:.0f} decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against "
                          f"{sync_fill:.2f}, {lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, "
