@@ -39,7 +39,7 @@ def _tool(name: str = "accelerator_check"):
 @pytest.mark.slow(seconds=240)
 def test_tiny_check_runs_every_tool_and_prints_one_table(tmp_path):
     result = subprocess.run([sys.executable, "tools/accelerator_check.py", "--size=tiny", f"--logs={tmp_path}",
-                             f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(torch=True),
+                             f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(),
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("check  "):result.stdout.index("predicted: ")]
