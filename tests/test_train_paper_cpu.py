@@ -19,7 +19,7 @@ SHRINK = ("--config.train.steps=1", "--config.eval.sets=", "--config.train.promp
           "--config.train.progress_seconds=0.001")  # a heartbeat at each look at an unfinished result
 
 
-@pytest.mark.slow(seconds=100)
+@pytest.mark.slow(seconds=40)
 def test_a_paper_setup_shrunk_to_a_cpu_trains_a_step_through_the_cli(small_tokenizer_dir, tmp_path):
     workdir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_7b,pacs_beta1,cpu",
