@@ -38,12 +38,12 @@ from pacs_jax.models import QwenConfig
 from pacs_jax.models.hf_weights import check_export_target
 from pacs_jax.models.loading import hf_shapes
 from pacs_jax.training.config_check import check_inputs, validate_config
-from train_helpers import load_config, without_torch
+from train_helpers import load_config
 
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return without_torch({**env, "JAX_PLATFORMS": "cpu"})
+    return {**env, "JAX_PLATFORMS": "cpu"}
 
 
 def _run(module: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
