@@ -106,9 +106,9 @@ def qwen_tokenizer_dir() -> pathlib.Path:
 def small_tokenizer_dir(qwen_tokenizer_dir, tmp_path_factory) -> pathlib.Path:
     """The real Qwen tokenizer cut to 4,096 entries (tests/train_helpers.py's write_small_tokenizer): its
     byte tokens, first merges and every added token (chat template, <|im_end|>, <|endoftext|>), for the
-    in-process and subprocess trainings of a tiny model whose tests are not about the vocabulary (a model
-    built with vocab_size 0 takes the tokenizer's 4,096). The real one stays in the tests of the tokenizer,
-    the HF round trips and the CLI's paper setup."""
+    in-process and subprocess trainings and evaluations of a tiny model whose tests are not about the
+    vocabulary (a model built with vocab_size 0 takes the tokenizer's 4,096). The real one stays in the
+    tests of the tokenizer, the HF round trips and the README's paper commands."""
     from train_helpers import write_small_tokenizer
 
     return write_small_tokenizer(qwen_tokenizer_dir, tmp_path_factory.mktemp("small_qwen_tokenizer"))

@@ -14,26 +14,30 @@ import pytest
 from math_verify import parse, verify
 
 from pacs_jax.rewards import STATUSES
-from train_helpers import train_env
+from train_helpers import SMALL_TOKENIZER_SIZE, train_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 N, PROBLEMS, NEW_TOKENS = 4, 20, 8
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen_dir(tmp_path_factory, qwen_tokenizer_dir) -> pathlib.Path:
-    """A random-weight Qwen2 whose vocabulary covers the real tokenizer, with the tokenizer files beside it."""
+def tiny_qwen_dir(tmp_path_factory, small_tokenizer_dir) -> pathlib.Path:
+    """A random-weight Qwen2 whose vocabulary is the Qwen tokenizer cut to 4,096 entries (conftest.py's
+    small_tokenizer_dir; the evaluation is not about the vocabulary), with the tokenizer files beside it."""
     import torch
     import transformers
 
+    tokenizer = transformers.AutoTokenizer.from_pretrained(small_tokenizer_dir)
+    end, text_end = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                      max_position_embeddings=1024, eos_token_id=151645, bos_token_id=151643)
+    config = transformers.Qwen2Config(vocab_size=SMALL_TOKENIZER_SIZE, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True, max_position_embeddings=1024, eos_token_id=end,
+                                      bos_token_id=text_end)
     path = tmp_path_factory.mktemp("tiny_qwen2")
     transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-    for name in os.listdir(qwen_tokenizer_dir):
-        shutil.copy(qwen_tokenizer_dir / name, path / name)
+    for name in os.listdir(small_tokenizer_dir):
+        shutil.copy(small_tokenizer_dir / name, path / name)
     return path
 
 
@@ -44,7 +48,7 @@ def test_evaluate_cli_writes_both_files(tiny_qwen_dir, shared_data, tmp_path):
         [sys.executable, "-m", "pacs_jax.evaluate", f"--config={REPO / 'configs' / 'eval.py'}",
          f"--checkpoint={tiny_qwen_dir}", "--config.eval.sets=math_500", f"--config.eval.max_problems={PROBLEMS}",
          f"--config.eval.final.n={N}", f"--config.eval.max_new_tokens={NEW_TOKENS}", "--config.eval.final.temperature=1.0",
-         "--config.eval.final.top_p=1.0",  # top_p < 1 sorts the 152k-token vocabulary per step: slow on CPU
+         "--config.eval.final.top_p=1.0",  # top_p < 1 sorts the vocabulary per step
          "--config.model.dtype=float32", f"--config.eval.data_dir={shared_data}",
          f"--config.evaluate.output_dir={out}", "--config.eval.batch_size=20", "--config.reward.workers=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -80,19 +84,21 @@ def test_evaluate_cli_writes_both_files(tiny_qwen_dir, shared_data, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def answers_seven_dir(tmp_path_factory, qwen_tokenizer_dir) -> pathlib.Path:
+def answers_seven_dir(tmp_path_factory, small_tokenizer_dir) -> pathlib.Path:
     """A Qwen2 whose every response is "7": attention and MLP outputs are zero (o_proj, down_proj = 0),
     so the last hidden state is the last token's embedding, and the LM head maps the embedding of the
-    prompt's last token (the assistant header's newline) to the token "7" and that of "7" to <|im_end|>."""
+    prompt's last token (the assistant header's newline) to the token "7" and that of "7" to <|im_end|>
+    (the Qwen tokenizer cut to 4,096 entries, conftest.py's small_tokenizer_dir, as its vocabulary)."""
     import torch
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(small_tokenizer_dir)
     newline, seven = tokenizer.encode("\n")[0], tokenizer.encode("7")[0]
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                      max_position_embeddings=4096, eos_token_id=end, bos_token_id=151643)
+    end, text_end = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = transformers.Qwen2Config(vocab_size=SMALL_TOKENIZER_SIZE, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False, max_position_embeddings=4096, eos_token_id=end,
+                                      bos_token_id=text_end)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():
@@ -112,8 +118,8 @@ def answers_seven_dir(tmp_path_factory, qwen_tokenizer_dir) -> pathlib.Path:
         head[end, 1] = 20.0        # after "7": <|im_end|>
     path = tmp_path_factory.mktemp("answers_seven")
     model.save_pretrained(path)
-    for name in os.listdir(qwen_tokenizer_dir):
-        shutil.copy(qwen_tokenizer_dir / name, path / name)
+    for name in os.listdir(small_tokenizer_dir):
+        shutil.copy(small_tokenizer_dir / name, path / name)
     return path
 
 

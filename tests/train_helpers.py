@@ -76,9 +76,21 @@ def write_small_tokenizer(source: pathlib.Path, folder: pathlib.Path, size: int 
     return folder
 
 
-def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
+# tests/no_torch/sitecustomize.py: on a subprocess's PYTHONPATH, PyTorch is not importable there, as in a user's runtime
+NO_TORCH = REPO / "tests" / "no_torch"
+
+
+def without_torch(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a subprocess without PyTorch (NO_TORCH first on its PYTHONPATH; transformers' advice that
+    PyTorch is missing not printed)."""
+    path = os.pathsep.join(filter(None, [str(NO_TORCH), env.get("PYTHONPATH", "")]))
+    return {**env, "PYTHONPATH": path, "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def train_env(cache_dir: pathlib.Path | None = None, torch: bool = False) -> dict[str, str]:
     """The environment of a trainer (or tool) subprocess: CPU, one device, LLVM's optimisation level 0 as
-    conftest.py gives the test processes, optionally a shared compilation cache. The tests' short runs of
+    conftest.py gives the test processes, optionally a shared compilation cache, and without PyTorch unless
+    ``torch`` (``without_torch``; a tool that compares against transformers' models needs it). The tests' short runs of
     tiny models compile more than they run, so level 0 saves CPU time (one process each, CPU seconds with
     the default level -> level 0: test_multihost.py 168 -> 145, test_train_stop.py + test_train_stop_phases.py
     + test_run_outputs.py 107 -> 97, accelerator_check's tiny run 158 -> 130; the paper-table files 169 ->
@@ -89,6 +101,8 @@ def train_env(cache_dir: pathlib.Path | None = None) -> dict[str, str]:
     env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=0"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
+    if not torch:
+        env = without_torch(env)
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

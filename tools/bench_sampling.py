@@ -70,9 +70,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from flax import nnx
-from transformers import AutoModelForCausalLM
 
 from device_rates import device_line, matmul_rate, rates_line
 from pacs_jax import checkpoints, models, sampling, sharding
@@ -108,7 +106,11 @@ def ours(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]]) -> Callable
 
 
 def theirs(hf_dir: pathlib.Path, dtype: str, prompts: list[list[int]]) -> Callable[[int], None]:
-    """A function generating ``tokens`` new tokens per prompt with transformers generate."""
+    """A function generating ``tokens`` new tokens per prompt with transformers generate (PyTorch's: imported
+    here, as --compare and --carry-over run without it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
@@ -357,6 +359,7 @@ def main():
     if args.new < 2 or args.rounds < 1:
         parser.error("need --new >= 2 and --rounds >= 1")
     dtypes = args.dtypes.split(",")
+    import torch  # transformers' side (``theirs``)
 
     cfg = models.preset(args.preset, eos_token_id=None)
     rng = np.random.default_rng(0)
