@@ -13,15 +13,18 @@ data/README.md) with Qwen2.5's tokenizer_config.json settings (below).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from pacs_jax import data
 from pacs_jax.training import rollout
 from pacs_jax.training.config_check import ConfigError, validate_config
-from train_helpers import REPO, load_config
+from train_helpers import REPO, load_config, without_torch
 from test_train_real_config import (_train, deepscaler_rows, one_prompt_bucket,  # noqa: F401 (a fixture)
                                     shrunk_paper_config)
 
@@ -276,3 +279,13 @@ def test_the_small_tokenizer_of_the_shrunk_trainings_is_qwens_cut_short(qwen_tok
     short = " in the 12 + 7 = 19 and x^2 is"  # Qwen's tokens of it are all among the first merges
     assert max(real(short)["input_ids"]) < 4096 - len(real_added)
     assert small(short)["input_ids"] == real(short)["input_ids"]
+
+
+def test_a_runtime_without_pytorch_loads_the_tokenizer_without_transformers_advice_about_it():
+    """requirements.txt has no PyTorch: transformers then says at import that "Models won't be available",
+    which a pacs_jax run never asks of it; the tokenizer loads and nothing is printed."""
+    code = "from pacs_jax.data.prompts import load_tokenizer; print(len(load_tokenizer('data/tokenizers/qwen3')))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=without_torch(dict(os.environ)),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result.stdout, result.stderr) == ("151669\n", ""), result.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 from collections.abc import Mapping, Sequence
 
@@ -43,11 +44,22 @@ class PromptExample:
     problem: Problem
 
 
+class _NoPyTorchAdvice(logging.Filter):
+    """Drops transformers' import-time advice that PyTorch was not found ("Models won't be available"): a
+    runtime install has no PyTorch (requirements.txt) and uses only transformers' tokenizers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
 def load_tokenizer(path: str | pathlib.Path):
     """The Hugging Face tokenizer in ``path`` (e.g. data/tokenizers/qwen3 or a model folder), or
     ``"char"``: the character tokenizer (data/char_tokenizer.py)."""
     if str(path) == CHAR_TOKENIZER:
         return CharTokenizer()
+    advice = logging.getLogger("transformers")  # the logger of transformers/__init__.py, which gives it
+    if not any(isinstance(f, _NoPyTorchAdvice) for f in advice.filters):
+        advice.addFilter(_NoPyTorchAdvice())
     from transformers import AutoTokenizer
 
     # relative: the working directory's, else the repository root's; gs://: a local copy (data/remote.py)
