@@ -791,9 +791,10 @@ class CarryOverSampler:
     def _carried_prompts(self, version: int, prompt_tokens, prompt_mask) -> tuple:
         """The prompts (tokens, mask) [P, T] of generations version - 1 .. version - G + 1, as their calls
         had them; where none was inserted, all-padding arrays placed as this call's prompts are."""
-        def padding(like):
+        def padding(like):  # each process makes its own shards (no transfer, no program)
             if isinstance(like, jax.Array):
-                return jax.device_put(np.zeros(like.shape, like.dtype), like.sharding)
+                zeros = np.zeros(like.shape, like.dtype)
+                return jax.make_array_from_callback(like.shape, like.sharding, lambda index: zeros[index])
             return np.zeros_like(np.asarray(like))
         return tuple(self._prompts.get(version - age) or (padding(prompt_tokens), padding(prompt_mask))
                      for age in range(1, self.spec.generations))
