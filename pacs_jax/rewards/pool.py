@@ -39,7 +39,12 @@ from pacs_jax.rewards.worker import READY, REWARDS
 _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 _MAX_FAILED_STARTS = 3
 POLL_S = 0.25  # the most seconds between two calls of score's poll
-_WORKER_ENTRY = "import sys; from pacs_jax.rewards.worker import main; main(sys.argv)"
+# The parent owns Ctrl-C and preemption (SIGINT / SIGTERM to the process group): it finishes or drops the step and
+# closes the worker's pipe, which is when the worker exits. Both are ignored before anything is imported: a Ctrl-C
+# while a worker still imported printed its KeyboardInterrupt traceback into the trainer's output.
+_WORKER_ENTRY = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                 "import sys; from pacs_jax.rewards.worker import main; main(sys.argv)")
 _log = logging.getLogger(__name__)
 
 

@@ -8,7 +8,6 @@ item overruns, so nothing here keeps time.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -46,16 +45,13 @@ def serve(inbox: Connection, outbox: Connection) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """argv: [program, READ_FD, WRITE_FD, MEMORY_LIMIT_BYTES (0: none)]."""
+    """argv: [program, READ_FD, WRITE_FD, MEMORY_LIMIT_BYTES (0: none)]. Run by rewards/pool.py's entry, which has
+    SIGINT and SIGTERM ignored before this module is imported."""
     read_fd, write_fd = int(argv[1]), int(argv[2])
     memory_limit = int(argv[3])
     if memory_limit:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    # The parent owns Ctrl-C and preemption (SIGTERM to the process group): it finishes the step,
-    # checkpoints and closes our pipe, which is when we exit.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
 
