@@ -119,6 +119,9 @@ def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
     carry = re.search(r"with carry-over .*: (\d+) decode steps a step against (\d+), slot fill ([\d.]+) against "
                       r"([\d.]+),", out)
     assert carry and int(carry.group(1)) < int(carry.group(2)) and float(carry.group(3)) > float(carry.group(4)), out
+    # its prefills: room for 2P prompts a call, for the new batch and again for the carried one (max_staleness 1),
+    # against a synchronous call's P (this run costs the decode phase only: no prefill seconds to scale)
+    assert re.search(r"^with carry-over .*: decode [\d.]+ s, prefill x4 [\d.]+ s, step", out, re.M), out
 
 
 @pytest.mark.slow(seconds=140)

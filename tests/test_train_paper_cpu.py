@@ -1,9 +1,9 @@
 """Issue 41 item 3: a paper setup's CPU smoke test (``configs/paper.py:MODEL,ALGO,cpu``) trains through
 the CLI as the README says, shrunk further by flags to one step of 2 prompts x 8 responses, no
 evaluation and the Qwen tokenizer cut to 4,096 entries (conftest.py's small_tokenizer_dir: the real
-vocabulary's logits were most of the run), with progress lines inside its sampler call (rows done and tokens so far, read between
-chunks of decode steps), inside pi_old (passes done) and inside its update (mini-batches done), one
-dispatch each."""
+vocabulary's logits were most of the run), with progress lines inside its sampler call (rows done and
+tokens so far, read between chunks of decode steps), inside pi_old (passes done) and inside its update
+(mini-batches done), one dispatch each."""
 
 import math
 import re
@@ -23,8 +23,8 @@ SHRINK = ("--config.train.steps=1", "--config.eval.sets=", "--config.train.promp
 def test_a_paper_setup_shrunk_to_a_cpu_trains_a_step_through_the_cli(small_tokenizer_dir, tmp_path):
     workdir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config=configs/paper.py:qwen25_7b,pacs_beta1,cpu",
-                             f"--workdir={workdir}", *SHRINK, f"--config.data.tokenizer={small_tokenizer_dir}"], cwd=REPO, env=train_env(compile_cache_dir()),
-                            capture_output=True, text=True, timeout=900)
+                             f"--workdir={workdir}", *SHRINK, f"--config.data.tokenizer={small_tokenizer_dir}"],
+                            cwd=REPO, env=train_env(compile_cache_dir()), capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "warning:" not in output and "Traceback" not in output
