@@ -366,7 +366,10 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     # one step off: the engine on q of the batch shards' chip groups runs q queues of the same slots (the same
     # decode step), each with its share of the step's responses
     split_trips = {q * tensor: decode_steps(prompts, lengths, queue_slots * q, q)[0] * calls for q in range(1, shards)}
-    return Phase("decode", steps * calls, full.flops, empty.bytes + fill * (full.bytes - empty.bytes),
+    # our fused LM head and token selection (sampling/fused_selection_gpu.py) is a Pallas call, which
+    # hlo_cost gives no FLOPs: its dot's, 2 B D V over the vocabulary's shards (the queue's tensor devices)
+    head_flops = 2 * settings.slots * cfg.hidden_size * cfg.vocab_size / tensor if "pacs_fused_selection" in text else 0
+    return Phase("decode", steps * calls, full.flops + head_flops, empty.bytes + fill * (full.bytes - empty.bytes),
                  full.collective_bytes, weights + fill * pool, "bytes", xla, (weights + pool, full.bytes),
                  (carry, sync_fill), weights, split_trips)
 

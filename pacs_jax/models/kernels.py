@@ -2,7 +2,8 @@
 choice made once at trace time from them, and a record of what was chosen.
 
 Ops: "attention" (training, log-probs and prefill over padded rows), "packed attention" (training and
-log-probs over packed rows: segment ids), "paged decode" (the paged sampler's decode step).
+log-probs over packed rows: segment ids), "paged decode" (the paged sampler's decode step), "token
+selection" (the decode step's LM head and token selection).
 
 A kernel that does not take a shape is not called: the op runs the XLA path, and the choice says why
 (``KernelChoice.reason``), so a config never meets a kernel's lowering error at step 1. Every choice
@@ -24,6 +25,9 @@ What each kernel takes (docs/design.md section 4.4):
   (the lane width of its blocks), a compute block dividing the table width (always found: 1 divides).
 * Our GPU paged kernel (``models/paged_attention_gpu.py``): head size a power of 2 >= 16, page size a
   power of 2, float32 / bfloat16 / float16; any table width.
+* Our fused GPU LM head and token selection (``sampling/fused_selection_gpu.py``): vocabulary and
+  hidden size multiples of 16, float32 / bfloat16 / float16, no top_k (top_p < 1 takes the logits'
+  path at run time).
 """
 
 from __future__ import annotations
@@ -101,6 +105,15 @@ def attention(impl: str, *, head_dim: int, dtype, packed: bool) -> KernelChoice:
         return _record(KernelChoice(op, impl))
     reason = packed_gpu_unsupported(head_dim, dtype) if packed else cudnn_unsupported(head_dim, dtype)
     return _record(KernelChoice(op, "xla" if reason else ("packed_gpu" if packed else "cudnn"), reason or ""))
+
+
+def token_selection(impl: str, unsupported: str | None) -> KernelChoice:
+    """The decode step's LM head and token selection beside a (resolved) ``model.attention`` impl:
+    "gpu" (our fused Pallas kernel, sampling/fused_selection_gpu.py) beside cuDNN unless
+    ``unsupported`` says why not (its shapes and dtype, or a top_k), else "xla" (the head's logits)."""
+    if impl != "cudnn":
+        return _record(KernelChoice("token selection", "xla"))
+    return _record(KernelChoice("token selection", "xla" if unsupported else "gpu", unsupported or ""))
 
 
 def paged_decode(impl: str, *, head_dim: int, page_size: int, dtype) -> KernelChoice:

@@ -268,6 +268,10 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None):
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
         x = x + attn_out
+        if cache is not None and x.shape[1] == 1 and resolve_impl(self.attn.cfg.attention) == "cudnn":
+            # a GPU decode step: the residual written once; XLA:GPU summed the o gemm's split-K partials
+            # in both its readers (0.13 GB a step on issue 52's H200 run; XLA:TPU fuses it better without)
+            x = jax.lax.optimization_barrier(x)
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed")), cache
 
@@ -322,9 +326,15 @@ class Qwen(nnx.Module):
 
     def lm_head_kernel(self) -> jax.Array:
         """The output projection [D, V] (the embedding transposed when tied), in param dtype."""
+        head, vocab_major = self.output_head()
+        return head.T if vocab_major else head
+
+    def output_head(self) -> tuple[jax.Array, bool]:
+        """The output projection as it is held, in param dtype, and whether it is vocabulary-major: the
+        embedding [V, D] when tied (True), else the head [D, V] (False)."""
         if self.cfg.tie_word_embeddings:
-            return self.embedding[...].T
-        return self.lm_head[...]
+            return self.embedding[...], True
+        return self.lm_head[...], False
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, T, D] -> logits [B, T, V] in float32."""

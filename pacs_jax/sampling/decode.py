@@ -190,7 +190,7 @@ def decode_step(model, queue: Queue, store: KVStore, selection: Selection, state
     positions = queue.prompt_lengths[r // queue.samples] + slots.t - 1  # [w]: the position of each slot's last token
     hidden, kv = store.attend(model, state.kv, slots.last, positions, slots.t, busy)
     keys = jax.vmap(jax.random.fold_in)(queue.row_keys[r], slots.t)
-    token, logp = selection.select(model.logits(hidden)[:, 0], keys)
+    token, logp = selection.select_from_hidden(model, hidden[:, 0], keys)
     out = jnp.where(busy, slots.row, Q)  # idle slots write nowhere (out of bounds: dropped)
     hit = busy & is_stop(token, queue.stop_ids)
     t = jnp.where(busy, slots.t + 1, slots.t)

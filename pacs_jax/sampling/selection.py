@@ -12,6 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pacs_jax.models import kernels
+from pacs_jax.models.attention import resolve_impl
+from pacs_jax.sampling import fused_selection_gpu
+
 
 def restrict_to_top(scaled: jax.Array, top_k: int, top_p: jax.Array | None) -> jax.Array:
     """Set logits outside the top-k / top-p set to -inf: [B, V] -> [B, V] (float32).
@@ -138,3 +142,19 @@ class Selection:
     def select(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
         """logits [B, V], keys [B] -> (tokens [B] int32, log-probs [B] float32)."""
         return select_tokens(logits, keys, self.temperature, self.top_p, top_k=self.top_k)
+
+    def select_from_hidden(self, model, hidden: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The decode step's: final-normed hidden states [B, D], keys [B] -> (tokens [B] int32, log-probs
+        [B] float32), ``select`` on ``model.logits``. Where models/kernels.py chooses our fused GPU kernel
+        (sampling/fused_selection_gpu.py: the head's logits never written), it runs when top_p is 1;
+        a call with top_p < 1 takes the logits' path (a ``lax.cond``: one program for both)."""
+        head, vocab_major = model.output_head()
+        by_logits = lambda: self.select(model.logits(hidden[:, None])[:, 0], keys)  # noqa: E731
+        reason = fused_selection_gpu.unsupported(head.shape[0 if vocab_major else 1], hidden.shape[-1], hidden.dtype)
+        if self.top_k:
+            reason = f"top_k {self.top_k} (the kernel selects from the whole vocabulary)"
+        if kernels.token_selection(resolve_impl(model.cfg.attention), reason).impl != "gpu":
+            return by_logits()
+        fused = lambda: fused_selection_gpu.select(hidden, head.astype(hidden.dtype), keys, self.temperature,  # noqa: E731
+                                                   vocab_major=vocab_major)
+        return jax.lax.cond(self.top_p < 1.0, by_logits, fused)
