@@ -8,7 +8,8 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
 2. The packed-rows kernel (tests/gpu/packed_shapes.py) forward and backward at several shapes.
 3. One decode step of the issue 52 H200 run's shape (tools/plan_step.py --topology=h200x1): none of
    its layers' weights copied to a buffer of its own, and its bytes against what it must read; what
-   pacs_jax/hlo_cost.py counts of a split-K gemm's partials summed and sliced inside a fusion.
+   pacs_jax/hlo_cost.py counts of a split-K gemm's partials summed and sliced inside a fusion; the
+   fused LM head and token selection (tests/gpu/fused_selection.py) at the models' shapes.
 4. tools/plan_memory.py --topology=h200x8 on the paper's Qwen2.5 config shrunk to two narrow layers
    (the real vocabulary and head size), with a budget whose table width has no power-of-2 divisor
    <= 8: sampler, pi_old and update compile, choose the GPU kernels, and the sampler's loops are
@@ -77,7 +78,8 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
     node, 3000 new tokens: a 220-page table (512 + 2999 tokens in pages of 16), whose largest divisor
     <= 8 is 5, the library kernel's lowering error. With a rollout correction (seq_mis: weights and a
     rejection mask in the update batch, and the correction's own program). Every program compiles; the kernels are chosen by
-    models/kernels.py (cuDNN padded, our block-sparse Pallas kernel packed, our paged kernel) and printed."""
+    models/kernels.py (cuDNN padded, our block-sparse Pallas kernel packed, our paged kernel and fused token
+    selection in the decode step) and printed."""
     result = _run(["tools/plan_memory.py", "--config=configs/paper.py:qwen25_3b,pacs_beta1", "--topology=h200x8",
                    "--programs=sampler,pi_old,update,rollout_correction", *SHRUNK,
                    "--config.algorithm.rollout_correction.preset=seq_mis", "--config.rollout.max_new_tokens=3000",
@@ -89,7 +91,7 @@ def test_a_paper_step_compiles_for_an_h200_with_the_gpu_kernels():
     assert "[plan_memory] h200x8: 8 compile-only NVIDIA H200 141GB HBM3e devices" in out
     for program in ("sampler", "pi_old", "update", "rollout_correction"):  # the update takes the correction's weights
         assert re.search(rf"^{program} +[\d.]+ ", out, re.M), out
-    assert "kernels: attention: cudnn; paged decode: gpu; packed attention: packed_gpu" in out, out
+    assert "kernels: attention: cudnn; paged decode: gpu; token selection: gpu; packed attention: packed_gpu" in out, out
     assert "sampler: no copy of the page pool inside its loops" in out
     profile = re.search(r"sampler: its decode loops: (\d+) fusions, library kernels: (.*); (\d+) copies; (\d+) loops "
                         r"\((\d+) with a trip count only the device knows\); (\d+) conditionals", out)
@@ -134,15 +136,28 @@ def test_a_decode_step_copies_none_of_its_weights_for_an_h200():
     the greedy selection shares the log-normaliser's max (three passes over the logits, not four):
     15.21 GB (0.736). Then hlo_cost counts what the q padding and the K/V scatters read of the q/k/v
     gemm's split-K partials (their own columns, not the whole partials: the test below): 14.74 GB
-    (0.759). A copy or a byte that comes back (e.g. the stacked layout) fails here."""
+    (0.759). Then the LM head and token selection run in our fused kernel (no float32 [256, 151936]
+    logits written and read three times) and the residual after attention is written once (its o
+    gemm's partials were summed in both readers): 14.00 GB (0.800). A copy or a byte that comes back
+    (e.g. the stacked layout, the logits) fails here."""
     result = _run(["tools/plan_step.py", "--phases=decode", *H200_RUN], timeout=600)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
     assert "copies of a layer's weights a step: none\n" in out, out
     launches = re.search(r"the step launches \d+ fusions, library kernels: (.*); (\d+) copies;", out)
-    assert launches and "28 __gpu$xla.gpu.triton" in launches.group(1), out  # our paged kernel, a layer
+    assert launches and "29 __gpu$xla.gpu.triton" in launches.group(1), out  # our paged kernel a layer, the fused head
     assert "__custom_fusion" not in launches.group(1), out  # XLA:GPU's dynamic-slice copies of the stack
-    assert "decode at a full pool: must read 11.19 GB, compiled 14.74 GB (ratio 0.759)" in out, out
+    assert "decode at a full pool: must read 11.19 GB, compiled 14.00 GB (ratio 0.800)" in out, out
+
+
+def test_the_fused_lm_head_and_token_selection_compiles_for_an_h200_at_the_models_shapes():
+    """sampling/fused_selection_gpu.py at Qwen2.5-1.5B's tied head (256 rows and the 32-row tail),
+    Qwen2.5-7B's untied [D, V] head and a small float32 case: each compiles to its Triton kernel."""
+    result = _run(["tests/gpu/fused_selection.py"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["failed"] == [] and len(report["compiled"]) == 4, report
+    assert all(shape[-1] == ["pacs_fused_selection_v128"] for shape in report["compiled"]), report
 
 
 def test_a_fusion_that_sums_split_k_partials_and_slices_them_counts_the_columns_it_reads():

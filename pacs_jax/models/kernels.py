@@ -110,9 +110,10 @@ def attention(impl: str, *, head_dim: int, dtype, packed: bool) -> KernelChoice:
 def token_selection(impl: str, unsupported: str | None) -> KernelChoice:
     """The decode step's LM head and token selection beside a (resolved) ``model.attention`` impl:
     "gpu" (our fused Pallas kernel, sampling/fused_selection_gpu.py) beside cuDNN unless
-    ``unsupported`` says why not (its shapes and dtype, or a top_k), else "xla" (the head's logits)."""
+    ``unsupported`` says why not (its shapes and dtype, or a top_k), else "xla" (the head's logits;
+    recorded only beside cuDNN, where it is a choice)."""
     if impl != "cudnn":
-        return _record(KernelChoice("token selection", "xla"))
+        return KernelChoice("token selection", "xla")
     return _record(KernelChoice("token selection", "xla" if unsupported else "gpu", unsupported or ""))
 
 
