@@ -178,9 +178,9 @@ class _Program:
 
     def __init__(self, hlo_text: str, trips: Callable[[Loop], float],
                  custom_call_bytes: Callable[[float, list[float]], float] | None = None,
-                 costliest_branch: bool = True):
+                 skip_scopes: frozenset[str] = frozenset()):
         self.custom_call_bytes = custom_call_bytes
-        self.costliest_branch = costliest_branch
+        self.skip_scopes = skip_scopes
         self.comps, self.entry, self.roots = _computations(hlo_text)
         self.trips_of = trips
         self.asked: list[Loop] = []
@@ -296,10 +296,11 @@ class _Program:
                 branches = re.search(r"branch_computations=\{([^}]*)\}", instr.attrs)
                 names = [n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else [
                     _callee(instr.attrs, "true_computation"), _callee(instr.attrs, "false_computation")]
-                costs = [self.cost(n, depth) for n in names if n]
-                if costs:  # the costliest branch, or the cheapest
-                    pick = max if self.costliest_branch else min
-                    total.add(pick(costs, key=lambda c: c.bytes + c.flops), 1)
+                names = [n for n in names if n]
+                runs = [n for n in names if not self._branch_scopes(n) & self.skip_scopes] or names
+                costs = [self.cost(n, depth) for n in runs]
+                if costs:  # the costliest branch of those that run
+                    total.add(max(costs, key=lambda c: c.bytes + c.flops), 1)
                 continue
             if instr.op == "call":
                 total.add(self.cost(_callee(instr.attrs, "to_apply") or "", depth), 1)
@@ -324,6 +325,16 @@ class _Program:
                 total.bytes += array_bytes(instr.shape) + sum(
                     array_bytes(table[o].shape) for o in instr.operands if o in table)
         return total
+
+    def _branch_scopes(self, comp: str) -> set[str]:
+        """The named scopes (``jax.named_scope``) a conditional's branch computation was traced under:
+        the component after the last ``branch_N_fun/`` of its instructions' op_name."""
+        scopes = set()
+        for i in self.comps.get(comp, []):
+            name = re.search(r'op_name="([^"]*)"', i.attrs)
+            inner = re.findall(r"branch_\d+_fun/([^/]+)", name.group(1)) if name else []
+            scopes.update(inner[-1:])
+        return scopes
 
     def _trips(self, instr: _Instr, body: str, cond: str, depth: int, caller: dict[str, _Instr]) -> float:
         known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
@@ -378,19 +389,20 @@ class _Program:
 
 def program_cost(hlo_text: str, trips: Callable[[Loop], float] | None = None, *,
                  custom_call_bytes: Callable[[float, list[float]], float] | None = None,
-                 costliest_branch: bool = True) -> Cost:
+                 skip_scopes: frozenset[str] = frozenset()) -> Cost:
     """The per-device ``Cost`` of a compiled program's HLO text (``compiled.as_text()``), each loop
     counted ``trips`` times: read from the loop when it compares its counter with a constant, else
     ``trips(loop)`` (default: a ValueError naming the loop). custom_call_bytes: (output bytes, operand
     bytes) -> the bytes a custom call (a Pallas kernel) reads and writes, when not all of them (a
-    paged-attention kernel handed the whole page pool reads only a row's pages). costliest_branch: a
-    ``conditional`` counts its costliest branch (False: its cheapest, e.g. the sampler's top-p
-    bisection when top_p is 1 and that branch never runs)."""
+    paged-attention kernel handed the whole page pool reads only a row's pages). A ``conditional``
+    counts its costliest branch of those that run: a branch traced under one of ``skip_scopes``
+    (``jax.named_scope`` names: ``_branch_scopes``) does not (tools/plan_step.py: a rollout's greedy
+    selection never runs, the top-p bisection only when top_p < 1), unless every branch is skipped."""
 
     def unknown(loop: Loop) -> float:
         raise ValueError(f"loop {loop.name} (depth {loop.depth}): its trip count is known only on the device")
 
-    program = _Program(hlo_text, trips or unknown, custom_call_bytes, costliest_branch)
+    program = _Program(hlo_text, trips or unknown, custom_call_bytes, skip_scopes)
     cost = program.cost(program.entry)
     cost.asked = tuple(program.asked)
     cost.unread_steps = tuple(dict.fromkeys(program.unread_steps))

@@ -63,6 +63,32 @@ def test_a_loop_whose_counter_does_not_step_by_a_constant_is_named():
     assert len(cost.unread_steps) == 1 and cost.flops == 100 * 2 * 64 * 256 * 256, cost
 
 
+def test_a_branch_traced_under_a_skipped_scope_is_not_costed():
+    """A conditional counts the costliest of the branches that run; one traced under a named scope that
+    the caller says does not run is left out. The token selection names its greedy branch, its top-p
+    bisection and (beside the fused GPU kernel) its logits' path (sampling/selection.py): compiled, each
+    name is found on its branch, and a rollout (sampled, top_p 1) costs neither the bisection's 32
+    passes nor the greedy branch."""
+    x = jnp.zeros((64, 64), jnp.float32)
+    big = jax.named_scope("big")(lambda x: jax.lax.fori_loop(0, 8, lambda i, c: jnp.tanh(c @ c), x))
+    text = jax.jit(lambda p, x: jax.lax.cond(p, big, jnp.sin, x)).lower(True, x).compile().as_text()
+    costliest, skipped = hlo_cost.program_cost(text), hlo_cost.program_cost(text, skip_scopes=frozenset({"big"}))
+    assert costliest.flops == 8 * 2 * 64 ** 3 and skipped.flops == 0, (costliest, skipped)
+    assert 0 < skipped.bytes < costliest.bytes / 4, (skipped, costliest)  # sin's pass, not 8 matmuls
+
+    from pacs_jax.sampling.selection import select_tokens
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    select = jax.jit(lambda logits, keys, t, p: select_tokens(logits, keys, t, p, top_k=0))
+    text = select.lower(jnp.zeros((8, 4096)), keys, jnp.float32(1), jnp.float32(1)).compile().as_text()
+    program = hlo_cost._Program(text, lambda loop: 1.0)
+    branches = {s for c in program.comps for s in program._branch_scopes(c)}
+    assert {"greedy_selection", "top_p_bisection"} <= branches, branches
+    every = hlo_cost.program_cost(text)
+    rollout = hlo_cost.program_cost(text, skip_scopes=frozenset({"greedy_selection", "top_p_bisection"}))
+    assert rollout.bytes < every.bytes / 2, (rollout, every)  # 32 bisection passes over [8, 4096] not counted
+
+
 def test_a_windowed_einsum_counts_its_two_shards_a_trip_once():
     """XLA:TPU's all-gather windowed einsum (a [4096, 3584] x [3584, 18944] bf16 matmul, the weight's
     3584 rows over fsdp 8 and its columns over tensor 4 of a v5p-64, as the 7B's projections): a loop of

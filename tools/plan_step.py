@@ -295,8 +295,9 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     donated, as the decode loop carries it), its trips the longest queue's steps. The paged
     kernel is handed the whole page pool of every layer and reads, per layer, the pages of its busy
     rows: counted as the pool's share of one layer (``kernel_reads``) at the step's mean fill. The
-    refill's loop over the rows a step admits runs the mean admissions a step; a branch counts as
-    the costliest, or with top_p 1 and no top_k as the cheapest (no top-p bisection)."""
+    refill's loop over the rows a step admits runs the mean admissions a step; of a conditional's
+    branches the costliest that a rollout runs (the sampled selection; the top-p bisection only with
+    top_p < 1)."""
     import jax
 
     from pacs_jax import hlo, hlo_cost
@@ -346,9 +347,12 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
         # an operand holding every layer's pages (half the pool: K or V) counts one layer's pages at ``fill``
         return lambda out, operands: out + sum(fill * b / L if b >= pool / 2 else b for b in operands)
 
-    # top_p 1 (and no top_k): the selection's branch without the top-p bisection (32 passes over the logits) runs
-    plain = spec.rollout.top_p >= 1.0 and not spec.rollout.top_k
-    full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f), costliest_branch=not plain)
+    # the branches of the token selection that a rollout runs (sampling/selection.py names them): it samples
+    # (temperature > 0, never greedy); with top_p 1 neither the top-p bisection (32 passes over the logits)
+    # nor, where the fused GPU kernel selects, the logits' path runs
+    skip = frozenset({"greedy_selection"} | ({"top_p_bisection", "logits_selection"} if spec.rollout.top_p >= 1.0
+                                             else set()))
+    full, empty = (hlo_cost.program_cost(text, trips, custom_call_bytes=kernel_reads(f), skip_scopes=skip)
                    for f in (1.0, 0.0))
     say_unread_steps(full, log)
     page = settings.page_size

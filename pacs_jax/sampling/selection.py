@@ -112,6 +112,7 @@ def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0.0, temperature, 1.0)
     best = jnp.max(scaled, axis=-1)  # the greedy token's; XLA merges it with the log-normaliser's own
 
+    @jax.named_scope("greedy_selection")  # scopes name the branches for tools/plan_step.py (hlo_cost)
     def greedy():
         return first_index_of(scaled, best)
 
@@ -119,7 +120,7 @@ def select_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
         # the branch gives only the top-p floor [B], not the logits: a branch that returned its operand
         # (top_p off) copied all [B, V] of them every decode step
         survivors = _top_k(scaled, top_k)
-        floor = jax.lax.cond(top_p < 1.0, lambda: _top_p_floor(survivors, top_p),
+        floor = jax.lax.cond(top_p < 1.0, jax.named_scope("top_p_bisection")(lambda: _top_p_floor(survivors, top_p)),
                              lambda: jnp.zeros(survivors.shape[:1], jnp.uint32))
         allowed = _keep_from(survivors, floor)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, allowed.shape[-1:], jnp.float32))(keys)
@@ -149,7 +150,8 @@ class Selection:
         (sampling/fused_selection_gpu.py: the head's logits never written), it runs when top_p is 1;
         a call with top_p < 1 takes the logits' path (a ``lax.cond``: one program for both)."""
         head, vocab_major = model.output_head()
-        by_logits = lambda: self.select(model.logits(hidden[:, None])[:, 0], keys)  # noqa: E731
+        logits = lambda: self.select(model.logits(hidden[:, None])[:, 0], keys)  # noqa: E731
+        by_logits = jax.named_scope("logits_selection")(logits)
         reason = fused_selection_gpu.unsupported(head.shape[0 if vocab_major else 1], hidden.shape[-1], hidden.dtype)
         if self.top_k:
             reason = f"top_k {self.top_k} (the kernel selects from the whole vocabulary)"
