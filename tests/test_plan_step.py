@@ -134,14 +134,15 @@ def _paper_7b_on_v5p_64(phase: str) -> str:
 @pytest.mark.slow(seconds=40)
 def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
     """A decode step of one queue (512 slots on a batch shard's 4 chips), every page live: its compiled
-    bytes are at most 1.3x its weights' shard and the queue's page pool. A copy of the pool in the step
+    bytes are at most 1.35x its weights' shard and the queue's page pool. A copy of the pool in the step
     (as the step lowered without donating its state made: 2 pool copies, 3.3x), or a read of a whole
-    contiguous cache, fails this."""
+    contiguous cache, fails this. (1.25x costing the greedy selection; the sampled one a rollout runs
+    adds two passes over the float32 logits [512, 151936 / 4], large beside this shrunk model: 1.32x.)"""
     out = _paper_7b_on_v5p_64("decode")
     bar = re.search(r"decode at a full pool: must read ([\d.]+) GB, compiled ([\d.]+) GB", out)
     assert bar, out
     must, compiled = map(float, bar.groups())
-    assert 2.0 < must and compiled <= 1.3 * must, out
+    assert 2.0 < must and compiled <= 1.35 * must, out
     carry = re.search(r"with carry-over .*: (\d+) decode steps a step against (\d+), slot fill ([\d.]+) against "
                       r"([\d.]+),", out)
     assert carry and int(carry.group(1)) < int(carry.group(2)) and float(carry.group(3)) > float(carry.group(4)), out
