@@ -5,9 +5,10 @@ pool as the kernel sees it (all layers side by side), s page size, M the page ta
 
 One program per (row, KV head): its G query heads [G, Dh], read from q [B, H, Dh] as a tile of
 ``rows`` >= 16 (the smallest Triton's dot takes; the rows past G masked, zeros in registers, never
-read or written in memory: no padded copy of q or of the output) against the row's live pages only, ``block`` pages at a time (a loop of
-ceil(length / (block s)) trips inside the kernel: no host round trip, no page past the row's length
-read twice or at all beyond the last block), an online softmax in float32. Its numerics are the
+read or written in memory: no padded copy of q or of the output) against the row's live pages only,
+``block`` pages at a time (a loop of ceil(length / (block s)) trips inside the kernel: no host round
+trip, no page past the row's length read twice or at all beyond the last block), an online softmax
+in float32. Its numerics are the
 "xla" path's (``paged_attention._xla_paged``), written for a GPU:
 
 * scores ``q k^T`` accumulate in float32 and are scaled by Dh**-0.5 in float32 (q is not pre-scaled
