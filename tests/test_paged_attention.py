@@ -15,9 +15,9 @@ from pacs_jax.models.paged_attention import PageView, paged_decode_attention, wr
 B, H, K, Dh, L, N, S, M = 4, 8, 2, 16, 2, 24, 4, 5  # rows, heads, kv heads, head dim, layers, pages, page size, table
 
 
-def _case(seed=0):
+def _case(seed=0, heads=H):
     rng = np.random.default_rng(seed)
-    q = rng.normal(size=(B, 1, H, Dh)).astype(np.float32)
+    q = rng.normal(size=(B, 1, heads, Dh)).astype(np.float32)
     k_pool, v_pool = (rng.normal(size=(K, L, N, S, Dh)).astype(np.float32) for _ in range(2))
     table = rng.permutation(N)[:B * M].reshape(B, M).astype(np.int32)  # no page shared
     lengths = np.array([1, 7, 20, 0], np.int32)  # ragged: one token, mid-page, every page, none
@@ -26,17 +26,17 @@ def _case(seed=0):
 
 def _dense(q, k_pool, v_pool, layer, table, lengths):
     """softmax(q k^T / sqrt(Dh)) v over each row's first lengths[b] tokens, in float64."""
-    out = np.zeros(q.shape, np.float64)
+    out, heads = np.zeros(q.shape, np.float64), q.shape[2]
     for b in range(B):
         if lengths[b] == 0:
             continue
         tokens = np.arange(lengths[b])
         k = k_pool[:, layer][:, table[b, tokens // S], tokens % S]  # [K, n, Dh]
         v = v_pool[:, layer][:, table[b, tokens // S], tokens % S]
-        for h in range(H):
-            scores = k[h // (H // K)] @ q[b, 0, h] / np.sqrt(Dh)
+        for h in range(heads):
+            scores = k[h // (heads // K)] @ q[b, 0, h] / np.sqrt(Dh)
             p = np.exp(scores - scores.max())
-            out[b, 0, h] = (p / p.sum()) @ v[h // (H // K)]
+            out[b, 0, h] = (p / p.sum()) @ v[h // (heads // K)]
     return out
 
 
@@ -73,6 +73,19 @@ def test_kernel_equals_the_xla_path_in_interpret_mode(impl):
         out = paged_decode_attention(q, k_pool, v_pool, 1, view, impl=impl, block_pages=1, interpret=True)
     tolerance = 1e-2 if impl == "tpu" else 1e-5
     np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("heads", [2, 12, 14])
+def test_gpu_kernel_reads_and_writes_only_its_heads_rows_at_any_group_size(heads):
+    """The kernel reads a KV head's G = heads / K query heads straight from q [B, H, Dh] as a tile of
+    16 rows, the rows past G masked (another head's queries, the next row's, past the array's end),
+    and writes only its G rows of the output: at G = 1, 6 (Qwen2.5-1.5B's) and 7 over K = 2, every
+    head equals the float64 softmax (a row with no visible token: zeros)."""
+    q, k_pool, v_pool, table, lengths = _case(5, heads=heads)
+    view = PageView(table, lengths, np.zeros(B, np.int32), np.zeros(B, np.int32))
+    with jax.default_device(jax.devices("cpu")[0]):
+        out = paged_decode_attention(q, k_pool, v_pool, 1, view, impl="gpu", block_pages=2, interpret=True)
+    np.testing.assert_allclose(out, _dense(q, k_pool, v_pool, 1, table, lengths), rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_kernel_runs_per_head_shard_on_a_mesh_and_equals_the_xla_path():

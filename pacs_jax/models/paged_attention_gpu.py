@@ -3,10 +3,12 @@
 Shapes: B rows, K key/value heads, G = H // K query heads a KV head, Dh head size, N' pages of the
 pool as the kernel sees it (all layers side by side), s page size, M the page table's width.
 
-One program per (row, KV head): its G query heads [G, Dh] (padded to ``rows`` >= 16, the smallest
-tile Triton's dot takes) against the row's live pages only, ``block`` pages at a time (a loop of
-ceil(length / (block s)) trips inside the kernel: no host round trip, no page past the row's length
-read twice or at all beyond the last block), an online softmax in float32. Its numerics are the
+One program per (row, KV head): its G query heads [G, Dh], read from q [B, H, Dh] as a tile of
+``rows`` >= 16 (the smallest Triton's dot takes; the rows past G masked, zeros in registers, never
+read or written in memory: no padded copy of q or of the output) against the row's live pages only,
+``block`` pages at a time (a loop of ceil(length / (block s)) trips inside the kernel: no host round
+trip, no page past the row's length read twice or at all beyond the last block), an online softmax
+in float32. Its numerics are the
 "xla" path's (``paged_attention._xla_paged``), written for a GPU:
 
 * scores ``q k^T`` accumulate in float32 and are scaled by Dh**-0.5 in float32 (q is not pre-scaled
@@ -80,38 +82,41 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, length
     block = compute_block(M, s, block_pages)
     rows = max(_MIN_TILE, 1 << (G - 1).bit_length())
     table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, -M % block)))  # page 0: past every length
-    q4 = jnp.pad(q.reshape(B, K, G, Dh), ((0, 0), (0, 0), (0, rows - G), (0, 0)))
-    kernel = functools.partial(_decode_kernel, block=block, scale=Dh ** -0.5)
-    out = pl.pallas_call(
+    kernel = functools.partial(_decode_kernel, group=G, rows=rows, block=block, scale=Dh ** -0.5)
+    return pl.pallas_call(
         kernel,
         grid=(B, K),
         in_specs=[
-            pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)),  # q
+            pl.BlockSpec((None, H, Dh), lambda b, h: (b, 0, 0)),  # row b's q (the kernel reads head h's G)
             pl.BlockSpec((None,) + k_pages.shape[1:], lambda b, h: (h, 0, 0, 0)),  # k pages of head h
             pl.BlockSpec((None,) + v_pages.shape[1:], lambda b, h: (h, 0, 0, 0)),  # v pages of head h
             pl.BlockSpec((None, table.shape[1]), lambda b, h: (b, 0)),  # row b's table
             pl.BlockSpec((1,), lambda b, h: (b,)),  # row b's length
         ],
-        out_specs=pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, K, rows, Dh), q.dtype),
+        out_specs=pl.BlockSpec((None, H, Dh), lambda b, h: (b, 0, 0)),  # row b's output (head h writes its G)
+        out_shape=jax.ShapeDtypeStruct((B, H, Dh), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=f"pacs_paged_decode_block{block}",
-    )(q4, k_pages, v_pages, table, lengths.astype(jnp.int32))
-    return out[:, :, :G].reshape(B, H, Dh)
+    )(q, k_pages, v_pages, table, lengths.astype(jnp.int32))
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, *, block: int, scale: float):
-    """One (row, KV head): q_ref [rows, Dh], k_ref / v_ref [N', s, Dh], table_ref [M'], length_ref [1]
-    -> o_ref [rows, Dh]."""
+def _decode_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, *, group: int, rows: int, block: int,
+                   scale: float):
+    """One (row, KV head h): q_ref [H, Dh] (the row's heads; h's are h G .. h G + G - 1), k_ref / v_ref
+    [N', s, Dh], table_ref [M'], length_ref [1] -> o_ref [H, Dh] (h's G heads written, no other).
+    Head h's q rows load as a [rows, Dh] tile, rows past G masked to zero (they never leave registers:
+    their scores, probabilities and outputs are computed and dropped at the masked store)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    rows, Dh = q_ref.shape
+    Dh = q_ref.shape[1]
     s = k_ref.shape[1]
     width = block * s
     length = length_ref[0]
-    q = q_ref[...]
+    heads = pl.ds(pl.program_id(1) * group, rows)
+    mine = (jnp.arange(rows) < group)[:, None]  # [rows, 1]: head h's rows of the tile
+    q = plgpu.load(q_ref.at[heads, :], mask=mine, other=0)  # [rows, Dh]
     offsets = jnp.arange(width)
 
     def step(j, carry):
@@ -132,4 +137,4 @@ def _decode_kernel(q_ref, k_ref, v_ref, table_ref, length_ref, o_ref, *, block: 
     init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, Dh), jnp.float32))
     _, l, acc = lax.fori_loop(0, (length + width - 1) // width, step, init)
-    o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    plgpu.store(o_ref.at[heads, :], (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype), mask=mine)

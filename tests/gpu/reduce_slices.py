@@ -3,7 +3,7 @@ them, compiled for an H200 (run by tests/test_gpu_compile.py with the GPU-compil
 
 partials f32[S, M, N] (a gemm's S split-K partials, as XLA:GPU writes them) are summed over S and
 sliced by two consumers, q's columns [0, Q) and k's [N - K, N), each fused with the sum (as the decode
-step's q padding and K scatter are). Prints one JSON object: the fusions that sum the partials, each
+step's q rotary (once its padding) and K scatter are). Prints one JSON object: the fusions that sum the partials, each
 with its output shape, and hlo_cost's bytes for the program."""
 
 from __future__ import annotations
