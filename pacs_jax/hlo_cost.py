@@ -219,23 +219,30 @@ class _Program:
     # -------------------------------------------------------------- bytes of a fusion's operands
     def _fusion_bytes(self, instr: _Instr, table: dict[str, _Instr]) -> float:
         """The fusion's output and operands; an operand the fusion only slices (or slices the sum or
-        conversion of: ``_read_share``) counts the slices' share of it, and the buffer of an in-place dynamic-update-slice (the root) counts the update, read and written."""
-        fused = self.comps.get(_callee(instr.attrs, "calls") or "", [])
+        conversion of: ``_read_share``) counts the slices' share of it, and the buffer of an in-place
+        dynamic-update-slice or scatter (the root, or an element of a root tuple: XLA:TPU updates the
+        K and V pools in one fusion) counts the update, read and written."""
+        callee = _callee(instr.attrs, "calls") or ""
+        fused, table_in = self.comps.get(callee, []), self.shapes.get(callee, {})
         users: dict[str, list[_Instr]] = {}
         for i in fused:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
-        root = next((i for i in fused if i.name == self.roots.get(_callee(instr.attrs, "calls") or "")), None)
-        total, in_place = array_bytes(instr.shape), None
-        if root is not None and root.op in _IN_PLACE:  # the buffer is updated where it lies
-            in_place = root.operands[0]
-            updates = [self.shapes[_callee(instr.attrs, "calls")].get(o) for o in root.operands[_IN_PLACE[root.op]:]]
-            total = 2 * sum(array_bytes(u.shape) for u in updates if u is not None)
+        root = table_in.get(self.roots.get(callee, ""))
+        outputs = [table_in.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
+        total, in_place = 0.0 if root is not None else array_bytes(instr.shape), set()
+        for out in outputs:
+            if out is not None and out.op in _IN_PLACE:  # the buffer is updated where it lies
+                in_place.add(out.operands[0])
+                total += 2 * sum(array_bytes(table_in[o].shape) for o in out.operands[_IN_PLACE[out.op]:]
+                                 if o in table_in)
+            elif out is not None:
+                total += array_bytes(out.shape)
         params = {int(i.args): i for i in fused if i.op == "parameter"}
         for k, operand in enumerate(instr.operands):
             p = params.get(k)
-            if p is not None and (p.name == in_place or in_place in [u.name for u in users.get(p.name, [])
-                                                                     if u.op == "bitcast"]):
+            if p is not None and (p.name in in_place or in_place & {u.name for u in users.get(p.name, [])
+                                                                    if u.op == "bitcast"}):
                 continue
             whole = array_bytes(table[operand].shape) if operand in table else 0.0
             share = self._read_share(_callee(instr.attrs, "calls") or "", p) if p is not None else None
