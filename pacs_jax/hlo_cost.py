@@ -139,6 +139,14 @@ def _through_copies(table: dict[str, _Instr], instr: _Instr | None) -> _Instr | 
     return instr
 
 
+def _through_bitcasts(table: dict[str, _Instr], name: str) -> _Instr | None:
+    """The instruction ``name`` is a bitcast of (through any number of them), or itself."""
+    instr = table.get(name)
+    while instr is not None and instr.op == "bitcast" and instr.operands:
+        instr = table.get(instr.operands[0])
+    return instr
+
+
 def _callee(attrs: str, key: str) -> str | None:
     match = re.search(rf"{key}=%?([\w.\-]+)", attrs)
     return match.group(1) if match else None
@@ -232,7 +240,8 @@ class _Program:
         outputs = [table_in.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
         total, in_place = 0.0 if root is not None else array_bytes(instr.shape), set()
         for out in outputs:
-            if out is not None and out.op in _IN_PLACE:  # the buffer is updated where it lies
+            buffer = _through_bitcasts(table_in, out.operands[0]) if out is not None and out.op in _IN_PLACE else None
+            if buffer is not None and buffer.op == "parameter":  # the fusion's operand, updated where it lies
                 in_place.add(out.operands[0])
                 total += 2 * sum(array_bytes(table_in[o].shape) for o in out.operands[_IN_PLACE[out.op]:]
                                  if o in table_in)
