@@ -57,7 +57,16 @@ Token t of row (i, j) of the prompts inserted with key k is selected with ``fold
 as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
 the rows equal ``engine.sample``'s of the same prompts and key.
 
-One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
+Queues per batch shard (``queue_axes``): when the batch axes ("data", "fsdp") divide P, C and B
+(``engine.queues``), every program runs once per shard under ``shard_map`` (``engine._on_queues``),
+as ``engine.sample``'s decode loops do: queue q holds prompts q P / S .. (q + 1) P / S - 1 of each
+generation (S shards), C / S slots, F / S response pages and a pool of its own (G P / S prompts' pages
+and those), and returns B / S groups a call; a call ends when every queue has its groups or runs no
+row. The ``CarryState`` is each queue's, stacked on a leading queue axis split over the batch axes, so
+a device holds 1 / S of the pool where one queue would hold all of it (split over the K/V heads
+only). Results keep the call's numbering: ``CarryOverRows``' group_prompt and dropped index the
+call's batch, and an export (``InFlightRows``) is that of one queue of the whole call, which a resume
+on a mesh with the same split takes back. Otherwise one queue: the decode step runs GSPMD-partitioned
 over the call's arrays as ``engine.sample``'s one-queue path does.
 
 ``CarryOverSampler.lower`` lowers the four programs and a resume's two on abstract arguments, as
@@ -83,11 +92,11 @@ from pacs_jax import distributed
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.engine import (EngineSpec, PAD_ID, run_chunks, stop_id_array, _decode_model, _device_bytes,
-                                      _on_queues, _prefill, _queue_groups, _results, _shards, _stacked)
+                                      _on_queues, _prefill, _results, _shards, queues)
 from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SamplingSettings, row_pages
-from pacs_jax.sharding import constrain, replicated
+from pacs_jax.sharding import batch_shards, constrain, current_rules, replicated
 
 _TRACE_COUNT = 0
 
@@ -105,10 +114,10 @@ def _traced() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CarryOverSpec:
-    """The static part of the carry-over programs: the one-queue paged ``EngineSpec`` (n,
-    max_new_tokens, slots, page size, response pages F, chunk steps), P prompts a call of T tokens,
+    """The static part of the carry-over programs: the paged ``EngineSpec`` of the whole call (n,
+    max_new_tokens, C slots, page size, F response pages, chunk steps), P prompts a call of T tokens,
     G generations, B groups a call returns, and the order it returns them in ("completion" or
-    "admission", ``CARRY_OVER_ORDERS``)."""
+    "admission", ``CARRY_OVER_ORDERS``); a queue's share of them: ``per_queue``."""
 
     engine: EngineSpec
     prompts: int
@@ -161,6 +170,9 @@ class CarryState(NamedTuple):
     queued:         [] int32, waiting rows in ``order``
     inserted:       [G] int32, the version that inserted each region's generation (-1: none yet)
     live:           [G P] bool, real prompts inserted and neither returned nor dropped
+
+    With queues per batch shard (``queue_axes``) each is a queue's (of its P / S prompts a generation and
+    C / S slots), stacked on a leading queue axis [S, ...].
     """
 
     decode: decode.DecodeState
@@ -178,7 +190,8 @@ class CarryState(NamedTuple):
 
 
 class CarryOverRows(NamedTuple):
-    """One call's results (device arrays): B groups' rows, row k n + j sample j of group k.
+    """One call's results (device arrays): B groups' rows, row k n + j sample j of group k (with queues
+    per batch shard, queue q's B / S groups are groups q B / S ..; the indices are the call's).
 
     tokens:          [B n, N] int32, PAD_ID after the end
     logprobs:        [B n, N] float32, 0 after the end
@@ -193,9 +206,9 @@ class CarryOverRows(NamedTuple):
                      (unreturned when their generation retired: queue them again)
     dropped_version: [] int32, the version whose batch ``dropped`` indexes (-1: none retired)
     carried_rows:    [] int32, rows of earlier calls still running or waiting when this call began
-    decode_steps:    [] int32, this call's decode steps
+    decode_steps:    [] int32, this call's decode steps (the most of any queue's)
     decoded_tokens:  [] int32, tokens its decode steps sampled (every row's, returned or not)
-    slot_steps:      [] int32, C x decode steps
+    slot_steps:      [] int32, C x decode steps (a queue's slots x its steps, summed over the queues)
     staleness_mean:  [] float32, mean of (this version - token version) over the returned tokens
     staleness_max:   [] int32, its max
     """
@@ -290,13 +303,20 @@ def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
     return jax.lax.with_sharding_constraint(state, jax.tree.unflatten(jax.tree.structure(state), shardings))
 
 
+def queue_count(spec: CarryOverSpec, batch_shards: int) -> int:
+    """The carry-over's queues on a mesh of ``batch_shards``: one a shard when the shards divide P, C
+    (``engine.queues``) and B, else one."""
+    return batch_shards if queues(spec.prompts, spec.engine.slots, batch_shards) == batch_shards \
+        and spec.groups % batch_shards == 0 else 1
+
+
 def queue_axes(spec: CarryOverSpec) -> tuple[str, ...]:
     """The mesh axes (of the mesh in context) that the carry-over's queues are split over: the batch axes
     when their shards divide P, C (``engine.queues``) and B, a queue a shard, each with its share of
     the pool; none otherwise (one queue for the whole call). Raises ValueError when the response
     pages (``rollout.pages``) split over the queues leave a queue less than one row's."""
-    axes = _queue_groups(spec.prompts, spec.engine.slots)
-    if not axes or spec.groups % _shards(axes):
+    axes = current_rules().batch_axes()
+    if queue_count(spec, _shards(axes)) == 1:
         return ()
     shards, need = _shards(axes), row_pages(spec.engine.page_size, spec.engine.max_new_tokens)
     if spec.engine.pages // shards < need:
@@ -906,7 +926,16 @@ class CarryOverSampler:
         self._prompts: dict[int, tuple] = {}  # version -> (tokens, mask) [P, T] of the generations in the state
         self._shardings: tuple | None = None
         self._axes: tuple[str, ...] = ()  # the queues' (``queue_axes``), as the state was made
+        self.queues = queue_count(self.spec, batch_shards())  # on the mesh in context (every call's)
         self._version: int | None = None
+
+    def _made_axes(self) -> tuple[str, ...]:
+        """The queues' axes (``queue_axes``) on the mesh in context, as many queues as at construction."""
+        axes = queue_axes(self.spec)
+        if _shards(axes) != self.queues:
+            raise ValueError(f"carry-over: made for {self.queues} queues (the mesh then), the mesh in context "
+                             f"gives {_shards(axes)}: make the sampler on the mesh it runs on")
+        return axes
 
     def reset(self) -> None:
         """Forget the rows in flight: the next call starts from an empty state, at any version."""
@@ -959,7 +988,7 @@ class CarryOverSampler:
         self.reset()
         spec, settings = self.spec, self.settings
         key = jax.device_put(jax.random.key(0), replicated())  # the init program's: only the keys' shape is read
-        self._axes = queue_axes(spec)
+        self._axes = self._made_axes()
         _check_seats(rows.slots, spec, _shards(self._axes))
         state = _init_program(self.graphdef, params, key, spec=spec, axes=self._axes)
         self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(state))
@@ -1013,7 +1042,7 @@ class CarryOverSampler:
                           jax.ShapeDtypeStruct((Q, N), jnp.int32), jax.ShapeDtypeStruct((Q,), jnp.int32),
                           jax.ShapeDtypeStruct((Q,), bool), jax.ShapeDtypeStruct((Q,), jnp.int32),
                           jax.ShapeDtypeStruct((Q, *k), jnp.uint32), jax.ShapeDtypeStruct((spec.prompts,), bool))
-        axes = queue_axes(spec)
+        axes = self._made_axes()
         return CarryOverLowered(
             _init_program.lower(self.graphdef, params, key, spec=spec, axes=axes), self.graphdef, params, prompt_tokens,
             prompt_mask, jax.ShapeDtypeStruct((Q,), jnp.int32), key,
@@ -1047,7 +1076,7 @@ class CarryOverSampler:
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
         stop_ids = stop_id_array(settings.stop_token_ids)
         if self._state is None:
-            self._axes = queue_axes(spec)
+            self._axes = self._made_axes()
             self._state = _init_program(self.graphdef, params, key, spec=spec, axes=self._axes)
             self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(self._state))
         pinned = dict(spec=spec, axes=self._axes, shardings=self._shardings)
