@@ -325,13 +325,22 @@ def queue_axes(spec: CarryOverSpec) -> tuple[str, ...]:
     return axes
 
 
-def _split(tree, axes: tuple[str, ...]):
-    """With ``axes``, each array [S k, ...] of ``tree`` as each queue's share stacked, [S, k, ...] (queue q
-    takes rows q k .. q k + k - 1, as ``engine.sample``'s shards split the prompts); as it is without."""
+def _split(tree, axes: tuple[str, ...], axis: int = 0):
+    """With ``axes``, each array [..., S k, ...] of ``tree`` (S k its dim ``axis``) as each queue's share
+    stacked, [S, ..., k, ...] (queue q takes q k .. q k + k - 1, as ``engine.sample``'s shards split the
+    prompts); as it is without."""
     if not axes:
         return tree
     shards = _shards(axes)
-    return jax.tree.map(lambda x: x.reshape(shards, x.shape[0] // shards, *x.shape[1:]), tree)
+    return jax.tree.map(lambda x: jnp.moveaxis(
+        x.reshape(*x.shape[:axis], shards, x.shape[axis] // shards, *x.shape[axis + 1:]), axis, 0), tree)
+
+
+def _split_inputs(inputs, axes: tuple[str, ...]):
+    """A prefill's ``engine.QueueInputs`` of the whole call as each queue's share (``_split``: the K/V
+    [L, P, K, T, Dh] split over P, the others over their first axis), its stop ids left out (None)."""
+    return _split(inputs._replace(prompt_cache=None, stop_ids=None), axes)._replace(
+        prompt_cache=_split(inputs.prompt_cache, axes, axis=1))
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes"))
@@ -364,25 +373,32 @@ def _empty_state(cfg, key: jax.Array, spec: CarryOverSpec) -> CarryState:
                       jnp.zeros((G * P,), bool))
 
 
-def _put_prompt_pages(kv, inputs, spec: CarryOverSpec, g: jax.Array):
-    """The pool's state kv with region g's P prompts' pages written from a prefill's K/V (``inputs``,
-    ``engine.QueueInputs``: prompt_cache [L, P, K, T, Dh], prompt_real [P, T])."""
-    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
+def _put_prompt_pages(kv, prompt_cache, prompt_real: jax.Array, spec: CarryOverSpec, g: jax.Array):
+    """The pool's state kv with region g's P prompts' pages written from a prefill's K/V (prompt_cache
+    [L, P, K, T, Dh], prompt_real [P, T])."""
+    pages = prompt_pages(prompt_cache, prompt_real, spec.engine.page_size)
     at = g * spec.prompts * spec.prompt_pages
     return kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
                        v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
 
 
-def _refresh_prompts(model: nnx.Module, kv, carried_prompts: tuple, version: jax.Array, key: jax.Array,
-                     selection: Selection, stop_ids: jax.Array, spec: CarryOverSpec):
-    """The pool's state kv with the prompts of the G - 1 generations before ``version`` prefilled again
-    with ``model`` (the decode layout's) into their regions (``carried_prompts``: (tokens [P, T], mask [P, T]) a generation,
-    version - 1's first; all-padding where no generation was inserted), so that the rows still to
-    decode in this call attend to the current weights' K/V of their prompt, not to an earlier call's."""
+def _refreshed(model: nnx.Module, carried_prompts: tuple, key: jax.Array, selection: Selection,
+               stop_ids: jax.Array, spec: CarryOverSpec) -> tuple:
+    """The prompts of the G - 1 generations before this call prefilled again with ``model`` (the decode
+    layout's; ``carried_prompts``: (tokens [P, T], mask [P, T]) a generation, the last call's first;
+    all-padding where no generation was inserted) -> (K/V [L, P, K, T, Dh], prompt_real [P, T]) a
+    generation, so that the rows still to decode in this call attend to the current weights' K/V of
+    their prompt, not to an earlier call's (``_refresh_prompts`` writes them)."""
     budgets = jnp.ones((spec.prompts * spec.engine.n,), jnp.int32)  # token 0 of this prefill is not kept
-    for age, (tokens, mask) in enumerate(carried_prompts, start=1):
-        inputs = _prefill(model, tokens, mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
-        kv = _put_prompt_pages(kv, inputs, spec, jnp.mod(version - age, spec.generations))
+    inputs = (_prefill(model, tokens, mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
+              for tokens, mask in carried_prompts)
+    return tuple((x.prompt_cache, x.prompt_real) for x in inputs)
+
+
+def _refresh_prompts(kv, refreshed: tuple, version: jax.Array, spec: CarryOverSpec):
+    """The pool's state kv with ``_refreshed``'s K/V of the generations before ``version`` in their regions."""
+    for age, (prompt_cache, prompt_real) in enumerate(refreshed, start=1):
+        kv = _put_prompt_pages(kv, prompt_cache, prompt_real, spec, jnp.mod(version - age, spec.generations))
     return kv
 
 
@@ -396,7 +412,7 @@ def _put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryO
     P, n = spec.prompts, spec.engine.n
     put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
                                                                   g * part.shape[0], axis=0)
-    kv = _put_prompt_pages(kv, inputs, spec, g)
+    kv = _put_prompt_pages(kv, inputs.prompt_cache, inputs.prompt_real, spec, g)
     lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
     outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(outputs, rows)))
     state = state._replace(
@@ -432,28 +448,29 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     _traced()
     model = _decode_model(graphdef, params)
     queue = spec.per_queue(_shards(axes))
+    # the prefills of the whole call, GSPMD-split as engine.sample's (a kernel's own shard_map inside
+    # a queue's would not lower): the rows' keys those of the call's prompts
+    inputs = _prefill(model, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
+    refreshed = _refreshed(model, carried_prompts, key, selection, stop_ids, spec)
 
-    def per_queue(layout, key, selection, stop_ids, version, state, tokens, mask, budgets, index, carried):
-        return _insert_queue(nnx.merge(graphdef, layout), state, tokens, mask, budgets, key, selection, stop_ids,
-                             version, carried, index, queue)
+    def per_queue(stop_ids, version, state, inputs, refreshed):
+        return _insert_queue(state, inputs, stop_ids, version, refreshed, queue)
 
-    index = jnp.arange(spec.prompts, dtype=jnp.int32)  # each prompt's in the call, which its rows' keys fold in
     state, dropped, dropped_version, carried = _on_queues(
-        per_queue, axes, (nnx.state(model), key, selection, stop_ids, version),
-        (state, *_split((prompt_tokens, prompt_mask, budgets, index, carried_prompts), axes)))
+        per_queue, axes, (stop_ids, version),
+        (state, _split_inputs(inputs, axes), tuple((_split(cache, axes, axis=1), _split(real, axes))
+                                                   for cache, real in refreshed)))
     if axes:  # [S, P / S] -> [P]; the retired generation's version (the same in every queue that dropped one)
         dropped, dropped_version, carried = dropped.reshape(-1), jnp.max(dropped_version), jnp.sum(carried)
     return Inserted(nnx.state(model), _pinned(state, shardings), dropped, dropped_version, carried)
 
 
-def _insert_queue(model: nnx.Module, state: CarryState, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                  budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, version: jax.Array,
-                  carried_prompts: tuple, prompt_index: jax.Array, spec: CarryOverSpec) -> tuple:
-    """``_insert_program`` in one queue (``spec`` its own, ``model`` in the decode layout) of its prompts
-    [P, T] (prompt_index [P]: their indices in the call) -> (state, dropped [P], dropped_version [], carried [])."""
+def _insert_queue(state: CarryState, inputs, stop_ids: jax.Array, version: jax.Array, refreshed: tuple,
+                  spec: CarryOverSpec) -> tuple:
+    """``_insert_program`` in one queue (``spec`` its own) of its share of the prefills (``inputs``, the new
+    prompts' ``engine.QueueInputs`` of its P prompts; ``refreshed``, ``_refreshed``'s) -> (state, dropped
+    [P], dropped_version [], carried [])."""
     G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
-    inputs = _prefill(model, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine, (),
-                      prompt_index).inputs
     g = jnp.mod(version, G)
     region = lambda index, size: index // size == g  # index in a [G size] array -> in region g
     rows = jnp.arange(R, dtype=jnp.int32)
@@ -471,8 +488,8 @@ def _insert_queue(model: nnx.Module, state: CarryState, prompt_tokens: jax.Array
     first = decode.first_outputs(inputs.real, inputs.first_tokens, inputs.first_logp, stop_ids, N, PAD_ID)
     state, kv, outputs = _put_generation(
         state, kv, old.outputs, spec, g, version, inputs, first, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version),
-        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(prompt_mask != 0, axis=-1))
-    kv = _refresh_prompts(model, kv, carried_prompts, version, key, selection, stop_ids, spec)
+        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(inputs.prompt_real, axis=-1))
+    kv = _refresh_prompts(kv, refreshed, version, spec)
     busy = slots.row < R  # every row in a slot is a carried generation's: its copy of the partial page is redone
     kv = _store(state, spec).recopy(kv, busy, jnp.minimum(slots.row, R - 1) // n)
 
@@ -656,23 +673,18 @@ def _restore_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryStat
     _traced()
     model = _decode_model(graphdef, params)
     queue = spec.per_queue(_shards(axes))
-
-    def per_queue(layout, selection, stop_ids, version, state, tokens, mask, saved):
-        return _restore_queue(nnx.merge(graphdef, layout), state, tokens, mask, selection, stop_ids, version, saved,
-                              queue)
-
-    state = _on_queues(per_queue, axes, (nnx.state(model), selection, stop_ids, version),
-                       (state, *_split((prompt_tokens, prompt_mask, saved), axes)))
+    key = jax.random.wrap_key_data(saved.row_keys[0])  # the prefill's token 0 is not kept: any key
+    inputs = _prefill(model, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids, spec.engine,
+                      ()).inputs  # the whole call's, GSPMD-split (as the insert's)
+    state = _on_queues(lambda version, state, inputs, saved: _restore_queue(state, inputs, version, saved, queue), axes,
+                       (version,), (state, _split_inputs(inputs, axes), _split(saved, axes)))
     return nnx.state(model), _pinned(state, shardings)
 
 
-def _restore_queue(model: nnx.Module, state: CarryState, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-                   selection: Selection, stop_ids: jax.Array, version: jax.Array, saved: SavedRows,
-                   spec: CarryOverSpec) -> CarryState:
-    """``_restore_program`` in one queue (``spec`` its own) of its prompts [P, T] and their rows."""
-    key = jax.random.wrap_key_data(saved.row_keys[0])  # the prefill's token 0 is not kept: any key
-    inputs = _prefill(model, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids, spec.engine,
-                      ()).inputs
+def _restore_queue(state: CarryState, inputs, version: jax.Array, saved: SavedRows, spec: CarryOverSpec
+                   ) -> CarryState:
+    """``_restore_program`` in one queue (``spec`` its own) of its share of the prefill (``inputs``) and
+    of the rows (``saved``)."""
     g = jnp.mod(version, spec.generations)
     rows = decode.Outputs(saved.tokens, saved.logprobs, saved.lengths, saved.stopped)
     state, kv, outputs = _put_generation(state, state.decode.kv, state.decode.outputs, spec, g, version, inputs, rows,

@@ -297,13 +297,11 @@ def _decode_model(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:
 
 
 def _prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array, budgets: jax.Array,
-             key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec, axes: tuple[str, ...],
-             index: jax.Array | None = None) -> Prefilled:
+             key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec, axes: tuple[str, ...]
+             ) -> Prefilled:
     """Everything before the decode loop (``model`` in the decode layout, ``_decode_model``): the rows
     spread over the positions when the batch shards run their own queues (``axes``), the prefill and
-    token 0 of every row. index: None, or [P] int32 the index in the call of each prompt here (a
-    carry-over queue's share of the call's prompts), which its rows' keys fold in instead of its
-    position."""
+    token 0 of every row."""
     n = spec.n
     P, T = prompt_tokens.shape
     Q = P * n
@@ -339,7 +337,7 @@ def _prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array
     # Token 0 of every row, sample by sample (one [P, V] selection at a time, not [Q, V]); the key of
     # a row is that of its prompt and sample, wherever it runs.
     row_keys = jax.vmap(lambda i, js: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, i), j))(js))(
-        source if index is None else index[source], samples)  # [P, n]
+        source, samples)  # [P, n]
     first_tokens, first_logp = jax.lax.map(
         lambda keys: selection.select(first_logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(P, jnp.int32))),
         row_keys.T)  # [n, P] each
