@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,9 @@ def _on_mesh(mesh_shape):
     """The context of a run on a mesh of ``mesh_shape`` (one mesh object a shape), or one device (None)."""
     if mesh_shape is None:
         return contextlib.nullcontext()
-    return jax.set_mesh(_MESHES.setdefault(mesh_shape, make_mesh(*mesh_shape)))
+    if mesh_shape not in _MESHES:
+        _MESHES[mesh_shape] = make_mesh(*mesh_shape, devices=jax.devices()[:math.prod(mesh_shape)])
+    return jax.set_mesh(_MESHES[mesh_shape])
 
 
 @functools.cache
@@ -63,8 +66,8 @@ def _batch(call: int):
     return tokens, mask, rng.integers(1, N + 1, size=P * SETTINGS.n).astype(np.int32), jax.random.key(call)
 
 
-def _run(seeds, *, compiles=None, mesh_shape=None, resume_after=None):
-    """The schedule (CALLS + DRAIN calls, B = 3 of P = 4 groups a call, max_staleness 2), call v with
+def _run(seeds, *, compiles=None, mesh_shape=None, resume_after=None, groups=3):
+    """The schedule (CALLS + DRAIN calls, B = ``groups`` of P = 4 groups a call, max_staleness 2), call v with
     the weights of seed ``seeds[v]`` (on a mesh of ``mesh_shape``, the prompts split over its batch
     axes): {(version, prompt): its n rows (tokens, logprobs, versions, lengths, stopped)}, each call's
     ``CarryOverRows`` and the sampler. ``compiles`` gets the compilations of every call after the first.
@@ -72,16 +75,16 @@ def _run(seeds, *, compiles=None, mesh_shape=None, resume_after=None):
     fresh sampler that resumed them with the next call's weights (the export is the sampler's
     ``exported``)."""
     with _on_mesh(mesh_shape):
-        return _schedule(seeds, compiles, mesh_shape, resume_after)
+        return _schedule(seeds, compiles, mesh_shape, resume_after, groups)
 
 
-def _new_sampler(graphdef):
-    return carry_over.CarryOverSampler(graphdef, SETTINGS, prompts=P, prompt_length=T, groups=3, max_staleness=2)
+def _new_sampler(graphdef, groups=3):
+    return carry_over.CarryOverSampler(graphdef, SETTINGS, prompts=P, prompt_length=T, groups=groups, max_staleness=2)
 
 
-def _schedule(seeds, compiles, mesh_shape, resume_after):
+def _schedule(seeds, compiles, mesh_shape, resume_after, groups_a_call):
     graphdef = _graphdef_and_params(seeds[0], mesh_shape)[0]
-    sampler = _new_sampler(graphdef)
+    sampler = _new_sampler(graphdef, groups_a_call)
     groups, calls = {}, []
     with compilations.built() as events:
         for v in range(CALLS + DRAIN):
@@ -103,7 +106,7 @@ def _schedule(seeds, compiles, mesh_shape, resume_after):
                                 out.stopped[rows])
             if v == resume_after:
                 exported = sampler.export()
-                sampler = _new_sampler(graphdef)
+                sampler = _new_sampler(graphdef, groups_a_call)
                 sampler.resume(_graphdef_and_params(seeds[v + 1], mesh_shape)[1], exported,
                                [_batch(version)[:2] for version in exported.generations])
                 sampler.exported = exported
@@ -178,6 +181,76 @@ def test_rows_exported_and_resumed_in_a_fresh_engine_continue_as_the_engine_that
         np.testing.assert_array_equal(got[3], lengths, err_msg=f"{key}")
         np.testing.assert_array_equal(got[4], stopped, err_msg=f"{key}")
 
+
+QUEUED = (2, 1, 2)  # data 2 x tensor 2: a queue per "data" shard once B divides (B = 2)
+
+
+def _pool_shard(sampler, mesh_shape) -> tuple[int, ...]:
+    """The page pool's shape on one device as the compiled init program gives it (compile-time)."""
+    graphdef, params = _graphdef_and_params(3, mesh_shape)
+    with _on_mesh(mesh_shape):
+        prompts = jax.ShapeDtypeStruct((P, T), jnp.int32, sharding=sharding.placement(("batch", "length"), (P, T)))
+        lowered = sampler.lower(params, prompts, prompts)
+        pool = carry_over._results(lowered.init, lowered.init.compile()).decode.kv.k
+    return pool.sharding.shard_shape(pool.shape)
+
+
+@pytest.mark.slow(seconds=90)
+def test_a_queue_per_batch_shard_gives_sample_rows_on_its_share_of_the_pool():
+    """On a mesh of 2 "data" shards with B = 2 of P = 4 groups a call, carry-over runs a queue a shard
+    (prompts 0-1 and 2-3 of each call, 2 of the 4 slots, half the response pages, 1 group a call
+    each): every real prompt's group comes back once or is reported dropped once (by the batch index of
+    its call's version); the returned rows equal ``engine.sample``'s of their call's prompts and key
+    (tokens, lengths, stop flags exactly; log-probs to float tolerance); rows ran across calls; the
+    calls after the first compile nothing; and the compiled pool on a device holds half the pages of
+    the one-queue engine's on the same mesh (B = 3: one queue), their one spare page each aside."""
+    compiles = []
+    before = carry_over.compile_count()
+    groups, calls, sampler = _run([3] * (CALLS + DRAIN), compiles=compiles, mesh_shape=QUEUED, groups=2)
+    assert compiles == [0] * (CALLS + DRAIN - 1)
+    assert carry_over.compile_count() - before <= 4
+    assert sum(int(out.carried_rows) for out in calls) > 0
+    assert all(int(out.group_valid.sum()) == 2 for out in calls[:CALLS])
+    dropped = [(int(out.dropped_version), int(p)) for out in calls for p in np.flatnonzero(out.dropped)]
+    assert sorted([*groups, *dropped]) == [(v, p) for v in range(CALLS) for p in range(P)]
+    graphdef, params = _graphdef_and_params(3, QUEUED)
+    n = SETTINGS.n
+    for (v, p), (got_tokens, got_logprobs, got_versions, got_lengths, got_stopped) in groups.items():
+        tokens, mask, budgets, key = _batch(v)
+        with _on_mesh(QUEUED):
+            ref = jax.device_get(sampling.sample(graphdef, params, tokens, mask, SETTINGS, key, budgets))
+        rows = slice(p * n, p * n + n)
+        np.testing.assert_array_equal(got_tokens, ref.tokens[rows], err_msg=f"{v, p}")
+        np.testing.assert_array_equal(got_lengths, ref.lengths[rows])
+        np.testing.assert_array_equal(got_stopped, ref.stopped[rows])
+        np.testing.assert_allclose(got_logprobs, ref.logprobs[rows], rtol=1e-5, atol=1e-5)
+    queued = _pool_shard(sampler, QUEUED)
+    one = _pool_shard(_new_sampler(graphdef, groups=3), QUEUED)
+    # [queue, K, L, pages, s, Dh] against [K, L, pages, s, Dh]: G P TP + F pages (+ 1 spare) split over 2 queues
+    assert queued[0] == 1 and queued[1:3] == one[:2] and queued[4:] == one[3:], (queued, one)
+    assert (queued[3] - 1) * 2 == one[2] - 1, (queued, one)
+
+
+@pytest.mark.slow(seconds=60)
+def test_rows_exported_by_a_queue_per_shard_resume_as_the_engine_never_stopped():
+    """The export of a sampler running a queue per batch shard (``QUEUED``) has the one-queue format (the
+    call's row numbering: each slot's row among its own queue's prompts) and a fresh sampler on the same
+    mesh resumes it: every group comes back as from the sampler never stopped, bit for bit. An export
+    whose slots hold rows of another queue's prompts is refused, naming the split."""
+    seeds = [3] * (CALLS + DRAIN)
+    groups, _, _ = _run(seeds, mesh_shape=QUEUED, groups=2)
+    resumed, _, sampler = _run(seeds, mesh_shape=QUEUED, groups=2, resume_after=1)
+    exported = sampler.exported
+    held = exported.slots[exported.slots >= 0]
+    assert len(held) >= 2 and (held % (P * SETTINGS.n) >= P * SETTINGS.n // 2).any()  # queue 1's rows too
+    assert sorted(resumed) == sorted(groups)
+    for key, expected in groups.items():
+        for got, want in zip(resumed[key], expected):
+            np.testing.assert_array_equal(got, want, err_msg=f"{key}")
+    swapped = exported._replace(slots=np.roll(exported.slots, SETTINGS.slots // 2))  # each queue's rows in the other's
+    graphdef, params = _graphdef_and_params(3, QUEUED)
+    with _on_mesh(QUEUED), pytest.raises(ValueError, match="another split of the batch"):
+        _new_sampler(graphdef, groups=2).resume(params, swapped, [_batch(v)[:2] for v in exported.generations])
 
 @functools.cache
 def _reference():

@@ -39,14 +39,14 @@ def setup():
     config = load_config("default.py")
     config.seed = SEED
     config.rollout.update(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, carry_over=True, max_staleness=1,
-                          slots=4, stop_token_ids=STOPS)
+                          slots=8, stop_token_ids=STOPS)
     config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
     config.train.update(prompts_per_step=PROMPTS, logprob_micro_batches=1, mini_batches=1, packing=False,
                         checkpoint_every=1, precompile=False)
     config.optim.update(schedule="constant", warmup_steps=0, lr=1e-3)
     rs = np.random.RandomState(0)
     batches = [PromptBatch([list(rs.randint(30, 96, size=rs.randint(3, 16))) for _ in range(PROMPTS)],
-                           ["7"] * PROMPTS, [f"prompt {b * PROMPTS + i}" for i in range(PROMPTS)]) for b in range(12)]
+                           ["7"] * PROMPTS, [f"prompt {b * PROMPTS + i}" for i in range(PROMPTS)]) for b in range(24)]
     return mesh, model, config, batches
 
 
@@ -74,7 +74,8 @@ def test_carry_over_needs_the_paged_sampler_and_one_call_a_step():
 def _train(config, model, batches, workdir, steps, pool, trained):
     """rl_train for ``steps`` (resuming ``workdir``): its history, each step's params before its update
     (by step) and its carry-over prompt source; each step's trained rows, metrics and the batches of prompts
-    its calls inserted (one a call) appended to ``trained``."""
+    its calls inserted (one a call: the prompts and their token ids placed in the engine's batch) appended to
+    ``trained``."""
     config.train.steps = steps
     graphdef, params = nnx.split(model)
     weights = {}
@@ -87,7 +88,12 @@ def _train(config, model, batches, workdir, steps, pool, trained):
     def recording(self, state, batches_fn, key, watch=None, step=0):
         weights.setdefault(step, jax.tree.map(np.asarray, state))
         inserted = []
-        result = collect(self, state, lambda: inserted.append(batches_fn()) or inserted[-1], key, watch, step)
+        def drawn():  # each gen batch's prompts and their token ids at their places in the engine's batch
+            prompts = batches_fn()
+            inserted.append((prompts, self.carry.placed(prompts.prompt_ids)))
+            return prompts
+
+        result = collect(self, state, drawn, key, watch, step)
         trained.append((step, {k: np.asarray(getattr(result.batch, k)) for k in ("input_ids", "response_mask")},
                         result.metrics, inserted))
         return result
@@ -116,8 +122,8 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
         engine = CarryOverSampler(graphdef, settings, prompts=2 * PROMPTS, prompt_length=16, groups=PROMPTS,
                                   max_staleness=1)
         base = jax.random.key(SEED)
-        for step, batch, metrics, (prompts,) in trained:
-            tokens, mask = buckets.left_pad(prompts.prompt_ids, 2 * PROMPTS, 16)
+        for step, batch, metrics, ((_, placed),) in trained:
+            tokens, mask = buckets.left_pad(placed, 2 * PROMPTS, 16)
             rows = jax.tree.map(np.asarray, engine.step(weights[step], step, tokens, mask,
                                                         jax.random.fold_in(base, step)))
             R = batch["response_mask"].shape[1]
@@ -127,7 +133,7 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
                 np.testing.assert_array_equal(batch["input_ids"][r, -R:][:L], rows.tokens[r, :L], err_msg=f"{step} {r}")
             assert metrics["rollout_staleness_max"] == float(rows.staleness_max)
             assert metrics["carried_rows"] == float(rows.carried_rows)
-    assert [len(inserted[0].prompt_ids) for *_, inserted in trained][0] == 2 * PROMPTS  # then what the last call returned
+    assert [len(inserted[0][0].prompt_ids) for *_, inserted in trained][0] == 2 * PROMPTS  # then what the last call returned
     assert all(m["carried_rows"] > 0 for _, _, m, _ in trained[1:])  # responses went over to the next step
     assert max(m["rollout_staleness_max"] for _, _, m, _ in trained) == 1.0
     assert len({h["compilations"] for h in history}) == 1  # nothing compiled after step 1
@@ -152,9 +158,9 @@ def test_dynamic_sampling_with_carry_over_keeps_the_first_groups_with_spread_the
         for step, batch, metrics, inserted in trained:
             assert metrics["num_gen_batches"] == len(inserted)
             key, kept = jax.random.fold_in(base, step), []
-            for g, prompts in enumerate(inserted):
+            for g, (_, placed) in enumerate(inserted):
                 version += 1
-                tokens, mask = buckets.left_pad(prompts.prompt_ids, 2 * PROMPTS, 16)
+                tokens, mask = buckets.left_pad(placed, 2 * PROMPTS, 16)
                 rows = jax.tree.map(np.asarray, engine.step(weights[step], version, tokens, mask,
                                                             key if g == 0 else jax.random.fold_in(key, g)))
                 for group in range(PROMPTS):
@@ -350,7 +356,7 @@ def test_the_warm_up_compiles_the_carry_over_programs_and_step_1_compiles_none(s
     sampler = [p for p in compiled if p.name == "sampler"]
     assert len(sampler) == 1 and sampler[0].shape.startswith(
         f"carry-over: {2 * PROMPTS} prompts x 16 tokens a call, n={N}, 3 generations (max_staleness + 1): "
-        f"{3 * 2 * PROMPTS * N} rows in 4 decode slots"), sampler
+        f"{3 * 2 * PROMPTS * N} rows in 8 decode slots"), sampler
     params = memory_check.per_device_bytes(nnx.state(model))
     assert sampler[0].argument > params and sampler[0].peak >= sampler[0].argument and not sampler[0].error
     assert calls[0][0] - before == 6  # the warm-up traced init, insert, chunk, harvest, restore and reseat

@@ -57,7 +57,16 @@ Token t of row (i, j) of the prompts inserted with key k is selected with ``fold
 as ``engine.sample`` selects it: the tokens do not depend on the schedule, and with unchanged weights
 the rows equal ``engine.sample``'s of the same prompts and key.
 
-One queue (no ``shard_map`` over the batch axes): on a mesh the decode step runs GSPMD-partitioned
+Queues per batch shard (``queue_axes``): when the batch axes ("data", "fsdp") divide P, C and B
+(``engine.queues``), every program runs once per shard under ``shard_map`` (``engine._on_queues``),
+as ``engine.sample``'s decode loops do: queue q holds prompts q P / S .. (q + 1) P / S - 1 of each
+generation (S shards), C / S slots, F / S response pages and a pool of its own (G P / S prompts' pages
+and those), and returns B / S groups a call; a call ends when every queue has its groups or runs no
+row. The ``CarryState`` is each queue's, stacked on a leading queue axis split over the batch axes, so
+a device holds 1 / S of the pool where one queue would hold all of it (split over the K/V heads
+only). Results keep the call's numbering: ``CarryOverRows``' group_prompt and dropped index the
+call's batch, and an export (``InFlightRows``) is that of one queue of the whole call, which a resume
+on a mesh with the same split takes back. Otherwise one queue: the decode step runs GSPMD-partitioned
 over the call's arrays as ``engine.sample``'s one-queue path does.
 
 ``CarryOverSampler.lower`` lowers the four programs and a resume's two on abstract arguments, as
@@ -82,11 +91,12 @@ from flax import nnx
 from pacs_jax import distributed
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
-from pacs_jax.sampling.engine import EngineSpec, PAD_ID, run_chunks, stop_id_array, _device_bytes, _prefill, _results
+from pacs_jax.sampling.engine import (EngineSpec, PAD_ID, run_chunks, stop_id_array, _decode_model, _device_bytes,
+                                      _on_queues, _prefill, _results, _shards, queues)
 from pacs_jax.sampling.paged import PageStore, default_pages, prompt_pages, row_promise, table_width
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SamplingSettings, row_pages
-from pacs_jax.sharding import constrain, replicated
+from pacs_jax.sharding import batch_shards, constrain, current_rules, replicated
 
 _TRACE_COUNT = 0
 
@@ -104,10 +114,10 @@ def _traced() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CarryOverSpec:
-    """The static part of the carry-over programs: the one-queue paged ``EngineSpec`` (n,
-    max_new_tokens, slots, page size, response pages F, chunk steps), P prompts a call of T tokens,
+    """The static part of the carry-over programs: the paged ``EngineSpec`` of the whole call (n,
+    max_new_tokens, C slots, page size, F response pages, chunk steps), P prompts a call of T tokens,
     G generations, B groups a call returns, and the order it returns them in ("completion" or
-    "admission", ``CARRY_OVER_ORDERS``)."""
+    "admission", ``CARRY_OVER_ORDERS``); a queue's share of them: ``per_queue``."""
 
     engine: EngineSpec
     prompts: int
@@ -125,6 +135,14 @@ class CarryOverSpec:
     def prompt_pages(self) -> int:
         """TP."""
         return -(-self.prompt_length // self.engine.page_size)
+
+    def per_queue(self, shards: int) -> CarryOverSpec:
+        """The spec of one of ``shards`` queues (one a batch shard, ``queue_axes``): P / shards prompts a
+        generation, C / shards slots, F / shards response pages, B / shards groups a call (itself for one)."""
+        if shards == 1:
+            return self
+        engine = dataclasses.replace(self.engine.per_queue(shards), pages=self.engine.pages // shards)
+        return dataclasses.replace(self, engine=engine, prompts=self.prompts // shards, groups=self.groups // shards)
 
     def store(self, promise: jax.Array, prompt_lengths: jax.Array, pool: PagedKVCache | None = None) -> PageStore:
         """The page store of the G P prompts: promise [R], prompt_lengths [G P]."""
@@ -152,6 +170,9 @@ class CarryState(NamedTuple):
     queued:         [] int32, waiting rows in ``order``
     inserted:       [G] int32, the version that inserted each region's generation (-1: none yet)
     live:           [G P] bool, real prompts inserted and neither returned nor dropped
+
+    With queues per batch shard (``queue_axes``) each is a queue's (of its P / S prompts a generation and
+    C / S slots), stacked on a leading queue axis [S, ...].
     """
 
     decode: decode.DecodeState
@@ -169,7 +190,8 @@ class CarryState(NamedTuple):
 
 
 class CarryOverRows(NamedTuple):
-    """One call's results (device arrays): B groups' rows, row k n + j sample j of group k.
+    """One call's results (device arrays): B groups' rows, row k n + j sample j of group k (with queues
+    per batch shard, queue q's B / S groups are groups q B / S ..; the indices are the call's).
 
     tokens:          [B n, N] int32, PAD_ID after the end
     logprobs:        [B n, N] float32, 0 after the end
@@ -184,9 +206,9 @@ class CarryOverRows(NamedTuple):
                      (unreturned when their generation retired: queue them again)
     dropped_version: [] int32, the version whose batch ``dropped`` indexes (-1: none retired)
     carried_rows:    [] int32, rows of earlier calls still running or waiting when this call began
-    decode_steps:    [] int32, this call's decode steps
+    decode_steps:    [] int32, this call's decode steps (the most of any queue's)
     decoded_tokens:  [] int32, tokens its decode steps sampled (every row's, returned or not)
-    slot_steps:      [] int32, C x decode steps
+    slot_steps:      [] int32, C x decode steps (a queue's slots x its steps, summed over the queues)
     staleness_mean:  [] float32, mean of (this version - token version) over the returned tokens
     staleness_max:   [] int32, its max
     """
@@ -281,12 +303,59 @@ def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
     return jax.lax.with_sharding_constraint(state, jax.tree.unflatten(jax.tree.structure(state), shardings))
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
-def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, spec: CarryOverSpec) -> CarryState:
-    """The empty state: a zero pool, every slot idle, no generation inserted (key only lends the shape
-    of the rows' key data)."""
+def queue_count(spec: CarryOverSpec, batch_shards: int) -> int:
+    """The carry-over's queues on a mesh of ``batch_shards``: one a shard when the shards divide P, C
+    (``engine.queues``) and B, else one."""
+    return batch_shards if queues(spec.prompts, spec.engine.slots, batch_shards) == batch_shards \
+        and spec.groups % batch_shards == 0 else 1
+
+
+def queue_axes(spec: CarryOverSpec) -> tuple[str, ...]:
+    """The mesh axes (of the mesh in context) that the carry-over's queues are split over: the batch axes
+    when their shards divide P, C (``engine.queues``) and B, a queue a shard, each with its share of
+    the pool; none otherwise (one queue for the whole call). Raises ValueError when the response
+    pages (``rollout.pages``) split over the queues leave a queue less than one row's."""
+    axes = current_rules().batch_axes()
+    if queue_count(spec, _shards(axes)) == 1:
+        return ()
+    shards, need = _shards(axes), row_pages(spec.engine.page_size, spec.engine.max_new_tokens)
+    if spec.engine.pages // shards < need:
+        raise ValueError(f"pages={spec.engine.pages}: split over {shards} queues (one a batch shard), a queue's "
+                         f"{spec.engine.pages // shards} must hold one row's response pages, {need}")
+    return axes
+
+
+def _split(tree, axes: tuple[str, ...], axis: int = 0):
+    """With ``axes``, each array [..., S k, ...] of ``tree`` (S k its dim ``axis``) as each queue's share
+    stacked, [S, ..., k, ...] (queue q takes q k .. q k + k - 1, as ``engine.sample``'s shards split the
+    prompts); as it is without."""
+    if not axes:
+        return tree
+    shards = _shards(axes)
+    return jax.tree.map(lambda x: jnp.moveaxis(
+        x.reshape(*x.shape[:axis], shards, x.shape[axis] // shards, *x.shape[axis + 1:]), axis, 0), tree)
+
+
+def _split_inputs(inputs, axes: tuple[str, ...]):
+    """A prefill's ``engine.QueueInputs`` of the whole call as each queue's share (``_split``: the K/V
+    [L, P, K, T, Dh] split over P, the others over their first axis), its stop ids left out (None)."""
+    return _split(inputs._replace(prompt_cache=None, stop_ids=None), axes)._replace(
+        prompt_cache=_split(inputs.prompt_cache, axes, axis=1))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes"))
+def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, spec: CarryOverSpec,
+                  axes: tuple[str, ...]) -> CarryState:
+    """The empty state of each queue (stacked with ``axes``, ``queue_axes``): a zero pool, every slot
+    idle, no generation inserted (key only lends the shape of the rows' key data)."""
     _traced()
     cfg = nnx.merge(graphdef, params).cfg
+    queue = spec.per_queue(_shards(axes))
+    return _on_queues(lambda key: _empty_state(cfg, key, queue), axes, (key,), ())
+
+
+def _empty_state(cfg, key: jax.Array, spec: CarryOverSpec) -> CarryState:
+    """One queue's empty state (``_init_program``)."""
     G, P, n, C, N, R = (spec.generations, spec.prompts, spec.engine.n, spec.engine.slots, spec.engine.max_new_tokens,
                         spec.rows)
     shape = (cfg.num_key_value_heads, cfg.num_hidden_layers, G * P * spec.prompt_pages + spec.engine.pages + 1,
@@ -304,25 +373,32 @@ def _init_program(graphdef: nnx.GraphDef, params: nnx.State, key: jax.Array, *, 
                       jnp.zeros((G * P,), bool))
 
 
-def _put_prompt_pages(kv, inputs, spec: CarryOverSpec, g: jax.Array):
-    """The pool's state kv with region g's P prompts' pages written from a prefill's K/V (``inputs``,
-    ``engine.QueueInputs``: prompt_cache [L, P, K, T, Dh], prompt_real [P, T])."""
-    pages = prompt_pages(inputs.prompt_cache, inputs.prompt_real, spec.engine.page_size)
+def _put_prompt_pages(kv, prompt_cache, prompt_real: jax.Array, spec: CarryOverSpec, g: jax.Array):
+    """The pool's state kv with region g's P prompts' pages written from a prefill's K/V (prompt_cache
+    [L, P, K, T, Dh], prompt_real [P, T])."""
+    pages = prompt_pages(prompt_cache, prompt_real, spec.engine.page_size)
     at = g * spec.prompts * spec.prompt_pages
     return kv._replace(k=jax.lax.dynamic_update_slice_in_dim(kv.k, pages.k.astype(kv.k.dtype), at, axis=2),
                        v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
 
 
-def _refresh_prompts(graphdef: nnx.GraphDef, params: nnx.State, kv, carried_prompts: tuple, version: jax.Array,
-                     key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: CarryOverSpec):
-    """The pool's state kv with the prompts of the G - 1 generations before ``version`` prefilled again
-    with ``params`` into their regions (``carried_prompts``: (tokens [P, T], mask [P, T]) a generation,
-    version - 1's first; all-padding where no generation was inserted), so that the rows still to
-    decode in this call attend to the current weights' K/V of their prompt, not to an earlier call's."""
+def _refreshed(model: nnx.Module, carried_prompts: tuple, key: jax.Array, selection: Selection,
+               stop_ids: jax.Array, spec: CarryOverSpec) -> tuple:
+    """The prompts of the G - 1 generations before this call prefilled again with ``model`` (the decode
+    layout's; ``carried_prompts``: (tokens [P, T], mask [P, T]) a generation, the last call's first;
+    all-padding where no generation was inserted) -> (K/V [L, P, K, T, Dh], prompt_real [P, T]) a
+    generation, so that the rows still to decode in this call attend to the current weights' K/V of
+    their prompt, not to an earlier call's (``_refresh_prompts`` writes them)."""
     budgets = jnp.ones((spec.prompts * spec.engine.n,), jnp.int32)  # token 0 of this prefill is not kept
-    for age, (tokens, mask) in enumerate(carried_prompts, start=1):
-        inputs = _prefill(graphdef, params, tokens, mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
-        kv = _put_prompt_pages(kv, inputs, spec, jnp.mod(version - age, spec.generations))
+    inputs = (_prefill(model, tokens, mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
+              for tokens, mask in carried_prompts)
+    return tuple((x.prompt_cache, x.prompt_real) for x in inputs)
+
+
+def _refresh_prompts(kv, refreshed: tuple, version: jax.Array, spec: CarryOverSpec):
+    """The pool's state kv with ``_refreshed``'s K/V of the generations before ``version`` in their regions."""
+    for age, (prompt_cache, prompt_real) in enumerate(refreshed, start=1):
+        kv = _put_prompt_pages(kv, prompt_cache, prompt_real, spec, jnp.mod(version - age, spec.generations))
     return kv
 
 
@@ -336,7 +412,7 @@ def _put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryO
     P, n = spec.prompts, spec.engine.n
     put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
                                                                   g * part.shape[0], axis=0)
-    kv = _put_prompt_pages(kv, inputs, spec, g)
+    kv = _put_prompt_pages(kv, inputs.prompt_cache, inputs.prompt_real, spec, g)
     lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
     outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(outputs, rows)))
     state = state._replace(
@@ -359,19 +435,42 @@ class Inserted(NamedTuple):
     carried: jax.Array  # [] int32: rows of earlier calls still running as the call began
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "shardings"), donate_argnames=("state",))
 def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
                     prompt_mask: jax.Array, budgets: jax.Array, key: jax.Array, selection: Selection,
                     stop_ids: jax.Array, version: jax.Array, carried_prompts: tuple, *, spec: CarryOverSpec,
-                    shardings: tuple | None) -> Inserted:
-    """A call's first program: retire region ``version mod G``, prefill the new prompts [P, T] with
-    ``params`` into it, token 0 of their rows, the G - 1 earlier generations' prompts prefilled again
-    (``carried_prompts``, ``_refresh_prompts``), the queue rebuilt and the free slots filled."""
+                    axes: tuple[str, ...], shardings: tuple | None) -> Inserted:
+    """A call's first program, in each queue (``_insert_queue``; with ``axes`` queue q takes prompts q P / S
+    .. (q + 1) P / S - 1 of the call's and of each carried generation's [P, T], and their budgets):
+    retire region ``version mod G``, prefill the new prompts with ``params`` into it, token 0 of their
+    rows, the G - 1 earlier generations' prompts prefilled again (``carried_prompts``,
+    ``_refresh_prompts``), the queue rebuilt and the free slots filled. dropped [P] in batch order."""
     _traced()
+    model = _decode_model(graphdef, params)
+    queue = spec.per_queue(_shards(axes))
+    # the prefills of the whole call, GSPMD-split as engine.sample's (a kernel's own shard_map inside
+    # a queue's would not lower): the rows' keys those of the call's prompts
+    inputs = _prefill(model, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine, ()).inputs
+    refreshed = _refreshed(model, carried_prompts, key, selection, stop_ids, spec)
+
+    def per_queue(stop_ids, version, state, inputs, refreshed):
+        return _insert_queue(state, inputs, stop_ids, version, refreshed, queue)
+
+    state, dropped, dropped_version, carried = _on_queues(
+        per_queue, axes, (stop_ids, version),
+        (state, _split_inputs(inputs, axes), tuple((_split(cache, axes, axis=1), _split(real, axes))
+                                                   for cache, real in refreshed)))
+    if axes:  # [S, P / S] -> [P]; the retired generation's version (the same in every queue that dropped one)
+        dropped, dropped_version, carried = dropped.reshape(-1), jnp.max(dropped_version), jnp.sum(carried)
+    return Inserted(nnx.state(model), _pinned(state, shardings), dropped, dropped_version, carried)
+
+
+def _insert_queue(state: CarryState, inputs, stop_ids: jax.Array, version: jax.Array, refreshed: tuple,
+                  spec: CarryOverSpec) -> tuple:
+    """``_insert_program`` in one queue (``spec`` its own) of its share of the prefills (``inputs``, the new
+    prompts' ``engine.QueueInputs`` of its P prompts; ``refreshed``, ``_refreshed``'s) -> (state, dropped
+    [P], dropped_version [], carried [])."""
     G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
-    prefilled = _prefill(graphdef, params, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec.engine,
-                         ())
-    model, inputs = prefilled.model, prefilled.inputs
     g = jnp.mod(version, G)
     region = lambda index, size: index // size == g  # index in a [G size] array -> in region g
     rows = jnp.arange(R, dtype=jnp.int32)
@@ -389,8 +488,8 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     first = decode.first_outputs(inputs.real, inputs.first_tokens, inputs.first_logp, stop_ids, N, PAD_ID)
     state, kv, outputs = _put_generation(
         state, kv, old.outputs, spec, g, version, inputs, first, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version),
-        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(prompt_mask != 0, axis=-1))
-    kv = _refresh_prompts(graphdef, params, kv, carried_prompts, version, key, selection, stop_ids, spec)
+        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(inputs.prompt_real, axis=-1))
+    kv = _refresh_prompts(kv, refreshed, version, spec)
     busy = slots.row < R  # every row in a slot is a carried generation's: its copy of the partial page is redone
     kv = _store(state, spec).recopy(kv, busy, jnp.minimum(slots.row, R - 1) // n)
 
@@ -402,17 +501,31 @@ def _insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
                            queued=jnp.sum(waiting, dtype=jnp.int32))
     decode_state = decode.DecodeState(jnp.int32(0), slots, kv, jnp.int32(0), outputs)
     decode_state = decode.refill(_queue(state, stop_ids), _store(state, spec), decode_state, slots.row == R)
-    state = _pinned(state._replace(decode=decode_state), shardings)
-    return Inserted(nnx.state(model), state, dropped, dropped_version, carried)
+    return state._replace(decode=decode_state), dropped, dropped_version, carried
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "shardings"), donate_argnames=("state",))
 def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, selection: Selection,
-                   stop_ids: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None):
-    """Up to ``spec.engine.chunk_steps`` decode steps, while fewer than B groups a call may return
-    (``_awaited``) are complete and some row runs -> (state, progress [3] int32, replicated: those groups
-    complete, rows running, 1 once done)."""
+                   stop_ids: jax.Array, *, spec: CarryOverSpec, axes: tuple[str, ...], shardings: tuple | None):
+    """Up to ``spec.engine.chunk_steps`` decode steps in each queue, while fewer than its B (B / S with
+    ``axes``) groups a call may return (``_awaited``) are complete and some row runs -> (state, progress
+    [3] int32, replicated: those groups complete and rows running, summed over the queues, 1 once every
+    queue is done)."""
     _traced()
+    queue = spec.per_queue(_shards(axes))
+
+    def per_queue(layout, selection, stop_ids, state):
+        return _chunk_queue(nnx.merge(graphdef, layout), state, selection, stop_ids, queue)
+
+    state, progress = _on_queues(per_queue, axes, (layout, selection, stop_ids), (state,))
+    if axes:  # [S, 3] -> the call's
+        progress = jnp.concatenate([jnp.sum(progress[:, :2], axis=0), jnp.min(progress[:, 2:], axis=0)])
+    return _pinned(state, shardings), constrain(progress, (None,))
+
+
+def _chunk_queue(model: nnx.Module, state: CarryState, selection: Selection, stop_ids: jax.Array,
+                 spec: CarryOverSpec) -> tuple[CarryState, jax.Array]:
+    """``_chunk_program`` in one queue -> (state, progress [3] int32)."""
     n, R = spec.engine.n, spec.rows
     queue, store = _queue(state, stop_ids), _store(state, spec)
     limit = state.decode.steps + spec.engine.chunk_steps
@@ -420,20 +533,33 @@ def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState,
     running = lambda d: jnp.sum(d.slots.row < R, dtype=jnp.int32)
     groups = lambda d: jnp.sum(_complete(state, d.outputs, n) & awaited, dtype=jnp.int32)
     more = lambda d: (running(d) > 0) & (groups(d) < spec.groups)
-    step = functools.partial(decode.decode_step, nnx.merge(graphdef, layout), queue, store, selection, refills=True)
+    step = functools.partial(decode.decode_step, model, queue, store, selection, refills=True)
     decode_state = jax.lax.while_loop(lambda d: more(d) & (d.steps < limit), step, state.decode)
     progress = jnp.stack([groups(decode_state), running(decode_state), (~more(decode_state)).astype(jnp.int32)])
-    return _pinned(state._replace(decode=decode_state), shardings), constrain(progress, (None,))
+    return state._replace(decode=decode_state), progress
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("spec", "axes", "shardings"), donate_argnames=("state",))
 def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, dropped_version: jax.Array,
-                     carried: jax.Array, *, spec: CarryOverSpec, shardings: tuple | None
+                     carried: jax.Array, *, spec: CarryOverSpec, axes: tuple[str, ...], shardings: tuple | None
                      ) -> tuple[CarryState, CarryOverRows]:
-    """A call's last program: this call's tokens stamped with ``version``, the B oldest complete
-    groups that the call may return (``_awaited``) gathered and marked returned (with the insert's
-    dropped [P], dropped_version [] and carried_rows [] passed through)."""
+    """A call's last program: in each queue (``_harvest_queue``) this call's tokens stamped with
+    ``version``, its B (B / S with ``axes``) oldest complete groups that the call may return
+    (``_awaited``) gathered and marked returned; the queues' joined (``_joined_rows``), with the
+    insert's dropped [P], dropped_version [] and carried_rows [] passed through."""
     _traced()
+    queue = spec.per_queue(_shards(axes))
+    state, rows, staleness, returned = _on_queues(lambda version, state: _harvest_queue(state, version, queue), axes,
+                                                  (version,), (state,))
+    if axes:
+        rows = _joined_rows(rows, staleness, returned, queue)
+    rows = rows._replace(dropped=dropped, dropped_version=dropped_version, carried_rows=carried)
+    return _pinned(state, shardings), rows
+
+
+def _harvest_queue(state: CarryState, version: jax.Array, spec: CarryOverSpec) -> tuple:
+    """``_harvest_program`` in one queue -> (state, its ``CarryOverRows`` but dropped, dropped_version and
+    carried_rows (None), the staleness summed over its returned tokens [] float32, those tokens [] int32)."""
     G, P, n, B, N = spec.generations, spec.prompts, spec.engine.n, spec.groups, spec.engine.max_new_tokens
     outputs = state.decode.outputs
     t = jnp.arange(N, dtype=jnp.int32)[None, :]
@@ -450,19 +576,34 @@ def _harvest_program(state: CarryState, version: jax.Array, dropped: jax.Array, 
     picked = lambda x, empty: jnp.where(mask, x[rows], empty)
     token_versions = picked(versions, 0)
     staleness = jnp.where(mask, version - token_versions, 0)
-    tokens_returned = jnp.sum(mask, dtype=jnp.int32)
+    staleness_sum, tokens_returned = jnp.sum(staleness, dtype=jnp.float32), jnp.sum(mask, dtype=jnp.int32)
     steps = state.decode.steps
     result = CarryOverRows(
         picked(outputs.tokens, PAD_ID), picked(outputs.logprobs, 0.0), token_versions, mask.astype(jnp.int32),
         lengths, valid_rows & outputs.stopped[rows], jnp.where(valid, state.inserted[pick // P], -1),
-        jnp.where(valid, pick % P, -1), valid, dropped,
-        dropped_version, carried, steps, jnp.sum(outputs.lengths - state.call_start, dtype=jnp.int32),
-        steps * spec.engine.slots,
-        jnp.sum(staleness, dtype=jnp.float32) / jnp.maximum(tokens_returned, 1).astype(jnp.float32),
-        jnp.max(staleness))
+        jnp.where(valid, pick % P, -1), valid, None, None, None, steps,
+        jnp.sum(outputs.lengths - state.call_start, dtype=jnp.int32), steps * spec.engine.slots,
+        staleness_sum / jnp.maximum(tokens_returned, 1).astype(jnp.float32), jnp.max(staleness))
     live = state.live.at[pick].set(state.live[pick] & ~valid)
     state = state._replace(versions=versions, call_start=outputs.lengths, live=live)
-    return _pinned(state, shardings), result
+    return state, result, staleness_sum, tokens_returned
+
+
+def _joined_rows(rows: CarryOverRows, staleness: jax.Array, returned: jax.Array, spec: CarryOverSpec
+                 ) -> CarryOverRows:
+    """The queues' ``_harvest_queue`` results stacked [S, ...] (``spec`` a queue's) as the call's: the
+    groups queue by queue (queue q's B / S, then q + 1's), group_prompt the index in the call's batch
+    (queue q's prompt p is q P / S + p), decode_steps the most of any queue, decoded_tokens and
+    slot_steps summed, the staleness mean over every returned token (staleness [S] its sums, returned
+    [S] the tokens) and its max the max."""
+    first = jnp.arange(rows.group_prompt.shape[0], dtype=jnp.int32)[:, None] * spec.prompts  # [S, 1]
+    rows = rows._replace(group_prompt=jnp.where(rows.group_valid, rows.group_prompt + first, -1))
+    flat = {name: getattr(rows, name).reshape(-1, *getattr(rows, name).shape[2:]) for name in CarryOverRows._fields[:9]}
+    return rows._replace(
+        **flat, decode_steps=jnp.max(rows.decode_steps), decoded_tokens=jnp.sum(rows.decoded_tokens),
+        slot_steps=jnp.sum(rows.slot_steps),
+        staleness_mean=jnp.sum(staleness) / jnp.maximum(jnp.sum(returned), 1).astype(jnp.float32),
+        staleness_max=jnp.max(rows.staleness_max))
 
 
 class SavedRows(NamedTuple):
@@ -519,25 +660,36 @@ class InFlightRows(NamedTuple):
         return int(sum(np.sum(rows.lengths > 0) for rows in self.rows))
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "shardings"), donate_argnames=("state",))
 def _restore_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState, prompt_tokens: jax.Array,
                      prompt_mask: jax.Array, selection: Selection, stop_ids: jax.Array, version: jax.Array,
-                     saved: SavedRows, *, spec: CarryOverSpec, shardings: tuple | None) -> tuple[nnx.State, CarryState]:
-    """A resume's program for each generation in flight (oldest first): its prompts [P, T] prefilled with
-    ``params`` into region ``version mod G`` (their K/V recomputed), its rows' outputs, versions,
-    budgets and keys as ``saved`` holds them (token 0 as sampled then, not the prefill's). No slot
-    takes a row. Returns (the decode layout, the state)."""
+                     saved: SavedRows, *, spec: CarryOverSpec, axes: tuple[str, ...], shardings: tuple | None
+                     ) -> tuple[nnx.State, CarryState]:
+    """A resume's program for each generation in flight (oldest first), in each queue (``_restore_queue``;
+    with ``axes`` queue q takes prompts q P / S .. (q + 1) P / S - 1 and their rows of ``saved``): its
+    prompts [P, T] prefilled with ``params`` into region ``version mod G`` (their K/V recomputed), its
+    rows' outputs, versions, budgets and keys as ``saved`` holds them (token 0 as sampled then, not the
+    prefill's). No slot takes a row. Returns (the decode layout, the state)."""
     _traced()
+    model = _decode_model(graphdef, params)
+    queue = spec.per_queue(_shards(axes))
     key = jax.random.wrap_key_data(saved.row_keys[0])  # the prefill's token 0 is not kept: any key
-    prefilled = _prefill(graphdef, params, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids,
-                         spec.engine, ())
-    model, inputs = prefilled.model, prefilled.inputs
+    inputs = _prefill(model, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids, spec.engine,
+                      ()).inputs  # the whole call's, GSPMD-split (as the insert's)
+    state = _on_queues(lambda version, state, inputs, saved: _restore_queue(state, inputs, version, saved, queue), axes,
+                       (version,), (state, _split_inputs(inputs, axes), _split(saved, axes)))
+    return nnx.state(model), _pinned(state, shardings)
+
+
+def _restore_queue(state: CarryState, inputs, version: jax.Array, saved: SavedRows, spec: CarryOverSpec
+                   ) -> CarryState:
+    """``_restore_program`` in one queue (``spec`` its own) of its share of the prefill (``inputs``) and
+    of the rows (``saved``)."""
     g = jnp.mod(version, spec.generations)
     rows = decode.Outputs(saved.tokens, saved.logprobs, saved.lengths, saved.stopped)
     state, kv, outputs = _put_generation(state, state.decode.kv, state.decode.outputs, spec, g, version, inputs, rows,
                                          saved.versions, saved.tokens[:, 0], saved.row_keys, saved.live)
-    state = state._replace(decode=state.decode._replace(kv=kv, outputs=outputs))
-    return nnx.state(model), _pinned(state, shardings)
+    return state._replace(decode=state.decode._replace(kv=kv, outputs=outputs))
 
 
 class ReseatProgress(NamedTuple):
@@ -554,9 +706,10 @@ class ReseatProgress(NamedTuple):
         return cls(left, bool(done))
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "shardings"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "shardings"), donate_argnames=("state",))
 def _reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, slot_rows: jax.Array, *,
-                    spec: CarryOverSpec, shardings: tuple | None) -> tuple[CarryState, jax.Array]:
+                    spec: CarryOverSpec, axes: tuple[str, ...], shardings: tuple | None
+                    ) -> tuple[CarryState, jax.Array]:
     """A resume's last program, run in chunks: the rows that held decode slots back in the same slots
     (slot_rows [C] int32, R: none; the first chunk's, every later chunk's all R), each admitted as a
     refill admits it (its first page, its prompt's partly filled page copied in, its promise) at token
@@ -564,11 +717,39 @@ def _reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState
     step (up to ``spec.engine.chunk_steps`` steps a chunk) through the store's ``attend`` with the
     decode layout ``layout``, as the decode steps fed them: their K/V recomputed with these weights
     into pages of their own. Once all are fed each slot's next token is its row's token ``length``,
-    its last the row's last token. Returns (the state, progress [2] int32, replicated: the positions
-    left, 1 once none is)."""
+    its last the row's last token. With ``axes`` each queue (``_reseat_queue``) takes its slots, C / S
+    a queue, their rows (the call's numbering, ``_queue_rows``) its own. Returns (the state, progress
+    [2] int32, replicated: the positions left (the most of any queue's), 1 once none is)."""
     _traced()
+    shards = _shards(axes)
+    queue = spec.per_queue(shards)
+
+    def per_queue(layout, state, slot_rows):
+        return _reseat_queue(nnx.merge(graphdef, layout), state, slot_rows, queue)
+
+    if axes:
+        slot_rows = _queue_rows(slot_rows, spec, shards)
+    state, progress = _on_queues(per_queue, axes, (layout,), (state, slot_rows))
+    if axes:  # [S, 2] -> the call's
+        progress = jnp.stack([jnp.max(progress[:, 0]), jnp.min(progress[:, 1])])
+    return _pinned(state, shardings), constrain(progress, (None,))
+
+
+def _queue_rows(slot_rows: jax.Array, spec: CarryOverSpec, shards: int) -> jax.Array:
+    """The call's rows held by its slots [C] (row (g P + p) n + j, R: none) as each queue's [S, C / S]:
+    queue q's slots hold rows of its own prompts p = q P / S + p', in its numbering (g P / S + p') n + j
+    (R / S: none)."""
+    per_queue = spec.prompts // shards * spec.engine.n  # a queue's rows of one generation
+    rows = slot_rows.reshape(shards, -1)
+    local = rows // (spec.prompts * spec.engine.n) * per_queue + rows % per_queue
+    return jnp.where(rows < spec.rows, local, spec.rows // shards).astype(jnp.int32)
+
+
+def _reseat_queue(model: nnx.Module, state: CarryState, slot_rows: jax.Array, spec: CarryOverSpec
+                  ) -> tuple[CarryState, jax.Array]:
+    """``_reseat_program`` in one queue (slot_rows [C] in its own numbering) -> (state, progress [2])."""
     R, n = spec.rows, spec.engine.n
-    model, store, outputs = nnx.merge(graphdef, layout), _store(state, spec), state.decode.outputs
+    store, outputs = _store(state, spec), state.decode.outputs
     take = slot_rows < R
     kv = store.admit(state.decode.kv, take, slot_rows, jnp.minimum(slot_rows, R - 1) // n)
     row = jnp.where(take, slot_rows, state.decode.slots.row)
@@ -590,8 +771,7 @@ def _reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState
     slots = decode.Slots(row, jnp.where(seated, t, 0), jnp.where(seated, token(t), 0))
     left = jnp.max(target - t)
     progress = jnp.stack([left, (left == 0).astype(jnp.int32)])
-    state = state._replace(decode=state.decode._replace(slots=slots, kv=kv))
-    return _pinned(state, shardings), constrain(progress, (None,))
+    return state._replace(decode=state.decode._replace(slots=slots, kv=kv)), progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -630,7 +810,8 @@ class CarryOverLowered:
     reseat on the abstract results of the one before (their shapes and the shardings the compiled
     programs give them, as a real call's arrays come), the state pinned to the init program's
     shardings as ``CarryOverSampler.step`` pins it, so a real call (or a resume) with these shapes
-    finds all six compiled. saved: a generation's ``SavedRows``, slot_rows [C] (a resume's)."""
+    finds all six compiled. saved: a generation's ``SavedRows``, slot_rows [C] (a resume's); axes: the
+    queues' (``queue_axes``)."""
 
     init: jax.stages.Lowered
     graphdef: nnx.GraphDef
@@ -645,11 +826,12 @@ class CarryOverLowered:
     saved: SavedRows
     slot_rows: jax.ShapeDtypeStruct
     spec: CarryOverSpec
+    axes: tuple[str, ...]
 
     def compile(self) -> CarryOverCompiled:
         init = self.init.compile()
         state = _results(self.init, init)
-        pinned = dict(spec=self.spec, shardings=tuple(leaf.sharding for leaf in jax.tree.leaves(state)))
+        pinned = dict(spec=self.spec, axes=self.axes, shardings=tuple(leaf.sharding for leaf in jax.tree.leaves(state)))
         insert_lowered = _insert_program.lower(self.graphdef, self.params, state, self.prompt_tokens, self.prompt_mask,
                                                self.budgets, self.key, self.selection, self.stop_ids, self.version,
                                                ((self.prompt_tokens, self.prompt_mask),) * (self.spec.generations - 1),
@@ -696,6 +878,44 @@ def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: 
     return CarryOverSpec(engine, prompts, prompt_length, max_staleness + 1, groups, order)
 
 
+def _whole_state(arrays: tuple, spec: CarryOverSpec, shards: int) -> tuple:
+    """The host's copies of a state's (tokens, logprobs, lengths, stopped, versions, budgets, row_keys,
+    inserted, live, slot rows) in one queue's numbering (``CarryOverSampler.export``): as they are with
+    one queue (shards 1); each queue's stacked [S, ...] (of ``shards``) joined as one queue of the whole
+    call holds them: row (g P + q P / S + p') n + j for queue q's row (g P / S + p') n + j, slot q C / S
+    + c for its slot c."""
+    if shards == 1:
+        return arrays
+    *per_row, inserted, live, slots = arrays
+    G, R = spec.generations, spec.rows
+    queue = spec.per_queue(shards)
+
+    def whole(x):  # [S, G k, ...] -> [G S k, ...]: each generation's rows (or prompts) in the call's order
+        x = x.reshape(shards, G, -1, *x.shape[2:])
+        return np.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:])
+
+    rows = queue.prompts * spec.engine.n  # a queue's rows of one generation
+    q = np.arange(shards)[:, None]
+    held = slots // rows * spec.prompts * spec.engine.n + q * rows + slots % rows
+    return (*map(whole, per_row), inserted[0], whole(live), np.where(slots < queue.rows, held, R).reshape(-1))
+
+
+def _check_seats(slots: np.ndarray, spec: CarryOverSpec, shards: int) -> None:
+    """A ValueError unless each decode slot of an export (``InFlightRows.slots`` [C], -1: idle) holds a
+    row of its own queue's prompts (slot c's queue c // (C / S); prompt p's p // (P / S)): an export
+    resumes on a mesh whose batch axes split the call as the one that wrote it."""
+    slots = np.asarray(slots)
+    if shards == 1:
+        return
+    held = slots >= 0
+    prompt = slots % (spec.prompts * spec.engine.n) // spec.engine.n
+    mine = prompt // (spec.prompts // shards) == np.arange(spec.engine.slots) // (spec.engine.slots // shards)
+    if not (mine | ~held).all():
+        raise ValueError(f"in-flight rows: slot {int(np.flatnonzero(held & ~mine)[0])} holds a row of another "
+                         f"queue's prompts: the export was written with another split of the batch than this "
+                         f"mesh's {shards} queues")
+
+
 class CarryOverSampler:
     """The host side of carry-over rollouts: holds the ``CarryState`` between calls.
 
@@ -717,7 +937,17 @@ class CarryOverSampler:
         self._state: CarryState | None = None
         self._prompts: dict[int, tuple] = {}  # version -> (tokens, mask) [P, T] of the generations in the state
         self._shardings: tuple | None = None
+        self._axes: tuple[str, ...] = ()  # the queues' (``queue_axes``), as the state was made
+        self.queues = queue_count(self.spec, batch_shards())  # on the mesh in context (every call's)
         self._version: int | None = None
+
+    def _made_axes(self) -> tuple[str, ...]:
+        """The queues' axes (``queue_axes``) on the mesh in context, as many queues as at construction."""
+        axes = queue_axes(self.spec)
+        if _shards(axes) != self.queues:
+            raise ValueError(f"carry-over: made for {self.queues} queues (the mesh then), the mesh in context "
+                             f"gives {_shards(axes)}: make the sampler on the mesh it runs on")
+        return axes
 
     def reset(self) -> None:
         """Forget the rows in flight: the next call starts from an empty state, at any version."""
@@ -733,9 +963,10 @@ class CarryOverSampler:
         state = self._state
         G, P, n, R = self.spec.generations, self.spec.prompts, self.settings.n, self.spec.rows
         outputs = state.decode.outputs
-        (tokens, logprobs, lengths, stopped, versions, budgets, row_keys, inserted, live, slots) = distributed.to_host(
-            (outputs.tokens, outputs.logprobs, outputs.lengths, outputs.stopped, state.versions, state.budgets,
-             state.row_keys, state.inserted, state.live, state.decode.slots.row))
+        (tokens, logprobs, lengths, stopped, versions, budgets, row_keys, inserted, live, slots) = _whole_state(
+            distributed.to_host((outputs.tokens, outputs.logprobs, outputs.lengths, outputs.stopped, state.versions,
+                                 state.budgets, state.row_keys, state.inserted, state.live, state.decode.slots.row)),
+            self.spec, _shards(self._axes))
         live = live.reshape(G, P)
         regions = sorted((int(inserted[g]), g) for g in range(G) if inserted[g] >= 0 and live[g].any())
         saved = []
@@ -769,9 +1000,11 @@ class CarryOverSampler:
         self.reset()
         spec, settings = self.spec, self.settings
         key = jax.device_put(jax.random.key(0), replicated())  # the init program's: only the keys' shape is read
-        state = _init_program(self.graphdef, params, key, spec=spec)
+        self._axes = self._made_axes()
+        _check_seats(rows.slots, spec, _shards(self._axes))
+        state = _init_program(self.graphdef, params, key, spec=spec, axes=self._axes)
         self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(state))
-        pinned = dict(spec=spec, shardings=self._shardings)
+        pinned = dict(spec=spec, axes=self._axes, shardings=self._shardings)
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
         stop_ids = stop_id_array(settings.stop_token_ids)
         layout = None
@@ -821,12 +1054,13 @@ class CarryOverSampler:
                           jax.ShapeDtypeStruct((Q, N), jnp.int32), jax.ShapeDtypeStruct((Q,), jnp.int32),
                           jax.ShapeDtypeStruct((Q,), bool), jax.ShapeDtypeStruct((Q,), jnp.int32),
                           jax.ShapeDtypeStruct((Q, *k), jnp.uint32), jax.ShapeDtypeStruct((spec.prompts,), bool))
+        axes = self._made_axes()
         return CarryOverLowered(
-            _init_program.lower(self.graphdef, params, key, spec=spec), self.graphdef, params, prompt_tokens,
+            _init_program.lower(self.graphdef, params, key, spec=spec, axes=axes), self.graphdef, params, prompt_tokens,
             prompt_mask, jax.ShapeDtypeStruct((Q,), jnp.int32), key,
             Selection(scalar(jnp.float32), scalar(jnp.float32), settings.top_k),
             jax.ShapeDtypeStruct(stop_id_array(settings.stop_token_ids).shape, jnp.int32), scalar(jnp.int32), saved,
-            jax.ShapeDtypeStruct((settings.slots,), jnp.int32), spec)
+            jax.ShapeDtypeStruct((settings.slots,), jnp.int32), spec, axes)
 
     def step(self, params: nnx.State, version: int, prompt_tokens, prompt_mask, key: jax.Array, budgets=None, *,
              wait: Callable[[jax.Array, CarryOverProgress | None], None] | None = None) -> CarryOverRows:
@@ -854,9 +1088,10 @@ class CarryOverSampler:
         selection = Selection(np.float32(settings.temperature), np.float32(settings.top_p), settings.top_k)
         stop_ids = stop_id_array(settings.stop_token_ids)
         if self._state is None:
-            self._state = _init_program(self.graphdef, params, key, spec=spec)
+            self._axes = self._made_axes()
+            self._state = _init_program(self.graphdef, params, key, spec=spec, axes=self._axes)
             self._shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(self._state))
-        pinned = dict(spec=spec, shardings=self._shardings)
+        pinned = dict(spec=spec, axes=self._axes, shardings=self._shardings)
         version_array = np.int32(version)
         inserted = _insert_program(self.graphdef, params, self._state, prompt_tokens, prompt_mask,
                                    budgets.astype(np.int32), key, selection, stop_ids, version_array,

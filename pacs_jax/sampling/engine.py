@@ -291,13 +291,17 @@ class Prefilled(NamedTuple):
     prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
 
 
-def _prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, prompt_mask: jax.Array,
-             budgets: jax.Array, key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec,
-             axes: tuple[str, ...]) -> Prefilled:
-    """Everything before the decode loop: the decode layout, the rows spread over the positions when
-    the batch shards run their own queues (``axes``), the prefill and token 0 of every row."""
-    cfg = nnx.merge(graphdef, state).cfg
-    model = nnx.merge(graphdef, _decode_layout(state, jnp.dtype(cfg.dtype)))
+def _decode_model(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:
+    """The model with its parameters in the decode layout (``_decode_layout``)."""
+    return nnx.merge(graphdef, _decode_layout(state, jnp.dtype(nnx.merge(graphdef, state).cfg.dtype)))
+
+
+def _prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array, budgets: jax.Array,
+             key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec, axes: tuple[str, ...]
+             ) -> Prefilled:
+    """Everything before the decode loop (``model`` in the decode layout, ``_decode_model``): the rows
+    spread over the positions when the batch shards run their own queues (``axes``), the prefill and
+    token 0 of every row."""
     n = spec.n
     P, T = prompt_tokens.shape
     Q = P * n
@@ -399,7 +403,8 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
-    prefilled = _prefill(graphdef, state, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, spec, axes)
+    prefilled = _prefill(_decode_model(graphdef, state), prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
+                         spec, axes)
     queue_spec = _queue_spec(spec, axes)
 
     def per_queue(layout, inputs):
@@ -688,7 +693,7 @@ def _preamble(graphdef: nnx.GraphDef, spec: EngineSpec) -> Callable:
     program's arguments) -> ``Preamble``."""
 
     def preamble(state, *args):
-        prefilled = _prefill(graphdef, state, *args, spec=spec, axes=())
+        prefilled = _prefill(_decode_model(graphdef, state), *args, spec=spec, axes=())
         return Preamble(nnx.state(prefilled.model), *_queue_start(prefilled.model, prefilled.inputs, spec), args[4])
 
     return preamble
@@ -701,7 +706,7 @@ def lower_prefill(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, set
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
 
     def prefill(state, *args):
-        prefilled = _prefill(graphdef, state, *args, spec=spec, axes=())
+        prefilled = _prefill(_decode_model(graphdef, state), *args, spec=spec, axes=())
         return prefilled._replace(model=nnx.state(prefilled.model))  # the model's state: a program's output
 
     return jax.jit(prefill).lower(state, *args)

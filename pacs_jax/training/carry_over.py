@@ -105,7 +105,8 @@ class CarryOverRollouts:
     def __init__(self, source, engine: CarryOverSampler, prompts_per_step: int):
         self.source, self.engine, self.prompts_per_step = source, engine, prompts_per_step
         self.queued: list[tuple[list[int], str, str]] = []  # drawn or dropped, not yet inserted
-        self.inserted: dict[int, list[tuple[list[int], str, str]]] = {}  # version -> its call's prompts
+        self.inserted: dict[int, list[tuple[list[int], str, str]]] = {}  # version -> its call's P prompts (padding: [])
+        self.positions: list[int] = []  # where the next call's new prompts sit in its batch of P
         self.live: dict[int, set[int]] = {}  # version -> its prompts neither trained nor dropped
         self._in_flight: dict | None = None  # the JSON of the rows in flight after the last call, once made
         self._pending = False  # whether ``_in_flight`` is a checkpoint's, not yet put back into the engine
@@ -114,8 +115,16 @@ class CarryOverRollouts:
     # ------------------------------------------------------------------------ the prompt source
     def next_batch(self):
         """The next call's new prompts, as many as bring the engine's groups to its 2P (at least one, at
-        most 2P): those queued again first, then the source's (drawn a batch at a time; the rest wait)."""
-        count = max(self.engine.spec.prompts - sum(map(len, self.live.values())), 1)
+        most 2P): those queued again first, then the source's (drawn a batch at a time; the rest wait).
+        With the engine's queues per batch shard (``CarryOverSampler.queues``) each queue's share of the
+        batch takes as many as bring its own live groups to 2P / queues (queue q's positions q 2P / queues
+        .., ``positions``), so every queue has its share of the groups a call returns."""
+        share = self.engine.spec.prompts // self.engine.queues
+        live = np.zeros(self.engine.queues, int)
+        for prompts in self.live.values():
+            np.add.at(live, np.asarray(sorted(prompts), int) // share, 1)
+        self.positions = [q * share + k for q in range(self.engine.queues) for k in range(share - live[q])] or [0]
+        count = len(self.positions)
         while len(self.queued) < count:
             batch = self.source.next_batch()
             self.queued += [(list(p), g, d) for p, g, d in zip(batch.prompt_ids, batch.ground_truths,
@@ -202,18 +211,29 @@ class CarryOverRollouts:
         watch.done(f"{exported.row_count} rows in flight", always=True)
 
     # ------------------------------------------------------------------------ a step's call
+    def placed(self, prompt_ids: list) -> list:
+        """``next_batch``'s prompts' token ids at their places (``positions``) in the call's batch of P
+        (the others empty: batch padding)."""
+        ids = [[] for _ in range(self.engine.spec.prompts)]
+        for position, prompt in zip(self.positions, prompt_ids):
+            ids[position] = prompt
+        return ids
+
     def sample(self, params, prompts, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array,
                wait=None) -> CarriedCall:
-        """The engine's next call (policy ``version`` + 1) on ``prompts`` (``next_batch``'s, left-padded:
-        [P, T]): the engine's rows of the B groups returned, their prompts, the call's metrics
+        """The engine's next call (policy ``version`` + 1) on ``prompts`` (``next_batch``'s, left-padded
+        at their ``placed`` rows: [P, T]): the engine's rows of the B groups returned, their prompts, the call's metrics
         (``rollout_staleness_mean`` / ``_max``: policy versions behind, over the returned tokens;
         ``carried_rows``: rows of earlier calls in the engine as the call began; ``carry_over_dropped``:
         prompts dropped as stale by it, queued again; ``slot_utilisation``; ``generated_tokens``: the
         tokens this call sampled) and its decode and slot steps. A step makes one call, or with dynamic
         sampling as many as it takes: versions count the calls."""
         self.version = version = self.version + 1
-        batch = list(zip(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources))
-        self.inserted[version], self.live[version] = batch, set(range(len(batch)))
+        batch = [([], "", "")] * self.engine.spec.prompts
+        for position, prompt in zip(self.positions, zip(prompts.prompt_ids, prompts.ground_truths,
+                                                        prompts.data_sources)):
+            batch[position] = prompt
+        self.inserted[version], self.live[version] = batch, set(self.positions[:len(prompts.prompt_ids)])
         self._in_flight = None  # the engine's rows change: read them again when asked
         rows = self.engine.step(params, version, prompt_tokens, prompt_mask, key, wait=wait)
         (group_version, group_prompt, valid, dropped, dropped_version, carried, steps, decoded, slot_steps,

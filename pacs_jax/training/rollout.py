@@ -244,7 +244,7 @@ class RolloutCollector:
         """Carry-over's next call on ``prompts`` (at the largest prompt bucket): the groups it returns as the
         rows, its metrics in ``SampledRows.metrics``."""
         length, slots = self.programs.sampler.prompt_buckets[-1], self.carry.engine.spec.prompts
-        tokens_np, mask_np = sampling.left_pad(prompts.prompt_ids, slots, length)  # rows past them: batch padding
+        tokens_np, mask_np = sampling.left_pad(self.carry.placed(prompts.prompt_ids), slots, length)  # the rest padding
 
         def wait(progress, last):
             watch.wait(progress, lambda: "carry-over call: " + (

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax import hlo, sampling, sharding
-from pacs_jax.sampling.carry_over import CarryOverSampler
+from pacs_jax.sampling.carry_over import CarryOverSampler, queue_count
 from pacs_jax.sampling.engine import decode_layer_weights, lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, batch_sharding
@@ -152,11 +152,13 @@ class SamplerPrograms:
         prompts = self.abstract_rows((spec.prompts, spec.prompt_length), jnp.int32)
         s = self.settings
         pages = f"{spec.generations * spec.prompts * spec.prompt_pages} prompt + {spec.engine.pages} response pages"
+        shards = queue_count(spec, self.batch_shards)
+        split = f"; {shards} queues, one a batch shard, each 1/{shards} of the slots and the pool" if shards > 1 else ""
         return Program(
             "sampler", f"carry-over: {spec.prompts} prompts x {spec.prompt_length} tokens a call, n={self.n}, "
                        f"{spec.generations} generations (max_staleness + 1): {spec.rows} rows in {s.slots} decode "
                        f"slots over a page pool of {pages} of {s.page_size} tokens; {spec.groups} groups returned a "
-                       "call",
+                       f"call{split}",
             lambda: self.carry_over.lower(self.params, prompts, prompts), (self.params, prompts, prompts),
             self.resident - memory_check.per_device_bytes(self.params))
 
