@@ -19,6 +19,7 @@ from flax import nnx
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sampling import buckets, carry_over
 from pacs_jax.sampling.carry_over import CarryOverSampler
+from pacs_jax.sampling.settings import row_pages
 from pacs_jax.training import rollout as rollout_module
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.loop import rl_train
@@ -69,6 +70,21 @@ def test_carry_over_needs_the_paged_sampler_and_one_call_a_step():
         validate_config(config)
     config.rollout.carry_over_order = "admission"
     assert RunSpec.unplaced(config).algorithm.rollout_correction.rollout_is == "token"  # the stale tokens weighed
+
+
+def test_carry_overs_pages_must_hold_a_response_in_each_queue_of_the_mesh():
+    """With a queue per batch shard, ``rollout.pages`` (the whole pool's response pages) is split over the
+    queues: one response's pages (enough for one queue) on 8 data shards leave each queue none, refused
+    before anything is built, naming the field and the smallest count that fits; with one queue it fits."""
+    config = load_config("default.py")
+    longest = row_pages(config.rollout.page_size, config.rollout.max_new_tokens)
+    config.rollout.update(carry_over=True, tail_slots=0, pages=longest)
+    config.mesh.update(data=8, fsdp=1, tensor=1)
+    with pytest.raises(ConfigError, match=rf"config.rollout.pages: {longest}, split over carry-over's 8 queues .* set "
+                                          rf"it to at least {8 * longest}, or 0"):
+        validate_config(config, 8)
+    config.mesh.update(data=1, tensor=2)
+    validate_config(config, 2)  # no batch shards: one queue, the pool whole
 
 
 def _train(config, model, batches, workdir, steps, pool, trained):

@@ -303,11 +303,10 @@ def _pinned(state: CarryState, shardings: tuple | None) -> CarryState:
     return jax.lax.with_sharding_constraint(state, jax.tree.unflatten(jax.tree.structure(state), shardings))
 
 
-def queue_count(spec: CarryOverSpec, batch_shards: int) -> int:
-    """The carry-over's queues on a mesh of ``batch_shards``: one a shard when the shards divide P, C
-    (``engine.queues``) and B, else one."""
-    return batch_shards if queues(spec.prompts, spec.engine.slots, batch_shards) == batch_shards \
-        and spec.groups % batch_shards == 0 else 1
+def queue_count(prompts: int, slots: int, groups: int, batch_shards: int) -> int:
+    """The carry-over's queues for P ``prompts`` a call, C ``slots`` and B ``groups`` a call on a mesh of
+    ``batch_shards``: one a shard when the shards divide P, C (``engine.queues``) and B, else one."""
+    return batch_shards if queues(prompts, slots, batch_shards) == batch_shards and groups % batch_shards == 0 else 1
 
 
 def queue_axes(spec: CarryOverSpec) -> tuple[str, ...]:
@@ -316,7 +315,7 @@ def queue_axes(spec: CarryOverSpec) -> tuple[str, ...]:
     the pool; none otherwise (one queue for the whole call). Raises ValueError when the response
     pages (``rollout.pages``) split over the queues leave a queue less than one row's."""
     axes = current_rules().batch_axes()
-    if queue_count(spec, _shards(axes)) == 1:
+    if queue_count(spec.prompts, spec.engine.slots, spec.groups, _shards(axes)) == 1:
         return ()
     shards, need = _shards(axes), row_pages(spec.engine.page_size, spec.engine.max_new_tokens)
     if spec.engine.pages // shards < need:
@@ -938,7 +937,8 @@ class CarryOverSampler:
         self._prompts: dict[int, tuple] = {}  # version -> (tokens, mask) [P, T] of the generations in the state
         self._shardings: tuple | None = None
         self._axes: tuple[str, ...] = ()  # the queues' (``queue_axes``), as the state was made
-        self.queues = queue_count(self.spec, batch_shards())  # on the mesh in context (every call's)
+        self.queues = queue_count(self.spec.prompts, self.spec.engine.slots, self.spec.groups,
+                                  batch_shards())  # on the mesh in context (every call's)
         self._version: int | None = None
 
     def _made_axes(self) -> tuple[str, ...]:

@@ -152,7 +152,7 @@ class SamplerPrograms:
         prompts = self.abstract_rows((spec.prompts, spec.prompt_length), jnp.int32)
         s = self.settings
         pages = f"{spec.generations * spec.prompts * spec.prompt_pages} prompt + {spec.engine.pages} response pages"
-        shards = queue_count(spec, self.batch_shards)
+        shards = queue_count(spec.prompts, spec.engine.slots, spec.groups, self.batch_shards)
         split = f"; {shards} queues, one a batch shard, each 1/{shards} of the slots and the pool" if shards > 1 else ""
         return Program(
             "sampler", f"carry-over: {spec.prompts} prompts x {spec.prompt_length} tokens a call, n={self.n}, "

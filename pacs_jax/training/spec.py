@@ -34,6 +34,7 @@ from pacs_jax.rl.bypass import REINFORCE_ESTIMATORS
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
 from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
+from pacs_jax.sampling.carry_over import queue_count
 from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
 from pacs_jax.training.optim import SCHEDULES
@@ -808,6 +809,14 @@ class RunSpec:
                     f"{rc.sampler.slots}, capped at a sampler call's {slots} responses (prompts_per_step / "
                     f"rollout.micro_batches x rollout.n), must be a multiple of the rollout engine's data x fsdp = "
                     f"{engine_shards} (one queue per batch shard)")
+        if rc.carry_over and rc.sampler.pages:  # carry-over's queues (one a batch shard) split the pool between them
+            queues = queue_count(2 * tc.prompts_per_step, self.sampler_slots, tc.prompts_per_step,
+                                 self.rollout_batch_shards)
+            longest = row_pages(rc.sampler.page_size, rc.max_new_tokens)
+            require(rc.sampler.pages // queues >= longest, "rollout.pages",
+                    f"{rc.sampler.pages}, split over carry-over's {queues} queues (one a batch shard of the mesh's "
+                    f"data x fsdp), leaves a queue {rc.sampler.pages // queues}, less than one response's {longest} "
+                    f"pages: set it to at least {queues * longest}, or 0 (every slot's longest response)")
 
     def _check_verl_micro_batch(self, size, section: str) -> None:
         require(isinstance(size, int) and size >= 1 and self.micro_rows % size == 0, f"{section}.verl_micro_batch_size",
