@@ -181,6 +181,21 @@ def _free_port() -> int:
     return int(run.stdout.strip().rpartition(":")[2])
 
 
+@pytest.mark.slow(seconds=60)
+def test_carry_over_runs_its_queues_across_two_processes(data_file, tmp_path):
+    """Carry-over (``rollout.carry_over``) on 2 processes x 4 devices: a queue per batch shard (data 4), each
+    process placing the new prompts in the queues' shares alike (training/carry_over.py) and passing the
+    carried prompts as its own shards; 3 steps, rows carried from each step into the next, none stale
+    past max_staleness, and nothing compiled after step 1."""
+    _train(tmp_path, data_file, processes=2, flags=("--config.rollout.carry_over=True", "--config.rollout.micro_batches=1",
+                                                    "--config.train.steps=3"))
+    metrics = _metrics(tmp_path)
+    assert sorted(metrics) == [1, 2, 3]
+    assert metrics[1]["carried_rows"] == 0 and metrics[2]["carried_rows"] > 0 and metrics[3]["carried_rows"] > 0, metrics
+    assert all(metrics[s]["rollout_staleness_max"] <= 1 for s in (1, 2, 3)), metrics
+    assert metrics[3]["compilations"] == metrics[2]["compilations"] == metrics[1]["compilations"], metrics
+
+
 def test_a_process_that_never_starts_is_named_by_the_others():
     port = _free_port()
     started = time.monotonic()
