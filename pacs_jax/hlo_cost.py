@@ -131,18 +131,10 @@ def _tuple_index(instr: _Instr | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _through_copies(table: dict[str, _Instr], instr: _Instr | None) -> _Instr | None:
-    """The instruction a chain of ``copy`` instructions (XLA:TPU copies a scan's counter before its
-    increment) starts from."""
-    while instr is not None and instr.op == "copy" and instr.operands:
-        instr = table.get(instr.operands[0])
-    return instr
-
-
-def _through_bitcasts(table: dict[str, _Instr], name: str) -> _Instr | None:
-    """The instruction ``name`` is a bitcast of (through any number of them), or itself."""
-    instr = table.get(name)
-    while instr is not None and instr.op == "bitcast" and instr.operands:
+def _through(table: dict[str, _Instr], instr: _Instr | None, op: str) -> _Instr | None:
+    """The instruction a chain of ``op`` instructions starts from (``copy``: XLA:TPU copies a scan's
+    counter before its increment; ``bitcast``: a fusion's view of its operand), or ``instr`` itself."""
+    while instr is not None and instr.op == op and instr.operands:
         instr = table.get(instr.operands[0])
     return instr
 
@@ -240,7 +232,8 @@ class _Program:
         outputs = [table_in.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
         total, in_place = 0.0 if root is not None else array_bytes(instr.shape), set()
         for out in outputs:
-            buffer = _through_bitcasts(table_in, out.operands[0]) if out is not None and out.op in _IN_PLACE else None
+            in_place_op = out is not None and out.op in _IN_PLACE
+            buffer = _through(table_in, table_in.get(out.operands[0]), "bitcast") if in_place_op else None
             if buffer is not None and buffer.op == "parameter":  # the fusion's operand, updated where it lies
                 in_place.add(out.operands[0])
                 total += 2 * sum(array_bytes(table_in[o].shape) for o in out.operands[_IN_PLACE[out.op]:]
@@ -383,7 +376,7 @@ class _Program:
             index < len(table[root].operands) else None
         step = None
         if update is not None and update.op == "add" and len(update.operands) == 2:
-            a, b = (_through_copies(table, table.get(o)) for o in update.operands)
+            a, b = (_through(table, table.get(o), "copy") for o in update.operands)
             if _tuple_index(a) == index:
                 step = _integer(b)
             elif _tuple_index(b) == index:

@@ -156,7 +156,7 @@ def combine(p: Partials) -> tuple[jax.Array, jax.Array]:
 
 def select(hidden: jax.Array, head: jax.Array, keys: jax.Array, temperature: jax.Array, *, vocab_major: bool,
            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """hidden [B, D], head [V, D] (``vocab_major``) or [D, V], keys [B] (typed PRNG keys or raw [B, 2]),
+    """hidden [B, D], head [V, D] (``vocab_major``) or [D, V], keys [B] (typed PRNG keys),
     temperature [] -> (tokens [B] int32, log-probs [B] float32), as ``selection.select_tokens`` on the
     head's logits with top_p 1 and no top_k. On a mesh, each device runs the kernel on its shard of
     the vocabulary (the "vocab" rule's axes) and its rows (the "batch" rule's), its indices and noise

@@ -55,6 +55,6 @@ def noise(k0: jax.Array, k1: jax.Array, counter: jax.Array) -> jax.Array:
 
 
 def key_words(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Typed Threefry keys [B] (or raw uint32 keys [B, 2]) -> their two words [B] uint32 each."""
-    data = jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
+    """Typed Threefry keys [B] (the sampler's row keys) -> their two words [B] uint32 each."""
+    data = jax.random.key_data(keys)
     return data[..., 0], data[..., 1]
