@@ -64,6 +64,9 @@ def test_paged_kernel_compiles_for_an_h200_at_every_table_width_the_configs_and_
     assert report["failed"] == [] and report["bad"] == [], report
     assert report["widths"] >= 100 and len(report["compiled"]) >= report["classes"], report
     assert [132, 16] in report["compiled"] and [220, 16] in report["compiled"]
+    # the kernel reads each K/V head's query rows in place (a masked 16-row tile): G = 8, 7, 4 and 1 compile too
+    assert [["heads", h, k] for h, k in ((16, 2), (28, 4), (32, 8), (4, 4))] == [c for c in report["compiled"]
+                                                                                 if c[0] == "heads"], report
 
 
 SHRUNK = ["--config.model.preset=", "--config.model.random_init=True", "--config.model.hidden_size=256",

@@ -28,9 +28,11 @@ from pacs_jax.models.paged_attention import PageView, paged_decode_attention  # 
 from pacs_jax.sampling.paged import table_width  # noqa: E402
 
 B, H, K, DH, LAYERS, POOL = 8, 12, 2, 128, 2, 64  # Qwen2.5-1.5B's heads
+HEADS = [(16, 2), (28, 4), (32, 8), (4, 4)]  # Qwen2.5-3B, Qwen2.5-7B, Qwen3-4B / 8B; one query head a K/V head
 
 
-def compile_call(width: int, page_size: int, *, library: bool = False) -> None:
+def compile_call(width: int, page_size: int, *, library: bool = False, heads: tuple[int, int] = (H, K)) -> None:
+    H, K = heads  # query and K/V heads (the kernel reads each K/V head's G = H / K query rows in place)
     mesh = sharding.make_mesh(1, 1, 1, devices=DEVICES[:1])
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
 
@@ -69,6 +71,12 @@ def main(grid: dict) -> dict:
             compiled.append([width, s])
         except Exception as e:  # a lowering error: reported, the test fails on it
             failed.append([width, s, str(e).splitlines()[0][:300]])
+    for h, k in HEADS:  # the paper models' query heads a K/V head (G = 8, 7, 4), and one
+        try:
+            compile_call(132, 16, heads=(h, k))
+            compiled.append(["heads", h, k])
+        except Exception as e:
+            failed.append(["heads", h, k, str(e).splitlines()[0][:300]])
     try:
         compile_call(grid["library_width"], 16, library=True)
         library = "compiled"
