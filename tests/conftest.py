@@ -10,16 +10,12 @@ import tempfile
 # subprocesses' short runs of tiny models gain too (train_env says how much). HLO passes, and so fusion,
 # layouts, memory and every compiled fact the tests read, are the same at any level; reductions keep their
 # order.
-# XLA:CPU's fusion emitters off (its older emitters on): the test processes' CPU programs compile in about two
-# thirds of the CPU time (tests/test_dynamic_sampling.py + tests/test_warmstart.py in one process: 46 -> 29 s).
-# Unlike the LLVM level this is not only code generation: XLA:CPU's fusion differs a little (a tiny Qwen's
-# gradient: 3007 -> 2852 lines of optimized HLO, temp 653,584 -> 653,712 bytes, its sum equal to 2e-7), so the
-# CPU programs the tests compile are XLA:CPU's with this flag, not the default's a user's demo runs; the
-# accelerators' programs (the TPU and GPU compiles) are untouched. One LLVM module a program, not split for
-# parallel code generation, which on two cores busy with two workers only costs (tests/test_sampling_continuous.py:
-# CPU 82 -> 76 s). The subprocesses inherit both.
+# One LLVM module a program, not split for parallel code generation, which on two cores busy with two workers
+# only costs (tests/test_sampling_continuous.py: CPU 82 -> 76 s). The subprocesses inherit both. (XLA:CPU's
+# fusion emitters can no longer be switched off: JAX 0.12's XLA has no --xla_cpu_use_fusion_emitters, and an
+# unknown flag aborts every process.)
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     " --xla_cpu_parallel_codegen_split_count=1 --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
