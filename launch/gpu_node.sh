@@ -40,7 +40,7 @@ done
 [ -n "$config" ] || die "--config is required (e.g. configs/paper.py:qwen25_3b,pacs_beta1)"
 
 cd "$(dirname "$0")/.."
-jax_version=0.10.2
+jax_version=0.12.0.1
 # has_cuda_jax: .venv's JAX has a CUDA plugin of its own version (jax[cuda12], or jax[cuda13] installed by hand)
 has_cuda_jax() {
   [ -x .venv/bin/python ] && .venv/bin/python - <<'PY' 2>/dev/null
@@ -56,7 +56,7 @@ sys.exit(0 if jax in plugins else 1)
 PY
 }
 if [ ! -x .venv/bin/python ]; then
-  run python3 -m venv .venv
+  run sh tools/make_venv.sh .venv  # a Python >= 3.12 (JAX >= 0.11 declares it)
 fi
 if ! has_cuda_jax; then  # a new .venv, or one with the CPU build only
   run .venv/bin/pip install -q -r requirements.txt -e . "jax[cuda12]==$jax_version"

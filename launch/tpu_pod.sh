@@ -6,7 +6,7 @@
 # Commands:
 #   create   create the slice (on-demand, spot or queued resource); a queued resource that ends
 #            FAILED is deleted and requested again (--retries)
-#   setup    on every worker (--worker=all): uv, Python 3.11, a clone of --repo at --ref, pacs_jax
+#   setup    on every worker (--worker=all): uv, Python 3.12, a clone of --repo at --ref, pacs_jax
 #            and jax[tpu] in ~/pacs_jax/.venv, and the training data, data/deepscaler/train.jsonl
 #            (--data: made by tools/prepare_data.py deepscaler, or copied from gs://)
 #   run      create and set up if needed, then start `python -m pacs_jax.train --multihost` on every
@@ -156,7 +156,7 @@ if [ -z "$runtime" ]; then
 fi
 case "$accelerator" in v5e-*) accelerator="v5litepod-${accelerator#v5e-}" ;; esac  # the API's name for v5e
 
-jax_version=0.10.2
+jax_version=0.12.0.1
 scope=(--zone="$zone")
 [ -z "$project" ] || scope+=(--project="$project")
 
@@ -248,7 +248,7 @@ setup() {  # $repo and $ref were resolved with the arguments
     "export PATH=\"\$HOME/.local/bin:\$PATH\""
     "[ -d ~/pacs_jax/.git ] || git clone $(printf '%q' "$repo") ~/pacs_jax"
     "cd ~/pacs_jax && git fetch --quiet origin && git checkout --quiet $(printf '%q' "$ref")"
-    "uv venv --allow-existing --python 3.11 .venv"
+    "uv venv --allow-existing --python 3.12 .venv"
     # gcsfs: gs:// workdirs
     "uv pip install --python .venv/bin/python -r requirements.txt -e . 'jax[tpu]==$jax_version' gcsfs"
   )

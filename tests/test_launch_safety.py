@@ -317,6 +317,14 @@ def test_tpu_pod_setup_puts_the_training_data_on_every_worker(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def _pinned_jax() -> str:
+    """The JAX version requirements.txt pins, which the launchers install the accelerator build of."""
+    pins = [line.split("==")[1].split()[0] for line in (REPO / "requirements.txt").read_text().splitlines()
+            if line.startswith("jax==")]
+    assert len(pins) == 1, pins
+    return pins[0]
+
+
 @pytest.mark.parametrize("cuda_jax", [False, True])
 def test_gpu_node_installs_cuda_jax_into_an_existing_cpu_venv(tmp_path, cuda_jax):
     """Issue 28 item 9: an existing .venv (made for the tests or the demo: requirements.txt's CPU JAX)
@@ -334,8 +342,8 @@ def test_gpu_node_installs_cuda_jax_into_an_existing_cpu_venv(tmp_path, cuda_jax
     lines = [shlex.split(line) for line in run.stdout.splitlines()]
     installs = [line for line in lines if line[:2] == [".venv/bin/pip", "install"]]
     assert installs == ([] if cuda_jax else [[".venv/bin/pip", "install", "-q", "-r", "requirements.txt", "-e", ".",
-                                              "jax[cuda12]==0.10.2"]])
+                                              f"jax[cuda12]=={_pinned_jax()}"]])
     check, train = lines[-2], lines[-1]
     assert check[:2] == [".venv/bin/python", "-c"] and "jax.default_backend()" in check[2] and "'gpu'" in check[2]
     assert train[:4] == ["bash", "launch/supervise.sh", "--", ".venv/bin/python"]
-    assert not any(line[:3] == ["python3", "-m", "venv"] for line in lines)  # the .venv is kept
+    assert not any(line[:3] == ["sh", "tools/make_venv.sh", ".venv"] for line in lines)  # the .venv is kept

@@ -132,9 +132,8 @@ def test_remat_policies_same_logits_and_grads(hf_models):
         assert len(found) == 1  # the body of the one scan over layers
         if policy == "full":
             assert all(p is None for p in found)
-        else:
-            assert all(type(p).__name__ == "DotsSaveable" for p in found)
-            assert all(p.only_if_no_batch_dims == (policy == "dots_with_no_batch_dims_saveable") for p in found)
+        else:  # JAX's own policy of that name (since 0.11 a function, no longer a DotsSaveable object)
+            assert all(p is getattr(jax.checkpoint_policies, policy) for p in found)
 
     # One program for all policies (XLA compiles once; each policy reads its own copy of the weights).
     states = {policy: state for policy, (_, state) in split.items()}

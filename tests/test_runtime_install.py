@@ -72,7 +72,7 @@ def test_both_readme_installs_pin_tensorboard_to_read_the_run_s_events():
 
 def test_ci_runs_the_readme_tests_then_the_runtime_install_alone_in_a_fresh_venv():
     readme = (REPO / "README.md").read_text()
-    test_command = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements-test.txt -e . && pytest -q"
+    test_command = "sh tools/make_venv.sh .venv && . .venv/bin/activate && pip install -r requirements-test.txt -e . && pytest -q"
     assert test_command in readme
     ci = (REPO / ".ci" / "run").read_text()
     lines = [line.split("  #")[0] for line in ci.splitlines() if line.strip() and not line.startswith("#")]
@@ -84,7 +84,7 @@ def test_ci_runs_the_readme_tests_then_the_runtime_install_alone_in_a_fresh_venv
     assert lines[tests].rstrip().endswith("|| exit")
     # then a second venv, in another folder, with requirements.txt alone, and the check that needs jinja2
     runtime = lines[tests + 1:]
-    venvs = [shlex.split(line)[-1] for line in runtime if line.startswith("python3 -m venv ")]
+    venvs = [shlex.split(line)[-1] for line in runtime if line.startswith("sh tools/make_venv.sh ")]
     assert venvs and venvs[0] != ".venv"
     installs = [line for line in runtime if line.startswith("pip install")]
     assert installs == ["pip install -q -r requirements.txt -e ."]

@@ -15,6 +15,7 @@ is_312() {  # $1: a Python interpreter; true when it runs and is 3.12 or newer
 }
 
 if [ -x "$dir/bin/python" ] && is_312 "$dir/bin/python"; then
+  echo "tools/make_venv.sh: $dir kept, with $("$dir/bin/python" --version)" >&2
   exit 0
 fi
 
