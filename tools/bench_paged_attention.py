@@ -1,4 +1,4 @@
-"""One paged decode-attention call: our GPU kernel and the library's against the XLA paged path, in time
+"""One paged decode-attention call: our GPU kernel against the XLA paged path, in time
 and in value, and the device's float32 matmul precision.
 
     python tools/bench_paged_attention.py                     # a GPU: 256 rows, Qwen2.5-1.5B heads, fills 64 and 2000
@@ -6,9 +6,9 @@ and in value, and the device's float32 matmul precision.
 
 Rows of random queries against a random page pool [K, 2 layers, ``--pool`` pages, 16, Dh] through random
 page tables, every row ``fill`` tokens long (table width ceil(fill / 16) rounded up to 8 pages). For each
-implementation of models/paged_attention.py (``xla``, ``ours``: impl "gpu", our Pallas kernel, and
-``library``: ``jax.experimental.pallas.ops.gpu.paged_attention`` with the block rule this project used
-before issue 40) it prints the best of ``--rounds`` call times (dispatch included) and the largest
+implementation of models/paged_attention.py (``xla``, and ``ours``: impl "gpu", our Pallas kernel; JAX's
+``jax.experimental.pallas.ops.gpu.paged_attention``, which it replaced in issue 40, is deprecated since JAX
+0.11 and no longer compared) it prints the best of ``--rounds`` call times (dispatch included) and the largest
 |difference| from the XLA path's output. First the device and its measured rates (tools/device_rates.py),
 and how far a float32 matmul at JAX's default precision and at "highest" is from float64 (TF32 or not).
 """
@@ -38,19 +38,6 @@ def matmul_errors(n: int = 1024) -> str:
     return "float32 matmul, largest error relative to float64: " + ", ".join(parts)
 
 
-def library(q, k_pool, v_pool, view, layer):
-    """The library GPU kernel as this project called it before issue 40 (q scaled in its dtype)."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
-    K, L, N, s, Dh = k_pool.shape
-    width = view.table.shape[1]
-    block = max(d for d in range(1, min(8, width) + 1) if width % d == 0)
-    scaled = (q[:, 0].astype(jnp.float32) * Dh ** -0.5).astype(q.dtype)
-    pages = (x.reshape(K, L * N, s, Dh) for x in (k_pool, v_pool))
-    return paged_attention(scaled, *pages, view.table + layer * N, view.lengths, pages_per_compute_block=block,
-                           k_splits=1)[:, None]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=256)
@@ -78,8 +65,6 @@ def main() -> None:
             runs = {"xla": lambda q, k, v, view: paged_decode_attention(q, k, v, 1, view, impl="xla"),
                     "ours": lambda q, k, v, view: paged_decode_attention(q, k, v, 1, view, impl="gpu",
                                                                          interpret=not gpu)}
-            if gpu:
-                runs["library"] = lambda q, k, v, view: library(q, k, v, view, 1)
             outs, times = {}, {}
             for name, run in runs.items():
                 call = jax.jit(run)
