@@ -311,9 +311,7 @@ def test_update_packed_equals_padded_for_every_objective(step_rows, mesh_shape, 
             batches.append((padded, padded.replace(packing=plan_arrays)))
         both = jax.jit(lambda params, batches: [(fn(params, padded), fn(params, packed))
                                                 for fn, (padded, packed) in zip(fns, batches)]).lower(params, batches)
-        # XLA:CPU's fusion emitters on for this one large program (tests/conftest.py turns them off): without them
-        # it compiled in 98 s instead of 57
-        results = both.compile({"xla_cpu_use_fusion_emitters": True})(params, batches)
+        results = both.compile()(params, batches)
         for (name, options, *_), ((la, ma, ga), (lb, mb, gb)) in zip(objectives, results, strict=True):
             try:
                 np.testing.assert_allclose(float(lb), float(la), rtol=1e-5, atol=1e-6)
