@@ -194,9 +194,9 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
               "paged differing %": r"paged vs static: differing tokens ([\d.]+) %",
               "paged first diverge (median)": r"paged vs static: differing.*at token \d+ \.\. (\d+) \.\.",
               "continuous first diverge (median)": r"continuous vs static: differing.*at token \d+ \.\. (\d+) \.\."}
-    consistency = {"rollout_logprob_diff_mean": r'"rollout_logprob_diff_mean": ([-\d.e]+)',
-                   "rollout_logprob_diff_max": r'"rollout_logprob_diff_max": ([-\d.e]+)',
-                   "rollout_kl": r'"rollout_kl": ([-\d.e]+)',
+    consistency = {"rollout_logprob_diff_mean": r'"rollout_logprob_diff_mean": ([-+\d.e]+)',
+                   "rollout_logprob_diff_max": r'"rollout_logprob_diff_max": ([-+\d.e]+)',
+                   "rollout_kl": r'"rollout_kl": ([-+\d.e]+)',
                    **{metric: rf'"{metric}": ([\d.e+-]+)' for _, _, metric in COMPARED}}
     out = [Check(f"decode fill {fill}", (py, str(TOOLS / "bench_decode.py"), *decode, f"--fill={fill}"), step, limit)
            for fill in fills]
@@ -205,7 +205,7 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
     out.append(Check("sampling", (py, str(TOOLS / "bench_sampling.py"), "--compare", *sampling), differ, limit))
     out.append(Check("update packed vs padded", (py, str(TOOLS / "bench_update.py"), "--packing", *update),
                      {"tokens ratio": r"tokens computed ratio ([\d.]+)", "time ratio": r"time ratio ([\d.]+)",
-                      "loss diff": r"loss difference ([-\d.e]+)"}, limit))
+                      "loss diff": r"loss difference ([-+\d.e]+)"}, limit))
     for sampler in ("paged", "continuous"):
         run = workdir / f"train_{sampler}"
         out.append(Check(f"train 2 steps ({sampler})", _train_argv(size, sampler, run), consistency, limit,

@@ -34,8 +34,9 @@ def compile_shape(B: int, D: int, V: int, vocab_major: bool, dtype: str) -> list
 
     mesh = sharding.make_mesh(1, 1, 1, devices=DEVICES[:1])
     s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))  # noqa: E731
-    text = jax.jit(call).lower(s((B, D), dtype), s(head, dtype), s((B,), jnp.uint32), s((B,), jnp.uint32),
-                               s((), jnp.float32)).compile().as_text()
+    with jax.set_mesh(mesh):  # Pallas Triton's lowering reads the target GPU from the mesh in context (JAX 0.12)
+        text = jax.jit(call).lower(s((B, D), dtype), s(head, dtype), s((B,), jnp.uint32), s((B,), jnp.uint32),
+                                   s((), jnp.float32)).compile().as_text()
     return sorted(set(re.findall(r'name="(pacs_fused_selection[^"]*)"', text)) or
                   set(re.findall(r"pacs_fused_selection\w*", text)))
 
