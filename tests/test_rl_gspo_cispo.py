@@ -1,14 +1,21 @@
-"""GSPO and CISPO (verl's compute_policy_loss_gspo / _cispo) against float64 NumPy statements of their
-formulas: loss and gradient with respect to log pi_theta, in every aggregation mode CISPO takes (GSPO's
-is pinned to seq-mean-token-mean), with and without rollout-correction weights, through the public
-losses and the registry's objectives (GRPO's group advantages)."""
+"""GSPO and CISPO against float64 NumPy statements of verl 0.9.1's compute_policy_loss_gspo / _cispo and
+agg_loss (its wheel's verl/trainer/ppo/core_algos.py, lines cited at each step): loss and gradient with
+respect to log pi_theta in every aggregation mode 0.9.1 takes, with and without rollout-correction
+weights, with padding, an empty row and |log r| up to 30, inside jit and sharded over the data axis,
+through the public losses and the registry's objectives (GRPO's group advantages); and a
+sequence-level rejection leaves the loss of the responses it keeps as it was."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pacs_jax import rl
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pacs_jax import rl, sharding
+from pacs_jax.rl import rollout_correction as rc
+from pacs_jax.rl.micro_batches import mini_batch_totals
+from pacs_jax.rl.policy_gradient import VERL091_LOSS_AGG_MODES
 
 B, T, N = 8, 10, 4
 LENGTHS = np.array([10, 6, 1, 3, 10, 8, 0, 5])  # row 6: no response token
@@ -18,6 +25,7 @@ def _batch(seed=0, spread=0.3):
     rng = np.random.default_rng(seed)
     logp = rng.normal(-1.2, 0.6, (B, T))
     old = logp + rng.normal(0.0, spread, (B, T))
+    old[1, 2], old[3, 0] = logp[1, 2] + 30.0, logp[3, 0] - 30.0  # |log r| = 30: CISPO's +-20 clamp acts
     mask = (np.arange(T)[None, :] < LENGTHS[:, None]).astype(np.float64)
     rewards = np.array([1, 0, 0, 1, 1, 1, 0, 0], np.float64)
     weights = rng.uniform(0.0, 2.0, (B, T)) * mask
@@ -30,20 +38,27 @@ def grpo_advantages(rewards):
 
 
 def agg_coefficients(mask, mode, norm_length=None):
-    """d(aggregate)/d(token loss) [B, T] of verl's agg_loss over one batch (loss_scale "mean")."""
+    """d(aggregate)/d(token loss) [B, T] of verl 0.9.1's agg_loss (core_algos.py lines 1140-1205) over one
+    batch without global batch info: the seq-means divide by the rows with a token (lines 1183-1187,
+    1197-1201)."""
     n = mask.sum(-1, keepdims=True)
-    if mode == "token-mean":
+    filled = max((n > 0).sum(), 1)
+    if mode == "token-mean":  # lines 1170-1175
         return mask / max(mask.sum(), 1.0)
-    if mode == "seq-mean-token-mean":
-        return mask / np.maximum(n, 1.0) / B
-    if mode == "seq-mean-token-sum":
-        return mask / B
-    return mask / (B * (norm_length or T))  # seq-mean-token-sum-norm
+    if mode == "token-sum":  # lines 1176-1180
+        return mask
+    if mode == "seq-mean-token-mean":  # lines 1194-1202 (n + 1e-8: n for a row with a token)
+        return mask / np.maximum(n, 1.0) / filled
+    if mode == "seq-mean-token-sum":  # lines 1181-1188
+        return mask / filled
+    return mask / (filled * (norm_length or T))  # seq-mean-token-sum-norm, lines 1181-1193
 
 
-def gspo_reference(logp, old, mask, adv, weights, lo, hi):
-    """(loss, dloss/dlogp): s_i the masked mean log-ratio; the token ratio's value exp(min(s_i, 10)),
-    its gradient rho through the token's own log-prob; PPO-clip without a dual clip."""
+def gspo_reference(logp, old, mask, adv, weights, lo, hi, mode="seq-mean-token-mean"):
+    """(loss, dloss/dlogp) of compute_policy_loss_gspo (core_algos.py lines 1545-1619): s_i the masked mean
+    log-ratio (lines 1583-1584); the token ratio's value exp(min(s_i, 10)), its gradient rho through the
+    token's own log-prob (lines 1589-1593); PPO-clip without a dual clip (lines 1595-1597); times the
+    weights (lines 1600-1601), aggregated by ``mode`` (lines 1605-1607)."""
     s = np.sum((logp - old) * mask, -1) / np.maximum(mask.sum(-1), 1.0)
     rho = np.broadcast_to(np.exp(np.minimum(s, 10.0))[:, None], logp.shape)
     a = adv[:, None]
@@ -51,12 +66,14 @@ def gspo_reference(logp, old, mask, adv, weights, lo, hi):
     losses = np.maximum(unclipped, clipped)
     dlosses = np.where(clipped > unclipped, 0.0, -a * rho) * (s[:, None] < 10.0)
     w = np.ones_like(logp) if weights is None else weights
-    coef = agg_coefficients(mask, "seq-mean-token-mean")
+    coef = agg_coefficients(mask, mode)
     return np.sum(coef * w * losses), coef * w * dlosses
 
 
 def cispo_reference(logp, old, mask, adv, weights, lo, hi, mode):
-    """(loss, dloss/dlogp): l = -sg(clip(rho)) A log pi_theta, aggregated by ``mode``."""
+    """(loss, dloss/dlogp) of compute_policy_loss_cispo (core_algos.py lines 2047-2105): rho of the log-ratio
+    clamped to +-20 (lines 2069-2072), l = -sg(clip(rho)) A log pi_theta (lines 2079-2084), times the
+    weights (lines 2090-2091), aggregated by ``mode`` (lines 2093-2095)."""
     rho = np.exp(np.clip(logp - old, -20, 20))
     c = np.clip(rho, 1 - lo, 1 + hi)
     a = adv[:, None]
@@ -72,38 +89,44 @@ def _loss_and_grad(fn, logp, *args, **kwargs):
 
 
 @pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("mode", VERL091_LOSS_AGG_MODES)
 @pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28)])
-def test_gspo_policy_loss(with_weights, clip):
+def test_gspo_policy_loss(clip, mode, with_weights):
     logp, old, mask, rewards, weights = _batch()
     adv = grpo_advantages(rewards)
     w = weights if with_weights else None
     loss, grad, metrics = _loss_and_grad(
-        rl.gspo_policy_loss, logp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32),
-        jnp.asarray(mask, jnp.float32), clip_ratio_low=clip[0], clip_ratio_high=clip[1],
+        jax.jit(rl.gspo_policy_loss, static_argnames=("loss_agg_mode", "clip_ratio_low", "clip_ratio_high")),
+        logp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32),
+        loss_agg_mode=mode, clip_ratio_low=clip[0], clip_ratio_high=clip[1],
         rollout_is_weights=None if w is None else jnp.asarray(w, jnp.float32))
     f32 = [np.asarray(x, np.float32).astype(np.float64) for x in (logp, old)]
-    want_loss, want_grad = gspo_reference(*f32, mask, adv, w, *clip)
+    want_loss, want_grad = gspo_reference(*f32, mask, adv, w, *clip, mode)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
     assert 0.0 <= float(metrics["clipfrac"]) <= 1.0
 
 
-def test_gspo_refuses_another_aggregation():
+def test_gspo_and_cispo_refuse_a_mode_verl_lacks():
     logp, old, mask, rewards, _ = (jnp.asarray(x, jnp.float32) for x in _batch())
-    with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        rl.gspo_policy_loss(logp, old, rewards, mask, loss_agg_mode="token-mean")
-    with pytest.raises(rl.OptionError, match="loss_agg_mode"):
-        rl.get_objective("gspo", loss_agg_mode="token-mean")
+    for loss in (rl.gspo_policy_loss, rl.cispo_policy_loss):
+        with pytest.raises(ValueError, match="token-sum"):
+            loss(logp, old, rewards, mask, loss_agg_mode="seq-sum")
+    for name in ("gspo", "cispo"):
+        with pytest.raises(rl.OptionError, match="loss_agg_mode"):
+            rl.get_objective(name, loss_agg_mode="seq-sum")
+        rl.get_objective(name, loss_agg_mode="token-sum")
 
 
 @pytest.mark.parametrize("with_weights", [False, True])
-@pytest.mark.parametrize("mode", rl.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", VERL091_LOSS_AGG_MODES)
 def test_cispo_policy_loss(mode, with_weights):
     logp, old, mask, rewards, weights = _batch(spread=0.5)
     adv = grpo_advantages(rewards)
     w = weights if with_weights else None
     loss, grad, metrics = _loss_and_grad(
-        rl.cispo_policy_loss, logp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32),
+        jax.jit(rl.cispo_policy_loss, static_argnames=("loss_agg_mode", "clip_ratio_low", "clip_ratio_high")),
+        logp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32),
         jnp.asarray(mask, jnp.float32), loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28,
         rollout_is_weights=None if w is None else jnp.asarray(w, jnp.float32))
     f32 = [np.asarray(x, np.float32).astype(np.float64) for x in (logp, old)]
@@ -132,3 +155,56 @@ def test_registry_objectives_use_grpo_advantages(name):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(float(metrics["pg/advantage_mean"]), adv.mean(), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_sharded_over_the_data_axis_and_in_micro_batches(name):
+    """On the 8-device mesh with the rows sharded over "data", in jit: the whole batch's loss; and two
+    micro-batches with the mini-batch's totals (rl.mini_batch_totals) add up to it."""
+    logp, old, mask, rewards, weights = _batch()
+    mode = "seq-mean-token-sum"
+    adv = grpo_advantages(rewards)
+    loss_fn = rl.gspo_policy_loss if name == "gspo" else rl.cispo_policy_loss
+    f32 = [np.asarray(x, np.float32).astype(np.float64) for x in (logp, old)]
+    reference = gspo_reference if name == "gspo" else cispo_reference
+    want = reference(*f32, mask, adv, weights, 0.2, 0.28, mode)[0]
+    arrays = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask, weights)]
+    mesh = sharding.make_mesh(8, 1, 1)
+    with jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, P("data"))
+        sharded = [jax.device_put(x, rows) for x in arrays]
+        got = jax.jit(lambda lp, o, a, m, w: loss_fn(lp, o, a, m, loss_agg_mode=mode, clip_ratio_low=0.2,
+                                                     clip_ratio_high=0.28, rollout_is_weights=w)[0])(*sharded)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    totals = mini_batch_totals(type("Rows", (), {"response_mask": arrays[3]})())
+    assert float(totals.num_filled_sequences) == (mask.sum(-1) > 0).sum() == B - 1
+    halves = [loss_fn(*(x[k::2] for x in arrays[:4]), loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                      totals=totals, rollout_is_weights=arrays[4][k::2])[0] for k in (0, 1)]
+    np.testing.assert_allclose(float(halves[0] + halves[1]), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["seq_mis", "geo_rs", "seq_mean_k3"])
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_a_sequence_level_rejection_does_not_shrink_the_loss(mode, name, preset):
+    """verl 0.9.1's seq-mean denominators count only the rows with a token: the loss over the rejection mask
+    of a sequence-level option equals the loss of the kept responses alone (the rejected rows dropped), so
+    it does not shrink with the rejected fraction."""
+    logp, old, mask, rewards, _ = _batch(spread=0.05)
+    sampler = old + np.random.default_rng(7).normal(0.0, 1e-4, old.shape)
+    sampler[2, 0] = old[2, 0] + 3.0  # rows that every option rejects
+    sampler[5, :3] = old[5, :3] - 1.0
+    options = (dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=1e-3) if preset == "seq_mean_k3"
+               else rc.PRESETS[preset])
+    _, kept, _ = rl.correction_and_rejection_mask(jnp.asarray(old, jnp.float32), jnp.asarray(sampler, jnp.float32),
+                                                  jnp.asarray(mask, jnp.float32), **options)
+    kept = np.asarray(kept, np.float64)
+    rejected = (mask.sum(-1) > 0) & (kept.sum(-1) == 0)
+    assert 0 < rejected.sum() < B - 1 and ((kept.sum(-1) == 0) | (kept == mask).all(-1)).all()
+    adv = grpo_advantages(rewards)
+    loss_fn = rl.gspo_policy_loss if name == "gspo" else rl.cispo_policy_loss
+    kwargs = dict(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    with_rejection = loss_fn(*(jnp.asarray(x, jnp.float32) for x in (logp, old, adv, kept)), **kwargs)[0]
+    keep = ~rejected
+    alone = loss_fn(*(jnp.asarray(x[keep], jnp.float32) for x in (logp, old, adv, mask)), **kwargs)[0]
+    np.testing.assert_allclose(float(with_rejection), float(alone), rtol=1e-6)
