@@ -22,15 +22,11 @@ class BatchTotals(NamedTuple):
     num_sequences: responses in the mini-batch (the B of a mean over responses).
     num_tokens: response tokens in the mini-batch (sum of its response mask; the token-mean
       denominator), a scalar array.
-    num_filled_sequences: responses in the mini-batch with at least one token in its response mask
-      (verl 0.9.1's seq-mean denominator, ``aggregate(seq_mean_rows="filled")``), a scalar array;
-      None: not known (such a loss then refuses these totals).
     With these, the losses of equal-sized micro-batches add up to the mini-batch loss exactly.
     """
 
     num_sequences: int
     num_tokens: jax.Array
-    num_filled_sequences: jax.Array | None = None
 
 
 def _concrete(x) -> np.ndarray | None:

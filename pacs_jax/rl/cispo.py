@@ -7,8 +7,8 @@ rho = exp(clip(log pi_theta - log pi_old, -20, 20)):
 so every token keeps a gradient (PPO's clip drops the clipped tokens' gradients; CISPO only bounds
 their weight). The defaults are verl's examples/cispo_trainer and MiniMax-M1's: no lower bound
 (eps_low 10), eps_high 0.2. Then times the rollout-correction weights (if any), reduced by ``loss_agg_mode`` (any
-of verl 0.9.1's ``agg_loss`` modes) and ``loss_scale`` as the other policy-gradient losses, but with verl 0.9.1's
-seq-mean denominators, the rows with a token (rl/policy_gradient.py ``aggregate``, ``seq_mean_rows="filled"``).
+of verl 0.9.1's ``agg_loss`` modes) and ``loss_scale`` as the other policy-gradient losses (rl/policy_gradient.py
+``aggregate``: a seq-mean divides by every row of the mini-batch, as verl 0.9.1's trainer).
 This is verl 0.9.1's ``compute_policy_loss_cispo`` (verl/trainer/ppo/core_algos.py lines 2047-2105: the ratio
 lines 2069-2072, the clipped weight and loss lines 2079-2084, the weights lines 2090-2091, ``agg_loss`` lines
 2093-2095).
@@ -45,7 +45,7 @@ def cispo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Arra
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     losses = weighted(-jax.lax.stop_gradient(clipped_ratio) * adv * logp, rollout_is_weights)
     loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
-                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size, seq_mean_rows="filled")
+                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
     metrics = {"clipfrac": token_mean((ratio != clipped_ratio).astype(jnp.float32), mask),
                "approx_kl_old": token_mean(old_logp - logp, mask)}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -8,10 +8,12 @@ own log-prob only:
   log rho_it = log pi_theta(o_it) - sg[log pi_theta(o_it)] + sg[s_i],   clamped above at 10
   l_it = max(-A rho_it, -A clip(rho_it, 1 - eps_low, 1 + eps_high))    (no dual clip)
 times the rollout-correction weights (if any), reduced by ``loss_agg_mode`` (default "seq-mean-token-mean",
-the GSPO paper's; any of verl 0.9.1's ``agg_loss`` modes) with verl 0.9.1's seq-mean denominators, the
-rows with a token (rl/policy_gradient.py ``aggregate``, ``seq_mean_rows="filled"``).
-This is verl 0.9.1's ``compute_policy_loss_gspo`` (verl/trainer/ppo/core_algos.py lines 1545-1619: the
-ratio lines 1578-1593, the clip lines 1595-1597, the weights lines 1600-1601, ``agg_loss`` lines 1605-1607).
+the GSPO paper's; any of verl 0.9.1's ``agg_loss`` modes; rl/policy_gradient.py ``aggregate``): a seq-mean
+divides by every row of the mini-batch, as verl 0.9.1's trainer, which gives ``agg_loss`` its
+``global_batch_size`` (docs/design.md section 6.7, "Which verl a loss follows").
+This is verl 0.9.1's ``compute_policy_loss_gspo`` (verl/trainer/ppo/core_algos.py lines 1545-1618: the
+ratio lines 1578-1593, the clip lines 1595-1597, the weights lines 1600-1601, ``agg_loss`` lines 1605-1607;
+its ``ppo_kl``, our "approx_kl_old", the unclamped log-ratio's token mean, line 1613).
 GSPO's clip range is far narrower than PPO's: the registry's defaults are the paper's and verl's
 recipe's 3e-4 / 4e-4.
 """
@@ -51,7 +53,7 @@ def gspo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     losses = weighted(jnp.maximum(unclipped, clipped), rollout_is_weights)
     loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
-                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size, seq_mean_rows="filled")
+                     loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
     metrics = {"clipfrac": token_mean((clipped > unclipped).astype(jnp.float32), mask),
                "approx_kl_old": token_mean(old_logp - logp, mask)}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -69,11 +69,10 @@ def map_micro_batches(fn: Callable, arrays: tuple[jax.Array, ...], *, num_micro_
 
 
 def mini_batch_totals(batch) -> BatchTotals:
-    """The normalisers of a mini-batch's loss: its rows, its ``response_mask`` [B, R] tokens and its rows
-    with a token (batch: rl/update_batch.py ``UpdateBatch`` or ``CriticBatch``)."""
-    mask = batch.response_mask.astype(jnp.float32)
-    return BatchTotals(num_sequences=mask.shape[0], num_tokens=jnp.sum(mask),
-                       num_filled_sequences=jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)))
+    """The normalisers of a mini-batch's loss: its rows and its ``response_mask`` [B, R] tokens (batch:
+    rl/update_batch.py ``UpdateBatch`` or ``CriticBatch``)."""
+    return BatchTotals(num_sequences=batch.response_mask.shape[0],
+                       num_tokens=jnp.sum(batch.response_mask.astype(jnp.float32)))
 
 
 def accumulate_micro_batches(grad_fn: Callable, params: nnx.State, batch, *, unit: int,

@@ -13,11 +13,10 @@ responses (verl 0.3.1's ``agg_loss``):
   seq-mean-token-mean      (1/B) sum_i (sum_t m l / sum_t m)
   seq-mean-token-sum       (1/B) sum_i sum_t m l
   seq-mean-token-sum-norm  sum_it m l / L_max               (L_max: ``norm_length``, default T)
-``seq_mean_rows`` says which rows B counts: "all" (the authors' verl 0.3.1: every row of the batch)
-or "filled" (verl 0.9.1's ``agg_loss``, core_algos.py lines 1140-1205: only the rows with at least
-one unmasked token, its ``seq_mask`` of lines 1183-1187 and 1197-1201, so a row that rejection
-empties leaves the denominator as it leaves the sum; 0 where no row has a token, where verl divides
-0 by 0), which also has
+B is every row of the mini-batch, a row the mask empties (padding, a rejection) included: the authors'
+verl 0.3.1, and verl 0.9.1's trainer, whose ``agg_loss`` (core_algos.py lines 1140-1206) is given
+``global_batch_size`` = the mini-batch's rows (docs/design.md section 6.7, "Which verl a loss follows").
+verl 0.9.1 also has (GSPO and CISPO take it)
   token-sum                sum_it m l                       (lines 1176-1180, either loss_scale)
 ``loss_scale`` says over which batches, so that the gradient (and what ``optim.grad_clip`` clips)
 has the scale of a chosen trainer:
@@ -53,7 +52,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 # verl 0.9.1's agg_loss (core_algos.py lines 1170-1204), which GSPO's and CISPO's losses take
 VERL091_LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
                           "seq-mean-token-sum-norm")
-SEQ_MEAN_ROWS = ("all", "filled")
 _MAX_LOG_RATIO = 20.0  # |log rho| bound before the exp: no inf ratios from stale log-probs
 
 
@@ -62,21 +60,20 @@ LOSS_SCALES = ("verl", "mean")
 
 def aggregate(loss_mat: jax.Array, response_mask: jax.Array, mode: str, *, norm_length: int | None = None,
               totals: BatchTotals | None = None, loss_scale: str = "mean",
-              verl_micro_batch_size: int = 0, seq_mean_rows: str = "all") -> jax.Array:
+              verl_micro_batch_size: int = 0) -> jax.Array:
     """Reduce token losses [B, T] to a scalar by ``mode`` and ``loss_scale`` (see the module docstring).
 
     response_mask: [B, T]. norm_length: L_max of "seq-mean-token-sum-norm" (default T). totals:
     normalisers of the whole mini-batch when this is one micro-batch of it (the losses of its
     micro-batches then add up to the mini-batch's). verl_micro_batch_size: S of ``loss_scale="verl"``;
-    it must divide B. seq_mean_rows: "all" or "filled", the rows a seq-mean divides by.
+    it must divide B.
     """
-    if mode not in VERL091_LOSS_AGG_MODES or seq_mean_rows not in SEQ_MEAN_ROWS:
-        raise ValueError(f"loss_agg_mode={mode!r}, seq_mean_rows={seq_mean_rows!r}: expected one of "
-                         f"{VERL091_LOSS_AGG_MODES} and of {SEQ_MEAN_ROWS}")
+    if mode not in VERL091_LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={mode!r}: expected one of {VERL091_LOSS_AGG_MODES}")
     mask = response_mask.astype(jnp.float32)
     token_sum = jnp.sum(loss_mat * mask, axis=-1)  # [B]
     rows = loss_mat.shape[0]
-    num_sequences = _seq_mean_denominator(mask, totals, seq_mean_rows)
+    num_sequences = rows if totals is None else totals.num_sequences
     length = loss_mat.shape[-1] if norm_length is None else norm_length
     if mode == "token-sum":
         return jnp.sum(token_sum)
@@ -89,7 +86,6 @@ def aggregate(loss_mat: jax.Array, response_mask: jax.Array, mode: str, *, norm_
             num_tokens = jnp.sum(mask) if totals is None else totals.num_tokens
             return jnp.sum(token_sum) / jnp.maximum(num_tokens, 1.0)
         return jnp.sum(token_sum) / (num_sequences * length)
-    num_sequences = rows if totals is None else totals.num_sequences
     _check_verl_micro_batch(verl_micro_batch_size, rows, num_sequences)
     num_verl_micro_batches = num_sequences // verl_micro_batch_size  # G over the whole mini-batch
     if mode == "token-mean":  # (1/G) sum over verl micro-batches of their token means
@@ -97,18 +93,6 @@ def aggregate(loss_mat: jax.Array, response_mask: jax.Array, mode: str, *, norm_
         block_tokens = jnp.sum(mask.reshape(blocks.shape[0], -1), axis=-1)
         return jnp.sum(jnp.sum(blocks, axis=-1) / jnp.maximum(block_tokens, 1.0)) / num_verl_micro_batches
     return jnp.sum(token_sum) / (num_verl_micro_batches * length)  # (1/G) sum_g (sum_it m l) / L_max
-
-
-def _seq_mean_denominator(mask: jax.Array, totals: BatchTotals | None, seq_mean_rows: str):
-    """The B of a seq-mean over the mask [B, T]: every row ("all"), or the rows with a token ("filled",
-    at least 1), of this batch or of the mini-batch ``totals`` describe."""
-    if seq_mean_rows == "all":
-        return mask.shape[0] if totals is None else totals.num_sequences
-    if totals is None:
-        return jnp.maximum(jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)), 1.0)
-    if totals.num_filled_sequences is None:
-        raise ValueError("seq_mean_rows='filled' needs totals.num_filled_sequences (rl.mini_batch_totals)")
-    return jnp.maximum(totals.num_filled_sequences, 1.0)
 
 
 def _check_verl_micro_batch(size: int, rows: int, num_sequences: int) -> None:
