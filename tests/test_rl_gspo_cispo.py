@@ -174,6 +174,23 @@ def test_cispo_policy_loss(mode, with_weights):
     assert 0 < float(metrics["clipfrac"]) < 1  # the clip acts on this batch, and the gradient still flows there
 
 
+def test_approx_kl_old_is_verl_091s_ppo_kl():
+    """"approx_kl_old" is 0.9.1's actor/ppo_kl, the token mean of -(log pi_theta - log pi_old): CISPO's over the
+    log-ratio clamped to +-20 (core_algos.py lines 2071-2073), GSPO's unclamped (lines 1578, 1613): two tokens
+    at log r = -30 and -25 tell the two apart."""
+    logp, old, mask, rewards, _ = _batch()
+    old[3, 0] = logp[3, 0] + 25.0  # the batch's log r = +30 there would cancel row 1's -30
+    args = [jnp.asarray(x, jnp.float32) for x in (logp, old, grpo_advantages(rewards), mask)]
+    f32 = [np.asarray(x, np.float32).astype(np.float64) for x in (logp, old)]
+    log_ratio = f32[0] - f32[1]
+    clamped = np.sum(-np.clip(log_ratio, -20.0, 20.0) * mask) / mask.sum()
+    unclamped = np.sum(-log_ratio * mask) / mask.sum()
+    assert abs(clamped - unclamped) > 0.1
+    for loss_fn, want in ((rl.cispo_policy_loss, clamped), (rl.gspo_policy_loss, unclamped)):
+        got = jax.jit(lambda *xs: loss_fn(*xs)[1]["approx_kl_old"])(*args)
+        np.testing.assert_allclose(float(got), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["gspo", "cispo"])
 def test_registry_objectives_use_grpo_advantages(name):
     logp, old, mask, rewards, weights = _batch()

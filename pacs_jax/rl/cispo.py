@@ -11,7 +11,8 @@ of verl 0.9.1's ``agg_loss`` modes) and ``loss_scale`` as the other policy-gradi
 ``aggregate``: a seq-mean divides by every row of the mini-batch, as verl 0.9.1's trainer).
 This is verl 0.9.1's ``compute_policy_loss_cispo`` (verl/trainer/ppo/core_algos.py lines 2047-2105: the ratio
 lines 2069-2072, the clipped weight and loss lines 2079-2084, the weights lines 2090-2091, ``agg_loss`` lines
-2093-2095).
+2093-2095; its ``ppo_kl``, our "approx_kl_old", the token mean of minus the log-ratio clamped to +-20, lines
+2071-2073).
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ def cispo_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Arra
     mask = response_mask.astype(jnp.float32)
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     adv = adv[:, None] if adv.ndim == 1 else adv
-    ratio = jnp.exp(jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     losses = weighted(-jax.lax.stop_gradient(clipped_ratio) * adv * logp, rollout_is_weights)
     loss = aggregate(losses, response_mask, loss_agg_mode, norm_length=norm_length, totals=totals,
                      loss_scale=loss_scale, verl_micro_batch_size=verl_micro_batch_size)
     metrics = {"clipfrac": token_mean((ratio != clipped_ratio).astype(jnp.float32), mask),
-               "approx_kl_old": token_mean(old_logp - logp, mask)}
+               "approx_kl_old": token_mean(-log_ratio, mask)}
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
