@@ -1,8 +1,8 @@
-"""rl.correction_and_rejection_mask (verl's rollout correction) against a float64 NumPy statement of verl's
-formulas, written here from rollout_corr_helper.py's definitions: every IS level and threshold form,
-every rejection option (alone and chained), batch normalisation, padding, an empty response and
-|log r| up to 30, inside jit and with the batch sharded over the mesh's data axis; and the bad
-options it refuses."""
+"""rl.correction_and_rejection_mask (verl's rollout correction) against a float64 NumPy statement of verl
+0.9.1's functions, written here from its wheel's verl/trainer/ppo/rollout_corr_helper.py (lines cited at
+each step): every IS level and threshold form, every rejection option (alone and chained), batch
+normalisation, padding, an empty response and |log r| up to 30, inside jit and with the batch sharded
+over the mesh's data axis; and the bad options it refuses."""
 
 import math
 
@@ -34,41 +34,44 @@ def mmean(x, m, axis=None):
 
 
 def ref_is(lr, m, level, threshold, normalize):
+    """verl 0.9.1's compute_rollout_correction_weights (verl/trainer/ppo/rollout_corr_helper.py lines 522-657)
+    and compute_is_metrics (lines 660-783), in float64."""
     upper_lower = str(threshold).split("_")
     icepop = len(upper_lower) == 2
     lower, upper = (float(upper_lower[0]), float(upper_lower[1])) if icepop else (1 / float(threshold),
                                                                                    float(threshold))
-    if level == "token":
+    if level == "token":  # lines 572-576, 592
         raw = np.exp(np.clip(lr, -20, 20)) * m
-    else:
+    else:  # lines 578-586, 592
         log_seq = np.sum(lr * m, axis=-1, keepdims=True)
         raw = np.exp(np.clip(log_seq, -20, 20)) * m
-    out = {"rollout_is_mean": mmean(raw, m)}
-    if level == "sequence":
+    if icepop:  # lines 597-605
+        weights = np.where((raw >= lower) & (raw <= upper), raw, 0.0)
+    else:  # lines 595-596
+        weights = np.minimum(raw, upper)
+    out = {"rollout_is_mean": mmean(weights, m)}  # lines 713, 723
+    if level == "sequence":  # lines 704-718
         out["rollout_is_max"] = math.exp(min(log_seq.max(), 20))
         out["rollout_is_min"] = math.exp(log_seq.min())
         out["rollout_is_ratio_fraction_high"] = np.mean(log_seq > math.log(upper))
         out["rollout_is_ratio_fraction_low"] = np.mean(log_seq < math.log(lower))
-    else:
+    else:  # lines 720-738
         out["rollout_is_ratio_fraction_high"] = mmean(raw > upper, m)
         out["rollout_is_ratio_fraction_low"] = mmean(raw < lower, m)
-        out["rollout_is_max"] = raw[m > 0].max()
-        out["rollout_is_min"] = raw[m > 0].min()
-    clamped = np.clip(raw, lower, upper)
+        out["rollout_is_max"] = weights[m > 0].max()
+        out["rollout_is_min"] = weights[m > 0].min()
+    clamped = np.clip(weights, 0.0, upper)  # lines 742-751 (std) and 753-759 (ESS)
     out["rollout_is_std"] = math.sqrt(max(mmean(clamped ** 2, m) - mmean(clamped, m) ** 2, 0.0))
     normalised = clamped / (mmean(clamped, m) + 1e-8)
     out["rollout_is_eff_sample_size"] = 1.0 / mmean(normalised ** 2, m)
-    seq = mmean(raw, m, axis=-1)
+    seq, raw_seq = mmean(weights, m, axis=-1), mmean(raw, m, axis=-1)  # lines 762-781, every row
     out.update(rollout_is_seq_mean=seq.mean(), rollout_is_seq_std=seq.std(ddof=1), rollout_is_seq_max=seq.max(),
                rollout_is_seq_min=seq.min(), rollout_is_seq_max_deviation=np.abs(seq - 1).max(),
-               rollout_is_seq_fraction_high=np.mean(seq > upper), rollout_is_seq_fraction_low=np.mean(seq < lower))
-    if icepop:
-        inside = (raw >= lower) & (raw <= upper)
-        weights = np.where(inside, raw, 0.0)
-        out["rollout_is_masked_fraction"] = mmean(~inside, m)
-    else:
-        weights = np.minimum(raw, upper)
-    if normalize:
+               rollout_is_seq_fraction_high=np.mean(raw_seq > upper),
+               rollout_is_seq_fraction_low=np.mean(raw_seq < lower))
+    if icepop:  # lines 617-621
+        out["rollout_is_oob_ratio"] = mmean((raw < lower) | (raw > upper), m)
+    if normalize:  # lines 628-655
         if level == "token":
             mean = mmean(weights, m)
         else:

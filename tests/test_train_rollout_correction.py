@@ -51,7 +51,7 @@ def _loss_at_pi_old(objective: str, weights: np.ndarray, kept: np.ndarray, old: 
     token_loss = -_grpo_advantages(REWARDS)[:, None] * weights  # grpo, gspo at ratio 1
     if objective == "cispo":  # -sg[clip(1)] A w log pi_theta
         token_loss = token_loss * old
-    if objective == "gspo":  # seq-mean-token-mean over the kept tokens
+    if objective == "gspo":  # seq-mean-token-mean over the kept tokens, / every row (verl 0.9.1's global_batch_size)
         return float(np.mean(np.sum(token_loss * kept, axis=1) / np.maximum(kept.sum(1), 1.0)))
     return float(np.sum(token_loss * kept) / kept.sum())  # token-mean over the kept tokens
 

@@ -27,10 +27,10 @@ from typing import Any
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from pacs_jax.rl.batch import check_batch
 from pacs_jax.rl.cispo import cispo_loss, cispo_policy_loss
-from pacs_jax.rl.gspo import GSPO_LOSS_AGG_MODES, gspo_loss, gspo_policy_loss
+from pacs_jax.rl.gspo import gspo_loss, gspo_policy_loss
 from pacs_jax.rl.pacs import REWARD_METHODS, WEIGHT_MODES, pacs_loss
-from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, drgrpo_loss, grpo_loss, policy_gradient_loss,
-                                         rloo_loss)
+from pacs_jax.rl.policy_gradient import (LOSS_AGG_MODES, LOSS_SCALES, VERL091_LOSS_AGG_MODES, drgrpo_loss, grpo_loss,
+                                         policy_gradient_loss, rloo_loss)
 from pacs_jax.rl.ppo import ppo_objective, ppo_policy_loss
 
 # Arguments of every loss that are the batch, not options.
@@ -87,6 +87,7 @@ def _keyword_defaults(fn: Callable, forwards_to: Callable | None = None) -> dict
 
 
 _PG_CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "loss_scale": LOSS_SCALES}
+_VERL091_CHOICES = {**_PG_CHOICES, "loss_agg_mode": VERL091_LOSS_AGG_MODES}  # GSPO's and CISPO's: verl 0.9.1's
 
 # Every objective here compares the responses to one prompt: a group of one has a zero advantage
 # (rloo and grpo are not even defined for it), so each needs at least two.
@@ -100,10 +101,10 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
                           forwards_to=policy_gradient_loss),
     "drgrpo": ObjectiveSpec(drgrpo_loss, min_group_size=2, binary_rewards=False, choices=_PG_CHOICES,
                           forwards_to=policy_gradient_loss),
-    # GSPO and CISPO (verl's compute_policy_loss_gspo / _cispo) on GRPO's group advantages
-    "gspo": ObjectiveSpec(gspo_loss, min_group_size=2, binary_rewards=False,
-                          choices={**_PG_CHOICES, "loss_agg_mode": GSPO_LOSS_AGG_MODES}, forwards_to=gspo_policy_loss),
-    "cispo": ObjectiveSpec(cispo_loss, min_group_size=2, binary_rewards=False, choices=_PG_CHOICES,
+    # GSPO and CISPO (verl 0.9.1's compute_policy_loss_gspo / _cispo) on GRPO's group advantages
+    "gspo": ObjectiveSpec(gspo_loss, min_group_size=2, binary_rewards=False, choices=_VERL091_CHOICES,
+                          forwards_to=gspo_policy_loss),
+    "cispo": ObjectiveSpec(cispo_loss, min_group_size=2, binary_rewards=False, choices=_VERL091_CHOICES,
                            forwards_to=cispo_policy_loss),
     # PPO's advantages come from the critic (GAE), not from a group: one response per prompt is enough.
     "ppo": ObjectiveSpec(ppo_objective, min_group_size=1, binary_rewards=False, choices=_PG_CHOICES,

@@ -13,6 +13,11 @@ responses (verl 0.3.1's ``agg_loss``):
   seq-mean-token-mean      (1/B) sum_i (sum_t m l / sum_t m)
   seq-mean-token-sum       (1/B) sum_i sum_t m l
   seq-mean-token-sum-norm  sum_it m l / L_max               (L_max: ``norm_length``, default T)
+B is every row of the mini-batch, a row the mask empties (padding, a rejection) included: the authors'
+verl 0.3.1, and verl 0.9.1's trainer, whose ``agg_loss`` (core_algos.py lines 1140-1206) is given
+``global_batch_size`` = the mini-batch's rows (docs/design.md section 6.7, "Which verl a loss follows").
+verl 0.9.1 also has (GSPO and CISPO take it)
+  token-sum                sum_it m l                       (lines 1176-1180, either loss_scale)
 ``loss_scale`` says over which batches, so that the gradient (and what ``optim.grad_clip`` clips)
 has the scale of a chosen trainer:
   "verl"  as verl 0.3.1's actor without dynamic batch sizes (the paper's baselines): the mini-batch
@@ -44,6 +49,9 @@ from pacs_jax.rl.advantages import get_estimator
 from pacs_jax.rl.batch import BatchTotals
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# verl 0.9.1's agg_loss (core_algos.py lines 1170-1204), which GSPO's and CISPO's losses take
+VERL091_LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                          "seq-mean-token-sum-norm")
 _MAX_LOG_RATIO = 20.0  # |log rho| bound before the exp: no inf ratios from stale log-probs
 
 
@@ -55,17 +63,20 @@ def aggregate(loss_mat: jax.Array, response_mask: jax.Array, mode: str, *, norm_
               verl_micro_batch_size: int = 0) -> jax.Array:
     """Reduce token losses [B, T] to a scalar by ``mode`` and ``loss_scale`` (see the module docstring).
 
-    norm_length: L_max of "seq-mean-token-sum-norm" (default T). totals: normalisers of the whole
-    mini-batch when this is one micro-batch of it (the losses of its micro-batches then add up to the
-    mini-batch's). verl_micro_batch_size: S of ``loss_scale="verl"``; it must divide B.
+    response_mask: [B, T]. norm_length: L_max of "seq-mean-token-sum-norm" (default T). totals:
+    normalisers of the whole mini-batch when this is one micro-batch of it (the losses of its
+    micro-batches then add up to the mini-batch's). verl_micro_batch_size: S of ``loss_scale="verl"``;
+    it must divide B.
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={mode!r}: expected one of {LOSS_AGG_MODES}")
+    if mode not in VERL091_LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={mode!r}: expected one of {VERL091_LOSS_AGG_MODES}")
     mask = response_mask.astype(jnp.float32)
     token_sum = jnp.sum(loss_mat * mask, axis=-1)  # [B]
     rows = loss_mat.shape[0]
     num_sequences = rows if totals is None else totals.num_sequences
     length = loss_mat.shape[-1] if norm_length is None else norm_length
+    if mode == "token-sum":
+        return jnp.sum(token_sum)
     if mode == "seq-mean-token-mean":
         return jnp.sum(token_sum / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)) / num_sequences
     if mode == "seq-mean-token-sum":

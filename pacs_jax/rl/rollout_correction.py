@@ -1,6 +1,6 @@
 """Rollout correction (docs/design.md section 6.7): importance weights and rejection masks for the gap
-between the sampler's log-probs and the trainer's pi_old, as verl defines them
-(``trainer/ppo/rollout_corr_helper.py``, ``algorithm.rollout_correction``).
+between the sampler's log-probs and the trainer's pi_old, as verl 0.9.1 defines them
+(``verl/trainer/ppo/rollout_corr_helper.py`` of its wheel, ``algorithm.rollout_correction``).
 
 Shapes: B responses, T response tokens, m = response_mask [B, T]. With the log-ratio
 l_t = log pi_old(o_t) - log pi_rollout(o_t) (pi_old: the trainer's log-probs, "old_log_prob";
@@ -25,9 +25,12 @@ Rejection (``rollout_rs``, a comma list; a token is kept when every option keeps
   threshold for every option, or one per option (a comma list).
 The returned mask is m times the kept tokens: it replaces the response mask of the loss.
 
-Metrics (``rollout_corr/`` + verl's names): the weights' statistics before truncation
-(``rollout_is_mean``, ``_std``, ``_min``, ``_max``, ``_eff_sample_size``, ``_ratio_fraction_high/low``,
-``_seq_mean/std/min/max/max_deviation/fraction_high/fraction_low``, ``_batch_norm_factor``), each
+Metrics (``rollout_corr/`` + verl's names), as verl 0.9.1's: the statistics of the weights the loss uses
+(after truncation or IcePop's band, before batch normalisation: ``rollout_is_mean``, ``_std``,
+``_eff_sample_size``, ``_seq_mean/std/min/max/max_deviation``; token level ``_min``, ``_max``), the
+fractions outside the bounds over the raw weights (``_ratio_fraction_high/low``,
+``_seq_fraction_high/low``; IcePop's ``_oob_ratio``), a sequence level's ``_min``, ``_max`` over its
+unclamped log-ratios, ``_batch_norm_factor``; each
 rejection option's (``rollout_rs_<option>_mean/std/min/max/fraction_high/fraction_low/masked_fraction/
 seq_masked_fraction/seq_*``, and ``rollout_rs_masked_fraction``, ``rollout_rs_seq_masked_fraction``),
 and the off-policy diagnostics (``kl``, ``k3_kl``, ``training_ppl``, ``training_log_ppl``,
@@ -176,7 +179,12 @@ def _std_ddof1(x, valid):
 
 
 def _is_weights(log_ratio, mask, level: str, bounds: Bounds, batch_normalize: bool):
-    """The IS weights [B, T] (no gradient) and their metrics."""
+    """The IS weights [B, T] (no gradient) and their metrics, as verl 0.9.1's
+    ``compute_rollout_correction_weights`` (rollout_corr_helper.py lines 522-657) and
+    ``compute_is_metrics`` (lines 660-783): the statistics are those of the weights the loss uses
+    (after TIS's truncation or IcePop's band, before batch normalisation); only the fractions outside
+    the bounds (and IcePop's ``rollout_is_oob_ratio``, lines 617-621) are taken over the raw weights,
+    and a sequence level's max / min over its unclamped log-ratios (lines 704-710)."""
     if level == "token":
         raw = jnp.exp(jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)) * mask
     else:
@@ -184,37 +192,39 @@ def _is_weights(log_ratio, mask, level: str, bounds: Bounds, batch_normalize: bo
         raw = jnp.exp(jnp.clip(log_seq, -SAFETY_BOUND, SAFETY_BOUND)) * mask
     upper = bounds.upper
     lower = 1.0 / upper if bounds.lower is None else bounds.lower
+    if bounds.lower is None:  # TIS: truncate (lines 595-596)
+        weights = jnp.minimum(raw, upper)
+    else:  # IcePop: a weight outside [L, U] is masked (lines 597-605)
+        weights = jnp.where((raw >= bounds.lower) & (raw <= upper), raw, 0.0)
+    weights = jax.lax.stop_gradient(weights)
     any_valid = jnp.sum(mask) > 0
-    metrics = {"rollout_is_mean": _masked_mean(raw, mask)}
-    if level == "sequence":
+    metrics = {"rollout_is_mean": _masked_mean(weights, mask)}
+    if level == "sequence":  # lines 704-718
         metrics["rollout_is_max"] = jnp.exp(jnp.minimum(jnp.max(log_seq), SAFETY_BOUND))
         metrics["rollout_is_min"] = jnp.exp(jnp.min(log_seq))
         metrics["rollout_is_ratio_fraction_high"] = jnp.mean((log_seq > math.log(upper)).astype(jnp.float32))
         metrics["rollout_is_ratio_fraction_low"] = jnp.mean((log_seq < math.log(lower)).astype(jnp.float32))
-    else:
+    else:  # lines 720-738
         metrics["rollout_is_ratio_fraction_high"] = _masked_mean((raw > upper).astype(jnp.float32), mask)
         metrics["rollout_is_ratio_fraction_low"] = _masked_mean((raw < lower).astype(jnp.float32), mask)
-        metrics["rollout_is_max"] = _guard(_masked_max(raw, mask), any_valid)
-        metrics["rollout_is_min"] = _guard(_masked_min(raw, mask), any_valid)
-    metrics["rollout_is_std"] = _clamped_std(raw, mask, lower, upper)
-    for_ess = jnp.clip(raw, lower, upper)
+        metrics["rollout_is_max"] = _guard(_masked_max(weights, mask), any_valid)
+        metrics["rollout_is_min"] = _guard(_masked_min(weights, mask), any_valid)
+    metrics["rollout_is_std"] = _clamped_std(weights, mask, 0.0, upper)  # lines 742-751
+    for_ess = jnp.clip(weights, 0.0, upper)  # lines 753-759
     normalised = for_ess / (_masked_mean(for_ess, mask) + _EPS)
     metrics["rollout_is_eff_sample_size"] = _guard(1.0 / _masked_mean(jnp.square(normalised), mask), any_valid)
-    seq = _masked_mean(raw, mask, axis=-1)  # [B], every row (verl's)
+    seq = _masked_mean(weights, mask, axis=-1)  # [B], every row (lines 762-772)
+    raw_seq = _masked_mean(raw, mask, axis=-1)  # [B], the fractions' (lines 774-781)
     every_row = jnp.ones(seq.shape, bool)
     metrics.update({"rollout_is_seq_mean": jnp.mean(seq), "rollout_is_seq_std": _std_ddof1(seq, every_row),
                     "rollout_is_seq_max": jnp.max(seq), "rollout_is_seq_min": jnp.min(seq),
                     "rollout_is_seq_max_deviation": jnp.max(jnp.abs(seq - 1.0)),
-                    "rollout_is_seq_fraction_high": jnp.mean((seq > upper).astype(jnp.float32)),
-                    "rollout_is_seq_fraction_low": jnp.mean((seq < lower).astype(jnp.float32))})
-    if bounds.lower is None:  # TIS: truncate
-        weights = jnp.minimum(raw, upper)
-    else:  # IcePop: a weight outside [L, U] is masked
-        inside = (raw >= bounds.lower) & (raw <= upper)
-        weights = jnp.where(inside, raw, 0.0)
-        metrics["rollout_is_masked_fraction"] = _masked_mean((~inside).astype(jnp.float32), mask)
-    weights = jax.lax.stop_gradient(weights)
-    if batch_normalize:
+                    "rollout_is_seq_fraction_high": jnp.mean((raw_seq > upper).astype(jnp.float32)),
+                    "rollout_is_seq_fraction_low": jnp.mean((raw_seq < lower).astype(jnp.float32))})
+    if bounds.lower is not None:  # IcePop's share of tokens outside [L, U] (lines 617-621)
+        outside = (raw < bounds.lower) | (raw > upper)
+        metrics["rollout_is_oob_ratio"] = _masked_mean(outside.astype(jnp.float32), mask)
+    if batch_normalize:  # lines 628-655
         if level == "token":
             mean = _masked_mean(weights, mask)
         else:
@@ -227,7 +237,9 @@ def _is_weights(log_ratio, mask, level: str, bounds: Bounds, batch_normalize: bo
 
 
 def _rejection(log_ratio, mask, options: tuple[str, ...], thresholds: tuple[Bounds, ...]):
-    """The kept tokens [B, T] (0 / 1, before the response mask) and the rejection metrics."""
+    """The kept tokens [B, T] (0 / 1, before the response mask) and the rejection metrics: verl 0.9.1's
+    ``compute_rollout_rejection_mask`` and ``compute_rs_metrics`` (rollout_corr_helper.py lines 197-413,
+    416-519)."""
     safe = jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
     per_token = {"k1": -safe, "k2": 0.5 * jnp.square(safe), "k3": jnp.exp(safe) - 1.0 - safe}
     valid_rows = jnp.sum(mask, axis=-1) > 0  # [B]
@@ -291,7 +303,8 @@ def _rejection(log_ratio, mask, options: tuple[str, ...], thresholds: tuple[Boun
 
 def offpolicy_metrics(old_log_prob: jax.Array, rollout_log_prob: jax.Array, response_mask: jax.Array
                       ) -> dict[str, jax.Array]:
-    """verl's off-policy diagnostics of pi_old against the sampler, [B, T] each -> scalars (unprefixed)."""
+    """verl 0.9.1's off-policy diagnostics (``compute_offpolicy_metrics``, rollout_corr_helper.py lines
+    904-1010) of pi_old against the sampler, [B, T] each -> scalars (unprefixed)."""
     mask = response_mask.astype(jnp.float32)
     old, rollout = old_log_prob.astype(jnp.float32), rollout_log_prob.astype(jnp.float32)
     mean_old = _masked_mean(old, mask, axis=-1)  # [B]
