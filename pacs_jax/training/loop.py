@@ -267,7 +267,8 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
                            earlier_history=logger.earlier)
     except BaseException:
-        logger.close()
+        with contextlib.suppress(OSError):  # the error raised is the one that names its file
+            logger.close()
         raise
 
 

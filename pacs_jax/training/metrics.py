@@ -119,10 +119,10 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.bar.close()
+        if self.writer is not None:  # first: the file's close may fail (a full disk flushing its last row)
+            self.writer.close()
         if self.jsonl is not None:
             self.jsonl.close()
-        if self.writer is not None:
-            self.writer.close()
 
 
 
