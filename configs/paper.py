@@ -50,7 +50,7 @@ from configs import algorithms, base, paper_evaluation
 #   slots                  rollout.slots: decode slots of the paged sampler (rollout.sampler "paged"; its page pool
 #                          a batch shard: each prompt once + every slot's longest response, slots x 4112 tokens)
 #   remat                  model.remat: what the backward pass keeps of each layer
-# The sampler compiled for the slice with its slots (plan_memory, libtpu 0.10.2; peak + resident state):
+# The sampler compiled for the slice with its slots (plan_memory, jax 0.12.0.1 / libtpu 0.0.50.1; peak + resident state):
 # all 1024 prompts of a step in one call, no parameter all-gather and no copy of the page pool inside its
 # decode loops.
 #

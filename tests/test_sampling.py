@@ -289,8 +289,7 @@ def test_compiled_program_keeps_cache_in_place_and_prefill_logits_small(hf, slot
     comps = pacs_hlo.computations(hlo)
     loops = pacs_hlo.loop_computations(hlo)
     # each slot's new K/V and a refilled slot's prompt K/V written in place inside the decode loops: a scatter and
-    # dynamic-update-slices with XLA:CPU's fusion emitters, dynamic-update-slices alone without them (the scatter
-    # expanded: tests/conftest.py turns them off)
+    # dynamic-update-slices (XLA:CPU's fusion emitters)
     write = rf"= {cache_shape}\S* (scatter|dynamic-update-slice)\("
     writes = [w for name in loops for w in re.findall(write, comps[name])]
     assert len(writes) >= 2 and "dynamic-update-slice" in writes, writes
