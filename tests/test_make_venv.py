@@ -56,3 +56,15 @@ def test_pyenv_s_oldest_3_12_plus_is_taken_where_pyenv_provides_it(tmp_path):
     assert f"with Python {version}" in run.stderr
     again = _run(bin_dir, tmp_path / "venv")  # an existing 3.12+ environment is kept, not rebuilt
     assert again.returncode == 0 and "kept" in again.stderr
+
+
+def test_a_folder_that_is_not_an_environment_is_refused_not_emptied(tmp_path):
+    """DIR is the user's word: a folder of other files (a typo, ``.``) is never cleared."""
+    bin_dir, target = tmp_path / "bin", tmp_path / "project"
+    (bin_dir).mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)  # a 3.12+ on PATH
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    run = _run(bin_dir, target)
+    assert run.returncode == 1 and "is not a virtual environment" in run.stderr
+    assert (target / "notes.txt").read_text() == "keep me"

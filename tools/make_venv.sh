@@ -6,7 +6,8 @@
 # Looks, in this order, for python3 (when it is 3.12 or newer), python3.12, python3.13, then the oldest
 # 3.12+ that pyenv holds (`pyenv versions`; its shims answer only inside a pyenv version): the floor the
 # pins are tested on first. DIR that already
-# holds a 3.12+ environment is kept. Where none is found: one line naming what to install, exit status 1.
+# holds a 3.12+ environment is kept, an older one replaced; a folder that is no environment is refused.
+# Where no Python is found: one line naming what to install, exit status 1.
 set -eu
 dir=${1:?usage: sh tools/make_venv.sh DIR}
 
@@ -39,6 +40,9 @@ if [ -z "$python" ]; then
   echo "tools/make_venv.sh: no Python 3.12 or newer found (python3, python3.12, python3.13, pyenv): install one, e.g. 'apt install python3.12-venv' or 'pyenv install 3.12'" >&2
   exit 1
 fi
-rm -rf "$dir"
-"$python" -m venv "$dir"
+if [ -e "$dir" ] && [ ! -f "$dir/pyvenv.cfg" ] && [ -n "$(ls -A "$dir" 2>/dev/null)" ]; then
+  echo "tools/make_venv.sh: $dir exists and is not a virtual environment: name an empty or new folder" >&2
+  exit 1
+fi
+"$python" -m venv --clear "$dir"  # an older Python's environment there is replaced
 echo "tools/make_venv.sh: $dir with $("$dir/bin/python" --version)" >&2

@@ -156,120 +156,115 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                      f"all {tc.steps} steps of train.steps are trained"), flush=True)
     start_counting()
     logger = MetricsLogger(workdir, tc.steps, start)
-    try:  # an error or a stop's exit: TensorBoard's writer is closed here, where Python can still start its thread
-        history: list[dict] = []
-        base_key = jax.random.key(spec.seed)
-        stopped = False
-        single_process = jax.process_count() == 1
-        collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
-        rc = spec.rollout
-        if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
-            if primary:                         # cannot fit stops here
-                print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
-                      "minutes on a large model)", flush=True)
-            # a signal while compiling exits there, unless a warm-start of this session waits for step 1's checkpoint
-            compiling = (contextlib.nullcontext() if keep_first_step else
-                         signals.immediate(f"the compilation before step {start + 1}, which a restart runs again (no "
-                                           f"step of this session had started)"))
-            with compiling:
-                memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
-            if primary:  # what the programs chose, once (models/kernels.py)
-                print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
-        write = logger.write if primary else lambda line: None
-        watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
-        # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
-        # with its copy of the weights step s started from, while the learner trains step s (training/weight_sync.py)
-        ahead = OneStepOff(programs, collector, prompts, StepWatch(write, tc.progress_seconds,
-                                                                   stop_requested=signals.safe_point,
-                                                                   lockstep=not single_process)) if tc.off_policy_steps else None
-        if ahead is not None and start and primary and start < tc.steps:
-            print(f"one step off: step {start + 1}'s rows are sampled with the weights it starts from (a checkpoint keeps "
-                  f"no copy of the ones before them), the steps after it with their previous step's", flush=True)
-        step = start
-        for step in range(start + 1, tc.steps + 1):
-            if primary and step == start + 1:  # a long first step says what it is doing
-                print(f"step {step}: sampling {tc.prompts_per_step} prompts x {rc.n} responses of up to "
-                      f"{rc.max_new_tokens} tokens, scoring them, then the update; the progress bar moves at each "
-                      f"step's end, a phase longer than {tc.progress_seconds:g} s prints a line that often "
-                      "(train.progress_seconds)", flush=True)
-            t_step = time.perf_counter()
-            watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
-            # before the step's batch: a checkpoint of step - 1 holds it, written here only if a stop drops the step
-            data_state = _state_before_batch(prompts, carry, ahead, step)
-            key = jax.random.fold_in(base_key, step)
-            try:
-                if carry is not None and step == start + 1:  # a checkpoint's rows in flight back into the engine
-                    carry.resume(params, start, watch)
-                if ahead is None:
-                    rollout = collector(params, prompts.next_batch, key, watch, step)
-                else:
-                    rollout = ahead.rollout(params, key, watch, step)
-                # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
-                # when the last finished step's checkpoint is on disk, else the step runs to its end
-                watch.start("update", last_boundary=saved != step - 1)
+    history: list[dict] = []
+    base_key = jax.random.key(spec.seed)
+    stopped = False
+    single_process = jax.process_count() == 1
+    collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
+    rc = spec.rollout
+    if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
+        if primary:                         # cannot fit stops here
+            print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
+                  "minutes on a large model)", flush=True)
+        # a signal while compiling exits there, unless a warm-start of this session waits for step 1's checkpoint
+        compiling = (contextlib.nullcontext() if keep_first_step else
+                     signals.immediate(f"the compilation before step {start + 1}, which a restart runs again (no "
+                                       f"step of this session had started)"))
+        with compiling:
+            memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
+        if primary:  # what the programs chose, once (models/kernels.py)
+            print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+    write = logger.write if primary else lambda line: None
+    watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
+    # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
+    # with its copy of the weights step s started from, while the learner trains step s (training/weight_sync.py)
+    ahead = OneStepOff(programs, collector, prompts, StepWatch(write, tc.progress_seconds,
+                                                               stop_requested=signals.safe_point,
+                                                               lockstep=not single_process)) if tc.off_policy_steps else None
+    if ahead is not None and start and primary and start < tc.steps:
+        print(f"one step off: step {start + 1}'s rows are sampled with the weights it starts from (a checkpoint keeps "
+              f"no copy of the ones before them), the steps after it with their previous step's", flush=True)
+    step = start
+    for step in range(start + 1, tc.steps + 1):
+        if primary and step == start + 1:  # a long first step says what it is doing
+            print(f"step {step}: sampling {tc.prompts_per_step} prompts x {rc.n} responses of up to "
+                  f"{rc.max_new_tokens} tokens, scoring them, then the update; the progress bar moves at each "
+                  f"step's end, a phase longer than {tc.progress_seconds:g} s prints a line that often "
+                  "(train.progress_seconds)", flush=True)
+        t_step = time.perf_counter()
+        watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
+        # before the step's batch: a checkpoint of step - 1 holds it, written here only if a stop drops the step
+        data_state = _state_before_batch(prompts, carry, ahead, step)
+        key = jax.random.fold_in(base_key, step)
+        try:
+            if carry is not None and step == start + 1:  # a checkpoint's rows in flight back into the engine
+                carry.resume(params, start, watch)
+            if ahead is None:
+                rollout = collector(params, prompts.next_batch, key, watch, step)
+            else:
+                rollout = ahead.rollout(params, key, watch, step)
+            # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
+            # when the last finished step's checkpoint is on disk, else the step runs to its end
+            watch.start("update", last_boundary=saved != step - 1)
+            t0 = time.perf_counter()
+            batch, critic_metrics = rollout.batch, {}
+            if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
+                batch, per_minibatch = critic.step(programs.learner.critic, batch, rollout.packing)
+                watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
+                critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
                 t0 = time.perf_counter()
-                batch, critic_metrics = rollout.batch, {}
-                if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-                    batch, per_minibatch = critic.step(programs.learner.critic, batch, rollout.packing)
-                    watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
-                    critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
-                    t0 = time.perf_counter()
-                params, opt_state, per_minibatch = programs.learner.update(params, opt_state, batch)
-                if ahead is not None and step < tc.steps:  # step + 1's rows, while the update runs
-                    ahead.sample(jax.random.fold_in(base_key, step + 1), step + 1)
-                watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
-            except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
-                _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
-                           lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()},
-                           None if critic is None else (critic.params, critic.opt_state))
-                checkpointer.close()
-                logger.close()
-                return TrainResult(nnx.merge(graphdef, params), history, True, step - 1, programs, collector, opt_state,
-                                   critic, earlier_history=logger.earlier, dropped_step=step)
-            update_metrics = _mean_metrics(per_minibatch)
-            time_update = time.perf_counter() - t0
-            watch.done()
-            wall = time.perf_counter() - t_step
-            metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
-                       "time_step": wall,
-                       "lr": float(programs.learner.lr_schedule(step * tc.mini_batches)),
-                       "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
-                       "compilations": float(compilations())}
-            history.append({"step": step, **metrics})
-            logger.log(step, metrics)
-            # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
-            meta = lambda: {"step": step, "seed": spec.seed,
-                            "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
-            critic_state = None if critic is None else (critic.params, critic.opt_state)
-            preempted = signals.safe_point()  # several processes: the same step on every one
-            preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
-            if _save(checkpointer, step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
-                saved = step
-            if on_step is not None:
-                on_step(step, nnx.merge(graphdef, params), metrics)
-            if single_process and not preempted and signals.requested is not None:  # arrived during on_step
-                _save(checkpointer, step, params, opt_state, meta, force=True, critic=critic_state)
-                preempted = True
-            if preempted:
-                signal_name = (signals.requested if single_process else
-                               "preemption (at the same step on every process)")
-                logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
-                if not primary:  # every host's log says where it stopped (the logger writes on process 0 only)
-                    print(f"process {jax.process_index()}: {signal_name}: checkpoint of step {step} written, exiting",
-                          flush=True)
-                stopped = True
-                break
-        if single_process and not stopped and signals.requested is not None:  # no step was under way
-            logger.write(f"{signals.requested}: no step left to run; exiting (the checkpoint of step {step} is the latest)")
-            stopped = True
-        checkpointer.close()
-        logger.close()
-        return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
-                           earlier_history=logger.earlier)
-    except BaseException:
-        with contextlib.suppress(OSError):  # the error raised is the one that names its file
+            params, opt_state, per_minibatch = programs.learner.update(params, opt_state, batch)
+            if ahead is not None and step < tc.steps:  # step + 1's rows, while the update runs
+                ahead.sample(jax.random.fold_in(base_key, step + 1), step + 1)
+            watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
+        except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
+            _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
+                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()},
+                       None if critic is None else (critic.params, critic.opt_state))
+            checkpointer.close()
             logger.close()
-        raise
+            return TrainResult(nnx.merge(graphdef, params), history, True, step - 1, programs, collector, opt_state,
+                               critic, earlier_history=logger.earlier, dropped_step=step)
+        update_metrics = _mean_metrics(per_minibatch)
+        time_update = time.perf_counter() - t0
+        watch.done()
+        wall = time.perf_counter() - t_step
+        metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
+                   "time_step": wall,
+                   "lr": float(programs.learner.lr_schedule(step * tc.mini_batches)),
+                   "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
+                   "compilations": float(compilations())}
+        history.append({"step": step, **metrics})
+        logger.log(step, metrics)
+        # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
+        meta = lambda: {"step": step, "seed": spec.seed,
+                        "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
+        critic_state = None if critic is None else (critic.params, critic.opt_state)
+        preempted = signals.safe_point()  # several processes: the same step on every one
+        preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
+        if _save(checkpointer, step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
+            saved = step
+        if on_step is not None:
+            on_step(step, nnx.merge(graphdef, params), metrics)
+        if single_process and not preempted and signals.requested is not None:  # arrived during on_step
+            _save(checkpointer, step, params, opt_state, meta, force=True, critic=critic_state)
+            preempted = True
+        if preempted:
+            signal_name = (signals.requested if single_process else
+                           "preemption (at the same step on every process)")
+            logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
+            if not primary:  # every host's log says where it stopped (the logger writes on process 0 only)
+                print(f"process {jax.process_index()}: {signal_name}: checkpoint of step {step} written, exiting",
+                      flush=True)
+            stopped = True
+            break
+    if single_process and not stopped and signals.requested is not None:  # no step was under way
+        logger.write(f"{signals.requested}: no step left to run; exiting (the checkpoint of step {step} is the latest)")
+        stopped = True
+    checkpointer.close()
+    logger.close()
+    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
+                       earlier_history=logger.earlier)
 
 
 def _save(checkpointer: TrainCheckpointer, *args, **kwargs) -> bool:

@@ -82,10 +82,11 @@ class MetricsLogger:
         local = not is_remote(self.path)
         self.jsonl = self.path.open("a") if local else None
         self.text = "" if local or not self.path.exists() else self.path.read_text()  # a store's object
+        # TensorBoard's writer is made with the first row: tensorboardX closes it at exit, which on Python 3.12
+        # cannot start its queue's thread, so a run that stops before its first row (an error, a Ctrl-C while
+        # compiling) would print a traceback after its one line
+        self.tensorboard = tensorboard
         self.writer = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-            self.writer = SummaryWriter(str(self.workdir / "tensorboard"))
         self.bar = console.bar(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
@@ -102,6 +103,9 @@ class MetricsLogger:
                 self.jsonl.flush()
             except OSError as e:  # name the file (a failed flush does not)
                 raise OSError(e.errno, e.strerror, str(self.path)) from e
+        if self.tensorboard and self.writer is None:
+            from tensorboardX import SummaryWriter
+            self.writer = SummaryWriter(str(self.workdir / "tensorboard"))
         if self.writer is not None:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
