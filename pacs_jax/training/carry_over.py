@@ -21,8 +21,10 @@ and policy versions, lengths, stop flags, budgets and keys, and the row each dec
 ``CarryOverSampler.export``, read from the device only when a checkpoint is written: the loop asks
 for the state then). ``resume(params, step, watch)`` puts them back into the engine in the phase
 "resume" of the resumed session's first step, before its call, their K/V recomputed with the restored
-weights (``CarryOverSampler.resume``), so they go on as in the run never stopped: no prompt is lost,
-none trained twice, no partial response thrown away. A stop that drops a step whose previous step
+weights (``CarryOverSampler.resume``), so no prompt is lost, none trained twice, no partial response
+thrown away. Their tokens after the resume can differ from the uninterrupted run's: that run's K/V of a
+partial response came from the weights that decoded each token, the replay's from the checkpoint's
+(docs/design.md 3.2b). A stop that drops a step whose previous step
 wrote no checkpoint writes it with ``state_before_call``'s state, where once the step's call has begun
 the prompts in flight are queued instead (their partial responses sampled again).
 
