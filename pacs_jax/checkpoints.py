@@ -309,6 +309,13 @@ class RestoredStep(NamedTuple):
     critic: tuple[nnx.State, Any] | None
 
 
+def read_meta(directory: str | os.PathLike, step: int) -> dict:
+    """The meta item (JSON: step, seed, data_state) of step ``step`` of the trainer's root ``directory``,
+    read as ``TrainCheckpointer.restore`` reads it but without a manager (no collective: any process, at
+    any time). Raises ``OSError`` (no such file) or ``ValueError`` (not JSON)."""
+    return dict(ocp.JsonCheckpointHandler().restore(_absolute(directory) / str(step) / "meta"))
+
+
 class TrainCheckpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``, restores the latest.
 

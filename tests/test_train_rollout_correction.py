@@ -21,7 +21,9 @@ from flax import nnx
 from conftest import REPO
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.training.config_check import ConfigError, validate_config
-from pacs_jax.training.rollout import RolloutCollector
+from pacs_jax.rewards import STATUSES
+from pacs_jax.training.progress import StepWatch
+from pacs_jax.training.rollout import Collected, RolloutCollector, Scores
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from test_rollout_correction import reference as correction_reference
@@ -113,7 +115,9 @@ def _ppo_clip_token_losses(logp, old, adv):
 def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_loss(models_and_batch,  # noqa: F811
                                                                                    loss_type):
     """No pi_old pass: the update batch's old_logp are the sampler's; the loss corrects pi_theta against
-    them (verl's bypass): PPO-clip over the rejection mask without weights, or REINFORCE with them."""
+    them (verl's bypass): PPO-clip over the rejection mask without weights, or REINFORCE with them. The
+    step's metrics have no entropy (no pass measures it; issue 67 item 2: it was NaN every step) and no
+    value that is not finite."""
     hf_model, model, sampled = models_and_batch
     graphdef, params = nnx.split(model)
     config = trainer_config(TEMPERATURE)
@@ -125,12 +129,18 @@ def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_
     R = sampled.tokens.shape[1]
     drifted = np.zeros((len(sampled.tokens), R + 3), np.float32)
     drifted[:, :R] = reference_logprobs(hf_model, sampled, 1.0)  # the sampler's: temperature 1, pi_theta's 0.6
-    batch, entropy, *_ = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).old_policy(
-        params, types.SimpleNamespace(**vars(sampled), sampler_logprobs=(drifted[:4], drifted[4:])))
-    assert np.isnan(float(entropy[-1]))  # no pass computed it
+    B = len(sampled.tokens)
+    rows = types.SimpleNamespace(**vars(sampled), sampler_logprobs=(drifted[:4], drifted[4:]), response_bucket=R,
+                                 prompt_bucket=sampled.prompt_tokens.shape[1], stopped=np.ones(B, bool),
+                                 decode_steps=R, slot_utilisation=1.0)
+    scores = Scores(REWARDS, [STATUSES[0]] * B, np.zeros(B, np.int32), 0, 0.0, 0)
+    rollout = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).finish(
+        params, Collected(rows, scores, {}, {"time_sample": 0.0, "time_reward": 0.0}), StepWatch.silent())
+    assert "entropy" not in rollout.metrics  # no pass measured it
+    assert all(np.isfinite(value) for value in rollout.metrics.values()), rollout.metrics
+    batch = update_batch = rollout.batch
     np.testing.assert_array_equal(np.asarray(batch.old_logp), drifted[:, :R])
 
-    update_batch = batch.replace(rewards=jax.numpy.asarray(REWARDS))
     fresh = jax.tree.map(np.array, params)
     _, _, (metrics,) = programs.learner.update(fresh, jax.jit(programs.learner.optimizer.init)(fresh), update_batch)
     live = np.asarray(batch.response_mask, np.float64)

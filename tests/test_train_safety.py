@@ -24,8 +24,8 @@ from pacs_jax.files import storage_error
 from pacs_jax.training import metrics as metrics_lib
 from pacs_jax.training.spec import ConfigError, RunSpec
 from pacs_jax.training.workdir import CONFIG_FILE, LOCK_FILE, WorkdirLock, WorkdirLockedError, check_resume, recorded_config
-from train_helpers import (FAST_DEMO_FLAGS, REPO, RL_ONLY_FLAGS, checkpoint_steps, compile_cache_dir, finish, logs,
-                           load_config, metrics_rows, start_train, train_env, wait_for)
+from train_helpers import (FAST_DEMO_FLAGS, REPO, RL_ONLY_FLAGS, ListPromptSource, checkpoint_steps, compile_cache_dir,
+                           finish, logs, load_config, metrics_rows, start_train, train_env, wait_for)
 
 LONG = 200  # train.steps of runs that are stopped long before
 
@@ -351,3 +351,84 @@ def test_a_resume_with_another_model_path_is_refused_naming_both_paths(tmp_path,
     monkeypatch.chdir(tmp_path)
     config.model.path = "model_a"
     assert check_resume(RunSpec.unplaced(config), workdir, None) == 3
+
+
+def _save_meta(workdir, step: int, data_state: dict) -> None:
+    """A checkpoint of ``step`` in ``workdir/checkpoints`` holding only its meta item (as TrainCheckpointer
+    writes it: step, seed, data_state), enough for check_resume; its restore fails (no params)."""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(workdir / "checkpoints", item_names=("meta",))
+    manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave({"step": step, "seed": 0,
+                                                                        "data_state": data_state})))
+    manager.wait_until_finished()
+    manager.close()
+
+
+def test_a_resume_that_switches_carry_over_or_clipping_is_refused_naming_the_checkpoint_s(tmp_path):
+    """Issue 67 item 1: carry-over's data state (its source's, the queue, the rows in flight) and a plain
+    source's cursor do not restore into each other (the resume died with KeyError 'next_index' after
+    rewriting config.json): switching rollout.carry_over is refused in one line, read from the checkpoint
+    itself (config.json may be one that resume rewrote); one step off's state is a plain cursor and resumes
+    either way. Gradient clipping switched on or off changes the optimizer state's structure: refused too."""
+    from types import SimpleNamespace
+
+    from pacs_jax.training.carry_over import CarryOverRollouts
+
+    config = load_config("default.py")
+    plain = ListPromptSource([])
+    carried = CarryOverRollouts(ListPromptSource([]), SimpleNamespace(export=lambda: None), prompts_per_step=8)
+    for saved, data_state in ((True, carried.get_state()), (False, plain.get_state())):
+        workdir = tmp_path / f"carry_over_{saved}"
+        _save_meta(workdir, 3, data_state)
+        (workdir / CONFIG_FILE).write_text(json.dumps(recorded_config(config, None)))  # carry_over False either way
+        config.rollout.carry_over = not saved
+        with pytest.raises(ConfigError) as refused:
+            check_resume(RunSpec.unplaced(config), workdir, None)
+        line = str(refused.value)
+        assert "\n" not in line and "differs from their run in 1 field(s): " in line
+        assert f"rollout.carry_over (checkpoint {saved}, this config {not saved}: the checkpoint's data state " in line
+        config.rollout.carry_over = saved
+        assert check_resume(RunSpec.unplaced(config), workdir, None) == 3
+        config.rollout.carry_over = False
+
+    config.train.off_policy_steps = 1  # the plain checkpoint's cursor is one step off's too
+    assert check_resume(RunSpec.unplaced(config), workdir, None) == 3
+    config.train.off_policy_steps = 0
+
+    config.optim.grad_clip = 0.0  # config.json's is the demo's 1.0
+    with pytest.raises(ConfigError, match=r"1 field\(s\): optim\.grad_clip \(checkpoint 1\.0, this config 0\.0: "
+                                          r"clipping on one side only"):
+        check_resume(RunSpec.unplaced(config), workdir, None)
+    config.optim.grad_clip = 0.5  # another threshold: the same state
+    assert check_resume(RunSpec.unplaced(config), workdir, None) == 3
+
+
+def test_a_resume_whose_checkpoint_does_not_restore_leaves_config_json_and_sessions_json_as_they_were(tmp_path):
+    """Issue 67 item 1: a resume writes config.json and its session in sessions.json only once its checkpoint
+    has restored (it wrote them first, so a resume that failed left a record of a run that never trained): one
+    whose only checkpoint passes check_resume but does not restore (its arrays missing) stops with
+    CheckpointError and the two files as they were."""
+    import jax
+
+    from pacs_jax.checkpoints import CheckpointError
+    from pacs_jax.sharding import make_mesh
+    from pacs_jax.training.run import run_training
+    from pacs_jax.training.workdir import SESSIONS_FILE
+
+    config = load_config("default.py")
+    config.warmstart.steps, config.eval.before_rl, config.eval.sets = 0, False, ""
+    config.model.num_hidden_layers, config.train.steps, config.train.prompts_per_step = 1, 4, 8
+    config.data.arithmetic.problems, config.data.warmstart_problems, config.data.held_out_problems = 40, 0, 0
+    workdir = tmp_path / "run"
+    _save_meta(workdir, 2, {"next_index": 2})
+    recorded = json.dumps(recorded_config(config, None))
+    (workdir / CONFIG_FILE).write_text(recorded)
+    sessions = json.dumps({"sessions": [{"started": "2026-01-01T00:00:00", "seconds": 60.0}]})
+    (workdir / SESSIONS_FILE).write_text(sessions)
+    config.rollout.n = 4  # what a resume may change: config.json would record it
+    with pytest.raises(CheckpointError, match="no checkpoint restores: step 2: "):
+        with jax.set_mesh(make_mesh(8, 1, 1)):
+            run_training(config, workdir)
+    assert (workdir / CONFIG_FILE).read_text() == recorded
+    assert (workdir / SESSIONS_FILE).read_text() == sessions

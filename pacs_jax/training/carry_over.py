@@ -89,6 +89,13 @@ def _rows_from_json(packed: dict, max_new_tokens: int) -> SavedRows:
     return SavedRows(**arrays)
 
 
+def is_carry_over_state(data_state) -> bool:
+    """Whether a checkpoint's data state is carry-over's (``CarryOverRollouts.get_state``: the source's
+    state, the queue and the rows in flight, absent from older checkpoints), not a plain prompt source's
+    cursor: each source takes only its own (training/workdir.py ``check_resume`` refuses the other)."""
+    return isinstance(data_state, dict) and {"source", "queued"} <= data_state.keys()
+
+
 @dataclasses.dataclass(frozen=True)
 class CarriedCall:
     """One step's carry-over call (``CarryOverRollouts.sample``): B groups of n rows."""

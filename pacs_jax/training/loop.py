@@ -96,14 +96,17 @@ def _mean_metrics(per_minibatch: list[dict]) -> dict[str, float]:
 def rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource, *,
              decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
              on_step: Callable[[int, Qwen, dict], None] | None = None,
-             programs: StepPrograms | None = None, keep_first_step: bool = False) -> TrainResult:
+             programs: StepPrograms | None = None, keep_first_step: bool = False,
+             on_start: Callable[[], None] | None = None) -> TrainResult:
     """Run ``spec.train.steps`` RL steps on ``model`` (resuming from ``workdir/checkpoints``).
 
     decode: generated ids -> text for the reward. reward_pool: the caller's pool; it scores the
     rollouts and the caller's evaluations (one pool per run). on_step(step, model, metrics): called
     after each step (periodic evaluation hooks in here). programs: the run's StepPrograms
-    (training/run.py makes them before the warm-start); None: made here. Returns the trained model
-    and the per-step metrics.
+    (training/run.py makes them before the warm-start); None: made here. on_start(): called once the
+    run is known to start: after the restore and (``train.precompile``) the memory check, before the
+    first step (training/run.py: a resume's config.json and sessions.json are written then). Returns
+    the trained model and the per-step metrics.
 
     SIGTERM / SIGINT (training/signals.py) from the start of this call stop the run
     (``stopped_by_signal``): one process ends the step under way at its next phase boundary before
@@ -117,13 +120,14 @@ def rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: Pr
     with stop_signals(multiprocess=jax.process_count() > 1) as signals, signals.deferred():
         return _rl_train(spec, workdir, model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
                          reward_pool=reward_pool, on_step=on_step, programs=programs,
-                         keep_first_step=keep_first_step)
+                         keep_first_step=keep_first_step, on_start=on_start)
 
 
 def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: PromptSource,
               signals, *, decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int],
               reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None,
-              programs: StepPrograms | None, keep_first_step: bool) -> TrainResult:
+              programs: StepPrograms | None, keep_first_step: bool, on_start: Callable[[], None] | None
+              ) -> TrainResult:
     workdir = epath.Path(workdir)
     tc = spec.train
     graphdef, params = nnx.split(model)
@@ -174,6 +178,8 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
         if primary:  # what the programs chose, once (models/kernels.py)
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+    if on_start is not None:
+        on_start()
     write = logger.write if primary else lambda line: None
     watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
     # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,

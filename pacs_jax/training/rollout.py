@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -141,9 +140,9 @@ class Collected:
 @dataclasses.dataclass
 class OldPolicy:
     """pi_old's passes on a step's rows, dispatched (``RolloutCollector._old_policy_phase``): the update
-    batch without rewards, the mean entropy after each pass [] (the last: all rows), the critic passes'
-    packing plans, the packing metrics, and the sampler / pi_old comparison's and the correction's
-    metrics (device scalars)."""
+    batch without rewards, the mean entropy after each pass [] (the last: all rows; none in bypass mode,
+    which runs no pass), the critic passes' packing plans, the packing metrics, and the sampler / pi_old
+    comparison's and the correction's metrics (device scalars)."""
 
     batch: UpdateBatch
     entropy_means: list[jax.Array]
@@ -279,9 +278,9 @@ class RolloutCollector:
     def old_policy(self, state: nnx.State, sampled: SampledRows) -> tuple[UpdateBatch, list[jax.Array], dict,
                                                                           dict]:
         """Dispatch pi_old's passes on a ``sample`` result (asynchronous): (update batch without
-        rewards, the mean entropy of the responses after each pass (the last: all of them), the passes'
-        packing plans on the device (by pass, as ``StepPrograms.packing_plans``; {} when padded), the
-        packing metrics)."""
+        rewards, the mean entropy of the responses after each pass (the last: all of them; none in bypass
+        mode: no pass measures it), the passes' packing plans on the device (by pass, as
+        ``StepPrograms.packing_plans``; {} when padded), the packing metrics)."""
         programs = self.programs
         args = [sampled.prompt_tokens, sampled.prompt_mask, sampled.tokens, sampled.response_mask]
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
@@ -289,7 +288,7 @@ class RolloutCollector:
         passes = 2 if programs.learner.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
         bypass = programs.learner.sampler_as_old_policy is not None  # the sampler's log-probs as pi_old: no pass, no entropy
         if bypass:
-            batch, entropy = programs.learner.sampler_as_old_policy(sampled.sampler_logprobs, *args), [jnp.full((), jnp.nan)]
+            batch, entropy = programs.learner.sampler_as_old_policy(sampled.sampler_logprobs, *args), []
             passes -= 1
         if not programs.learner.packing:
             if not bypass:
@@ -434,7 +433,7 @@ class RolloutCollector:
             **dispatched.packing_stats,
             "prompt_bucket": float(sampled.prompt_bucket),  # the sampler's (packed passes take the largest)
             "truncated_fraction": float(1.0 - sampled.stopped.mean()),  # responses cut at max_new_tokens
-            "entropy": float(dispatched.entropy_means[-1]),
+            **({"entropy": float(dispatched.entropy_means[-1])} if dispatched.entropy_means else {}),  # bypass: none
             **mismatch,  # the sampler's log-probs against pi_old (training/rollout_consistency.py)
             "generated_tokens": float(lengths.sum()),
             "decode_steps": float(sampled.decode_steps),  # of the step's sampler calls, summed

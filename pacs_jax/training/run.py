@@ -19,9 +19,11 @@ run again (their results are kept in workdir/warmstart.json). Evaluation outputs
 workdir/eval/<name>/ (before_rl, step_<k>, final, final_greedy).
 
 Around all of it (docs/design.md section 3.7): the workdir lock (training/workdir.py), the resume
-check, made before anything is written (a checkpoint of other model shapes, model.path, objective or
-critic, or ``train.steps`` below the checkpoint's step, is refused naming the fields; so is a workdir/hf_export
-holding files the export at the end would delete, naming them), then config.json; the
+check, made before anything is written (a checkpoint of other model shapes, model.path, objective,
+critic, gradient clipping or carry-over, or ``train.steps`` below the checkpoint's step, is refused naming
+the fields; so is a workdir/hf_export holding files the export at the end would delete, naming them),
+then config.json and the session's entry in sessions.json (a resume's once its checkpoint has restored
+and its programs fit: one refused before leaves the record as it was); the
 run's SIGTERM / SIGINT handling by phase (training/signals.py); the wall time of every session
 (sessions.json; summary.json's ``wall_seconds`` is their sum). A workdir whose run has finished at
 ``train.steps`` says there is nothing to train and returns its summary; one whose checkpoint is at
@@ -201,8 +203,16 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         say(f"all {latest} steps of train.steps are checkpointed in {workdir / 'checkpoints'}, but the last "
             f"session stopped before the end: running the final evaluation and the export")
     check_export_folder(workdir)  # the export at the end replaces workdir/hf_export: refused now, not then
-    write_config(recorded, workdir, planned)
-    clock.update(force=True)
+
+    def record_session() -> None:
+        """config.json and this session in sessions.json: a fresh run's now, a resume's once its checkpoint
+        has restored and its programs fit (rl_train's on_start), so that one refused there leaves the
+        record of the run that wrote the checkpoints."""
+        write_config(recorded, workdir, planned)
+        clock.update(force=True)
+
+    if not latest:
+        record_session()
     model = build_model(spec, tokenizer)
     prompts, warm_prompts, held_out, counts = prompt_source(spec, tokenizer)
     if primary:
@@ -281,7 +291,8 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         result = rl_train(spec, workdir, model, prompts,  # a signal: its step's checkpoint, then stop
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs,
-                          keep_first_step=not latest and wc.steps > 0)  # step 1 keeps the warm-start
+                          keep_first_step=not latest and wc.steps > 0,  # step 1 keeps the warm-start
+                          on_start=record_session if latest else None)
         if result.stopped_by_signal:
             clock.update(force=True)
             if result.dropped_step is None:

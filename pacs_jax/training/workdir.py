@@ -16,14 +16,16 @@
   trainers taking over the same stale lock at the same moment may both start.
 - ``check_resume``: before anything is written, a workdir with checkpoints is refused (one
   ``ConfigError`` naming every differing field) when this config's model shapes (the architecture
-  fields, the vocabulary), model.path, objective or critic differ from the checkpoints' run (a resume
+  fields, the vocabulary), model.path, objective, critic, gradient clipping (on or off) or carry-over
+  (on or off: the checkpoint's data state is read) differ from the checkpoints' run (a resume
   trains the checkpoint's weights: another model.path's would be loaded and discarded, and config.json
   would name a model the run never trained), or when
   ``train.steps`` is below the checkpoint's step; ``check_export_folder``: so is a workdir whose
   ``hf_export`` holds files the run's export would delete (the evaluation CLI's ``eval/`` results),
   rather than failing with a traceback after the last step. ``config.json`` (``write_config``) is the record
-  of the run that wrote the checkpoints, so it is written only after that check: the config, with
-  the options the objective runs with and the architecture of the model the run builds.
+  of the run that wrote the checkpoints, so it is written only after that check (a resume's, only once its
+  checkpoint has restored: training/run.py): the config, with the options the objective runs with and
+  the architecture of the model the run builds.
 - ``SessionClock``: ``<workdir>/sessions.json`` records every session's wall time, so that
   summary.json's ``wall_seconds`` covers all of them.
 """
@@ -44,11 +46,12 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from pacs_jax.checkpoints import MODEL_CONFIG_FILE
+from pacs_jax.checkpoints import MODEL_CONFIG_FILE, read_meta
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import NotAnExportError, check_export_target
 from pacs_jax.rl.objectives import options_for
+from pacs_jax.training.carry_over import is_carry_over_state
 from pacs_jax.training.spec import ConfigError, RunSpec, run_algorithm
 
 LOCK_FILE = "trainer.lock"
@@ -303,6 +306,17 @@ def _same_model_path(recorded: str, configured: str) -> bool:
     return bool(local) and os.path.realpath(recorded) == os.path.realpath(configured)
 
 
+def _carry_over_saved(root: epath.Path, steps: list[int]) -> bool | None:
+    """Whether the data state of the newest of ``steps`` under ``root`` whose meta item reads is carry-over's
+    (None: none reads; the restore then says which are damaged)."""
+    for step in reversed(steps):
+        try:
+            return is_carry_over_state(read_meta(root, step)["data_state"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
 def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfig | None) -> int:
     """The latest checkpoint step of ``workdir`` (0: none), after checking that the run of ``spec`` can resume it.
 
@@ -310,7 +324,10 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
     not compared). Raises ``ConfigError`` naming every field that differs from the checkpoints' run
     (shape fields of the model, model.path as configured: ``spec``'s, not a local copy of a ``gs://``
     folder; algorithm.objective, the critic, train.prompts_per_step: the data iterator's saved
-    position counts batches of that size) and when ``train.steps`` is below the checkpoint's step.
+    position counts batches of that size; optim.grad_clip and PPO's critic.grad_clip on one side only:
+    clipping has an optimizer state of its own; rollout.carry_over, against the kind of data state the
+    newest readable checkpoint holds: carry-over's and a plain source's do not restore into each other,
+    while one step off's is a plain cursor) and when ``train.steps`` is below the checkpoint's step.
     Reads only.
     """
     workdir = epath.Path(workdir)
@@ -351,6 +368,21 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
         differs.append(f"the critic (the checkpoint has a PPO critic; objective {objective!r} has none)")
     elif not has_critic and objective == "ppo":
         differs.append("the critic (the checkpoint has no PPO critic; objective 'ppo' needs one)")
+    # clipping adds a state to the optimizer's: on one side only, the saved one cannot be restored
+    clipped = [("optim", spec.optim.grad_clip)]
+    if has_critic and spec.critic is not None:
+        clipped.append(("critic", spec.critic.grad_clip))
+    for section, grad_clip in clipped:
+        old_clip = _recorded(workdir / CONFIG_FILE, section, "grad_clip")
+        if isinstance(old_clip, (int, float)) and (old_clip > 0) != (grad_clip > 0):
+            differs.append(f"{section}.grad_clip (checkpoint {old_clip!r}, this config {grad_clip!r}: clipping on one "
+                           f"side only, so the saved optimizer state has another structure)")
+    saved_carry_over = _carry_over_saved(root, steps)
+    if saved_carry_over is not None and saved_carry_over != spec.rollout.carry_over:
+        differs.append(f"rollout.carry_over (checkpoint {saved_carry_over}, this config {spec.rollout.carry_over}: "
+                       + ("the checkpoint's data state is carry-over's queue and rows in flight, which a plain prompt "
+                          "source cannot take)" if saved_carry_over else
+                          "the checkpoint's data state is a plain prompt source's cursor, with no carry-over queue)"))
     if differs:
         raise ConfigError(
             f"{workdir}: cannot resume the checkpoints in {root} (latest step {latest}) with this config: it "
