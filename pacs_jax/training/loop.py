@@ -47,6 +47,7 @@ from pacs_jax.training.compilations import compilations, start_counting, uncount
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.one_step_off import OneStepOff
+from pacs_jax.training.option_lines import step_line
 from pacs_jax.training.progress import Position, StepInterrupted, StepWatch, dispatches_done
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.rollout import RolloutCollector
@@ -237,6 +238,9 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})
         logger.log(step, metrics)
+        options = step_line(spec, metrics)  # what carry-over, dynamic sampling, one step off, a correction did
+        if options is not None:
+            logger.write(f"step {step}: {options}")
         # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
         meta = lambda: {"step": step, "seed": spec.seed,
                         "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}

@@ -305,12 +305,14 @@ class FilterGroupsSpec:
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """``config.algorithm``: the objective and the options it runs with (its namespace, resolved), and
-    the rollout correction."""
+    the rollout correction (``correction_by_default``: the run's default for stale rows, ``run_algorithm``,
+    not the config's)."""
 
     objective: str
     options: dict[str, Any]
     rollout_correction: RolloutCorrectionSpec
     filter_groups: FilterGroupsSpec
+    correction_by_default: bool = False
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
@@ -357,7 +359,7 @@ def run_algorithm(config) -> AlgorithmSpec:
     correction = algorithm.rollout_correction
     if (config.rollout.carry_over or config.train.off_policy_steps) and not correction.enabled:
         algorithm = dataclasses.replace(algorithm, rollout_correction=dataclasses.replace(
-            correction, rollout_is="token", rollout_is_threshold=2.0))
+            correction, rollout_is="token", rollout_is_threshold=2.0), correction_by_default=True)
     return algorithm
 
 
