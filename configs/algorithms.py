@@ -12,6 +12,7 @@ import dataclasses
 import ml_collections
 
 from configs import base
+from pacs_jax.errors import did_you_mean
 
 _CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)  # PPO-clip 0.2, dual clip 3 (verl)
 
@@ -109,5 +110,5 @@ def setup(name: str, response_length: int) -> Setup:
     """The setup ``name`` at ``response_length``; ValueError names the known ones."""
     known = setups(response_length)
     if name not in known:
-        raise ValueError(f"algorithm {name!r}: expected one of {sorted(known)}")
+        raise ValueError(f"algorithm {name!r}: expected one of {sorted(known)}{did_you_mean(name, known)}")
     return known[name]

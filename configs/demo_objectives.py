@@ -13,6 +13,7 @@ seq-mean-token-sum-norm; GSPO and CISPO as verl's examples, configs/algorithms.p
 import ml_collections
 
 from configs import default
+from pacs_jax.errors import did_you_mean
 
 SETUPS = {"pacs": "pacs_beta1", "grpo": "grpo", "rloo": "rloo", "drgrpo": "drgrpo", "ppo": "ppo_token_mean",
           "gspo": "gspo", "cispo": "cispo"}
@@ -20,7 +21,7 @@ SETUPS = {"pacs": "pacs_beta1", "grpo": "grpo", "rloo": "rloo", "drgrpo": "drgrp
 
 def get_config(objective: str = "pacs") -> ml_collections.ConfigDict:
     if objective not in SETUPS:
-        raise ValueError(f"config arg {objective!r}: expected one of {tuple(SETUPS)}")
+        raise ValueError(f"config arg {objective!r}: expected one of {tuple(SETUPS)}{did_you_mean(objective, SETUPS)}")
     c = default.get_config(SETUPS[objective])
     c.workdir = f"workdir/demo_{objective}"
     return c

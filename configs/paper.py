@@ -39,6 +39,7 @@ critic initialised from the same model: AdamW lr 1e-5, value clip 0.5, grad clip
 import ml_collections
 
 from configs import algorithms, base, paper_evaluation
+from pacs_jax.errors import did_you_mean
 
 # Per model: the preset, the mesh (data, fsdp, tensor; -1 fills the slice) and the memory settings of
 # one step on the slice it is sized for (see the module docstring), each checked to fit with
@@ -117,12 +118,15 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     model_name, _, rest = arg.partition(",")
     algo_name, _, scale = rest.partition(",")
     if model_name not in MODELS:
-        raise ValueError(f"config arg model {model_name!r}: expected one of {sorted(MODELS)}")
+        raise ValueError(f"config arg model {model_name!r}: expected one of {sorted(MODELS)}"
+                         f"{did_you_mean(model_name, MODELS)}")
     algo_name = algo_name or "pacs_beta1"
     if algo_name not in ALGORITHMS:
-        raise ValueError(f"config arg algorithm {algo_name!r}: expected one of {sorted(ALGORITHMS)}")
+        raise ValueError(f"config arg algorithm {algo_name!r}: expected one of {sorted(ALGORITHMS)}"
+                         f"{did_you_mean(algo_name, ALGORITHMS)}")
     if scale not in SCALES:
-        raise ValueError(f"config arg scale {scale!r}: expected one of {SCALES} (or none: the paper's size)")
+        raise ValueError(f"config arg scale {scale!r}: expected one of {SCALES} (or none: the paper's size)"
+                         f"{did_you_mean(scale, SCALES)}")
     spec = MODELS[model_name]
     preset, (data, fsdp, tensor) = spec["preset"], spec["mesh"]
 

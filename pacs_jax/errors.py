@@ -27,6 +27,7 @@ tuple field's override given twice (``repeated_tuple_override``).
 
 from __future__ import annotations
 
+import difflib
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -45,6 +46,9 @@ CONFIG_SECTIONS = ("model", "mesh", "data", "warmstart", "rollout", "algorithm",
 CONFIG_HELP = ("config: --config=FILE.py[:ARG] loads a config file (configs/), --config.SECTION.FIELD=VALUE sets one "
                "of its fields (--config.train.steps=3); configs/base.py lists every field with its default and what "
                f"it does: seed, workdir and the sections {', '.join(CONFIG_SECTIONS)}.")
+# Fields a config does not have, by what a user may reach for (a path under the config flag), and the one that does it
+MEANT_FIELDS = {"algorithm.name": "algorithm.objective", "algorithm.algorithm": "algorithm.objective",
+                "algorithm.algo": "algorithm.objective", "algorithm.type": "algorithm.objective"}
 # Where a store's client code lives: an error raised through these is the store's (or the network's)
 _STORE_CLIENTS = ("/gcsfs/", "/fsspec/", "/google/auth/", "/google/cloud/", "/aiohttp/")
 
@@ -58,12 +62,32 @@ class UsageError(PermanentError, ValueError):
     names the flag or field."""
 
 
+def _words(text) -> list[str]:
+    """The words of a name (split at "_", "-", ".", " "), lower case, sorted."""
+    return sorted(re.split(r"[_\-. ]+", str(text).lower()))
+
+
+def did_you_mean(value, choices) -> str:
+    """"; did you mean 'CHOICE'?" for the one of ``choices`` a misspelled string ``value`` most likely
+    meant: the same words in another order or case (``tis_token``: 'token_tis'), else the closest spelling
+    (``difflib``'s, as ml_collections' for a field's name); "" when none is close or ``value`` is no string."""
+    if not isinstance(value, str) or not value:
+        return ""
+    same_words = [c for c in choices if _words(c) == _words(value)]
+    close = same_words or difflib.get_close_matches(value.lower(), [str(c).lower() for c in choices], n=1)
+    if not close:
+        return ""
+    meant = next(c for c in choices if str(c).lower() == str(close[0]).lower())
+    return f"; did you mean {meant!r}?"
+
+
 def unknown_config_field(error: BaseException, argv: Sequence[str], flag: str = "config") -> str | None:
     """One line for ml_collections' refusal of an override naming a field the config lacks
     (``--config.train.stepz=3``), which it raises while the flags are defined or parsed, as a KeyError or
     an AttributeError wrapping one whose text is ``'stepz'`` plus, for a close name, ``Did you mean
     "steps" instead of "stepz"?``. The line names the override as given, its section and the likely
-    field; None when ``error`` is not that refusal of one of ``argv``'s ``--flag.PATH=`` overrides."""
+    field (``MEANT_FIELDS``' for a field a user may reach for under another name: ``--config.algorithm.name=gspo``,
+    algorithm.objective); None when ``error`` is not that refusal of one of ``argv``'s ``--flag.PATH=`` overrides."""
     while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(text))
         error = error.args[0]
     if not isinstance(error, (KeyError, AttributeError)) or not error.args or not isinstance(error.args[0], str):
@@ -79,8 +103,12 @@ def unknown_config_field(error: BaseException, argv: Sequence[str], flag: str = 
         if key not in parts:
             continue
         parent = ".".join([flag, *parts[:parts.index(key)]])
-        line = f"{arg.split('=', 1)[0]}: {parent} has no field {key!r}"
-        if suggestion:
+        name, given, value = arg.partition("=")
+        line = f"{name}: {parent} has no field {key!r}"
+        meant = MEANT_FIELDS.get(".".join(parts[:parts.index(key) + 1]))
+        if meant:
+            line += f"; did you mean --{flag}.{meant}{given}{value}?"
+        elif suggestion:
             fixed = ".".join([*parts[:parts.index(key)], suggestion.group(1), *parts[parts.index(key) + 1:]])
             line += f"; did you mean --{flag}.{fixed}?"
         return line
@@ -118,15 +146,18 @@ def _fail(program: str, message: str) -> None:
     sys.exit(PERMANENT_ERROR_STATUS)
 
 
-def _help(args: Sequence[str]) -> None:
+def _help(args: Sequence[str], config_files: Callable[[], str] | None = None) -> None:
     """Exit with status 0 after the help ``args`` ask for: absl's usage (--helpfull: every module's flags,
-    else the program's), then ``CONFIG_HELP`` when the program has a config flag."""
+    else the program's), then ``CONFIG_HELP`` when the program has a config flag, and ``config_files()``
+    (the program's: the config files it runs and their arguments)."""
     from absl import app, flags
 
     full = any(arg in ("--helpfull", "-helpfull") for arg in args)
     app.usage(shorthelp=not full, writeto_stdout=True)
     if "config" in flags.FLAGS:
         print(f"\n{CONFIG_HELP}")
+    if config_files is not None:
+        print(config_files())
     if not full:
         print("--helpfull lists every flag, the libraries' too.")
     sys.exit(0)
@@ -183,8 +214,10 @@ def repeated_tuple_override(argv: Sequence[str], flag: str, config) -> str | Non
 
 def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str] | None = None,
             permanent: tuple[type[BaseException], ...] = (),
-            prepare: Callable[[list[str]], list[str]] | None = None) -> None:
-    """``absl.app.run(main)``, except that ``--help`` exits with status 0 (``_help``), and that flag errors,
+            prepare: Callable[[list[str]], list[str]] | None = None,
+            config_files: Callable[[], str] | None = None) -> None:
+    """``absl.app.run(main)``, except that ``--help`` exits with status 0 (``_help``; ``config_files()``: the
+    config files the program runs, printed after the flags), and that flag errors,
     ``app.UsageError``, ``PermanentError`` and the ``permanent`` exception types print "``program``: error:
     MESSAGE" on stderr and exit with ``PERMANENT_ERROR_STATUS`` (no traceback, no flag listing). prepare:
     rewrites the command line before the flags are parsed (the CLIs': ``data.paths.config_file_args``); a
@@ -200,7 +233,7 @@ def run_cli(program: str, main: Callable[[list[str]], None], argv: Sequence[str]
     def parse_flags(args: list[str]) -> list[str]:
         flag_args = args[1:args.index("--")] if "--" in args else args[1:]
         if any(arg in HELP_FLAGS for arg in flag_args):
-            _help(flag_args)
+            _help(flag_args, config_files)
         try:
             rest = flags.FLAGS(prepare(args) if prepare else args)
             for name in flags.FLAGS:  # ml_collections' config flags: a tuple field's override given twice

@@ -128,10 +128,33 @@ def _check_workdir(workdir, field: str) -> None:
         raise UsageError(f"{field}={workdir}: cannot write in it ({e.strerror or e})") from None
 
 
+def config_files() -> str:
+    """What ``--help`` lists of the config files the trainer runs, with their arguments as the files define them."""
+    import inspect
+    import textwrap
+
+    from configs import algorithms, default, demo_objectives, paper
+
+    def choices(name: str, values) -> str:
+        return textwrap.fill(", ".join(values), width=118, initial_indent=f"  {name + ':':<11}",
+                             subsequent_indent=" " * 13)
+
+    setup = inspect.signature(default.get_config).parameters["algorithm"].default
+    return "\n".join([
+        "\nconfig files (--config=FILE.py[:ARG], the path from the working directory or the repository's root):",
+        f"  configs/default.py[:SETUP]            the CPU demo, the default (SETUP: {setup})",
+        "  configs/demo_objectives.py:OBJECTIVE  the demo with another objective's setup, at the same budget",
+        "  configs/paper.py:MODEL,ALGO[,cpu]     the PACS paper's setups (cpu: shrunk to a CPU smoke test)",
+        choices("SETUP", sorted(algorithms.setups(default.MAX_NEW_TOKENS))),
+        choices("OBJECTIVE", demo_objectives.SETUPS),
+        choices("MODEL", paper.MODELS),
+        choices("ALGO", paper.ALGORITHMS)])
+
+
 def cli() -> None:
     """Run ``main``; config, flag and data errors print one line and exit with status 78
     (``errors.PERMANENT_ERROR_STATUS``), which launch/supervise.sh does not retry."""
-    run_cli("pacs_jax.train", main, sys.argv, prepare=paths.config_file_args)
+    run_cli("pacs_jax.train", main, sys.argv, prepare=paths.config_file_args, config_files=config_files)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -101,6 +102,57 @@ def test_help_exits_0_and_points_to_the_config_fields(module, flag):
     assert f"  {flag}: " in run.stdout and CONFIG_HELP in run.stdout, run.stdout
     sections = [name for name, value in base.get_config().items() if isinstance(value, ml_collections.ConfigDict)]
     assert sorted(CONFIG_SECTIONS) == sorted(sections) and "configs/base.py lists every field" in CONFIG_HELP
+
+
+def test_help_lists_the_config_files_the_trainer_runs_and_their_arguments():
+    """Issue 67 item 7: the trainer's --help listed no configs; it names each file with its arguments, as the
+    files define them."""
+    from configs import algorithms, default, demo_objectives, paper
+
+    run = _run("pacs_jax.train", "--help")
+    assert run.returncode == 0 and not run.stderr, run.stderr[-3000:]
+    for usage in ("configs/default.py[:SETUP]", "configs/demo_objectives.py:OBJECTIVE",
+                  "configs/paper.py:MODEL,ALGO[,cpu]"):
+        assert f"\n  {usage} " in run.stdout, run.stdout
+    words = set(re.findall(r"\w+", run.stdout))
+    for names in (algorithms.setups(default.MAX_NEW_TOKENS), demo_objectives.SETUPS, paper.MODELS, paper.ALGORITHMS):
+        assert set(names) <= words, set(names) - words
+
+
+@pytest.mark.parametrize("field, value, line", [
+    ("algorithm.rollout_correction.preset", "tis_token", "config.algorithm.rollout_correction.preset: 'tis_token' is "
+     "not one of ['geo_rs', 'icepop', 'k3_rs', 'seq_mis', 'seq_tis', 'token_tis']; did you mean 'token_tis'?"),
+    ("algorithm.objective", "gpso", "config.algorithm.objective: 'gpso' is not one of ['cispo', 'drgrpo', 'grpo', "
+     "'gspo', 'pacs', 'ppo', 'rloo']; did you mean 'gspo'?"),
+    ("algorithm.pacs.weight_mode", "questoin", "config.algorithm.pacs.weight_mode: objective 'pacs': "
+     "weight_mode='questoin': expected one of ('question', 'only_positive', 'only_negative'); did you mean "
+     "'question'?"),
+    ("algorithm.rollout_correction.rollout_rs", "seq_mean_k4", "did you mean 'seq_mean_k3'?"),
+    ("rollout.sampler", "Paged", "did you mean 'paged'?"),
+    ("algorithm.objective", "zzz", "config.algorithm.objective: 'zzz' is not one of ['cispo', 'drgrpo', 'grpo', "
+     "'gspo', 'pacs', 'ppo', 'rloo']"),  # nothing close: no guess
+])
+def test_a_misspelled_value_names_the_likely_choice(field, value, line):
+    """Issue 67 item 7: a misspelled field got a "did you mean", a misspelled value only the choices."""
+    config = load_config("default.py")
+    *sections, name = field.split(".")
+    section = config
+    for part in sections:
+        section = section[part]
+    section[name] = value
+    with pytest.raises(PermanentError) as refused:
+        validate_config(config)
+    assert str(refused.value).endswith(line), str(refused.value)
+    assert str(refused.value).count("did you mean") == ("did you mean" in line)
+
+
+def test_a_field_a_user_reaches_for_under_another_name_points_to_the_one_that_does_it():
+    """Issue 67 item 7: --config.algorithm.name=gspo said only that config.algorithm has no field 'name'."""
+    for field in ("name", "algo"):
+        refusal = AttributeError(KeyError(f"'{field}'"))
+        assert unknown_config_field(refusal, ["prog", f"--config.algorithm.{field}=gspo"]) == (
+            f"--config.algorithm.{field}: config.algorithm has no field '{field}'; did you mean "
+            "--config.algorithm.objective=gspo?")
 
 
 def test_unknown_config_field_leaves_other_errors_alone():

@@ -141,3 +141,43 @@ def test_a_bar_in_a_log_writes_a_line_every_log_interval_and_one_last_line(monke
     bar.close()
     lines = out.getvalue().splitlines()
     assert sum("60/60" in line for line in lines) == 1 and lines[-1].startswith("train: 100%|"), lines
+
+
+@pytest.mark.parametrize("phases, keeps_warm_start, ahead, said", [
+    (("sampling",), True, False, "SIGINT during step 1 (sampling): step 1 finished rather than dropped: it keeps "
+                                 "this session's warm-start, which has no checkpoint of its own; checkpoint of step "
+                                 "1 written, exiting"),
+    (("sampling", "reward", "pi_old", "update"), False, True,
+     "SIGINT during step 1 (update): step 1 finished rather than dropped: its update had begun, and step 0 has no "
+     "checkpoint to go back to; step 2's rows sampled ahead dropped (a resume samples them again); checkpoint of "
+     "step 1 written, exiting"),
+    (("sampling", "reward", "pi_old", "update", None), False, False,
+     "SIGINT during step 1, after its update: step 1 finished; checkpoint of step 1 written, exiting"),
+    (None, True, False, "SIGINT before step 1 began: step 1 finished rather than dropped: it keeps this session's "
+                        "warm-start, which has no checkpoint of its own; checkpoint of step 1 written, exiting"),
+])
+def test_a_stop_that_finishes_its_step_says_where_the_signal_came_and_why_the_step_was_not_dropped(
+        phases, keeps_warm_start, ahead, said):
+    """Issue 67 item 7: the line of a stop that finishes its step ("SIGINT: checkpoint of step 1 written, exiting")
+    said neither where the signal came nor that the step was finished rather than dropped. The handler notes
+    the loop's ``StepWatch.position`` as the signal comes (phases: the watch's in step 1, None in a phase list:
+    the last one ended; no list: before step 1, as while compiling)."""
+    import signal
+
+    from pacs_jax.training.loop import _finished_line
+    from pacs_jax.training.signals import StopSignals
+
+    watch = StepWatch(lambda line: None, 30.0)
+    with StopSignals() as signals, signals.deferred():
+        signals.where = watch.position
+        if phases is not None:
+            watch.start_step(1, stoppable=False)
+            for phase in phases:
+                if phase is None:
+                    watch.done()
+                else:
+                    watch.start(phase)
+        signal.raise_signal(signal.SIGINT)
+    assert signals.requested == "SIGINT"
+    assert _finished_line(signals.requested, signals.requested_where, 1, keeps_warm_start=keeps_warm_start,
+                          ahead_dropped=ahead) == said

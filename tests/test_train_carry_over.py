@@ -125,7 +125,7 @@ def _train(config, model, batches, workdir, steps, pool, trained):
     return result.history, weights, result.collector.carry
 
 
-def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setup, tmp_path):
+def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setup, tmp_path, capsys):
     mesh, model, config, batches = setup
     trained = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
@@ -153,6 +153,10 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
     assert all(m["carried_rows"] > 0 for _, _, m, _ in trained[1:])  # responses went over to the next step
     assert max(m["rollout_staleness_max"] for _, _, m, _ in trained) == 1.0
     assert len({h["compilations"] for h in history}) == 1  # nothing compiled after step 1
+    out = capsys.readouterr().out  # issue 67 item 4: a line a step of what carry-over did, from its metrics
+    for step, _, metrics, _ in trained:
+        assert (f"step {step}: carry-over: {metrics['carried_rows']:.0f} rows carried in, staleness mean "
+                f"{metrics['rollout_staleness_mean']:.2f} max {metrics['rollout_staleness_max']:.0f}") in out, out
 
 
 def test_dynamic_sampling_with_carry_over_keeps_the_first_groups_with_spread_the_engine_returns(setup, tmp_path):

@@ -218,9 +218,14 @@ def test_a_run_stopped_at_each_phase_and_resumed_trains_every_prompt_once(setup,
     ({"train.off_policy_steps": 2}, "train.off_policy_steps", "must be 0 .* or 1"),
     ({"train.off_policy_steps": 1, "rollout.carry_over": True}, "train.off_policy_steps", "carry_over=True is not built"),
     ({"train.off_policy_steps": 1, "rollout.max_logprob_diff": 0.5}, "rollout.max_logprob_diff", "a step behind"),
-    ({"train.off_policy_steps": 1, "mesh.rollout_devices": 8}, "mesh.rollout_devices", "leaves none of the 8 devices"),
+    # issue 67 item 7: a refused number of devices names the largest that works with the other values (4 of 8:
+    # the learner's 4 take the demo's micro-batches, the engine's its slots), or says that none does
+    ({"train.off_policy_steps": 1, "mesh.rollout_devices": 8}, "mesh.rollout_devices",
+     r"leaves none of the 8 devices to the learner; the largest mesh.rollout_devices that works here is 4 \(the "
+     r"learner's mesh on the other 4 of the 8 devices\)"),
     ({"train.off_policy_steps": 1, "mesh.rollout_devices": 2, "mesh.fsdp": 2, "mesh.tensor": 3},
-     "mesh.rollout_devices", r"2 is not a multiple of the learner's tensor axis \(3\)"),
+     "mesh.rollout_devices", r"2 is not a multiple of the learner's tensor axis \(3\), which the rollout engine's "
+     r"mesh keeps; no mesh.rollout_devices above 0 works on 8 devices"),
     ({"train.off_policy_steps": 1, "mesh.rollout_devices": 4, "mesh.device_order": (0, 1, 2, 3)}, "mesh.device_order",
      "leave it"),
 ])
@@ -230,6 +235,18 @@ def test_the_config_refuses_what_one_step_off_cannot_do(changes, field, words):
         section, name = dotted.split(".")
         config[section][name] = value
     with pytest.raises(ConfigError, match=f"config.{field}: .*{words}"):
+        RunSpec.from_config(config, 8)
+
+
+def test_a_learner_mesh_the_split_leaves_too_few_devices_names_the_largest_split_that_works():
+    """Issue 67 item 7: mesh.data=4 on the 6 devices mesh.rollout_devices=2 leaves the learner is refused naming
+    them and the largest number of rollout devices that works with the other values (4: the learner's 4)."""
+    config = load_config("default.py")
+    config.train.off_policy_steps, config.mesh.rollout_devices, config.mesh.data = 1, 2, 4
+    with pytest.raises(ConfigError, match=r"^config.mesh \(data, fsdp, tensor\)=\(4, 1, 1\) needs 4 devices, 6 are "
+                                          r"available \(the 6 devices mesh.rollout_devices leaves the learner\); the "
+                                          r"largest mesh.rollout_devices that works here is 4 \(the learner's mesh on "
+                                          r"the other 4 of the 8 devices\)$"):
         RunSpec.from_config(config, 8)
 
 

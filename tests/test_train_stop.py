@@ -103,7 +103,9 @@ def test_ctrl_c_in_the_first_step_after_a_warm_start_finishes_it_to_keep_the_war
     os.killpg(process.pid, signal.SIGINT)
     assert finish(process, timeout=120) == RESUME_NEEDED_STATUS, logs(workdir, "held")[-3000:]
     output = logs(workdir, "held")
-    assert "warm-start: 5 steps" in output and "SIGINT: checkpoint of step 1 written, exiting" in output
+    assert "warm-start: 5 steps" in output and (  # issue 67 item 7: where the signal came, why step 1 was finished
+        "SIGINT during step 1 (sampling): step 1 finished rather than dropped: it keeps this session's warm-start, "
+        "which has no checkpoint of its own; checkpoint of step 1 written, exiting") in output, output[-3000:]
     assert "step 1 dropped" not in output
     assert [row["step"] for row in metrics_rows(workdir)] == [1] and checkpoint_steps(workdir) == [1]
 

@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pacs_jax.errors import did_you_mean
 from pacs_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from pacs_jax.rl.batch import check_batch
 from pacs_jax.rl.cispo import cispo_loss, cispo_policy_loss
@@ -74,7 +75,8 @@ class ObjectiveSpec:
             raise OptionError(unknown[0], f"no option(s) {unknown}; known: {sorted(self.defaults)}")
         for name, value in options.items():
             if name in self.choices and str(value) not in self.choices[name]:
-                raise OptionError(name, f"{name}={value!r}: expected one of {self.choices[name]}")
+                raise OptionError(name, f"{name}={value!r}: expected one of {self.choices[name]}"
+                                  f"{did_you_mean(str(value), self.choices[name])}")
 
 
 def _keyword_defaults(fn: Callable, forwards_to: Callable | None = None) -> dict[str, Any]:
@@ -115,7 +117,8 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
 def objective_spec(name: str) -> ObjectiveSpec:
     """The registry entry of ``name``; OptionError (option None) names the known objectives."""
     if name not in OBJECTIVES:
-        raise OptionError(None, f"objective={name!r}: expected one of {sorted(OBJECTIVES)}")
+        raise OptionError(None, f"objective={name!r}: expected one of {sorted(OBJECTIVES)}"
+                                f"{did_you_mean(name, OBJECTIVES)}")
     return OBJECTIVES[name]
 
 

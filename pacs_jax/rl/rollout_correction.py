@@ -49,6 +49,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pacs_jax.errors import did_you_mean
+
 SAFETY_BOUND = 20.0  # verl's clamp of every log-ratio before an exp
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -114,7 +116,8 @@ def parse_rs_options(rollout_rs: str, field: str = "rollout_rs") -> tuple[str, .
     options = []
     for option in (part.strip() for part in rollout_rs.split(",") if part.strip()):
         if option not in ROLLOUT_RS_OPTIONS:
-            raise ValueError(f"{field}: {option!r} is not one of {list(ROLLOUT_RS_OPTIONS)}")
+            raise ValueError(f"{field}: {option!r} is not one of {list(ROLLOUT_RS_OPTIONS)}"
+                             f"{did_you_mean(option, ROLLOUT_RS_OPTIONS)}")
         if option not in options:
             options.append(option)
     return tuple(options)

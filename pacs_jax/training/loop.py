@@ -47,7 +47,8 @@ from pacs_jax.training.compilations import compilations, start_counting, uncount
 from pacs_jax.training.critic_step import PPOCritic
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.one_step_off import OneStepOff
-from pacs_jax.training.progress import StepInterrupted, StepWatch, dispatches_done
+from pacs_jax.training.option_lines import step_line
+from pacs_jax.training.progress import Position, StepInterrupted, StepWatch, dispatches_done
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.signals import stop_signals
@@ -182,6 +183,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         on_start()
     write = logger.write if primary else lambda line: None
     watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
+    signals.where = watch.position  # where a signal came, for the line of a stop that finishes the step
     # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
     # with its copy of the weights step s started from, while the learner trains step s (training/weight_sync.py)
     ahead = OneStepOff(programs, collector, prompts, StepWatch(write, tc.progress_seconds,
@@ -242,6 +244,9 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                    "compilations": float(compilations())}
         history.append({"step": step, **metrics})
         logger.log(step, metrics)
+        options = step_line(spec, metrics)  # what carry-over, dynamic sampling, one step off, a correction did
+        if options is not None:
+            logger.write(f"step {step}: {options}")
         # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
         meta = lambda: {"step": step, "seed": spec.seed,
                         "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
@@ -256,12 +261,15 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             _save(checkpointer, step, params, opt_state, meta, force=True, critic=critic_state)
             preempted = True
         if preempted:
-            signal_name = (signals.requested if single_process else
-                           "preemption (at the same step on every process)")
-            logger.write(f"{signal_name}: checkpoint of step {step} written, exiting")
+            if single_process:
+                line = _finished_line(signals.requested, signals.requested_where, step,
+                                      keeps_warm_start=keep_first_step and step == start + 1,
+                                      ahead_dropped=ahead is not None and ahead.interrupted)
+            else:
+                line = f"preemption (at the same step on every process): checkpoint of step {step} written, exiting"
+            logger.write(line)
             if not primary:  # every host's log says where it stopped (the logger writes on process 0 only)
-                print(f"process {jax.process_index()}: {signal_name}: checkpoint of step {step} written, exiting",
-                      flush=True)
+                print(f"process {jax.process_index()}: {line}", flush=True)
             stopped = True
             break
     if single_process and not stopped and signals.requested is not None:  # no step was under way
@@ -271,6 +279,25 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
     logger.close()
     return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
                        earlier_history=logger.earlier)
+
+
+def _finished_line(signal_name: str, where: Position | None, step: int, keeps_warm_start: bool,
+                   ahead_dropped: bool) -> str:
+    """The line of a stop signal that let step ``step`` finish and wrote its checkpoint: where it came
+    (``where``: the loop's position then, an earlier step's before this one began, as the compilation
+    before it; None: not known) and why the step was finished rather than dropped (it keeps this
+    session's warm-start, or its update had begun with no checkpoint of the step before on disk; nothing
+    to say when it came after the update); ``ahead_dropped``: one step off's rows of step + 1, sampled
+    ahead, were dropped (a resume samples them again)."""
+    during = why = ""
+    if where is not None:
+        during = f" during {where}" if where.step == step else f" before step {step} began"
+        if not (where.step == step and where.phase == "update" and where.ended):
+            why = (" rather than dropped: it keeps this session's warm-start, which has no checkpoint of its own"
+                   if keeps_warm_start else
+                   f" rather than dropped: its update had begun, and step {step - 1} has no checkpoint to go back to")
+    ahead = f"; step {step + 1}'s rows sampled ahead dropped (a resume samples them again)" if ahead_dropped else ""
+    return f"{signal_name}{during}: step {step} finished{why}{ahead}; checkpoint of step {step} written, exiting"
 
 
 def _save(checkpointer: TrainCheckpointer, *args, **kwargs) -> bool:

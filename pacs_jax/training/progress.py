@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 
@@ -48,6 +49,20 @@ class StepInterrupted(Exception):
         self.step, self.phase = step, phase
 
 
+class Position(NamedTuple):
+    """Where a run is in its step (``StepWatch.position``): the step, its phase ("" before the first) and
+    whether that phase has ended."""
+
+    step: int
+    phase: str
+    ended: bool
+
+    def __str__(self) -> str:
+        if not self.phase:
+            return f"step {self.step} (its start)"
+        return f"step {self.step}, after its {self.phase}" if self.ended else f"step {self.step} ({self.phase})"
+
+
 class StepWatch:
     """Progress lines and stop boundaries of the steps of one run (see the module docstring).
 
@@ -61,7 +76,7 @@ class StepWatch:
                  clock: Callable[[], float] = time.monotonic, lockstep: bool = False):
         self.write, self.interval_s, self.stop_requested, self.clock = write, interval_s, stop_requested, clock
         self.lockstep = lockstep
-        self.step, self.phase, self.stoppable = 0, "", True
+        self.step, self.phase, self.stoppable, self.ended = 0, "", True, False
         self._phase_start = self._last_line = clock()
 
     @classmethod
@@ -71,14 +86,14 @@ class StepWatch:
 
     def start_step(self, step: int, stoppable: bool = True) -> None:
         """Begin step ``step``; stoppable: whether a stop signal may end it (False: it runs to its end)."""
-        self.step, self.phase, self.stoppable = step, "", stoppable
+        self.step, self.phase, self.stoppable, self.ended = step, "", stoppable, False
         self._phase_start = self._last_line = self.clock()
 
     def start(self, phase: str, last_boundary: bool = False) -> None:
         """Begin ``phase`` (a boundary: raises ``StepInterrupted`` if a stop was asked).
         last_boundary: from here on the step runs to its end (its update has no way back)."""
         self.boundary()
-        self.phase, self._phase_start = phase, self.clock()
+        self.phase, self._phase_start, self.ended = phase, self.clock(), False
         self.stoppable = self.stoppable and not last_boundary
 
     def boundary(self) -> None:
@@ -96,10 +111,15 @@ class StepWatch:
     def done(self, detail: str = "", always: bool = False) -> None:
         """End the current phase: a line "step S: PHASE done in T s (detail)" when it ran ``interval_s``
         or nothing was written for that long (``always``: in any case)."""
+        self.ended = True
         now = self.clock()
         seconds = now - self._phase_start
         if always or seconds >= self.interval_s or now - self._last_line >= self.interval_s:
             self._write(f"{self.phase} done in {seconds:.0f} s" + (f" ({detail})" if detail else ""))
+
+    def position(self) -> Position:
+        """Where the watched step is now (read by the stop signal's handler: training/signals.py)."""
+        return Position(self.step, self.phase, self.ended)
 
     def say(self, text: str) -> None:
         """A line "step S: text" now (what a long phase is about to do)."""

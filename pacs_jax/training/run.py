@@ -57,6 +57,7 @@ from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.curves import plot_curves
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.metrics import EvalScalars
+from pacs_jax.training.option_lines import options_line
 from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.signals import StopSignals
@@ -220,6 +221,9 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
         _record_skipped_rows(counts["skipped_rows"], workdir, say)
+        options = options_line(spec, spec.devices or jax.device_count())
+        if options is not None:
+            print(options, flush=True)
         warning = planned_step_warning(spec, jax.devices()[0].platform)
         if warning:
             print(warning, flush=True)

@@ -50,6 +50,7 @@ import gc
 import os
 import signal
 import threading
+from collections.abc import Callable
 
 from pacs_jax.errors import RESUME_NEEDED_STATUS
 
@@ -77,12 +78,16 @@ class StopSignals:
     """The run's SIGTERM / SIGINT handling (see the module docstring); a context manager.
 
     ``requested``: the name of the first signal received in a deferred phase ("SIGTERM", "SIGINT"),
-    or None. multiprocess: several processes (only SIGINT is handled, as described above).
+    or None; ``requested_where``: what ``where()`` (set by the RL loop: its step and phase) returned as it
+    came, for the line the loop writes when it stops (one process; None otherwise). multiprocess: several
+    processes (only SIGINT is handled, as described above).
     """
 
     def __init__(self, *, multiprocess: bool = False):
         self.multiprocess = multiprocess
         self.requested: str | None = None
+        self.where: Callable[[], object] | None = None
+        self.requested_where: object = None
         self._lost: str | None = None  # immediate phase: what a restart redoes; None: deferred
         self._previous: dict[int, object] = {}
         self._synced = multiprocess and _preemption_service()  # several processes stop at the sync point
@@ -179,6 +184,7 @@ class StopSignals:
             raise SystemExit(RESUME_NEEDED_STATUS)
         if self.requested is None:
             self.requested = name
+            self.requested_where = None if self.where is None else self.where()
             _say(f"{name}: stopping at the step's next phase boundary (a step whose update has not begun is "
                  f"dropped and run again on resume; one in its update too when the last finished step's "
                  f"checkpoint is on disk, else it is finished), writing the checkpoint of the "

@@ -25,7 +25,7 @@ from typing import Any
 from pacs_jax.data.fields import FORMATS
 from pacs_jax.data.prompts import CHAR_TOKENIZER
 from pacs_jax.data.sources import SOURCES
-from pacs_jax.errors import PermanentError
+from pacs_jax.errors import PermanentError, did_you_mean
 from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
@@ -133,7 +133,8 @@ class SamplerSpec:
         name = self.field
         require(isinstance(self.page_size, int) and self.page_size >= 1, f"{name}.page_size",
                 f"must be an integer >= 1 (tokens a K/V page), got {self.page_size!r}")
-        require(self.sampler in SAMPLERS, f"{name}.sampler", f"{self.sampler!r} is not one of {SAMPLERS}")
+        require(self.sampler in SAMPLERS, f"{name}.sampler",
+                f"{self.sampler!r} is not one of {SAMPLERS}{did_you_mean(self.sampler, SAMPLERS)}")
         require(isinstance(self.slots, int) and self.slots >= 1, f"{name}.slots",
                 f"must be an integer >= 1 (decode slots per sampler call), got {self.slots!r}")
         tail = self.tail_slots
@@ -198,7 +199,8 @@ class RolloutSpec:
         require(isinstance(self.carry_over, bool), "rollout.carry_over", f"must be True or False, got {self.carry_over!r}")
         _int_at_least(self.max_staleness, 0, "rollout.max_staleness")
         require(self.carry_over_order in CARRY_OVER_ORDERS, "rollout.carry_over_order",
-                f"must be one of {', '.join(map(repr, CARRY_OVER_ORDERS))}, got {self.carry_over_order!r}")
+                f"must be one of {', '.join(map(repr, CARRY_OVER_ORDERS))}, got {self.carry_over_order!r}"
+                f"{did_you_mean(self.carry_over_order, CARRY_OVER_ORDERS)}")
         if self.carry_over:
             require(self.sampler.sampler == "paged", "rollout.carry_over",
                     f"carries responses over in the paged sampler's pages; rollout.sampler is {self.sampler.sampler!r}: "
@@ -241,7 +243,8 @@ class RolloutCorrectionSpec:
             from configs import base  # the schema's defaults: a field still at its default takes the preset's
 
             require(preset in rollout_correction.PRESETS, "algorithm.rollout_correction.preset",
-                    f"{preset!r} is not one of {sorted(rollout_correction.PRESETS)}")
+                    f"{preset!r} is not one of {sorted(rollout_correction.PRESETS)}"
+                    f"{did_you_mean(preset, rollout_correction.PRESETS)}")
             unset = _fields(cls, base.get_config().algorithm.rollout_correction)
             fields.update({k: v for k, v in rollout_correction.PRESETS[preset].items() if fields[k] == unset[k]})
         return cls(**fields)
@@ -249,7 +252,8 @@ class RolloutCorrectionSpec:
     def __post_init__(self):
         field = "algorithm.rollout_correction."
         require(self.rollout_is in (None, *rollout_correction.ROLLOUT_IS_LEVELS), field + "rollout_is",
-                f"{self.rollout_is!r} is not one of {rollout_correction.ROLLOUT_IS_LEVELS} (or None: no weights)")
+                f"{self.rollout_is!r} is not one of {rollout_correction.ROLLOUT_IS_LEVELS} (or None: no weights)"
+                f"{did_you_mean(self.rollout_is, rollout_correction.ROLLOUT_IS_LEVELS)}")
         try:
             if self.rollout_is is not None:
                 rollout_correction.parse_is_threshold(self.rollout_is_threshold)
@@ -261,7 +265,8 @@ class RolloutCorrectionSpec:
         require(isinstance(self.rollout_is_batch_normalize, bool), field + "rollout_is_batch_normalize",
                 f"must be True or False, got {self.rollout_is_batch_normalize!r}")
         require(self.loss_type in rollout_correction.BYPASS_LOSS_TYPES, field + "loss_type",
-                f"{self.loss_type!r} is not one of {rollout_correction.BYPASS_LOSS_TYPES}")
+                f"{self.loss_type!r} is not one of {rollout_correction.BYPASS_LOSS_TYPES}"
+                f"{did_you_mean(self.loss_type, rollout_correction.BYPASS_LOSS_TYPES)}")
         require(isinstance(self.bypass_mode, bool), field + "bypass_mode", f"must be True or False, got {self.bypass_mode!r}")
 
     @property
@@ -292,26 +297,30 @@ class FilterGroupsSpec:
         field = "algorithm.filter_groups."
         require(isinstance(self.enable, bool), field + "enable", f"must be True or False, got {self.enable!r}")
         require(self.metric in filter_groups.FILTER_METRICS, field + "metric",
-                f"{self.metric!r} is not one of {filter_groups.FILTER_METRICS}")
+                f"{self.metric!r} is not one of {filter_groups.FILTER_METRICS}"
+                f"{did_you_mean(self.metric, filter_groups.FILTER_METRICS)}")
         _int_at_least(self.max_num_gen_batches, 0, field + "max_num_gen_batches", " (0: no limit)")
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """``config.algorithm``: the objective and the options it runs with (its namespace, resolved), and
-    the rollout correction."""
+    the rollout correction (``correction_by_default``: the run's default for stale rows, ``run_algorithm``,
+    not the config's)."""
 
     objective: str
     options: dict[str, Any]
     rollout_correction: RolloutCorrectionSpec
     filter_groups: FilterGroupsSpec
+    correction_by_default: bool = False
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
         """The objective of ``section``; an option set in the namespace of an objective that does not
         run is refused (it would be dropped): every other namespace holds the registry's defaults."""
         chosen = section.objective
-        require(chosen in OBJECTIVES, "algorithm.objective", f"{chosen!r} is not one of {sorted(OBJECTIVES)}")
+        require(chosen in OBJECTIVES, "algorithm.objective", f"{chosen!r} is not one of {sorted(OBJECTIVES)}"
+                f"{did_you_mean(chosen, OBJECTIVES)}")
         for name, spec in OBJECTIVES.items():
             for option, default in spec.defaults.items():
                 value = section[name][option]
@@ -350,7 +359,7 @@ def run_algorithm(config) -> AlgorithmSpec:
     correction = algorithm.rollout_correction
     if (config.rollout.carry_over or config.train.off_policy_steps) and not correction.enabled:
         algorithm = dataclasses.replace(algorithm, rollout_correction=dataclasses.replace(
-            correction, rollout_is="token", rollout_is_threshold=2.0))
+            correction, rollout_is="token", rollout_is_threshold=2.0), correction_by_default=True)
     return algorithm
 
 
@@ -380,8 +389,10 @@ class CriticSpec:
             value = getattr(self, field)
             require(0.0 <= value <= 1.0, f"critic.{field}", f"must be in [0, 1], got {value}")
         require(self.loss_agg_mode == "actor" or self.loss_agg_mode in LOSS_AGG_MODES, "critic.loss_agg_mode",
-                f"{self.loss_agg_mode!r} is neither 'actor' (the actor's) nor one of {LOSS_AGG_MODES}")
-        require(self.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{self.loss_scale!r} is not one of {LOSS_SCALES}")
+                f"{self.loss_agg_mode!r} is neither 'actor' (the actor's) nor one of {LOSS_AGG_MODES}"
+                f"{did_you_mean(self.loss_agg_mode, ('actor', *LOSS_AGG_MODES))}")
+        require(self.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{self.loss_scale!r} is not one of {LOSS_SCALES}"
+                f"{did_you_mean(self.loss_scale, LOSS_SCALES)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +409,8 @@ class OptimSpec:
 
     def __post_init__(self):
         require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        require(self.schedule in SCHEDULES, "optim.schedule", f"{self.schedule!r} is not one of {SCHEDULES}")
+        require(self.schedule in SCHEDULES, "optim.schedule", f"{self.schedule!r} is not one of {SCHEDULES}"
+                f"{did_you_mean(self.schedule, SCHEDULES)}")
         require(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = none), got {self.grad_clip}")
 
 
@@ -414,9 +426,11 @@ class RewardSpec:
     max_unscored_fraction: float
 
     def __post_init__(self):
-        require(self.name in REWARDS, "reward.name", f"{self.name!r} is not one of {sorted(REWARDS)}")
+        require(self.name in REWARDS, "reward.name", f"{self.name!r} is not one of {sorted(REWARDS)}"
+                f"{did_you_mean(self.name, REWARDS)}")
         require(self.item_timeout > 0, "reward.item_timeout", "must be > 0")
-        require(self.mode in REWARD_MODES, "reward.mode", f"{self.mode!r} is not one of {REWARD_MODES}")
+        require(self.mode in REWARD_MODES, "reward.mode", f"{self.mode!r} is not one of {REWARD_MODES}"
+                f"{did_you_mean(self.mode, REWARD_MODES)}")
         require(0.0 <= self.max_unscored_fraction <= 1.0, "reward.max_unscored_fraction",
                 f"must be in [0, 1], got {self.max_unscored_fraction}")
 
@@ -447,20 +461,23 @@ class ModelSpec:
     attention_block_size: int
 
     def __post_init__(self):
-        require(self.remat in REMAT_POLICIES, "model.remat", f"{self.remat!r} is not one of {REMAT_POLICIES}")
+        require(self.remat in REMAT_POLICIES, "model.remat", f"{self.remat!r} is not one of {REMAT_POLICIES}"
+                f"{did_you_mean(self.remat, REMAT_POLICIES)}")
         for field in ("dtype", "param_dtype"):
             value = getattr(self, field)
             require(value in ("float32", "bfloat16", "float16"), f"model.{field}", f"{value!r} is not a float dtype")
         if not self.path and self.preset:
             require(self.preset in PRESETS, "model.preset",
                     f"{self.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint, "
-                    "or leave both empty for the architecture fields of config.model)")
+                    "or leave both empty for the architecture fields of config.model)"
+                    f"{did_you_mean(self.preset, PRESETS)}")
         require(self.attention in ATTENTION_IMPLS, "model.attention",
-                f"{self.attention!r} is not one of {ATTENTION_IMPLS}")
+                f"{self.attention!r} is not one of {ATTENTION_IMPLS}{did_you_mean(self.attention, ATTENTION_IMPLS)}")
         _int_at_least(self.attention_block_size, 1, "model.attention_block_size")
         if not (self.path or self.preset):  # a model of the config's own (configs/base.py): every architecture field
             require(self.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
-                    f"{self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES} (or set model.path or model.preset)")
+                    f"{self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES} (or set model.path or model.preset)"
+                    f"{did_you_mean(self.model_type, SUPPORTED_MODEL_TYPES)}")
             for field in ARCHITECTURE_SIZES:
                 value = getattr(self, field)
                 require(value > 0, f"model.{field}", f"must be > 0 without model.path or model.preset, got {value!r}")
@@ -501,14 +518,15 @@ class MeshSpec:
         if self.rollout_devices:
             require(self.rollout_devices < devices, "mesh.rollout_devices",
                     f"{self.rollout_devices} leaves none of the {devices} devices to the learner")
-            devices -= self.rollout_devices
+        learner = devices - self.rollout_devices
         try:
-            shape = mesh_shape(self.data, self.fsdp, self.tensor, devices)
-            if self.device_order and sorted(self.device_order) != list(range(devices)):
+            shape = mesh_shape(self.data, self.fsdp, self.tensor, learner)
+            if self.device_order and sorted(self.device_order) != list(range(learner)):
                 raise ValueError(f"mesh.device_order={self.device_order}: must list each of the positions "
-                                 f"0..{devices - 1} of the devices once")
+                                 f"0..{learner - 1} of the devices once")
         except ValueError as e:
-            raise ConfigError(f"config.{e}") from e
+            hint = f" (the {learner} devices mesh.rollout_devices leaves the learner)" if self.rollout_devices else ""
+            raise ConfigError(f"config.{e}{hint}") from e
         return shape
 
     def rollout_shape(self, devices: int) -> tuple[int, int, int] | None:
@@ -557,9 +575,11 @@ class DataSpec:
     def __post_init__(self):
         _check_buckets(self.prompt_buckets, "data.prompt_buckets", self.max_prompt_length, "data.max_prompt_length",
                        allow_empty=False)
-        require(self.source in SOURCES, "data.source", f"{self.source!r} is not one of {SOURCES}")
+        require(self.source in SOURCES, "data.source",
+                f"{self.source!r} is not one of {SOURCES}{did_you_mean(self.source, SOURCES)}")
         require(self.format == "auto" or self.format in FORMATS, "data.format",
-                f"{self.format!r} is not 'auto' nor one of {sorted(FORMATS)}")
+                f"{self.format!r} is not 'auto' nor one of {sorted(FORMATS)}"
+                f"{did_you_mean(self.format, ('auto', *FORMATS))}")
         if self.source == "files":
             require(bool(self.train_files), "data.train_files", "no training files given (data.source is \"files\")")
         else:
@@ -744,8 +764,30 @@ class RunSpec:
 
     def on_devices(self, devices: int) -> RunSpec:
         """This spec on ``devices`` devices: the mesh checked against them, and the batch shards it makes
-        against the micro-batches, the packed passes and the sampler's slots."""
-        return dataclasses.replace(self, devices=devices)
+        against the micro-batches, the packed passes and the sampler's slots. A mesh refused with
+        ``mesh.rollout_devices`` set names the largest number of them that works."""
+        try:
+            return dataclasses.replace(self, devices=devices)
+        except ConfigError as e:
+            if not self.mesh.rollout_devices or not str(e).startswith("config.mesh"):
+                raise
+            largest = self.largest_rollout_devices(devices)
+            hint = (f"the largest mesh.rollout_devices that works here is {largest} (the learner's mesh on the other "
+                    f"{devices - largest} of the {devices} devices)" if largest else
+                    f"no mesh.rollout_devices above 0 works on {devices} devices with the other values as they are")
+            raise ConfigError(f"{e}; {hint}") from None
+
+    def largest_rollout_devices(self, devices: int) -> int:
+        """The most of ``devices`` devices that ``mesh.rollout_devices`` can give the rollout engine with every
+        other value as it is (the learner's mesh on the rest, each batch and the sampler's slots divided
+        over both); 0 when no number does."""
+        for split in range(devices - 1, 0, -1):
+            try:
+                dataclasses.replace(self, mesh=dataclasses.replace(self.mesh, rollout_devices=split), devices=devices)
+            except ConfigError:
+                continue
+            return split
+        return 0
 
     def __post_init__(self):
         """How the sections fit together."""
