@@ -166,6 +166,27 @@ def test_the_weights_round_trip_the_move_exactly(setup):
             assert "data" not in str(y.sharding.spec) and "fsdp" not in str(y.sharding.spec)
 
 
+def test_the_copy_on_the_learners_own_devices_outlives_the_learners_donated_buffers(setup):
+    """One step off with the engine on the learner's devices (no mesh.rollout_devices: they take turns) in the
+    learner's dtype and layout, the demo's case: the copy is buffers of its own, so the update donating (here:
+    deleting) the learner's parameters leaves the engine's copy readable, with the values it had. (It aliased
+    them: the demo with train.off_policy_steps=1 stopped at step 1 with "Array has been deleted".)"""
+    learner, _, model, *_ = setup
+    with jax.set_mesh(learner):
+        params = _copy(nnx.state(model))
+        leaves = jax.tree.leaves(params)
+        shared = WeightSync(params, learner, jnp.float32)
+        # the decode layout of a tensor-split mesh equals the learner's for the replicated leaves: those alias
+        assert any(t.sharding == x.sharding for x, t in zip(leaves, jax.tree.leaves(shared.abstract), strict=True))
+        expected = [np.asarray(x) for x in leaves]
+        copy = shared(params)
+        for x in leaves:
+            x.delete()  # what the update's donation does to the learner's buffers
+        for y, value in zip(jax.tree.leaves(copy), expected, strict=True):
+            assert not y.is_deleted()
+            np.testing.assert_array_equal(np.asarray(y), value)
+
+
 @pytest.mark.parametrize("stop", [(2, "sampling"), (2, "reward"), (2, "pi_old"), (2, "update"), (3, "sampling")])
 def test_a_run_stopped_at_each_phase_and_resumed_trains_every_prompt_once(setup, tmp_path, monkeypatch, stop):
     """A stop signal at the start of ``stop`` = (step, phase): step 2's sampling and reward run ahead, during

@@ -10,7 +10,8 @@ replicated over its batch axes. Every parameter is cast to the compute dtype whe
 (models/qwen.py), so sampling from the copy gives the tokens and log-probs sampling from the learner's
 own parameters would on the engine's mesh. The move goes a parameter at a time: the previous copy's
 buffer of it freed, then the parameter cast on the learner's devices, put on the engine's
-(``jax.device_put`` across the two device sets) and waited for, so that an engine device never holds
+(``jax.device_put`` across the two device sets; always a copy of its own, also where the engine shares the
+learner's devices, dtype and layout) and waited for, so that an engine device never holds
 more than one copy, and a learner device holds its training state and one cast parameter
 (``casts``: the programs, which the warm-up compiles and the memory check reads with the step's).
 """
@@ -64,7 +65,9 @@ class WeightSync:
         for x, target, stale in zip(leaves, targets, old, strict=True):
             if stale is not None:
                 stale.delete()
-            y = jax.device_put(self.cast(x) if x.dtype != target.dtype else x, target.sharding)
+            # may_alias=False: on shared devices in the learner's dtype and layout, device_put would hand back
+            # the learner's own buffer, which the next update donates (deleting the engine's copy with it)
+            y = jax.device_put(self.cast(x) if x.dtype != target.dtype else x, target.sharding, may_alias=False)
             moved.append(y.block_until_ready())  # one parameter in flight: the move's peak is one of them
         return jax.tree.unflatten(treedef, moved)
 
