@@ -115,9 +115,11 @@ def get_config() -> ml_collections.ConfigDict:
         pages=0,                  # paged: response pages of a batch shard's pool; 0: every slot's longest response at once
         slots=128,                # paged, continuous: decode slots per sampler call (capped at its responses, prompts_per_step
                                   # / micro_batches x n; then a multiple of data x fsdp: one queue per batch shard)
-        tail_slots=0,             # paged, continuous: > 0, once no response waits the decode batch narrows as responses end,
-                                  # down to this many slots (each width 2/3-3/4 of the one before: one compiled loop
-                                  # each); 0: all `slots` decode to the call's end
+        tail_slots=ml_collections.FieldReference(0, field_type=int),  # paged, continuous: > 0, once no response
+                                  # waits the decode batch narrows as responses end, down to this many slots (each width
+                                  # 2/3-3/4 of the one before: one compiled loop each); 0: all `slots` decode to the
+                                  # call's end; None (the paper configs'): the mode's, 0 with carry_over (a call ends
+                                  # before its tail), else slots // 8 (training/spec.py rollout_tail_slots)
         max_logprob_diff=0.0,     # > 0: refuse a step whose sampler log-probs differ from pi_old by more than this on
                                   # some response token (metric rollout_logprob_diff_max); 0: only report
         carry_over=False,         # True (paged sampler, one call a step): a step's sampler call ends once it has

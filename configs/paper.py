@@ -162,8 +162,15 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.rollout.sampler, c.rollout.slots = "paged", spec["slots"]
     # Once no response waits, the decode batch narrows as responses end, to slots / 8 (64 a batch shard on
     # v5p-64): below that a decode step's cost is mostly the weights' HBM reads, so narrower widths save
-    # little, and each width is one more compiled decode loop.
-    c.rollout.tail_slots = spec["slots"] // 8
+    # little, and each width is one more compiled decode loop. None: that, or 0 with --config.rollout.carry_over=True,
+    # whose calls end before their tail (training/spec.py rollout_tail_slots).
+    c.rollout.tail_slots = None
+    # With carry-over, a prompt batch still unfinished 3 calls after its own is dropped: on these lengths
+    # (tools/plan_step.py's log-normal, median 512 of 4096) every paper model's plan drops none at 3, 8-11 % of
+    # the decoded tokens at 2 and 17-31 % at 1, the longest responses (a sample biased short). Each more
+    # keeps a generation's prompts and rows on the devices and prefills its prompts again every call; the
+    # tokens, up to 3 policy versions old, are weighed by the rollout correction (token TIS 2.0 unless set).
+    c.rollout.max_staleness = 3
     algorithms.setup(algo_name, MAX_NEW_TOKENS).apply(c)
     c.optim.lr = 1e-6
     c.optim.schedule = "constant"

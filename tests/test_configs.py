@@ -11,6 +11,7 @@ from ml_collections import config_flags
 from pacs_jax import models, rl
 from pacs_jax.data import deepscaler
 from pacs_jax.training.config_check import ConfigError, validate_config
+from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.workdir import recorded_config, write_config
 from test_cli_errors import _error_line, _run
 from train_helpers import REPO
@@ -122,3 +123,22 @@ def test_every_paper_algo_is_a_command_line_config_that_validates(qwen_tokenizer
         validate_config(config)
     with pytest.raises(ValueError, match=r"pacs_beta0p5.*pacs_beta1_drgrpo_adv"):
         configs.paper.get_config("qwen25_7b,pacs_beta3")
+
+
+def test_carry_over_is_one_flag_on_a_paper_config_and_the_run_and_its_record_agree_on_its_tail():
+    """configs/paper.py leaves rollout.tail_slots to the mode (None): a call's tail narrows to slots / 8, and
+    with --config.rollout.carry_over=True alone (its calls end before their tail) to nothing. The spec (what
+    the trainer, check_config and the plan tools read) and config.json hold the same value; a tail set on the
+    command line is taken as set, and beside carry-over refused in one line naming it (it would be dropped)."""
+    file = f"--config={REPO / 'configs' / 'paper.py'}:qwen25_7b,pacs_beta1"
+    for flags_, tail in (((), 4096 // 8), (("--config.rollout.carry_over=True",), 0),
+                         (("--config.rollout.tail_slots=256",), 256)):
+        config = _parse(file, *flags_)
+        spec = RunSpec.unplaced(config)
+        assert spec.rollout.sampler.tail_slots == tail, flags_
+        assert recorded_config(config, None)["rollout"]["tail_slots"] == tail, flags_
+    config = _parse(file, "--config.rollout.carry_over=True", "--config.rollout.tail_slots=256")
+    with pytest.raises(ConfigError) as error:
+        RunSpec.unplaced(config)
+    assert str(error.value) == ("config.rollout.carry_over: a call ends before its tail, so it never narrows: set "
+                                "rollout.tail_slots=0 (it is 256)")

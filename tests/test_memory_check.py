@@ -248,20 +248,19 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model
 def test_tool_compiles_carry_overs_sampler_for_a_paper_config_on_v5p_64():
     """rollout.carry_over: the sampler plan_memory compiles (and the trainer's warm-up, the same list) is the
     carry-over engine's six programs (init, insert, chunk, harvest; a resume's restore and reseat) for
-    the step's one call of 2P prompts, its state of G = max_staleness + 1 generations' rows and their
-    one page pool among their arguments: Qwen2.5-7B's config shrunk as above, compile-only for the
-    v5p-64."""
+    the step's one call of 2P prompts, its state of G = max_staleness + 1 generations' rows (the paper
+    configs' max_staleness 3) and their one page pool among their arguments: Qwen2.5-7B's config shrunk as
+    above, compile-only for the v5p-64, with the one flag (its tail_slots the mode's: none)."""
     shrink = [*SHRUNK_LAYERS, SAMPLER_VOCAB, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
               "--config.model.num_key_value_heads=4"]
     result = subprocess.run([sys.executable, "tools/plan_memory.py", "--config=configs/paper.py:qwen25_7b,pacs_beta1",
-                             "--topology=v5p-64", "--programs=sampler", *shrink, "--config.rollout.carry_over=True",
-                             "--config.rollout.tail_slots=0"],
+                             "--topology=v5p-64", "--programs=sampler", *shrink, "--config.rollout.carry_over=True"],
                             cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     # a prompt of 512 tokens is 32 pages; the response pages every slot's longest row, 257 pages of 16 tokens
-    assert ("sampler: carry-over: 2048 prompts x 512 tokens a call, n=8, 2 generations (max_staleness + 1): 32768 "
-            f"rows in 4096 decode slots over a page pool of {2 * 2048 * 32} prompt + {4096 * 257} response pages of "
+    assert ("sampler: carry-over: 2048 prompts x 512 tokens a call, n=8, 4 generations (max_staleness + 1): 65536 "
+            f"rows in 4096 decode slots over a page pool of {4 * 2048 * 32} prompt + {4096 * 257} response pages of "
             "16 tokens; 1024 groups returned a call") in out, out
     assert "sampler: no parameter all-gather inside its loops" in out
     assert "sampler: no copy of the page pool inside its loops" in out

@@ -182,9 +182,10 @@ def test_the_7b_paper_configs_decode_step_reads_at_most_1_3x_what_it_must():
     carry = re.search(r"with carry-over .*: (\d+) decode steps a step against (\d+), slot fill ([\d.]+) against "
                       r"([\d.]+),", out)
     assert carry and int(carry.group(1)) < int(carry.group(2)) and float(carry.group(3)) > float(carry.group(4)), out
-    # its prefills: room for 2P prompts a call, for the new batch and again for the carried one (max_staleness 1),
-    # against a synchronous call's P (this run costs the decode phase only: no prefill seconds to scale)
-    assert re.search(r"^with carry-over .*: decode [\d.]+ s, prefill x4 [\d.]+ s, step", out, re.M), out
+    # its prefills: room for 2P prompts a call, for the new batch and again for each of the 3 carried ones (the paper
+    # configs' max_staleness), against a synchronous call's P (this run costs the decode phase only: no prefill
+    # seconds to scale)
+    assert re.search(r"^with carry-over .*: decode [\d.]+ s, prefill x8 [\d.]+ s, step", out, re.M), out
 
 
 @pytest.mark.slow(seconds=140)
@@ -260,6 +261,80 @@ def test_carry_over_keeps_the_slots_full_and_drops_what_is_too_stale():
     assert tool.carry_over_decode_steps(mix, 4, 4, 1, max_staleness=1000)[2] == 0.0
 
 
+def test_each_paper_configs_max_staleness_drops_nothing_its_plan_sees():
+    """Each paper config of the README's plan table with --config.rollout.carry_over=True alone: at its
+    rollout.max_staleness, plan_step's simulated steady state of its queues (one a batch shard of its slice, their
+    slots and groups as ``decode_phase`` takes them) on plan_step's default lengths (log-normal, median 512,
+    clipped to 4096) drops no decoded token; max_staleness 1 dropped 17-31 % of them, the longest responses."""
+    from pacs_jax.sampling.engine import queues
+    from pacs_jax.topologies import get_topology
+    from pacs_jax.training.spec import RunSpec
+    from train_helpers import load_config
+
+    tool = _tool()  # puts tools/ on the path
+    from plan_packing import response_lengths
+    from readme_tables import ALGORITHM, ROWS
+
+    lengths = np.maximum(response_lengths(8192, np.random.RandomState(0), 512, 4096), 1)
+    for model, topology in ROWS:
+        config = load_config("paper.py", f"{model},{ALGORITHM}")
+        config.rollout.carry_over = True
+        spec = RunSpec.unplaced(config).on_devices(get_topology(topology).num_devices)
+        prompts, slots = spec.train.prompts_per_step, spec.sampler_slots
+        shards = queues(prompts, slots, spec.rollout_batch_shards)
+        dropped = tool.carry_over_decode_steps(lengths, slots // shards, prompts // shards, spec.rollout.n,
+                                               max_staleness=spec.rollout.max_staleness)[2]
+        assert dropped == 0, (model, spec.rollout.max_staleness, dropped)
+
+
+def _phase(tool, name: str, trips: float, seconds_a_trip: float, **fields):
+    """A plan_step Phase of ``trips`` trips, each ``seconds_a_trip`` bound by HBM at 1 GB/s (nothing else)."""
+    return tool.Phase(name, trips, 0.0, seconds_a_trip * 1e9, 0.0, **fields)
+
+
+def test_the_run_line_counts_carry_overs_step_with_its_dropped_tokens_and_names_the_peak_memory():
+    """plan_step's report of a decode of 4000 steps (4 s), a prefill of 0.5 s and an update of 10 s (14.5 s),
+    whose carry-over drops 30 % of its decoded tokens in 2000 steps at max_staleness 1 and none in 1600 at 3:
+    configured at 1 with rollout.carry_over, a call prefills 2 regions (1 s), so a step takes 14.5 - 4.5 + 2 +
+    1 = 13 s, 0.6 s of it decoding the tokens dropped; the line names the staleness that drops none, and the
+    run's hours and chip-hours (300 steps on 32 chips) are those of that 13 s step, beside the fullest program's
+    memory against the chip's HBM."""
+    import dataclasses
+    import types
+
+    from pacs_jax.training.memory_check import GiB, ProgramMemory
+    from pacs_jax.training.spec import RunSpec
+    from train_helpers import load_config
+
+    tool = _tool()
+    config = load_config("paper.py", "qwen25_7b,pacs_beta1")
+    config.rollout.update(carry_over=True, max_staleness=1)
+    spec = RunSpec.unplaced(config)
+    plans = {1: (2000.0, 1.0, 0.3), 2: (1800.0, 1.0, 0.1), 3: (1600.0, 1.0, 0.0)}
+    phases = [_phase(tool, "prefill", 1, 0.5), _phase(tool, "decode", 4000, 1e-3, carry_over=(plans, 0.4)),
+              _phase(tool, "update", 4, 2.5)]
+    topo = types.SimpleNamespace(bf16_flops=1e15, hbm_bandwidth=1e9, ici_bandwidth=1e9, device_kind="TPU v5",
+                                 hbm_bytes=95 * GiB)
+    memory = [ProgramMemory(name, "", 0, 0, 0, 0, peak=int(peak * GiB), outside=int(GiB), compile_seconds=1.0)
+              for name, peak in (("sampler", 45.0), ("pi_old", 3.0), ("update", 20.0))]
+    lines = tool.report(phases, topo, spec, 32, memory).splitlines()
+    assert next(line for line in lines if line.startswith("step: 14.5 s predicted (")).endswith(
+        "the decode a synchronous call's: carry-over's step below); at 100 % of every bound 14.5 s: ratio 1.000")
+    carry = next(line for line in lines if line.startswith("with carry-over"))
+    assert ("2000 decode steps a step against 4000, slot fill 1.00 against 0.40, 30.0% of decoded tokens dropped as "
+            "stale: decode 2.00 s, prefill x2 1.00 s, step 13.0 s predicted against 14.5 s (0.60 s of it decoding the "
+            "dropped tokens); run 1.1 h, 35 chip-hours") in carry, carry
+    # at 3: decode 1.6 s, 4 regions prefilled (2 s): 14.5 - 4.5 + 3.6
+    assert carry.endswith("max_staleness 3: 1600 decode steps, 0.0% dropped, step 13.6 s; set rollout.max_staleness=3 "
+                          "to drop none"), carry
+    assert lines[-1] == ("run: 300 steps, 1.1 h, 35 chip-hours on 32 TPU v5 chips, at carry-over's step of 13.0 s (the "
+                         "dropped tokens' decode counted); peak per device 46.00 GiB of 95.00 GiB (fits): sampler, the "
+                         "fullest of sampler, pi_old, update (tools/plan_memory.py: each program's)"), lines[-1]
+    synchronous = dataclasses.replace(spec, rollout=dataclasses.replace(spec.rollout, carry_over=False))
+    assert tool.report(phases, topo, synchronous, 32).splitlines()[-1] == ("run: 300 steps, 1.2 h, 39 chip-hours on 32 "
+                                                                           "TPU v5 chips")
+
+
 def test_one_step_off_takes_the_split_that_balances_the_engine_and_the_learner():
     """A decode of 3 s whose queues' tail does not shrink (the same trips on 4, 6 or 2 of 8 chips) and a
     learner of 3 s: 2 chips to the engine (3 s), the learner 4 s on 6; without a learner phase there is
@@ -284,7 +359,7 @@ def test_one_step_off_takes_only_a_split_the_config_accepts():
     """The 7B paper config on v5p-64 (mesh 8 fsdp x 4 tensor, micro-batches of 32 responses): its mesh as it
     is fits no split of the 32 chips (the learner's 8 x 4 needs them all); with mesh.fsdp filling the
     learner's chips, only 16 for the engine leaves a learner whose batch shards (4) divide a micro-batch (24
-    chips' 6 do not). The split plan_step names is one of those."""
+    chips' 6 do not). The split plan_step names is one of those; with carry-over on, the same, carry-over off."""
     import types
 
     from pacs_jax.training.spec import RunSpec
@@ -302,3 +377,9 @@ def test_one_step_off_takes_only_a_split_the_config_accepts():
     assert "best mesh.rollout_devices=16 of 32" in line and "with mesh.data=1 mesh.fsdp=-1" in line, line
     assert "refuses mesh.rollout_devices in [8, 24]" in line, line
     assert "no split" in tool.one_step_off([decode, phase("update", 3.0)], topo, 32, lambda r: None)
+    # one step off does not combine with carry-over: with it on, the split needs it off too
+    config = load_config("paper.py", "qwen25_7b,pacs_beta1")
+    config.rollout.carry_over = True
+    carry_over = RunSpec.unplaced(config)
+    assert tool.split_overrides(carry_over, 16, 32) == "rollout.carry_over=False mesh.data=1 mesh.fsdp=-1"
+    assert tool.split_overrides(carry_over, 8, 32) is None

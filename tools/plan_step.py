@@ -52,11 +52,19 @@ inside the sampler's decode loops), then the step: predicted seconds (the phases
 sum; the host's reward scoring, overlapped with pi_old, is not counted), the same step with carry-over
 (issue 50: a call ends once the step has its groups and unfinished rows continue in the next; its
 decode steps from a simulated steady state of the same lengths, ``carry_over_decode_steps``, each
-costed as a full-width step; its prefills 2 (max_staleness + 1) times the synchronous call's: room for
-2P prompts a call, prefilled for the new batch and again for each carried one), one step off at its best split of the slice (``one_step_off``: from
-these phases, not compiled per split), at 100 % of every bound / predicted, the run's
-(``train.steps``) hours and chip-hours. Every time assumes a program runs at its bound's peak: a lower
-bound on the real time.
+costed as a full-width step, the steps of rows later dropped as stale among them; its prefills 2
+(max_staleness + 1) times the synchronous call's: room for 2P prompts a call, prefilled for the new
+batch and again for each carried one) at the configured ``rollout.max_staleness`` with its run's hours
+and chip-hours, at each smaller one and on to the first that drops nothing (``carry_over_plans``),
+naming it when the configured one drops some; one step off at its best split of the slice
+(``one_step_off``: from these phases, not compiled per split), at 100 % of every bound / predicted;
+and last the run's (``train.steps``) hours and chip-hours at the step the config runs (synchronous,
+or with ``rollout.carry_over`` carry-over's) and the peak memory a device against the chip's HBM: the
+fullest of the trainer's programs for the phases planned (training/memory_check.py, as
+tools/plan_memory.py reads it: the sampler's program, compiled for it when both the prefill and the
+decode are planned, pi_old's, the update's, PPO's critic's; the learner's phases are costed from
+that same compile). Every time assumes a program runs at its bound's peak: a lower bound on the
+real time.
 
 A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
 topology's compiler is not installed.
@@ -193,6 +201,21 @@ def carry_over_decode_steps(lengths: np.ndarray, slots: int, groups: int, n: int
     return (t1 - t0) / (steps - 1 - first), (b1 - b0) / max((t1 - t0) * slots, 1), (l1 - l0) / max(d1 - d0, 1)
 
 
+STALENESS_SEARCH = 8  # the plan tries max_staleness up to this many above the configured one for one dropping nothing
+
+
+def carry_over_plans(lengths: np.ndarray, slots: int, groups: int, n: int, staleness: int) -> dict[int, tuple]:
+    """``carry_over_decode_steps``' (trips, slot fill, share dropped) by max_staleness: from 1 (0 when that is
+    the configured ``staleness``) up to ``staleness``, then on until one drops nothing (at most
+    ``STALENESS_SEARCH`` above it)."""
+    plans = {}
+    for s in range(min(staleness, 1), staleness + STALENESS_SEARCH + 1):
+        plans[s] = carry_over_decode_steps(lengths, slots, groups, n, max_staleness=s)
+        if s >= staleness and plans[s][2] == 0:
+            break
+    return plans
+
+
 # ------------------------------------------------------------------------------------------ costs
 @dataclasses.dataclass
 class Phase:
@@ -208,8 +231,8 @@ class Phase:
     useful_kind: str = ""  # "flops" or "bytes"
     xla_seconds: float | None = None  # XLA's optimal_seconds of the program (its loop bodies once)
     full_pool: tuple[float, float] | None = None  # decode, every page live: (bytes it must read, compiled bytes)
-    carry_over: tuple[dict, float] | None = None  # decode: ({max_staleness: carry_over_decode_steps' (trips,
-    #                                               slot fill, share of decoded tokens dropped as stale)}, today's fill)
+    carry_over: tuple[dict, float] | None = None  # decode: (carry_over_plans: {max_staleness: (trips, slot fill,
+    #                                               share of decoded tokens dropped as stale)}, today's fill)
     weights: float = 0.0  # decode: the bytes of the weights a sampler device holds (the decode layout)
     split_trips: dict[int, float] = dataclasses.field(default_factory=dict)  # decode: {engine chips: its trips}
 
@@ -273,21 +296,27 @@ def say_unread_steps(cost, log) -> None:
             f"(their trips may be overstated): {', '.join(cost.unread_steps)}")
 
 
-def compile_cost(lowered, trips: Callable, log) -> tuple:
-    """(hlo_cost.Cost, XLA's optimal_seconds or None, the compiled program) of a lowered program."""
-    import time
-
+def compiled_cost(compiled, trips: Callable, log) -> tuple:
+    """(hlo_cost.Cost, XLA's optimal_seconds or None) of a compiled program; a line naming the loops whose
+    trips it could not read."""
     from pacs_jax import hlo_cost
 
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
     xla = compiled.cost_analysis() or {}
     if isinstance(xla, list):
         xla = xla[0] if xla else {}
     cost = hlo_cost.program_cost(compiled.as_text(), trips)
-    log(f"  compiled in {time.perf_counter() - t0:.0f} s")
     say_unread_steps(cost, log)
-    return cost, xla.get("optimal_seconds"), compiled
+    return cost, xla.get("optimal_seconds")
+
+
+def compile_cost(lowered, trips: Callable, log) -> tuple:
+    """(hlo_cost.Cost, XLA's optimal_seconds or None, the compiled program) of a lowered program."""
+    import time
+
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    log(f"  compiled in {time.perf_counter() - t0:.0f} s")
+    return (*compiled_cost(compiled, trips, log), compiled)
 
 
 def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, log) -> Phase:
@@ -363,9 +392,8 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
     calls = spec.rollout.micro_batches
     queue_slots = step.sampler.slots // shards
-    staleness = spec.rollout.max_staleness
-    carry = {s: carry_over_decode_steps(lengths, queue_slots, spec.train.prompts_per_step // shards, spec.rollout.n,
-                                        max_staleness=s) for s in (staleness, staleness + 1, staleness + 2)}
+    carry = carry_over_plans(lengths, queue_slots, spec.train.prompts_per_step // shards, spec.rollout.n,
+                             spec.rollout.max_staleness)
     sync_fill = float(np.sum(np.maximum(lengths - 1, 0))) / shards / calls / max(queue_slots * steps, 1)
     # one step off: the engine on q of the batch shards' chip groups runs q queues of the same slots (the same
     # decode step), each with its share of the step's responses
@@ -390,13 +418,23 @@ def weight_copies_line(weights: dict, text: str) -> str:
 
 
 PHASES = ("prefill", "decode", "pi_old", "critic_values", "critic_update", "update")  # a step's, in order
+SAMPLER_PHASES = ("prefill", "decode")  # the rollout engine's; the others the learner's, each its own program
+
+
+def memory_programs(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The trainer's programs whose memory a plan of the phases ``names`` reads: the sampler's when both its
+    phases are planned (its program is compiled for that alone), and each learner phase's own."""
+    sampler = ("sampler",) if set(SAMPLER_PHASES) <= set(names) else ()
+    return sampler + tuple(n for n in names if n not in SAMPLER_PHASES)
 
 
 def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
-                names: tuple[str, ...] = PHASES) -> list[Phase]:
+                names: tuple[str, ...] = PHASES) -> tuple[list[Phase], list]:
     """The phases ``names`` of a step of ``spec`` (a placed RunSpec) on ``devices`` for these prompt and response
     lengths [B] (row i n + j: sample j of prompt i): compiled, costed, with trips (PPO's critic
-    phases for PPO only)."""
+    phases for PPO only); and the memory (memory_check.ProgramMemory) of the trainer's programs among
+    ``memory_programs(names)``, as the trainer's check reads it (a learner phase is costed from that compile;
+    one the compiler refuses for lack of memory is not costed)."""
     from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
     from pacs_jax.sampling.engine import lower_prefill
     from pacs_jax.training.abstract_step import abstract_step
@@ -407,6 +445,9 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
     phases = []
     with abstract_step(spec, devices, log=log) as step:
         programs = {p.name: p for p in step.programs(largest_only=True)}
+        compiled = {}
+        memory = step.compile(largest_only=True, names=memory_programs(names), progress=False, log=log,
+                              on_compiled=lambda program, c: compiled.__setitem__(program.name, c))
         plans = step.learner.packing_plans(prompts, responses) if step.learner.packing else {}
         chunk = min(DEFAULT_CHUNK_SIZE, step.learner.pass_widths[1])
         if "prefill" in names:
@@ -422,10 +463,12 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
         for name, (plan_name, factor) in passes.items():
             if name not in programs or name not in names:
                 continue
-            log(f"compiling {name} ({programs[name].shape}) ...")
+            if name not in compiled:  # memory_check.refused: the memory line says so
+                log(f"{name} not costed: the compiler refused it for lack of memory")
+                continue
             plan = plans.get(plan_name)
             trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
-            cost, xla, compiled = compile_cost(programs[name].lower(), trips, log)
+            cost, xla = compiled_cost(compiled[name], trips, log)
             # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py);
             # pi_old's one pass's, dispatched once a pass (training/old_policy.py)
             dispatches = {"update": spec.train.mini_batches, "critic_update": spec.train.mini_batches,
@@ -434,17 +477,20 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
                                        collective_bytes=dispatches * cost.collective_bytes)
             count = float(sum(plan.passes)) if plan is not None else 1.0
             matmuls, attention = (x / len(devices) for x in useful_flops(cfg, prompts, responses, factor))
-            text = compiled.as_text()
+            text = compiled[name].as_text()
             kernel = any(k in text for k in _KERNELS)
             flops = cost.flops + (attention if kernel else 0.0)  # a kernel's attention, as the useful count has it
             useful = matmuls + attention if name in ("pi_old", "update") else 0.0
             phases.append(Phase(name, count, flops / count, cost.bytes / count, cost.collective_bytes / count,
                                 useful / count, "flops" if useful else "", xla))
-    return phases
+    return phases, memory
 
 
-def report(phases: list[Phase], topo, spec, chips: int) -> str:
-    """The table of phases and the step's lines."""
+def report(phases: list[Phase], topo, spec, chips: int, memory: list | None = None) -> str:
+    """The table of phases and the step's lines: with a decode phase, the step with carry-over at the configured
+    max_staleness (``carry_over_steps``), the others planned and which drops none; the last, the run's hours and
+    chip-hours at the step the config runs (with ``rollout.carry_over``, carry-over's) and the fullest of the
+    trainer's programs in ``memory`` (memory_check.ProgramMemory) against the chip's HBM."""
     G = 1e9
     lines = [f"{'phase':13s} {'GFLOP':>9s} {'GB':>8s} {'coll GB':>8s} {'trips':>7s} {'ms flops':>9s} {'ms HBM':>8s} "
              f"{'ms coll':>8s} {'XLA ms':>7s} {'bound':>12s} {'seconds':>8s}  ratio"]
@@ -461,52 +507,102 @@ def report(phases: list[Phase], topo, spec, chips: int) -> str:
               f"(ratio {p.full_pool[0] / p.full_pool[1]:.3f})" for p in phases if p.full_pool]
     total = sum(p.seconds(topo) for p in phases)
     ideal = sum(p.ideal_seconds(topo) for p in phases)
-    hours = total * spec.train.steps / 3600
     lines += [f"step: {total:.1f} s predicted (the phases at their bounds' peaks; reward scoring, on the host and "
-              f"overlapped with pi_old, not counted); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}"]
-    prefill = sum(p.seconds(topo) for p in phases if p.name == "prefill")
-    for p in phases:
-        if p.carry_over:  # the same decode step, as many times as carry-over's steady state takes
-            carry, sync_fill = p.carry_over
-            staleness = min(carry)
-            trips, fill, lost = carry[staleness]
-            decode = p.seconds(topo) * trips / p.trips
-            # a call prefills 2P prompts of room for its new batch and again each of the max_staleness carried
-            # batches' (sampling/carry_over.py); the prefill phase is a synchronous step's P prompts, or with
-            # rollout.carry_over one region's 2P
-            prefills = (staleness + 1) * (1 if spec.rollout.carry_over else 2)
-            lines.append(f"with carry-over (rollout.carry_over, max_staleness {staleness}; simulated steady state): "
-                         f"{trips:.0f} decode steps a step against {p.trips:.0f}, slot fill {fill:.2f} against "
-                         f"{sync_fill:.2f}, {lost:.1%} of decoded tokens dropped as stale: decode {decode:.2f} s, "
-                         f"prefill x{prefills} {prefills * prefill:.2f} s, step "
-                         f"{total - p.seconds(topo) - prefill + decode + prefills * prefill:.1f} s predicted against "
-                         f"{total:.1f} s; "
-                         + ", ".join(f"max_staleness {s}: {t:.0f} decode steps, {d:.1%} dropped"
-                                     for s, (t, _, d) in sorted(carry.items())[1:]))
+              f"overlapped with pi_old, not counted" + ("; the decode a synchronous call's: carry-over's step below"
+                                                        if spec.rollout.carry_over else "")
+              + f"); at 100 % of every bound {ideal:.1f} s: ratio {ideal / total:.3f}"]
+    run_step, how = total, ""
+    decode = next((p for p in phases if p.carry_over), None)
+    if decode is not None:
+        carry = carry_over_steps(decode, phases, topo, spec)
+        staleness = spec.rollout.max_staleness
+        chosen = carry[staleness]
+        hours = chosen.seconds * spec.train.steps / 3600
+        others = ", ".join(f"max_staleness {c.staleness}: {c.trips:.0f} decode steps, {c.dropped:.1%} dropped, step "
+                           f"{c.seconds:.1f} s" for s, c in sorted(carry.items()) if s != staleness)
+        none_dropped = [s for s, c in sorted(carry.items()) if s > staleness and not c.dropped]
+        advice = ("" if not chosen.dropped else f"; set rollout.max_staleness={none_dropped[0]} to drop none"
+                  if none_dropped else f"; every max_staleness up to {max(carry)} drops some")
+        lines.append(f"with carry-over (rollout.carry_over, max_staleness {staleness}; simulated steady state): "
+                     f"{chosen.trips:.0f} decode steps a step against {decode.trips:.0f}, slot fill {chosen.fill:.2f} "
+                     f"against {decode.carry_over[1]:.2f}, {chosen.dropped:.1%} of decoded tokens dropped as stale: "
+                     f"decode {chosen.decode:.2f} s, prefill x{chosen.prefills} {chosen.prefill:.2f} s, step "
+                     f"{chosen.seconds:.1f} s predicted against {total:.1f} s ({chosen.dropped * chosen.decode:.2f} s "
+                     f"of it decoding the dropped tokens); run {hours:.1f} h, {hours * chips:.0f} chip-hours"
+                     + (f"; {others}" if others else "") + advice)
+        if spec.rollout.carry_over:
+            run_step = chosen.seconds
+            how = f", at carry-over's step of {chosen.seconds:.1f} s (the dropped tokens' decode counted)"
     split = one_step_off(phases, topo, chips, lambda r: split_overrides(spec, r, chips))
     if split:
         lines.append(split)
+    hours = run_step * spec.train.steps / 3600
     lines += [f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
-              f"{topo.device_kind} chips"]
+              f"{topo.device_kind} chips{how}" + (f"; {memory_words(memory, topo.hbm_bytes)}" if memory else "")]
     return "\n".join(lines)
 
 
-SAMPLER_PHASES = ("prefill", "decode")  # the rollout engine's; the others the learner's
+@dataclasses.dataclass(frozen=True)
+class CarryOverStep:
+    """A step with carry-over at one max_staleness (``carry_over_steps``)."""
+
+    staleness: int
+    trips: float  # decode steps a step
+    fill: float  # busy slot-steps / slot-steps
+    dropped: float  # the share of decoded tokens dropped as stale
+    decode: float  # seconds of the decode steps (the slots of rows later dropped among them)
+    prefills: int  # prefill phases a call
+    prefill: float  # seconds of those prefills
+    seconds: float  # the step's
+
+
+def carry_over_steps(decode: Phase, phases: list[Phase], topo, spec) -> dict[int, CarryOverStep]:
+    """The step of ``phases`` with carry-over at each max_staleness of the ``decode`` phase's
+    ``carry_over_plans``: the same decode step, run as many times as carry-over's steady state takes (the steps
+    in which a row later dropped held its slot among them: its tokens thrown away cost their decode), and
+    the prefills of a call: 2P prompts of room for its new batch and again each of the max_staleness
+    carried batches' (sampling/carry_over.py), the prefill phase being a synchronous step's P prompts, or
+    with rollout.carry_over one region's 2P."""
+    total = sum(p.seconds(topo) for p in phases)
+    prefill = sum(p.seconds(topo) for p in phases if p.name == "prefill")
+    steps = {}
+    for staleness, (trips, fill, dropped) in decode.carry_over[0].items():
+        prefills = (staleness + 1) * (1 if spec.rollout.carry_over else 2)
+        seconds = decode.seconds(topo) * trips / decode.trips
+        steps[staleness] = CarryOverStep(staleness, trips, fill, dropped, seconds, prefills, prefills * prefill,
+                                         total - decode.seconds(topo) - prefill + seconds + prefills * prefill)
+    return steps
+
+
+def memory_words(memory: list, hbm_bytes: int) -> str:
+    """The fullest of the trainer's programs in ``memory`` (memory_check.ProgramMemory) against ``hbm_bytes``:
+    "peak per device X GiB of Y GiB (fits): NAME, the fullest of NAMES"."""
+    from pacs_jax.training.memory_check import fullest, peak_words
+
+    worst, _ = fullest(memory, hbm_bytes)
+    names = ", ".join(dict.fromkeys(p.name for p in memory))
+    refused = "; the compiler refused it for lack of memory" if worst.error else ""
+    return (f"peak per device {peak_words(worst, hbm_bytes)}: {worst.name}, the fullest of {names}{refused} "
+            "(tools/plan_memory.py: each program's)")
 
 
 def split_overrides(spec, r: int, chips: int) -> str | None:
     """Whether the config accepts one step off with ``r`` of the ``chips`` for the engine: "" as it is, the
-    mesh overrides it needs ("mesh.data=1 mesh.fsdp=-1": the learner's fsdp axis fills its chips), or None
+    overrides it needs (with ``rollout.carry_over``, which one step off does not combine with,
+    "rollout.carry_over=False"; "mesh.data=1 mesh.fsdp=-1": the learner's fsdp axis fills its chips), or None
     (its batch sizes or mesh refuse it either way)."""
     from pacs_jax.training.spec import ConfigError
 
-    for mesh, words in ((spec.mesh, ""), (dataclasses.replace(spec.mesh, data=1, fsdp=-1), "mesh.data=1 mesh.fsdp=-1")):
+    switch = ("rollout.carry_over=False",) if spec.rollout.carry_over else ()
+    rollout = dataclasses.replace(spec.rollout, carry_over=False)
+    fill = dataclasses.replace(spec.mesh, data=1, fsdp=-1)
+    for mesh, words in ((spec.mesh, ()), (fill, ("mesh.data=1", "mesh.fsdp=-1"))):
         try:
             dataclasses.replace(spec, devices=chips, train=dataclasses.replace(spec.train, off_policy_steps=1),
-                                mesh=dataclasses.replace(mesh, rollout_devices=r))
+                                mesh=dataclasses.replace(mesh, rollout_devices=r), rollout=rollout)
         except ConfigError:
             continue
-        return words
+        return " ".join(switch + words)
     return None
 
 
@@ -574,8 +670,8 @@ def main(argv) -> int:
         f"interconnect {topo.ici_bandwidth / 1e9:.0f} GB/s")
     say(f"responses: {words}; this step: {B} responses, mean {responses.mean():.0f}, longest {responses.max()} "
         f"tokens, prompts mean {prompts.mean():.0f}")
-    phases = plan_phases(spec, devices, prompts, responses, say, names)
-    print(report(phases, topo, spec, len(devices)), flush=True)
+    phases, memory = plan_phases(spec, devices, prompts, responses, say, names)
+    print(report(phases, topo, spec, len(devices), memory), flush=True)
     return 0
 
 

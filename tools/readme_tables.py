@@ -166,7 +166,7 @@ def step_row(config: str, topology: str) -> str:
     carry = re.search(r"^with carry-over \(rollout.carry_over, max_staleness (\d+);.*, ([\d.]+%) of decoded tokens "
                       r"dropped as stale: decode [\d.]+ s, prefill x\d+ [\d.]+ s, step ([\d.]+) s predicted", text, re.M)
     split = re.search(r"^one step off .*: best mesh.rollout_devices=(\d+) of \d+: step ([\d.]+) s", text, re.M)
-    cells.append(f"{carry.group(3)} s ({carry.group(2)} dropped)" if carry else "-")
+    cells.append(f"{carry.group(3)} s ({carry.group(2)} dropped at max_staleness {carry.group(1)})" if carry else "-")
     cells.append(f"{split.group(2)} s ({split.group(1)} chips sample)" if split else "-")
     return (f"| `{config}` | {topology} | {step.group(1)} s | {run.group(2)} h | {run.group(3)} | "
             + " | ".join(cells) + f" | {step.group(2)} | {int(seconds.group(1)) / 60:.1f} min |")

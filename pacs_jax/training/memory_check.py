@@ -152,9 +152,19 @@ def report(programs: list[ProgramMemory], hbm_bytes: int, device: str) -> tuple[
         if p.error:
             lines.append(f"  {p.name}: NOT COMPILED, {p.error} (its peak above: arguments + those temporaries)")
         lines += [f"  {p.name}: {fact}" for fact in p.loop_facts]
-    worst = max(programs, key=lambda p: p.total)
-    fits = worst.total <= hbm_bytes
+    worst, fits = fullest(programs, hbm_bytes)
     lines.append(f"to shrink the fullest ({worst.name}): {FIELDS[worst.name]}")
-    lines.append(f"peak per device: {worst.total / GiB:.2f} GiB of {hbm_bytes / GiB:.2f} GiB "
-                 f"({'fits' if fits else 'does not fit'})")
+    lines.append(f"peak per device: {peak_words(worst, hbm_bytes)}")
     return "\n".join(lines), fits
+
+
+def fullest(programs: list[ProgramMemory], hbm_bytes: int) -> tuple[ProgramMemory, bool]:
+    """(the program whose phase needs the most memory a device, whether it fits ``hbm_bytes``)."""
+    worst = max(programs, key=lambda p: p.total)
+    return worst, worst.total <= hbm_bytes
+
+
+def peak_words(program: ProgramMemory, hbm_bytes: int) -> str:
+    """"X GiB of Y GiB (fits)" (or "does not fit"): what ``program``'s phase needs a device, against ``hbm_bytes``."""
+    return (f"{program.total / GiB:.2f} GiB of {hbm_bytes / GiB:.2f} GiB "
+            f"({'fits' if program.total <= hbm_bytes else 'does not fit'})")

@@ -126,8 +126,9 @@ class SamplerSpec:
     pages: int
 
     @classmethod
-    def from_config(cls, section, field: str) -> SamplerSpec:
-        return cls(**_fields(cls, section, field=field))
+    def from_config(cls, section, field: str, **given) -> SamplerSpec:
+        """The sampler fields of ``section`` (those not ``given``)."""
+        return cls(**_fields(cls, section, field=field, **given))
 
     def __post_init__(self):
         name = self.field
@@ -164,6 +165,25 @@ class SamplerSpec:
                     page_size=self.page_size if paged else None, pages=(self.pages or None) if paged else None)
 
 
+# rollout.tail_slots None on a synchronous call of the paged or continuous sampler: its tail narrows to slots / this.
+# Below that a decode step's cost is mostly the weights' HBM reads, so narrower widths save little, and each width
+# is one more compiled decode loop.
+TAIL_SLOTS_DIVISOR = 8
+
+
+def rollout_tail_slots(section) -> int:
+    """``config.rollout.tail_slots`` as a run reads it: as set, or for None (the paper configs') the mode's:
+    0 where a call has no tail to narrow (``carry_over``: a call ends once it has its groups, before its
+    tail; the static sampler: a slot a response), else ``slots // TAIL_SLOTS_DIVISOR``. A value set with
+    carry-over is refused by ``RolloutSpec`` (it would be dropped)."""
+    tail, slots = section.tail_slots, section.slots
+    if tail is not None:
+        return tail
+    if section.carry_over or section.sampler == "static" or not isinstance(slots, int):
+        return 0  # an invalid slots is refused by SamplerSpec
+    return slots // TAIL_SLOTS_DIVISOR
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
     """``config.rollout``: RL's sampling (its sampler section: ``sampler``)."""
@@ -184,7 +204,9 @@ class RolloutSpec:
 
     @classmethod
     def from_config(cls, section) -> RolloutSpec:
-        return cls(**_fields(cls, section, sampler=SamplerSpec.from_config(section, "rollout")))
+        """``section``, its tail_slots as the run reads it (``rollout_tail_slots``)."""
+        sampler = SamplerSpec.from_config(section, "rollout", tail_slots=rollout_tail_slots(section))
+        return cls(**_fields(cls, section, sampler=sampler))
 
     def __post_init__(self):
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

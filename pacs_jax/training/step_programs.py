@@ -97,12 +97,14 @@ class StepPrograms:
         return warm + engine + learner_programs
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
-                progress: bool = True, read_loops: bool = False,
-                log: Callable[[str], None] | None = None) -> list[memory_check.ProgramMemory]:
+                progress: bool = True, read_loops: bool = False, log: Callable[[str], None] | None = None,
+                on_compiled: Callable[[Program, jax.stages.Compiled], None] | None = None,
+                ) -> list[memory_check.ProgramMemory]:
         """Compile (ahead of time, nothing runs) ``programs()`` and read XLA's memory of each; a program
         XLA refuses for lack of memory comes back with its ``error`` (``memory_check.refused``).
         names: only the programs of these names. read_loops: also read the sampler's HLO for parameter
-        all-gathers inside its loops. Carry-over: the engine's state (its rows and page pool: the init
+        all-gathers inside its loops. on_compiled: called with each program XLA compiled (tools/plan_step.py
+        costs them). Carry-over: the engine's state (its rows and page pool: the init
         program's result) stays on the devices between calls, so every program after the sampler's
         counts it outside itself (when the sampler is among those compiled)."""
         out = []
@@ -127,6 +129,8 @@ class StepPrograms:
                 carry_state = memory_check.per_device_bytes(compiled.programs[0].out_info)
             if read_loops and program.name == "sampler":
                 memory.loop_facts = self.sampler.loop_facts(compiled.as_text(), program.args[1].shape[1])
+            if on_compiled is not None:
+                on_compiled(program, compiled)
             if log is not None:
                 log(f"  {program.name} compiled in {memory.compile_seconds:.1f} s: peak {memory.peak / memory_check.GiB:.2f} "
                     f"GiB per device")

@@ -52,7 +52,7 @@ from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import NotAnExportError, check_export_target
 from pacs_jax.rl.objectives import options_for
 from pacs_jax.training.carry_over import is_carry_over_state
-from pacs_jax.training.spec import ConfigError, RunSpec, run_algorithm
+from pacs_jax.training.spec import ConfigError, RunSpec, rollout_tail_slots, run_algorithm
 
 LOCK_FILE = "trainer.lock"
 CONFIG_FILE = "config.json"
@@ -418,9 +418,11 @@ def check_export_folder(workdir: str | os.PathLike) -> None:
 def recorded_config(config: ml_collections.ConfigDict, model_cfg: QwenConfig | None) -> dict:
     """What config.json records of a run: ``config``, with ``algorithm`` the objective and the options
     it runs with (``options``; the other objectives' namespaces left out), the rollout correction's
-    fields as it runs (a preset's filled in; carry-over's default) when it is on, dynamic sampling's when on, and ``model``'s architecture fields those of
-    ``model_cfg``, the model the run builds (None: unknown, the fields as configured)."""
+    fields as it runs (a preset's filled in; carry-over's default) when it is on, dynamic sampling's when on,
+    ``rollout.tail_slots`` as it runs (None resolved for the mode: ``spec.rollout_tail_slots``), and ``model``'s
+    architecture fields those of ``model_cfg``, the model the run builds (None: unknown, the fields as configured)."""
     record = json.loads(config.to_json_best_effort())
+    record["rollout"]["tail_slots"] = rollout_tail_slots(config.rollout)
     record["algorithm"] = {"objective": config.algorithm.objective, "options": options_for(config.algorithm)}
     algorithm = run_algorithm(config)
     correction = algorithm.rollout_correction
