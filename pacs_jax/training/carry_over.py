@@ -211,10 +211,9 @@ class CarryOverRollouts:
         watch.say(f"resume: replaying {exported.row_count} rows in flight ({exported.tokens:,} tokens, "
                   f"{exported.running} in decode slots), their K/V recomputed with step {step}'s weights")
 
-        def wait(progress, last):  # after each program: a stop ends the replay here (several processes: in wait)
-            watch.poll()
-            watch.wait(progress, lambda: f"{last.left} positions left to feed" if last else
-                       "the prompts' prefill or the first positions fed")
+        def wait(progress, last):  # after each program: a stop ends the replay here
+            watch.wait_after_program(progress, lambda: f"{last.left} positions left to feed" if last else
+                                     "the prompts' prefill or the first positions fed")
 
         self.engine.resume(params, exported, prompts, wait=wait)
         watch.done(f"{exported.row_count} rows in flight", always=True)

@@ -19,11 +19,13 @@ are read between two), ``reward`` (decoding and scoring, while the device comput
   device poll (``jax.Array.is_ready``; 1 ms apart at first, doubling up to ``POLL_S``) rather than
   block, so a signal's handler runs within ``POLL_S`` and the wait ends at once, the device program
   still running (the caller does not wait for it: pacs_jax/train.py ends the process without it).
-  One process asks at each phase's start and at every poll (``poll()``: of a wait, of the reward's
-  scoring). Several processes (``lockstep``) must stop at the same point, so they ask only where every
-  process passes in the same order: each phase's start and each ``wait`` (one a chunk of decode
-  steps, pi_old's, the update's), never in a poll; ``stop_requested`` is then JAX's preemption sync
-  point (training/signals.py), True at the same point on every process.
+  One process asks at each phase's start, at every poll (``poll()``: of a wait, of the reward's
+  scoring) and after each chunk of decode steps even when its result is in at the first look
+  (``wait_after_program``: a device that returns from the next chunk's dispatch only once this one
+  has run leaves nothing to poll). Several processes (``lockstep``) must stop at the same point, so
+  they ask only where every process passes in the same order: each phase's start and each ``wait``
+  (one a chunk of decode steps, pi_old's, the update's), never in a poll; ``stop_requested`` is then
+  JAX's preemption sync point (training/signals.py), True at the same point on every process.
 """
 
 from __future__ import annotations
@@ -147,6 +149,16 @@ class StepWatch:
             self.heartbeat(detail())
             time.sleep(delay)
             delay = min(2 * delay, POLL_S)
+
+    def wait_after_program(self, arrays, detail: Callable[[], str]) -> None:
+        """``wait`` for one of a call's programs that more of the call follows (a chunk of decode steps, a
+        resume's program): a stop point and a heartbeat even when ``arrays`` are computed at the first look,
+        as they are wherever dispatching the next program returns only once the program before it has run
+        (a device that runs a while loop's condition on the host); ``wait`` would then neither poll nor
+        stop, and the call would run to its end. One process asks here; several in ``wait``."""
+        self.poll()
+        self.heartbeat(detail())
+        self.wait(arrays, detail)
 
     def _write(self, text: str) -> None:
         self.write(f"step {self.step}: {text}")

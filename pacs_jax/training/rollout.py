@@ -226,7 +226,7 @@ class RolloutCollector:
         per_call = num_prompts // K
 
         def wait(progress, last, c):  # each chunk of decode steps: progress lines, and a stop between chunks
-            watch.wait(progress, lambda: f"sampler call {c + 1}/{K}: " + (
+            watch.wait_after_program(progress, lambda: f"sampler call {c + 1}/{K}: " + (
                 f"{last.rows_done}/{last.rows} rows done, {last.tokens} tokens" if last else "prefill"))
 
         outs = [programs.sampler.sample(state, self._put(tokens_np[i:i + per_call]), self._put(mask_np[i:i + per_call]),
@@ -246,7 +246,7 @@ class RolloutCollector:
         tokens_np, mask_np = sampling.left_pad(self.carry.placed(prompts.prompt_ids), slots, length)  # the rest padding
 
         def wait(progress, last):
-            watch.wait(progress, lambda: "carry-over call: " + (
+            watch.wait_after_program(progress, lambda: "carry-over call: " + (
                 f"{last.groups} groups complete, {last.running} rows running" if last else "insert"))
 
         call = self.carry.sample(state, prompts, self._put(tokens_np), self._put(mask_np), key, wait)
