@@ -323,8 +323,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
                    hf_export=str(export))
     if primary:
         if history:
-            plot_curves(history, _per_set(before.get("eval", {}).get("sampled", {})),
-                        _per_set(after.get("sampled", {})), workdir / "curves.png", _periodic_evals(workdir))
+            evaluated = before.get("eval", {})
+            plot_curves(history, _per_set(evaluated.get("sampled", {})), _per_set(after.get("sampled", {})),
+                        workdir / "curves.png", _periodic_evals(workdir), algorithm=spec.algorithm,
+                        greedy=(_per_set(evaluated.get("greedy", {})), _per_set(after.get("greedy", {}))))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
