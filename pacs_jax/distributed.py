@@ -6,6 +6,7 @@ and global arrays whose shards live on several processes.
                                                 # only the rows its devices hold are copied
     rows, local = local_rows(global_tokens)     # the rows this process holds, as numpy
     lengths = to_host(global_lengths)           # a small array, in full on every process
+    verdict = from_process_zero(refusal)        # process 0's (JSON-able) value on every process
 
 ``initialize`` first runs a rendezvous of its own (a TCP barrier on the coordinator's port + 1)
 with a timeout, so a process that never starts makes the others exit with an error naming it;
@@ -171,3 +172,15 @@ def gather_per_process(values: np.ndarray) -> np.ndarray:
     if jax.process_count() == 1:
         return values[None]
     return np.asarray(multihost_utils.process_allgather(values))
+
+
+def from_process_zero(value):
+    """Process 0's ``value`` (anything ``json.dumps`` takes) on every process, the others' ignored: its
+    JSON text's length, then the text as bytes, each broadcast (two collectives every process must call)."""
+    if jax.process_count() == 1:
+        return value
+    primary = jax.process_index() == 0
+    text = json.dumps(value).encode() if primary else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+    data = np.frombuffer(text, np.uint8) if primary else np.zeros(size, np.uint8)
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(data), np.uint8).tobytes().decode())

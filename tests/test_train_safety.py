@@ -404,6 +404,43 @@ def test_a_resume_that_switches_carry_over_or_clipping_is_refused_naming_the_che
     assert check_resume(RunSpec.unplaced(config), workdir, None) == 3
 
 
+def test_a_resume_is_checked_on_process_0_alone_and_every_process_raises_its_line(tmp_path, monkeypatch):
+    """check_resume reads the workdir on process 0 only, and every process takes its step and refusal: a
+    host whose read of the checkpoint's meta item fails (it skipped that check and resumed, while process 0
+    refused and exited 78, leaving it waiting in the next collective) raises process 0's line. Two
+    processes stood in for: process 0's broadcasts recorded, then replayed to process 1 (same shapes)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from pacs_jax.training import workdir as workdir_lib
+
+    config = load_config("default.py")
+    workdir = tmp_path / "run"
+    _save_meta(workdir, 3, ListPromptSource([]).get_state())
+    config.rollout.carry_over = True  # the checkpoint's data state is a plain cursor: refused
+    sent = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: sent.append(np.asarray(x)) or x)
+    with pytest.raises(ConfigError, match=r"rollout\.carry_over \(checkpoint False, this config True") as on_0:
+        check_resume(RunSpec.unplaced(config), workdir, None)
+
+    def unreadable(*args):
+        raise OSError("transient")
+
+    def replayed(x):
+        sending = sent.pop(0)
+        assert np.shape(x) == sending.shape and np.asarray(x).dtype == sending.dtype
+        return sending
+
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(workdir_lib, "read_meta", unreadable)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", replayed)
+    with pytest.raises(ConfigError) as on_1:
+        check_resume(RunSpec.unplaced(config), workdir, None)
+    assert str(on_1.value) == str(on_0.value) and not sent
+
+
 def test_a_resume_whose_checkpoint_does_not_restore_leaves_config_json_and_sessions_json_as_they_were(tmp_path):
     """Issue 67 item 1: a resume writes config.json and its session in sessions.json only once its checkpoint
     has restored (it wrote them first, so a resume that failed left a record of a run that never trained): one

@@ -47,6 +47,7 @@ import numpy as np
 from etils import epath
 
 from pacs_jax.checkpoints import MODEL_CONFIG_FILE, read_meta
+from pacs_jax.distributed import from_process_zero
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import NotAnExportError, check_export_target
@@ -328,9 +329,24 @@ def check_resume(spec: RunSpec, workdir: str | os.PathLike, model_cfg: QwenConfi
     clipping has an optimizer state of its own; rollout.carry_over, against the kind of data state the
     newest readable checkpoint holds: carry-over's and a plain source's do not restore into each other,
     while one step off's is a plain cursor) and when ``train.steps`` is below the checkpoint's step.
-    Reads only.
+    Reads only, and only on process 0 (a checkpoint's meta item may be megabytes of carry-over's rows):
+    its step and its refusal hold for every process (``distributed.from_process_zero``), so that a read
+    failing on one host alone does not make the processes decide differently.
     """
-    workdir = epath.Path(workdir)
+    latest, refusal = 0, None
+    if jax.process_index() == 0:
+        try:
+            latest = _resumable_step(spec, epath.Path(workdir), model_cfg)
+        except ConfigError as e:
+            refusal = str(e)
+    latest, refusal = from_process_zero([latest, refusal])
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return latest
+
+
+def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | None) -> int:
+    """``check_resume``'s step and checks, on the process that runs it."""
     steps = checkpoint_steps(workdir)
     if not steps:
         return 0
