@@ -143,25 +143,42 @@ def test_a_bar_in_a_log_writes_a_line_every_log_interval_and_one_last_line(monke
     assert sum("60/60" in line for line in lines) == 1 and lines[-1].startswith("train: 100%|"), lines
 
 
-@pytest.mark.parametrize("phases, keeps_warm_start, ahead, said", [
-    (("sampling",), True, False, "SIGINT during step 1 (sampling): step 1 finished rather than dropped: it keeps "
-                                 "this session's warm-start, which has no checkpoint of its own; checkpoint of step "
-                                 "1 written, exiting"),
-    (("sampling", "reward", "pi_old", "update"), False, True,
-     "SIGINT during step 1 (update): step 1 finished rather than dropped: its update had begun, and step 0 has no "
-     "checkpoint to go back to; step 2's rows sampled ahead dropped (a resume samples them again); checkpoint of "
-     "step 1 written, exiting"),
-    (("sampling", "reward", "pi_old", "update", None), False, False,
-     "SIGINT during step 1, after its update: step 1 finished; checkpoint of step 1 written, exiting"),
-    (None, True, False, "SIGINT before step 1 began: step 1 finished rather than dropped: it keeps this session's "
-                        "warm-start, which has no checkpoint of its own; checkpoint of step 1 written, exiting"),
+FINISHED = "step {s} finished rather than dropped: "
+WARM = "it keeps this session's warm-start, which has no checkpoint of its own"
+
+
+@pytest.mark.parametrize("phases, step, flags, said", [
+    (("sampling",), 1, "warm", "SIGINT during step 1 (sampling): " + FINISHED.format(s=1) + WARM
+     + "; checkpoint of step 1 written, exiting"),
+    (("sampling", "reward", "pi_old", "update"), 2, "unsaved",
+     "SIGINT during step 2 (update): " + FINISHED.format(s=2) + "its update had begun, and step 1 has no "
+     "checkpoint to go back to; checkpoint of step 2 written, exiting"),
+    # one step off: the sampling ahead caught the signal while the loop's watch was in step 2's update
+    (("sampling", "reward", "pi_old", "update"), 2, "unsaved ahead",
+     "SIGINT while step 3's rows were sampled ahead, during step 2's update: " + FINISHED.format(s=2)
+     + "its update had begun, and step 1 has no checkpoint to go back to; step 3's rows sampled ahead dropped (a "
+     "resume samples them again); checkpoint of step 2 written, exiting"),
+    (("sampling", "reward", "pi_old", "update"), 2, "ahead",  # step 1's checkpoint on disk: the update was done
+     "SIGINT while step 3's rows were sampled ahead, during step 2's update: " + FINISHED.format(s=2)
+     + "its update was done by the time the signal was acted on; step 3's rows sampled ahead dropped (a resume "
+     "samples them again); checkpoint of step 2 written, exiting"),
+    (("sampling", "reward", "pi_old", "update"), 2, "",  # after the update's wait, before its end was noted
+     "SIGINT during step 2 (update): " + FINISHED.format(s=2) + "its update was done by the time the signal was "
+     "acted on; checkpoint of step 2 written, exiting"),
+    (("sampling", "reward", "pi_old", "update", None), 2, "unsaved",
+     "SIGINT during step 2, after its update: step 2 finished; checkpoint of step 2 written, exiting"),
+    (None, 1, "warm", "SIGINT before step 1 began: " + FINISHED.format(s=1) + WARM
+     + "; checkpoint of step 1 written, exiting"),
 ])
 def test_a_stop_that_finishes_its_step_says_where_the_signal_came_and_why_the_step_was_not_dropped(
-        phases, keeps_warm_start, ahead, said):
+        phases, step, flags, said):
     """Issue 67 item 7: the line of a stop that finishes its step ("SIGINT: checkpoint of step 1 written, exiting")
     said neither where the signal came nor that the step was finished rather than dropped. The handler notes
-    the loop's ``StepWatch.position`` as the signal comes (phases: the watch's in step 1, None in a phase list:
-    the last one ended; no list: before step 1, as while compiling)."""
+    the loop's ``StepWatch.position`` as the signal comes (phases: the watch's in ``step``, None in a phase list:
+    the last one ended; no list: before step 1, as while compiling); why the step was finished is what the loop
+    tells (flags: "warm" it keeps a warm-start, "unsaved" step - 1 has no checkpoint, "ahead" one step off's
+    sampling ahead was stopped), not guessed from the position (it said "its update had begun, and step 1 has no
+    checkpoint" with step 1's on disk, and "during step 2 (update)" of a signal in step 3's sampling ahead)."""
     import signal
 
     from pacs_jax.training.loop import _finished_line
@@ -171,7 +188,7 @@ def test_a_stop_that_finishes_its_step_says_where_the_signal_came_and_why_the_st
     with StopSignals() as signals, signals.deferred():
         signals.where = watch.position
         if phases is not None:
-            watch.start_step(1, stoppable=False)
+            watch.start_step(step, stoppable=False)
             for phase in phases:
                 if phase is None:
                     watch.done()
@@ -179,5 +196,47 @@ def test_a_stop_that_finishes_its_step_says_where_the_signal_came_and_why_the_st
                     watch.start(phase)
         signal.raise_signal(signal.SIGINT)
     assert signals.requested == "SIGINT"
-    assert _finished_line(signals.requested, signals.requested_where, 1, keeps_warm_start=keeps_warm_start,
-                          ahead_dropped=ahead) == said
+    assert _finished_line(signals.requested, signals.requested_where, step, keeps_warm_start="warm" in flags,
+                          previous_unsaved="unsaved" in flags, ahead_dropped="ahead" in flags) == said
+
+
+def test_a_signal_while_compiling_before_a_warm_started_first_step_is_noted_as_before_it(tmp_path, monkeypatch):
+    """A signal in the precompilation before a warm-started first step (deferred: step 1 keeps the warm-start)
+    came before the loop noted where it was (its watch was made after the compilation and on_start), so its
+    line lost "before step 1 began" and why the step was finished. A stand-in compilation raises it; on_start
+    then ends the call."""
+    import signal
+
+    from flax import nnx
+
+    from pacs_jax import models
+    from pacs_jax.sharding import make_mesh
+    from pacs_jax.training.loop import _finished_line, rl_train
+    from pacs_jax.training.signals import StopSignals
+    from pacs_jax.training.spec import RunSpec
+    from pacs_jax.training.step_programs import StepPrograms
+    from train_helpers import ListPromptSource, load_config
+
+    class Started(Exception):
+        pass
+
+    def on_start():
+        raise Started
+
+    config = load_config("default.py")
+    config.train.precompile = True
+    cfg = models.QwenConfig(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                            attention_bias=False, bos_token_id=None, eos_token_id=1, max_position_embeddings=64)
+    with jax.set_mesh(make_mesh(1, devices=jax.devices()[:1])), StopSignals() as signals:
+        model = models.init_random(cfg, seed=0)
+        programs = StepPrograms(RunSpec.unplaced(config), *nnx.split(model), (1,))
+        monkeypatch.setattr(programs, "compile", lambda: signal.raise_signal(signal.SIGINT) or [])
+        with pytest.raises(Started):
+            rl_train(RunSpec.unplaced(config), tmp_path / "run", model, ListPromptSource([]), decode=str,
+                     stop_token_ids=(1,), reward_pool=None, programs=programs, keep_first_step=True,
+                     on_start=on_start)
+    assert signals.requested == "SIGINT" and signals.requested_where == (0, "", False)
+    assert _finished_line(signals.requested, signals.requested_where, 1, keeps_warm_start=True,
+                          previous_unsaved=False, ahead_dropped=False).startswith(
+        "SIGINT before step 1 began: " + FINISHED.format(s=1) + WARM)

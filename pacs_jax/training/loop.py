@@ -167,6 +167,9 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
     single_process = jax.process_count() == 1
     collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
     rc = spec.rollout
+    write = logger.write if primary else lambda line: None
+    watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
+    signals.where = watch.position  # where a signal came (step 0's start before step 1: the compilation's too)
     if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
         if primary:                         # cannot fit stops here
             print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
@@ -181,9 +184,6 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
     if on_start is not None:
         on_start()
-    write = logger.write if primary else lambda line: None
-    watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
-    signals.where = watch.position  # where a signal came, for the line of a stop that finishes the step
     # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
     # with its copy of the weights step s started from, while the learner trains step s (training/weight_sync.py)
     ahead = OneStepOff(programs, collector, prompts, StepWatch(write, tc.progress_seconds,
@@ -213,7 +213,8 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                 rollout = ahead.rollout(params, key, watch, step)
             # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
             # when the last finished step's checkpoint is on disk, else the step runs to its end
-            watch.start("update", last_boundary=saved != step - 1)
+            previous_unsaved = saved != step - 1
+            watch.start("update", last_boundary=previous_unsaved)
             t0 = time.perf_counter()
             batch, critic_metrics = rollout.batch, {}
             if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
@@ -264,6 +265,7 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             if single_process:
                 line = _finished_line(signals.requested, signals.requested_where, step,
                                       keeps_warm_start=keep_first_step and step == start + 1,
+                                      previous_unsaved=previous_unsaved,
                                       ahead_dropped=ahead is not None and ahead.interrupted)
             else:
                 line = f"preemption (at the same step on every process): checkpoint of step {step} written, exiting"
@@ -281,21 +283,32 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
                        earlier_history=logger.earlier)
 
 
-def _finished_line(signal_name: str, where: Position | None, step: int, keeps_warm_start: bool,
-                   ahead_dropped: bool) -> str:
+def _finished_line(signal_name: str, where: Position | None, step: int, *, keeps_warm_start: bool,
+                   previous_unsaved: bool, ahead_dropped: bool) -> str:
     """The line of a stop signal that let step ``step`` finish and wrote its checkpoint: where it came
-    (``where``: the loop's position then, an earlier step's before this one began, as the compilation
-    before it; None: not known) and why the step was finished rather than dropped (it keeps this
-    session's warm-start, or its update had begun with no checkpoint of the step before on disk; nothing
-    to say when it came after the update); ``ahead_dropped``: one step off's rows of step + 1, sampled
-    ahead, were dropped (a resume samples them again)."""
-    during = why = ""
-    if where is not None:
+    (``where``: the loop's position then, ``StepWatch.position``; one of a step before ``step``, or step 0's
+    before the first, when it came before this step began, as in the compilation before it; None: not
+    known) and why the step was finished rather than dropped, from what the loop knows: it keeps this
+    session's warm-start (``keeps_warm_start``), or its update had begun with no checkpoint of step - 1 on
+    disk (``previous_unsaved``: the update could not be abandoned), or else its update was done by the time
+    the signal was acted on (it came as the update ended, or while step + 1 was sampled ahead: the
+    update's last stop point found it done); nothing to say when it came after the update.
+    ``ahead_dropped``: one step off's rows of step + 1, sampled ahead, were dropped (a resume samples them
+    again); a signal in step ``step``'s update then came while they were sampled."""
+    if where is None:
+        during = ""
+    elif ahead_dropped and where == (step, "update", False):
+        during = f" while step {step + 1}'s rows were sampled ahead, during step {step}'s update"
+    else:
         during = f" during {where}" if where.step == step else f" before step {step} began"
-        if not (where.step == step and where.phase == "update" and where.ended):
-            why = (" rather than dropped: it keeps this session's warm-start, which has no checkpoint of its own"
-                   if keeps_warm_start else
-                   f" rather than dropped: its update had begun, and step {step - 1} has no checkpoint to go back to")
+    if where == (step, "update", True):
+        why = ""
+    elif keeps_warm_start:
+        why = " rather than dropped: it keeps this session's warm-start, which has no checkpoint of its own"
+    elif previous_unsaved:
+        why = f" rather than dropped: its update had begun, and step {step - 1} has no checkpoint to go back to"
+    else:
+        why = " rather than dropped: its update was done by the time the signal was acted on"
     ahead = f"; step {step + 1}'s rows sampled ahead dropped (a resume samples them again)" if ahead_dropped else ""
     return f"{signal_name}{during}: step {step} finished{why}{ahead}; checkpoint of step {step} written, exiting"
 
