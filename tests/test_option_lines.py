@@ -60,7 +60,7 @@ def test_each_step_line_says_what_carry_over_dynamic_sampling_and_the_correction
         "as stale",
         f"dynamic sampling: 3 batches drawn (limit 10) in 8.0 s of sampling, {round(3 * prompts * 0.375)} of their "
         f"{3 * prompts} groups with spread, {prompts} kept",
-        "correction: IS weights mean 0.998, min 0.239, max 2, 0.52% of responses truncated at 2, 12% of tokens "
+        "correction: IS weights mean 0.998, min 0.239, max 2, 0.52% of responses truncated at 2, 12.5% of tokens "
         "rejected"]
     assert step_line(_spec(), metrics) is None  # no option on: no line
 
@@ -85,3 +85,23 @@ def test_one_step_offs_step_line_says_how_far_behind_its_rows_are(staleness, wor
                "rollout_corr/rollout_is_max": 2.0, "rollout_corr/rollout_is_ratio_fraction_high": 0.0}
     assert step_line(spec, metrics) == (f"one step off: {words}; correction: IS weights mean 1, min 0.5, max 2, 0% "
                                         "of tokens truncated at 2")
+
+
+@pytest.mark.parametrize("fraction, shown", [(0.997, "99.7%"), (1.0, "100%"), (0.00004, "0.004%"), (0.0052, "0.52%"),
+                                             (0.0, "0%")])
+def test_a_share_is_a_plain_percentage_never_in_scientific_notation(fraction, shown):
+    """A share over 99.5 % printed "1e+02%" (two significant digits in the format ``g``)."""
+    spec = _spec(**{"algorithm.rollout_correction.preset": "token_tis"})
+    metrics = {"rollout_corr/rollout_is_mean": 1.0, "rollout_corr/rollout_is_min": 0.5,
+               "rollout_corr/rollout_is_max": 2.0, "rollout_corr/rollout_is_ratio_fraction_high": fraction}
+    assert step_line(spec, metrics).endswith(f", {shown} of tokens truncated at 2")
+
+
+def test_bypass_mode_alone_has_a_step_line_as_its_start_line_promises():
+    """With only bypass mode on, the session's line said each step prints what it did, and no step printed a
+    line (the step line read only a correction's weights or rejection): it says the sampler's KL to the
+    learner, from the update's ``rollout_corr/`` metrics (bypass mode has no other)."""
+    spec = _spec(**{"algorithm.rollout_correction.bypass_mode": True})
+    assert options_line(spec, 1).endswith("; each step prints a line of what they did")
+    assert step_line(spec, {"rollout_corr/kl": 0.001234, "loss": 0.7}) == (
+        "correction: bypass mode, KL of the sampler's log-probs (pi_old) to the learner's 0.00123")

@@ -12,10 +12,13 @@ staleness, prompts dropped as stale), dynamic sampling (``algorithm.filter_group
 its limit, the groups with spread, the sampling's seconds; the step that reaches the limit says so), one
 step off (``train.off_policy_steps``: the device split at the start, each step's lag) and the rollout
 correction (``algorithm.rollout_correction``: the IS weights' mean, min and max and the share truncated or
-masked, the share rejected; training/rollout_correction_step.py's ``rollout_corr/`` metrics).
+masked, the share rejected; training/rollout_correction_step.py's ``rollout_corr/`` metrics; bypass mode's
+KL of the sampler to the learner, from the update's).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from pacs_jax.rl.rollout_correction import parse_is_threshold
 from pacs_jax.training.spec import RolloutCorrectionSpec, RunSpec
@@ -72,8 +75,9 @@ def options_line(spec: RunSpec, devices: int) -> str | None:
 
 
 def _percent(fraction: float) -> str:
-    """A fraction as a percentage of two significant digits ("0.52%")."""
-    return f"{100 * fraction:.2g}%"
+    """A fraction as a percentage of up to three significant digits, never in scientific notation ("0.52%",
+    "99.7%", "100%", "0.004%")."""
+    return np.format_float_positional(100 * fraction, precision=3, fractional=False, trim="-") + "%"
 
 
 def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
@@ -102,16 +106,19 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
         parts.append(f"one step off: rows sampled with the weights {lag} step behind, during the previous step's "
                      "update" if lag else "one step off: rows sampled now, with the step's own weights (a "
                      "session's first step)")
-    if correction.enabled:
+    if correction.enabled or correction.bypass_mode:
         parts.append("correction: " + _correction_stats(correction, metrics))
     return "; ".join(parts) or None
 
 
 def _correction_stats(correction: RolloutCorrectionSpec, metrics: dict[str, float]) -> str:
-    """The correction's weights (mean, min, max and the share truncated or masked) and the share of tokens
-    its rejection masks, from the step's ``rollout_corr/`` metrics."""
+    """Bypass mode's KL of the sampler to the learner (the loss's pi_old to its pi_theta), the correction's
+    weights (mean, min, max and the share truncated or masked) and the share of tokens its rejection masks,
+    from the step's ``rollout_corr/`` metrics (bypass mode's: the update's, its mini-batches' mean)."""
     m = {k.removeprefix("rollout_corr/"): v for k, v in metrics.items() if k.startswith("rollout_corr/")}
     stats = []
+    if correction.bypass_mode:
+        stats.append(f"bypass mode, KL of the sampler's log-probs (pi_old) to the learner's {m['kl']:.3g}")
     if correction.rollout_is is not None:
         bounds = parse_is_threshold(correction.rollout_is_threshold)
         rows = "tokens" if correction.rollout_is == "token" else "responses"
