@@ -445,12 +445,13 @@ def test_a_resume_whose_checkpoint_does_not_restore_leaves_config_json_and_sessi
     """Issue 67 item 1: a resume writes config.json and its session in sessions.json only once its checkpoint
     has restored (it wrote them first, so a resume that failed left a record of a run that never trained): one
     whose only checkpoint passes check_resume but does not restore (its arrays missing) stops with
-    CheckpointError and the two files as they were."""
+    CheckpointError and the two files as they were, and so is the last session's skipped_rows.txt (the resume,
+    whose data skips no row, removed it before its checkpoint restored)."""
     import jax
 
     from pacs_jax.checkpoints import CheckpointError
     from pacs_jax.sharding import make_mesh
-    from pacs_jax.training.run import run_training
+    from pacs_jax.training.run import SKIPPED_ROWS_FILE, run_training
     from pacs_jax.training.workdir import SESSIONS_FILE
 
     config = load_config("default.py")
@@ -463,9 +464,12 @@ def test_a_resume_whose_checkpoint_does_not_restore_leaves_config_json_and_sessi
     (workdir / CONFIG_FILE).write_text(recorded)
     sessions = json.dumps({"sessions": [{"started": "2026-01-01T00:00:00", "seconds": 60.0}]})
     (workdir / SESSIONS_FILE).write_text(sessions)
+    skipped = "train.jsonl:5: missing field 'answer'\n"
+    (workdir / SKIPPED_ROWS_FILE).write_text(skipped)
     config.rollout.n = 4  # what a resume may change: config.json would record it
     with pytest.raises(CheckpointError, match="no checkpoint restores: step 2: "):
         with jax.set_mesh(make_mesh(8, 1, 1)):
             run_training(config, workdir)
     assert (workdir / CONFIG_FILE).read_text() == recorded
     assert (workdir / SESSIONS_FILE).read_text() == sessions
+    assert (workdir / SKIPPED_ROWS_FILE).read_text() == skipped

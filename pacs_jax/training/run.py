@@ -220,13 +220,24 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
               f"warm-start only, {counts['held_out']} held out, {counts['skipped']} malformed rows skipped, "
               f"{counts['dropped_overlong']} prompts too long)", flush=True)
-        _record_skipped_rows(counts["skipped_rows"], workdir, say)
+        for message in counts["skipped_rows"]:
+            print(f"skipped (data.allow_skips): {message}", flush=True)
+        if not latest:  # a resume's with its session's record (rl_train's on_start)
+            _record_skipped_rows(counts["skipped_rows"], workdir, say)
         options = options_line(spec, spec.devices or jax.device_count())
         if options is not None:
             print(options, flush=True)
         warning = planned_step_warning(spec, jax.devices()[0].platform)
         if warning:
             print(warning, flush=True)
+
+    def record_resume() -> None:
+        """A resume's record once it is known to start: ``record_session``'s, and this session's skipped rows
+        (so that a resume refused earlier leaves the last session's)."""
+        record_session()
+        if primary:
+            _record_skipped_rows(counts["skipped_rows"], workdir, say)
+
     sets = eval_sets(spec, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
     # every program of the run's steps; the engine's on a mesh of its own with mesh.rollout_devices
@@ -296,7 +307,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
                           decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                           stop_token_ids=stop_ids, reward_pool=pool, on_step=on_step, programs=programs,
                           keep_first_step=not latest and wc.steps > 0,  # step 1 keeps the warm-start
-                          on_start=record_session if latest else None)
+                          on_start=record_resume if latest else None)
         if result.stopped_by_signal:
             clock.update(force=True)
             if result.dropped_step is None:
@@ -332,15 +343,14 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
 
 
 def _record_skipped_rows(messages: list[str], workdir: epath.Path, say) -> None:
-    """Name each malformed row that data.allow_skips skipped ("FILE:LINE: why"), once in the log and once in
-    workdir/SKIPPED_ROWS_FILE (removed when a later session skips none: the file is this session's data)."""
+    """Record each malformed row that data.allow_skips skipped ("FILE:LINE: why"; the log names them as the
+    prompts are read) in workdir/SKIPPED_ROWS_FILE (removed when a later session skips none: the file is
+    this session's data), written with the session's record (a resume's once it is known to start)."""
     record = workdir / SKIPPED_ROWS_FILE
     if not messages:
         if record.exists():
             record.unlink()
         return
-    for message in messages:
-        say(f"skipped (data.allow_skips): {message}")
     atomic_write_text(record, "".join(f"{m}\n" for m in messages))
     say(f"the {len(messages)} skipped rows are listed in {record}")
 
