@@ -159,6 +159,26 @@ def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_
                                want["rollout_corr/rollout_rs_masked_fraction"], atol=1e-6)
 
 
+def test_bypass_modes_pi_old_phase_waits_for_its_batch_and_says_so():
+    """Bypass mode runs no pi_old pass: the phase's heartbeat read "0/0 passes done", and it waited for nothing
+    (no pass, no comparison). It waits for the update batch of the sampler's log-probs and says that is what it
+    does. The collector and the watch are stand-ins: the wait records what it waits for and its detail."""
+    import jax.numpy as jnp
+
+    from pacs_jax.training.rollout import OldPolicy
+
+    waits = []
+    watch = types.SimpleNamespace(start=lambda phase: None, done=lambda: None,
+                                  wait=lambda arrays, detail: waits.append((jax.tree.leaves(arrays), detail())))
+    collector = types.SimpleNamespace(programs=types.SimpleNamespace(learner=types.SimpleNamespace(bypass=object())),
+                                      max_logprob_diff=0.0)
+    old_logp = jnp.zeros((4, 3))
+    dispatched = OldPolicy(types.SimpleNamespace(old_logp=old_logp), [], {}, {}, {})
+    RolloutCollector._wait_old_policy(collector, dispatched, watch, {})
+    ((arrays, detail),) = waits
+    assert arrays == [old_logp] and detail == "the sampler's log-probs as pi_old (bypass mode, no pass)"
+
+
 def test_correction_off_leaves_the_update_batch_as_it_was(models_and_batch):  # noqa: F811
     _, model, sampled = models_and_batch
     graphdef, params = nnx.split(model)

@@ -399,13 +399,17 @@ class RolloutCollector:
 
     def _wait_old_policy(self, dispatched: OldPolicy, watch: StepWatch, times: dict[str, float],
                          started: bool = False) -> dict[str, float]:
-        """Wait for pi_old (phase "pi_old", unless ``started``) and check the sampler against it: the
-        comparison's and the correction's metrics; its seconds in ``times["time_old_logprob"]``."""
+        """Wait for pi_old (phase "pi_old", unless ``started``; bypass mode: the update batch of the sampler's
+        log-probs, no pass) and check the sampler against it: the comparison's and the correction's metrics;
+        its seconds in ``times["time_old_logprob"]``."""
         if not started:
             watch.start("pi_old")
         t0 = time.perf_counter()
-        watch.wait((dispatched.entropy_means, dispatched.mismatch),
-                   lambda: dispatches_done(dispatched.entropy_means, "passes"))
+        if self.programs.learner.bypass is not None:
+            pending, detail = dispatched.batch.old_logp, lambda: "the sampler's log-probs as pi_old (bypass mode, no pass)"
+        else:
+            pending, detail = dispatched.entropy_means, lambda: dispatches_done(dispatched.entropy_means, "passes")
+        watch.wait((pending, dispatched.mismatch), detail)
         mismatch = {k: float(v) for k, v in dispatched.mismatch.items()}  # replicated scalars
         if mismatch:
             rollout_consistency.check(mismatch, self.max_logprob_diff)
