@@ -141,4 +141,4 @@ def test_carry_over_is_one_flag_on_a_paper_config_and_the_run_and_its_record_agr
     with pytest.raises(ConfigError) as error:
         RunSpec.unplaced(config)
     assert str(error.value) == ("config.rollout.carry_over: a call ends before its tail, so it never narrows: set "
-                                "rollout.tail_slots=0 (it is 256)")
+                                "rollout.tail_slots=0, or None (the mode's, as the paper configs leave it; it is 256)")

@@ -60,11 +60,14 @@ naming it when the configured one drops some; one step off at its best split of 
 (``one_step_off``: from these phases, not compiled per split), at 100 % of every bound / predicted;
 and last the run's (``train.steps``) hours and chip-hours at the step the config runs (synchronous,
 or with ``rollout.carry_over`` carry-over's) and the peak memory a device against the chip's HBM: the
-fullest of the trainer's programs for the phases planned (training/memory_check.py, as
-tools/plan_memory.py reads it: the sampler's program, compiled for it when both the prefill and the
-decode are planned, pi_old's, the update's, PPO's critic's; the learner's phases are costed from
-that same compile). Every time assumes a program runs at its bound's peak: a lower bound on the
-real time.
+fullest of the trainer's programs of the phases planned (training/memory_check.py's figures: the sampler's
+program, compiled for it when both the prefill and the decode are planned, pi_old's, the update's, PPO's
+critic's; the learner's phases are costed from that same compile). It covers only those: the line names the
+step's other programs, which are not compiled here (the weights' move, assemble, rollout_consistency,
+rollout_correction, ... as the config has them), and says when carry-over's engine state, resident between
+calls, is not counted (the sampler's phases not planned: its size comes from the sampler's compile);
+tools/plan_memory.py compiles every one, as the trainer's check does. Every time assumes a program runs at
+its bound's peak: a lower bound on the real time.
 
 A bad input (topology, lengths file, config) is one line naming it and exit status 78; 2 when the
 topology's compiler is not installed.
@@ -429,12 +432,12 @@ def memory_programs(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
-                names: tuple[str, ...] = PHASES) -> tuple[list[Phase], list]:
+                names: tuple[str, ...] = PHASES) -> tuple[list[Phase], list, tuple[str, ...]]:
     """The phases ``names`` of a step of ``spec`` (a placed RunSpec) on ``devices`` for these prompt and response
     lengths [B] (row i n + j: sample j of prompt i): compiled, costed, with trips (PPO's critic
-    phases for PPO only); and the memory (memory_check.ProgramMemory) of the trainer's programs among
-    ``memory_programs(names)``, as the trainer's check reads it (a learner phase is costed from that compile;
-    one the compiler refuses for lack of memory is not costed)."""
+    phases for PPO only); the memory (memory_check.ProgramMemory) of the trainer's programs among
+    ``memory_programs(names)`` (a learner phase is costed from that compile; one the compiler refuses for lack
+    of memory is not costed); and the names of the step's other programs, not compiled here."""
     from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
     from pacs_jax.sampling.engine import lower_prefill
     from pacs_jax.training.abstract_step import abstract_step
@@ -446,6 +449,7 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
     with abstract_step(spec, devices, log=log) as step:
         programs = {p.name: p for p in step.programs(largest_only=True)}
         compiled = {}
+        left_out = tuple(name for name in programs if name not in memory_programs(names))
         memory = step.compile(largest_only=True, names=memory_programs(names), progress=False, log=log,
                               on_compiled=lambda program, c: compiled.__setitem__(program.name, c))
         plans = step.learner.packing_plans(prompts, responses) if step.learner.packing else {}
@@ -483,14 +487,16 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
             useful = matmuls + attention if name in ("pi_old", "update") else 0.0
             phases.append(Phase(name, count, flops / count, cost.bytes / count, cost.collective_bytes / count,
                                 useful / count, "flops" if useful else "", xla))
-    return phases, memory
+    return phases, memory, left_out
 
 
-def report(phases: list[Phase], topo, spec, chips: int, memory: list | None = None) -> str:
+def report(phases: list[Phase], topo, spec, chips: int, memory: list | None = None,
+           left_out: tuple[str, ...] = ()) -> str:
     """The table of phases and the step's lines: with a decode phase, the step with carry-over at the configured
     max_staleness (``carry_over_steps``), the others planned and which drops none; the last, the run's hours and
     chip-hours at the step the config runs (with ``rollout.carry_over``, carry-over's) and the fullest of the
-    trainer's programs in ``memory`` (memory_check.ProgramMemory) against the chip's HBM."""
+    trainer's programs in ``memory`` (memory_check.ProgramMemory) against the chip's HBM, saying what it leaves
+    out (``memory_words``)."""
     G = 1e9
     lines = [f"{'phase':13s} {'GFLOP':>9s} {'GB':>8s} {'coll GB':>8s} {'trips':>7s} {'ms flops':>9s} {'ms HBM':>8s} "
              f"{'ms coll':>8s} {'XLA ms':>7s} {'bound':>12s} {'seconds':>8s}  ratio"]
@@ -538,7 +544,7 @@ def report(phases: list[Phase], topo, spec, chips: int, memory: list | None = No
         lines.append(split)
     hours = run_step * spec.train.steps / 3600
     lines += [f"run: {spec.train.steps} steps, {hours:.1f} h, {hours * chips:.0f} chip-hours on {chips} "
-              f"{topo.device_kind} chips{how}" + (f"; {memory_words(memory, topo.hbm_bytes)}" if memory else "")]
+              f"{topo.device_kind} chips{how}" + (f"; {memory_words(memory, topo.hbm_bytes, left_out, spec.rollout.carry_over)}" if memory else "")]
     return "\n".join(lines)
 
 
@@ -574,16 +580,24 @@ def carry_over_steps(decode: Phase, phases: list[Phase], topo, spec) -> dict[int
     return steps
 
 
-def memory_words(memory: list, hbm_bytes: int) -> str:
+def memory_words(memory: list, hbm_bytes: int, left_out: tuple[str, ...] = (), carry_over: bool = False) -> str:
     """The fullest of the trainer's programs in ``memory`` (memory_check.ProgramMemory) against ``hbm_bytes``:
-    "peak per device X GiB of Y GiB (fits): NAME, the fullest of NAMES"."""
+    "peak per device X GiB of Y GiB (fits): NAME, the fullest of NAMES (the phases planned; ...)", naming
+    the step's programs not compiled here (``left_out``) and, with ``carry_over`` and no sampler in ``memory``,
+    that carry-over's engine state is not counted."""
     from pacs_jax.training.memory_check import fullest, peak_words
 
-    worst, _ = fullest(memory, hbm_bytes)
-    names = ", ".join(dict.fromkeys(p.name for p in memory))
+    worst = fullest(memory)
+    names = tuple(dict.fromkeys(p.name for p in memory))
     refused = "; the compiler refused it for lack of memory" if worst.error else ""
-    return (f"peak per device {peak_words(worst, hbm_bytes)}: {worst.name}, the fullest of {names}{refused} "
-            "(tools/plan_memory.py: each program's)")
+    covers = ["the phases planned"]
+    if left_out:
+        covers.append("not compiled here: " + ", ".join(left_out))
+    if carry_over and "sampler" not in names:
+        covers.append("carry-over's engine state, resident between calls, not counted without the sampler's phases "
+                      "(prefill and decode)")
+    return (f"peak per device {peak_words(worst, hbm_bytes)}: {worst.name}, the fullest of {', '.join(names)}{refused} "
+            f"({'; '.join(covers)}; tools/plan_memory.py compiles every program of the step)")
 
 
 def split_overrides(spec, r: int, chips: int) -> str | None:
@@ -670,8 +684,8 @@ def main(argv) -> int:
         f"interconnect {topo.ici_bandwidth / 1e9:.0f} GB/s")
     say(f"responses: {words}; this step: {B} responses, mean {responses.mean():.0f}, longest {responses.max()} "
         f"tokens, prompts mean {prompts.mean():.0f}")
-    phases, memory = plan_phases(spec, devices, prompts, responses, say, names)
-    print(report(phases, topo, spec, len(devices), memory), flush=True)
+    phases, memory, left_out = plan_phases(spec, devices, prompts, responses, say, names)
+    print(report(phases, topo, spec, len(devices), memory, left_out), flush=True)
     return 0
 
 

@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from etils import epath
 
 from pacs_jax.files import atomic_write
-from pacs_jax.training.spec import AlgorithmSpec
+
+if TYPE_CHECKING:
+    from pacs_jax.training.spec import AlgorithmSpec
 
 # title -> ([(metric key, label)], log scale) of the line panels over RL steps
 LINE_PANELS = {

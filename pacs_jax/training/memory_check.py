@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from pacs_jax.training.config_check import ConfigError
+
+if TYPE_CHECKING:
+    from pacs_jax.sampling.engine import SamplerCompiled
 
 GiB = 1 << 30
 
@@ -74,7 +78,7 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-def program_memory(name: str, shape: str, compiled: jax.stages.Compiled, outside: int,
+def program_memory(name: str, shape: str, compiled: jax.stages.Compiled | SamplerCompiled, outside: int,
                    seconds: float) -> ProgramMemory:
     """The ProgramMemory of a compiled program (``outside``: resident bytes not among its arguments)."""
     mem = compiled.memory_analysis()
@@ -123,8 +127,8 @@ def check_fits(programs: list[ProgramMemory], limit: int | None) -> None:
     than ``limit`` bytes per device (None: the devices do not say; nothing is checked)."""
     if not limit or not programs:
         return
-    worst = max(programs, key=lambda p: p.total)
-    if worst.total <= limit:
+    worst = fullest(programs)
+    if fits(worst, limit):
         return
     fields = FIELDS[worst.name]
     how = f"the compiler refused it: {worst.error}" if worst.error else (
@@ -152,19 +156,23 @@ def report(programs: list[ProgramMemory], hbm_bytes: int, device: str) -> tuple[
         if p.error:
             lines.append(f"  {p.name}: NOT COMPILED, {p.error} (its peak above: arguments + those temporaries)")
         lines += [f"  {p.name}: {fact}" for fact in p.loop_facts]
-    worst, fits = fullest(programs, hbm_bytes)
+    worst = fullest(programs)
     lines.append(f"to shrink the fullest ({worst.name}): {FIELDS[worst.name]}")
     lines.append(f"peak per device: {peak_words(worst, hbm_bytes)}")
-    return "\n".join(lines), fits
+    return "\n".join(lines), fits(worst, hbm_bytes)
 
 
-def fullest(programs: list[ProgramMemory], hbm_bytes: int) -> tuple[ProgramMemory, bool]:
-    """(the program whose phase needs the most memory a device, whether it fits ``hbm_bytes``)."""
-    worst = max(programs, key=lambda p: p.total)
-    return worst, worst.total <= hbm_bytes
+def fullest(programs: list[ProgramMemory]) -> ProgramMemory:
+    """The program whose phase needs the most memory a device."""
+    return max(programs, key=lambda p: p.total)
+
+
+def fits(program: ProgramMemory, hbm_bytes: int) -> bool:
+    """Whether ``program``'s phase fits a device of ``hbm_bytes``."""
+    return program.total <= hbm_bytes
 
 
 def peak_words(program: ProgramMemory, hbm_bytes: int) -> str:
     """"X GiB of Y GiB (fits)" (or "does not fit"): what ``program``'s phase needs a device, against ``hbm_bytes``."""
     return (f"{program.total / GiB:.2f} GiB of {hbm_bytes / GiB:.2f} GiB "
-            f"({'fits' if program.total <= hbm_bytes else 'does not fit'})")
+            f"({'fits' if fits(program, hbm_bytes) else 'does not fit'})")

@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
+
+if TYPE_CHECKING:
+    from pacs_jax.sampling.engine import SamplerCompiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +29,7 @@ class Program:
     outside: int
     mesh: Mesh | None = None
 
-    def compile(self) -> jax.stages.Compiled:
-        """The program lowered and compiled ahead of time on its mesh."""
+    def compile(self) -> jax.stages.Compiled | SamplerCompiled:
+        """The program lowered and compiled ahead of time on its mesh (the sampler's: its programs read as one)."""
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             return self.lower().compile()

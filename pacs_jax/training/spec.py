@@ -230,8 +230,8 @@ class RolloutSpec:
             require(self.micro_batches == 1, "rollout.carry_over",
                     f"runs one sampler call a step; set rollout.micro_batches=1 (it is {self.micro_batches})")
             require(self.sampler.tail_slots == 0, "rollout.carry_over",
-                    f"a call ends before its tail, so it never narrows: set rollout.tail_slots=0 (it is "
-                    f"{self.sampler.tail_slots})")
+                    f"a call ends before its tail, so it never narrows: set rollout.tail_slots=0, or None (the "
+                    f"mode's, as the paper configs leave it; it is {self.sampler.tail_slots})")
         pages, longest = self.sampler.pages, row_pages(self.sampler.page_size, self.max_new_tokens)
         require(isinstance(pages, int) and (pages == 0 or pages >= longest), "rollout.pages",
                 f"must be 0 (every slot's longest response) or hold one response's {longest} pages "

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
@@ -34,6 +35,9 @@ from pacs_jax.training.program import Program
 from pacs_jax.training.sampler_programs import SamplerPrograms
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.weight_sync import WeightSync
+
+if TYPE_CHECKING:
+    from pacs_jax.sampling.engine import SamplerCompiled
 
 
 class StepPrograms:
@@ -98,7 +102,7 @@ class StepPrograms:
 
     def compile(self, *, largest_only: bool = False, with_warmstart: bool = False, names: Collection[str] | None = None,
                 progress: bool = True, read_loops: bool = False, log: Callable[[str], None] | None = None,
-                on_compiled: Callable[[Program, jax.stages.Compiled], None] | None = None,
+                on_compiled: Callable[[Program, jax.stages.Compiled | SamplerCompiled], None] | None = None,
                 ) -> list[memory_check.ProgramMemory]:
         """Compile (ahead of time, nothing runs) ``programs()`` and read XLA's memory of each; a program
         XLA refuses for lack of memory comes back with its ``error`` (``memory_check.refused``).
