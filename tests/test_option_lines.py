@@ -99,9 +99,10 @@ def test_a_share_is_a_plain_percentage_never_in_scientific_notation(fraction, sh
 
 def test_bypass_mode_alone_has_a_step_line_as_its_start_line_promises():
     """With only bypass mode on, the session's line said each step prints what it did, and no step printed a
-    line (the step line read only a correction's weights or rejection): it says the sampler's KL to the
-    learner, from the update's ``rollout_corr/`` metrics (bypass mode has no other)."""
+    line (the step line read only a correction's weights or rejection): it says KL(sampler || learner) (k3:
+    never negative, as the plain estimate can be), from the update's ``rollout_corr/`` metrics."""
     spec = _spec(**{"algorithm.rollout_correction.bypass_mode": True})
     assert options_line(spec, 1).endswith("; each step prints a line of what they did")
-    assert step_line(spec, {"rollout_corr/kl": 0.001234, "loss": 0.7}) == (
-        "correction: bypass mode, KL of the sampler's log-probs (pi_old) to the learner's 0.00123")
+    assert step_line(spec, {"rollout_corr/kl": -0.0003, "rollout_corr/k3_kl": 0.001234, "loss": 0.7}) == (
+        "correction: bypass mode, KL(sampler || learner) 0.00123 a token (k3 estimate; the sampler's log-probs are "
+        "pi_old)")

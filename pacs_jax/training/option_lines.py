@@ -13,7 +13,7 @@ its limit, the groups with spread, the sampling's seconds; the step that reaches
 step off (``train.off_policy_steps``: the device split at the start, each step's lag) and the rollout
 correction (``algorithm.rollout_correction``: the IS weights' mean, min and max and the share truncated or
 masked, the share rejected; training/rollout_correction_step.py's ``rollout_corr/`` metrics; bypass mode's
-KL of the sampler to the learner, from the update's).
+KL(sampler || learner), from the update's).
 """
 
 from __future__ import annotations
@@ -112,13 +112,14 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
 
 
 def _correction_stats(correction: RolloutCorrectionSpec, metrics: dict[str, float]) -> str:
-    """Bypass mode's KL of the sampler to the learner (the loss's pi_old to its pi_theta), the correction's
+    """Bypass mode's KL(sampler || learner) (the loss's pi_old against its pi_theta), the correction's
     weights (mean, min, max and the share truncated or masked) and the share of tokens its rejection masks,
     from the step's ``rollout_corr/`` metrics (bypass mode's: the update's, its mini-batches' mean)."""
     m = {k.removeprefix("rollout_corr/"): v for k, v in metrics.items() if k.startswith("rollout_corr/")}
     stats = []
     if correction.bypass_mode:
-        stats.append(f"bypass mode, KL of the sampler's log-probs (pi_old) to the learner's {m['kl']:.3g}")
+        stats.append(f"bypass mode, KL(sampler || learner) {m['k3_kl']:.3g} a token (k3 estimate; the sampler's "
+                     "log-probs are pi_old)")
     if correction.rollout_is is not None:
         bounds = parse_is_threshold(correction.rollout_is_threshold)
         rows = "tokens" if correction.rollout_is == "token" else "responses"
