@@ -26,7 +26,8 @@ READ_OTHERWISE = {
 NOT_KEYS = {
     spec.SamplerSpec: {"field": "the section's name, for messages"},
     spec.EvalSettingsSpec: {"field": "the section's name, for messages"},
-    spec.AlgorithmSpec: {"options": "the chosen objective's namespace"},
+    spec.AlgorithmSpec: {"options": "the chosen objective's namespace",
+                         "correction_by_default": "run_algorithm's: the correction carry-over or one step off chose"},
     spec.EvalSpec: {"every": "eval.periodic.every", "periodic": "eval.periodic", "final": "eval.final",
                     "greedy": "eval.final.greedy", "per_set": "eval.final.per_set"},
 }

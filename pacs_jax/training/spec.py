@@ -334,7 +334,7 @@ class AlgorithmSpec:
     options: dict[str, Any]
     rollout_correction: RolloutCorrectionSpec
     filter_groups: FilterGroupsSpec
-    correction_by_default: bool = False
+    correction_by_default: bool
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
@@ -354,7 +354,8 @@ class AlgorithmSpec:
                                   f"{chosen!r}, which does not read algorithm.{name} ({instead})")
         return cls(objective=chosen, options=dict(section[chosen]),
                    rollout_correction=RolloutCorrectionSpec.from_config(section.rollout_correction),
-                   filter_groups=FilterGroupsSpec(**_fields(FilterGroupsSpec, section.filter_groups)))
+                   filter_groups=FilterGroupsSpec(**_fields(FilterGroupsSpec, section.filter_groups)),
+                   correction_by_default=False)
 
     def __post_init__(self):
         try:
