@@ -154,7 +154,7 @@ class StepWatch:
         """``wait`` for one of a call's programs that more of the call follows (a chunk of decode steps, a
         resume's program): a stop point and a heartbeat even when ``arrays`` are computed at the first look,
         as they are wherever dispatching the next program returns only once the program before it has run
-        (a device that runs a while loop's condition on the host); ``wait`` would then neither poll nor
+        (emulated in tests/test_sampling_stop.py; not measured on a device); ``wait`` would then neither poll nor
         stop, and the call would run to its end. One process asks here; several in ``wait``."""
         self.poll()
         self.heartbeat(detail())

@@ -55,6 +55,16 @@ def require(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"config.{field}: {message}")
 
 
+def require_choice(value, choices, field: str, *, note: str = "", also: tuple = ()) -> None:
+    """Raise ``ConfigError("config.<field>: 'v' is not one of <choices><note>; did you mean 'w'?")`` unless
+    ``value`` is one of ``choices`` (a tuple, shown as it is, or a mapping, its keys shown sorted) or of
+    ``also`` (values taken beside them, which ``note`` names)."""
+    if value in choices or value in also:
+        return
+    shown = sorted(choices) if isinstance(choices, dict) else choices
+    raise ConfigError(f"config.{field}: {value!r} is not one of {shown}{note}{did_you_mean(value, choices)}")
+
+
 def _plain(value):
     """A ConfigDict value as a spec holds it: tuples for sequences, dicts for sections."""
     if hasattr(value, "to_dict"):
@@ -134,8 +144,7 @@ class SamplerSpec:
         name = self.field
         require(isinstance(self.page_size, int) and self.page_size >= 1, f"{name}.page_size",
                 f"must be an integer >= 1 (tokens a K/V page), got {self.page_size!r}")
-        require(self.sampler in SAMPLERS, f"{name}.sampler",
-                f"{self.sampler!r} is not one of {SAMPLERS}{did_you_mean(self.sampler, SAMPLERS)}")
+        require_choice(self.sampler, SAMPLERS, f"{name}.sampler")
         require(isinstance(self.slots, int) and self.slots >= 1, f"{name}.slots",
                 f"must be an integer >= 1 (decode slots per sampler call), got {self.slots!r}")
         tail = self.tail_slots
@@ -264,18 +273,15 @@ class RolloutCorrectionSpec:
         if preset:
             from configs import base  # the schema's defaults: a field still at its default takes the preset's
 
-            require(preset in rollout_correction.PRESETS, "algorithm.rollout_correction.preset",
-                    f"{preset!r} is not one of {sorted(rollout_correction.PRESETS)}"
-                    f"{did_you_mean(preset, rollout_correction.PRESETS)}")
+            require_choice(preset, rollout_correction.PRESETS, "algorithm.rollout_correction.preset")
             unset = _fields(cls, base.get_config().algorithm.rollout_correction)
             fields.update({k: v for k, v in rollout_correction.PRESETS[preset].items() if fields[k] == unset[k]})
         return cls(**fields)
 
     def __post_init__(self):
         field = "algorithm.rollout_correction."
-        require(self.rollout_is in (None, *rollout_correction.ROLLOUT_IS_LEVELS), field + "rollout_is",
-                f"{self.rollout_is!r} is not one of {rollout_correction.ROLLOUT_IS_LEVELS} (or None: no weights)"
-                f"{did_you_mean(self.rollout_is, rollout_correction.ROLLOUT_IS_LEVELS)}")
+        require_choice(self.rollout_is, rollout_correction.ROLLOUT_IS_LEVELS, field + "rollout_is",
+                       note=" (or None: no weights)", also=(None,))
         try:
             if self.rollout_is is not None:
                 rollout_correction.parse_is_threshold(self.rollout_is_threshold)
@@ -286,9 +292,7 @@ class RolloutCorrectionSpec:
             raise ConfigError(f"config.{field}{e}") from None
         require(isinstance(self.rollout_is_batch_normalize, bool), field + "rollout_is_batch_normalize",
                 f"must be True or False, got {self.rollout_is_batch_normalize!r}")
-        require(self.loss_type in rollout_correction.BYPASS_LOSS_TYPES, field + "loss_type",
-                f"{self.loss_type!r} is not one of {rollout_correction.BYPASS_LOSS_TYPES}"
-                f"{did_you_mean(self.loss_type, rollout_correction.BYPASS_LOSS_TYPES)}")
+        require_choice(self.loss_type, rollout_correction.BYPASS_LOSS_TYPES, field + "loss_type")
         require(isinstance(self.bypass_mode, bool), field + "bypass_mode", f"must be True or False, got {self.bypass_mode!r}")
 
     @property
@@ -318,9 +322,7 @@ class FilterGroupsSpec:
     def __post_init__(self):
         field = "algorithm.filter_groups."
         require(isinstance(self.enable, bool), field + "enable", f"must be True or False, got {self.enable!r}")
-        require(self.metric in filter_groups.FILTER_METRICS, field + "metric",
-                f"{self.metric!r} is not one of {filter_groups.FILTER_METRICS}"
-                f"{did_you_mean(self.metric, filter_groups.FILTER_METRICS)}")
+        require_choice(self.metric, filter_groups.FILTER_METRICS, field + "metric")
         _int_at_least(self.max_num_gen_batches, 0, field + "max_num_gen_batches", " (0: no limit)")
 
 
@@ -341,8 +343,7 @@ class AlgorithmSpec:
         """The objective of ``section``; an option set in the namespace of an objective that does not
         run is refused (it would be dropped): every other namespace holds the registry's defaults."""
         chosen = section.objective
-        require(chosen in OBJECTIVES, "algorithm.objective", f"{chosen!r} is not one of {sorted(OBJECTIVES)}"
-                f"{did_you_mean(chosen, OBJECTIVES)}")
+        require_choice(chosen, OBJECTIVES, "algorithm.objective")
         for name, spec in OBJECTIVES.items():
             for option, default in spec.defaults.items():
                 value = section[name][option]
@@ -414,8 +415,7 @@ class CriticSpec:
         require(self.loss_agg_mode == "actor" or self.loss_agg_mode in LOSS_AGG_MODES, "critic.loss_agg_mode",
                 f"{self.loss_agg_mode!r} is neither 'actor' (the actor's) nor one of {LOSS_AGG_MODES}"
                 f"{did_you_mean(self.loss_agg_mode, ('actor', *LOSS_AGG_MODES))}")
-        require(self.loss_scale in LOSS_SCALES, "critic.loss_scale", f"{self.loss_scale!r} is not one of {LOSS_SCALES}"
-                f"{did_you_mean(self.loss_scale, LOSS_SCALES)}")
+        require_choice(self.loss_scale, LOSS_SCALES, "critic.loss_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,8 +432,7 @@ class OptimSpec:
 
     def __post_init__(self):
         require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        require(self.schedule in SCHEDULES, "optim.schedule", f"{self.schedule!r} is not one of {SCHEDULES}"
-                f"{did_you_mean(self.schedule, SCHEDULES)}")
+        require_choice(self.schedule, SCHEDULES, "optim.schedule")
         require(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 = none), got {self.grad_clip}")
 
 
@@ -449,11 +448,9 @@ class RewardSpec:
     max_unscored_fraction: float
 
     def __post_init__(self):
-        require(self.name in REWARDS, "reward.name", f"{self.name!r} is not one of {sorted(REWARDS)}"
-                f"{did_you_mean(self.name, REWARDS)}")
+        require_choice(self.name, REWARDS, "reward.name")
         require(self.item_timeout > 0, "reward.item_timeout", "must be > 0")
-        require(self.mode in REWARD_MODES, "reward.mode", f"{self.mode!r} is not one of {REWARD_MODES}"
-                f"{did_you_mean(self.mode, REWARD_MODES)}")
+        require_choice(self.mode, REWARD_MODES, "reward.mode")
         require(0.0 <= self.max_unscored_fraction <= 1.0, "reward.max_unscored_fraction",
                 f"must be in [0, 1], got {self.max_unscored_fraction}")
 
@@ -484,23 +481,18 @@ class ModelSpec:
     attention_block_size: int
 
     def __post_init__(self):
-        require(self.remat in REMAT_POLICIES, "model.remat", f"{self.remat!r} is not one of {REMAT_POLICIES}"
-                f"{did_you_mean(self.remat, REMAT_POLICIES)}")
+        require_choice(self.remat, REMAT_POLICIES, "model.remat")
         for field in ("dtype", "param_dtype"):
             value = getattr(self, field)
             require(value in ("float32", "bfloat16", "float16"), f"model.{field}", f"{value!r} is not a float dtype")
         if not self.path and self.preset:
-            require(self.preset in PRESETS, "model.preset",
-                    f"{self.preset!r} is not one of {sorted(PRESETS)} (or set model.path to an HF dir / checkpoint, "
-                    "or leave both empty for the architecture fields of config.model)"
-                    f"{did_you_mean(self.preset, PRESETS)}")
-        require(self.attention in ATTENTION_IMPLS, "model.attention",
-                f"{self.attention!r} is not one of {ATTENTION_IMPLS}{did_you_mean(self.attention, ATTENTION_IMPLS)}")
+            require_choice(self.preset, PRESETS, "model.preset", note=" (or set model.path to an HF dir / checkpoint, "
+                           "or leave both empty for the architecture fields of config.model)")
+        require_choice(self.attention, ATTENTION_IMPLS, "model.attention")
         _int_at_least(self.attention_block_size, 1, "model.attention_block_size")
         if not (self.path or self.preset):  # a model of the config's own (configs/base.py): every architecture field
-            require(self.model_type in SUPPORTED_MODEL_TYPES, "model.model_type",
-                    f"{self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES} (or set model.path or model.preset)"
-                    f"{did_you_mean(self.model_type, SUPPORTED_MODEL_TYPES)}")
+            require_choice(self.model_type, SUPPORTED_MODEL_TYPES, "model.model_type",
+                           note=" (or set model.path or model.preset)")
             for field in ARCHITECTURE_SIZES:
                 value = getattr(self, field)
                 require(value > 0, f"model.{field}", f"must be > 0 without model.path or model.preset, got {value!r}")
@@ -598,8 +590,7 @@ class DataSpec:
     def __post_init__(self):
         _check_buckets(self.prompt_buckets, "data.prompt_buckets", self.max_prompt_length, "data.max_prompt_length",
                        allow_empty=False)
-        require(self.source in SOURCES, "data.source",
-                f"{self.source!r} is not one of {SOURCES}{did_you_mean(self.source, SOURCES)}")
+        require_choice(self.source, SOURCES, "data.source")
         require(self.format == "auto" or self.format in FORMATS, "data.format",
                 f"{self.format!r} is not 'auto' nor one of {sorted(FORMATS)}"
                 f"{did_you_mean(self.format, ('auto', *FORMATS))}")

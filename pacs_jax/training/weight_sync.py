@@ -65,9 +65,10 @@ class WeightSync:
         for x, target, stale in zip(leaves, targets, old, strict=True):
             if stale is not None:
                 stale.delete()
-            # may_alias=False: on shared devices in the learner's dtype and layout, device_put would hand back
-            # the learner's own buffer, which the next update donates (deleting the engine's copy with it)
-            y = jax.device_put(self.cast(x) if x.dtype != target.dtype else x, target.sharding, may_alias=False)
+            if x.dtype != target.dtype:  # the cast is a buffer of its own
+                y = jax.device_put(self.cast(x), target.sharding)
+            else:  # on shared devices in the learner's layout, device_put would hand back the learner's own
+                y = jax.device_put(x, target.sharding, may_alias=False)  # buffer, which the next update donates
             moved.append(y.block_until_ready())  # one parameter in flight: the move's peak is one of them
         return jax.tree.unflatten(treedef, moved)
 
