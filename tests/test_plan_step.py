@@ -193,7 +193,7 @@ def test_the_7b_paper_configs_packed_update_computes_at_most_1_5x_its_useful_flo
     """The packed update (4 mini-batches of packed passes, remat dots_with_no_batch_dims_saveable, the
     LM head in chunks) compiles to at most 1.5x the FLOPs its real tokens need (6N a token, the LM
     head a response token, causal attention; the splash kernel's attention on both sides): 1.40x
-    here, on the shrunk model that the suite can compile (the full-width 7B: 1.07x, README). This width
+    here, on the shrunk model that the suite can compile (the full-width 7B: 1.07x, docs/plan_tables.md). This width
     makes XLA:TPU's windowed einsums too (16 loops), whose counters pass through a copy before they
     step by 2: every loop's step is read (the tool names those it cannot read: none here)."""
     out = _paper_7b_on_v5p_64("update")
@@ -262,7 +262,7 @@ def test_carry_over_keeps_the_slots_full_and_drops_what_is_too_stale():
 
 
 def test_each_paper_configs_max_staleness_drops_nothing_its_plan_sees():
-    """Each paper config of the README's plan table with --config.rollout.carry_over=True alone: at its
+    """Each paper config of docs/plan_tables.md with --config.rollout.carry_over=True alone: at its
     rollout.max_staleness, plan_step's simulated steady state of its queues (one a batch shard of its slice, their
     slots and groups as ``decode_phase`` takes them) on plan_step's default lengths (log-normal, median 512,
     clipped to 4096) drops no decoded token; max_staleness 1 dropped 17-31 % of them, the longest responses."""
@@ -273,7 +273,7 @@ def test_each_paper_configs_max_staleness_drops_nothing_its_plan_sees():
 
     tool = _tool()  # puts tools/ on the path
     from plan_packing import response_lengths
-    from readme_tables import ALGORITHM, ROWS
+    from plan_tables import ALGORITHM, ROWS
 
     lengths = np.maximum(response_lengths(8192, np.random.RandomState(0), 512, 4096), 1)
     for model, topology in ROWS:

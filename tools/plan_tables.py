@@ -1,9 +1,9 @@
-"""The README's plan tables, made from the plan tools' own output (never typed by hand).
+"""The plan tables of docs/plan_tables.md, made from the plan tools' own output (never typed by hand).
 
-    python tools/readme_tables.py            # README.md's two tables from the outputs kept in docs/plans/ (a second)
-    python tools/readme_tables.py --run      # first run the tools on every paper config (libtpu, no TPU needed;
-                                             # about an hour on a 2-core CPU), keeping their outputs in docs/plans/
-    python tools/readme_tables.py --check    # exit 1 naming the README table that is not the outputs' (no writing)
+    python tools/plan_tables.py            # docs/plan_tables.md's two tables from the outputs kept in docs/plans/
+    python tools/plan_tables.py --run      # first run the tools on every paper config (libtpu, no TPU needed;
+                                           # about an hour on a 2-core CPU), keeping their outputs in docs/plans/
+    python tools/plan_tables.py --check    # exit 1 naming the page's table that is not the outputs' (no writing)
 
 ``docs/plans/<tool>/<config>.txt`` is the stdout of ``python tools/<tool>.py --config=configs/paper.py:<config>,pacs_beta1
 --topology=<slice>`` (tools/plan_memory.py, tools/plan_step.py) verbatim, after one header line starting with "# " that
@@ -12,10 +12,11 @@ so each number in them is a number the tool printed (a row without a kept output
 its table with the command that adds it): the memory table from plan_memory's per-program table (each
 program's total: XLA's peak plus the state resident outside it, and the peak in brackets) and its last line, the
 step table from plan_step's phase table, its "step:" and "run:" lines and its carry-over and one-step-off lines
-(issue 50; "-" in a row whose kept output predates them). In README.md each table sits between
+(issue 50; "-" in a row whose kept output predates them). In docs/plan_tables.md each table sits between
 ``<!-- plan_memory table -->`` / ``<!-- plan_step table -->`` and ``<!-- end of table -->``;
-tests/test_readme.py checks that the README's tables are these files' (and that the stored qwen3_4b pi_old is
-what plan_memory prints today). After a change that moves a plan, ``--run`` and commit docs/plans/ and README.md.
+tests/test_plan_tables.py checks that the page's tables are these files' (and that the stored qwen3_4b pi_old is
+what plan_memory prints today). After a change that moves a plan, ``--run`` and commit docs/plans/ and
+docs/plan_tables.md.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PLANS = REPO / "docs" / "plans"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "plan_tables.md"
 TOOLS = ("plan_memory", "plan_step")
-# The README's rows: a paper config (configs/paper.py, with pacs_beta1) and the slice it is planned for.
+# The tables' rows: a paper config (configs/paper.py, with pacs_beta1) and the slice it is planned for.
 ROWS = (("qwen25_3b", "v5p-64"), ("qwen25_7b", "v5p-64"), ("qwen3_4b", "v5p-64"), ("qwen3_8b", "v5p-64"),
         ("qwen25_7b_v6e", "v6e-64"))
 ALGORITHM = "pacs_beta1"
@@ -63,25 +64,25 @@ def run_tools(tools: tuple[str, ...] = TOOLS, configs: tuple[str, ...] | None = 
             if configs and config not in configs:
                 continue
             args = command(tool, config, topology)
-            print(f"[readme_tables] {' '.join(args[1:])} ...", flush=True)
+            print(f"[plan_tables] {' '.join(args[1:])} ...", flush=True)
             start = time.time()
             done = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
             if done.returncode != 0:
-                sys.exit(f"readme_tables: error: {' '.join(args[1:])} exited with status {done.returncode}:\n"
+                sys.exit(f"plan_tables: error: {' '.join(args[1:])} exited with status {done.returncode}:\n"
                          + done.stderr[-3000:])
             seconds = time.time() - start
             header = (f"# python {' '.join(args[1:])} (commit {commit}{' + changes' if dirty else ''}, "
                       f"{datetime.date.today().isoformat()}, {seconds:.0f} s)\n")
             output_file(tool, config).parent.mkdir(parents=True, exist_ok=True)
             output_file(tool, config).write_text(header + done.stdout)
-            print(f"[readme_tables]   {seconds:.0f} s", flush=True)
+            print(f"[plan_tables]   {seconds:.0f} s", flush=True)
 
 
 def _read(tool: str, config: str) -> tuple[str, str]:
     """(header, the tool's stdout) of a stored output."""
     path = output_file(tool, config)
     if not path.is_file():
-        raise OutputError(f"{path}: missing; run python tools/readme_tables.py --run")
+        raise OutputError(f"{path}: missing; run python tools/plan_tables.py --run")
     header, _, text = path.read_text().partition("\n")
     if not header.startswith("# "):
         raise OutputError(f"{path}: its first line is not the '# COMMAND (...)' header")
@@ -182,7 +183,7 @@ def _missing(tool: str) -> list[str]:
     missing = [c for c, _ in ROWS if not output_file(tool, c).is_file()]
     if not missing:
         return []
-    return ["", f"Not planned yet: {', '.join(f'`{c}`' for c in missing)} (`python tools/readme_tables.py --run "
+    return ["", f"Not planned yet: {', '.join(f'`{c}`' for c in missing)} (`python tools/plan_tables.py --run "
                 f"--tools={tool} --configs={','.join(missing)}` adds their rows)."]
 
 
@@ -196,9 +197,9 @@ def step_head() -> str:
 
 
 def tables() -> dict[str, str]:
-    """{tool: the README's markdown table of its stored outputs}."""
+    """{tool: the page's markdown table of its stored outputs}."""
     commits = sorted({re.search(r"\(commit ([^,]+),", _read(t, c)[0]).group(1) for t in TOOLS for c, _ in kept(t)})
-    source = (f"<!-- generated by tools/readme_tables.py from docs/plans/{{tool}}/ (commit {', '.join(commits)}): "
+    source = (f"<!-- generated by tools/plan_tables.py from docs/plans/{{tool}}/ (commit {', '.join(commits)}): "
               "edit those, not this table -->")
     return {
         "plan_memory": "\n".join([source.format(tool="plan_memory"), MEMORY_HEAD,
@@ -208,17 +209,17 @@ def tables() -> dict[str, str]:
     }
 
 
-def readme_tables(text: str) -> dict[str, str]:
-    """{tool: the table between its markers in the README's ``text``}."""
+def page_tables(text: str) -> dict[str, str]:
+    """{tool: the table between its markers in the page's ``text``}."""
     out = {}
     for tool in TOOLS:
         start = f"<!-- {tool} table -->\n"
         if text.count(start) != 1:
-            raise OutputError(f"{README}: expected one '{start.strip()}' marker, found {text.count(start)}")
+            raise OutputError(f"{PAGE}: expected one '{start.strip()}' marker, found {text.count(start)}")
         begin = text.index(start) + len(start)
         end = text.find(f"\n{END}", begin)
         if end < 0:
-            raise OutputError(f"{README}: no '{END}' after '{start.strip()}'")
+            raise OutputError(f"{PAGE}: no '{END}' after '{start.strip()}'")
         out[tool] = text[begin:end]
     return out
 
@@ -237,26 +238,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="run the tools first (about an hour on a 2-core CPU)")
     parser.add_argument("--configs", default="", help="with --run: only these configs (comma-separated)")
     parser.add_argument("--tools", default=",".join(TOOLS), help="with --run: only these tools (comma-separated)")
-    parser.add_argument("--check", action="store_true", help="compare only: exit 1 if the README differs")
+    parser.add_argument("--check", action="store_true", help="compare only: exit 1 if the page differs")
     args = parser.parse_args(argv)
     if args.run:
         run_tools(tuple(t for t in args.tools.split(",") if t), tuple(c for c in args.configs.split(",") if c) or None)
     try:
         new = tables()
-        text = README.read_text()
-        current = readme_tables(text)
+        text = PAGE.read_text()
+        current = page_tables(text)
     except OutputError as e:
-        print(f"readme_tables: error: {e}", file=sys.stderr)
+        print(f"plan_tables: error: {e}", file=sys.stderr)
         return 78
     differ = [tool for tool in TOOLS if current[tool] != new[tool]]
     if args.check:
         for tool in differ:
-            print(f"readme_tables: README.md's {tool} table is not docs/plans/{tool}/'s: run "
-                  "python tools/readme_tables.py", file=sys.stderr)
+            print(f"plan_tables: docs/plan_tables.md's {tool} table is not docs/plans/{tool}/'s: run "
+                  "python tools/plan_tables.py", file=sys.stderr)
         return 1 if differ else 0
     if differ:
-        README.write_text(with_tables(text, new))
-    print(f"readme_tables: README.md: {', '.join(differ) or 'no'} table{'s' if len(differ) != 1 else ''} "
+        PAGE.write_text(with_tables(text, new))
+    print(f"plan_tables: docs/plan_tables.md: {', '.join(differ) or 'no'} table{'s' if len(differ) != 1 else ''} "
           f"rewritten", flush=True)
     return 0
 
