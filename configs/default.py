@@ -33,22 +33,22 @@ def get_config(algorithm: str = "pacs_beta1") -> ml_collections.ConfigDict:
         warmstart_problems=1400,  # RL has the other 800
         tokenizer="char",
         instruction="",
-        max_prompt_length=56,     # the demo's longest prompt is 55 characters; 64 cost a tenth more per step (README)
+        max_prompt_length=56,     # the demo's longest prompt is 55 characters; 64 cost a tenth more per step (docs/measurements.md section 9)
         prompt_buckets=(56,))
 
     # Held-out accuracy climbs suddenly during the demo's warm-start, at a step that depends on the seed (760-1300
     # steps measured); stopping at a greedy accuracy on RL's own prompts, which the warm-start never trains on,
-    # lands seeds 0-2 at 0.46-0.62 greedy held-out accuracy (README).
+    # lands seeds 0-2 at 0.46-0.62 greedy held-out accuracy (docs/measurements.md section 9).
     c.warmstart.update(steps=1600, lr=1e-3, max_response_tokens=12, target_accuracy=0.45)
 
     c.rollout.max_new_tokens = MAX_NEW_TOKENS
 
     algorithms.setup(algorithm, MAX_NEW_TOKENS).apply(c)
     c.optim.lr = 3e-4
-    c.optim.grad_clip = 1.0  # the demo gains on every seed only with it (README)
+    c.optim.grad_clip = 1.0  # the demo gains on every seed only with it (docs/measurements.md section 9)
 
     c.train.update(
-        steps=240,                # the demo: held-out accuracy measured every 25 steps chose it (README)
+        steps=240,                # the demo: held-out accuracy measured every 25 steps chose it (docs/measurements.md section 9)
         mini_batches=4)
 
     c.reward.workers = 2

@@ -1,45 +1,39 @@
-"""The README a newcomer reads (issue 53 item 7): it opens with a map of the commands, one line each, before any
-prose; its plan tables are the plan tools' own output (tools/readme_tables.py renders them from docs/plans/, the
-tools' stdout kept verbatim), and that output is what the tool prints today for the issue's case: qwen3_4b's
-pi_old on v5p-64, which the README had at 7.8 GiB where tools/plan_memory.py printed 3.35."""
+"""The README a newcomer reads (issue 53 item 7, issue 64 item 4): about 200 lines, its table of commands names
+every command the repository has, one line each, and its map of the code names paths that exist, one line a
+package. (Its plan tables moved to docs/plan_tables.md: tests/test_plan_tables.py.)"""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-
-import pytest
-
 from conftest import REPO
-from qwen_reference import load_tool
-from train_helpers import train_env
 
 README = REPO / "README.md"
 
 
-def _map_rows() -> list[tuple[str, str]]:
-    """(command, what it is for) of each row of the table that opens the README."""
+def _table(header: str) -> list[list[str]]:
+    """The cells of each row of the README's one table headed ``header`` (a line such as "| command | for |")."""
     lines = README.read_text().splitlines()
-    assert lines[0] == "# pacs_jax" and lines[1] == "", lines[:2]
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    assert start == 4 and lines[3] == "" and lines[2].endswith(":"), lines[:start]  # one sentence, then the map
-    assert lines[start] == "| command | for |" and lines[start + 1] == "|---|---|"
+    starts = [i for i, line in enumerate(lines) if line == header]
+    assert len(starts) == 1, f"README: {len(starts)} tables headed {header!r}"
+    assert lines[starts[0] + 1].startswith("|---"), lines[starts[0] + 1]
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[starts[0] + 2:]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 2 and cells[0].startswith("`") and cells[1], line
-        rows.append((cells[0].strip("`"), cells[1]))
+        assert len(cells) == 2 and cells[0].startswith("`") and cells[0].endswith("`") and cells[1], line
+        rows.append(cells)
     return rows
 
 
-def test_the_readme_opens_with_a_one_line_map_of_every_command():
-    """The map is the README's first table, before its prose; every command the repository has is in it (the
-    CLIs, each tool with a __main__, the launch scripts; the benchmarks as one row), and every row's command
-    exists."""
-    rows = _map_rows()
+def test_the_readme_is_short():
+    """A newcomer reads it in ten minutes: the details are in docs/guide.md, the figures in docs/measurements.md."""
+    assert len(README.read_text().splitlines()) <= 220
+
+
+def test_the_readme_has_a_one_line_map_of_every_command():
+    """Every command the repository has is in the README's table of commands (the CLIs, each tool with a
+    __main__, the launch scripts; the benchmarks as one row), and every row's command exists."""
+    rows = [(cells[0].strip("`"), cells[1]) for cells in _table("| command | for |")]
     named = [command for command, _ in rows]
     clis = sorted(f"python -m pacs_jax.{p.stem}" for p in (REPO / "pacs_jax").glob("*.py")
                   if 'if __name__ == "__main__"' in p.read_text())
@@ -55,37 +49,15 @@ def test_the_readme_opens_with_a_one_line_map_of_every_command():
     assert len(rows) == len(set(named)) and len(rows) <= 25
 
 
-def test_the_readme_plan_tables_are_the_tools_output():
-    """Both plan tables (memory, step time) are rendered from the tools' stdout kept in docs/plans/ (each file
-    headed by the command that printed it, the paper config on its slice), not typed: a hand edit of a number,
-    or an output kept without its table rendered again, fails here. A row without a kept output is not in the
-    table but named under it."""
-    tool = load_tool("readme_tables")
-    assert tool.readme_tables(README.read_text()) == tool.tables()
-    assert tool.kept("plan_memory") == list(tool.ROWS)  # every row of the memory table; plan_step: those kept
-    assert tool.kept("plan_step")
-    for name in tool.TOOLS:
-        for config, topology in tool.kept(name):
-            header, _ = tool._read(name, config)
-            assert header.startswith(f"# python tools/{name}.py --config=configs/paper.py:{config},pacs_beta1 "
-                                     f"--topology={topology} (commit "), header
-    table = tool.readme_tables(README.read_text())["plan_memory"]
-    row = next(line for line in table.splitlines() if line.startswith("| `qwen3_4b` | v5p-64 |"))
-    pi_old = tool.memory_programs(tool._read("plan_memory", "qwen3_4b")[1], README)["pi_old"]
-    assert row.split(" | ")[5] == f"{pi_old['total']} ({pi_old['peak']})"  # the issue's cell: what the tool printed
-
-
-@pytest.mark.slow(seconds=20)
-def test_the_kept_plan_is_what_plan_memory_prints_today():
-    """The issue's case re-run: tools/plan_memory.py compiles qwen3_4b's pi_old for v5p-64 (libtpu, about 15 s)
-    and prints the row docs/plans/plan_memory/qwen3_4b.txt keeps (every column but the compile time). A change
-    that moves the plan fails here until `python tools/readme_tables.py --run` refreshes the outputs and tables."""
-    tool = load_tool("readme_tables")
-    args = [*tool.command("plan_memory", "qwen3_4b", "v5p-64")[1:], "--programs=pi_old"]
-    done = subprocess.run([sys.executable, *args], cwd=REPO, env=train_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    today = tool.memory_programs(done.stdout, REPO / args[0])["pi_old"]
-    kept = tool.memory_programs(tool._read("plan_memory", "qwen3_4b")[1], README)["pi_old"]
-    assert {k: v for k, v in today.items() if k != "compile_s"} == {k: v for k, v in kept.items() if k != "compile_s"}
-    assert re.search(r"^peak per device: [\d.]+ GiB of 95\.00 GiB \(fits\)$", done.stdout, re.M)
+def test_every_path_in_the_readme_s_map_of_the_code_exists():
+    """The map of the code (a row a package or folder) names only paths the repository has: a folder written with
+    its trailing slash is a folder, a file a file. Every package of pacs_jax is in it, and every top-level folder
+    a user reads."""
+    paths = [cells[0].strip("`") for cells in _table("| path | what |")]
+    assert len(paths) == len(set(paths))
+    wrong = [p for p in paths if not ((REPO / p).is_dir() if p.endswith("/") else (REPO / p).is_file())]
+    assert not wrong, f"the README's map names paths that do not exist: {wrong}"
+    packages = sorted(f"{p.parent.relative_to(REPO)}/" for p in (REPO / "pacs_jax").rglob("__init__.py"))
+    folders = [f"{name}/" for name in ("configs", "tools", "launch", "tests", "data", "docs")]
+    unmapped = [p for p in (*packages, *folders) if p not in paths]
+    assert not unmapped, f"not in the README's map of the code: {unmapped}"

@@ -22,7 +22,7 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
     refresh  a carried row decodes with the current weights, and with them the K/V of its prompt:
              left as an earlier call wrote them, the new weights would attend to the old weights'
              K/V, a model neither policy is (on the demo: ten times the sampler's KL to the learner's
-             pi_old and 9 to 15 points of held-out accuracy lost, docs/demo_results.md).
+             pi_old and 9 to 15 points of held-out accuracy lost, docs/measurements.md section 9).
              ``CarryOverSampler`` keeps the earlier generations' prompts and hands them back; each row
              in a slot takes its prompt's partly filled page again (``PageStore.recopy``). It costs
              one more prefill of P prompts a carried generation, a call.
