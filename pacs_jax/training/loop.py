@@ -44,7 +44,7 @@ from pacs_jax.models import kernels
 from pacs_jax.training import memory_check
 from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.compilations import compilations, start_counting, uncounted
-from pacs_jax.training.critic_step import PPOCritic
+from pacs_jax.training.critic_step import PPOCritic, critic_step
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.one_step_off import OneStepOff
 from pacs_jax.training.option_lines import step_line
@@ -54,6 +54,7 @@ from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.signals import stop_signals
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.train_state import CriticTrainState, TrainState, restore_latest, save
 
 
 class PromptSource(Protocol):
@@ -81,7 +82,7 @@ class TrainResult:
     programs: StepPrograms
     collector: RolloutCollector
     opt_state: object
-    critic: PPOCritic | None  # objective "ppo" only
+    critic: CriticTrainState | None  # objective "ppo" only
     earlier_history: list[dict] = dataclasses.field(default_factory=list)
     dropped_step: int | None = None
 
@@ -132,28 +133,23 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
     workdir = epath.Path(workdir)
     tc = spec.train
     graphdef, params = nnx.split(model)
-    programs = programs or StepPrograms(spec, graphdef, params, stop_token_ids)
+    critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None  # a copy of the actor as RL starts
+    programs = programs or StepPrograms(spec, graphdef, params, stop_token_ids, critic=critic and critic.spec())
     carry = None
     if programs.sampler.carry_over is not None:  # the engine keeps responses in flight between steps
         programs.sampler.carry_over.reset()
         prompts = carry = CarryOverRollouts(prompts, programs.sampler.carry_over, tc.prompts_per_step)
-    critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None
-    if critic is not None:  # a copy of the actor as RL starts (after the warm-start)
-        programs.add_critic(critic.spec())
-    opt_state = programs.learner.init_optimizer(params)
+    state = TrainState(params, programs.learner.init_optimizer(params), critic and critic.state())
 
     checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
                                      keep=tc.keep_checkpoints, with_critic=critic is not None)
     primary = jax.process_index() == 0
     # the newest intact step, restored straight into those shardings, whatever the process count that wrote it
-    restored = checkpointer.restore_latest(params, opt_state, None if critic is None else (critic.params, critic.opt_state),
-                                           warn=lambda line: print(line, flush=True) if primary else None)
+    restored = restore_latest(checkpointer, state, warn=lambda line: print(line, flush=True) if primary else None)
     start = saved = 0  # saved: the newest step with a checkpoint
     if restored is not None:
-        start, params, opt_state = restored.step, restored.params, restored.opt_state
+        start, state = restored.step, restored.state
         saved = start
-        if critic is not None:
-            critic.params, critic.opt_state = restored.critic
         prompts.set_state(restored.meta["data_state"])
         if primary:
             print(f"resumed from step {start} (checkpoint {checkpointer.directory / str(start)}); "
@@ -206,34 +202,36 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         key = jax.random.fold_in(base_key, step)
         try:
             if carry is not None and step == start + 1:  # a checkpoint's rows in flight back into the engine
-                carry.resume(params, start, watch)
+                carry.resume(state.params, start, watch)
             if ahead is None:
-                rollout = collector(params, prompts.next_batch, key, watch, step)
+                rollout = collector(state.params, prompts.next_batch, key, watch, step)
             else:
-                rollout = ahead.rollout(params, key, watch, step)
+                rollout = ahead.rollout(state.params, key, watch, step)
             # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
             # when the last finished step's checkpoint is on disk, else the step runs to its end
             previous_unsaved = saved != step - 1
             watch.start("update", last_boundary=previous_unsaved)
             t0 = time.perf_counter()
             batch, critic_metrics = rollout.batch, {}
-            if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-                batch, per_minibatch = critic.step(programs.learner.critic, batch, rollout.packing)
+            if state.critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
+                critic_state, batch, per_minibatch = critic_step(programs.learner.critic, state.critic, batch,
+                                                                 rollout.packing)
+                state = state.replace(critic=critic_state)
                 watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
                 critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
                 t0 = time.perf_counter()
-            params, opt_state, per_minibatch = programs.learner.update(params, opt_state, batch)
+            params, opt_state, per_minibatch = programs.learner.update(state.params, state.opt_state, batch)
+            state = state.replace(params=params, opt_state=opt_state)
             if ahead is not None and step < tc.steps:  # step + 1's rows, while the update runs
                 ahead.sample(jax.random.fold_in(base_key, step + 1), step + 1)
             watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
-            _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
-                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()},
-                       None if critic is None else (critic.params, critic.opt_state))
+            _drop_step(interrupted, signals.requested, saved, checkpointer, logger, state,
+                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()})
             checkpointer.close()
             logger.close()
-            return TrainResult(nnx.merge(graphdef, params), history, True, step - 1, programs, collector, opt_state,
-                               critic, earlier_history=logger.earlier, dropped_step=step)
+            return TrainResult(nnx.merge(graphdef, state.params), history, True, step - 1, programs, collector,
+                               state.opt_state, state.critic, earlier_history=logger.earlier, dropped_step=step)
         update_metrics = _mean_metrics(per_minibatch)
         time_update = time.perf_counter() - t0
         watch.done()
@@ -251,15 +249,14 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
         meta = lambda: {"step": step, "seed": spec.seed,
                         "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
-        critic_state = None if critic is None else (critic.params, critic.opt_state)
         preempted = signals.safe_point()  # several processes: the same step on every one
         preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
-        if _save(checkpointer, step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
+        if _save(checkpointer, step, state, meta, force=preempted or step == tc.steps):
             saved = step
         if on_step is not None:
-            on_step(step, nnx.merge(graphdef, params), metrics)
+            on_step(step, nnx.merge(graphdef, state.params), metrics)
         if single_process and not preempted and signals.requested is not None:  # arrived during on_step
-            _save(checkpointer, step, params, opt_state, meta, force=True, critic=critic_state)
+            _save(checkpointer, step, state, meta, force=True)
             preempted = True
         if preempted:
             if single_process:
@@ -279,8 +276,8 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
         stopped = True
     checkpointer.close()
     logger.close()
-    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
-                       earlier_history=logger.earlier)
+    return TrainResult(nnx.merge(graphdef, state.params), history, stopped, step, programs, collector, state.opt_state,
+                       state.critic, earlier_history=logger.earlier)
 
 
 def _finished_line(signal_name: str, where: Position | None, step: int, *, keeps_warm_start: bool,
@@ -313,10 +310,10 @@ def _finished_line(signal_name: str, where: Position | None, step: int, *, keeps
     return f"{signal_name}{during}: step {step} finished{why}{ahead}; checkpoint of step {step} written, exiting"
 
 
-def _save(checkpointer: TrainCheckpointer, *args, **kwargs) -> bool:
-    """``checkpointer.save``, its compilations (Orbax's own) not in the steps' ``compilations`` metric."""
+def _save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta, *, force: bool) -> bool:
+    """``train_state.save``, its compilations (Orbax's own) not in the steps' ``compilations`` metric."""
     with uncounted():
-        return checkpointer.save(*args, **kwargs)
+        return save(checkpointer, step, state, meta, force=force)
 
 
 def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, ahead: OneStepOff | None,
@@ -331,14 +328,14 @@ def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, 
 
 
 def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
-               logger: MetricsLogger, params, opt_state, meta: Callable[[], dict], critic_state) -> None:
+               logger: MetricsLogger, state: TrainState, meta: Callable[[], dict]) -> None:
     """A stop signal ended step S before its update (or in it, when step S - 1's checkpoint is on disk:
     then nothing is written, the update's donated state is abandoned): write the checkpoint of step
-    S - 1 (``params``, ``opt_state``, ``meta()`` and PPO's ``critic_state`` are still its) unless it has
-    one (``saved``) or is step 0, and say what a resume does."""
+    S - 1 (``state`` and ``meta()`` are still its) unless it has one (``saved``) or is step 0, and say what
+    a resume does."""
     last = interrupted.step - 1
     if last > saved:
-        _save(checkpointer, last, params, opt_state, meta, force=True, critic=critic_state)
+        _save(checkpointer, last, state, meta, force=True)
         kept = f"checkpoint of step {last} written"
     else:
         kept = (f"the checkpoint of step {last} is the latest" if last else

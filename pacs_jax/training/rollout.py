@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from pacs_jax import distributed, sampling
 from pacs_jax.rewards import STATUSES, RewardPool, ScoredBatch, reward_for, score_metrics
@@ -49,6 +50,7 @@ from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.training import dynamic_sampling, rollout_consistency
 from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.dynamic_sampling import CallRows
+from pacs_jax.training.passes import Passes
 from pacs_jax.training.progress import StepWatch, dispatches_done
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.spec import FilterGroupsSpec, RunSpec
@@ -65,8 +67,8 @@ class Rollout:
     batch: UpdateBatch  # with rewards [B]; packed: with the update's plan
     rewards: np.ndarray  # [B] every row's reward (the same on every process)
     metrics: dict[str, float]  # over all rows of all processes
-    packing: dict[str, PackedPlanArrays] = dataclasses.field(default_factory=dict)  # PPO's critic passes'
-    #                              plans ("logprob": the values, "critic": its update), when packed
+    packing: Passes[PackedPlanArrays] | None = None  # the passes' plan arrays when packed (PPO's critic reads
+    #                                                   the logprob pass's for its values, the critic pass's for its update)
 
 
 def pick_bucket(length: int, buckets: Sequence[int], what: str) -> int:
@@ -126,15 +128,27 @@ class Scores:
 
 
 @dataclasses.dataclass
+class PhaseTimes:
+    """The seconds of a step's rollout phases: sampling (every gen batch's), scoring, pi_old's passes."""
+
+    sample: float = 0.0
+    reward: float = 0.0
+    old_logprob: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """As a step's metrics name them."""
+        return {"time_sample": self.sample, "time_reward": self.reward, "time_old_logprob": self.old_logprob}
+
+
+@dataclasses.dataclass
 class Collected:
     """The rollout engine's part of a step (``RolloutCollector.collect``): its rows, their scores, the
-    engine's own metrics (dynamic sampling's, carry-over's) and its phases' seconds (time_sample,
-    time_reward)."""
+    engine's own metrics (dynamic sampling's, carry-over's) and its phases' seconds (sampling, scoring)."""
 
     sampled: SampledRows
     scores: Scores
     metrics: dict[str, float]
-    times: dict[str, float]
+    times: PhaseTimes
 
 
 @dataclasses.dataclass
@@ -146,15 +160,15 @@ class OldPolicy:
 
     batch: UpdateBatch
     entropy_means: list[jax.Array]
-    packing: dict[str, PackedPlanArrays]
+    packing: Passes[PackedPlanArrays] | None
     packing_stats: dict[str, float]
     mismatch: dict[str, jax.Array]
 
 
-def to_mesh(sampled: SampledRows) -> SampledRows:
-    """``sampled``'s device arrays moved to the mesh in context, each sharded over its rows (the engine's
-    rows to the learner's mesh, one step off on split devices)."""
-    move = lambda x: jax.device_put(x, batch_sharding(x.shape))  # noqa: E731
+def to_mesh(sampled: SampledRows, mesh: Mesh) -> SampledRows:
+    """``sampled``'s device arrays moved to ``mesh``, each sharded over its rows (the engine's rows to the
+    learner's mesh, one step off on split devices)."""
+    move = lambda x: jax.device_put(x, batch_sharding(x.shape, mesh))  # noqa: E731
     return dataclasses.replace(
         sampled, calls=tuple(CallRows(*map(move, c)) for c in sampled.calls),
         prompt_tokens=move(sampled.prompt_tokens), prompt_mask=move(sampled.prompt_mask),
@@ -280,7 +294,7 @@ class RolloutCollector:
         """Dispatch pi_old's passes on a ``sample`` result (asynchronous): (update batch without
         rewards, the mean entropy of the responses after each pass (the last: all of them; none in bypass
         mode: no pass measures it), the passes' packing plans on the device (by pass, as
-        ``StepPrograms.packing_plans``; {} when padded), the packing metrics)."""
+        ``LearnerPrograms.packing_plans``; None when padded), the packing metrics)."""
         programs = self.programs
         args = [sampled.prompt_tokens, sampled.prompt_mask, sampled.tokens, sampled.response_mask]
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
@@ -293,16 +307,16 @@ class RolloutCollector:
         if not programs.learner.packing:
             if not bypass:
                 batch, entropy = programs.learner.pi_old(state, *args)
-            return batch, entropy, {}, packing_metrics(passes * real, passes * B * W)
+            return batch, entropy, None, packing_metrics(passes * real, passes * B * W)
         plans = programs.learner.packing_plans(sampled.prompt_lengths, sampled.lengths)
-        on_device = {name: jax.tree.map(self._put, plan.arrays()) for name, plan in plans.items()}
-        (logprob_passes,) = plans["logprob"].passes  # one mini-batch: the whole batch
+        on_device = plans.map(lambda plan: jax.tree.map(self._put, plan.arrays()))
+        (logprob_passes,) = plans.logprob.passes  # one mini-batch: the whole batch
         if not bypass:
-            batch, entropy = programs.learner.pi_old(state, *args, on_device["logprob"], passes=logprob_passes)
-        batch = batch.replace(packing=on_device.pop("update"))
-        computed = plans["logprob"].tokens_computed * ((passes - bypass) // 2) + plans["update"].tokens_computed
-        if "critic" in plans:
-            computed += plans["critic"].tokens_computed
+            batch, entropy = programs.learner.pi_old(state, *args, on_device.logprob, passes=logprob_passes)
+        batch = batch.replace(packing=on_device.update)
+        computed = plans.logprob.tokens_computed * ((passes - bypass) // 2) + plans.update.tokens_computed
+        if plans.critic is not None:
+            computed += plans.critic.tokens_computed
         return batch, entropy, on_device, packing_metrics(passes * real, computed)
 
     def score(self, sampled: SampledRows, watch: StepWatch) -> ScoredBatch:
@@ -340,25 +354,25 @@ class RolloutCollector:
         watch = watch or StepWatch.silent()
         if self.filter_groups.enable:
             return self.finish(state, self.collect(state, batches, key, watch, step), watch)
-        times = {"time_sample": 0.0, "time_reward": 0.0}
+        times = PhaseTimes()
         sampled = self._sample_phase(state, batches(), key, watch, times)
         watch.start("reward")
         t0 = time.perf_counter()
         dispatched = self._old_policy_phase(state, sampled)  # on the device while the host scores
         scored = self.score(sampled, watch)
-        times["time_reward"] += time.perf_counter() - t0
+        times.reward += time.perf_counter() - t0
         watch.done(f"{len(sampled.local_rows)} responses scored")
-        mismatch = self._wait_old_policy(dispatched, watch, times)
+        mismatch, times.old_logprob = self._wait_old_policy(dispatched, watch)
         scores = self.gather(sampled, scored)  # after pi_old: several processes' collective waits for it on the device
-        return self._rollout(sampled, scores, dispatched, mismatch, {**sampled.metrics, **times})
+        return self._rollout(sampled, scores, dispatched, mismatch, {**sampled.metrics, **times.metrics()})
 
     def collect(self, state: nnx.State, batches: Callable[[], PromptBatch], key: jax.Array, watch: StepWatch,
                 step: int) -> Collected:
         """The rollout engine's part of a step (on its mesh, from its copy of the weights ``state``): the
         rows of ``batches()`` sampled (with ``algorithm.filter_groups``, of as many batches as it takes)
         and scored; ``finish`` makes the update batch of them on the learner's mesh."""
-        times = {"time_sample": 0.0, "time_reward": 0.0}
-        with self.programs.on_engine():
+        times = PhaseTimes()
+        with jax.set_mesh(self.programs.sampler.mesh):  # the engine's rows are placed on its own mesh
             if self.programs.split:  # the key, as every array the engine's programs take, on its mesh
                 key = jax.device_put(key, replicated())
             if self.filter_groups.enable:
@@ -368,7 +382,7 @@ class RolloutCollector:
             watch.start("reward")
             t0 = time.perf_counter()
             scores = self.gather(sampled, self.score(sampled, watch))
-            times["time_reward"] += time.perf_counter() - t0
+            times.reward += time.perf_counter() - t0
             watch.done(f"{len(sampled.local_rows)} responses scored")
         return Collected(sampled, scores, sampled.metrics, times)
 
@@ -376,12 +390,12 @@ class RolloutCollector:
         """The learner's part of a step on ``collect``'s rows: they move to the learner's mesh (when the
         engine has its own), pi_old runs with the learner's weights ``state``, the rollout checks and the
         correction after it, and the update batch is made."""
-        sampled = to_mesh(collected.sampled) if self.programs.split else collected.sampled
-        times = dict(collected.times)
+        sampled = to_mesh(collected.sampled, self.programs.learner.mesh) if self.programs.split else collected.sampled
         watch.start("pi_old")
         dispatched = self._old_policy_phase(state, sampled)
-        mismatch = self._wait_old_policy(dispatched, watch, times, started=True)
-        return self._rollout(sampled, collected.scores, dispatched, mismatch, {**collected.metrics, **times})
+        mismatch, seconds = self._wait_old_policy(dispatched, watch, started=True)
+        times = dataclasses.replace(collected.times, old_logprob=seconds)
+        return self._rollout(sampled, collected.scores, dispatched, mismatch, {**collected.metrics, **times.metrics()})
 
     def _old_policy_phase(self, state: nnx.State, sampled: SampledRows) -> OldPolicy:
         """Dispatch pi_old's passes on ``sampled``, the sampler / pi_old comparison and the rollout
@@ -397,11 +411,11 @@ class RolloutCollector:
             batch = batch.replace(rollout_is_weights=weights, response_mask=response_mask)
         return OldPolicy(batch, entropy_means, packing, packing_stats, {**mismatch, **correction})
 
-    def _wait_old_policy(self, dispatched: OldPolicy, watch: StepWatch, times: dict[str, float],
-                         started: bool = False) -> dict[str, float]:
+    def _wait_old_policy(self, dispatched: OldPolicy, watch: StepWatch, started: bool = False
+                         ) -> tuple[dict[str, float], float]:
         """Wait for pi_old (phase "pi_old", unless ``started``; bypass mode: the update batch of the sampler's
-        log-probs, no pass) and check the sampler against it: the comparison's and the correction's metrics;
-        its seconds in ``times["time_old_logprob"]``."""
+        log-probs, no pass) and check the sampler against it: (the comparison's and the correction's metrics,
+        the phase's seconds)."""
         if not started:
             watch.start("pi_old")
         t0 = time.perf_counter()
@@ -413,9 +427,9 @@ class RolloutCollector:
         mismatch = {k: float(v) for k, v in dispatched.mismatch.items()}  # replicated scalars
         if mismatch:
             rollout_consistency.check(mismatch, self.max_logprob_diff)
-        times["time_old_logprob"] = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         watch.done()
-        return mismatch
+        return mismatch, seconds
 
     def _rollout(self, sampled: SampledRows, scores: Scores, dispatched: OldPolicy, mismatch: dict[str, float],
                  extra: dict[str, float]) -> Rollout:
@@ -450,17 +464,17 @@ class RolloutCollector:
         return Rollout(batch, rewards, metrics, dispatched.packing)
 
     def _sample_phase(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch,
-                      times: dict[str, float]) -> SampledRows:
-        """The sampling phase of one batch of prompts (its seconds added to ``times["time_sample"]``)."""
+                      times: PhaseTimes) -> SampledRows:
+        """The sampling phase of one batch of prompts (its seconds added to ``times.sample``)."""
         t0 = time.perf_counter()
         watch.start("sampling")
         sampled = self.sample(state, prompts, key, watch)
-        times["time_sample"] += time.perf_counter() - t0
+        times.sample += time.perf_counter() - t0
         watch.done(f"{len(sampled.lengths)} rows, {int(sampled.lengths.sum())} tokens")
         return sampled
 
     def _filtered(self, state: nnx.State, batches: Callable[[], PromptBatch], key: jax.Array, watch: StepWatch,
-                  times: dict[str, float], step: int) -> tuple[SampledRows, Scores, dict[str, float]]:
+                  times: PhaseTimes, step: int) -> tuple[SampledRows, Scores, dict[str, float]]:
         """DAPO's dynamic sampling (training/dynamic_sampling.py): gen batches sampled and scored until B
         groups with spread are kept -> (their rows, their scores, the metrics ``num_gen_batches``,
         ``filtered_fraction`` (groups drawn and dropped for no spread / groups drawn) and the tokens,
@@ -486,7 +500,7 @@ class RolloutCollector:
             watch.start("reward")
             t0 = time.perf_counter()
             scores = self.gather(sampled, self.score(sampled, watch))
-            times["time_reward"] += time.perf_counter() - t0
+            times.reward += time.perf_counter() - t0
             watch.done(f"{len(sampled.local_rows)} responses scored")
             spread = filter_groups.groups_with_spread(filter_groups.group_metric(scores.rewards, fg.metric), n)
             source, taken = dynamic_sampling.placement(spread, have, need, n)

@@ -62,7 +62,8 @@ from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.prompt_batch import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.spec import ConfigError, EvalSpec, RunSpec
-from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.critic_step import abstract_critic
+from pacs_jax.training.step_programs import StepPrograms, placed_on
 from pacs_jax.training.warmstart import WarmStartResult, warm_start
 from pacs_jax.training.workdir import (EXPORT_FOLDER, SessionClock, WorkdirLock, agree, check_export_folder,
                                        check_resume, finished_summary, write_config)
@@ -241,9 +242,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     sets = eval_sets(spec, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
     # every program of the run's steps; the engine's on a mesh of its own with mesh.rollout_devices
-    programs = StepPrograms(spec, *nnx.split(model), stop_ids,
-                            rollout_mesh=sharding.rollout_mesh(dataclasses.asdict(spec.mesh),
-                                                              sharding.current_mesh().shape["tensor"]))
+    graphdef, params = nnx.split(model)
+    mesh = placed_on(params)
+    programs = StepPrograms(spec, graphdef, params, stop_ids, mesh=mesh, critic=abstract_critic(spec, model.cfg),
+                            rollout_mesh=sharding.rollout_mesh(dataclasses.asdict(spec.mesh), mesh.shape["tensor"]))
     reward_name = reward_for(spec.reward.name, spec.reward.mode)
 
     def evaluate(name: str, step: int, current: models.Qwen, pool: RewardPool, n: int, temperature: float,

@@ -1,7 +1,7 @@
 """The rollout engine's programs of a training step (docs/design.md section 3.6): the sampler calls, the
 assembly of their rows into the update batch's, and dynamic sampling's selection of kept groups.
 
-    engine = SamplerPrograms(spec, graphdef, params, stop_token_ids)   # on the mesh in context (its own)
+    engine = SamplerPrograms(spec, graphdef, params, stop_token_ids, mesh)   # on the engine's mesh
     engine.sample(params, prompt_tokens, prompt_mask, key, wait)       # one sampler call
     engine.programs()                                                  # its programs, for the warm-up and plans
 
@@ -14,11 +14,13 @@ training/step_programs.py joins the two lists in the order a step runs them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.sampling.carry_over import CarryOverSampler, queue_count
@@ -42,7 +44,7 @@ def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.
 
 
 class SamplerPrograms:
-    """The engine's jitted programs of one step of ``spec``, made on the mesh in context (``mesh``).
+    """The engine's jitted programs of one step of ``spec``, made and run on its ``mesh``.
 
     ``sample(params, prompt_tokens, prompt_mask, key, wait)``: one sampler call (sampling.sample);
     ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
@@ -54,10 +56,15 @@ class SamplerPrograms:
     sampler's argument).
     """
 
-    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], *,
+    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], mesh: Mesh, *,
                  resident: int = 0):
+        with jax.set_mesh(mesh):  # the helpers that place arrays, and the carry-over engine, read it
+            self._make(spec, graphdef, params, stop_token_ids, mesh, resident)
+
+    def _make(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], mesh: Mesh,
+              resident: int) -> None:
         tc, rc = spec.train, spec.rollout
-        self.mesh = sharding.current_mesh()
+        self.mesh = mesh
         self.graphdef, self.params = graphdef, abstract(params)
         self.settings = sampling_settings(spec, stop_token_ids)
         self.num_prompts, self.n = tc.prompts_per_step, rc.n
@@ -65,9 +72,9 @@ class SamplerPrograms:
         self.response_buckets = rc.buckets
         self.sampler_calls = rc.micro_batches
         self.packing = tc.packing
-        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
+        self.batch_shards = sharding.batch_shards(mesh)
         self.resident = resident
-        rows = batch_sharding((0, 0))
+        rows = batch_sharding((0, 0), mesh)
 
         def assemble(tokens, lengths, bucket):
             """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
@@ -93,7 +100,8 @@ class SamplerPrograms:
                wait=None) -> sampling.SampleArrays:
         """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step); wait:
         ``sampling.sample``'s, told of each chunk of decode steps."""
-        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
+        with jax.set_mesh(self.mesh):
+            return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
 
     @property
     def slots(self) -> int:
@@ -102,7 +110,7 @@ class SamplerPrograms:
 
     def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         """A per-row array of a step, abstract, with its sharding."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape, self.mesh))
 
     def programs(self, largest_only: bool = False) -> list[Program]:
         """The engine's programs, for every bucket (``largest_only``: the largest prompt and response
@@ -129,7 +137,7 @@ class SamplerPrograms:
             out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
                                lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
                                (call_tokens, call_lengths), self.resident))
-        return out
+        return [dataclasses.replace(p, mesh=self.mesh) for p in out]  # lowered and compiled on the engine's mesh
 
     def _sampler_program(self, prompt_tokens: int) -> Program:
         """The sampler (sampling/engine.py, lowered by ``lower_sample``) of one call, for prompts of
