@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from pacs_jax import data  # noqa: E402
 from pacs_jax.rl.packing import plan_packing  # noqa: E402
 from pacs_jax.topologies import get_topology  # noqa: E402
-from pacs_jax.training.rollout import pick_bucket  # noqa: E402
+from pacs_jax.training.engine.collect import pick_bucket  # noqa: E402
 from pacs_jax.training.spec import RunSpec  # noqa: E402
 
 PAPER = {"qwen25_3b": "v5p-64", "qwen25_7b": "v5p-64", "qwen3_4b": "v5p-64", "qwen3_8b": "v5p-64",

@@ -473,8 +473,8 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
             plan = None if plans is None else getattr(plans, plan_name)
             trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
             cost, xla = compiled_cost(compiled[name], trips, log)
-            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py);
-            # pi_old's one pass's, dispatched once a pass (training/old_policy.py)
+            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/learner/update_step.py);
+            # pi_old's one pass's, dispatched once a pass (training/learner/old_policy.py)
             dispatches = {"update": spec.train.mini_batches, "critic_update": spec.train.mini_batches,
                           "pi_old": plan.passes[0] if plan is not None else step.learner.logprob_micro_batches}.get(name, 1)
             cost = dataclasses.replace(cost, flops=dispatches * cost.flops, bytes=dispatches * cost.bytes,

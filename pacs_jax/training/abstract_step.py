@@ -24,7 +24,7 @@ def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_
     follow the devices' platform). model_overrides: QwenConfig fields to replace (e.g. the layers)."""
     from pacs_jax import models, sharding
     from pacs_jax.models.attention import resolve_impl
-    from pacs_jax.training.critic_step import abstract_critic
+    from pacs_jax.training.learner.critic_step import abstract_critic
     from pacs_jax.training.model_spec import model_config
     from pacs_jax.training.step_programs import StepPrograms
 

@@ -37,8 +37,9 @@ from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
 from pacs_jax.sampling.carry_over import queue_count
 from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
-from pacs_jax.training.optim import SCHEDULES
 from pacs_jax.training.passes import PassLayout, Passes
+
+SCHEDULES = ("constant", "cosine", "linear")  # optim.schedule (training/learner/optim.py)
 
 # The architecture fields of config.model that a model of the config's own needs (> 0).
 ARCHITECTURE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -1,9 +1,9 @@
 """Every program of a training step, made in one place from the run's spec (docs/design.md section 3.6),
-by role: the rollout engine's (training/sampler_programs.py: the sampler calls, the assembly, dynamic
-sampling's selection) and the learner's (training/learner_programs.py: pi_old, the rollout checks,
+by role: the rollout engine's (training/engine/sampler_programs.py: the sampler calls, the assembly, dynamic
+sampling's selection) and the learner's (training/learner/learner_programs.py: pi_old, the rollout checks,
 the update, PPO's critic, the warm-start). The learner's are made on its mesh (that of the parameters,
 or ``mesh``); the engine's on it too, or on a mesh of their own (``rollout_mesh``: one step off on split
-devices), where they sample from a copy of the weights that ``weight_sync`` (training/weight_sync.py)
+devices), where they sample from a copy of the weights that ``weight_sync`` (training/engine/weight_sync.py)
 moves there.
 
     programs = StepPrograms(spec, graphdef, params, stop_token_ids, critic=...)   # PPO: the critic's abstract state
@@ -29,12 +29,12 @@ from jax.sharding import Mesh, NamedSharding
 
 from pacs_jax import console
 from pacs_jax.training import memory_check
-from pacs_jax.training.critic_step import CriticState
-from pacs_jax.training.learner_programs import LearnerPrograms
+from pacs_jax.training.engine.sampler_programs import SamplerPrograms
+from pacs_jax.training.engine.weight_sync import WeightSync
+from pacs_jax.training.learner.critic_step import CriticState
+from pacs_jax.training.learner.learner_programs import LearnerPrograms
 from pacs_jax.training.program import Program
-from pacs_jax.training.sampler_programs import SamplerPrograms
 from pacs_jax.training.spec import RunSpec
-from pacs_jax.training.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from pacs_jax.sampling.engine import SamplerCompiled

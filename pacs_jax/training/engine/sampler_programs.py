@@ -8,7 +8,7 @@ assembly of their rows into the update batch's, and dynamic sampling's selection
 The spec (training/spec.py ``RunSpec``) is read here for the sampler's side only: the sampler's
 settings (rollout.*, its sampler section's slots, tail and pages), the prompt and response buckets,
 the calls a step (``rollout.micro_batches``) and the packed passes' padded widths the assembly cuts to.
-The learner's programs (pi_old, the update, PPO's critic) are training/learner_programs.py's;
+The learner's programs (pi_old, the update, PPO's critic) are training/learner/learner_programs.py's;
 training/step_programs.py joins the two lists in the order a step runs them.
 """
 
@@ -28,7 +28,7 @@ from pacs_jax.sampling.engine import decode_layer_weights, lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, batch_sharding
 from pacs_jax.training import memory_check
-from pacs_jax.training.dynamic_sampling import CallRows, select_program
+from pacs_jax.training.engine.dynamic_sampling import CallRows, select_program
 from pacs_jax.training.program import Program
 from pacs_jax.training.spec import RunSpec
 
@@ -48,7 +48,7 @@ class SamplerPrograms:
 
     ``sample(params, prompt_tokens, prompt_mask, key, wait)``: one sampler call (sampling.sample);
     ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
-    ``select_groups`` (dynamic sampling's, training/dynamic_sampling.py), None unless
+    ``select_groups`` (dynamic sampling's, training/engine/dynamic_sampling.py), None unless
     ``algorithm.filter_groups.enable``; ``carry_over``, the engine of ``rollout.carry_over``
     (``CarryOverSampler``, its decode state kept between steps), None without it. ``resident`` (bytes a device): the training state that stays on
     the engine's devices during its programs (the parameters, AdamW's state and PPO's critic when the
@@ -85,7 +85,7 @@ class SamplerPrograms:
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
         self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
         # carry-over (sampling/carry_over.py): one call a step at the largest prompt bucket, B = P groups returned;
-        # room for 2P prompts a call, so that P groups can be in flight between calls (training/carry_over.py)
+        # room for 2P prompts a call, so that P groups can be in flight between calls (training/engine/carry_over.py)
         self.carry_over = (CarryOverSampler(graphdef, self.settings, prompts=2 * self.num_prompts,
                                             prompt_length=self.prompt_buckets[-1], groups=self.num_prompts,
                                             max_staleness=rc.max_staleness, order=rc.carry_over_order)

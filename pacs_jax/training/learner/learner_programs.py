@@ -29,16 +29,17 @@ from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.packing import PackedPlan, PackedPlanArrays, plan_packing, plan_shape
 from pacs_jax.rl.update_batch import CriticBatch, SFTBatch, UpdateBatch
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
-from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
-from pacs_jax.training.old_policy import old_policy_passes, sampler_as_old_policy
-from pacs_jax.training.optim import make_optimizer
-from pacs_jax.training.program import Program
-from pacs_jax.training.rollout_consistency import consistency_program
-from pacs_jax.training.rollout_correction_step import correction_program
+from pacs_jax.training import memory_check
+from pacs_jax.training.learner import warmstart
+from pacs_jax.training.learner.critic_step import CriticState, critic_options, critic_programs
+from pacs_jax.training.learner.old_policy import old_policy_passes, sampler_as_old_policy
+from pacs_jax.training.learner.optim import make_optimizer
+from pacs_jax.training.learner.rollout_consistency import consistency_program
+from pacs_jax.training.learner.rollout_correction_step import correction_program
+from pacs_jax.training.learner.update_step import make_update_step
 from pacs_jax.training.passes import PassLayout, Passes
+from pacs_jax.training.program import Program
 from pacs_jax.training.spec import RunSpec
-from pacs_jax.training.update_step import make_update_step
 
 
 def spec_optimizer(spec: RunSpec):
@@ -52,16 +53,16 @@ class LearnerPrograms:
     """The learner's jitted programs of one step of ``spec``, made on its ``mesh`` (that of the parameters).
 
     ``update(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)`` (one program
-    dispatched once a mini-batch: training/update_step.py ``MiniBatchUpdates``); ``pi_old(params,
+    dispatched once a mini-batch: training/learner/update_step.py ``MiniBatchUpdates``); ``pi_old(params,
     prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean entropy after each pass)``
-    (one program dispatched once a pass: training/old_policy.py ``OldPolicyPasses``);
+    (one program dispatched once a pass: training/learner/old_policy.py ``OldPolicyPasses``);
     ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
-    (training/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
-    response_mask, metrics; training/rollout_correction_step.py), None unless the correction is on;
+    (training/learner/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
+    response_mask, metrics; training/learner/rollout_correction_step.py), None unless the correction is on;
     ``sampler_as_old_policy`` (bypass mode's), None otherwise; PPO: ``critic``, the critic's ``values``
-    and ``update`` (training/critic_step.py ``CriticPrograms``), made from the critic's abstract state
+    and ``update`` (training/learner/critic_step.py ``CriticPrograms``), made from the critic's abstract state
     (``critic``: known before the critic is made from the actor after the warm-start, or from ``critic.path``);
-    ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
+    ``warmstart``: the supervised warm-start's step and optimizer (training/learner/warmstart.py ``SFTStep``;
     None when ``warmstart.steps`` is 0). pi_old and the update read the logits at the rollout's
     temperature.
     """

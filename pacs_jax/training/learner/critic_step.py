@@ -37,12 +37,12 @@ from pacs_jax.rl import compute_gae, critic_loss_and_grad_fn, last_token_rewards
 from pacs_jax.rl.packing import PackedPlanArrays
 from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
 from pacs_jax.sharding import abstract_optimizer_state, batch_sharding, state_shardings
+from pacs_jax.training.learner.optim import make_optimizer
+from pacs_jax.training.learner.train_state import CriticTrainState
+from pacs_jax.training.learner.update_step import MiniBatchUpdates, mini_batch_updates
 from pacs_jax.training.model_spec import model_config, run_options
-from pacs_jax.training.optim import make_optimizer
 from pacs_jax.training.passes import Passes
 from pacs_jax.training.spec import CriticSpec, RunSpec
-from pacs_jax.training.train_state import CriticTrainState
-from pacs_jax.training.update_step import MiniBatchUpdates, mini_batch_updates
 
 # The critic update's metrics (MiniBatchUpdates' and rl.value_loss's) -> the names a step reports. The value
 # loss is the mini-batch's (the sum of its micro-batches' shares); explained variance and clip fraction
@@ -110,7 +110,7 @@ def critic_step(programs: CriticPrograms, state: CriticTrainState, batch: Update
                 packing: Passes[PackedPlanArrays] | None = None
                 ) -> tuple[CriticTrainState, UpdateBatch, list[dict[str, jax.Array]]]:
     """Values, GAE and the critic's update on the update ``batch`` (``UpdateBatch`` with rewards;
-    dispatched, nothing waits; ``state`` donated). packing: the step's plan arrays (training/rollout.py
+    dispatched, nothing waits; ``state`` donated). packing: the step's plan arrays (training/records.py
     ``Rollout.packing``: the logprob pass's for the values, the critic pass's for the update) or None.
     Returns the critic's new state, the actor's batch (``batch`` with advantages [B, R]) and the critic's
     metrics, a dict a mini-batch."""
