@@ -75,7 +75,9 @@ class PPOCritic:
     def __init__(self, critic: nnx.Module, optimizer):
         self.graphdef, params = nnx.split(critic)
         self.optimizer = optimizer
-        opt_state = jax.jit(optimizer.init)(params)
+        # AdamW's moments sharded like the parameters (as the actor's, and as ``abstract_critic`` has them)
+        opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_optimizer_state(optimizer, params))
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         self.shardings = state_shardings((params, opt_state))
         self.params, self.opt_state = jax.device_put((params, opt_state), self.shardings)
 
