@@ -241,7 +241,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
                  top_p: float, per_set: dict | None = None) -> dict[str, dict[str, float]]:
         """Evaluate every set at (n, temperature, top_p), or at its own settings in ``per_set``; the
         metrics go to workdir/eval/<name>/ and TensorBoard (``board``, at RL step ``step``)."""
-        rows, metrics = evaluation.evaluaterun_summary.per_set(
+        rows, metrics = evaluation.evaluate_per_set(
             current, tokenizer, sets, per_set or {}, evaluation.EvalSettings(n, temperature, top_p, ec.max_new_tokens),
             seed=spec.seed, batch_size=ec.batch_size, **ec.sampler.call_settings(),
             reward_pool=pool, instruction=dc.instruction,
@@ -250,7 +250,8 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
             evaluation.write_outputs(workdir / "eval" / name, rows, metrics)
             board.write(_board_tag(name), step, metrics)
             means = ", ".join(f"{s} {'%s %.3f' % run_summary.mean_reward(m)}" for s, m in sorted(metrics.items()))
-            print(f"eval {name}: accuracy {run_summary.accuracy(metrics):.3f} (mean sample reward at T={temperature}: {means})",
+            print(f"eval {name}: accuracy {run_summary.accuracy(metrics):.3f} (mean sample reward at "
+                  f"T={temperature}: {means})",
                   flush=True)
         return metrics
 
@@ -326,9 +327,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     if primary:
         if history:
             evaluated = before.get("eval", {})
-            plot_curves(history, run_summary.per_set(evaluated.get("sampled", {})), run_summary.per_set(after.get("sampled", {})),
+            per_set = run_summary.per_set
+            plot_curves(history, per_set(evaluated.get("sampled", {})), per_set(after.get("sampled", {})),
                         workdir / "curves.png", run_summary.periodic_evals(workdir), algorithm=spec.algorithm,
-                        greedy=(run_summary.per_set(evaluated.get("greedy", {})), run_summary.per_set(after.get("greedy", {}))))
+                        greedy=(per_set(evaluated.get("greedy", {})), per_set(after.get("greedy", {}))))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
