@@ -38,7 +38,8 @@ def per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def summary(before: dict, after: dict, history: list[dict], accuracy_metric: str) -> dict:
     """accuracy_{before,after}_rl (mean over the eval sets of the mean sample reward at the final
-    settings), their greedy counterparts, every set's metrics, the warm-start and the RL time split; accuracy_metric: what the accuracies are, in words."""
+    settings), their greedy counterparts, every set's metrics, the warm-start and the RL time split;
+    accuracy_metric: what the accuracies are, in words."""
     phases = ("time_sample", "time_reward", "time_old_logprob", "time_update")
     evaluated = before.get("eval", {})
     summary = {
