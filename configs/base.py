@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
         shuffle_seed=0, allow_skips=False,
     ))
 
-    # Supervised phase before RL (training/warmstart.py): teacher-forced cross-entropy on each of its
+    # Supervised phase before RL (training/learner/warmstart.py): teacher-forced cross-entropy on each of its
     # prompts (data.warmstart_problems) with `response` (the gold answer filled in) as its target; 0 steps: none.
     c.warmstart = ml_collections.ConfigDict(dict(
         steps=0,                  # at most this many optimizer steps

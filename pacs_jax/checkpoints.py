@@ -347,7 +347,7 @@ class TrainCheckpointer:
              force: bool = False, critic: tuple[nnx.State, Any] | None = None) -> bool:
         """Save when ``step`` is a multiple of ``every`` (or ``force``); returns whether it saved. meta: the
         JSON item, or a function that makes it, called only when the step is saved (a carry-over data
-        state reads the rows in flight from the device: training/carry_over.py)."""
+        state reads the rows in flight from the device: training/engine/carry_over.py)."""
         self._check_critic(critic)
         if not force and (self.every <= 0 or step % self.every):
             return False

@@ -269,24 +269,25 @@ def replicated() -> NamedSharding:
     return NamedSharding(current_mesh(), PartitionSpec())
 
 
-def batch_sharding(shape: tuple[int, ...]) -> NamedSharding:
-    """The sharding of a per-row array of a training step on the mesh in context: rows over the batch
+def batch_sharding(shape: tuple[int, ...], mesh: Mesh | None = None) -> NamedSharding:
+    """The sharding of a per-row array of a training step on ``mesh`` (default: the mesh in context): rows over the batch
     axes, the rest replicated (all replicated when the rows do not divide, e.g. a few prompts on many
     devices).
 
     The same objects place host arrays, pin the programs' outputs and compile them ahead of time,
     so every call finds its program already compiled.
     """
-    rules = MeshRules(current_mesh())
+    rules = MeshRules(current_mesh() if mesh is None else mesh)
     axes = rules.batch_axes()
     if shape[0] % math.prod(rules.mesh.shape[a] for a in axes):
         axes = ()
     return NamedSharding(rules.mesh, PartitionSpec(axes or None, *([None] * (len(shape) - 1))))
 
 
-def batch_shards() -> int:
-    """Into how many pieces the batch axes of the mesh in context split a batch (inside ``jax.jit`` too)."""
-    rules = current_rules()
+def batch_shards(mesh: Mesh | None = None) -> int:
+    """Into how many pieces the batch axes of ``mesh`` (default: the mesh in context, inside ``jax.jit`` too)
+    split a batch."""
+    rules = current_rules() if mesh is None else MeshRules(mesh)
     return math.prod(rules.mesh.shape[a] for a in rules.batch_axes())
 
 

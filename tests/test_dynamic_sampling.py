@@ -10,9 +10,10 @@ from flax import nnx
 from pacs_jax.rewards import RewardPool
 from pacs_jax.rl import filter_groups
 from pacs_jax.training.config_check import ConfigError, validate_config
-from pacs_jax.training.dynamic_sampling import FilterGroupsExhausted
+from pacs_jax.training.engine.dynamic_sampling import FilterGroupsExhausted
 from pacs_jax.training.loop import rl_train
-from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.records import PromptBatch
+from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config

@@ -150,3 +150,53 @@ def test_model_and_sampler_do_not_reach_training_or_rl(lower):
         bad = sorted(m for m in reachable(graph, module)
                      if m.split(".")[:2] in (["pacs_jax", "training"], ["pacs_jax", "rl"]))
         assert not bad, f"{module} imports (directly or through others) {bad}"
+
+
+TRAINING = "pacs_jax.training"
+ROLES = (f"{TRAINING}.engine", f"{TRAINING}.learner")
+# the layer above both roles, which joins them: the step's programs, the schedules, the loop and the run
+ABOVE_ROLES = {f"{TRAINING}.{name}" for name in ("step_programs", "rollout", "loop", "run", "workdir", "abstract_step")}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _training_graph() -> dict[str, set[str]]:
+    graph = import_graph(ROOT, "pacs_jax")
+    return {m: {t for t in edges if _in(t, TRAINING)} for m, edges in graph.items() if _in(m, TRAINING)}
+
+
+@pytest.mark.parametrize("role, other", [ROLES, ROLES[::-1]])
+def test_the_engine_and_the_learner_never_import_each_other(role, other):
+    """training/engine/ and training/learner/ meet only in training/records.py: neither reaches the other,
+    directly or through a shared module."""
+    graph = _training_graph()
+    modules = [m for m in graph if _in(m, role)]
+    assert len(modules) > 3
+    for module in modules:
+        bad = sorted(m for m in reachable(graph, module) if _in(m, other))
+        assert not bad, f"{module} imports (directly or through others) {bad}"
+
+
+def test_the_records_import_neither_role():
+    graph = _training_graph()
+    bad = sorted(m for m in reachable(graph, f"{TRAINING}.records") if any(_in(m, role) for role in ROLES))
+    assert not bad, f"training/records.py imports (directly or through others) {bad}"
+
+
+def test_the_training_graph_is_acyclic_and_nothing_runs_back_up():
+    """No cycle in pacs_jax.training; a role reaches nothing of the layer above it (the step's programs, the
+    schedules, the loop, the run), and a shared module of training/ (spec, memory_check, progress, ...)
+    reaches neither a role nor that layer."""
+    graph = _training_graph()
+    assert find_cycle(graph) is None
+    assert ABOVE_ROLES & graph.keys() == ABOVE_ROLES
+    for module in graph:
+        if module in ABOVE_ROLES or module in (TRAINING, *ROLES):
+            continue
+        above = sorted(m for m in reachable(graph, module) if m in ABOVE_ROLES)
+        assert not above, f"{module} imports (directly or through others) {above}, above it"
+        if not any(_in(module, role) for role in ROLES):
+            roles = sorted(m for m in reachable(graph, module) if any(_in(m, role) for role in ROLES))
+            assert not roles, f"the shared {module} imports (directly or through others) the roles' {roles}"

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import REPO
 from pacs_jax.errors import RESUME_NEEDED_STATUS
-from pacs_jax.training.workdir import LOCK_FILE
+from pacs_jax.training.workdir_lock import LOCK_FILE
 from train_helpers import FAST_DEMO_FLAGS, checkpoint_steps, finish, metrics_rows, train_env, wait_for
 
 LOCAL = REPO / "launch" / "local.sh"

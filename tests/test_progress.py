@@ -181,7 +181,7 @@ def test_a_stop_that_finishes_its_step_says_where_the_signal_came_and_why_the_st
     checkpoint" with step 1's on disk, and "during step 2 (update)" of a signal in step 3's sampling ahead)."""
     import signal
 
-    from pacs_jax.training.loop import _finished_line
+    from pacs_jax.training.signals import finished_line as _finished_line
     from pacs_jax.training.signals import StopSignals
 
     watch = StepWatch(lambda line: None, 30.0)
@@ -211,7 +211,8 @@ def test_a_signal_while_compiling_before_a_warm_started_first_step_is_noted_as_b
 
     from pacs_jax import models
     from pacs_jax.sharding import make_mesh
-    from pacs_jax.training.loop import _finished_line, rl_train
+    from pacs_jax.training.loop import rl_train
+    from pacs_jax.training.signals import finished_line as _finished_line
     from pacs_jax.training.signals import StopSignals
     from pacs_jax.training.spec import RunSpec
     from pacs_jax.training.step_programs import StepPrograms

@@ -35,7 +35,8 @@ from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.metrics import read_rows
 from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.run import run_training
-from pacs_jax.training.workdir import LOCK_FILE, WorkdirLockedError, checkpoint_steps
+from pacs_jax.training.workdir import checkpoint_steps
+from pacs_jax.training.workdir_lock import LOCK_FILE, WorkdirLockedError
 from test_train_real_config import TINY, deepscaler_rows, shrunk_paper_config  # noqa: F401 (a fixture)
 from train_helpers import load_config, train_env
 

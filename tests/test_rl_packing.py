@@ -469,5 +469,5 @@ def test_packed_rows_too_few_for_a_prompt_group_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^config\.train\.packed_rows: .* set it to 0 or at least 8$"):
         RunSpec.from_config(config, device_count=1)
     config.train.packed_rows = 0
-    assert RunSpec.from_config(config, device_count=1).packed_layouts(1, critic=False)["update"]["rows"] >= \
+    assert RunSpec.from_config(config, device_count=1).packed_layouts(1, critic=False).update.rows >= \
         config.rollout.n

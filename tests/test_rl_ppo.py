@@ -298,7 +298,7 @@ def test_paper_ppo_critic_inherits_the_actors_aggregation():
     "ppo" config ends with the critic aggregating as its actor, at verl's scale over the width 4096; the
     demo's PPO with its actor's token-mean; an explicit critic.loss_agg_mode wins."""
     from configs import default, paper
-    from pacs_jax.training.critic_step import critic_options
+    from pacs_jax.training.learner.critic_step import critic_options
 
     config = paper.get_config("qwen25_7b,ppo")
     options = critic_options(RunSpec.unplaced(config))

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from pacs_jax.training.rollout_consistency import METRICS, RolloutMismatchError, check, consistency_program
+from pacs_jax.training.learner.rollout_consistency import METRICS, RolloutMismatchError, check, consistency_program
 
 
 def test_metrics_cover_the_response_tokens_only_and_match_numpy():

@@ -63,9 +63,9 @@ def test_the_derived_values_of_the_demo(demo):
     assert spec.total_updates == 240 * 4 and spec.logprob_micro_batches == 4
     assert spec.eval.sets == ("held_out",) and spec.critic is None
     layouts = spec.packed_layouts(1, critic=False)
-    assert list(layouts) == ["logprob", "update"]
-    assert layouts["update"]["rows"] == pass_rows(64, 68, 68, unit=8, shards=1)
-    assert layouts["logprob"]["mini_batches"] == 1 and layouts["update"]["mini_batches"] == 4
+    assert [name for name, _ in layouts.items()] == ["logprob", "update"]
+    assert layouts.update.rows == pass_rows(64, 68, 68, unit=8, shards=1)
+    assert layouts.logprob.mini_batches == 1 and layouts.update.mini_batches == 4
     # the sampler: the paged one, 128 slots capped at a call's 256 responses; eval's uncapped
     assert spec.rollout.sampler.call_settings(spec.call_responses) == dict(slots=128, tail_slots=None, page_size=16,
                                                                           pages=None)
@@ -81,7 +81,7 @@ def test_ppo_reads_the_critic_and_its_aggregation(demo):
     spec = RunSpec.from_config(demo, device_count=1)
     assert spec.critic is not None and spec.critic_loss_agg == (demo.algorithm.ppo.loss_agg_mode,
                                                                 demo.algorithm.ppo.norm_length)
-    assert list(spec.packed_layouts(1, critic=True)) == ["logprob", "critic", "update"]
+    assert [name for name, _ in spec.packed_layouts(1, critic=True).items()] == ["logprob", "critic", "update"]
     demo.critic.loss_agg_mode = "seq-mean-token-mean"
     assert RunSpec.from_config(demo, device_count=1).critic_loss_agg[0] == "seq-mean-token-mean"
 

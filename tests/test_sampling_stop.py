@@ -24,7 +24,7 @@ from flax import nnx
 from pacs_jax import models
 from pacs_jax.sampling import engine
 from pacs_jax.training.progress import StepInterrupted, StepWatch
-from pacs_jax.training.prompt_batch import PromptBatch
+from pacs_jax.training.records import PromptBatch
 from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.spec import RunSpec

@@ -9,7 +9,7 @@ import pytest
 
 from pacs_jax import checkpoints, data, evaluation, models
 from pacs_jax.models.config import merge_eos_ids
-from pacs_jax.training.sampler_programs import sampling_settings
+from pacs_jax.training.engine.sampler_programs import sampling_settings
 from pacs_jax.training.spec import RunSpec
 from qwen_reference import save_random_hf_model
 from train_helpers import load_config

@@ -23,7 +23,7 @@ from pacs_jax.sampling.settings import row_pages
 from pacs_jax.training import rollout as rollout_module
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.training.loop import rl_train
-from pacs_jax.training.rollout import PromptBatch
+from pacs_jax.training.records import PromptBatch
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training import compilations, memory_check
 from pacs_jax.training.step_programs import StepPrograms

@@ -11,10 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pacs_jax import models, rl, sharding
 from pacs_jax.rewards import RewardPool
 from test_train_config import load_config
-from pacs_jax.training.optim import make_optimizer
-from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.learner.optim import make_optimizer
+from pacs_jax.training.records import PromptBatch
+from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.step_programs import StepPrograms
-from pacs_jax.training.update_step import make_update_step
+from pacs_jax.training.learner.update_step import make_update_step
 from pacs_jax.training.spec import RunSpec
 
 CFG = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

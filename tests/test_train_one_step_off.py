@@ -19,12 +19,13 @@ from pacs_jax import models, sharding
 from pacs_jax.rewards import RewardPool
 from pacs_jax.training import memory_check, progress
 from pacs_jax.training.config_check import ConfigError, validate_config
-from pacs_jax.training.learner_programs import LearnerPrograms
+from pacs_jax.training.learner.learner_programs import LearnerPrograms
 from pacs_jax.training.loop import rl_train
-from pacs_jax.training.rollout import PromptBatch, RolloutCollector
+from pacs_jax.training.records import PromptBatch
+from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
-from pacs_jax.training.weight_sync import WeightSync
+from pacs_jax.training.engine.weight_sync import WeightSync
 from test_train_config import load_config
 from train_helpers import ListPromptSource
 

@@ -20,9 +20,9 @@ from pacs_jax.rewards import RewardPool
 from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.config_check import validate_config
-from pacs_jax.training.critic_step import PPOCritic, critic_programs
+from pacs_jax.training.learner.critic_step import PPOCritic, critic_programs
 from pacs_jax.training.loop import rl_train
-from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training.learner.optim import make_optimizer
 from pacs_jax.training.run import build_model, prompt_source
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.training.spec import RunSpec

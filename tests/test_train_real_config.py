@@ -18,7 +18,7 @@ import pytest
 from pacs_jax.models.config import REMAT_POLICIES
 from pacs_jax.rl import options_for
 from pacs_jax.sharding import config_mesh
-from pacs_jax.training import rollout_consistency
+from pacs_jax.training.learner import rollout_consistency
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.run import run_training
 from test_train_config import load_config

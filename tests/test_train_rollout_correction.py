@@ -23,7 +23,8 @@ from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.rewards import STATUSES
 from pacs_jax.training.progress import StepWatch
-from pacs_jax.training.rollout import Collected, RolloutCollector, Scores
+from pacs_jax.training.records import Collected, Scores
+from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from test_rollout_correction import reference as correction_reference
@@ -165,7 +166,7 @@ def test_bypass_modes_pi_old_phase_waits_for_its_batch_and_says_so():
     does. The collector and the watch are stand-ins: the wait records what it waits for and its detail."""
     import jax.numpy as jnp
 
-    from pacs_jax.training.rollout import OldPolicy
+    from pacs_jax.training.learner.rollout_batch import OldPolicy
 
     waits = []
     watch = types.SimpleNamespace(start=lambda phase: None, done=lambda: None,

@@ -23,7 +23,8 @@ from pacs_jax.errors import RESUME_NEEDED_STATUS
 from pacs_jax.files import storage_error
 from pacs_jax.training import metrics as metrics_lib
 from pacs_jax.training.spec import ConfigError, RunSpec
-from pacs_jax.training.workdir import CONFIG_FILE, LOCK_FILE, WorkdirLock, WorkdirLockedError, check_resume, recorded_config
+from pacs_jax.training.workdir import CONFIG_FILE, check_resume, recorded_config
+from pacs_jax.training.workdir_lock import LOCK_FILE, WorkdirLock, WorkdirLockedError
 from train_helpers import (FAST_DEMO_FLAGS, REPO, RL_ONLY_FLAGS, ListPromptSource, checkpoint_steps, compile_cache_dir,
                            finish, logs, load_config, metrics_rows, start_train, train_env, wait_for)
 
@@ -373,7 +374,7 @@ def test_a_resume_that_switches_carry_over_or_clipping_is_refused_naming_the_che
     either way. Gradient clipping switched on or off changes the optimizer state's structure: refused too."""
     from types import SimpleNamespace
 
-    from pacs_jax.training.carry_over import CarryOverRollouts
+    from pacs_jax.training.engine.carry_over import CarryOverRollouts
 
     config = load_config("default.py")
     plain = ListPromptSource([])

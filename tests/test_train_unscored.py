@@ -12,7 +12,7 @@ from pacs_jax import models, rewards
 from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.step_programs import StepPrograms
 from pacs_jax.training.metrics import KEY_METRICS
-from pacs_jax.training.rollout import PromptBatch
+from pacs_jax.training.records import PromptBatch
 from pacs_jax.training.spec import RunSpec
 from train_helpers import load_config
 

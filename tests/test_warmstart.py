@@ -17,7 +17,8 @@ from pacs_jax import checkpoints, data, models
 from pacs_jax.data.arithmetic import make_problems
 from pacs_jax.rewards import RewardPool
 from pacs_jax.sharding import config_mesh, make_mesh
-from pacs_jax.training import run, warmstart
+from pacs_jax.training import run
+from pacs_jax.training.learner import warmstart
 from pacs_jax.training.compilations import compilations, start_counting
 from pacs_jax.training.spec import RunSpec
 from qwen_reference import save_random_hf_model

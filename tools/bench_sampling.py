@@ -261,7 +261,7 @@ def carry_over_steps(cfg: models.QwenConfig, *, batch: int, n: int, slots: int, 
         start = time.perf_counter()
         out = jax.device_get(sampling.sample(graphdef, state, tokens, mask, settings, jax.random.key(step), budgets))
         paged = (int(np.maximum(out.lengths - 1, 0).sum()), int(out.decode_steps), time.perf_counter() - start)
-        # carry-over's call (as training/carry_over.py feeds it): those dropped first, then as many new prompts as
+        # carry-over's call (as training/engine/carry_over.py feeds it): those dropped first, then as many new prompts as
         # the call before returned, until ``batch`` groups are complete
         queued = dropped + queued
         count = 2 * batch if step == 0 else min(batch + len(dropped), 2 * batch)

@@ -26,8 +26,8 @@ from device_rates import device_line
 from bench_forward import forward_flops, interleaved_best_times, jax_matmul, xla_flops
 from pacs_jax import models
 from pacs_jax.rl.update_batch import UpdateBatch
-from pacs_jax.training.optim import make_optimizer
-from pacs_jax.training.update_step import make_update_step
+from pacs_jax.training.learner.optim import make_optimizer
+from pacs_jax.training.learner.update_step import make_update_step
 
 
 def synthetic_batch(cfg: models.QwenConfig, prompts: int, n: int, prompt_len: int, response_len: int,

@@ -45,7 +45,7 @@ from pacs_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
 from pacs_jax.rl import packing
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
 from pacs_jax.rl.update_batch import UpdateBatch
-from pacs_jax.training.update_step import make_update_step
+from pacs_jax.training.learner.update_step import make_update_step
 
 REPO_DATA = data.__file__.rsplit("/pacs_jax/", 1)[0] + "/data"
 PROMPT_BUCKET = 512

@@ -18,7 +18,7 @@ compiles before step 1):
 
 and the supervised warm-start's step before them (``warmstart``, when ``warmstart.steps`` > 0: its
 batch of ``warmstart.batch_size`` prompts, its own AdamW state), and, for PPO (algorithm.objective
-"ppo"), the critic's two programs (training/critic_step.py) on the
+"ppo"), the critic's two programs (training/learner/critic_step.py) on the
 same batch, its parameters and AdamW state abstract and sharded like the actor's:
 
     critic_values  the critic's values, GAE advantages and returns

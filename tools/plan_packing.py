@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from pacs_jax import data  # noqa: E402
 from pacs_jax.rl.packing import plan_packing  # noqa: E402
 from pacs_jax.topologies import get_topology  # noqa: E402
-from pacs_jax.training.rollout import pick_bucket  # noqa: E402
+from pacs_jax.training.engine.collect import pick_bucket  # noqa: E402
 from pacs_jax.training.spec import RunSpec  # noqa: E402
 
 PAPER = {"qwen25_3b": "v5p-64", "qwen25_7b": "v5p-64", "qwen3_4b": "v5p-64", "qwen3_8b": "v5p-64",
@@ -99,13 +99,13 @@ def plan_config(spec: str, topology: str, args: argparse.Namespace, rs: np.rando
         for name, layout in layouts.items():
             t0 = time.perf_counter()
             plan = plan_packing(prompts, responses, prompt_width=buckets[-1], response_width=budget,
-                                packed_length=tc.packed_length or buckets[-1] + budget, **layout)
+                                packed_length=tc.packed_length or buckets[-1] + budget, **layout.options())
             seconds = time.perf_counter() - t0
             computed[name] = plan.tokens_computed
-            lines.append(f"  {name:8s} {layout['rows']} packed rows a pass and shard, passes {list(plan.passes)} "
-                         f"of at most {layout['passes']} (efficiency {real / plan.tokens_computed:.3f}; planned in "
+            lines.append(f"  {name:8s} {layout.rows} packed rows a pass and shard, passes {list(plan.passes)} "
+                         f"of at most {layout.passes} (efficiency {real / plan.tokens_computed:.3f}; planned in "
                          f"{seconds:.2f} s)")
-        passes = 2 if "critic" not in layouts else 4  # pi_old and the update; PPO: the critic's values and update
+        passes = 2 if layouts.critic is None else 4  # pi_old and the update; PPO: the critic's values and update
         packed = computed["logprob"] * (passes // 2) + computed["update"] + computed.get("critic", 0)
         padded = passes * len(prompts) * width
         print(f"step {step + 1}: {real} real tokens, longest response {responses.max()}, padded rows of {width}")

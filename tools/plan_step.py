@@ -452,7 +452,7 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
         left_out = tuple(name for name in programs if name not in memory_programs(names))
         memory = step.compile(largest_only=True, names=memory_programs(names), progress=False, log=log,
                               on_compiled=lambda program, c: compiled.__setitem__(program.name, c))
-        plans = step.learner.packing_plans(prompts, responses) if step.learner.packing else {}
+        plans = step.learner.packing_plans(prompts, responses) if step.learner.packing else None
         chunk = min(DEFAULT_CHUNK_SIZE, step.learner.pass_widths[1])
         if "prefill" in names:
             log(f"compiling the sampler's prefill ({programs['sampler'].shape}) ...")
@@ -470,11 +470,11 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
             if name not in compiled:  # memory_check.refused: the memory line says so
                 log(f"{name} not costed: the compiler refused it for lack of memory")
                 continue
-            plan = plans.get(plan_name)
+            plan = None if plans is None else getattr(plans, plan_name)
             trips = trips_from_plan(plan, chunk) if plan is not None else (lambda loop: 1.0)
             cost, xla = compiled_cost(compiled[name], trips, log)
-            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/update_step.py);
-            # pi_old's one pass's, dispatched once a pass (training/old_policy.py)
+            # the updates' program is one mini-batch's, dispatched once a mini-batch (training/learner/update_step.py);
+            # pi_old's one pass's, dispatched once a pass (training/learner/old_policy.py)
             dispatches = {"update": spec.train.mini_batches, "critic_update": spec.train.mini_batches,
                           "pi_old": plan.passes[0] if plan is not None else step.learner.logprob_micro_batches}.get(name, 1)
             cost = dataclasses.replace(cost, flops=dispatches * cost.flops, bytes=dispatches * cost.bytes,

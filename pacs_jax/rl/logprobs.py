@@ -119,7 +119,7 @@ def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: ja
     of B / K strided rows (``rl.micro_batches.split_micro_batches``); packed, pass k of the plan
     (rl/packing.py ``PackedPlanArrays``), its own rows (``rl.packing.own_rows``). Every k
     (< K, or < the plan's passes) once, in any order, gives every row: pi_old dispatches one call a
-    pass (training/old_policy.py), so activation memory is a micro-batch's and the host sees each
+    pass (training/learner/old_policy.py), so activation memory is a micro-batch's and the host sees each
     pass end."""
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
     if packing is not None:

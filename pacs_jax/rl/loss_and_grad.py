@@ -1,5 +1,5 @@
 """The actor's loss and gradient over its parameters for one mini-batch of whole prompt groups
-(``loss_and_grad_fn``; the optimizer step around it is training/update_step.py's).
+(``loss_and_grad_fn``; the optimizer step around it is training/learner/update_step.py's).
 
 Batch: rl/update_batch.py ``UpdateBatch`` (input_ids, attention_mask [B, P + R]; response_mask,
 old_logp [B, R]; rewards [B]; optionally advantages, rollout_is_weights [B, R] and the mini-batch's

@@ -25,10 +25,10 @@ class UpdateBatch:
     attention_mask      [B, L] int32    1 on real tokens (prompt and response)
     response_mask       [B, R] float32  1 on the response tokens the loss sees (with the rollout
                                         correction: its rejection mask)
-    old_logp            [B, R] float32  log pi_old of the response tokens (training/old_policy.py; bypass
+    old_logp            [B, R] float32  log pi_old of the response tokens (training/learner/old_policy.py; bypass
                                         mode: the sampler's)
     rewards             [B] float32     verifiable rewards; None until the rows are scored
-    advantages          [B, R] float32  objective "ppo": GAE's whitened advantages (training/critic_step.py)
+    advantages          [B, R] float32  objective "ppo": GAE's whitened advantages (training/learner/critic_step.py)
     rollout_is_weights  [B, R] float32  the rollout correction's weights (rl/rollout_correction.py)
     packing             the update's packing plan (``train.packing``): the batch then runs as its
                         packed passes (``rl.packing.accumulate_passes``), not as micro-batches
@@ -46,7 +46,7 @@ class UpdateBatch:
 
 @struct.dataclass
 class CriticBatch:
-    """PPO's critic update batch (rl/critic.py reads it; training/critic_step.py makes it from the
+    """PPO's critic update batch (rl/critic.py reads it; training/learner/critic_step.py makes it from the
     update batch and the values pass).
 
     input_ids, attention_mask  [B, L] int32    the update batch's
@@ -67,7 +67,7 @@ class CriticBatch:
 
 @struct.dataclass
 class SFTBatch:
-    """The supervised warm-start's batch (training/warmstart.py): prompts left-padded to P tokens,
+    """The supervised warm-start's batch (training/learner/warmstart.py): prompts left-padded to P tokens,
     target responses right-padded to R.
 
     input_ids, attention_mask  [B, P + R] int32

@@ -24,9 +24,7 @@ def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_
     follow the devices' platform). model_overrides: QwenConfig fields to replace (e.g. the layers)."""
     from pacs_jax import models, sharding
     from pacs_jax.models.attention import resolve_impl
-    from pacs_jax.models.value import ValueModel
-    from pacs_jax.sharding import abstract_optimizer_state
-    from pacs_jax.training.critic_step import CriticState, critic_optimizer
+    from pacs_jax.training.learner.critic_step import abstract_critic
     from pacs_jax.training.model_spec import model_config
     from pacs_jax.training.step_programs import StepPrograms
 
@@ -45,15 +43,10 @@ def abstract_step(spec, devices, *, log: Callable[[str], None] = print, **model_
             f"{resolve_impl(cfg.attention)}; mesh {dict(mesh.shape)} on {len(devices) - split} {devices[0].device_kind} "
             "devices" + (f", the rollout engine's {dict(engine.shape)} on {split} of their own" if split else ""))
         graphdef, params = models.abstract_model(cfg)
-        critic = None
-        if spec.critic is not None:  # as PPOCritic.from_spec builds it, on abstract state
-            critic_graphdef, critic_params = models.abstract_model(cfg, cls=ValueModel)
-            optimizer = critic_optimizer(spec.critic)
-            critic = CriticState(critic_graphdef, (critic_params, abstract_optimizer_state(optimizer, critic_params)),
-                                 optimizer)
         eos = cfg.eos_token_id
         stop_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-        yield StepPrograms(spec, graphdef, params, stop_ids, critic=critic, rollout_mesh=engine)
+        yield StepPrograms(spec, graphdef, params, stop_ids, mesh=mesh, critic=abstract_critic(spec, cfg),
+                           rollout_mesh=engine)
 
 
 def slice_devices(spec, topology: str, say: Callable[[str], None], *, tool: str):

@@ -4,15 +4,15 @@
                                            training/step_programs.py, training/memory_check.py
     for step in steps:
         prompts -> rollout (sample n each, reward, pi_old)                    training/rollout.py
-        -> PPO only: the critic's values, GAE advantages, the critic's update   training/critic_step.py
-        -> `train.mini_batches` optimizer steps on mini-batches of whole groups  training/update_step.py
+        -> PPO only: the critic's values, GAE advantages, the critic's update   training/learner/critic_step.py
+        -> `train.mini_batches` optimizer steps on mini-batches of whole groups  training/learner/update_step.py
         -> metrics; checkpoint every k steps and on SIGTERM / SIGINT          checkpoints.py, training/signals.py
 
 The randomness of step s is ``fold_in(key(seed), s)``, and the prompt iterator's state is saved with
 every checkpoint, so a restarted run repeats exactly what an uninterrupted one would have done (with
 carry-over, the state holds the rows in flight too, read from the device only for a checkpoint that is
 written, and a resume puts them back into the engine with their K/V recomputed in its first step's phase
-"resume": training/carry_over.py).
+"resume": training/engine/carry_over.py).
 A step's phases write progress lines and are where a stop signal ends an unfinished step
 (training/progress.py): one process drops the step under way if the signal comes before its update
 begins (the previous step's checkpoint is written if it was not; a resume runs the step again with
@@ -37,21 +37,22 @@ from etils import epath
 from flax import nnx
 
 from pacs_jax import distributed
-from pacs_jax.models import Qwen
-from pacs_jax.rewards import RewardPool
 from pacs_jax.checkpoints import TrainCheckpointer
+from pacs_jax.models import Qwen
 from pacs_jax.models import kernels
+from pacs_jax.rewards import RewardPool
 from pacs_jax.training import memory_check
-from pacs_jax.training.carry_over import CarryOverRollouts
 from pacs_jax.training.compilations import compilations, start_counting, uncounted
-from pacs_jax.training.critic_step import PPOCritic
+from pacs_jax.training.engine.carry_over import CarryOverRollouts
+from pacs_jax.training.learner.critic_step import PPOCritic, critic_step
+from pacs_jax.training.learner.train_state import CriticTrainState, TrainState, restore_latest, save
 from pacs_jax.training.metrics import MetricsLogger
-from pacs_jax.training.one_step_off import OneStepOff
 from pacs_jax.training.option_lines import step_line
-from pacs_jax.training.progress import Position, StepInterrupted, StepWatch, dispatches_done
-from pacs_jax.training.prompt_batch import PromptBatch
-from pacs_jax.training.rollout import RolloutCollector
-from pacs_jax.training.signals import stop_signals
+from pacs_jax.training.progress import StepInterrupted, StepWatch, dispatches_done
+from pacs_jax.training.records import PromptBatch
+from pacs_jax.training.records import Rollout
+from pacs_jax.training.rollout import OneStepOff, RolloutCollector, carry_over_source
+from pacs_jax.training.signals import finished_line, stop_signals
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 
@@ -81,7 +82,7 @@ class TrainResult:
     programs: StepPrograms
     collector: RolloutCollector
     opt_state: object
-    critic: PPOCritic | None  # objective "ppo" only
+    critic: CriticTrainState | None  # objective "ppo" only
     earlier_history: list[dict] = dataclasses.field(default_factory=list)
     dropped_step: int | None = None
 
@@ -129,194 +130,234 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
               reward_pool: RewardPool, on_step: Callable[[int, Qwen, dict], None] | None,
               programs: StepPrograms | None, keep_first_step: bool, on_start: Callable[[], None] | None
               ) -> TrainResult:
-    workdir = epath.Path(workdir)
-    tc = spec.train
-    graphdef, params = nnx.split(model)
-    programs = programs or StepPrograms(spec, graphdef, params, stop_token_ids)
-    carry = None
-    if programs.sampler.carry_over is not None:  # the engine keeps responses in flight between steps
-        programs.sampler.carry_over.reset()
-        prompts = carry = CarryOverRollouts(prompts, programs.sampler.carry_over, tc.prompts_per_step)
-    critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None
-    if critic is not None:  # a copy of the actor as RL starts (after the warm-start)
-        programs.add_critic(critic.spec())
-    opt_state = programs.learner.init_optimizer(params)
-
-    checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
-                                     keep=tc.keep_checkpoints, with_critic=critic is not None)
-    primary = jax.process_index() == 0
-    # the newest intact step, restored straight into those shardings, whatever the process count that wrote it
-    restored = checkpointer.restore_latest(params, opt_state, None if critic is None else (critic.params, critic.opt_state),
-                                           warn=lambda line: print(line, flush=True) if primary else None)
-    start = saved = 0  # saved: the newest step with a checkpoint
-    if restored is not None:
-        start, params, opt_state = restored.step, restored.params, restored.opt_state
-        saved = start
-        if critic is not None:
-            critic.params, critic.opt_state = restored.critic
-        prompts.set_state(restored.meta["data_state"])
-        if primary:
-            print(f"resumed from step {start} (checkpoint {checkpointer.directory / str(start)}); "
-                  + (f"training steps {start + 1} to {tc.steps}" if start < tc.steps else
-                     f"all {tc.steps} steps of train.steps are trained"), flush=True)
-    start_counting()
-    logger = MetricsLogger(workdir, tc.steps, start)
-    history: list[dict] = []
-    base_key = jax.random.key(spec.seed)
-    stopped = False
-    single_process = jax.process_count() == 1
-    collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
-    rc = spec.rollout
-    write = logger.write if primary else lambda line: None
-    watch = StepWatch(write, tc.progress_seconds, stop_requested=signals.safe_point, lockstep=not single_process)
-    signals.where = watch.position  # where a signal came (step 0's start before step 1: the compilation's too)
-    if tc.precompile and start < tc.steps:  # every program of every bucket: no step compiles, and a step that
-        if primary:                         # cannot fit stops here
-            print(f"compiling every program of a step, for every bucket, before step {start + 1} (train.precompile; "
-                  "minutes on a large model)", flush=True)
-        # a signal while compiling exits there, unless a warm-start of this session waits for step 1's checkpoint
-        compiling = (contextlib.nullcontext() if keep_first_step else
-                     signals.immediate(f"the compilation before step {start + 1}, which a restart runs again (no "
-                                       f"step of this session had started)"))
-        with compiling:
-            memory_check.check_fits(programs.compile(), memory_check.device_memory_limit())
-        if primary:  # what the programs chose, once (models/kernels.py)
-            print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+    run = _Run.begin(spec, epath.Path(workdir), model, prompts, signals, decode=decode, stop_token_ids=stop_token_ids,
+                     reward_pool=reward_pool, programs=programs, keep_first_step=keep_first_step)
+    _compile_before_step_1(run)
     if on_start is not None:
         on_start()
-    # one step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
-    # with its copy of the weights step s started from, while the learner trains step s (training/weight_sync.py)
-    ahead = OneStepOff(programs, collector, prompts, StepWatch(write, tc.progress_seconds,
-                                                               stop_requested=signals.safe_point,
-                                                               lockstep=not single_process)) if tc.off_policy_steps else None
-    if ahead is not None and start and primary and start < tc.steps:
-        print(f"one step off: step {start + 1}'s rows are sampled with the weights it starts from (a checkpoint keeps "
-              f"no copy of the ones before them), the steps after it with their previous step's", flush=True)
-    step = start
-    for step in range(start + 1, tc.steps + 1):
-        if primary and step == start + 1:  # a long first step says what it is doing
+    run.schedule_one_step_off()
+    step = run.start
+    for step in range(run.start + 1, spec.train.steps + 1):
+        run.say_first_step(step)
+        t_step = time.perf_counter()
+        run.watch.start_step(step, stoppable=not (keep_first_step and step == run.start + 1))
+        # before the step's batch: a checkpoint of step - 1 holds it, written here only if a stop drops the step
+        data_state = _state_before_batch(run.prompts, run.carry, run.ahead, step)
+        # the update donates the train state: a stop may abandon it only when the last finished step's
+        # checkpoint is on disk, else the step runs to its end
+        previous_unsaved = run.saved != step - 1
+        try:
+            rollout, critic_metrics, per_minibatch, t_update = _rollout_and_update(run, step, previous_unsaved)
+        except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
+            _drop_step(interrupted, signals.requested, run.saved, run.checkpointer, run.logger, run.state,
+                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()})
+            return run.finish(step - 1, stopped=True, dropped_step=step)
+        update_metrics = _mean_metrics(per_minibatch)
+        time_update = time.perf_counter() - t_update
+        run.watch.done()
+        metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
+                   "time_step": time.perf_counter() - t_step,
+                   "lr": float(run.programs.learner.lr_schedule(step * spec.train.mini_batches)),
+                   "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
+                   "compilations": float(compilations())}
+        run.history.append({"step": step, **metrics})
+        run.logger.log(step, metrics)
+        options = step_line(spec, metrics)  # what carry-over, dynamic sampling, one step off, a correction did
+        if options is not None:
+            run.logger.write(f"step {step}: {options}")
+        if _checkpoint_and_stop(run, step, metrics, on_step, previous_unsaved):
+            return run.finish(step, stopped=True)
+    stopped = False
+    if run.single_process and signals.requested is not None:  # no step was under way
+        run.logger.write(f"{signals.requested}: no step left to run; exiting (the checkpoint of step {step} is the "
+                         "latest)")
+        stopped = True
+    return run.finish(step, stopped)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a call of ``rl_train`` holds from its start to its end: the step's programs and the schedule's
+    parts (the prompt source, carry-over's, one step off's, the collector), the train state and where its
+    checkpoints are, the metrics' logger and history, the steps' watch and the stop signals."""
+
+    spec: RunSpec
+    graphdef: nnx.GraphDef
+    programs: StepPrograms
+    prompts: PromptSource
+    carry: CarryOverRollouts | None
+    collector: RolloutCollector
+    state: TrainState
+    checkpointer: TrainCheckpointer
+    logger: MetricsLogger
+    watch: StepWatch
+    signals: object
+    start: int  # the step restored (0: none)
+    saved: int  # the newest step with a checkpoint
+    keep_first_step: bool
+    history: list[dict] = dataclasses.field(default_factory=list)
+    ahead: OneStepOff | None = None
+    primary: bool = dataclasses.field(default_factory=lambda: jax.process_index() == 0)
+    single_process: bool = dataclasses.field(default_factory=lambda: jax.process_count() == 1)
+
+    @classmethod
+    def begin(cls, spec: RunSpec, workdir: epath.Path, model: Qwen, prompts: PromptSource, signals, *,
+              decode: Callable[[Sequence[int]], str], stop_token_ids: Sequence[int], reward_pool: RewardPool,
+              programs: StepPrograms | None, keep_first_step: bool) -> _Run:
+        """The run's programs (``programs``, or made here), its train state (the newest intact checkpoint's,
+        restored straight into the programs' shardings whatever the process count that wrote it, and the
+        prompt source's state with it), its metrics' logger and its steps' watch."""
+        tc = spec.train
+        graphdef, params = nnx.split(model)
+        critic = PPOCritic.from_spec(spec, model) if spec.critic is not None else None  # the actor's copy as RL starts
+        programs = programs or StepPrograms(spec, graphdef, params, stop_token_ids, critic=critic and critic.spec())
+        carry = carry_over_source(programs, prompts, tc.prompts_per_step)  # the engine keeps rows in flight
+        prompts = carry if carry is not None else prompts
+        state = TrainState(params, programs.learner.init_optimizer(params), critic and critic.state())
+        checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
+                                         keep=tc.keep_checkpoints, with_critic=critic is not None)
+        primary = jax.process_index() == 0
+        restored = restore_latest(checkpointer, state, warn=lambda line: print(line, flush=True) if primary else None)
+        start = 0
+        if restored is not None:
+            start, state = restored.step, restored.state
+            prompts.set_state(restored.meta["data_state"])
+            if primary:
+                print(f"resumed from step {start} (checkpoint {checkpointer.directory / str(start)}); "
+                      + (f"training steps {start + 1} to {tc.steps}" if start < tc.steps else
+                         f"all {tc.steps} steps of train.steps are trained"), flush=True)
+        start_counting()
+        logger = MetricsLogger(workdir, tc.steps, start)
+        collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
+        run = cls(spec, graphdef, programs, prompts, carry, collector, state, checkpointer, logger, None, signals,
+                  start, start, keep_first_step)
+        run.watch = run.new_watch()
+        signals.where = run.watch.position  # where a signal came (step 0's start before step 1: the compilation's too)
+        return run
+
+    def write(self, line: str) -> None:
+        """A line of the run's log (process 0's)."""
+        if self.primary:
+            self.logger.write(line)
+
+    def new_watch(self) -> StepWatch:
+        return StepWatch(self.write, self.spec.train.progress_seconds, stop_requested=self.signals.safe_point,
+                         lockstep=not self.single_process)
+
+    def schedule_one_step_off(self) -> None:
+        """One step off (train.off_policy_steps=1): the rows of step s + 1 are sampled and scored by the engine,
+        with its copy of the weights step s started from, while the learner trains step s
+        (training/engine/weight_sync.py); the sampling ahead has a watch of its own."""
+        tc = self.spec.train
+        if not tc.off_policy_steps:
+            return
+        self.ahead = OneStepOff(self.programs, self.collector, self.prompts, self.new_watch())
+        if self.start and self.primary and self.start < tc.steps:
+            print(f"one step off: step {self.start + 1}'s rows are sampled with the weights it starts from (a "
+                  "checkpoint keeps no copy of the ones before them), the steps after it with their previous "
+                  "step's", flush=True)
+
+    def say_first_step(self, step: int) -> None:
+        """A long first step says what it is doing."""
+        tc, rc = self.spec.train, self.spec.rollout
+        if self.primary and step == self.start + 1:
             print(f"step {step}: sampling {tc.prompts_per_step} prompts x {rc.n} responses of up to "
                   f"{rc.max_new_tokens} tokens, scoring them, then the update; the progress bar moves at each "
                   f"step's end, a phase longer than {tc.progress_seconds:g} s prints a line that often "
                   "(train.progress_seconds)", flush=True)
-        t_step = time.perf_counter()
-        watch.start_step(step, stoppable=not (keep_first_step and step == start + 1))
-        # before the step's batch: a checkpoint of step - 1 holds it, written here only if a stop drops the step
-        data_state = _state_before_batch(prompts, carry, ahead, step)
-        key = jax.random.fold_in(base_key, step)
-        try:
-            if carry is not None and step == start + 1:  # a checkpoint's rows in flight back into the engine
-                carry.resume(params, start, watch)
-            if ahead is None:
-                rollout = collector(params, prompts.next_batch, key, watch, step)
-            else:
-                rollout = ahead.rollout(params, key, watch, step)
-            # the update donates params and opt_state (and PPO's critic state): a stop may abandon it only
-            # when the last finished step's checkpoint is on disk, else the step runs to its end
-            previous_unsaved = saved != step - 1
-            watch.start("update", last_boundary=previous_unsaved)
-            t0 = time.perf_counter()
-            batch, critic_metrics = rollout.batch, {}
-            if critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
-                batch, per_minibatch = critic.step(programs.learner.critic, batch, rollout.packing)
-                watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
-                critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
-                t0 = time.perf_counter()
-            params, opt_state, per_minibatch = programs.learner.update(params, opt_state, batch)
-            if ahead is not None and step < tc.steps:  # step + 1's rows, while the update runs
-                ahead.sample(jax.random.fold_in(base_key, step + 1), step + 1)
-            watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
-        except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
-            _drop_step(interrupted, signals.requested, saved, checkpointer, logger, params, opt_state,
-                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()},
-                       None if critic is None else (critic.params, critic.opt_state))
-            checkpointer.close()
-            logger.close()
-            return TrainResult(nnx.merge(graphdef, params), history, True, step - 1, programs, collector, opt_state,
-                               critic, earlier_history=logger.earlier, dropped_step=step)
-        update_metrics = _mean_metrics(per_minibatch)
-        time_update = time.perf_counter() - t0
-        watch.done()
-        wall = time.perf_counter() - t_step
-        metrics = {**rollout.metrics, **critic_metrics, **update_metrics, "time_update": time_update,
-                   "time_step": wall,
-                   "lr": float(programs.learner.lr_schedule(step * tc.mini_batches)),
-                   "tokens_per_second": rollout.metrics["generated_tokens"] / max(rollout.metrics["time_sample"], 1e-9),
-                   "compilations": float(compilations())}
-        history.append({"step": step, **metrics})
-        logger.log(step, metrics)
-        options = step_line(spec, metrics)  # what carry-over, dynamic sampling, one step off, a correction did
-        if options is not None:
-            logger.write(f"step {step}: {options}")
-        # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
-        meta = lambda: {"step": step, "seed": spec.seed,
-                        "data_state": prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
-        critic_state = None if critic is None else (critic.params, critic.opt_state)
-        preempted = signals.safe_point()  # several processes: the same step on every one
-        preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
-        if _save(checkpointer, step, params, opt_state, meta, force=preempted or step == tc.steps, critic=critic_state):
-            saved = step
-        if on_step is not None:
-            on_step(step, nnx.merge(graphdef, params), metrics)
-        if single_process and not preempted and signals.requested is not None:  # arrived during on_step
-            _save(checkpointer, step, params, opt_state, meta, force=True, critic=critic_state)
-            preempted = True
-        if preempted:
-            if single_process:
-                line = _finished_line(signals.requested, signals.requested_where, step,
-                                      keeps_warm_start=keep_first_step and step == start + 1,
-                                      previous_unsaved=previous_unsaved,
-                                      ahead_dropped=ahead is not None and ahead.interrupted)
-            else:
-                line = f"preemption (at the same step on every process): checkpoint of step {step} written, exiting"
-            logger.write(line)
-            if not primary:  # every host's log says where it stopped (the logger writes on process 0 only)
-                print(f"process {jax.process_index()}: {line}", flush=True)
-            stopped = True
-            break
-    if single_process and not stopped and signals.requested is not None:  # no step was under way
-        logger.write(f"{signals.requested}: no step left to run; exiting (the checkpoint of step {step} is the latest)")
-        stopped = True
-    checkpointer.close()
-    logger.close()
-    return TrainResult(nnx.merge(graphdef, params), history, stopped, step, programs, collector, opt_state, critic,
-                       earlier_history=logger.earlier)
+
+    def finish(self, step: int, stopped: bool, dropped_step: int | None = None) -> TrainResult:
+        """Close the checkpointer and the logger: the call's result, at ``step``."""
+        self.checkpointer.close()
+        self.logger.close()
+        return TrainResult(nnx.merge(self.graphdef, self.state.params), self.history, stopped, step, self.programs,
+                           self.collector, self.state.opt_state, self.state.critic,
+                           earlier_history=self.logger.earlier, dropped_step=dropped_step)
 
 
-def _finished_line(signal_name: str, where: Position | None, step: int, *, keeps_warm_start: bool,
-                   previous_unsaved: bool, ahead_dropped: bool) -> str:
-    """The line of a stop signal that let step ``step`` finish and wrote its checkpoint: where it came
-    (``where``: the loop's position then, ``StepWatch.position``; one of a step before ``step``, or step 0's
-    before the first, when it came before this step began, as in the compilation before it; None: not
-    known) and why the step was finished rather than dropped, from what the loop knows: it keeps this
-    session's warm-start (``keeps_warm_start``), or its update had begun with no checkpoint of step - 1 on
-    disk (``previous_unsaved``: the update could not be abandoned), or else its update was done by the time
-    the signal was acted on (it came as the update ended, or while step + 1 was sampled ahead: the
-    update's last stop point found it done); nothing to say when it came after the update.
-    ``ahead_dropped``: one step off's rows of step + 1, sampled ahead, were dropped (a resume samples them
-    again); a signal in step ``step``'s update then came while they were sampled."""
-    if where is None:
-        during = ""
-    elif ahead_dropped and where == (step, "update", False):
-        during = f" while step {step + 1}'s rows were sampled ahead, during step {step}'s update"
+def _compile_before_step_1(run: _Run) -> None:
+    """train.precompile: every program of every bucket compiled, so that no step compiles, and XLA's memory
+    of each checked, so that a step that cannot fit stops here."""
+    tc = run.spec.train
+    if not tc.precompile or run.start >= tc.steps:
+        return
+    if run.primary:
+        print(f"compiling every program of a step, for every bucket, before step {run.start + 1} (train.precompile; "
+              "minutes on a large model)", flush=True)
+    # a signal while compiling exits there, unless a warm-start of this session waits for step 1's checkpoint
+    compiling = (contextlib.nullcontext() if run.keep_first_step else
+                 run.signals.immediate(f"the compilation before step {run.start + 1}, which a restart runs again (no "
+                                       f"step of this session had started)"))
+    with compiling:
+        memory_check.check_fits(run.programs.compile(), memory_check.device_memory_limit())
+    if run.primary:  # what the programs chose, once (models/kernels.py)
+        print("kernels: " + "; ".join(map(str, kernels.chosen())), flush=True)
+
+
+def _rollout_and_update(run: _Run, step: int, previous_unsaved: bool) -> tuple[Rollout, dict, list[dict], float]:
+    """Step ``step``'s rollout (synchronous, or one step off's), then PPO's critic step and the actor's update
+    (dispatched; ``run.state`` their results; one step off samples step + 1's rows meanwhile), waited for:
+    (the rollout, the critic's metrics, the update's per mini-batch, when the actor's update began)."""
+    key = jax.random.fold_in(jax.random.key(run.spec.seed), step)
+    watch, learner = run.watch, run.programs.learner
+    if run.carry is not None and step == run.start + 1:  # a checkpoint's rows in flight back into the engine
+        run.carry.resume(run.state.params, run.start, watch)
+    if run.ahead is None:
+        rollout = run.collector(run.state.params, run.prompts.next_batch, key, watch, step)
     else:
-        during = f" during {where}" if where.step == step else f" before step {step} began"
-    if where == (step, "update", True):
-        why = ""
-    elif keeps_warm_start:
-        why = " rather than dropped: it keeps this session's warm-start, which has no checkpoint of its own"
-    elif previous_unsaved:
-        why = f" rather than dropped: its update had begun, and step {step - 1} has no checkpoint to go back to"
+        rollout = run.ahead.rollout(run.state.params, key, watch, step)
+    watch.start("update", last_boundary=previous_unsaved)
+    t0 = time.perf_counter()
+    batch, critic_metrics = rollout.batch, {}
+    if run.state.critic is not None:  # PPO: the critic's values and update; the actor's batch gains advantages
+        critic_state, batch, per_minibatch = critic_step(learner.critic, run.state.critic, batch, rollout.packing)
+        run.state = run.state.replace(critic=critic_state)
+        watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the critic's update"))
+        critic_metrics = {**_mean_metrics(per_minibatch), "time_critic": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+    params, opt_state, per_minibatch = learner.update(run.state.params, run.state.opt_state, batch)
+    run.state = run.state.replace(params=params, opt_state=opt_state)
+    if run.ahead is not None and step < run.spec.train.steps:  # step + 1's rows, while the update runs
+        run.ahead.sample(jax.random.fold_in(jax.random.key(run.spec.seed), step + 1), step + 1)
+    watch.wait(per_minibatch, lambda: dispatches_done(per_minibatch, "mini-batches of the update"))
+    return rollout, critic_metrics, per_minibatch, t0
+
+
+def _checkpoint_and_stop(run: _Run, step: int, metrics: dict, on_step: Callable[[int, Qwen, dict], None] | None,
+                         previous_unsaved: bool) -> bool:
+    """After step ``step``: its checkpoint (every ``train.checkpoint_every`` steps, at the last, and when a stop
+    signal came), then ``on_step``; whether a stop signal ends the run here (its line written)."""
+    signals, ahead, tc = run.signals, run.ahead, run.spec.train
+    # made only when a checkpoint is written (carry-over's reads the rows in flight from the device)
+    meta = lambda: {"step": step, "seed": run.spec.seed,  # noqa: E731
+                    "data_state": run.prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
+    preempted = signals.safe_point()  # several processes: the same step on every one
+    preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
+    if _save(run.checkpointer, step, run.state, meta, force=preempted or step == tc.steps):
+        run.saved = step
+    if on_step is not None:
+        on_step(step, nnx.merge(run.graphdef, run.state.params), metrics)
+    if run.single_process and not preempted and signals.requested is not None:  # arrived during on_step
+        _save(run.checkpointer, step, run.state, meta, force=True)
+        preempted = True
+    if not preempted:
+        return False
+    if run.single_process:
+        line = finished_line(signals.requested, signals.requested_where, step,
+                              keeps_warm_start=run.keep_first_step and step == run.start + 1,
+                              previous_unsaved=previous_unsaved, ahead_dropped=ahead is not None and ahead.interrupted)
     else:
-        why = " rather than dropped: its update was done by the time the signal was acted on"
-    ahead = f"; step {step + 1}'s rows sampled ahead dropped (a resume samples them again)" if ahead_dropped else ""
-    return f"{signal_name}{during}: step {step} finished{why}{ahead}; checkpoint of step {step} written, exiting"
+        line = f"preemption (at the same step on every process): checkpoint of step {step} written, exiting"
+    run.logger.write(line)
+    if not run.primary:  # every host's log says where it stopped (the logger writes on process 0 only)
+        print(f"process {jax.process_index()}: {line}", flush=True)
+    return True
 
 
-def _save(checkpointer: TrainCheckpointer, *args, **kwargs) -> bool:
-    """``checkpointer.save``, its compilations (Orbax's own) not in the steps' ``compilations`` metric."""
+def _save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta, *, force: bool) -> bool:
+    """``train_state.save``, its compilations (Orbax's own) not in the steps' ``compilations`` metric."""
     with uncounted():
-        return checkpointer.save(*args, **kwargs)
+        return save(checkpointer, step, state, meta, force=force)
 
 
 def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, ahead: OneStepOff | None,
@@ -331,14 +372,14 @@ def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, 
 
 
 def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
-               logger: MetricsLogger, params, opt_state, meta: Callable[[], dict], critic_state) -> None:
+               logger: MetricsLogger, state: TrainState, meta: Callable[[], dict]) -> None:
     """A stop signal ended step S before its update (or in it, when step S - 1's checkpoint is on disk:
     then nothing is written, the update's donated state is abandoned): write the checkpoint of step
-    S - 1 (``params``, ``opt_state``, ``meta()`` and PPO's ``critic_state`` are still its) unless it has
-    one (``saved``) or is step 0, and say what a resume does."""
+    S - 1 (``state`` and ``meta()`` are still its) unless it has one (``saved``) or is step 0, and say what
+    a resume does."""
     last = interrupted.step - 1
     if last > saved:
-        _save(checkpointer, last, params, opt_state, meta, force=True, critic=critic_state)
+        _save(checkpointer, last, state, meta, force=True)
         kept = f"checkpoint of step {last} written"
     else:
         kept = (f"the checkpoint of step {last} is the latest" if last else

@@ -12,7 +12,7 @@ staleness, prompts dropped as stale), dynamic sampling (``algorithm.filter_group
 its limit, the groups with spread, the sampling's seconds; the step that reaches the limit says so), one
 step off (``train.off_policy_steps``: the device split at the start, each step's lag) and the rollout
 correction (``algorithm.rollout_correction``: the IS weights' mean, min and max and the share truncated or
-masked, the share rejected; training/rollout_correction_step.py's ``rollout_corr/`` metrics; bypass mode's
+masked, the share rejected; training/learner/rollout_correction_step.py's ``rollout_corr/`` metrics; bypass mode's
 KL(sampler || learner), from the update's).
 """
 

@@ -3,7 +3,7 @@ stop signal ends an unfinished step (docs/design.md section 3.7).
 
 A step's phases (training/loop.py, training/rollout.py): with carry-over, a resumed session's first
 step begins with ``resume`` (the rows in flight put back into the engine, their K/V recomputed:
-training/carry_over.py), then ``sampling`` (the sampler's
+training/engine/carry_over.py), then ``sampling`` (the sampler's
 ``rollout.micro_batches`` calls, each a program per chunk of decode steps: rows done and tokens so far
 are read between two), ``reward`` (decoding and scoring, while the device computes pi_old),
 ``pi_old`` (waiting for it) and ``update`` (PPO's critic update with it). ``StepWatch``:

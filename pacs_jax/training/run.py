@@ -6,7 +6,7 @@
        each malformed row that data.allow_skips skipped named in the log and in workdir/skipped_rows.txt
     -> supervised warm-start (warmstart.steps > 0) on the problems data.warmstart_problems sets aside
        from RL (0: on RL's problems), stopped early at a greedy accuracy on RL's first prompts
-       (warmstart.target_accuracy)                                              training/warmstart.py
+       (warmstart.target_accuracy)                                              training/learner/warmstart.py
     -> evaluation before RL (eval.before_rl, with the final settings)
     -> RL (training/loop.py rl_train), evaluated every eval.periodic.every steps
     -> final evaluation (eval.final settings) -> HF export (with the run's tokenizer files), summary.json,
@@ -18,7 +18,7 @@ A restarted run resumes RL from its checkpoints; the warm-start and the evaluati
 run again (their results are kept in workdir/warmstart.json). Evaluation outputs go to
 workdir/eval/<name>/ (before_rl, step_<k>, final, final_greedy).
 
-Around all of it (docs/design.md section 3.7): the workdir lock (training/workdir.py), the resume
+Around all of it (docs/design.md section 3.7): the workdir lock (training/workdir_lock.py), the resume
 check, made before anything is written (a checkpoint of other model shapes, model.path, objective,
 critic, gradient clipping or carry-over, or ``train.steps`` below the checkpoint's step, is refused naming
 the fields; so is a workdir/hf_export holding files the export at the end would delete, naming them),
@@ -53,19 +53,22 @@ from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
 from pacs_jax.models.hf_weights import NotAnExportError, no_tokenizer_line
 from pacs_jax.rewards import RewardPool, reward_for
-from pacs_jax.training.model_spec import model_config, run_options
+from pacs_jax.training import run_summary
 from pacs_jax.training.curves import plot_curves
+from pacs_jax.training.learner.critic_step import abstract_critic
+from pacs_jax.training.learner.warmstart import WarmStartResult, warm_start
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.metrics import EvalScalars
+from pacs_jax.training.model_spec import model_config, run_options
 from pacs_jax.training.option_lines import options_line
 from pacs_jax.training.progress import planned_step_warning
-from pacs_jax.training.prompt_batch import PromptBatch
+from pacs_jax.training.records import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.spec import ConfigError, EvalSpec, RunSpec
-from pacs_jax.training.step_programs import StepPrograms
-from pacs_jax.training.warmstart import WarmStartResult, warm_start
-from pacs_jax.training.workdir import (EXPORT_FOLDER, SessionClock, WorkdirLock, agree, check_export_folder,
-                                       check_resume, finished_summary, write_config)
+from pacs_jax.training.step_programs import StepPrograms, placed_on
+from pacs_jax.training.workdir import (EXPORT_FOLDER, SessionClock, check_export_folder, check_resume,
+                                       finished_summary, write_config)
+from pacs_jax.training.workdir_lock import WorkdirLock, agree
 
 HELD_OUT = "held_out"  # the evaluation set of the problems data.held_out_problems sets aside
 SKIPPED_ROWS_FILE = "skipped_rows.txt"  # the malformed rows data.allow_skips skipped, "FILE:LINE: why" a line
@@ -126,19 +129,6 @@ def eval_sets(spec: RunSpec, held_out: list[data.Problem]) -> list[evaluation.Ev
         problems = problems[:ec.max_problems] if ec.max_problems > 0 else problems
         sets.append(evaluation.EvalSet(HELD_OUT, problems, reward_for(rw.name, rw.mode)))
     return sets
-
-
-def _mean_reward(set_metrics: dict[str, float]) -> tuple[str, float]:
-    """A set's mean sample reward: ("mean@N", value), N its own samples per problem."""
-    key = next(k for k in set_metrics if k.startswith("mean@"))
-    return key, set_metrics[key]
-
-
-def _accuracy(metrics: dict[str, dict[str, float]]) -> float | None:
-    """Mean over the evaluated sets of their mean sample reward (mean@N, each set's own N), or None
-    without sets."""
-    values = [_mean_reward(m)[1] for m in metrics.values()]
-    return sum(values) / len(values) if values else None
 
 
 def _with_local_model(spec: RunSpec, say) -> RunSpec:
@@ -241,9 +231,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     sets = eval_sets(spec, held_out)
     stop_ids = evaluation.default_stop_ids(model, tokenizer)
     # every program of the run's steps; the engine's on a mesh of its own with mesh.rollout_devices
-    programs = StepPrograms(spec, *nnx.split(model), stop_ids,
-                            rollout_mesh=sharding.rollout_mesh(dataclasses.asdict(spec.mesh),
-                                                              sharding.current_mesh().shape["tensor"]))
+    graphdef, params = nnx.split(model)
+    mesh = placed_on(params)
+    programs = StepPrograms(spec, graphdef, params, stop_ids, mesh=mesh, critic=abstract_critic(spec, model.cfg),
+                            rollout_mesh=sharding.rollout_mesh(dataclasses.asdict(spec.mesh), mesh.shape["tensor"]))
     reward_name = reward_for(spec.reward.name, spec.reward.mode)
 
     def evaluate(name: str, step: int, current: models.Qwen, pool: RewardPool, n: int, temperature: float,
@@ -258,8 +249,9 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
         if primary:
             evaluation.write_outputs(workdir / "eval" / name, rows, metrics)
             board.write(_board_tag(name), step, metrics)
-            means = ", ".join(f"{s} {'%s %.3f' % _mean_reward(m)}" for s, m in sorted(metrics.items()))
-            print(f"eval {name}: accuracy {_accuracy(metrics):.3f} (mean sample reward at T={temperature}: {means})",
+            means = ", ".join(f"{s} {'%s %.3f' % run_summary.mean_reward(m)}" for s, m in sorted(metrics.items()))
+            print(f"eval {name}: accuracy {run_summary.accuracy(metrics):.3f} (mean sample reward at "
+                  f"T={temperature}: {means})",
                   flush=True)
         return metrics
 
@@ -327,7 +319,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     if tokenizer_dir is None:
         say(f"hf_export: {no_tokenizer_line(export, NO_HF_TOKENIZER)}")
     history = result.earlier_history + result.history  # every step of the run, earlier sessions' too
-    summary = _summary(ec, before, after, history, sets)
+    summary = run_summary.summary(before, after, history, _accuracy_metric(ec, sets))
     clock.update(force=True)
     summary.update(final_step=result.final_step, wall_seconds=clock.total_seconds,
                    wall_seconds_this_session=clock.session_seconds, sessions=len(clock.earlier) + 1,
@@ -335,9 +327,10 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     if primary:
         if history:
             evaluated = before.get("eval", {})
-            plot_curves(history, _per_set(evaluated.get("sampled", {})), _per_set(after.get("sampled", {})),
-                        workdir / "curves.png", _periodic_evals(workdir), algorithm=spec.algorithm,
-                        greedy=(_per_set(evaluated.get("greedy", {})), _per_set(after.get("greedy", {}))))
+            per_set = run_summary.per_set
+            plot_curves(history, per_set(evaluated.get("sampled", {})), per_set(after.get("sampled", {})),
+                        workdir / "curves.png", run_summary.periodic_evals(workdir), algorithm=spec.algorithm,
+                        greedy=(per_set(evaluated.get("greedy", {})), per_set(after.get("greedy", {}))))
         atomic_write_text(workdir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -373,21 +366,6 @@ def _board_tag(name: str) -> str:
     return "eval_final_greedy" if name.endswith("_greedy") else "eval_final"
 
 
-def _periodic_evals(workdir: epath.Path) -> dict[int, dict[str, dict[str, float]]]:
-    """{step: eval_metrics.json} of the periodic evaluations in workdir/eval/step_<k> (every session's)."""
-    out = {}
-    for folder in (workdir / "eval").glob("step_*") if (workdir / "eval").exists() else ():
-        metrics = folder / "eval_metrics.json"
-        if folder.name.removeprefix("step_").isdigit() and metrics.exists():
-            out[int(folder.name.removeprefix("step_"))] = json.loads(metrics.read_text())
-    return out
-
-
-def _per_set(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Each set's mean sample reward (mean@N at its own N)."""
-    return {name: _mean_reward(m)[1] for name, m in metrics.items()}
-
-
 def _accuracy_metric(ec: EvalSpec, sets: list[evaluation.EvalSet]) -> str:
     """What accuracy_{before,after}_rl are, set by set as evaluated: each set's samples per problem and
     temperature (eval.final, or the set's own in eval.final.per_set)."""
@@ -400,23 +378,3 @@ def _accuracy_metric(ec: EvalSpec, sets: list[evaluation.EvalSet]) -> str:
 
     return ("mean reward of the samples per problem, averaged over the eval sets ("
             + "; ".join(described(s) for s in sets) + ")")
-
-
-def _summary(ec: EvalSpec, before: dict, after: dict, history: list[dict],
-             sets: list[evaluation.EvalSet]) -> dict:
-    """accuracy_{before,after}_rl (mean over the eval sets of the mean sample reward at the final
-    settings), their greedy counterparts, every set's metrics, the warm-start and the RL time split."""
-    phases = ("time_sample", "time_reward", "time_old_logprob", "time_update")
-    evaluated = before.get("eval", {})
-    summary = {
-        "accuracy_before_rl": _accuracy(evaluated.get("sampled", {})),
-        "accuracy_after_rl": _accuracy(after.get("sampled", {})),
-        "greedy_accuracy_before_rl": _accuracy(evaluated.get("greedy", {})),
-        "greedy_accuracy_after_rl": _accuracy(after.get("greedy", {})),
-        "accuracy_metric": _accuracy_metric(ec, sets),
-        "eval_before_rl": evaluated,
-        "eval_after_rl": after,
-        "warmstart": before.get("warmstart"),
-        "rl_time_split_seconds": {p: float(sum(h[p] for h in history)) for p in phases} if history else {},
-    }
-    return summary

@@ -51,8 +51,12 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pacs_jax.errors import RESUME_NEEDED_STATUS
+
+if TYPE_CHECKING:
+    from pacs_jax.training.progress import Position
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 _active: StopSignals | None = None
@@ -214,3 +218,33 @@ def stop_signals(*, multiprocess: bool = False):
         return
     with StopSignals(multiprocess=multiprocess) as stop:
         yield stop
+
+
+def finished_line(signal_name: str, where: Position | None, step: int, *, keeps_warm_start: bool,
+                   previous_unsaved: bool, ahead_dropped: bool) -> str:
+    """The line of a stop signal that let step ``step`` finish and wrote its checkpoint: where it came
+    (``where``: the loop's position then, ``StepWatch.position``; one of a step before ``step``, or step 0's
+    before the first, when it came before this step began, as in the compilation before it; None: not
+    known) and why the step was finished rather than dropped, from what the loop knows: it keeps this
+    session's warm-start (``keeps_warm_start``), or its update had begun with no checkpoint of step - 1 on
+    disk (``previous_unsaved``: the update could not be abandoned), or else its update was done by the time
+    the signal was acted on (it came as the update ended, or while step + 1 was sampled ahead: the
+    update's last stop point found it done); nothing to say when it came after the update.
+    ``ahead_dropped``: one step off's rows of step + 1, sampled ahead, were dropped (a resume samples them
+    again); a signal in step ``step``'s update then came while they were sampled."""
+    if where is None:
+        during = ""
+    elif ahead_dropped and where == (step, "update", False):
+        during = f" while step {step + 1}'s rows were sampled ahead, during step {step}'s update"
+    else:
+        during = f" during {where}" if where.step == step else f" before step {step} began"
+    if where == (step, "update", True):
+        why = ""
+    elif keeps_warm_start:
+        why = " rather than dropped: it keeps this session's warm-start, which has no checkpoint of its own"
+    elif previous_unsaved:
+        why = f" rather than dropped: its update had begun, and step {step - 1} has no checkpoint to go back to"
+    else:
+        why = " rather than dropped: its update was done by the time the signal was acted on"
+    ahead = f"; step {step + 1}'s rows sampled ahead dropped (a resume samples them again)" if ahead_dropped else ""
+    return f"{signal_name}{during}: step {step} finished{why}{ahead}; checkpoint of step {step} written, exiting"

@@ -37,7 +37,9 @@ from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
 from pacs_jax.sampling.carry_over import queue_count
 from pacs_jax.sampling.settings import CARRY_OVER_ORDERS, SAMPLERS, row_pages
 from pacs_jax.sharding import mesh_shape
-from pacs_jax.training.optim import SCHEDULES
+from pacs_jax.training.passes import PassLayout, Passes
+
+SCHEDULES = ("constant", "cosine", "linear")  # optim.schedule (training/learner/optim.py)
 
 # The architecture fields of config.model that a model of the config's own needs (> 0).
 ARCHITECTURE_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -992,7 +994,7 @@ class RunSpec:
         actor, mode = self.algorithm.options, self.critic.loss_agg_mode
         return (actor["loss_agg_mode"] if mode == "actor" else mode), actor["norm_length"]
 
-    def packed_layouts(self, batch_shards: int, *, critic: bool) -> dict[str, dict]:
+    def packed_layouts(self, batch_shards: int, *, critic: bool) -> Passes[PassLayout]:
         """Each packed pass's layout (rl/packing.py ``plan_packing``'s arguments past the lengths and
         widths) on a mesh whose batch axes make ``batch_shards``: the pi_old pass (also PPO's values), the
         actor's update and, with ``critic``, PPO's critic update, each in passes of ``train.packed_rows`` rows a
@@ -1000,18 +1002,17 @@ class RunSpec:
         ``rl.packing.pass_slots`` passes a mini-batch."""
         tc, B, W, Lp = self.train, self.responses, self.row_width, self.packed_length
 
-        def layout(mini_batches: int, micro_batches: int, unit: int) -> dict:
+        def layout(mini_batches: int, micro_batches: int, unit: int) -> PassLayout:
             S = shards_for(B // mini_batches // micro_batches, batch_shards)
             rows = tc.packed_rows or pass_rows(B // (mini_batches * micro_batches * S), W, Lp, unit=unit, shards=S)
             if S * rows * (Lp // W) < unit:
                 raise ConfigError(f"config.train.packed_rows: {rows} rows a pass on each of {S} batch shards cannot "
                                   f"hold a prompt group's {unit} sequences of up to {W} tokens; set it to 0 or at "
                                   f"least {-(-unit // (S * (Lp // W)))}")
-            return dict(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
-                        passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
+            return PassLayout(mini_batches=mini_batches, unit=unit, shards=S, rows=rows,
+                              passes=pass_slots(B // mini_batches, W, Lp, unit=unit, shards=S, rows=rows))
 
-        layouts = {"logprob": layout(1, self.logprob_micro_batches, 1)}
-        if critic:
-            layouts["critic"] = layout(tc.mini_batches, tc.micro_batches, 1)
-        layouts["update"] = layout(tc.mini_batches, tc.micro_batches, self.rollout.n)
-        return layouts
+        logprob = layout(1, self.logprob_micro_batches, 1)
+        critic_layout = layout(tc.mini_batches, tc.micro_batches, 1) if critic else None
+        update = layout(tc.mini_batches, tc.micro_batches, self.rollout.n)
+        return Passes(logprob, update, critic_layout)

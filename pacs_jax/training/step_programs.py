@@ -1,11 +1,12 @@
 """Every program of a training step, made in one place from the run's spec (docs/design.md section 3.6),
-by role: the rollout engine's (training/sampler_programs.py: the sampler calls, the assembly, dynamic
-sampling's selection) and the learner's (training/learner_programs.py: pi_old, the rollout checks,
-the update, PPO's critic, the warm-start). The learner's are made on the mesh in context; the engine's
-on it too, or on a mesh of their own (``rollout_mesh``: one step off on split devices), where they
-sample from a copy of the weights that ``weight_sync`` (training/weight_sync.py) moves there.
+by role: the rollout engine's (training/engine/sampler_programs.py: the sampler calls, the assembly, dynamic
+sampling's selection) and the learner's (training/learner/learner_programs.py: pi_old, the rollout checks,
+the update, PPO's critic, the warm-start). The learner's are made on its mesh (that of the parameters,
+or ``mesh``); the engine's on it too, or on a mesh of their own (``rollout_mesh``: one step off on split
+devices), where they sample from a copy of the weights that ``weight_sync`` (training/engine/weight_sync.py)
+moves there.
 
-    programs = StepPrograms(spec, graphdef, params, stop_token_ids, critic=...)   # on the mesh in context
+    programs = StepPrograms(spec, graphdef, params, stop_token_ids, critic=...)   # PPO: the critic's abstract state
     opt_state = programs.learner.init_optimizer(params)
     programs.compile()          # before step 1: every bucket's programs; XLA's memory of each, checked
     programs.sampler.sample(...), programs.learner.pi_old(...), programs.learner.update(...)   # a step runs them
@@ -17,7 +18,6 @@ largest bucket's, and both read XLA's memory of each (training/memory_check.py).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from pacs_jax import console, sharding
+from pacs_jax import console
 from pacs_jax.training import memory_check
-from pacs_jax.training.critic_step import CriticState
-from pacs_jax.training.learner_programs import LearnerPrograms
+from pacs_jax.training.engine.sampler_programs import SamplerPrograms
+from pacs_jax.training.engine.weight_sync import WeightSync
+from pacs_jax.training.learner.critic_step import CriticState
+from pacs_jax.training.learner.learner_programs import LearnerPrograms
 from pacs_jax.training.program import Program
-from pacs_jax.training.sampler_programs import SamplerPrograms
 from pacs_jax.training.spec import RunSpec
-from pacs_jax.training.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from pacs_jax.sampling.engine import SamplerCompiled
@@ -42,37 +42,27 @@ if TYPE_CHECKING:
 
 class StepPrograms:
     """The programs of one training step of ``spec``: ``sampler`` (``SamplerPrograms``) and ``learner``
-    (``LearnerPrograms``), made on the mesh in context; ``rollout_mesh``: the engine's on that mesh
-    instead (``split``). One step off (``train.off_policy_steps=1``), the engine samples from a copy of
-    the weights that ``weight_sync`` makes on its mesh (None otherwise)."""
+    (``LearnerPrograms``), made on ``mesh`` (default: the mesh ``params`` are placed on); ``rollout_mesh``:
+    the engine's on that mesh instead (``split``). PPO: ``critic``, the critic's state (abstract will do:
+    ``critic_step.abstract_critic``). One step off (``train.off_policy_steps=1``), the engine samples from a
+    copy of the weights that ``weight_sync`` makes on its mesh (None otherwise)."""
 
     def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params,
-                 stop_token_ids: Sequence[int], *, critic: CriticState | None = None,
+                 stop_token_ids: Sequence[int], *, mesh: Mesh | None = None, critic: CriticState | None = None,
                  chunk_size: int | None = None, rollout_mesh: Mesh | None = None):
+        mesh = mesh or placed_on(params)
         self.spec, self.split = spec, rollout_mesh is not None
-        self.learner = LearnerPrograms(spec, graphdef, params, critic=critic, chunk_size=chunk_size)
-        self.weight_sync = (WeightSync(params, rollout_mesh or sharding.current_mesh(), spec.model.dtype)
-                            if spec.train.off_policy_steps else None)
-        with self.on_engine():
-            self.sampler = SamplerPrograms(spec, graphdef, params if self.weight_sync is None else self.weight_sync.abstract,
-                                           stop_token_ids, resident=self._engine_resident())
+        self.learner = LearnerPrograms(spec, graphdef, params, mesh, critic=critic, chunk_size=chunk_size)
+        engine_mesh = rollout_mesh or mesh
+        self.weight_sync = WeightSync(params, engine_mesh, spec.model.dtype) if spec.train.off_policy_steps else None
+        self.sampler = SamplerPrograms(spec, graphdef, params if self.weight_sync is None else self.weight_sync.abstract,
+                                       stop_token_ids, engine_mesh, resident=self._engine_resident())
 
     def _engine_resident(self) -> int:
         """What stays on the engine's devices between its programs (bytes a device): the learner's state
         when the roles share the devices, and the engine's copy of the weights one step off."""
         copy = 0 if self.weight_sync is None else self.weight_sync.copy_bytes()
         return copy + (0 if self.split else self.learner.resident_bytes())
-
-    def on_engine(self):
-        """The context the engine's programs run in: its own mesh set, or nothing when the roles share
-        the mesh in context."""
-        return jax.set_mesh(self.weight_sync.mesh) if self.split else contextlib.nullcontext()
-
-    def add_critic(self, critic: CriticState) -> None:
-        """The learner's critic programs (``LearnerPrograms.add_critic``); the engine's programs count its
-        state as resident on their devices when they share them."""
-        self.learner.add_critic(critic)
-        self.sampler.resident = self._engine_resident()
 
     def programs(self, largest_only: bool = False, with_warmstart: bool = False) -> list[Program]:
         """Every program of a step, for every bucket (``largest_only``: the largest prompt and response
@@ -85,15 +75,13 @@ class StepPrograms:
         response_buckets = sampler.response_buckets[-1:] if largest_only else sampler.response_buckets
         learner_programs = learner.programs(prompt_buckets, response_buckets, with_warmstart)
         warm = [p for p in learner_programs if p.name == "warmstart"]
-        with self.on_engine():
-            engine = sampler.programs(largest_only)
-        if self.split:  # the engine's programs lower and compile on its mesh
-            engine = [dataclasses.replace(p, mesh=self.weight_sync.mesh) for p in engine]
+        engine = sampler.programs(largest_only)
         if self.weight_sync is not None:  # the move's casts, a parameter at a time, on the learner's devices
             resident = learner.resident_bytes()
             engine[:0] = [Program("weight_sync", f"a parameter {list(p.shape)} cast to {self.weight_sync.dtype} for the "
                                   "engine's copy", lambda p=p: self.weight_sync.cast.lower(p), (p,),
-                                  resident - memory_check.per_device_bytes(p)) for p in self.weight_sync.casts]
+                                  resident - memory_check.per_device_bytes(p), learner.mesh)
+                          for p in self.weight_sync.casts]
         learner_programs = [p for p in learner_programs if p.name != "warmstart"]
         if self.weight_sync is not None and not self.split:  # the engine's copy stays beside the learner's programs
             learner_programs = [dataclasses.replace(p, outside=p.outside + self.weight_sync.copy_bytes())
@@ -140,3 +128,11 @@ class StepPrograms:
                     f"GiB per device")
             out.append(memory)
         return out
+
+
+def placed_on(params) -> Mesh:
+    """The mesh the parameters ``params`` (arrays or ``jax.ShapeDtypeStruct``s) are placed on."""
+    sharding = jax.tree.leaves(params)[0].sharding
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(f"the parameters are placed by a {type(sharding).__name__}, not on a mesh: pass mesh=")
+    return sharding.mesh

@@ -1,8 +1,8 @@
 """PPO's critic in the trainer (docs/design.md sections 3.5a and 6.6): its state and the two programs it adds to a step.
 
+    programs = StepPrograms(spec, ..., critic=abstract_critic(spec, cfg))   # the critic's programs (critic_programs)
     critic = PPOCritic.from_spec(spec, actor)                 # value model + its AdamW, sharded like the actor
-    programs = StepPrograms(spec, ..., critic=critic.spec())    # makes the critic's programs (critic_programs)
-    actor_batch, metrics = critic.step(programs.critic, rollout.batch)   # values -> GAE -> critic update
+    state, actor_batch, metrics = critic_step(programs.critic, critic.state(), rollout.batch)  # values -> GAE -> update
     params, opt_state, ... = programs.update(params, opt_state, actor_batch)  # objective "ppo" reads its advantages
 
 ``step`` runs, on the device and on the update batch's row sharding:
@@ -36,11 +36,13 @@ from pacs_jax.models import Qwen, value_model_from_actor
 from pacs_jax.rl import compute_gae, critic_loss_and_grad_fn, last_token_rewards, micro_batched_values, value_mask
 from pacs_jax.rl.packing import PackedPlanArrays
 from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
-from pacs_jax.sharding import batch_sharding, state_shardings
-from pacs_jax.training.model_spec import run_options
-from pacs_jax.training.optim import make_optimizer
+from pacs_jax.sharding import abstract_optimizer_state, batch_sharding, state_shardings
+from pacs_jax.training.learner.optim import make_optimizer
+from pacs_jax.training.learner.train_state import CriticTrainState
+from pacs_jax.training.learner.update_step import MiniBatchUpdates, mini_batch_updates
+from pacs_jax.training.model_spec import model_config, run_options
+from pacs_jax.training.passes import Passes
 from pacs_jax.training.spec import CriticSpec, RunSpec
-from pacs_jax.training.update_step import MiniBatchUpdates, mini_batch_updates
 
 # The critic update's metrics (MiniBatchUpdates' and rl.value_loss's) -> the names a step reports. The value
 # loss is the mini-batch's (the sum of its micro-batches' shares); explained variance and clip fraction
@@ -73,7 +75,9 @@ class PPOCritic:
     def __init__(self, critic: nnx.Module, optimizer):
         self.graphdef, params = nnx.split(critic)
         self.optimizer = optimizer
-        opt_state = jax.jit(optimizer.init)(params)
+        # AdamW's moments sharded like the parameters (as the actor's, and as ``abstract_critic`` has them)
+        opt_shardings = jax.tree.map(lambda x: x.sharding, abstract_optimizer_state(optimizer, params))
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
         self.shardings = state_shardings((params, opt_state))
         self.params, self.opt_state = jax.device_put((params, opt_state), self.shardings)
 
@@ -93,19 +97,53 @@ class PPOCritic:
     def spec(self) -> CriticState:
         return CriticState(self.graphdef, (self.params, self.opt_state), self.optimizer)
 
-    def step(self, programs: CriticPrograms, batch: UpdateBatch, packing: dict[str, PackedPlanArrays] | None = None
+    def state(self) -> CriticTrainState:
+        """Its parameters and AdamW state, for the run's ``TrainState``."""
+        return CriticTrainState(self.params, self.opt_state)
+
+    def step(self, programs: CriticPrograms, batch: UpdateBatch, packing: Passes[PackedPlanArrays] | None = None
              ) -> tuple[UpdateBatch, list[dict[str, jax.Array]]]:
-        """Values, GAE and the critic's update on the update ``batch`` (``UpdateBatch`` with rewards;
-        dispatched, nothing waits). packing: the step's plans (training/rollout.py ``Rollout.packing``:
-        "logprob" for the values, "critic" for the update) or None. Returns the actor's batch (``batch``
-        with advantages [B, R]) and the critic's metrics, a dict a mini-batch."""
-        packing = packing or {}
-        advantages, values, returns = programs.values(self.params, batch.replace(packing=None), packing.get("logprob"))
-        critic_batch = CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask, values, returns,
-                                   packing.get("critic"))
-        self.params, self.opt_state, metrics = programs.update(self.params, self.opt_state, critic_batch)
-        return (batch.replace(advantages=advantages),
-                [{name: m[key] for key, name in METRIC_NAMES.items()} for m in metrics])
+        """``critic_step`` on this critic's state, which it then holds."""
+        (self.params, self.opt_state), batch, metrics = critic_step(programs, self.state(), batch, packing)
+        return batch, metrics
+
+
+def critic_step(programs: CriticPrograms, state: CriticTrainState, batch: UpdateBatch,
+                packing: Passes[PackedPlanArrays] | None = None
+                ) -> tuple[CriticTrainState, UpdateBatch, list[dict[str, jax.Array]]]:
+    """Values, GAE and the critic's update on the update ``batch`` (``UpdateBatch`` with rewards;
+    dispatched, nothing waits; ``state`` donated). packing: the step's plan arrays (training/records.py
+    ``Rollout.packing``: the logprob pass's for the values, the critic pass's for the update) or None.
+    Returns the critic's new state, the actor's batch (``batch`` with advantages [B, R]) and the critic's
+    metrics, a dict a mini-batch."""
+    values_plan, update_plan = (None, None) if packing is None else (packing.logprob, packing.critic)
+    advantages, values, returns = programs.values(state.params, batch.replace(packing=None), values_plan)
+    critic_batch = CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask, values, returns,
+                               update_plan)
+    params, opt_state, metrics = programs.update(state.params, state.opt_state, critic_batch)
+    return (CriticTrainState(params, opt_state), batch.replace(advantages=advantages),
+            [{name: m[key] for key, name in METRIC_NAMES.items()} for m in metrics])
+
+
+def abstract_critic(spec: RunSpec, actor_cfg) -> CriticState | None:
+    """The critic's state as ``PPOCritic.from_spec`` will make it, abstract (``jax.ShapeDtypeStruct``s with
+    the shardings it gets on the mesh in context), known before the critic is made (after the warm-start);
+    None without one (objective other than "ppo"). actor_cfg: the actor's QwenConfig; ``critic.path``: that
+    model's config instead."""
+    from pacs_jax import models
+    from pacs_jax.models.value import ValueModel
+
+    cc = spec.critic
+    if cc is None:
+        return None
+    cfg = actor_cfg
+    if cc.path:
+        cfg = model_config(dataclasses.replace(spec, model=dataclasses.replace(spec.model, path=cc.path, preset="")))
+        if cfg is None:
+            raise ValueError(f"config.critic.path={cc.path!r}: no config.json / model_config.json to read")
+    graphdef, params = models.abstract_model(cfg, cls=ValueModel)
+    optimizer = critic_optimizer(cc)
+    return CriticState(graphdef, (params, abstract_optimizer_state(optimizer, params)), optimizer)
 
 
 def critic_optimizer(cc: CriticSpec):

@@ -15,7 +15,6 @@ the rollout correction's comparison with the sampler's log-probs) runs as in an 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +22,13 @@ import numpy as np
 
 from pacs_jax.errors import PermanentError
 from pacs_jax.sharding import batch_sharding
+from pacs_jax.training.records import CallRows
 
 
 class FilterGroupsExhausted(PermanentError):
     """``algorithm.filter_groups.max_num_gen_batches`` gen batches did not yield a step's groups."""
 
 
-class CallRows(NamedTuple):
-    """One sampler call's rows: tokens, logprobs [B / K, N] (int32, float32), lengths [B / K] int32."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-    lengths: jax.Array
 
 
 def select_program(calls: int) -> jax.stages.Wrapped:

@@ -1,24 +1,26 @@
 """The rollout engine's programs of a training step (docs/design.md section 3.6): the sampler calls, the
 assembly of their rows into the update batch's, and dynamic sampling's selection of kept groups.
 
-    engine = SamplerPrograms(spec, graphdef, params, stop_token_ids)   # on the mesh in context (its own)
+    engine = SamplerPrograms(spec, graphdef, params, stop_token_ids, mesh)   # on the engine's mesh
     engine.sample(params, prompt_tokens, prompt_mask, key, wait)       # one sampler call
     engine.programs()                                                  # its programs, for the warm-up and plans
 
 The spec (training/spec.py ``RunSpec``) is read here for the sampler's side only: the sampler's
 settings (rollout.*, its sampler section's slots, tail and pages), the prompt and response buckets,
 the calls a step (``rollout.micro_batches``) and the packed passes' padded widths the assembly cuts to.
-The learner's programs (pi_old, the update, PPO's critic) are training/learner_programs.py's;
+The learner's programs (pi_old, the update, PPO's critic) are training/learner/learner_programs.py's;
 training/step_programs.py joins the two lists in the order a step runs them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from pacs_jax import hlo, sampling, sharding
 from pacs_jax.sampling.carry_over import CarryOverSampler, queue_count
@@ -26,7 +28,7 @@ from pacs_jax.sampling.engine import decode_layer_weights, lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
 from pacs_jax.sharding import abstract, batch_sharding
 from pacs_jax.training import memory_check
-from pacs_jax.training.dynamic_sampling import CallRows, select_program
+from pacs_jax.training.engine.dynamic_sampling import CallRows, select_program
 from pacs_jax.training.program import Program
 from pacs_jax.training.spec import RunSpec
 
@@ -42,11 +44,11 @@ def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.
 
 
 class SamplerPrograms:
-    """The engine's jitted programs of one step of ``spec``, made on the mesh in context (``mesh``).
+    """The engine's jitted programs of one step of ``spec``, made and run on its ``mesh``.
 
     ``sample(params, prompt_tokens, prompt_mask, key, wait)``: one sampler call (sampling.sample);
     ``assemble(tokens per call, lengths per call, bucket) -> (tokens, response_mask)``;
-    ``select_groups`` (dynamic sampling's, training/dynamic_sampling.py), None unless
+    ``select_groups`` (dynamic sampling's, training/engine/dynamic_sampling.py), None unless
     ``algorithm.filter_groups.enable``; ``carry_over``, the engine of ``rollout.carry_over``
     (``CarryOverSampler``, its decode state kept between steps), None without it. ``resident`` (bytes a device): the training state that stays on
     the engine's devices during its programs (the parameters, AdamW's state and PPO's critic when the
@@ -54,10 +56,15 @@ class SamplerPrograms:
     sampler's argument).
     """
 
-    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], *,
+    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], mesh: Mesh, *,
                  resident: int = 0):
+        with jax.set_mesh(mesh):  # the helpers that place arrays, and the carry-over engine, read it
+            self._make(spec, graphdef, params, stop_token_ids, mesh, resident)
+
+    def _make(self, spec: RunSpec, graphdef: nnx.GraphDef, params, stop_token_ids: Sequence[int], mesh: Mesh,
+              resident: int) -> None:
         tc, rc = spec.train, spec.rollout
-        self.mesh = sharding.current_mesh()
+        self.mesh = mesh
         self.graphdef, self.params = graphdef, abstract(params)
         self.settings = sampling_settings(spec, stop_token_ids)
         self.num_prompts, self.n = tc.prompts_per_step, rc.n
@@ -65,9 +72,9 @@ class SamplerPrograms:
         self.response_buckets = rc.buckets
         self.sampler_calls = rc.micro_batches
         self.packing = tc.packing
-        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
+        self.batch_shards = sharding.batch_shards(mesh)
         self.resident = resident
-        rows = batch_sharding((0, 0))
+        rows = batch_sharding((0, 0), mesh)
 
         def assemble(tokens, lengths, bucket):
             """K sampler calls' [P*n/K, max_new] ids and [P*n/K] lengths -> [P*n, bucket] ids and mask."""
@@ -78,7 +85,7 @@ class SamplerPrograms:
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
         self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
         # carry-over (sampling/carry_over.py): one call a step at the largest prompt bucket, B = P groups returned;
-        # room for 2P prompts a call, so that P groups can be in flight between calls (training/carry_over.py)
+        # room for 2P prompts a call, so that P groups can be in flight between calls (training/engine/carry_over.py)
         self.carry_over = (CarryOverSampler(graphdef, self.settings, prompts=2 * self.num_prompts,
                                             prompt_length=self.prompt_buckets[-1], groups=self.num_prompts,
                                             max_staleness=rc.max_staleness, order=rc.carry_over_order)
@@ -93,7 +100,8 @@ class SamplerPrograms:
                wait=None) -> sampling.SampleArrays:
         """One sampler call on [P / K, Tp] prompts (``rollout.micro_batches`` = K calls a step); wait:
         ``sampling.sample``'s, told of each chunk of decode steps."""
-        return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
+        with jax.set_mesh(self.mesh):
+            return sampling.sample(self.graphdef, params, prompt_tokens, prompt_mask, self.settings, key, wait=wait)
 
     @property
     def slots(self) -> int:
@@ -102,7 +110,7 @@ class SamplerPrograms:
 
     def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         """A per-row array of a step, abstract, with its sharding."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape, self.mesh))
 
     def programs(self, largest_only: bool = False) -> list[Program]:
         """The engine's programs, for every bucket (``largest_only``: the largest prompt and response
@@ -129,7 +137,7 @@ class SamplerPrograms:
             out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
                                lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
                                (call_tokens, call_lengths), self.resident))
-        return out
+        return [dataclasses.replace(p, mesh=self.mesh) for p in out]  # lowered and compiled on the engine's mesh
 
     def _sampler_program(self, prompt_tokens: int) -> Program:
         """The sampler (sampling/engine.py, lowered by ``lower_sample``) of one call, for prompts of

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pacs_jax.rl.rollout_correction import correction_and_rejection_mask
 from pacs_jax.sharding import batch_sharding, replicated
-from pacs_jax.training.rollout_consistency import sampler_rows
+from pacs_jax.training.learner.rollout_consistency import sampler_rows
 
 
 def correction_program(spec) -> jax.stages.Wrapped:

@@ -1,7 +1,7 @@
 """The jitted optimizer steps of one training step: per mini-batch, loss and gradient, AdamW, non-finite skip.
 
 Gradients are clipped at the global norm ``optim.grad_clip`` when it is > 0 (the optimizer's own
-transformation, training/optim.py; the paper's PACS runs use 0, the demo 1.0: docs/design.md section
+transformation, training/learner/optim.py; the paper's PACS runs use 0, the demo 1.0: docs/design.md section
 6.4). A non-finite gradient norm skips the update (parameters and optimizer state unchanged) and is
 reported in the metrics as ``skipped = 1``.
 Parameters and optimizer state are donated: the update happens in place on the device. The
@@ -9,7 +9,7 @@ Parameters and optimizer state are donated: the update happens in place on the d
 mini-batch (``MiniBatchUpdates``): the host enqueues all of them at once (nothing waits between two),
 and each call's metrics, ready when its mini-batch is done, tell the trainer how far the update is
 (training/progress.py). The actor's update (``make_update_step``) and PPO's critic update
-(training/critic_step.py) are both ``MiniBatchUpdates``.
+(training/learner/critic_step.py) are both ``MiniBatchUpdates``.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from pacs_jax.sampling.carry_over import CarryOverRows, CarryOverSampler, InFlig
 from pacs_jax.sampling.engine import PAD_ID
 from pacs_jax.sharding import batch_sharding
 from pacs_jax.training.progress import StepWatch
-from pacs_jax.training.prompt_batch import PromptBatch
+from pacs_jax.training.records import PromptBatch
 
 _PER_TOKEN = ("tokens", "logprobs", "versions")  # SavedRows' [P n, N] fields, kept up to each row's length
 

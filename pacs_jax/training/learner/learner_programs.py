@@ -1,7 +1,7 @@
 """The learner's programs of a training step (docs/design.md section 3.6): pi_old, the rollout
 consistency check and correction, the actor's update, PPO's critic and the supervised warm-start.
 
-    learner = LearnerPrograms(spec, graphdef, params)   # on the mesh in context (its own)
+    learner = LearnerPrograms(spec, graphdef, params, mesh, critic=critic)   # on its mesh
     opt_state = learner.init_optimizer(params)
     learner.pi_old(...), learner.update(params, opt_state, batch), ...
     learner.programs()                                                 # its programs, for the warm-up and plans
@@ -16,24 +16,30 @@ on): the programs only read shapes and shardings.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jax.sharding import Mesh
 
 from pacs_jax import sharding
 from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.packing import PackedPlan, PackedPlanArrays, plan_packing, plan_shape
 from pacs_jax.rl.update_batch import CriticBatch, SFTBatch, UpdateBatch
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding
-from pacs_jax.training import memory_check, warmstart
-from pacs_jax.training.critic_step import CriticState, critic_options, critic_programs
-from pacs_jax.training.old_policy import old_policy_passes, sampler_as_old_policy
-from pacs_jax.training.optim import make_optimizer
+from pacs_jax.training import memory_check
+from pacs_jax.training.learner import warmstart
+from pacs_jax.training.learner.critic_step import CriticState, critic_options, critic_programs
+from pacs_jax.training.learner.old_policy import old_policy_passes, sampler_as_old_policy
+from pacs_jax.training.learner.optim import make_optimizer
+from pacs_jax.training.learner.rollout_consistency import consistency_program
+from pacs_jax.training.learner.rollout_correction_step import correction_program
+from pacs_jax.training.learner.update_step import make_update_step
+from pacs_jax.training.passes import PassLayout, Passes
 from pacs_jax.training.program import Program
-from pacs_jax.training.rollout_consistency import consistency_program
-from pacs_jax.training.rollout_correction_step import correction_program
 from pacs_jax.training.spec import RunSpec
-from pacs_jax.training.update_step import make_update_step
 
 
 def spec_optimizer(spec: RunSpec):
@@ -44,27 +50,35 @@ def spec_optimizer(spec: RunSpec):
 
 
 class LearnerPrograms:
-    """The learner's jitted programs of one step of ``spec``, made on the mesh in context (``mesh``).
+    """The learner's jitted programs of one step of ``spec``, made on its ``mesh`` (that of the parameters).
 
     ``update(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)`` (one program
-    dispatched once a mini-batch: training/update_step.py ``MiniBatchUpdates``); ``pi_old(params,
+    dispatched once a mini-batch: training/learner/update_step.py ``MiniBatchUpdates``); ``pi_old(params,
     prompt_tokens, prompt_mask, tokens, response_mask) -> (update batch, mean entropy after each pass)``
-    (one program dispatched once a pass: training/old_policy.py ``OldPolicyPasses``);
+    (one program dispatched once a pass: training/learner/old_policy.py ``OldPolicyPasses``);
     ``rollout_consistency(sampler log-probs per call, old_logp, response_mask) -> metrics``
-    (training/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
-    response_mask, metrics; training/rollout_correction_step.py), None unless the correction is on;
+    (training/learner/rollout_consistency.py); ``rollout_correction`` (the same arguments -> rollout_is_weights,
+    response_mask, metrics; training/learner/rollout_correction_step.py), None unless the correction is on;
     ``sampler_as_old_policy`` (bypass mode's), None otherwise; PPO: ``critic``, the critic's ``values``
-    and ``update`` (training/critic_step.py ``CriticPrograms``), made by ``add_critic`` once the
-    critic exists (it copies the actor after the warm-start, or reads ``critic.path``);
-    ``warmstart``: the supervised warm-start's step and optimizer (training/warmstart.py ``SFTStep``;
+    and ``update`` (training/learner/critic_step.py ``CriticPrograms``), made from the critic's abstract state
+    (``critic``: known before the critic is made from the actor after the warm-start, or from ``critic.path``);
+    ``warmstart``: the supervised warm-start's step and optimizer (training/learner/warmstart.py ``SFTStep``;
     None when ``warmstart.steps`` is 0). pi_old and the update read the logits at the rollout's
     temperature.
     """
 
-    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, *,
+    def __init__(self, spec: RunSpec, graphdef: nnx.GraphDef, params, mesh: Mesh, *,
                  critic: CriticState | None = None, chunk_size: int | None = None):
+        if (critic is None) != (spec.critic is None):
+            raise ValueError(f"objective {spec.algorithm.objective!r}: the learner's critic state must be "
+                             + ("given" if critic is None else "None"))
+        with jax.set_mesh(mesh):  # the helpers that place arrays read it
+            self._make(spec, graphdef, params, mesh, critic, chunk_size)
+
+    def _make(self, spec: RunSpec, graphdef: nnx.GraphDef, params, mesh: Mesh, critic: CriticState | None,
+              chunk_size: int | None) -> None:
         tc, rc = spec.train, spec.rollout
-        self.mesh = sharding.current_mesh()
+        self.mesh = mesh
         self.spec, self.graphdef = spec, graphdef
         self.optimizer, self.lr_schedule = spec_optimizer(spec)
         self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
@@ -73,7 +87,7 @@ class LearnerPrograms:
         self.logprob_micro_batches = spec.logprob_micro_batches
         self.mini_batches, self.micro_batches = tc.mini_batches, tc.micro_batches
         self.packing = tc.packing
-        self.batch_shards = sharding.batch_shards()  # of the mesh the programs are made on
+        self.batch_shards = sharding.batch_shards(mesh)
         if self.packing:  # one padded width for the passes (the gather source): no program per prompt/response bucket
             self.packed_length = spec.packed_length
         extra = {} if chunk_size is None else {"chunk_size": chunk_size}
@@ -91,19 +105,13 @@ class LearnerPrograms:
         self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
                                    else None)
         self.sampler_as_old_policy = sampler_as_old_policy() if self.bypass is not None else None
-        self.critic_state = self.critic = None
-        if critic is not None:
-            self.add_critic(critic)
+        self.critic_state = critic
+        self.critic = None if critic is None else critic_programs(
+            critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
+            values_micro_batches=self.logprob_micro_batches, **critic_options(spec))
         wc = spec.warmstart
         self.warmstart = warmstart.sft_step(graphdef, wc, params) if wc.steps > 0 else None
         self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
-
-    def add_critic(self, critic: CriticState) -> None:
-        """Make PPO's two critic programs for ``critic``'s graph, state shardings and optimizer."""
-        self.critic_state = critic
-        self.critic = critic_programs(
-            critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
-            values_micro_batches=self.logprob_micro_batches, **critic_options(self.spec))
 
     # ------------------------------------------------------------------------ packing (train.packing)
     @property
@@ -111,23 +119,22 @@ class LearnerPrograms:
         """Packed: the (prompt, response) widths of the passes' padded rows, the largest buckets."""
         return self.spec.data.prompt_buckets[-1], self.max_new_tokens
 
-    def _layouts(self) -> dict[str, dict]:
+    def layouts(self) -> Passes[PassLayout]:
         """Each packed pass's layout (``RunSpec.packed_layouts``) on the mesh the programs are made on."""
         return self.spec.packed_layouts(self.batch_shards, critic=self.critic is not None)
 
-    def packing_plans(self, prompt_lengths, response_lengths) -> dict[str, PackedPlan]:
-        """The step's packing plans, by pass ("logprob", "update", PPO's "critic"), from every row's
-        prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
+    def packing_plans(self, prompt_lengths, response_lengths) -> Passes[PackedPlan]:
+        """The step's packing plan of each pass (pi_old's, the update's, PPO's critic update's) from every
+        row's prompt and response lengths [B] (host arrays, the same on every process: no collective)."""
         P, R = self.pass_widths
-        return {name: plan_packing(prompt_lengths, response_lengths, prompt_width=P, response_width=R,
-                                   packed_length=self.packed_length, **layout)
-                for name, layout in self._layouts().items()}
+        return self.layouts().map(lambda layout: plan_packing(
+            prompt_lengths, response_lengths, prompt_width=P, response_width=R, packed_length=self.packed_length,
+            **layout.options()))
 
-    def abstract_packing(self, name: str) -> PackedPlanArrays:
-        """The plan arrays of pass ``name``, abstract (int32 ``jax.ShapeDtypeStruct``s)."""
-        lay = self._layouts()[name]
-        shapes = plan_shape(self.num_prompts * self.n, mini_batches=lay["mini_batches"], passes=lay["passes"],
-                            shards=lay["shards"], rows=lay["rows"], packed_length=self.packed_length,
+    def abstract_packing(self, lay: PassLayout) -> PackedPlanArrays:
+        """The plan arrays of a pass of layout ``lay``, abstract (int32 ``jax.ShapeDtypeStruct``s)."""
+        shapes = plan_shape(self.num_prompts * self.n, mini_batches=lay.mini_batches, passes=lay.passes,
+                            shards=lay.shards, rows=lay.rows, packed_length=self.packed_length,
                             response_width=self.pass_widths[1])
         return jax.tree.map(lambda shape: self.abstract_rows(shape, jnp.int32), shapes,
                             is_leaf=lambda x: isinstance(x, tuple))
@@ -150,7 +157,7 @@ class LearnerPrograms:
     # ------------------------------------------------------------------------ abstract arguments
     def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         """A per-row array of a step, abstract, with its sharding."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape, self.mesh))
 
     def abstract_batch(self, prompt_bucket: int, response_bucket: int) -> UpdateBatch:
         """The actor's update batch of a (prompt bucket, response bucket), abstract (PPO: with advantages;
@@ -195,15 +202,24 @@ class LearnerPrograms:
             for r in response_buckets:
                 shape = f"{B} rows x {p}+{r} tokens"
                 if not self.packing:
-                    out += self._pass_programs(self.abstract_batch(p, r), f"{shape}, {passes}", f"{shape}, {updates}",
-                                               {}, opt_bytes, actor_bytes, critic_bytes)
+                    batch = self.abstract_batch(p, r)
+                    out += self._logprob_programs(batch, f"{shape}, {passes}", None, opt_bytes, actor_bytes,
+                                                  critic_bytes)
+                    out += self._critic_update_program(batch, f"{shape}, {updates}", None, opt_bytes, actor_bytes,
+                                                       critic_bytes)
+                    out += self._update_program(batch, f"{shape}, {updates}", None, opt_bytes, actor_bytes,
+                                                critic_bytes)
                     continue
-                for name, lay in self._layouts().items():
-                    packed = (f"{shape} packed in passes of {lay['shards'] * lay['rows']} rows x {self.packed_length} "
-                              f"tokens ({lay['rows']} a shard), at most {lay['passes']} a")
-                    out += self._pass_programs(self.abstract_batch(p, r), f"{packed} step",
-                                               f"{packed} mini-batch, {self.mini_batches} mini-batches",
-                                               {name: self.abstract_packing(name)}, opt_bytes, actor_bytes, critic_bytes)
+                layouts = self.layouts()
+                for lay, make in ((layouts.logprob, self._logprob_programs), (layouts.critic, self._critic_update_program),
+                                  (layouts.update, self._update_program)):
+                    if lay is None:  # no critic
+                        continue
+                    packed = (f"{shape} packed in passes of {lay.shards * lay.rows} rows x {self.packed_length} "
+                              f"tokens ({lay.rows} a shard), at most {lay.passes} a")
+                    out += make(self.abstract_batch(p, r), f"{packed} step" if lay is layouts.logprob else
+                                f"{packed} mini-batch, {self.mini_batches} mini-batches", self.abstract_packing(lay),
+                                opt_bytes, actor_bytes, critic_bytes)
         call_logp = (rows((B // K, self.max_new_tokens), jnp.float32),) * K
         for r in response_buckets if self.bypass is None else ():  # bypass: no pi_old to compare with
             per_row = (rows((B, r), jnp.float32),) * 2  # old_logp, response_mask
@@ -215,46 +231,48 @@ class LearnerPrograms:
                                    "tokens: IS weights and rejection mask",
                                    lambda a=(call_logp, *per_row): self.rollout_correction.lower(*a),
                                    (call_logp, *per_row), actor_bytes + critic_bytes))
-        return out
+        return [dataclasses.replace(p, mesh=self.mesh) for p in out]  # lowered and compiled on the learner's mesh
 
-    def _pass_programs(self, batch: UpdateBatch, passes: str, updates: str, plans: dict[str, PackedPlanArrays],
-                       opt_bytes: int, actor_bytes: int, critic_bytes: int) -> list[Program]:
-        """The programs of the passes over an update batch, in a step's order: pi_old, PPO's critic_values
-        and critic_update, update. Padded (``plans`` empty): all of them; packed: those of the pass whose
-        plan ``plans`` holds ({pass name: its plan arrays}: "logprob" makes pi_old and
-        critic_values, "critic" critic_update, "update" the update)."""
-        params, opt_state = self.state
-        packed = bool(plans)
+    def _logprob_programs(self, batch: UpdateBatch, passes: str, plan: PackedPlanArrays | None, opt_bytes: int,
+                          actor_bytes: int, critic_bytes: int) -> list[Program]:
+        """The programs of the pi_old pass over an update batch (``plan``: its packing plan's arrays, or None:
+        padded): pi_old (bypass mode: the sampler's log-probs as pi_old) and PPO's critic_values."""
+        params, _ = self.state
         out = []
         prompts = self.abstract_rows((self.num_prompts, batch.input_ids.shape[1] - batch.old_logp.shape[1]),
                                      jnp.int32)
         responses = self.abstract_rows(batch.old_logp.shape, jnp.int32)
-        if self.bypass is not None and (not packed or "logprob" in plans):
+        if self.bypass is not None:
             K = self.sampler_calls
             call_logp = (self.abstract_rows((responses.shape[0] // K, self.max_new_tokens), jnp.float32),) * K
             args = (call_logp, prompts, prompts, responses, responses)
             out.append(Program("sampler_as_pi_old", "the sampler's log-probs as pi_old (bypass mode), " + passes,
-                               lambda a=args: self.sampler_as_old_policy.lower(*a), args,
-                               memory_check.per_device_bytes(self.state) + critic_bytes))
-        elif not packed or "logprob" in plans:
-            extra = (plans["logprob"],) if packed else ()
-            args = (params, prompts, prompts, responses, responses, *extra)
+                               lambda a=args: self.sampler_as_old_policy.lower(*a), args, actor_bytes + critic_bytes))
+        else:
+            args = (params, prompts, prompts, responses, responses, *(() if plan is None else (plan,)))
             out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
         if self.critic is not None:
             critic_params, critic_opt = self.critic_state.state
-            if not packed or "logprob" in plans:
-                args = (critic_params, batch.replace(advantages=None), plans.get("logprob"))
-                out.append(Program("critic_values", passes + ", then GAE", lambda a=args: self.critic.values.lower(*a),
-                                   args, actor_bytes + memory_check.per_device_bytes(critic_opt)))
-            if not packed or "critic" in plans:
-                critic_batch = CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                           old_values=batch.advantages, returns=batch.advantages,
-                                           packing=plans.get("critic"))
-                args = (critic_params, critic_opt, critic_batch)
-                out.append(Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args,
-                                   actor_bytes))
-        if not packed or "update" in plans:
-            actor_batch = batch.replace(packing=plans.get("update"))
-            args = (params, opt_state, actor_batch)
-            out.append(Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes))
+            args = (critic_params, batch.replace(advantages=None), plan)
+            out.append(Program("critic_values", passes + ", then GAE", lambda a=args: self.critic.values.lower(*a),
+                               args, actor_bytes + memory_check.per_device_bytes(critic_opt)))
         return out
+
+    def _critic_update_program(self, batch: UpdateBatch, updates: str, plan: PackedPlanArrays | None, opt_bytes: int,
+                               actor_bytes: int, critic_bytes: int) -> list[Program]:
+        """PPO's critic_update over an update batch (``plan``: its packing plan's arrays, or None); none without
+        a critic."""
+        if self.critic is None:
+            return []
+        critic_params, critic_opt = self.critic_state.state
+        critic_batch = CriticBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                   old_values=batch.advantages, returns=batch.advantages, packing=plan)
+        args = (critic_params, critic_opt, critic_batch)
+        return [Program("critic_update", updates, lambda a=args: self.critic.update.lower(*a), args, actor_bytes)]
+
+    def _update_program(self, batch: UpdateBatch, updates: str, plan: PackedPlanArrays | None, opt_bytes: int,
+                        actor_bytes: int, critic_bytes: int) -> list[Program]:
+        """The actor's update over an update batch (``plan``: its packing plan's arrays, or None)."""
+        params, opt_state = self.state
+        args = (params, opt_state, batch.replace(packing=plan))
+        return [Program("update", updates, lambda a=args: self.update.lower(*a), args, critic_bytes)]

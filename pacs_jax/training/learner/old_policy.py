@@ -28,7 +28,7 @@ from pacs_jax.rl import logprobs_of_pass
 from pacs_jax.rl.packing import PackedPlanArrays
 from pacs_jax.rl.update_batch import UpdateBatch
 from pacs_jax.sharding import batch_sharding, constrain
-from pacs_jax.training.rollout_consistency import sampler_rows
+from pacs_jax.training.learner.rollout_consistency import sampler_rows
 
 
 @dataclasses.dataclass(frozen=True)

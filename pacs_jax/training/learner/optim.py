@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-SCHEDULES = ("constant", "cosine", "linear")
+from pacs_jax.training.spec import SCHEDULES
 
 
 def learning_rate_schedule(lr: float, schedule: str, total_steps: int, warmup_steps: int = 0) -> optax.Schedule:
