@@ -1,4 +1,5 @@
-"""The import graph of pacs_jax: no cycles, and the model / sampler never reach the trainer or the RL code.
+"""The import graph of pacs_jax: no cycles, the model / sampler never reach the trainer or the RL code,
+and no module of the sampler uses another's private names (carry-over goes through the engine's seam).
 
 The graph is read from the source with ``ast`` (every ``import`` statement, module level or inside a
 function, so a lazy import does not hide a cycle). Importing ``a.b.c`` runs ``a`` and ``a.b`` first,
@@ -103,6 +104,58 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(root: pathlib.Path, package: str) -> list[str]:
+    """"module:line name" for each private name (a leading underscore) of a module of ``package`` that
+    another module of it imports (``from m import _f``) or reads off an imported module (``m._f``,
+    ``pkg.m._f``)."""
+    files = module_files(root, package)
+    found = []
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bound = {}  # local name -> the dotted module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:  # "import a.b" binds a, "import a.b as x" binds x to a.b
+                    name = alias.asname or alias.name.split(".")[0]
+                    bound[name] = alias.name if alias.asname else name
+            elif isinstance(node, ast.ImportFrom):
+                for alias, target in zip(node.names, _alias_targets(node, module, is_package, set(files))):
+                    if target is not None and target.endswith("." + alias.name):
+                        bound[alias.asname or alias.name] = target
+                    elif target not in (None, module) and _private(alias.name):
+                        found.append(f"{module}:{node.lineno} {target}.{alias.name}")
+
+        def dotted(node) -> str | None:
+            if isinstance(node, ast.Name):
+                return bound.get(node.id)
+            if isinstance(node, ast.Attribute) and (base := dotted(node.value)) is not None:
+                return f"{base}.{node.attr}"
+            return None
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = dotted(node.value)
+                if owner in files and owner != module:
+                    found.append(f"{module}:{node.lineno} {owner}.{node.attr}")
+    return found
+
+
+def _alias_targets(node: ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> list[str | None]:
+    """For each name of a ``from ... import`` in ``module``: the module of ``modules`` it is (a
+    submodule) or is read from, or None (outside them)."""
+    targets = []
+    for alias in node.names:
+        found = _targets(ast.ImportFrom(module=node.module, names=[alias], level=node.level), module, is_package,
+                         modules)
+        targets.append(found[0] if found else None)
+    return targets
+
+
 def _write(root: pathlib.Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / name
@@ -200,3 +253,30 @@ def test_the_training_graph_is_acyclic_and_nothing_runs_back_up():
         if not any(_in(module, role) for role in ROLES):
             roles = sorted(m for m in reachable(graph, module) if any(_in(m, role) for role in ROLES))
             assert not roles, f"the shared {module} imports (directly or through others) the roles' {roles}"
+
+
+def test_finds_private_names_used_across_modules(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "def _f(): pass\ndef g(): _f()\n",
+                      "pkg/b.py": "from pkg.a import _f, g\n", "pkg/c.py": "from pkg import a\nx = a._f\n",
+                      "pkg/d.py": "from . import a as m\nimport pkg.a\ny = m.g, m._f, pkg.a._f\n"})
+    assert private_uses(tmp_path, "pkg") == ["pkg.b:1 pkg.a._f", "pkg.c:2 pkg.a._f"] + ["pkg.d:3 pkg.a._f"] * 2
+
+
+def test_no_sampler_module_uses_another_ones_private_names():
+    """The one-call sampler (engine.py) and carry-over (carry_over*.py) share only the engine's public
+    seam (seam.py); no module of pacs_jax.sampling imports or reads a private name of another."""
+    assert len(module_files(ROOT, "pacs_jax/sampling")) > 10
+    assert private_uses(ROOT, "pacs_jax/sampling") == []
+
+
+def test_the_two_schedulers_meet_only_in_the_engine_seam():
+    """The one-call sampler (sampling/engine.py) and carry-over (sampling/carry_over*.py) both build on
+    sampling/seam.py and neither reaches the other."""
+    graph = import_graph(ROOT, "pacs_jax")
+    engine, seam = "pacs_jax.sampling.engine", "pacs_jax.sampling.seam"
+    carry_over = sorted(m for m in graph if m.startswith("pacs_jax.sampling.carry_over"))
+    assert len(carry_over) > 1
+    assert seam in graph[engine] and not set(carry_over) & reachable(graph, engine)
+    for module in carry_over:
+        assert engine not in reachable(graph, module), f"{module} reaches {engine}"
+    assert seam in graph["pacs_jax.sampling.carry_over_programs"]

@@ -23,8 +23,7 @@ from flax import nnx
 
 from pacs_jax import models, sampling, sharding
 from pacs_jax.models.qwen import KVCache, positions_from_mask
-from pacs_jax.sampling import carry_over
-from pacs_jax.sampling.engine import _decode_layout
+from pacs_jax.sampling import carry_over, seam
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sharding import make_mesh
 from pacs_jax.training import compilations
@@ -161,8 +160,8 @@ def test_rows_exported_and_resumed_in_a_fresh_engine_continue_as_the_engine_that
     fails the comparison."""
     seeds = [3] * (CALLS + DRAIN)
     groups, _, _ = _run(seeds)
-    reseat, chunks = carry_over._reseat_program, []
-    monkeypatch.setattr(carry_over, "_reseat_program", lambda *args, **kwargs: chunks.append(1) or reseat(*args, **kwargs))
+    reseat, chunks = carry_over.reseat_program, []
+    monkeypatch.setattr(carry_over, "reseat_program", lambda *args, **kwargs: chunks.append(1) or reseat(*args, **kwargs))
     resumed, _, sampler = _run(seeds, resume_after=stop)
     exported = sampler.exported
     assert exported.version == stop and exported.generations
@@ -191,7 +190,7 @@ def _pool_shard(sampler, mesh_shape) -> tuple[int, ...]:
     with _on_mesh(mesh_shape):
         prompts = jax.ShapeDtypeStruct((P, T), jnp.int32, sharding=sharding.placement(("batch", "length"), (P, T)))
         lowered = sampler.lower(params, prompts, prompts)
-        pool = carry_over._results(lowered.init, lowered.init.compile()).decode.kv.k
+        pool = seam.abstract_results(lowered.init, lowered.init.compile()).decode.kv.k
     return pool.sharding.shard_shape(pool.shape)
 
 
@@ -259,7 +258,7 @@ def _reference():
     its position, t, row key) -> (token t, its log-prob, cache with token t - 1's K/V). A token's key
     and selection as the sampler's."""
     graphdef = _graphdef_and_params(3)[0]
-    model = lambda params: nnx.merge(graphdef, _decode_layout(params, jnp.float32))
+    model = lambda params: nnx.merge(graphdef, seam.decode_layout(params, jnp.float32))
     select = lambda logits, row_key, t: Selection(jnp.float32(SETTINGS.temperature), jnp.float32(SETTINGS.top_p),
                                                   SETTINGS.top_k).select(logits, jax.random.fold_in(row_key, t)[None])
 

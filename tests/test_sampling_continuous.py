@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax import checkpoints, hlo, models, sampling, sharding
-from pacs_jax.sampling import engine
+from pacs_jax.sampling import engine, seam
 from pacs_jax.sharding import make_mesh
 from test_sampling import VOCAB, hf_greedy, save_random_hf
 
@@ -227,11 +227,11 @@ def test_batch_padding_spreads_the_rows_over_the_shards(hf, prompts, places):
 
 
 def test_spread_rows_covers_each_sample_once_and_is_the_identity_without_padding():
-    source, first, count = jax.device_get(engine.spread_rows(jnp.ones(8, bool), 4))
+    source, first, count = jax.device_get(seam.spread_rows(jnp.ones(8, bool), 4))
     np.testing.assert_array_equal(source, np.arange(8))
     np.testing.assert_array_equal(first, np.zeros(8))
     np.testing.assert_array_equal(count, np.full(8, 4))
-    source, first, count = jax.device_get(engine.spread_rows(jnp.asarray([0, 1, 0, 0, 1, 0, 1, 0], bool), 4))
+    source, first, count = jax.device_get(seam.spread_rows(jnp.asarray([0, 1, 0, 0, 1, 0, 1, 0], bool), 4))
     held = [(int(i), int(j)) for i, f, c in zip(source, first, count) for j in range(f, f + c)]
     assert sorted(held) == [(i, j) for i in (1, 4, 6) for j in range(4)]  # each (prompt, sample) once
     assert count.max() - count.min() <= 1  # 12 rows over 8 positions

@@ -9,8 +9,9 @@
 """
 
 from pacs_jax.sampling.buckets import bucket_batch, bucket_length, left_pad
-from pacs_jax.sampling.engine import PAD_ID, SampleArrays, compile_count, sample, slot_utilisation
+from pacs_jax.sampling.engine import SampleArrays, compile_count, sample, slot_utilisation
 from pacs_jax.sampling.generation import GenerateOutput, generate
+from pacs_jax.sampling.seam import PAD_ID
 from pacs_jax.sampling.settings import SamplingSettings
 from pacs_jax.sampling.selection import first_argmax, restrict_to_top, select_tokens
 

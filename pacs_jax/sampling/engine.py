@@ -1,6 +1,8 @@
 """The sampler's programs: one prefill per prompt, then its n samples decoded by a fixed number of
 slots in jitted loops (continuous batching, as vLLM and JetStream keep their decode batch full), run
 a chunk of decode steps per program so the host can read the call's progress and stop it between two.
+The one-call scheduler over the engine's public seam (sampling/seam.py: layout, prefill, queues,
+chunks), which carry-over (sampling/carry_over.py) schedules differently.
 
 Shapes: P prompts (padded), T prompt length (left-padded), n samples per prompt, Q = P * n rows (row
 i*n + j is sample j of prompt i), C decode slots (``settings.slots``; C = Q is static batching),
@@ -8,8 +10,8 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
 
     layout   the parameters cast to the compute dtype and laid out for decode once per call:
              replicated over the batch axes ("data", "fsdp"), split over "tensor" only, so no decode
-             step gathers a weight over the network (docs/design.md section 3.2)
-    prefill  [P, T] prompts -> K/V [L, P, T] and the last prompt position's logits [P, V]; token 0 of
+             step gathers a weight over the network (docs/design.md section 3.2; ``seam.decode_model``)
+    prefill  (``seam.prefill``) [P, T] prompts -> K/V [L, P, T] and the last prompt position's logits [P, V]; token 0 of
              every row is selected from them (the prompt is processed once, not n times)
     decode   one queue's decode loop (sampling/decode.py) over a K/V store: each of the C slots
              holds one row at a time; a step feeds every busy slot its last token and selects its
@@ -24,10 +26,10 @@ N = max_new_tokens, S = T + N cache slots per decode slot, V vocabulary, L layer
              shrinks the same way as its requests finish).
 
 Queues per batch shard: on a mesh whose batch axes split P and C, the decode loop runs under
-``shard_map``, manual over the batch axes, so a shard's slots take only its own prompts' rows and a
+``shard_map`` (``seam.on_queues``), manual over the batch axes, so a shard's slots take only its own prompts' rows and a
 refill never crosses devices; the "tensor" axis stays automatic (tensor-parallel layers inside).
 Before the prefill, the real prompts' rows are spread evenly over the P batch positions
-(``spread_rows``): batch-padding prompts (an all-zero mask row) hold no work, so without this the
+(``seam.spread_rows``): batch-padding prompts (an all-zero mask row) hold no work, so without this the
 shards holding them would idle while the others ran all the rows. A position p takes a copy of one
 real prompt and a contiguous range of its samples (a real prompt gets about P / (real prompts)
 positions and its n samples are split over them), so every position, and every shard, holds n x
@@ -66,18 +68,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from pacs_jax.models.qwen import KVCache, positions_from_mask, unstack_layers
-from pacs_jax.sampling.buckets import round_up
+from pacs_jax.models.qwen import KVCache
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.contiguous import RowStore
 from pacs_jax.sampling.narrowing import WidthLoop, start_widths
 from pacs_jax.sampling.paged import PageStore, default_pages
+from pacs_jax.sampling.seam import (PAD_ID, EngineSpec, QueueInputs, abstract_results, decode_model, device_bytes,
+                                    on_queues, prefill, queue_shards, queues, run_chunks, stop_id_array)
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
-from pacs_jax.sharding import constrain, current_rules, decode_rules, platform, replicated
-
-PAD_ID = 0  # token id written after a sample's end (its response_mask is 0 there)
-STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this, so changing them rarely recompiles
+from pacs_jax.sharding import constrain, current_rules, decode_rules, replicated
 
 _TRACE_COUNT = 0
 
@@ -128,36 +128,8 @@ def slot_utilisation(lengths: np.ndarray, slot_steps: int) -> float:
     return decoded / slot_steps if slot_steps else 1.0
 
 
-def _decode_layout(state: nnx.State, dtype) -> nnx.State:
-    """The parameters as decode reads them: floats in the compute dtype, replicated over the batch
-    axes of the mesh in context and split over "tensor" only (one gather per call, none per decode
-    step), and, but on TPU, the layers' stacked [L, ...] parameters as L buffers [...] of their own
-    (``qwen.unstack_layers``): XLA:GPU copies a layer scan's slice of a stack to a buffer of its own for
-    each gemm inside a decode loop (7 a layer), XLA:TPU reads it in place (and its larger programs
-    would compile slower unrolled)."""
-    rules = decode_rules(current_rules())
-
-    def place(x: jax.Array, logical_axes) -> jax.Array:
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(dtype)
-        if logical_axes is None:
-            return x
-        return jax.lax.with_sharding_constraint(x, rules.sharding(logical_axes, x.shape))
-
-    per_layer = platform() != "tpu"
-
-    def cast(var: nnx.Variable) -> nnx.Variable:
-        axes = getattr(var, "logical_axes", None)
-        if per_layer and axes and axes[0] == "layers":
-            return var  # placed a layer at a time by ``unstack_layers``
-        return var.replace(value=place(var.get_value(), axes))
-
-    state = jax.tree.map(cast, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return unstack_layers(state, place) if per_layer else state
-
-
 def decode_layer_weights(graphdef: nnx.GraphDef, state) -> dict[str, jax.ShapeDtypeStruct]:
-    """The layers' weights as the decode layout holds them (``_decode_layout``) on the mesh in context,
+    """The layers' weights as the decode layout holds them (``seam.decode_layout``) on the mesh in context,
     to count their copies in a compiled decode (``hlo.weight_copies``): {name: [L, ...], each layer's
     buffer as one device holds it, in the compute dtype}, the stacked parameters of rank >= 2 a layer.
     state: the model's parameters (arrays or abstract ones)."""
@@ -172,43 +144,12 @@ def decode_layer_weights(graphdef: nnx.GraphDef, state) -> dict[str, jax.ShapeDt
     return weights
 
 
-def queues(prompts: int, slots: int, batch_shards: int) -> int:
-    """The sampler's queues (decode loops) for a call: one per batch shard when the shards divide
-    both the prompts and the slots, else one for the whole call."""
-    return batch_shards if prompts % batch_shards == 0 and slots % batch_shards == 0 else 1
-
-
 def _queue_groups(prompts: int, slots: int) -> tuple[str, ...]:
     """The mesh axes the decode loop is split over (one queue per shard, ``queues``), or none."""
     rules = current_rules()
     axes = rules.batch_axes()
     shards = math.prod(rules.mesh.shape[a] for a in axes)
     return axes if axes and queues(prompts, slots, shards) == shards else ()
-
-
-def spread_rows(real: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Where each real prompt's samples run: the rows of the R real prompts spread evenly over all P
-    batch positions, so contiguous blocks of positions (batch shards) hold equal work whatever the
-    number and places of the batch-padding prompts.
-
-    real: [P] bool, False for batch-padding prompts. Real prompt k (in order, k < R) takes positions
-    floor(k P / R) .. floor((k + 1) P / R) - 1 (one or more, adjacent); its m-th of c positions takes
-    samples floor(m n / c) .. floor((m + 1) n / c) - 1. Without padding (R = P) this is the identity.
-    Returns (prompt [P] int32: the prompt whose copy position p holds; first [P] int32: its first
-    sample there; count [P] int32: how many, 0 .. n, summing to R x n; all 0 when R = 0).
-    """
-    P = real.shape[0]
-    R = jnp.sum(real, dtype=jnp.int32)
-    ranked = jnp.argsort(~real, stable=True).astype(jnp.int32)  # the real prompts first, in order
-    p = jnp.arange(P, dtype=jnp.int32)
-    divisor = jnp.maximum(R, 1)
-    k = ((p + 1) * R + P - 1) // P - 1  # the real prompt of position p: floor(k P / R) <= p
-    start = k * P // divisor
-    copies = jnp.maximum((k + 1) * P // divisor - start, 1)
-    m = p - start
-    first = m * n // copies
-    count = jnp.where(R > 0, (m + 1) * n // copies - first, 0)
-    return ranked[jnp.clip(k, 0, P - 1)], first, count
 
 
 def narrowing_widths(slots: int, tail_slots: int | None) -> tuple[int, ...]:
@@ -221,48 +162,6 @@ def narrowing_widths(slots: int, tail_slots: int | None) -> tuple[int, ...]:
         return (slots,)
     ladder = {w for k in range(slots.bit_length()) for w in (2 ** k, 3 * 2 ** k // 2)}
     return (slots, *sorted((w for w in ladder if max(tail_slots, 1) <= w < slots), reverse=True))
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-    """The static part of a sampler call (the program's one static argument): the sampler ``kind``
-    ("static": a slot per row, "continuous": ``slots`` slots, both over contiguous cache rows;
-    "paged": ``slots`` slots over a page pool of ``page_size``-token pages, ``pages`` response pages
-    a queue or None: ``paged.default_pages``), n samples a prompt, max_new_tokens, the decode slots
-    and tail_slots (None: no narrowing) of the call, and the decode steps a chunk program runs."""
-
-    kind: str
-    n: int
-    max_new_tokens: int
-    slots: int
-    tail_slots: int | None
-    page_size: int | None = None
-    pages: int | None = None
-    chunk_steps: int = 1
-
-    def per_queue(self, shards: int) -> "EngineSpec":
-        """The spec of one of ``shards`` queues: their share of the slots and the tail."""
-        tail = None if self.tail_slots is None else max(self.tail_slots // shards, 1)
-        return dataclasses.replace(self, slots=self.slots // shards, tail_slots=tail)
-
-
-class QueueInputs(NamedTuple):
-    """One queue's share of a call (all of it, or a batch shard's under ``shard_map``).
-
-    prompt_cache: K/V [L, P, K, T, Dh] of the prefill; prompt_real [P, T] bool; real [Q] bool, False
-    for rows that hold no sample (those of batch-padding prompts); first_tokens [Q] int32,
-    first_logp [Q] float32: token 0 of each row; budgets [Q] int32; row_keys [Q] PRNG keys;
-    stop_ids [S] int32 (the same for every queue).
-    """
-
-    prompt_cache: KVCache
-    prompt_real: jax.Array
-    real: jax.Array
-    first_tokens: jax.Array
-    first_logp: jax.Array
-    budgets: jax.Array
-    row_keys: jax.Array
-    stop_ids: jax.Array
 
 
 def _queue_start(model, inputs: QueueInputs, spec: EngineSpec) -> tuple[decode.Queue, decode.KVStore,
@@ -282,104 +181,9 @@ def _queue_start(model, inputs: QueueInputs, spec: EngineSpec) -> tuple[decode.Q
     return queue, store, state
 
 
-class Prefilled(NamedTuple):
-    """What ``_prefill`` gives the queues (inside a program)."""
-
-    model: nnx.Module  # the model in the decode layout
-    inputs: QueueInputs  # the loop's inputs: the prompts' K/V, token 0 of every row, budgets, keys
-    origin: jax.Array  # [Q] int32: each position's row i*n + j, Q where none
-    prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
-
-
-def _decode_model(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:
-    """The model with its parameters in the decode layout (``_decode_layout``)."""
-    return nnx.merge(graphdef, _decode_layout(state, jnp.dtype(nnx.merge(graphdef, state).cfg.dtype)))
-
-
-def _prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array, budgets: jax.Array,
-             key: jax.Array, selection: Selection, stop_ids: jax.Array, spec: EngineSpec, axes: tuple[str, ...]
-             ) -> Prefilled:
-    """Everything before the decode loop (``model`` in the decode layout, ``_decode_model``): the rows
-    spread over the positions when the batch shards run their own queues (``axes``), the prefill and
-    token 0 of every row."""
-    n = spec.n
-    P, T = prompt_tokens.shape
-    Q = P * n
-    prefill_tokens = jnp.sum(prompt_mask != 0, dtype=jnp.int32)
-    real = jnp.any(prompt_mask != 0, axis=-1)  # [P]: False for batch-padding prompts
-
-    # Position p holds samples first[p] .. first[p] + count[p] - 1 of prompt source[p]: spread evenly
-    # over the positions when each batch shard runs its own queue (one queue needs no spreading).
-    if axes:
-        source, first, count = spread_rows(real, n)
-        prompt_tokens, prompt_mask = prompt_tokens[source], prompt_mask[source]
-    else:
-        source, first, count = jnp.arange(P), jnp.zeros(P, jnp.int32), jnp.where(real, n, 0)
-    samples = first[:, None] + jnp.arange(n)  # [P, n]: sample j of each position's rows
-    held = (jnp.arange(n) < count[:, None]).reshape(Q)  # [Q]: False for rows without a sample
-    origin = jnp.where(held, (source[:, None] * n + samples).reshape(Q), Q)  # [Q]: row i*n + j, Q if none
-    budgets = budgets.astype(jnp.int32)
-    if axes:
-        budgets = budgets[jnp.minimum(origin, Q - 1)]
-
-    # Prefill. All-padding prompts (batch padding) get one visible slot so their attention is
-    # defined; their rows come back empty.
-    prompt_tokens = constrain(prompt_tokens.astype(jnp.int32), ("batch", "length"))
-    prompt_real = constrain(prompt_mask.astype(bool), ("batch", "length"))
-    padding_row = ~jnp.any(prompt_real, axis=-1)  # [P]
-    visible = prompt_real.at[:, -1].set(prompt_real[:, -1] | padding_row)
-    hidden, prompt_cache = model.forward(prompt_tokens, positions_from_mask(visible), visible,
-                                         model.init_cache(P, T), 0)
-    last = jnp.max(jnp.where(visible, jnp.arange(T), 0), axis=-1)  # [P]: T - 1 when left-padded
-    last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [P, 1, D]
-    first_logits = model.logits(last_hidden)[:, 0]  # [P, V]: only the last real position is needed
-
-    # Token 0 of every row, sample by sample (one [P, V] selection at a time, not [Q, V]); the key of
-    # a row is that of its prompt and sample, wherever it runs.
-    row_keys = jax.vmap(lambda i, js: jax.vmap(lambda j: jax.random.fold_in(jax.random.fold_in(key, i), j))(js))(
-        source, samples)  # [P, n]
-    first_tokens, first_logp = jax.lax.map(
-        lambda keys: selection.select(first_logits, jax.vmap(jax.random.fold_in)(keys, jnp.zeros(P, jnp.int32))),
-        row_keys.T)  # [n, P] each
-    rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
-    inputs = QueueInputs(prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
-                         row_keys.reshape(Q), stop_ids)
-    return Prefilled(model, inputs, origin, prefill_tokens)
-
-
-def _stacked(tree):
-    """A queue's arrays with a leading queue axis (``shard_map`` joins the queues' along it)."""
-    return jax.tree.map(lambda x: x[None], tree)
-
-
-def _unstacked(tree):
-    """The inverse of ``_stacked`` inside a queue's ``shard_map``."""
-    return jax.tree.map(lambda x: x[0], tree)
-
-
-def _on_queues(fn, axes: tuple[str, ...], whole: tuple, split: tuple, split_in=None):
-    """``fn(*whole, *split)`` once per queue: with ``axes``, under ``shard_map`` manual over them, each
-    queue's ``split`` arguments stacked on a leading queue axis (``split_in``: their partition specs
-    instead, for arrays not stacked), its results stacked; without, once on the whole call."""
-    if not axes:
-        return fn(*whole, *split)
-    stacked = PartitionSpec(axes)
-    specs = split_in if split_in is not None else tuple(stacked for _ in split)
-    unstack = (lambda x: x) if split_in is not None else _unstacked
-    return jax.shard_map(lambda *a: _stacked(fn(*a[:len(whole)], *unstack(a[len(whole):]))), mesh=current_rules().mesh,
-                         in_specs=(*(PartitionSpec() for _ in whole), *specs), out_specs=stacked,
-                         axis_names=set(axes), check_vma=False)(*whole, *split)
-
-
-def _shards(axes: tuple[str, ...]) -> int:
-    """The queues of a call split over ``axes`` of the mesh in context."""
-    mesh = current_rules().mesh
-    return math.prod(mesh.shape[a] for a in axes)
-
-
 def _queue_spec(spec: EngineSpec, axes: tuple[str, ...]) -> EngineSpec:
     """The spec of one queue (one per batch shard with ``axes``)."""
-    return spec.per_queue(_shards(axes)) if axes else spec
+    return spec.per_queue(queue_shards(axes)) if axes else spec
 
 
 class Started(NamedTuple):
@@ -403,8 +207,8 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
-    prefilled = _prefill(_decode_model(graphdef, state), prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
-                         spec, axes)
+    prefilled = prefill(decode_model(graphdef, state), prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
+                        n=spec.n, spread=bool(axes))
     queue_spec = _queue_spec(spec, axes)
 
     def per_queue(layout, inputs):
@@ -414,7 +218,7 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     split, whole = PartitionSpec(axes), PartitionSpec()
     cache_split = KVCache(PartitionSpec(None, axes), PartitionSpec(None, axes))
     layout = nnx.state(prefilled.model)
-    queue, store, loop = _on_queues(per_queue, axes, (layout,), (prefilled.inputs,), split_in=(
+    queue, store, loop = on_queues(per_queue, axes, (layout,), (prefilled.inputs,), split_in=(
         QueueInputs(cache_split, split, split, split, split, split, split, whole),))
     return Started(layout, queue, store, loop, prefilled.origin, prefilled.prefill_tokens)
 
@@ -438,7 +242,7 @@ def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, queue: decode.Queu
                                    spec.chunk_steps)
         return loop, decode.progress(queue, loop, widths)
 
-    loop, progress = _on_queues(per_queue, axes, (layout, selection), (queue, store, loop))
+    loop, progress = on_queues(per_queue, axes, (layout, selection), (queue, store, loop))
     if loop_shardings is not None:
         loop = jax.lax.with_sharding_constraint(loop, jax.tree.unflatten(jax.tree.structure(loop), loop_shardings))
     if axes:  # [queues, 4] -> the call's
@@ -484,13 +288,6 @@ class DecodeProgress(NamedTuple):
         """From the chunk program's replicated [4] array (this process's copy: no collective)."""
         rows_done, rows, tokens, done = np.asarray(progress.addressable_data(0)).tolist()
         return cls(rows_done, rows, tokens, bool(done))
-
-
-def stop_id_array(stop_token_ids) -> np.ndarray:
-    """Stop ids padded with -1 (never matches) to a multiple of STOP_ID_SLOTS: [S] int32."""
-    stop_ids = np.full(round_up(max(len(stop_token_ids), 1), STOP_ID_SLOTS), -1, np.int32)
-    stop_ids[:len(stop_token_ids)] = stop_token_ids
-    return stop_ids
 
 
 def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, budgets=None, *,
@@ -577,23 +374,6 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     return _finish_program(started.store, loop, started.origin, started.prefill_tokens, spec=spec, axes=axes)
 
 
-def run_chunks(chunk: Callable, loop, read: Callable, wait: Callable | None):
-    """A call's chunk programs until one's progress says it is done: ``chunk(loop) -> (loop, progress
-    array)``, ``read(progress) -> a progress with .done`` (``DecodeProgress.read``), ``wait(progress,
-    last)`` as ``sample``'s. The next chunk is queued before a chunk's progress is read, so the device
-    never waits for the host (the chunk after the last runs no step). Returns the last loop state."""
-    pending, last = None, None
-    while True:
-        loop, progress = chunk(loop)
-        if pending is not None:
-            if wait is not None:
-                wait(pending, last)
-            last = read(pending)
-            if last.done:
-                return loop
-        pending = progress
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplerCompiled:
     """The sampler's three compiled programs (start, chunk, finish), read as one: ``as_text()`` their
@@ -635,31 +415,15 @@ class SamplerLowered:
 
     def compile(self) -> SamplerCompiled:
         start = self.start.compile()
-        started = _results(self.start, start)
+        started = abstract_results(self.start, start)
         chunk_lowered = _chunk_program.lower(self.graphdef, started.layout, started.queue, started.store,
                                              self.selection, started.loop, spec=self.spec, axes=self.axes,
                                              loop_shardings=_carry_shardings(started.loop, self.axes))
         chunk = chunk_lowered.compile()
-        loop = _results(chunk_lowered, chunk)[0]
+        loop = abstract_results(chunk_lowered, chunk)[0]
         finish = _finish_program.lower(started.store, loop, started.origin, started.prefill_tokens, spec=self.spec,
                                        axes=self.axes).compile()
         return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
-
-
-def _results(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled):
-    """A compiled program's results, abstract: their shapes and the shardings it gives them."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), lowered.out_info,
-                        compiled.output_shardings)
-
-
-def _device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs (with shardings: its largest shard)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings,
@@ -674,7 +438,7 @@ def lower_sample(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, sett
     """
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, key, abstract=True)
     return SamplerLowered(_start_program.lower(graphdef, state, *args, spec=spec), graphdef, args[4], spec,
-                          _queue_groups(prompt_tokens.shape[0], spec.slots), _device_bytes(state))
+                          _queue_groups(prompt_tokens.shape[0], spec.slots), device_bytes(state))
 
 
 class Preamble(NamedTuple):
@@ -693,7 +457,7 @@ def _preamble(graphdef: nnx.GraphDef, spec: EngineSpec) -> Callable:
     program's arguments) -> ``Preamble``."""
 
     def preamble(state, *args):
-        prefilled = _prefill(_decode_model(graphdef, state), *args, spec=spec, axes=())
+        prefilled = prefill(decode_model(graphdef, state), *args, n=spec.n, spread=False)
         return Preamble(nnx.state(prefilled.model), *_queue_start(prefilled.model, prefilled.inputs, spec), args[4])
 
     return preamble
@@ -705,11 +469,11 @@ def lower_prefill(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, set
     row), lowered alone for abstract arguments: ``.compile()`` it for its cost."""
     args, spec = _program_args(prompt_tokens, prompt_mask, settings, None, abstract=True)
 
-    def prefill(state, *args):
-        prefilled = _prefill(_decode_model(graphdef, state), *args, spec=spec, axes=())
+    def prefill_program(state, *args):
+        prefilled = prefill(decode_model(graphdef, state), *args, n=spec.n, spread=False)
         return prefilled._replace(model=nnx.state(prefilled.model))  # the model's state: a program's output
 
-    return jax.jit(prefill).lower(state, *args)
+    return jax.jit(prefill_program).lower(state, *args)
 
 
 def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask, settings: SamplingSettings, *,
