@@ -64,8 +64,8 @@ def _env(cache_dir=None, **extra) -> dict:
 def _train(workdir, data_file, *, processes: int, flags: tuple[str, ...] = ()) -> None:
     """A run of SHRUNK in ``workdir``: 1 process x 8 devices or 2 processes x 4 devices, reading and
     writing the session's compilation cache (whose file lock, tests/conftest.py, keeps a process from
-    reading an entry that another is writing: before it, an abort seen once in CI). The 2-process run on
-    padded rows reads the sampler that the first 2-process run compiled, the resumed run every program."""
+    reading an entry that another is writing: before it, an abort seen once in CI). The run on padded rows
+    reads the sampler that the 1-process run compiled, the resumed run every program."""
     flags = [*SHRUNK, *flags, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}",
              f"--config.data.tokenizer={data_file.parents[1] / 'tokenizer'}"]  # data_file's, written beside it
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
@@ -111,17 +111,18 @@ def data_file(shared_data, small_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(data_file, tmp_path_factory):
-    """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 2-step run, and the 2-process
-    run on padded rows (train.packing False), its first step."""
+    """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 2-step run, and the 1-process
+    run on padded rows (train.packing False), its first step (a 2-process one cost a second process's start-up
+    and compilations)."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
-    padded = tmp_path_factory.mktemp("two_processes_padded")
+    padded = tmp_path_factory.mktemp("one_process_padded")
     _train(two, data_file, processes=2)
     _train(one, data_file, processes=1)
-    _train(padded, data_file, processes=2, flags=("--config.train.packing=False", "--config.train.steps=1"))
+    _train(padded, data_file, processes=1, flags=("--config.train.packing=False", "--config.train.steps=1"))
     return two, one, padded
 
 
-@pytest.mark.slow(seconds=240)  # the three runs of the fixture
+@pytest.mark.slow(seconds=190)  # the three runs of the fixture
 def test_two_processes_train_exactly_like_one(runs):
     two, one, _ = runs
     m2, m1 = _metrics(two), _metrics(one)
@@ -142,11 +143,12 @@ def test_two_processes_train_exactly_like_one(runs):
 
 @pytest.mark.slow(seconds=25)
 def test_two_processes_train_packed_like_padded(runs):
-    """Across processes, packed passes (each process plans every pass and places its rows of the plan) and
-    padded rows give the same step: the same samples, pi_old's entropy and the first loss to bfloat16's
-    round-off, and fewer tokens computed packed. (A random model earns no reward, so the update's gradients
-    are round-off, which AdamW's first step turns into full steps: later metrics and the parameters are
-    compared packed against padded in tests/test_rl_packing.py, on the 2x2x2 mesh and with mixed rewards.)"""
+    """Packed passes across 2 processes (each process plans every pass and places its rows of the plan) give
+    the step of padded rows (on one process): the same samples, pi_old's entropy and the first loss to
+    bfloat16's round-off, and fewer tokens computed packed. (A random model earns no reward, so the update's
+    gradients are round-off, which AdamW's first step turns into full steps: later metrics and the parameters
+    are compared packed against padded in tests/test_rl_packing.py, on the 2x2x2 mesh and with mixed
+    rewards.)"""
     two, _, padded = runs
     packed_rows, padded_rows = _metrics(two), _metrics(padded)
     for key in ("sampled_tokens_checksum", "response_length_mean", "tokens_real"):

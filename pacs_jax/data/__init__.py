@@ -7,7 +7,8 @@
     folder = data.local_folder("gs://bucket/tokenizer")   # a gs:// folder's local copy (data/remote.py)
 """
 
-from pacs_jax.data.pipeline import PipelineConfig, prompt_batches, prompt_iterator
+import importlib
+
 from pacs_jax.data.prompts import (CHAR_TOKENIZER, INSTRUCTION, MODEL_TOKENIZER, PromptExample, TokenizerChoiceError,
                                    build_prompts, load_tokenizer, render_prompt, run_tokenizer, user_message)
 from pacs_jax.data.char_tokenizer import CharTokenizer
@@ -21,3 +22,14 @@ __all__ = ["Problem", "DataError", "FORMATS", "FieldMap", "ReadStats", "load_pro
            "INSTRUCTION", "PromptExample", "build_prompts", "load_tokenizer", "render_prompt", "user_message",
            "PipelineConfig", "prompt_batches", "prompt_iterator", "CHAR_TOKENIZER", "CharTokenizer", "SOURCES",
            "training_problems", "MODEL_TOKENIZER", "TokenizerChoiceError", "run_tokenizer", "local_folder"]
+
+# The grain pipeline (PipelineConfig, prompt_batches, prompt_iterator), imported on first use (``__getattr__``): grain
+# and the Orbax it imports cost a process ~0.3-0.9 s of CPU, which one that only reads data or paths (the trainer's
+# command line before its config checks, the evaluator, the tools) never uses
+_PIPELINE = ("PipelineConfig", "prompt_batches", "prompt_iterator")
+
+
+def __getattr__(name: str):
+    if name in _PIPELINE:
+        return getattr(importlib.import_module("pacs_jax.data.pipeline"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,15 +8,18 @@ item overruns, so nothing here keeps time.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from pacs_jax.rewards.gsm8k import judge_gsm8k
-from pacs_jax.rewards.math import judge_math
-from pacs_jax.rewards.paper import judge_paper
 from pacs_jax.rewards.verdict import Verdict
 
-REWARDS: dict[str, Callable[[str, str], Verdict]] = {"math": judge_math, "gsm8k": judge_gsm8k, "paper": judge_paper}
+# Each reward's checker, as (module, function): imported by the worker process that scores with it (``checkers``,
+# before it answers READY), not where a reward is only named: sympy and math-verify, which the math and paper
+# checkers import, cost every trainer and evaluator process ~1.5 s of CPU at start-up.
+REWARDS: dict[str, tuple[str, str]] = {"math": ("pacs_jax.rewards.math", "judge_math"),
+                                       "gsm8k": ("pacs_jax.rewards.gsm8k", "judge_gsm8k"),
+                                       "paper": ("pacs_jax.rewards.paper", "judge_paper")}
 # reward.mode: "strict" scores with reward.name's checker; "paper" with the authors' call for every data source.
 REWARD_MODES = ("strict", "paper")
 
@@ -29,8 +32,14 @@ def reward_for(name: str, mode: str) -> str:
 READY = "ready"
 
 
+def checkers() -> dict[str, Callable[[str, str], Verdict]]:
+    """{REWARDS name: its checker}, their modules imported."""
+    return {name: getattr(importlib.import_module(module), function) for name, (module, function) in REWARDS.items()}
+
+
 def serve(inbox: Connection, outbox: Connection) -> None:
     """Answer messages from ``inbox`` on ``outbox`` until None or end of file."""
+    judges = checkers()
     outbox.send(READY)
     while True:
         try:
@@ -40,7 +49,7 @@ def serve(inbox: Connection, outbox: Connection) -> None:
         if message is None:
             return
         index, reward, response, ground_truth = message
-        score, status = REWARDS[reward](response, ground_truth)
+        score, status = judges[reward](response, ground_truth)
         outbox.send((index, score, status))
 
 
