@@ -22,7 +22,7 @@ import pytest
 
 from conftest import REPO
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
-from train_helpers import train_env
+from train_helpers import compile_cache_dir, train_env
 
 
 def _tool(name: str = "accelerator_check"):
@@ -38,8 +38,10 @@ def _tool(name: str = "accelerator_check"):
 
 @pytest.mark.slow(seconds=240)
 def test_tiny_check_runs_every_tool_and_prints_one_table(tmp_path):
+    """Its tools write every program they compile to the suite's compilation cache, so that one check reads
+    what another compiled (the random model's initialisers, the trainer's learner programs)."""
     result = subprocess.run([sys.executable, "tools/accelerator_check.py", "--size=tiny", f"--logs={tmp_path}",
-                             f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(),
+                             f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(compile_cache_dir()),
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("check  "):result.stdout.index("predicted: ")]

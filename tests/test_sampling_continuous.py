@@ -100,14 +100,16 @@ def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case)
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)], ids=["1dev", "2x2x2"])
 def test_greedy_continuous_and_paged_with_per_prompt_budgets_equal_transformers(hf, prompts, mesh_shape):
-    """2 slots over contiguous cache rows, and over a page pool of 7-token pages (dividing neither the
-    prompts nor the budgets): transformers' greedy tokens, each row cut at its own budget."""
-    budgets = [30, 6, 19, 1, 12]
-    reference, _ = hf_greedy(hf[1], prompts, 30)
-    for page_size in (None, 7):
+    """3 slots over contiguous cache rows (the rows queue), and 8 narrowing to 4 over a page pool of
+    4-token pages (dividing neither the prompts nor the budgets): transformers' greedy tokens, each row
+    cut at its own budget. On one device the samplers are the n 1 programs of the test above (the
+    budgets, the stop ids and the temperature are their arguments): none compiled again."""
+    budgets = [23, 6, 19, 1, 13]
+    reference, _ = hf_greedy(hf[1], prompts, 24)
+    for slots, tail_slots, page_size in ((3, None, None), (8, 4, 4)):
         with on_mesh(mesh_shape):
-            out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=30, stop_token_ids=(), slots=2,
-                                    budgets=budgets, page_size=page_size)
+            out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=24, stop_token_ids=(), slots=slots,
+                                    tail_slots=tail_slots, budgets=budgets, page_size=page_size)
         for row, budget in enumerate(budgets):
             assert out.tokens[row] == reference[row, :budget].tolist(), (page_size, row)
         assert out.finish_reason == ["length"] * len(prompts)

@@ -177,7 +177,7 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
         fills = (16, 48)
         sampling = (*model, "--dtypes=float32", "--batch=4", "--n=2", "--slots=4", "--tail-slots=2", "--new=16",
                     "--prompt=16")
-        update = ("--preset=", "--prompts=2", "--budget=64")
+        update = ("--preset=", "--prompts=2", "--budget=16", "--dtype=float32")
         limit = 900
     else:
         model = ("--preset=Qwen2.5-1.5B",)

@@ -5,10 +5,11 @@
 
 ``slots`` random prompts of ``fill`` tokens, one greedy sample each (no stop id), in ``slots`` decode
 slots of the paged sampler (random weights). A decode step's time is (t(1 + steps tokens) - t(1
-token)) / steps, best of ``rounds`` each (prefill and first token cancel; both programs compiled
-first). What a step must read: the weights in the compute dtype (the decode layout) and the live
-K/V pages, slots x (fill + steps / 2 on average) tokens x layers x 2 (K and V) x kv heads x head dim,
-each token's page read whole (rounded up to pages). The copy bandwidth is measured in the same
+token)) / steps, best of ``rounds`` each (prefill and first token cancel): one program, the 1-token
+call the same call with every row's budget 1 (no decode step), compiled and run once first. What a
+step must read: the weights in the compute dtype (the decode layout) and the live K/V pages, slots x
+(fill + steps / 2 on average) tokens x layers x 2 (K and V) x kv heads x head dim, each token's page
+read whole (rounded up to pages). The copy bandwidth is measured in the same
 process: a jitted negation of a ``--copy-mb`` array (bytes read + written / its best time). Prints
 ``decode step X ms, Y GB live, Z of the measured copy bandwidth`` (Z: Y / X over the copy rate). X is
 "n/a (too short to time)" when the difference is not positive (the steps took no longer than noise
@@ -84,18 +85,21 @@ def main():
     print(f"{args.preset} ({args.dtype}): {args.slots} slots, {args.fill}-token prompts, {args.steps} decode steps, "
           f"pages of {args.page_size}, {cfg.num_hidden_layers} layers; {device_line()}")
 
+    settings = sampling.SamplingSettings(max_new_tokens=1 + args.steps, slots=args.slots, page_size=args.page_size)
+
     def run(new_tokens: int):
-        settings = sampling.SamplingSettings(max_new_tokens=new_tokens, slots=args.slots, page_size=args.page_size)
+        budgets = np.full(args.slots, new_tokens, np.int32)
         return lambda: jax.block_until_ready(sampling.sample(graphdef, state, tokens, mask, settings,
-                                                             jax.random.key(0)).tokens)
+                                                             jax.random.key(0), budgets).tokens)
 
     long, short = run(1 + args.steps), run(1)
-    long(), short()  # compile
+    long(), short()  # compile, and the first call of each
     step = (best_seconds(long, args.rounds) - best_seconds(short, args.rounds)) / args.steps
     rate = copy_rate(args.copy_mb, args.rounds)
     live = step_bytes(cfg, params, args.slots, args.fill, args.steps, args.page_size)
+    size = 1024 if jax.devices()[0].platform == "cpu" else 4096  # a CPU's rate at 4096: seconds of a check
     print(f"copy bandwidth {rate / 1e9:.1f} GB/s (read + write of a {args.copy_mb} MiB array); {args.dtype} matmul "
-          f"{matmul_rate(args.dtype, rounds=args.rounds) / 1e12:.2f} TFLOP/s")
+          f"{matmul_rate(args.dtype, size, args.rounds) / 1e12:.2f} TFLOP/s ({size}^3)")
     print(result_line(step, live, rate))
 
 
