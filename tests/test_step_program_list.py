@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -72,9 +73,15 @@ def _lowered_texts(lowered) -> list[str]:
     """The HLO text of each program a lowering holds: a jitted function's, or each ``jax.stages.Lowered``
     among its fields (the sampler's start program, carry-over's programs)."""
     if isinstance(lowered, jax.stages.Lowered):
-        return [lowered.as_text()]
+        return [_unnamed(lowered.as_text())]
     fields = [getattr(lowered, field.name) for field in dataclasses.fields(lowered)]
-    return [field.as_text() for field in fields if isinstance(field, jax.stages.Lowered)]
+    return [_unnamed(field.as_text()) for field in fields if isinstance(field, jax.stages.Lowered)]
+
+
+def _unnamed(text: str) -> str:
+    """The HLO text without its module's name, which is the jitted Python function's (``module
+    @jit_insert_program``): a function renamed in a move is the same program."""
+    return re.sub(r"^module @\S+", "module @program", text, count=1, flags=re.M)
 
 
 def program_list(name: str) -> list[dict]:
