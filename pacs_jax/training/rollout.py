@@ -11,7 +11,7 @@ learner makes the update batch of them (``collect``, then ``finish``). Carry-ove
 ``carry_over_source``): the engine keeps responses in flight between steps, and its prompt source
 (training/engine/carry_over.py) samples each step's rows.
 
-One step off (``OneStepOff``; One step off (``train.off_policy_steps=1``; issue 50; docs/design.md section 3.2c): the rollout engine
+One step off (``OneStepOff``; ``train.off_policy_steps=1``; issue 50; docs/design.md section 3.2c): the rollout engine
 samples and scores step s + 1's rows while the learner trains step s.
 
     ahead = OneStepOff(programs, collector, prompts, watch)     # the loop's, when train.off_policy_steps=1
