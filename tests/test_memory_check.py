@@ -79,7 +79,7 @@ def test_the_step_programs_memory_is_xlas_and_counts_the_state_outside_each(pack
     if packing:  # 64 rows in 2 micro-batches of pi_old (2 mini-batches of the update) on 4 batch shards: 8 rows
         # a micro-batch and shard; passes of a quarter of those, 2 rows a shard, at most 4 (the update: 4 x 8 rows
         # in a mini-batch of 32 rows) or 8 (pi_old: 64 rows) passes
-        assert {k: (v["rows"], v["passes"]) for k, v in programs.learner._layouts().items()} == {"logprob": (2, 8),
+        assert {k: (v.rows, v.passes) for k, v in programs.learner.layouts().items()} == {"logprob": (2, 8),
                                                                                           "update": (2, 4)}
         assert names == ["sampler", "assemble", "pi_old", "update", "rollout_consistency"], names
     else:
