@@ -280,3 +280,35 @@ def test_the_two_schedulers_meet_only_in_the_engine_seam():
     for module in carry_over:
         assert engine not in reachable(graph, module), f"{module} reaches {engine}"
     assert seam in graph["pacs_jax.sampling.carry_over_programs"]
+
+
+def graph_figures(graph: dict[str, set[str]], package: str) -> tuple[int, int, int]:
+    """(modules, layers, imports) of ``package``'s part of ``graph``: a module that imports none of the part
+    is layer 1, any other one above the highest it imports (the graph is acyclic:
+    test_pacs_jax_has_no_import_cycle)."""
+    part = {m: {t for t in edges if _in(t, package)} for m, edges in graph.items() if _in(m, package)}
+    layers: dict[str, int] = {}
+
+    def layer(module: str) -> int:
+        if module not in layers:
+            layers[module] = 1 + max((layer(t) for t in part[module] if t != module), default=0)
+        return layers[module]
+
+    return len(part), max(map(layer, part)), sum(len(edges - {m}) for m, edges in part.items())
+
+
+
+def test_graph_figures_count_modules_layers_and_imports(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/low.py": "", "pkg/mid.py": "from pkg import low\n",
+                      "pkg/top.py": "from pkg import low, mid\nimport json\n"})
+    # pkg, low: layer 1; mid imports low: 2; top imports low and mid: 3 (pkg, which they lie in, is no import)
+    assert graph_figures(import_graph(tmp_path, "pkg"), "pkg") == (4, 3, 3)
+
+if __name__ == "__main__":  # python tests/test_import_graph.py [CHECKOUT]: the figures of a checkout (this one)
+    import sys
+
+    root = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
+    whole = import_graph(root, "pacs_jax")
+    for name in ("pacs_jax", "pacs_jax.training"):
+        modules, layers, imports = graph_figures(whole, name)
+        print(f"{name}: {modules} modules, {layers} layers, {imports} imports, cycle: {find_cycle(whole)}")
