@@ -96,6 +96,14 @@ def _search(pattern: str, text: str, path: pathlib.Path, what: str) -> re.Match:
     return match
 
 
+def _required(rows: dict, names: tuple[str, ...], path: pathlib.Path, table: str) -> list:
+    """The rows ``names`` of a parsed table, in that order; a missing one is an OutputError naming it."""
+    missing = [name for name in names if name not in rows]
+    if missing:
+        raise OutputError(f"{path}: no {missing[0]} row in the {table}")
+    return [rows[name] for name in names]
+
+
 def memory_programs(text: str, path: pathlib.Path) -> dict[str, dict[str, str]]:
     """plan_memory's per-program table: {program: {column: value as printed}}."""
     head = _search(r"^program\s+args\s+.*$", text, path, "per-program table")
@@ -120,12 +128,8 @@ def memory_row(config: str, topology: str) -> str:
     peak = _search(r"^peak per device: ([\d.]+) GiB of ([\d.]+) GiB \((fits|does not fit)\)$", text, path,
                    "'peak per device' line")
     programs = memory_programs(text, path)
-    cells = []
-    for name in ("sampler", "pi_old", "update"):
-        p = programs.get(name)
-        if p is None:
-            raise OutputError(f"{path}: no {name} row in the per-program table")
-        cells.append(f"{p['total']} ({p['peak']})")
+    cells = [f"{p['total']} ({p['peak']})"
+             for p in _required(programs, ("sampler", "pi_old", "update"), path, "per-program table")]
     narrowing = f" → {slots.group(2)}" if slots.group(2) else ""
     return (f"| `{config}` | {topology} | ({', '.join(mesh.groups())}) | {slots.group(1)}{narrowing} | "
             + " | ".join(cells) + f" | {peak.group(1)} of {peak.group(2)} GiB: {peak.group(3)} |")
@@ -157,12 +161,8 @@ def step_row(config: str, topology: str) -> str:
     run = _search(r"^run: (\d+) steps, ([\d.]+) h, (\d+) chip-hours on ", text, path, "'run:' line")
     seconds = _search(r"\((?:[^,]*), (?:[^,]*), (\d+) s\)$", header, path, "wall time in the header")
     phases = step_phases(text, path)
-    cells = []
-    for name in ("decode", "pi_old", "update"):
-        if name not in phases:
-            raise OutputError(f"{path}: no {name} row in the phase table")
-        bound, phase_seconds, ratio = phases[name]
-        cells.append(f"{bound}, {phase_seconds} s, {ratio}")
+    cells = [f"{bound}, {phase_seconds} s, {ratio}"
+             for bound, phase_seconds, ratio in _required(phases, ("decode", "pi_old", "update"), path, "phase table")]
     # issue 50's lines (outputs kept before them have none: "-")
     carry = re.search(r"^with carry-over \(rollout.carry_over, max_staleness (\d+);.*, ([\d.]+%) of decoded tokens "
                       r"dropped as stale: decode [\d.]+ s, prefill x\d+ [\d.]+ s, step ([\d.]+) s predicted", text, re.M)
