@@ -23,7 +23,7 @@ from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.training.config_check import ConfigError, validate_config
 from pacs_jax.rewards import STATUSES
 from pacs_jax.training.progress import StepWatch
-from pacs_jax.training.records import Collected, Scores
+from pacs_jax.training.records import Collected, PhaseTimes, Scores
 from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
@@ -136,7 +136,7 @@ def test_bypass_mode_takes_the_samplers_log_probs_as_pi_old_and_corrects_in_the_
                                  decode_steps=R, slot_utilisation=1.0)
     scores = Scores(REWARDS, [STATUSES[0]] * B, np.zeros(B, np.int32), 0, 0.0, 0)
     rollout = RolloutCollector.from_spec(spec, programs, decode=lambda ids: "", reward_pool=None).finish(
-        params, Collected(rows, scores, {}, {"time_sample": 0.0, "time_reward": 0.0}), StepWatch.silent())
+        params, Collected(rows, scores, {}, PhaseTimes()), StepWatch.silent())
     assert "entropy" not in rollout.metrics  # no pass measured it
     assert all(np.isfinite(value) for value in rollout.metrics.values()), rollout.metrics
     batch = update_batch = rollout.batch
