@@ -56,6 +56,14 @@ def get_config() -> ml_collections.ConfigDict:
         dtype="bfloat16", param_dtype="float32", remat="none",
         attention="auto",         # auto | xla | cudnn | splash (auto: splash on TPU, cudnn on GPU, xla elsewhere)
         attention_block_size=512,
+        # LoRA (verl's names; pacs_jax/models/lora.py): lora_rank 0 = full fine-tuning; > 0 trains adapters A [in, r]
+        # and B [r, out] (B = 0 at the start, scale lora_alpha / lora_rank) on target_modules and freezes the rest.
+        # Peers' advice: every linear layer, rank >= 32 (rank 1 already matches full RL in "LoRA Without Regret"),
+        # and about 10x full fine-tuning's optim.lr.
+        lora_rank=0,
+        lora_alpha=16.0,
+        target_modules=ml_collections.FieldReference("all-linear", field_type=object),  # all-linear | a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+                                  # down_proj | a regular expression searched in "self_attn.q_proj", "mlp.up_proj", ...
     ))
 
     c.mesh = ml_collections.ConfigDict(dict(
@@ -150,6 +158,13 @@ def get_config() -> ml_collections.ConfigDict:
         bypass_mode=False,            # True: the sampler's log-probs as pi_old (no pi_old pass), corrected in the loss
         loss_type="ppo_clip",         # bypass_mode's loss: ppo_clip (the objective; no weights) | reinforce (-A w log pi)
     ))
+
+    # KL to a reference model in the actor's loss (verl's actor.use_kl_loss; pacs_jax/rl/kl.py): the reference is
+    # the base model with the adapters off under LoRA, else the model RL starts from (a frozen copy)
+    c.algorithm.use_kl_loss = False
+    c.algorithm.kl_loss_coef = 0.001
+    c.algorithm.kl_loss_type = "low_var_kl"  # k1 (kl) | abs | k2 (mse) | low_var_kl (k3), each also with "+": k2's
+                                  # gradient under the estimator's value (verl's straight-through)
 
     # DAPO's dynamic sampling (pacs_jax/rl/filter_groups.py, docs/design.md 6.9), verl's algorithm.filter_groups:
     # a prompt group whose responses all score the same teaches nothing; it is dropped and more prompts are

@@ -16,6 +16,8 @@ from etils import epath
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")  # see pacs_jax/models/attention.py
+# The linear layers LoRA adapters may target, by PEFT's names for a Qwen (models/lora.py)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,10 @@ class QwenConfig:
     remat: str = "none"  # one of REMAT_POLICIES; applies to the gradient path only
     attention: str = "auto"  # one of ATTENTION_IMPLS: auto = splash on TPU, cudnn on GPU, xla elsewhere
     attention_block_size: int = 512  # key/value block of the blockwise attention
+    # LoRA adapters (models/lora.py): rank 0 = none; their scale is lora_alpha / lora_rank
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()  # of LORA_MODULES
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -64,6 +70,13 @@ class QwenConfig:
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{field}={getattr(self, field)!r}: expected float32, bfloat16 or float16")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.lora_rank < 0 or (self.lora_rank > 0 and (self.lora_alpha <= 0 or not self.lora_targets)):
+            raise ValueError(f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, lora_targets="
+                             f"{self.lora_targets}: a rank >= 0, and with a rank > 0 an alpha > 0 and targets")
+        unknown = set(self.lora_targets) - set(LORA_MODULES)
+        if unknown:
+            raise ValueError(f"lora_targets: {sorted(unknown)} are not among {LORA_MODULES}")
 
     @property
     def qk_norm(self) -> bool:

@@ -388,9 +388,7 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
                                    no_tokenizer=no_tokenizer)
             return _upload(written, epath.Path(out_dir), overwrite=overwrite)
     out_dir = pathlib.Path(out_dir)
-    check_export_target(out_dir, overwrite=overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = staging_folder(out_dir, overwrite=overwrite)
     try:
         single, index_name = (SAFE_SINGLE, SAFE_INDEX) if fmt == "safetensors" else (BIN_SINGLE, BIN_INDEX)
         stem, ext = single.rsplit(".", 1)
@@ -427,19 +425,33 @@ def write_hf_dir(out_dir: str | os.PathLike, cfg: QwenConfig, tensors: Iterator[
                 shutil.copy2(tokenizer_dir / f, tmp / f)
         else:
             (tmp / NO_TOKENIZER_NOTE).write_text(_no_tokenizer_note(no_tokenizer))
-        (tmp / EXPORT_MARKER).write_text(json.dumps(
-            {"written_by": "pacs_jax", "files": sorted(p.name for p in tmp.iterdir())}, indent=2))
-        for path in tmp.iterdir():  # safetensors writes 0600 files, mkdtemp a 0700 folder
-            publish_mode(path)
-        publish_mode(tmp, directory=True)  # -> what open() and mkdir() give
-        if out_dir.exists():
-            check_export_target(out_dir, overwrite=overwrite)  # again: it may have changed while writing
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        publish_export(tmp, out_dir, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def staging_folder(out_dir: pathlib.Path, *, overwrite: bool) -> pathlib.Path:
+    """A fresh temporary folder beside ``out_dir`` to write an export into (``publish_export`` renames it),
+    once ``out_dir`` is known to be replaceable (``check_export_target``)."""
+    check_export_target(out_dir, overwrite=overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+
+
+def publish_export(tmp: pathlib.Path, out_dir: pathlib.Path, *, overwrite: bool) -> None:
+    """The export written in ``tmp`` (``staging_folder``) listed in its ``EXPORT_MARKER``, given the modes
+    ``open()`` and ``mkdir()`` give, and renamed to ``out_dir`` (a previous export there replaced)."""
+    (tmp / EXPORT_MARKER).write_text(json.dumps(
+        {"written_by": "pacs_jax", "files": sorted(p.name for p in tmp.iterdir())}, indent=2))
+    for path in tmp.iterdir():  # safetensors writes 0600 files, mkdtemp a 0700 folder
+        publish_mode(path)
+    publish_mode(tmp, directory=True)  # -> what open() and mkdir() give
+    if out_dir.exists():
+        check_export_target(out_dir, overwrite=overwrite)  # again: it may have changed while writing
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
 
 
 def _upload(export: pathlib.Path, out_dir: epath.Path, *, overwrite: bool) -> epath.Path:

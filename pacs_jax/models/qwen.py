@@ -24,6 +24,7 @@ prefill), and, in decode, attention over the filled slots of the cache only.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -55,23 +56,29 @@ CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", None)
 
 
 def init_value(kind: str, key: jax.Array, shape, dtype) -> jax.Array:
-    """A parameter's initial value: "normal" (std 0.02), "ones" or "zeros"."""
+    """A parameter's initial value: "normal" (std 0.02), "ones", "zeros", or "lora_a": a stacked LoRA A
+    [L, in..., r] uniform in +-1 / sqrt(fan_in), fan_in the product of its input dims (PEFT's default)."""
     if kind == "ones":
         return jnp.ones(shape, dtype)
     if kind == "zeros":
         return jnp.zeros(shape, dtype)
+    if kind == "lora_a":
+        bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
     return 0.02 * jax.random.normal(key, shape, dtype)
 
 
-def make_param(rngs: nnx.Rngs, shape, logical_axes, dtype, init="normal", layers: int | None = None) -> nnx.Param:
+def make_param(rngs: nnx.Rngs, shape, logical_axes, dtype, init="normal", layers: int | None = None,
+               kind: type[nnx.Param] = nnx.Param, **metadata) -> nnx.Param:
     """A parameter of ``shape`` (with a leading [layers] axis, logical name "layers", when stacked).
 
-    Its metadata keeps the logical axes (for sharding) and the init kind (for ``init_random``).
+    Its metadata keeps the logical axes (for sharding) and the init kind (for ``init_random``); ``kind``:
+    its variable type (``nnx.LoRAParam`` for an adapter).
     """
     if layers is not None:
         shape, logical_axes = (layers, *shape), ("layers", *logical_axes)
-    key = rngs.params() if init == "normal" else None
-    return nnx.Param(init_value(init, key, shape, dtype), logical_axes=tuple(logical_axes), init_kind=init)
+    key = rngs.params() if init in ("normal", "lora_a") else None
+    return kind(init_value(init, key, shape, dtype), logical_axes=tuple(logical_axes), init_kind=init, **metadata)
 
 
 class RMSNorm(nnx.Module):
@@ -100,6 +107,32 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+class Adapter(nnx.Module):
+    """A LoRA adapter of one linear layer (models/lora.py): x [..., in...] -> scale (x A) B [..., out...],
+    A [in..., r] and B [r, out...] (stacked: [L, ...]), logical axes those of the layer's kernel on its in
+    and out dims; scale = alpha / r."""
+
+    def __init__(self, cfg: QwenConfig, in_dims: tuple[tuple[int, str], ...], out_dims: tuple[tuple[int, str], ...],
+                 rngs: nnx.Rngs, layers: int | None):
+        r, pd = cfg.lora_rank, cfg.param_dtype
+        (in_shape, in_axes), (out_shape, out_axes) = zip(*in_dims), zip(*out_dims)
+        param = functools.partial(make_param, rngs, dtype=pd, layers=layers, kind=nnx.LoRAParam)
+        self.a = param((*in_shape, r), (*in_axes, None), init="lora_a", lora_factor="a")
+        self.b = param((r, *out_shape), (None, *out_axes), init="zeros", lora_factor="b")
+        self.scale = cfg.lora_alpha / r
+        letters = "ijk"[:len(in_shape)], "opq"[:len(out_shape)]
+        self.specs = (f"...{letters[0]},{letters[0]}r->...r", f"...r,r{letters[1]}->...{letters[1]}")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        down = constrain(_dot_rounded(self.specs[0], x, self.a[...]), ("batch", "length", None))  # [B, T, r]
+        return _dot_rounded(self.specs[1], down, self.b[...]) * jnp.asarray(self.scale, x.dtype)
+
+
+def adapter(cfg: QwenConfig, name: str, in_dims, out_dims, rngs: nnx.Rngs, layers: int | None) -> Adapter | None:
+    """The adapter of module ``name`` (PEFT's name: "q_proj", ...) when cfg targets it, else None."""
+    return Adapter(cfg, in_dims, out_dims, rngs, layers) if name in cfg.lora_targets else None
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with rotary embeddings (+ q/k biases or q/k RMSNorm per head)."""
 
@@ -111,6 +144,11 @@ class Attention(nnx.Module):
         self.k_kernel = param((D, K, Dh), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = param((D, K, Dh), ("embed", "kv_heads", "head_dim"))
         self.o_kernel = param((H, Dh, D), ("heads", "head_dim", "embed"))
+        embed, heads, kv = ((D, "embed"),), ((H, "heads"), (Dh, "head_dim")), ((K, "kv_heads"), (Dh, "head_dim"))
+        self.q_lora = adapter(cfg, "q_proj", embed, heads, rngs, layers)
+        self.k_lora = adapter(cfg, "k_proj", embed, kv, rngs, layers)
+        self.v_lora = adapter(cfg, "v_proj", embed, kv, rngs, layers)
+        self.o_lora = adapter(cfg, "o_proj", heads, embed, rngs, layers)
         if cfg.attention_bias:
             self.q_bias = param((H, Dh), ("heads", "head_dim"), init="zeros")
             self.k_bias = param((K, Dh), ("kv_heads", "head_dim"), init="zeros")
@@ -119,8 +157,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers)
             self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers)
 
-    def _project(self, x, kernel, bias_name):
+    def _project(self, x, kernel, bias_name, lora: Adapter | None):
         out = _dot_rounded("btd,dnh->btnh", x, kernel[...])
+        if lora is not None:
+            out = out + lora(x)
         if self.cfg.attention_bias:
             out = out + getattr(self, bias_name)[...].astype(x.dtype)
         return out
@@ -138,9 +178,9 @@ class Attention(nnx.Module):
         Returns (out [B, T, D], the updated (k, v) caches, or None without a cache).
         """
         cfg = self.cfg
-        q = self._project(x, self.q_kernel, "q_bias")  # [B, T, H, Dh]
-        k = self._project(x, self.k_kernel, "k_bias")  # [B, T, K, Dh]
-        v = self._project(x, self.v_kernel, "v_bias")
+        q = self._project(x, self.q_kernel, "q_bias", self.q_lora)  # [B, T, H, Dh]
+        k = self._project(x, self.k_kernel, "k_bias", self.k_lora)  # [B, T, K, Dh]
+        v = self._project(x, self.v_kernel, "v_bias", self.v_lora)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary(q, positions, cfg.rope_theta)
@@ -170,7 +210,10 @@ class Attention(nnx.Module):
             out = attention(q, k, v, kv_valid[:, :q.shape[1]], segment_ids=segment_ids,
                             impl=resolve_impl(cfg.attention, platform()),
                             block_size=cfg.attention_block_size)  # [B, T, H, Dh]
-        out = _dot_rounded("btnh,nhd->btd", out, self.o_kernel[...])
+        attended = out
+        out = _dot_rounded("btnh,nhd->btd", attended, self.o_kernel[...])
+        if self.o_lora is not None:
+            out = out + self.o_lora(attended)
         return out, new_cache
 
 
@@ -240,15 +283,23 @@ class MLP(nnx.Module):
         self.gate_kernel = param((D, F), ("embed", "mlp"))
         self.up_kernel = param((D, F), ("embed", "mlp"))
         self.down_kernel = param((F, D), ("mlp", "embed"))
+        embed, mlp = ((D, "embed"),), ((F, "mlp"),)
+        self.gate_lora = adapter(cfg, "gate_proj", embed, mlp, rngs, layers)
+        self.up_lora = adapter(cfg, "up_proj", embed, mlp, rngs, layers)
+        self.down_lora = adapter(cfg, "down_proj", mlp, embed, rngs, layers)
+
+    def _linear(self, spec: str, x, kernel, lora: Adapter | None):
+        out = _dot_rounded(spec, x, kernel[...])
+        return out if lora is None else out + lora(x)
 
     def __call__(self, x):
         # gate and up rounded to the compute dtype, SwiGLU in float32 (vLLM's silu_and_mul; transformers
         # in bfloat16 rounds them too): their gemms write [B, T, F] in bfloat16, not float32 (issue 52)
-        gate = _dot_rounded("...d,df->...f", x, self.gate_kernel[...])
-        up = _dot_rounded("...d,df->...f", x, self.up_kernel[...])
+        gate = self._linear("...d,df->...f", x, self.gate_kernel, self.gate_lora)
+        up = self._linear("...d,df->...f", x, self.up_kernel, self.up_lora)
         h = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
         h = constrain(h.astype(x.dtype), ("batch", "length", "act_mlp"))
-        return _dot_rounded("...f,fd->...d", h, self.down_kernel[...])
+        return self._linear("...f,fd->...d", h, self.down_kernel, self.down_lora)
 
 
 class DecoderLayer(nnx.Module):

@@ -20,6 +20,8 @@ mini-batch at once.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,20 +29,24 @@ import jax
 from flax import nnx
 
 from pacs_jax.rl.bypass import Bypass, bypass_objective
+from pacs_jax.rl.kl import with_kl_loss
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, packed_response_logprobs, response_logprobs
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
 from pacs_jax.rl.objectives import get_objective
 from pacs_jax.rl.packing import accumulate_passes
+from pacs_jax.rl.policy_gradient import aggregate
 from pacs_jax.rl.update_batch import UpdateBatch
 
 
 def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
                      objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                     bypass: Bypass | None = None) -> Callable[[nnx.State, UpdateBatch], tuple]:
-    """The pure (un-jitted) ``(params, batch) -> (loss, metrics, grads)``, to compose into a train step.
+                     bypass: Bypass | None = None, kl: KLLoss | None = None) -> Callable[..., tuple]:
+    """The pure (un-jitted) ``(params, batch, frozen=None) -> (loss, metrics, grads)``, to compose into a
+    train step.
 
-    graphdef/params: ``nnx.split(model)`` of a model whose state is all parameters. objective: a name
+    graphdef/params: ``nnx.split(model)`` of a model whose state is all parameters, or the trainable part of
+    it (LoRA's adapters) with the rest as ``frozen`` (no gradient; grads then only for params). objective: a name
     in pacs_jax.rl.OBJECTIVES, with ``objective_options`` bound. grads: same structure as params, in
     float32. metrics: the objective's metrics averaged over micro-batches (means are exact; a
     "_std" metric is the mean of the micro-batch stds). bypass: the rollout correction's bypass mode
@@ -51,24 +57,43 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     K = num_micro_batches
     kwargs = dict(temperature=temperature, chunk_size=chunk_size)
 
-    def forward(params, rows, plan=None):
+    def forward(params, rows, plan=None, frozen=()):
         """log pi_theta of the response tokens [b, R] (packed: of the pass ``plan``'s rows)."""
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, params, *frozen)
         if plan is not None:
             return packed_response_logprobs(model, rows.input_ids, rows.attention_mask, plan, **kwargs)
         return response_logprobs(model, rows.input_ids, rows.attention_mask, rows.response_mask.shape[1], **kwargs)
 
     def loss(logp, rows, totals):
+        extra = {} if kl is None else {"ref_logp": rows.ref_logp}
         return fn(logp, rows.old_logp, rows.response_mask, rows.rewards, group_size, totals=totals,
-                  advantages=rows.advantages, rollout_is_weights=rows.rollout_is_weights)
+                  advantages=rows.advantages, rollout_is_weights=rows.rollout_is_weights, **extra)
 
-    grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(forward(params, micro), micro, totals),
-                                 has_aux=True)
-
-    def loss_and_grad(params: nnx.State, batch: UpdateBatch):
+    def loss_and_grad(params: nnx.State, batch: UpdateBatch, frozen: nnx.State | None = None):
+        held = () if frozen is None else (frozen,)
+        run = functools.partial(forward, frozen=held)
         if batch.packing is not None:
-            return accumulate_passes(forward, loss, params, batch.replace(packing=None), batch.packing, batch.old_logp,
+            return accumulate_passes(run, loss, params, batch.replace(packing=None), batch.packing, batch.old_logp,
                                      unit=group_size, num_micro_batches=K)
+        grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(run(params, micro), micro, totals),
+                                     has_aux=True)
         return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
 
     return loss_and_grad
+
+
+@dataclasses.dataclass(frozen=True)
+class KLLoss:
+    """``algorithm.use_kl_loss``'s loss: the estimator (rl/kl.py ``KL_LOSS_TYPES``) and its coefficient."""
+
+    kind: str
+    coef: float
+
+
+def kl_aggregate(options: Mapping[str, Any]) -> Callable:
+    """The KL loss's token aggregation for an objective of ``options``: its own loss_agg_mode and loss_scale
+    (verl's actor aggregates the KL as its policy loss), token-mean where it has none (PACS)."""
+    keys = ("loss_scale", "verl_micro_batch_size", "norm_length")
+    scale = {k: options[k] for k in keys if k in options}
+    mode = options.get("loss_agg_mode", "token-mean")
+    return lambda kld, mask, totals: aggregate(kld, mask, mode, totals=totals, **scale)

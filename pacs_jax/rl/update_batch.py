@@ -30,6 +30,8 @@ class UpdateBatch:
     rewards             [B] float32     verifiable rewards; None until the rows are scored
     advantages          [B, R] float32  objective "ppo": GAE's whitened advantages (training/learner/critic_step.py)
     rollout_is_weights  [B, R] float32  the rollout correction's weights (rl/rollout_correction.py)
+    ref_logp            [B, R] float32  the KL loss's reference model's log-probs of the response tokens
+                                        (``algorithm.use_kl_loss``; rl/kl.py)
     packing             the update's packing plan (``train.packing``): the batch then runs as its
                         packed passes (``rl.packing.accumulate_passes``), not as micro-batches
     """
@@ -41,6 +43,7 @@ class UpdateBatch:
     rewards: jax.Array | None = None
     advantages: jax.Array | None = None
     rollout_is_weights: jax.Array | None = None
+    ref_logp: jax.Array | None = None
     packing: PackedPlanArrays | None = None
 
 

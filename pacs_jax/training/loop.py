@@ -45,7 +45,9 @@ from pacs_jax.training import memory_check
 from pacs_jax.training.compilations import compilations, start_counting, uncounted
 from pacs_jax.training.engine.carry_over import CarryOverRollouts
 from pacs_jax.training.learner.critic_step import PPOCritic, critic_step
+from pacs_jax.training.learner.kl_reference import frozen_reference
 from pacs_jax.training.learner.train_state import CriticTrainState, TrainState, restore_latest, save
+from pacs_jax.training.learner.trainable import Trainable
 from pacs_jax.training.metrics import MetricsLogger
 from pacs_jax.training.option_lines import step_line
 from pacs_jax.training.progress import StepInterrupted, StepWatch, dispatches_done
@@ -150,7 +152,8 @@ def _rl_train(spec: RunSpec, workdir: str | os.PathLike, model: Qwen, prompts: P
             rollout, critic_metrics, per_minibatch, t_update = _rollout_and_update(run, step, previous_unsaved)
         except StepInterrupted as interrupted:  # before the update, or in it with step - 1's checkpoint on disk
             _drop_step(interrupted, signals.requested, run.saved, run.checkpointer, run.logger, run.state,
-                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()})
+                       lambda: {"step": step - 1, "seed": spec.seed, "data_state": data_state()},
+                       run.programs.learner.trainable)
             return run.finish(step - 1, stopped=True, dropped_step=step)
         update_metrics = _mean_metrics(per_minibatch)
         time_update = time.perf_counter() - t_update
@@ -217,7 +220,8 @@ class _Run:
         checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
                                          keep=tc.keep_checkpoints, with_critic=critic is not None)
         primary = jax.process_index() == 0
-        restored = restore_latest(checkpointer, state, warn=lambda line: print(line, flush=True) if primary else None)
+        restored = restore_latest(checkpointer, state, warn=lambda line: print(line, flush=True) if primary else None,
+                                  trainable=programs.learner.trainable)
         start = 0
         if restored is not None:
             start, state = restored.step, restored.state
@@ -229,6 +233,7 @@ class _Run:
         start_counting()
         logger = MetricsLogger(workdir, tc.steps, start)
         collector = RolloutCollector.from_spec(spec, programs, decode=decode, reward_pool=reward_pool, carry=carry)
+        collector.batcher.hold_reference(frozen_reference(spec, workdir, state.params, resumed=start > 0))
         run = cls(spec, graphdef, programs, prompts, carry, collector, state, checkpointer, logger, None, signals,
                   start, start, keep_first_step)
         run.watch = run.new_watch()
@@ -333,12 +338,13 @@ def _checkpoint_and_stop(run: _Run, step: int, metrics: dict, on_step: Callable[
                     "data_state": run.prompts.get_state() if ahead is None else ahead.state_before(step + 1)}
     preempted = signals.safe_point()  # several processes: the same step on every one
     preempted = preempted or (ahead is not None and ahead.interrupted)  # a stop while sampling step + 1
-    if _save(run.checkpointer, step, run.state, meta, force=preempted or step == tc.steps):
+    if _save(run.checkpointer, step, run.state, meta, force=preempted or step == tc.steps,
+             trainable=run.programs.learner.trainable):
         run.saved = step
     if on_step is not None:
         on_step(step, nnx.merge(run.graphdef, run.state.params), metrics)
     if run.single_process and not preempted and signals.requested is not None:  # arrived during on_step
-        _save(run.checkpointer, step, run.state, meta, force=True)
+        _save(run.checkpointer, step, run.state, meta, force=True, trainable=run.programs.learner.trainable)
         preempted = True
     if not preempted:
         return False
@@ -354,10 +360,11 @@ def _checkpoint_and_stop(run: _Run, step: int, metrics: dict, on_step: Callable[
     return True
 
 
-def _save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta, *, force: bool) -> bool:
+def _save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta, *, force: bool,
+          trainable: Trainable) -> bool:
     """``train_state.save``, its compilations (Orbax's own) not in the steps' ``compilations`` metric."""
     with uncounted():
-        return save(checkpointer, step, state, meta, force=force)
+        return save(checkpointer, step, state, meta, force=force, trainable=trainable)
 
 
 def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, ahead: OneStepOff | None,
@@ -372,14 +379,14 @@ def _state_before_batch(prompts: PromptSource, carry: CarryOverRollouts | None, 
 
 
 def _drop_step(interrupted: StepInterrupted, signal_name: str, saved: int, checkpointer: TrainCheckpointer,
-               logger: MetricsLogger, state: TrainState, meta: Callable[[], dict]) -> None:
+               logger: MetricsLogger, state: TrainState, meta: Callable[[], dict], trainable: Trainable) -> None:
     """A stop signal ended step S before its update (or in it, when step S - 1's checkpoint is on disk:
     then nothing is written, the update's donated state is abandoned): write the checkpoint of step
     S - 1 (``state`` and ``meta()`` are still its) unless it has one (``saved``) or is step 0, and say what
     a resume does."""
     last = interrupted.step - 1
     if last > saved:
-        _save(checkpointer, last, state, meta, force=True)
+        _save(checkpointer, last, state, meta, force=True, trainable=trainable)
         kept = f"checkpoint of step {last} written"
     else:
         kept = (f"the checkpoint of step {last} is the latest" if last else

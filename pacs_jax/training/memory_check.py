@@ -42,6 +42,7 @@ FIELDS = {
     "rollout_consistency": "train.prompts_per_step",
     "rollout_correction": "train.prompts_per_step",
     "sampler_as_pi_old": "train.prompts_per_step",
+    "reference_logprobs": "train.logprob_micro_batches",
     "select_groups": "train.prompts_per_step",
     "weight_sync": "mesh.rollout_devices / model.dtype",
 }

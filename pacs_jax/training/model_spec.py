@@ -1,7 +1,9 @@
 """The model a run's spec asks for, read from the spec alone (nothing loaded, no devices).
 
     run_options(spec)            the QwenConfig fields of how to run it (dtypes, remat, attention)
-    model_config(spec)           the QwenConfig a run builds: model.path's config, a preset, or the fields
+    lora_options(spec)           the QwenConfig fields of its LoRA adapters (none without)
+    model_config(spec)           the QwenConfig a run trains: model.path's config, a preset, or the fields,
+                                 with its adapters
 
 Read by the run (training/run.py builds the model with them), the resume check, PPO's critic
 (``critic.path``) and tools/plan_memory.py. model.path is read through ``data.paths.path``: a local
@@ -27,8 +29,18 @@ def run_options(spec: RunSpec, **overrides) -> dict:
     return run
 
 
+def lora_options(spec: RunSpec) -> dict:
+    """The QwenConfig fields of the run's LoRA adapters (models/lora.py; empty with model.lora_rank 0): a run
+    builds or loads the base model with ``run_options`` and attaches them."""
+    m = spec.model
+    if not m.lora_rank:
+        return {}
+    return dict(lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha), lora_targets=m.lora_targets)
+
+
 def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
-    """The QwenConfig a run of ``spec`` builds (as training/run.build_model does), or None when
+    """The QwenConfig a run of ``spec`` trains (as training/run.build_model builds it, LoRA's adapters
+    included), or None when
     it cannot be known without loading anything (a model.path that holds no readable config).
 
     model.path: its config.json (HF dir) or model_config.json (pacs_jax checkpoint); else
@@ -38,7 +50,7 @@ def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
     from pacs_jax import models
 
     m = spec.model
-    run = run_options(spec, **overrides)
+    run = run_options(spec, **{**lora_options(spec), **overrides})
     if m.path:
         folder = paths.path(m.path)
         try:

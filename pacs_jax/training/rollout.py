@@ -147,7 +147,8 @@ class OneStepOff:
         """Step ``step``'s rollout: the engine's copy of ``params`` (the weights the step starts from) made
         first; the rows sampled ahead, or at a session's first step sampled now with that copy; then
         pi_old with ``params`` (``RolloutCollector.finish``). Metrics ``rollout_staleness_mean``/``_max``:
-        the steps the rows' weights are behind (1, or 0 for rows sampled now)."""
+        the steps the rows' weights are behind (1, or 0 for rows sampled now); ``weight_sync_bytes``: the
+        bytes the engine's copy took this step (LoRA: the adapters alone after the first)."""
         self.engine_params = self.programs.weight_sync(params, previous=self.engine_params)
         rows, self.rows = self.rows, None
         staleness = 1.0
@@ -156,7 +157,8 @@ class OneStepOff:
             staleness = 0.0
         self.states = {s: state for s, state in self.states.items() if s >= step}
         rollout = self.collector.finish(params, rows, watch)
-        rollout.metrics.update(rollout_staleness_mean=staleness, rollout_staleness_max=staleness)
+        rollout.metrics.update(rollout_staleness_mean=staleness, rollout_staleness_max=staleness,
+                               weight_sync_bytes=float(self.programs.weight_sync.moved_bytes))
         return rollout
 
     def sample(self, key: jax.Array, step: int) -> None:

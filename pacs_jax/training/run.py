@@ -52,6 +52,8 @@ from pacs_jax.data import paths
 from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
 from pacs_jax.files import StorageError, atomic_write_text, storage_error
 from pacs_jax.models.hf_weights import NotAnExportError, no_tokenizer_line
+from pacs_jax.models import lora
+from pacs_jax.models.peft_export import export_peft
 from pacs_jax.rewards import RewardPool, reward_for
 from pacs_jax.training import run_summary
 from pacs_jax.training.curves import plot_curves
@@ -59,14 +61,14 @@ from pacs_jax.training.learner.critic_step import abstract_critic
 from pacs_jax.training.learner.warmstart import WarmStartResult, warm_start
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.metrics import EvalScalars
-from pacs_jax.training.model_spec import model_config, run_options
+from pacs_jax.training.model_spec import lora_options, model_config, run_options
 from pacs_jax.training.option_lines import options_line
 from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.records import PromptBatch
 from pacs_jax.training.signals import StopSignals
 from pacs_jax.training.spec import ConfigError, EvalSpec, RunSpec
 from pacs_jax.training.step_programs import StepPrograms, placed_on
-from pacs_jax.training.workdir import (EXPORT_FOLDER, SessionClock, check_export_folder, check_resume,
+from pacs_jax.training.workdir import (EXPORT_FOLDER, PEFT_FOLDER, SessionClock, check_export_folder, check_resume,
                                        finished_summary, write_config)
 from pacs_jax.training.workdir_lock import WorkdirLock, agree
 
@@ -111,12 +113,18 @@ def prompt_source(spec: RunSpec, tokenizer
 def build_model(spec: RunSpec, tokenizer) -> models.Qwen:
     """The model of a run: model.path (HF dir or checkpoint), else model.preset at random init, else
     the architecture fields of ``spec.model`` at random init (the demo; tests: a tiny model with the
-    real vocabulary)."""
+    real vocabulary); with model.lora_rank > 0, that base with fresh adapters (B = 0: its logits)."""
     if spec.model.path:
-        return checkpoints.from_pretrained(spec.model.path, **run_options(spec))
-    architecture = {} if spec.model.preset else {"eos_token_id": tokenizer.eos_token_id}
-    cfg = model_config(spec, vocab_size=len(tokenizer), **architecture)
-    return models.init_random(cfg, seed=spec.seed)
+        base = checkpoints.from_pretrained(spec.model.path, **run_options(spec))
+    else:
+        architecture = {} if spec.model.preset else {"eos_token_id": tokenizer.eos_token_id}
+        cfg = model_config(spec, vocab_size=len(tokenizer), **architecture)
+        base = models.init_random(cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets=()), seed=spec.seed)
+    adapters = lora_options(spec)
+    if not adapters:
+        return base
+    return lora.attach(base, rank=adapters["lora_rank"], alpha=adapters["lora_alpha"],
+                       targets=adapters["lora_targets"], seed=spec.seed)
 
 
 def eval_sets(spec: RunSpec, held_out: list[data.Problem]) -> list[evaluation.EvalSet]:
@@ -311,7 +319,13 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
     tokenizer_dir = (None if tokenizer_source == data.CHAR_TOKENIZER  # "char": no files; gs://: the local copy
                      else data.local_folder(tokenizer_source))
     try:
-        export = models.export_hf(result.model, workdir / EXPORT_FOLDER, tokenizer_dir=tokenizer_dir, overwrite=True,
+        if result.model.cfg.lora_rank:  # the adapters as PEFT loads them, and the merged model as the HF export
+            export_peft(result.model, workdir / PEFT_FOLDER, base_model=spec.model.path or spec.model.preset or "random",
+                        overwrite=True)
+            say(f"{PEFT_FOLDER}: the LoRA adapters as a PEFT folder ({workdir / PEFT_FOLDER}); {EXPORT_FOLDER}: the "
+                f"model with them merged")
+        exported = lora.merge(result.model) if result.model.cfg.lora_rank else result.model
+        export = models.export_hf(exported, workdir / EXPORT_FOLDER, tokenizer_dir=tokenizer_dir, overwrite=True,
                                   no_tokenizer=NO_HF_TOKENIZER)
     except NotAnExportError as e:  # files put there during the run (check_export_folder passed at its start)
         raise ConfigError(f"{e}; all {result.final_step} steps are checkpointed: once the files are moved, the same "

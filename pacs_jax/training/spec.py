@@ -27,10 +27,13 @@ from pacs_jax.data.prompts import CHAR_TOKENIZER
 from pacs_jax.data.sources import SOURCES
 from pacs_jax.errors import PermanentError, did_you_mean
 from pacs_jax.evaluation.runner import EvalSettings
+from pacs_jax.models.lora_targets import resolve_targets as resolve_lora_targets
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl import filter_groups, rollout_correction
 from pacs_jax.rl.bypass import REINFORCE_ESTIMATORS
+from pacs_jax.rl.kl import KL_LOSS_TYPES
+from pacs_jax.rl.loss_and_grad import KLLoss
 from pacs_jax.rl.objectives import OBJECTIVES, OptionError
 from pacs_jax.rl.packing import pass_rows, pass_slots, shards_for
 from pacs_jax.rl.policy_gradient import LOSS_AGG_MODES, LOSS_SCALES
@@ -339,6 +342,9 @@ class AlgorithmSpec:
     rollout_correction: RolloutCorrectionSpec
     filter_groups: FilterGroupsSpec
     correction_by_default: bool
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
 
     @classmethod
     def from_config(cls, section) -> AlgorithmSpec:
@@ -358,7 +364,8 @@ class AlgorithmSpec:
         return cls(objective=chosen, options=dict(section[chosen]),
                    rollout_correction=RolloutCorrectionSpec.from_config(section.rollout_correction),
                    filter_groups=FilterGroupsSpec(**_fields(FilterGroupsSpec, section.filter_groups)),
-                   correction_by_default=False)
+                   correction_by_default=False, use_kl_loss=section.use_kl_loss, kl_loss_coef=section.kl_loss_coef,
+                   kl_loss_type=section.kl_loss_type)
 
     def __post_init__(self):
         try:
@@ -366,6 +373,12 @@ class AlgorithmSpec:
         except OptionError as e:
             raise ConfigError(f"config.algorithm.{self.objective}.{e.option}: objective {self.objective!r}: {e}") from e
 
+        require(isinstance(self.use_kl_loss, bool), "algorithm.use_kl_loss",
+                f"must be True or False, got {self.use_kl_loss!r}")
+        require_choice(self.kl_loss_type, KL_LOSS_TYPES, "algorithm.kl_loss_type", note=(
+            " ('full', verl's per-vocabulary KL, raises NotImplementedError in verl 0.9.1's kl_penalty: not built)"
+            if self.kl_loss_type == "full" else ""))
+        require(self.kl_loss_coef >= 0, "algorithm.kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
         correction = self.rollout_correction
         if correction.bypass_mode and correction.loss_type == "reinforce":
             require(self.objective in (*REINFORCE_ESTIMATORS, "ppo"), "algorithm.rollout_correction.loss_type",
@@ -375,6 +388,11 @@ class AlgorithmSpec:
     @property
     def min_group_size(self) -> int:
         return OBJECTIVES[self.objective].min_group_size
+
+    @property
+    def kl_loss(self) -> KLLoss | None:
+        """The KL loss to the reference model, or None (``use_kl_loss`` off)."""
+        return KLLoss(self.kl_loss_type, self.kl_loss_coef) if self.use_kl_loss else None
 
 
 def run_algorithm(config) -> AlgorithmSpec:
@@ -481,8 +499,17 @@ class ModelSpec:
     remat: str
     attention: str
     attention_block_size: int
+    lora_rank: int
+    lora_alpha: float
+    target_modules: str | tuple[str, ...]
 
     def __post_init__(self):
+        require(isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool) and self.lora_rank >= 0,
+                "model.lora_rank", f"must be an integer >= 0 (0: full fine-tuning), got {self.lora_rank!r}")
+        if self.lora_rank:
+            require(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, "model.lora_alpha",
+                    f"must be > 0 (the adapters' scale is lora_alpha / lora_rank), got {self.lora_alpha!r}")
+            self.lora_targets  # noqa: B018 (the check)
         require_choice(self.remat, REMAT_POLICIES, "model.remat")
         for field in ("dtype", "param_dtype"):
             value = getattr(self, field)
@@ -502,6 +529,16 @@ class ModelSpec:
                 f"must be True or False, got {self.random_init!r}")
         require(not (self.random_init and self.path), "model.random_init",
                 f"True, but model.path={self.path!r} is set too: one or the other")
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The modules LoRA adapts (models/lora.py ``resolve_targets`` of ``target_modules``); () without LoRA."""
+        if not self.lora_rank:
+            return ()
+        try:
+            return resolve_lora_targets(self.target_modules)
+        except ValueError as e:
+            raise ConfigError(f"config.model.target_modules: {e}") from None
 
     def check_source(self) -> None:
         """A preset trains from random weights only with ``random_init``: else ``model.path`` is missing

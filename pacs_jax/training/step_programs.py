@@ -54,7 +54,8 @@ class StepPrograms:
         self.spec, self.split = spec, rollout_mesh is not None
         self.learner = LearnerPrograms(spec, graphdef, params, mesh, critic=critic, chunk_size=chunk_size)
         engine_mesh = rollout_mesh or mesh
-        self.weight_sync = WeightSync(params, engine_mesh, spec.model.dtype) if spec.train.off_policy_steps else None
+        self.weight_sync = (WeightSync(params, engine_mesh, spec.model.dtype, adapters_only=spec.model.lora_rank > 0)
+                            if spec.train.off_policy_steps else None)
         self.sampler = SamplerPrograms(spec, graphdef, params if self.weight_sync is None else self.weight_sync.abstract,
                                        stop_token_ids, engine_mesh, resident=self._engine_resident())
 

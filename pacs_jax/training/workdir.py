@@ -178,20 +178,23 @@ def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | 
 
 
 EXPORT_FOLDER = "hf_export"  # the run's HF export of its final model, replaced at every run's end
+PEFT_FOLDER = "peft_adapter"  # with LoRA: its adapters as a PEFT folder, replaced at every run's end
 
 
 def check_export_folder(workdir: str | os.PathLike) -> None:
-    """Refuse, before anything is written, a workdir whose ``EXPORT_FOLDER`` the run's export at its end
-    would not replace (``hf_weights.check_export_target``: files the export did not write, such as the
-    evaluation CLI's ``eval/``, or a folder that is no export): a ``ConfigError`` naming the folder and
-    those files. Every process reads it; process 0's verdict holds for all (``agree``)."""
-    folder = epath.Path(workdir) / EXPORT_FOLDER
-    try:
-        check_export_target(folder, overwrite=True, instead=f"move it out of {epath.Path(workdir)} (the run "
-                                                            f"replaces {EXPORT_FOLDER} with its HF export when it ends)")
-        refusal = None
-    except NotAnExportError as e:
-        refusal = str(e)
+    """Refuse, before anything is written, a workdir whose ``EXPORT_FOLDER`` (or ``PEFT_FOLDER``) the run's
+    export at its end would not replace (``hf_weights.check_export_target``: files the export did not write,
+    such as the evaluation CLI's ``eval/``, or a folder that is no export): a ``ConfigError`` naming the
+    folder and those files. Every process reads it; process 0's verdict holds for all (``agree``)."""
+    refusal, folder = None, epath.Path(workdir) / EXPORT_FOLDER
+    for name in (EXPORT_FOLDER, PEFT_FOLDER):
+        folder = epath.Path(workdir) / name
+        try:
+            check_export_target(folder, overwrite=True, instead=f"move it out of {epath.Path(workdir)} (the run "
+                                                                f"replaces {name} with its export when it ends)")
+        except NotAnExportError as e:
+            refusal = str(e)
+            break
     if not agree(refusal is None):
         raise ConfigError(refusal or f"{folder}: refused by process 0 (its error line says why)")
 

@@ -14,6 +14,9 @@ buffer of it freed, then the parameter cast on the learner's devices, put on the
 learner's devices, dtype and layout) and waited for, so that an engine device never holds
 more than one copy, and a learner device holds its training state and one cast parameter
 (``casts``: the programs, which the warm-up compiles and the memory check reads with the step's).
+With LoRA (``adapters_only``) the base weights are frozen: the first move copies every parameter, the
+later ones the adapters alone, the engine's copy keeping its base buffers (``moved_bytes``: what the
+last move copied, the step's ``weight_sync_bytes`` metric).
 """
 
 from __future__ import annotations
@@ -36,8 +39,12 @@ class WeightSync:
     to the engine's ``mesh`` in ``dtype``; ``abstract``: the copy's ShapeDtypeStructs with shardings
     (the engine's programs are compiled on them)."""
 
-    def __init__(self, params: nnx.State, mesh: Mesh, dtype):
+    def __init__(self, params: nnx.State, mesh: Mesh, dtype, *, adapters_only: bool = False):
         self.mesh, self.dtype = mesh, jnp.dtype(dtype)
+        # the leaves a later move keeps from the engine's copy: LoRA's base weights (frozen)
+        self.frozen = [adapters_only and not isinstance(var, nnx.LoRAParam)
+                       for var in jax.tree.leaves(params, is_leaf=_is_variable)]
+        self.moved_bytes = 0
         decode = decode_rules(MeshRules(mesh))  # the layout the sampler's decode reads (sampling/engine.py)
 
         def target(var: nnx.Variable) -> nnx.Variable:
@@ -57,14 +64,18 @@ class WeightSync:
     def __call__(self, params: nnx.State, previous: nnx.State | None = None) -> nnx.State:
         """``params`` (the learner's) -> the engine's copy, a parameter at a time (module docstring).
         previous: the engine's copy it replaces, whose buffers are freed as the new ones arrive (nothing
-        may read it afterwards)."""
+        may read it afterwards; LoRA: its base buffers are the new copy's)."""
         leaves, treedef = jax.tree.flatten(params)
         targets = jax.tree.leaves(self.abstract)
         old = jax.tree.leaves(previous) if previous is not None else [None] * len(leaves)
-        moved = []
-        for x, target, stale in zip(leaves, targets, old, strict=True):
+        moved, self.moved_bytes = [], 0
+        for x, target, stale, frozen in zip(leaves, targets, old, self.frozen, strict=True):
+            if stale is not None and frozen:  # LoRA's base: the engine's copy already holds it
+                moved.append(stale)
+                continue
             if stale is not None:
                 stale.delete()
+            self.moved_bytes += x.size * jnp.dtype(target.dtype).itemsize
             if x.dtype != target.dtype:  # the cast is a buffer of its own
                 y = jax.device_put(self.cast(x), target.sharding)
             else:  # on shared devices in the learner's layout, device_put would hand back the learner's own

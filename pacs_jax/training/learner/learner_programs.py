@@ -36,6 +36,7 @@ from pacs_jax.training.learner.old_policy import old_policy_passes, sampler_as_o
 from pacs_jax.training.learner.optim import make_optimizer
 from pacs_jax.training.learner.rollout_consistency import consistency_program
 from pacs_jax.training.learner.rollout_correction_step import correction_program
+from pacs_jax.training.learner.trainable import Trainable
 from pacs_jax.training.learner.update_step import make_update_step
 from pacs_jax.training.passes import PassLayout, Passes
 from pacs_jax.training.program import Program
@@ -81,7 +82,10 @@ class LearnerPrograms:
         self.mesh = mesh
         self.spec, self.graphdef = spec, graphdef
         self.optimizer, self.lr_schedule = spec_optimizer(spec)
-        self.state = (abstract(params), abstract_optimizer_state(self.optimizer, params))  # (params, opt_state)
+        self.trainable = Trainable(adapters_only=spec.model.lora_rank > 0)  # LoRA: the adapters alone
+        # (params, opt_state): AdamW's state over the trained leaves alone
+        self.state = (abstract(params), abstract_optimizer_state(self.optimizer, self.trainable.of(params)))
+        self.kl_loss = spec.algorithm.kl_loss
         self.num_prompts, self.n = tc.prompts_per_step, rc.n
         self.sampler_calls, self.max_new_tokens = rc.micro_batches, rc.max_new_tokens
         self.logprob_micro_batches = spec.logprob_micro_batches
@@ -97,7 +101,8 @@ class LearnerPrograms:
             graphdef, self.optimizer, spec.algorithm.objective, group_size=rc.n,
             objective_options=spec.algorithm.options,
             num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
-            state_shardings=self.state_shardings, bypass=self.bypass, **extra)
+            state_shardings=self.state_shardings, bypass=self.bypass, kl=self.kl_loss, trainable=self.trainable,
+            **extra)
         self.pi_old = old_policy_passes(graphdef, temperature=rc.temperature,
                                         num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size)
         self.rollout_consistency = consistency_program()
@@ -110,7 +115,7 @@ class LearnerPrograms:
             critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
             values_micro_batches=self.logprob_micro_batches, **critic_options(spec))
         wc = spec.warmstart
-        self.warmstart = warmstart.sft_step(graphdef, wc, params) if wc.steps > 0 else None
+        self.warmstart = warmstart.sft_step(graphdef, wc, params, self.trainable) if wc.steps > 0 else None
         self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
 
     # ------------------------------------------------------------------------ packing (train.packing)
@@ -140,8 +145,9 @@ class LearnerPrograms:
                             is_leaf=lambda x: isinstance(x, tuple))
 
     def init_optimizer(self, params):
-        """AdamW's initial state for ``params``, in the shardings the update keeps."""
-        return jax.jit(self.optimizer.init, out_shardings=self.state_shardings[1])(params)
+        """AdamW's initial state for ``params``' trained leaves (LoRA: the adapters), in the shardings the
+        update keeps."""
+        return jax.jit(self.optimizer.init, out_shardings=self.state_shardings[1])(self.trainable.of(params))
 
     @property
     def state_shardings(self) -> tuple:
@@ -150,9 +156,16 @@ class LearnerPrograms:
 
     def resident_bytes(self) -> int:
         """The training state a device of the learner holds between programs (bytes): the parameters,
-        AdamW's state and PPO's critic."""
+        AdamW's state, PPO's critic and the KL loss's frozen reference copy."""
         critic = 0 if self.critic is None else memory_check.per_device_bytes(self.critic_state.state)
-        return memory_check.per_device_bytes(self.state) + critic
+        return memory_check.per_device_bytes(self.state) + critic + self.reference_bytes()
+
+    def reference_bytes(self) -> int:
+        """The KL loss's frozen reference copy a device holds (bytes; 0 with LoRA, whose reference is the
+        weights with the adapters off, or without the KL loss): training/learner/kl_reference.py."""
+        if self.kl_loss is None or self.trainable.adapters_only:
+            return 0
+        return memory_check.per_device_bytes(self.state[0])
 
     # ------------------------------------------------------------------------ abstract arguments
     def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
@@ -168,7 +181,8 @@ class LearnerPrograms:
                            attention_mask=rows((B, prompt_bucket + response_bucket), jnp.int32),
                            response_mask=per_token, old_logp=per_token, rewards=rows((B,), jnp.float32),
                            advantages=per_token if self.critic is not None else None,
-                           rollout_is_weights=per_token if self.rollout_correction is not None else None)
+                           rollout_is_weights=per_token if self.rollout_correction is not None else None,
+                           ref_logp=per_token if self.kl_loss is not None else None)
 
     # ------------------------------------------------------------------------ the list of programs
     def programs(self, prompt_buckets, response_buckets, with_warmstart: bool = False) -> list[Program]:
@@ -187,7 +201,7 @@ class LearnerPrograms:
         out = []
         if with_warmstart and self.warmstart is not None:
             batch_rows, prompt, response = self.warmstart_rows
-            warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, params))
+            warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, self.trainable.of(params)))
             warm_batch = SFTBatch(input_ids=rows((batch_rows, prompt + response), jnp.int32),
                                   attention_mask=rows((batch_rows, prompt + response), jnp.int32),
                                   response_mask=rows((batch_rows, response), jnp.float32))
@@ -231,7 +245,9 @@ class LearnerPrograms:
                                    "tokens: IS weights and rejection mask",
                                    lambda a=(call_logp, *per_row): self.rollout_correction.lower(*a),
                                    (call_logp, *per_row), actor_bytes + critic_bytes))
-        return [dataclasses.replace(p, mesh=self.mesh) for p in out]  # lowered and compiled on the learner's mesh
+        held = self.reference_bytes()  # the KL loss's frozen reference copy: resident through every program
+        # lowered and compiled on the learner's mesh
+        return [dataclasses.replace(p, mesh=self.mesh, outside=p.outside + held) for p in out]
 
     def _logprob_programs(self, batch: UpdateBatch, passes: str, plan: PackedPlanArrays | None, opt_bytes: int,
                           actor_bytes: int, critic_bytes: int) -> list[Program]:
@@ -248,6 +264,10 @@ class LearnerPrograms:
             args = (call_logp, prompts, prompts, responses, responses)
             out.append(Program("sampler_as_pi_old", "the sampler's log-probs as pi_old (bypass mode), " + passes,
                                lambda a=args: self.sampler_as_old_policy.lower(*a), args, actor_bytes + critic_bytes))
+            if self.kl_loss is not None:  # the KL loss's reference log-probs: pi_old's program, which bypass lacks
+                args = (params, prompts, prompts, responses, responses, *(() if plan is None else (plan,)))
+                out.append(Program("reference_logprobs", "the KL loss's reference, " + passes,
+                                   lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
         else:
             args = (params, prompts, prompts, responses, responses, *(() if plan is None else (plan,)))
             out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))

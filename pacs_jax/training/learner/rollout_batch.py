@@ -9,6 +9,9 @@ collected rows (training/records.py ``Collected``), with the learner's programs
              packed rows (one program per pass, rl/packing.py; pi_old's dispatched once a packed pass):
              each process plans the packing of every pass from every row's prompt and response lengths
              (host arrays all processes hold: no collective)
+    ref      ``algorithm.use_kl_loss``: the reference model's log-probs of the response tokens, pi_old's
+             program on the reference's weights (LoRA: the learner's with the adapters off; else the frozen
+             copy RL started from, ``TrainState.reference``)
     checks   the sampler's log-probs against pi_old (training/learner/rollout_consistency.py) and the
              rollout correction's weights (training/learner/rollout_correction_step.py)
     batch    the rewards put back into a global array; the step's metrics computed from all rows
@@ -25,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pacs_jax import distributed
+from pacs_jax.models import lora
 from pacs_jax.rewards import score_metrics
 from pacs_jax.rl.packing import PackedPlanArrays
 from pacs_jax.rl.update_batch import UpdateBatch
@@ -96,6 +100,22 @@ class RolloutBatcher:
 
     def __init__(self, learner: LearnerPrograms, *, n: int, max_logprob_diff: float = 0.0, split: bool = False):
         self.learner, self.n, self.max_logprob_diff, self.split = learner, n, max_logprob_diff, split
+        self.reference: nnx.State | None = None  # the KL loss's frozen reference without LoRA (``hold_reference``)
+
+    def hold_reference(self, reference: nnx.State | None) -> None:
+        """The KL loss's reference weights for the run (full fine-tuning: the frozen copy RL started from;
+        None with LoRA, whose reference is the learner's weights with the adapters off)."""
+        self.reference = reference
+
+    def _reference_logprobs(self, state: nnx.State, args: list, **packed) -> jax.Array:
+        """The KL loss's reference log-probs of the rows [B, R]: pi_old's program (``packed``: its packing plan
+        and passes) on the reference's weights."""
+        learner = self.learner
+        reference = lora.switched_off(state) if learner.trainable.adapters_only else self.reference
+        if reference is None:
+            raise ValueError("algorithm.use_kl_loss without LoRA: the run holds no reference (hold_reference)")
+        batch, _ = learner.pi_old(reference, *args, **packed)
+        return batch.old_logp
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host array of the global shape -> a global array on the learner's mesh, sharded over the batch
@@ -113,6 +133,7 @@ class RolloutBatcher:
         B, W = args[2].shape[0], args[0].shape[1] + args[2].shape[1]
         real = int(np.sum(sampled.prompt_lengths) + np.sum(sampled.lengths))
         passes = 2 if learner.critic is None else 4  # pi_old and the update (PPO: the critic's values and update)
+        reference_pass = int(learner.kl_loss is not None)  # the KL loss's reference log-probs: pi_old's program again
         bypass = learner.sampler_as_old_policy is not None  # the sampler's log-probs as pi_old: no pass, no entropy
         if bypass:
             batch, entropy = learner.sampler_as_old_policy(sampled.sampler_logprobs, *args), []
@@ -120,14 +141,21 @@ class RolloutBatcher:
         if not learner.packing:
             if not bypass:
                 batch, entropy = learner.pi_old(state, *args)
+            if learner.kl_loss is not None:
+                batch = batch.replace(ref_logp=self._reference_logprobs(state, args))
+            passes += reference_pass
             return batch, entropy, None, packing_metrics(passes * real, passes * B * W)
         plans = learner.packing_plans(sampled.prompt_lengths, sampled.lengths)
         on_device = plans.map(lambda plan: jax.tree.map(self._put, plan.arrays()))
         (logprob_passes,) = plans.logprob.passes  # one mini-batch: the whole batch
         if not bypass:
             batch, entropy = learner.pi_old(state, *args, on_device.logprob, passes=logprob_passes)
+        if learner.kl_loss is not None:
+            batch = batch.replace(ref_logp=self._reference_logprobs(state, args, packing=on_device.logprob,
+                                                                    passes=logprob_passes))
         batch = batch.replace(packing=on_device.update)
-        computed = plans.logprob.tokens_computed * ((passes - bypass) // 2) + plans.update.tokens_computed
+        computed = plans.logprob.tokens_computed * ((passes - bypass) // 2 + reference_pass) + plans.update.tokens_computed
+        passes += reference_pass
         if plans.critic is not None:
             computed += plans.critic.tokens_computed
         return batch, entropy, on_device, packing_metrics(passes * real, computed)

@@ -6,7 +6,8 @@
 
 A checkpoint holds ``params``, ``opt_state`` and, for PPO, ``critic_params`` and ``critic_opt_state``
 (checkpoints.py ``TrainCheckpointer``): the record is saved and restored as those items, so checkpoints
-written before it existed restore.
+written before it existed restore. With LoRA (``Trainable.adapters_only``) ``params`` is the adapters
+alone: the base weights are the run's model.path, restored by loading it, and never written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 from flax import nnx
 
 from pacs_jax.checkpoints import TrainCheckpointer
+from pacs_jax.training.learner.trainable import Trainable
 
 
 class CriticTrainState(NamedTuple):
@@ -50,18 +52,22 @@ class RestoredState:
 
 
 def save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta: dict | Callable[[], dict], *,
-         force: bool = False) -> bool:
-    """``checkpointer.save`` of ``state`` at ``step`` (returns whether it saved; meta: as there)."""
-    return checkpointer.save(step, state.params, state.opt_state, meta, force=force,
+         force: bool = False, trainable: Trainable = Trainable(adapters_only=False)) -> bool:
+    """``checkpointer.save`` of ``state`` at ``step``, its parameters ``trainable``'s trained leaves (LoRA: the
+    adapters); returns whether it saved (meta: as there)."""
+    return checkpointer.save(step, trainable.of(state.params), state.opt_state, meta, force=force,
                              critic=None if state.critic is None else tuple(state.critic))
 
 
-def restore_latest(checkpointer: TrainCheckpointer, template: TrainState, *, warn) -> RestoredState | None:
+def restore_latest(checkpointer: TrainCheckpointer, template: TrainState, *, warn,
+                   trainable: Trainable = Trainable(adapters_only=False)) -> RestoredState | None:
     """The newest intact checkpoint (``checkpointer.restore_latest``) restored into ``template``'s shardings,
-    or None without one."""
-    restored = checkpointer.restore_latest(template.params, template.opt_state,
+    or None without one; with LoRA its adapters join ``template``'s base weights."""
+    trained, frozen = trainable.split(template.params)
+    restored = checkpointer.restore_latest(trained, template.opt_state,
                                            None if template.critic is None else tuple(template.critic), warn=warn)
     if restored is None:
         return None
     critic = None if restored.critic is None else CriticTrainState(*restored.critic)
-    return RestoredState(restored.step, TrainState(restored.params, restored.opt_state, critic), restored.meta)
+    params = trainable.join(restored.params, frozen)
+    return RestoredState(restored.step, TrainState(params, restored.opt_state, critic), restored.meta)

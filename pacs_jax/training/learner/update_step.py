@@ -26,8 +26,10 @@ from flax import nnx
 
 from pacs_jax.rl import loss_and_grad_fn
 from pacs_jax.rl.bypass import Bypass
+from pacs_jax.rl.loss_and_grad import KLLoss
 from pacs_jax.rl.update_batch import CriticBatch, UpdateBatch
 from pacs_jax.sharding import constrain
+from pacs_jax.training.learner.trainable import Trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +64,11 @@ class MiniBatchUpdates:
 
 
 def mini_batch_updates(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *,
-                       num_mini_batches: int = 1, state_shardings: tuple | None = None) -> MiniBatchUpdates:
-    """The ``MiniBatchUpdates`` of ``loss_and_grad``: pure ``(params, mini-batch) -> (loss, metrics,
-    float32 grads)``, and ``optimizer``. state_shardings: (params, opt_state) shardings the outputs keep
+                       num_mini_batches: int = 1, state_shardings: tuple | None = None,
+                       trainable: Trainable = Trainable(adapters_only=False)) -> MiniBatchUpdates:
+    """The ``MiniBatchUpdates`` of ``loss_and_grad``: pure ``(params, mini-batch[, frozen]) -> (loss, metrics,
+    float32 grads)``, and ``optimizer`` (its state over ``trainable``'s trained leaves alone: LoRA's
+    adapters, or every parameter). state_shardings: (params, opt_state) shardings the outputs keep
     (default: chosen by XLA); pinning them keeps every later call on the same compiled program.
     """
     M = num_mini_batches
@@ -72,15 +76,16 @@ def mini_batch_updates(loss_and_grad: Callable, optimizer: optax.GradientTransfo
     def step(params, opt_state, batch, k):
         mini = jax.tree.map(lambda v: constrain(v.reshape(M, v.shape[0] // M, *v.shape[1:]),
                                                 (None, "batch") + (None,) * (v.ndim - 1))[k], batch)
-        loss, metrics, grads = loss_and_grad(params, mini)
+        trained, frozen = trainable.split(params)
+        loss, metrics, grads = loss_and_grad(trained, mini, *(() if frozen is None else (frozen,)))
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+        updates, new_opt_state = optimizer.update(grads, opt_state, trained)
+        new_trained = optax.apply_updates(trained, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=1.0 - finite.astype(jnp.float32))
-        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+        return trainable.join(keep(new_trained, trained), frozen), keep(new_opt_state, opt_state), metrics
 
     out_shardings = None if state_shardings is None else (*state_shardings, None)
     return MiniBatchUpdates(jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings), M)
@@ -90,17 +95,19 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
                      group_size: int, objective_options: Mapping[str, Any] | None = None,
                      num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int | None = None,
-                     state_shardings: tuple | None = None, bypass: Bypass | None = None) -> MiniBatchUpdates:
+                     state_shardings: tuple | None = None, bypass: Bypass | None = None, kl: KLLoss | None = None,
+                     trainable: Trainable = Trainable(adapters_only=False)) -> MiniBatchUpdates:
     """The actor's update: the ``MiniBatchUpdates`` of ``rl.loss_and_grad_fn`` (``objective``),
     ``(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)``.
 
     batch: rl/update_batch.py ``UpdateBatch`` (objective "ppo": with advantages) holding whole groups of
     ``group_size``. bypass: the rollout correction's bypass mode (rl/bypass.py; old_logp
-    are then the sampler's).
+    are then the sampler's). kl: the KL loss (rl/kl.py; the batch then holds ref_logp). trainable: the
+    parameters it trains (LoRA: the adapters alone).
     """
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}
     loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
-                                     temperature=temperature, bypass=bypass, **extra)
+                                     temperature=temperature, bypass=bypass, kl=kl, **extra)
     return mini_batch_updates(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
-                              state_shardings=state_shardings)
+                              state_shardings=state_shardings, trainable=trainable)

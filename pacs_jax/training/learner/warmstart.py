@@ -43,6 +43,7 @@ from pacs_jax.rl.update_batch import SFTBatch
 from pacs_jax.sampling.buckets import left_pad
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, state_shardings
 from pacs_jax.training.spec import WarmstartSpec
+from pacs_jax.training.learner.trainable import Trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,35 +79,40 @@ class SFTStep(NamedTuple):
     optimizer: optax.GradientTransformation
     step: Callable  # jitted (params, opt_state, batch) -> (params, opt_state, loss); state donated
     opt_shardings: object  # the AdamW state's shardings the step keeps
+    trainable: Trainable  # the parameters it trains (LoRA: the adapters alone)
 
 
-def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params) -> SFTStep:
+def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params,
+             trainable: Trainable = Trainable(adapters_only=False)) -> SFTStep:
     """The warm-start step of ``wc`` (``warmstart``: AdamW at ``lr``, ``weight_decay``; responses
-    of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings)."""
+    of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings), training ``trainable``'s
+    leaves (LoRA: the adapters alone)."""
     optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
-    shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, params)))
-    return SFTStep(optimizer, make_sft_step(graphdef, optimizer, wc.max_response_tokens, shardings), shardings[1])
+    shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, trainable.of(params))))
+    step = make_sft_step(graphdef, optimizer, wc.max_response_tokens, shardings, trainable)
+    return SFTStep(optimizer, step, shardings[1], trainable)
 
 
 def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int,
-                  state_shardings: tuple | None = None):
+                  state_shardings: tuple | None = None, trainable: Trainable = Trainable(adapters_only=False)):
     """A jitted (params, opt_state, batch: ``SFTBatch``) -> (params, opt_state, loss) step; state buffers
-    donated.
+    donated; opt_state over ``trainable``'s trained leaves.
 
     state_shardings: the (params, opt_state) shardings its outputs keep (``sharding.state_shardings``), so that step 2 runs the program step 1 compiled (default: XLA's choice, which
     can name the same layout differently, P() for P(None,), and compile the step a second time).
     """
 
-    def loss_fn(params, batch):
-        logp = response_logprobs(nnx.merge(graphdef, params), batch.input_ids, batch.attention_mask,
+    def loss_fn(trained, frozen, batch):
+        logp = response_logprobs(nnx.merge(graphdef, trained, *frozen), batch.input_ids, batch.attention_mask,
                                  response_length)  # [B, R]
         mask = batch.response_mask
         return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        trained, frozen = trainable.split(params)
+        loss, grads = jax.value_and_grad(loss_fn)(trained, () if frozen is None else (frozen,), batch)
+        updates, opt_state = optimizer.update(grads, opt_state, trained)
+        return trainable.join(optax.apply_updates(trained, updates), frozen), opt_state, loss
 
     out_shardings = None if state_shardings is None else (*state_shardings, None)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
@@ -138,7 +144,7 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: Wa
                  + [eos]
                  for e in examples]
     graphdef, params = nnx.split(model)
-    opt_state = jax.jit(program.optimizer.init, out_shardings=program.opt_shardings)(params)
+    opt_state = jax.jit(program.optimizer.init, out_shardings=program.opt_shardings)(program.trainable.of(params))
     step_fn = program.step
     probe_kwargs = dict(reward_name=reward_name, max_new_tokens=probe_max_new_tokens, stop_token_ids=stop_token_ids)
     per_epoch = len(examples) // wc.batch_size

@@ -1,0 +1,123 @@
+"""LoRA adapters on the decoder's linear layers: which modules, attaching them, merging them, PEFT's names.
+
+    targets = resolve_targets("all-linear")             # models/lora_targets.py: ("q_proj", ..., "down_proj")
+    model = attach(base_model, rank=32, alpha=64, targets=targets, seed=0)   # B = 0: the base's logits
+    adapters, base = split(params)                      # nnx.State of the LoRAParam leaves, of the rest
+    merged = merge(model)                               # a Qwen without adapters: W + alpha / r * A @ B
+    tensors = peft_tensors(model)                       # {PEFT name: array}: adapter_model.safetensors
+
+A target module's kernel W [in..., out...] (models/qwen.py: q/k/v [D, N, Dh], o [H, Dh, D], gate/up
+[D, F], down [F, D]) gets A [in..., r] and B [r, out...], stacked over layers like W ([L, ...]) and
+sharded with W's logical axes on their shared dims (r is not sharded); the layer computes
+x W + (alpha / r) (x A) B (``models.qwen.Adapter``). A starts uniform in +-1 / sqrt(fan_in) (PEFT's
+default, Kaiming-uniform with a = sqrt(5)), B at 0, so a fresh adapter changes nothing. The adapters
+are ``nnx.LoRAParam`` variables: the learner differentiates and optimises those leaves alone
+(training/learner/trainable.py), and the reference model of the KL loss is the same parameters with
+the adapters switched off (``switched_off``). Our own, not qwix's (docs/decisions/0013-lora.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.lora_targets import PEFT_PARENTS
+from pacs_jax.models.loading import abstract_model, dotted, random_param
+from pacs_jax.models.qwen import Qwen
+
+# PEFT's module name -> (our sub-module of a decoder layer, the adapter's attribute there)
+_PLACES = {"q_proj": ("attn", "q_lora"), "k_proj": ("attn", "k_lora"), "v_proj": ("attn", "v_lora"),
+           "o_proj": ("attn", "o_lora"), "gate_proj": ("mlp", "gate_lora"), "up_proj": ("mlp", "up_lora"),
+           "down_proj": ("mlp", "down_lora")}
+_KERNELS = {"q_proj": "q_kernel", "k_proj": "k_kernel", "v_proj": "v_kernel", "o_proj": "o_kernel",
+            "gate_proj": "gate_kernel", "up_proj": "up_kernel", "down_proj": "down_kernel"}
+
+
+def split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the adapters' leaves, every other leaf) of a model's state; ``nnx.merge_state`` joins them."""
+    return nnx.split_state(params, nnx.LoRAParam, ...)
+
+
+def attach(model: Qwen, *, rank: int, alpha: float, targets: Sequence[str], seed: int = 0) -> Qwen:
+    """``model`` (no adapters; its arrays reused, not copied) with fresh adapters of ``rank`` on the
+    ``targets`` modules, in the shardings of the mesh in context: A drawn from ``seed``, B = 0."""
+    cfg = model.cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=tuple(targets))
+    graphdef, abstract = abstract_model(cfg)
+    adapters, _ = split(abstract)
+    key = jax.random.key(seed)
+    drawn = [(path, var.replace(value=random_param(var, jax.random.fold_in(key, i))))
+             for i, (path, var) in enumerate(nnx.to_flat_state(adapters))]
+    return nnx.merge(graphdef, nnx.state(model), nnx.from_flat_state(drawn))
+
+
+def switched_off(params: nnx.State) -> nnx.State:
+    """``params`` with every adapter's B at 0 (the base model's logits exactly; the base's arrays are the
+    same ones): the KL loss's reference model."""
+    adapters, base = split(params)
+    off = jax.tree.map(lambda var: var.replace(value=jnp.zeros_like(var.get_value())) if _is_b(var) else var,
+                       adapters, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge_state(base, off)
+
+
+def _is_b(var: nnx.Variable) -> bool:
+    return getattr(var, "lora_factor", None) == "b"
+
+
+def _adapter_arrays(model: Qwen) -> Iterator[tuple[str, jax.Array, jax.Array]]:
+    """(PEFT module name, A [L, in..., r], B [L, r, out...]) of each adapted module of ``model``."""
+    for name in model.cfg.lora_targets:
+        sub, attr = _PLACES[name]
+        adapter = getattr(getattr(model.layers, sub), attr)
+        yield name, adapter.a[...], adapter.b[...]
+
+
+def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """scale * A @ B of one module's stacked adapter, [L, in..., r] x [L, r, out...] -> [L, in..., out...]
+    in float32."""
+    L, r = a.shape[0], a.shape[-1]
+    flat = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32), b.reshape(L, r, -1).astype(jnp.float32))
+    return scale * flat.reshape(*a.shape[:-1], *b.shape[2:])
+
+
+def merge(model: Qwen) -> Qwen:
+    """A model without adapters whose target kernels are W + alpha / r * A @ B (in W's dtype): the model
+    the adapters make, for an HF export or a sampler that reads merged weights."""
+    cfg = model.cfg
+    base_cfg = cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+    _, base = split(nnx.state(model))
+    scale = cfg.lora_alpha / cfg.lora_rank
+    for name, a, b in _adapter_arrays(model):
+        sub, _ = _PLACES[name]
+        kernel = base["layers"][sub][_KERNELS[name]]
+        w = kernel.get_value()
+        base["layers"][sub][_KERNELS[name]] = kernel.replace(value=(w.astype(jnp.float32) + delta(a, b, scale)).astype(w.dtype))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Qwen(base_cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, base)
+
+
+def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
+    """(PEFT tensor name, host array) of every adapter, one layer at a time, as PEFT saves a Qwen's LoRA:
+    ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight``
+    [out, in] with in / out the HF Linear's features (heads flattened)."""
+    for name, a, b in _adapter_arrays(model):
+        parent = PEFT_PARENTS[name]
+        a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+        r = a.shape[-1]
+        for layer in range(a.shape[0]):
+            prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
+            yield f"{prefix}.lora_A.weight", np.ascontiguousarray(a[layer].reshape(-1, r).T)
+            yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b[layer].reshape(r, -1).T)
+
+
+def peft_config(cfg: QwenConfig, base_model: str) -> dict:
+    """adapter_config.json as PEFT writes it for these adapters (``base_model``: the base's path or name)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.lora_targets),
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}

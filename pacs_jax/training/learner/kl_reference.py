@@ -1,0 +1,47 @@
+"""The KL loss's reference model under full fine-tuning (``algorithm.use_kl_loss``, model.lora_rank 0): a
+frozen copy of the weights RL starts from (after the warm-start), held on the learner's devices beside
+the trained ones and written once to ``<workdir>/kl_reference`` so that a resumed run reads it back.
+With LoRA there is none: the reference is the learner's weights with the adapters off
+(models/lora.py ``switched_off``), no second copy.
+
+    reference = frozen_reference(spec, workdir, params, resumed=start > 0)   # nnx.State or None
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
+
+from pacs_jax.checkpoints import flat_params, params_from_flat, restore_flat_params
+from pacs_jax.sharding import abstract
+from pacs_jax.training.spec import ConfigError, RunSpec
+
+REFERENCE_FOLDER = "kl_reference"
+
+
+def needs_copy(spec: RunSpec) -> bool:
+    """Whether the run holds a frozen reference copy (the KL loss on, without LoRA)."""
+    return spec.algorithm.use_kl_loss and not spec.model.lora_rank
+
+
+def frozen_reference(spec: RunSpec, workdir: epath.Path, params: nnx.State, *, resumed: bool) -> nnx.State | None:
+    """The run's frozen reference (None when ``needs_copy`` is False): a fresh run's copy of ``params`` (the
+    weights RL starts from), saved to workdir/kl_reference; a resumed run's read from there into
+    ``params``' shardings."""
+    if not needs_copy(spec):
+        return None
+    folder = epath.Path(workdir).absolute() / REFERENCE_FOLDER
+    if resumed:
+        if not folder.is_dir():
+            raise ConfigError(f"{workdir}: algorithm.use_kl_loss is on, but the run's reference model "
+                              f"({folder}) is missing: the checkpoints were written without the KL loss; resume "
+                              "with algorithm.use_kl_loss=False or start a new workdir")
+        return params_from_flat(params, restore_flat_params(folder, abstract(flat_params(params))))
+    reference = jax.tree.map(jnp.copy, params)  # the update donates params: a copy of its own
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder, flat_params(reference), force=True)  # force: a stopped fresh run's copy is replaced
+    checkpointer.wait_until_finished()
+    return reference
