@@ -32,7 +32,7 @@ from pacs_jax.rl.bypass import Bypass, bypass_objective
 from pacs_jax.rl.kl import with_kl_loss
 from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, packed_response_logprobs, response_logprobs
 from pacs_jax.rl.micro_batches import accumulate_micro_batches
-from pacs_jax.rl.objectives import get_objective
+from pacs_jax.rl.objectives import get_objective, objective_spec
 from pacs_jax.rl.packing import accumulate_passes
 from pacs_jax.rl.policy_gradient import aggregate
 from pacs_jax.rl.update_batch import UpdateBatch
@@ -51,9 +51,13 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     float32. metrics: the objective's metrics averaged over micro-batches (means are exact; a
     "_std" metric is the mean of the micro-batch stds). bypass: the rollout correction's bypass mode
     (rl/bypass.py: the batch's old_logp are the sampler's, corrected in the loss); None: the objective.
+    kl: the KL loss to the reference model (rl/kl.py; the batch then holds ``ref_logp``), aggregated as the
+    objective aggregates its tokens.
     """
     options = dict(objective_options or {})
     fn = get_objective(objective, **options) if bypass is None else bypass_objective(objective, bypass, **options)
+    if kl is not None:
+        fn = with_kl_loss(fn, kl.kind, kl.coef, kl_aggregate(objective, options))
     K = num_micro_batches
     kwargs = dict(temperature=temperature, chunk_size=chunk_size)
 
@@ -73,11 +77,16 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
         held = () if frozen is None else (frozen,)
         run = functools.partial(forward, frozen=held)
         if batch.packing is not None:
-            return accumulate_passes(run, loss, params, batch.replace(packing=None), batch.packing, batch.old_logp,
-                                     unit=group_size, num_micro_batches=K)
-        grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(run(params, micro), micro, totals),
-                                     has_aux=True)
-        return accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
+            out = accumulate_passes(run, loss, params, batch.replace(packing=None), batch.packing, batch.old_logp,
+                                    unit=group_size, num_micro_batches=K)
+        else:
+            grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(run(params, micro), micro, totals),
+                                         has_aux=True)
+            out = accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
+        if kl is None:
+            return out
+        total, metrics, grads = out  # each micro-batch's KL is normalised by the mini-batch's totals: their sum
+        return total, {**metrics, "actor/kl_loss": metrics["actor/kl_loss"] * K}, grads  # is the mini-batch's
 
     return loss_and_grad
 
@@ -90,9 +99,11 @@ class KLLoss:
     coef: float
 
 
-def kl_aggregate(options: Mapping[str, Any]) -> Callable:
-    """The KL loss's token aggregation for an objective of ``options``: its own loss_agg_mode and loss_scale
-    (verl's actor aggregates the KL as its policy loss), token-mean where it has none (PACS)."""
+def kl_aggregate(objective: str, options: Mapping[str, Any]) -> Callable:
+    """The KL loss's token aggregation for ``objective`` with ``options`` (over its registry defaults): its own
+    loss_agg_mode and loss_scale (verl's actor aggregates the KL as its policy loss), token-mean where it has
+    none (PACS)."""
+    options = {**objective_spec(objective).defaults, **options}
     keys = ("loss_scale", "verl_micro_batch_size", "norm_length")
     scale = {k: options[k] for k in keys if k in options}
     mode = options.get("loss_agg_mode", "token-mean")
