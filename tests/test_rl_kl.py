@@ -1,7 +1,7 @@
 """The KL loss (pacs_jax/rl/kl.py) against float64 NumPy statements of verl 0.9.1's ``kl_penalty`` /
 ``kl_penalty_forward`` (its wheel's verl/trainer/ppo/core_algos.py lines 2188-2251) and of its actor's
 ``policy_loss += kl_loss * kl_loss_coef`` (verl/workers/utils/losses.py lines 131-141), through the
-update's loss (rl/loss_and_grad.py) on a tiny random Qwen with the real vocabulary's size."""
+update's loss (rl/loss_and_grad.py) on a tiny random Qwen."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_the_straight_through_forms_take_k2s_gradient(kind):
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = models.QwenConfig(model_type="qwen3", vocab_size=151936, hidden_size=32, intermediate_size=64,
+    cfg = models.QwenConfig(model_type="qwen3", vocab_size=512, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             tie_word_embeddings=True, attention_bias=False)
     return nnx.split(models.init_random(cfg, seed=0))
@@ -73,7 +73,7 @@ def tiny():
 
 def _update_batch(seed=0, B=8, P=4, R=6):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 151936, (B, P + R)).astype(np.int32)
+    ids = rng.integers(0, 512, (B, P + R)).astype(np.int32)
     response_mask = (np.arange(R)[None] < rng.integers(2, R + 1, B)[:, None]).astype(np.float32)
     attention = np.concatenate([np.ones((B, P), np.int32), response_mask.astype(np.int32)], axis=1)
     return UpdateBatch(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(attention),
