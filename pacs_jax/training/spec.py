@@ -888,6 +888,9 @@ class RunSpec:
             self._check_verl_micro_batch(self.algorithm.options.get("verl_micro_batch_size"), f"algorithm.{objective}")
         if self.critic is not None and self.critic.loss_scale == "verl":
             self._check_verl_micro_batch(self.critic.verl_micro_batch_size, "critic")
+        require(not (self.model.lora_rank and self.critic is not None), "model.lora_rank",
+                f"{self.model.lora_rank} with algorithm.objective 'ppo': PPO's critic is a full copy of the actor's "
+                "backbone, trained at full rank beside adapters it would not know; LoRA serves every other objective")
         self._check_warmstart_data()
         if self.devices is None:
             return
