@@ -39,7 +39,8 @@ from pacs_jax.errors import PermanentError
 from pacs_jax.files import atomic_write_text, is_remote, storage_error
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import hf_weight_shapes
-from pacs_jax.models.loading import abstract_model, dotted, hf_shapes, load_hf, param_shapes
+from pacs_jax.models import lora
+from pacs_jax.models.loading import abstract_model, dotted, hf_shapes, init_random, load_hf, param_shapes
 from pacs_jax.models.qwen import Qwen
 from pacs_jax.sharding import abstract
 
@@ -47,22 +48,51 @@ MODEL_CONFIG_FILE = "model_config.json"
 PARAMS_ITEM = "params"
 
 
-def model_config_dict(cfg: QwenConfig) -> dict:
+def model_config_dict(cfg: QwenConfig, base: LoraBase | None = None) -> dict:
+    """model_config.json: the HF config fields and ours; with LoRA adapters, their rank, alpha and targets and
+    the base they were trained on (``base``: a training checkpoint holds the adapters alone)."""
     run = ("param_dtype", "dtype", "remat", "attention", "attention_block_size")
-    return {**cfg.to_hf_dict(), "pacs_jax": {k: getattr(cfg, k) for k in run}}
+    ours = {k: getattr(cfg, k) for k in run}
+    if cfg.lora_rank:
+        ours["lora"] = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets),
+                        **({} if base is None else base._asdict())}
+    return {**cfg.to_hf_dict(), "pacs_jax": ours}
 
 
-def write_model_config(directory: str | os.PathLike, cfg: QwenConfig) -> None:
-    atomic_write_text(epath.Path(directory) / MODEL_CONFIG_FILE, json.dumps(model_config_dict(cfg), indent=2))
+class LoraBase(NamedTuple):
+    """The base model a training checkpoint's LoRA adapters were trained on: ``model_path`` (an HF folder or a
+    pacs_jax checkpoint), or "" for a base drawn at random (``init_random`` with ``seed``: the demo's)."""
+
+    model_path: str
+    seed: int
 
 
-def read_model_config(directory: str | os.PathLike, **overrides) -> QwenConfig:
+def write_model_config(directory: str | os.PathLike, cfg: QwenConfig, base: LoraBase | None = None) -> None:
+    atomic_write_text(epath.Path(directory) / MODEL_CONFIG_FILE, json.dumps(model_config_dict(cfg, base), indent=2))
+
+
+def _read_model_config(directory: str | os.PathLike) -> tuple[dict, dict]:
     path = epath.Path(directory) / MODEL_CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (not a pacs_jax checkpoint directory)")
     raw = json.loads(path.read_text())
-    ours = raw.pop("pacs_jax", {})
-    return QwenConfig.from_hf_dict(raw, source=str(path), **{**ours, **overrides})
+    return raw, raw.pop("pacs_jax", {})
+
+
+def read_model_config(directory: str | os.PathLike, **overrides) -> QwenConfig:
+    """The model a checkpoint directory holds (LoRA's adapters included: their fields from model_config.json)."""
+    raw, ours = _read_model_config(directory)
+    adapters = ours.pop("lora", None)
+    if adapters is not None:
+        ours.update(lora_rank=adapters["rank"], lora_alpha=adapters["alpha"], lora_targets=tuple(adapters["targets"]))
+    return QwenConfig.from_hf_dict(raw, source=str(epath.Path(directory) / MODEL_CONFIG_FILE), **{**ours, **overrides})
+
+
+def read_lora_base(directory: str | os.PathLike) -> LoraBase | None:
+    """The base of a training checkpoint of LoRA adapters (None: the checkpoint holds every weight)."""
+    adapters = _read_model_config(directory)[1].get("lora")
+    return None if adapters is None or "model_path" not in adapters else LoraBase(adapters["model_path"],
+                                                                                  adapters["seed"])
 
 
 def flat_params(params: nnx.State) -> dict[str, jax.Array]:
@@ -145,8 +175,20 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
     overrides = {k: v for k, v in dict(dtype=dtype, param_dtype=param_dtype, remat=remat, **run_options).items()
                  if v is not None}
     cfg = read_model_config(config_dir, **overrides)
-    graphdef, state, target = abstract_params(cfg)
-    return nnx.merge(graphdef, params_from_flat(state, restore_flat_params(params_dir, target)))
+    base = read_lora_base(config_dir)
+    if base is None:
+        graphdef, state, target = abstract_params(cfg)
+        return nnx.merge(graphdef, params_from_flat(state, restore_flat_params(params_dir, target)))
+    # a training checkpoint of LoRA adapters: the base loaded (or drawn) as the run built it, the adapters restored
+    plain = cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+    run = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention,
+               attention_block_size=cfg.attention_block_size)
+    model = lora.attach(from_pretrained(base.model_path, **run) if base.model_path else init_random(plain, base.seed),
+                        rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+    graphdef, state = nnx.split(model)
+    adapters, frozen = lora.split(state)
+    restored = params_from_flat(adapters, restore_flat_params(params_dir, abstract(flat_params(adapters))))
+    return nnx.merge(graphdef, nnx.merge_state(restored, frozen))
 
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", *,
@@ -223,6 +265,14 @@ def check_model_dir(path: str | os.PathLike) -> QwenConfig:
     tree = getattr(stored, "item_metadata", stored)
     shapes = {key: tuple(meta.shape) for key, meta in tree.items()} if hasattr(tree, "items") else {}
     needed = param_shapes(cfg)
+    base = read_lora_base(config_dir)
+    if base is not None:  # a training checkpoint of LoRA adapters: they alone are in it, the base is its model.path
+        needed = {k: shape for k, shape in needed.items() if "_lora." in k}
+        if base.model_path:
+            try:
+                check_model_dir(base.model_path)
+            except ModelFolderError as e:
+                raise ModelFolderError(f"{path}: the base model of its LoRA adapters: {e}") from None
     _check_shapes(str(params_dir), {k: shapes.get(k) for k in needed}, needed, "the checkpoint",
                   f"{MODEL_CONFIG_FILE}'s model")
     _check_stop_ids(path, cfg)
@@ -324,7 +374,7 @@ class TrainCheckpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, model_config: QwenConfig, *, every: int, keep: int,
-                 with_critic: bool = False):
+                 with_critic: bool = False, lora_base: LoraBase | None = None):
         self.directory = _absolute(directory)
         self.every = every
         self.with_critic = with_critic
@@ -332,7 +382,7 @@ class TrainCheckpointer:
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
             item_names=("params", "opt_state", "meta") + (("critic_params", "critic_opt_state") if with_critic else ()))
         if jax.process_index() == 0:
-            write_model_config(self.directory, model_config)
+            write_model_config(self.directory, model_config, lora_base)  # LoRA: the base its adapters need
         logging.getLogger("absl").addFilter(_QUIET)
 
     def latest_step(self) -> int | None:

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from pacs_jax import models, sharding
 from pacs_jax.models import lora
 from pacs_jax.training.engine.weight_sync import WeightSync
+from qwen_reference import load_tool
 from train_helpers import RL_ONLY_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
 
 pytestmark = pytest.mark.slow(seconds=60)  # two short runs and a resume of the demo's tiny model
@@ -86,6 +87,20 @@ def test_the_kl_starts_at_zero_and_the_sampler_samples_the_newest_adapter(runs):
     config = json.loads((runs["a"] / "peft_adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
     assert (runs["a"] / "hf_export" / "model.safetensors").is_file()  # the merged model
+
+
+def test_export_hf_writes_the_checkpoints_adapters_as_peft_or_merged_as_the_run_did(runs, tmp_path):
+    """A LoRA checkpoint holds the adapters alone; export_hf loads it onto its base (the demo's: drawn again from the
+    run's seed) and writes what the run's own end wrote, bit for bit: the PEFT folder, and with --merged the model."""
+    export_hf = load_tool("export_hf")
+    export_hf.main(["--checkpoint", str(runs["a"]), "--out", str(tmp_path / "peft")])
+    export_hf.main(["--checkpoint", str(runs["a"]), "--out", str(tmp_path / "merged"), "--merged"])
+    for ours, run in ((tmp_path / "peft" / "adapter_model.safetensors", runs["a"] / "peft_adapter" / "adapter_model.safetensors"),
+                      (tmp_path / "merged" / "model.safetensors", runs["a"] / "hf_export" / "model.safetensors")):
+        got, want = load_file(ours), load_file(run)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_one_step_offs_weight_move_takes_the_adapters_alone_after_the_first(tmp_path):

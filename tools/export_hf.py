@@ -1,4 +1,5 @@
-"""pacs_jax checkpoint -> Hugging Face directory that transformers loads.
+"""pacs_jax checkpoint -> Hugging Face directory that transformers loads (LoRA: a PEFT adapter folder that peft
+loads onto the base model, or with --merged the model with the adapters merged).
 
     python tools/export_hf.py --checkpoint workdir/run1 --out hf/run1 --tokenizer ~/hf/Qwen2.5-0.5B
 
@@ -36,7 +37,9 @@ from pacs_jax.errors import UsageError, run_main
 from pacs_jax.evaluation.target import Target
 from pacs_jax.evaluation.target import resolve as resolve_target
 from pacs_jax.data.char_tokenizer import NO_HF_TOKENIZER
+from pacs_jax.models import lora
 from pacs_jax.models.hf_weights import check_export_target, no_tokenizer_line
+from pacs_jax.models.peft_export import export_peft
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -69,6 +72,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="largest weight file before splitting into shards + index (default: 4GB)")
     parser.add_argument("--param_dtype", default="keep", choices=["keep", "float32", "bfloat16", "float16"],
                         help="dtype of the exported weights; 'keep' (default) keeps the checkpoint's dtype")
+    parser.add_argument("--merged", action="store_true",
+                        help="a checkpoint of LoRA adapters (model.lora_rank > 0): write the model with the adapters "
+                             "merged into its weights (an HF folder) instead of the PEFT adapter folder")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --out if it is an export this tool wrote (pacs_jax_export.json lists its "
                              "files); anything else is refused")
@@ -129,6 +135,14 @@ def _export(args: argparse.Namespace) -> pathlib.Path:
     model_dir, tokenizer_dir, no_tokenizer = check_args(args)
     start = time.perf_counter()
     model = checkpoints.from_pretrained(model_dir, param_dtype=None if args.param_dtype == "keep" else args.param_dtype)
+    if model.cfg.lora_rank and not args.merged:  # the adapters as PEFT loads them onto the base
+        base = checkpoints.read_lora_base(checkpoints.find_params_dir(model_dir)[0])
+        out = export_peft(model, args.out, base_model=base.model_path if base else "", overwrite=args.overwrite)
+        print(f"{model_dir} -> {out}: LoRA rank {model.cfg.lora_rank} on {', '.join(model.cfg.lora_targets)} as a PEFT "
+              f"adapter folder ({', '.join(sorted(p.name for p in out.iterdir()))}); --merged writes the merged model")
+        return out
+    if model.cfg.lora_rank:
+        model = lora.merge(model)
     out = models.export_hf(model, args.out, fmt=args.format, max_shard_bytes=args.max_shard_size,
                            tokenizer_dir=tokenizer_dir, overwrite=args.overwrite, progress=True,
                            no_tokenizer=no_tokenizer)

@@ -37,7 +37,7 @@ from etils import epath
 from flax import nnx
 
 from pacs_jax import distributed
-from pacs_jax.checkpoints import TrainCheckpointer
+from pacs_jax.checkpoints import LoraBase, TrainCheckpointer
 from pacs_jax.models import Qwen
 from pacs_jax.models import kernels
 from pacs_jax.rewards import RewardPool
@@ -218,7 +218,8 @@ class _Run:
         prompts = carry if carry is not None else prompts
         state = TrainState(params, programs.learner.init_optimizer(params), critic and critic.state())
         checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
-                                         keep=tc.keep_checkpoints, with_critic=critic is not None)
+                                         keep=tc.keep_checkpoints, with_critic=critic is not None,
+                                         lora_base=LoraBase(spec.model.path, spec.seed) if spec.model.lora_rank else None)
         primary = jax.process_index() == 0
         restored = restore_latest(checkpointer, state, warn=lambda line: print(line, flush=True) if primary else None,
                                   trainable=programs.learner.trainable)

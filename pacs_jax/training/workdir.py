@@ -63,6 +63,11 @@ def _recorded(config_json: epath.Path, section: str, field: str):
         return None
 
 
+def _plain_value(value):
+    """A config value as config.json and the spec compare: lists as tuples."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
 def _same_model_path(recorded: str, configured: str) -> bool:
     """Whether model.path ``configured`` names the model of ``recorded`` (config.json's): the same
     text, or the same local folder (a relative path read from the current directory)."""
@@ -144,6 +149,7 @@ def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | 
     if old_prompts is not None and old_prompts != spec.train.prompts_per_step:
         differs.append(f"train.prompts_per_step (checkpoint {old_prompts!r}, this config "
                        f"{spec.train.prompts_per_step!r}: the data position counts batches of the checkpoint's)")
+    old_lora_rank = _recorded(workdir / CONFIG_FILE, "model", "lora_rank") or 0
     has_critic = (root / str(latest) / "critic_params").is_dir()
     if has_critic and objective != "ppo":
         differs.append(f"the critic (the checkpoint has a PPO critic; objective {objective!r} has none)")
@@ -158,6 +164,16 @@ def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | 
         if isinstance(old_clip, (int, float)) and (old_clip > 0) != (grad_clip > 0):
             differs.append(f"{section}.grad_clip (checkpoint {old_clip!r}, this config {grad_clip!r}: clipping on one "
                            f"side only, so the saved optimizer state has another structure)")
+    # LoRA: the checkpoints hold adapters of the recorded rank and targets (or every weight without them)
+    for field, new in (("lora_rank", spec.model.lora_rank), ("lora_alpha", spec.model.lora_alpha),
+                       ("target_modules", spec.model.target_modules)):
+        old = _recorded(workdir / CONFIG_FILE, "model", field)
+        if field != "lora_rank" and not (spec.model.lora_rank and old_lora_rank):
+            continue
+        if old is not None and _plain_value(old) != _plain_value(new):
+            differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r}: "
+                           + ("the checkpoints hold the adapters alone, trained on their run's base)"
+                              if old_lora_rank else "the checkpoints hold every weight, without adapters)"))
     saved_carry_over = _carry_over_saved(root, steps)
     if saved_carry_over is not None and saved_carry_over != spec.rollout.carry_over:
         differs.append(f"rollout.carry_over (checkpoint {saved_carry_over}, this config {spec.rollout.carry_over}: "
