@@ -19,14 +19,14 @@ from conftest import REPO
 from pacs_jax.rl import options_for
 from pacs_jax.training.config_check import validate_config
 from pacs_jax.training.progress import planned_step_warning
-from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.spec import ConfigError, RunSpec
 from train_helpers import load_config
 
-MODELS = ("qwen25_3b", "qwen25_7b", "qwen3_4b", "qwen3_8b", "qwen25_7b_v6e")
+MODELS = ("qwen25_3b", "qwen25_7b", "qwen3_4b", "qwen3_8b", "qwen25_7b_v6e", "qwen25_7b_lora")
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("algo", ("pacs_beta1", "grpo", "ppo"))
+@pytest.mark.parametrize("model, algo", [(m, a) for m in MODELS for a in ("pacs_beta1", "grpo", "ppo")
+                                         if (m, a) != ("qwen25_7b_lora", "ppo")])  # refused: see below
 def test_the_cpu_scale_shrinks_every_dependent_length_together(model, algo):
     paper, small = load_config("paper.py", f"{model},{algo}"), load_config("paper.py", f"{model},{algo},cpu")
     validate_config(small, device_count=1)
@@ -43,6 +43,16 @@ def test_the_cpu_scale_shrinks_every_dependent_length_together(model, algo):
     assert small.model.model_type == ("qwen3" if paper.model.preset.startswith("Qwen3") else "qwen2")
     assert (small.rollout.n, small.train.mini_batches, small.data.prompt_buckets) == \
         (paper.rollout.n, paper.train.mini_batches, paper.data.prompt_buckets)
+
+
+def test_the_lora_setup_is_the_7b_setup_with_adapters_and_ten_times_the_learning_rate():
+    full, adapters = (load_config("paper.py", f"{model},pacs_beta1") for model in ("qwen25_7b", "qwen25_7b_lora"))
+    assert (adapters.model.lora_rank, adapters.model.lora_alpha, adapters.model.target_modules) == (32, 64.0, "all-linear")
+    assert full.model.lora_rank == 0 and adapters.optim.lr == pytest.approx(10 * full.optim.lr)
+    assert adapters.model.preset == full.model.preset and adapters.algorithm == full.algorithm
+    RunSpec.from_config(adapters, device_count=8)  # its mesh on the v5p-16's 8 chips
+    with pytest.raises(ConfigError, match="config.model.lora_rank: 32 with algorithm.objective 'ppo'"):
+        RunSpec.unplaced(load_config("paper.py", "qwen25_7b_lora,ppo"))  # the critic is full rank
 
 
 def test_an_unknown_scale_is_refused():
