@@ -103,6 +103,21 @@ def test_export_hf_writes_the_checkpoints_adapters_as_peft_or_merged_as_the_run_
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def test_without_lora_the_kl_reference_is_a_frozen_copy_kept_for_the_resume(tmp_path):
+    """Full fine-tuning with the KL loss: the reference is the weights RL starts from, a copy written once to
+    <workdir>/kl_reference; the KL is 0 at step 1 and grows; a resume reads the copy back and trains on."""
+    flags = (*RL_ONLY_FLAGS, "--config.algorithm.use_kl_loss=True", "--config.optim.lr=1e-3",
+             "--config.train.mini_batches=1", "--config.eval.sets=")
+    env = train_env(compile_cache_dir())
+    workdir = tmp_path / "full"
+    assert finish(start_train(workdir, *flags, "--config.train.steps=2", env=env, log_name="f1")) == 0, logs(workdir, "f1")
+    assert (workdir / "kl_reference").is_dir() and not (workdir / "peft_adapter").exists()
+    assert finish(start_train(workdir, *flags, "--config.train.steps=3", env=env, log_name="f2")) == 0, logs(workdir, "f2")
+    rows = {row["step"]: row for row in metrics_rows(workdir)}
+    assert abs(rows[1]["actor/kl_loss"]) < 1e-6 < rows[2]["actor/kl_loss"], rows
+    assert rows[3]["actor/kl_loss"] > 0 and "resumed from step 2" in logs(workdir, "f2")
+
+
 def test_one_step_offs_weight_move_takes_the_adapters_alone_after_the_first(tmp_path):
     cfg = models.QwenConfig(model_type="qwen3", vocab_size=160, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
