@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pacs_jax.models import lora
 from pacs_jax import models, sampling
 from pacs_jax.sampling.engine import lower_sample, sample
 from pacs_jax.sharding import make_mesh, placement
@@ -54,6 +55,40 @@ def state_bytes(tree) -> int:
     """Bytes per device of a tree of sharded arrays, counted shard by shard (not by memory_check)."""
     return max(sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
                    if s.device == d) for d in jax.devices())
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_kl_losss_frozen_reference_is_counted_resident_and_lora_has_none(lora_rank):
+    """The KL loss without LoRA holds a frozen copy of the parameters through every program (the memory plan
+    counts it outside each, and in the learner's resident state); with LoRA the reference is the adapters off:
+    nothing more, and AdamW's state covers the adapters alone. Programs listed, not compiled."""
+    config = tiny_config()
+    config.algorithm.use_kl_loss = True
+    config.model.lora_rank = lora_rank
+    cfg = models.QwenConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            tie_word_embeddings=True)
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        model = models.init_random(cfg)
+        if lora_rank:
+            model = lora.attach(model, rank=lora_rank, alpha=8.0, targets=("q_proj", "up_proj"))
+        graphdef, params = nnx.split(model)
+        spec = RunSpec.unplaced(config)
+        with_kl = StepPrograms(spec, graphdef, params, (1,)).learner
+        without = StepPrograms(RunSpec.unplaced(_without_kl(config)), graphdef, params, (1,)).learner
+    params_bytes = memory_check.per_device_bytes(params)
+    copy = 0 if lora_rank else params_bytes
+    assert with_kl.reference_bytes() == copy and with_kl.resident_bytes() == without.resident_bytes() + copy
+    outside = {p.name: p.outside for p in with_kl.programs((56,), (12,))}
+    assert outside == {p.name: p.outside + copy for p in without.programs((56,), (12,))}
+    opt_params = sum(1 for x in jax.tree.leaves(with_kl.state[1]) if x.shape)  # AdamW's mu and nu (not its counts)
+    assert opt_params == 2 * (4 if lora_rank else len(jax.tree.leaves(params))), opt_params
+
+
+def _without_kl(config):
+    config = config.copy_and_resolve_references()
+    config.algorithm.use_kl_loss = False
+    return config
 
 
 @pytest.mark.slow(seconds=45)
