@@ -83,7 +83,8 @@ MODELS = {
                           rollout_micro_batches=1, slots=4096, remat=_DOTS),
     # LoRA (issue 65): rank 32 (verl: >= 32), alpha 64 (2 r; Tunix's Qwen3 recipe: rank 64, alpha 64) on every linear layer,
     # optim.lr 10x the paper's 1e-6 (verl's and "LoRA Without Regret"'s advice), the base
-    # frozen, AdamW's state the adapters' (81M parameters): the 7B on a quarter of the v5p-64's chips
+    # frozen, AdamW's state the adapters' (81M parameters): the 7B on a quarter of the v5p-64's chips, v5p-16's
+    # peaks 52.6 / 7.8 / 72.5 GiB (docs/measurements.md section 8b)
     "qwen25_7b_lora": dict(preset="Qwen2.5-7B", mesh=(1, 2, 4), micro_batches=32, logprob_micro_batches=64,
                            rollout_micro_batches=1, slots=1024, remat=_DOTS, lora=dict(rank=32, alpha=64.0)),
 }
