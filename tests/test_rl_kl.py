@@ -81,8 +81,8 @@ def _update_batch(seed=0, B=8, P=4, R=6):
                        rewards=jnp.asarray(rng.integers(0, 2, B).astype(np.float32)))
 
 
-@pytest.mark.parametrize("objective, agg", [("pacs", "token-mean"), ("grpo", "seq-mean-token-sum-norm")])
-@pytest.mark.parametrize("kind", ["low_var_kl", "k1+"])
+@pytest.mark.parametrize("objective, agg, kind", [("pacs", "token-mean", "low_var_kl"),
+                                                 ("grpo", "seq-mean-token-sum-norm", "k1+")])
 def test_every_objectives_loss_gains_coef_times_its_aggregated_kl(tiny, objective, agg, kind):
     """verl's actor: policy_loss + kl_loss_coef * agg_loss(kld, response_mask, loss_agg_mode); PACS, which has no
     loss_agg_mode, as verl's actor default (token-mean). Two micro-batches: normalised by the whole batch."""
