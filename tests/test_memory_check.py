@@ -238,6 +238,9 @@ SHRUNK_LAYERS = ["--config.model.preset=", "--config.model.random_init=True", "-
 # The sampler plans' vocabulary: what they check (collectives and copies inside the decode loops, the page pool, a
 # cache row, fitting) does not depend on it, and the real 151,936 entries made a third of their compile time
 SAMPLER_VOCAB = "--config.model.vocab_size=4096"
+# Nor on the decode slots, whose count sizes the slot and page arrays of every loop: the plans take an eighth
+# of the paper's (the Qwen2.5-7B plan's CPU 92.6 -> 52.8 s at 4096 -> 512 slots)
+SLOTS_SHRUNK = 8
 
 
 @pytest.mark.slow(seconds=65)
@@ -246,19 +249,21 @@ SAMPLER_VOCAB = "--config.model.vocab_size=4096"
     ("qwen3_4b", 16, 8, 3072, 96, "{'data': 4, 'fsdp': 8, 'tensor': 1}")])
 def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model, heads, kv_heads, slots, shard_slots,
                                                                            mesh):
-    """tools/plan_memory.py on a paper config (its mesh, slots, buckets, dtype, remat and paged sampler;
-    the model shrunk to two narrow layers with the real head size and a vocabulary of 4,096) for the 32 chips of a
-    v5p-64, compile-only on this CPU: the mesh's TPU devices choose the kernels (splash attention, the
-    TPU paged-attention kernel), with nothing patched. Inside the sampler's decode loops: no parameter
-    all-gather, no copy of the page pool (a [K, Dh] write window made XLA:TPU copy the whole pool to
-    the kernel's layout at every layer of every step: 8 such copies here with Qwen3-4B's 8 KV heads
-    on one device), and no [slots, prompt + max_new] cache row. Its tail narrows to 3/4 of the slots
+    """tools/plan_memory.py on a paper config (its mesh, buckets, dtype, remat and paged sampler, an eighth
+    of its slots; the model shrunk to two narrow layers with the real head size and a vocabulary of 4,096)
+    for the 32 chips of a v5p-64, compile-only on this CPU: the mesh's TPU devices choose the kernels
+    (splash attention, the TPU paged-attention kernel), with nothing patched. Inside the sampler's decode
+    loops: no parameter all-gather, no copy of the page pool (a [K, Dh] write window made XLA:TPU copy the
+    whole pool to the kernel's layout at every layer of every step: 8 such copies here with Qwen3-4B's 8 KV
+    heads on one device), and no [slots, prompt + max_new] cache row. Its tail narrows to 3/4 of the slots
     rather than the config's 1/8 (each width one more loop to compile), enough to compile a narrowed
     loop for the TPU."""
+    assert load_config("paper.py", f"{model},pacs_beta1").rollout.slots == slots  # the paper's, shrunk below
+    slots, shard_slots = slots // SLOTS_SHRUNK, shard_slots // SLOTS_SHRUNK
     model_type = "qwen3" if model.startswith("qwen3") else "qwen2"
     shrink = [*SHRUNK_LAYERS, SAMPLER_VOCAB, f"--config.model.model_type={model_type}",
               f"--config.model.num_attention_heads={heads}",
-              f"--config.model.num_key_value_heads={kv_heads}"]
+              f"--config.model.num_key_value_heads={kv_heads}", f"--config.rollout.slots={slots}"]
     result = subprocess.run([sys.executable, "tools/plan_memory.py", f"--config=configs/paper.py:{model},pacs_beta1",
                              "--topology=v5p-64", "--programs=sampler", *shrink,
                              f"--config.rollout.tail_slots={slots * 3 // 4}"],
@@ -285,9 +290,11 @@ def test_tool_compiles_carry_overs_sampler_for_a_paper_config_on_v5p_64():
     carry-over engine's six programs (init, insert, chunk, harvest; a resume's restore and reseat) for
     the step's one call of 2P prompts, its state of G = max_staleness + 1 generations' rows (the paper
     configs' max_staleness 3) and their one page pool among their arguments: Qwen2.5-7B's config shrunk as
-    above, compile-only for the v5p-64, with the one flag (its tail_slots the mode's: none)."""
+    above (an eighth of its 4096 slots), compile-only for the v5p-64, with the one flag (its tail_slots the mode's:
+    none)."""
+    slots = load_config("paper.py", "qwen25_7b,pacs_beta1").rollout.slots // SLOTS_SHRUNK
     shrink = [*SHRUNK_LAYERS, SAMPLER_VOCAB, "--config.model.model_type=qwen2", "--config.model.num_attention_heads=8",
-              "--config.model.num_key_value_heads=4"]
+              "--config.model.num_key_value_heads=4", f"--config.rollout.slots={slots}"]
     result = subprocess.run([sys.executable, "tools/plan_memory.py", "--config=configs/paper.py:qwen25_7b,pacs_beta1",
                              "--topology=v5p-64", "--programs=sampler", *shrink, "--config.rollout.carry_over=True"],
                             cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
@@ -295,8 +302,8 @@ def test_tool_compiles_carry_overs_sampler_for_a_paper_config_on_v5p_64():
     out = result.stdout
     # a prompt of 512 tokens is 32 pages; the response pages every slot's longest row, 257 pages of 16 tokens
     assert ("sampler: carry-over: 2048 prompts x 512 tokens a call, n=8, 4 generations (max_staleness + 1): 65536 "
-            f"rows in 4096 decode slots over a page pool of {4 * 2048 * 32} prompt + {4096 * 257} response pages of "
-            "16 tokens; 1024 groups returned a call") in out, out
+            f"rows in {slots} decode slots over a page pool of {4 * 2048 * 32} prompt + {slots * 257} response pages "
+            "of 16 tokens; 1024 groups returned a call") in out, out
     assert "sampler: no parameter all-gather inside its loops" in out
     assert "sampler: no copy of the page pool inside its loops" in out
     assert re.search(r"peak per device: \d+\.\d\d GiB of 95\.00 GiB \(fits\)", out), out

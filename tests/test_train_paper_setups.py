@@ -157,7 +157,7 @@ ABLATIONS = {
 PACS_BETA1 = dict(beta=1.0, use_weight=True, weight_mode="question", reward_method="1", adv_estimator="rloo")
 
 
-def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(deepscaler_rows, qwen_tokenizer_dir,
+def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(deepscaler_rows, small_tokenizer_dir,
                                                                                   tmp_path):
     """Each ablation is its own ALGO of configs/paper.py: pacs_beta1 with its one option changed and
     nothing else (workdir named after it), valid, and what the trainer hands the objective registry
@@ -183,7 +183,7 @@ def test_every_pacs_ablation_is_a_named_setup_whose_options_reach_the_objective(
         options = dict(PACS_BETA1, **ABLATIONS.get(name, {}))
         expected["algorithm"] = dict(base["algorithm"], pacs=options)
         assert flat == expected, name
-        validate_config(setup_config(deepscaler_rows, qwen_tokenizer_dir, f"qwen25_7b,{name}"))
+        validate_config(setup_config(deepscaler_rows, small_tokenizer_dir, f"qwen25_7b,{name}"))  # as the runs above
         bound = options_for(config.algorithm)
         assert bound == options
         loss, _ = get_objective("pacs", **bound)(jnp.asarray(logp, jnp.float32), jnp.asarray(old_logp, jnp.float32),
