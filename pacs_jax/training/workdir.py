@@ -203,11 +203,11 @@ def check_export_folder(workdir: str | os.PathLike) -> None:
     such as the evaluation CLI's ``eval/``, or a folder that is no export): a ``ConfigError`` naming the
     folder and those files. Every process reads it; process 0's verdict holds for all (``agree``)."""
     refusal, folder = None, epath.Path(workdir) / EXPORT_FOLDER
-    for name in (EXPORT_FOLDER, PEFT_FOLDER):
+    for name, what in ((EXPORT_FOLDER, "HF export"), (PEFT_FOLDER, "PEFT adapter folder")):
         folder = epath.Path(workdir) / name
         try:
             check_export_target(folder, overwrite=True, instead=f"move it out of {epath.Path(workdir)} (the run "
-                                                                f"replaces {name} with its export when it ends)")
+                                                                f"replaces {name} with its {what} when it ends)")
         except NotAnExportError as e:
             refusal = str(e)
             break
