@@ -180,7 +180,7 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
         graphdef, state, target = abstract_params(cfg)
         return nnx.merge(graphdef, params_from_flat(state, restore_flat_params(params_dir, target)))
     # a training checkpoint of LoRA adapters: the base loaded (or drawn) as the run built it, the adapters restored
-    plain = cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+    plain = cfg.without_adapters()
     run = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention,
                attention_block_size=cfg.attention_block_size)
     model = lora.attach(from_pretrained(base.model_path, **run) if base.model_path else init_random(plain, base.seed),

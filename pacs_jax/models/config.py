@@ -85,6 +85,10 @@ class QwenConfig:
     def replace(self, **changes) -> QwenConfig:
         return dataclasses.replace(self, **changes)
 
+    def without_adapters(self) -> QwenConfig:
+        """This model's base: the same architecture and run options without LoRA adapters."""
+        return self.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+
     # ------------------------------------------------------------------ HF config.json
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], source: str = "config.json", **overrides) -> QwenConfig:

@@ -151,11 +151,16 @@ def load_hf(hf_dir: str | pathlib.Path, *, dtype: str = "float32",
 def host_params(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
     """(dotted path, host numpy array) for each parameter, one at a time (gathered if sharded)."""
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = var.get_value()
-        if jax.process_count() > 1 and not value.is_fully_addressable:
-            from jax.experimental import multihost_utils
-            value = multihost_utils.process_allgather(value, tiled=True)
-        yield dotted(path), np.asarray(jax.device_get(value))
+        yield dotted(path), host_array(var.get_value())
+
+
+def host_array(value: jax.Array) -> np.ndarray:
+    """A (possibly sharded) array as one host NumPy array, gathered across processes when it spans them
+    (every process must call it)."""
+    if jax.process_count() > 1 and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        value = multihost_utils.process_allgather(value, tiled=True)
+    return np.asarray(jax.device_get(value))
 
 
 def export_hf(model: Qwen, out_dir: str | pathlib.Path, *, fmt: str = "safetensors",

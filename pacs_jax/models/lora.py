@@ -27,7 +27,7 @@ from flax import nnx
 
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.lora_targets import PEFT_PARENTS
-from pacs_jax.models.loading import abstract_model, dotted, random_param
+from pacs_jax.models.loading import abstract_model, host_array, random_param
 from pacs_jax.models.qwen import Qwen
 
 # PEFT's module name -> (our sub-module of a decoder layer, the adapter's attribute there)
@@ -88,7 +88,7 @@ def merge(model: Qwen) -> Qwen:
     """A model without adapters whose target kernels are W + alpha / r * A @ B (in W's dtype): the model
     the adapters make, for an HF export or a sampler that reads merged weights."""
     cfg = model.cfg
-    base_cfg = cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+    base_cfg = cfg.without_adapters()
     _, base = split(nnx.state(model))
     scale = cfg.lora_alpha / cfg.lora_rank
     for name, a, b in _adapter_arrays(model):
@@ -106,7 +106,7 @@ def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
     [out, in] with in / out the HF Linear's features (heads flattened)."""
     for name, a, b in _adapter_arrays(model):
         parent = PEFT_PARENTS[name]
-        a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+        a, b = host_array(a), host_array(b)  # every process takes part in the gather
         r = a.shape[-1]
         for layer in range(a.shape[0]):
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"

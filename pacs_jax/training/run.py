@@ -119,7 +119,7 @@ def build_model(spec: RunSpec, tokenizer) -> models.Qwen:
     else:
         architecture = {} if spec.model.preset else {"eos_token_id": tokenizer.eos_token_id}
         cfg = model_config(spec, vocab_size=len(tokenizer), **architecture)
-        base = models.init_random(cfg.replace(lora_rank=0, lora_alpha=0.0, lora_targets=()), seed=spec.seed)
+        base = models.init_random(cfg.without_adapters(), seed=spec.seed)
     adapters = lora_options(spec)
     if not adapters:
         return base

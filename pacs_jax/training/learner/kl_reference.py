@@ -40,6 +40,9 @@ def frozen_reference(spec: RunSpec, workdir: epath.Path, params: nnx.State, *, r
                               f"({folder}) is missing: the checkpoints were written without the KL loss; resume "
                               "with algorithm.use_kl_loss=False or start a new workdir")
         return params_from_flat(params, restore_flat_params(folder, abstract(flat_params(params))))
+    if jax.process_index() == 0:  # a 7B's copy is tens of GB to write: say what the wait is
+        print(f"KL loss: writing the reference (a frozen copy of the weights RL starts from) to {folder}, once",
+              flush=True)
     reference = jax.tree.map(jnp.copy, params)  # the update donates params: a copy of its own
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(folder, flat_params(reference), force=True)  # force: a stopped fresh run's copy is replaced

@@ -11,7 +11,7 @@ collected rows (training/records.py ``Collected``), with the learner's programs
              (host arrays all processes hold: no collective)
     ref      ``algorithm.use_kl_loss``: the reference model's log-probs of the response tokens, pi_old's
              program on the reference's weights (LoRA: the learner's with the adapters off; else the frozen
-             copy RL started from, ``TrainState.reference``)
+             copy RL started from, ``RolloutBatcher.hold_reference``: training/learner/kl_reference.py)
     checks   the sampler's log-probs against pi_old (training/learner/rollout_consistency.py) and the
              rollout correction's weights (training/learner/rollout_correction_step.py)
     batch    the rewards put back into a global array; the step's metrics computed from all rows
