@@ -106,20 +106,21 @@ def params_from_flat(template: nnx.State, flat: dict[str, jax.Array]) -> nnx.Sta
     return nnx.from_flat_state(items)
 
 
-def _absolute(directory: str | os.PathLike) -> epath.Path:
+def absolute_path(directory: str | os.PathLike) -> epath.Path:
     """``directory`` as the absolute path Orbax wants; a store's (``gs://...``) as it is (``absolute()``
     would put the working directory in front of it)."""
     directory = epath.Path(directory)
     return directory if is_remote(directory) else directory.absolute()
 
 
-def save_model(model: Qwen, directory: str | os.PathLike) -> epath.Path:
-    """Save ``model`` as ``directory/{model_config.json, params/}`` (every process takes part)."""
-    directory = _absolute(directory)
-    if (directory / PARAMS_ITEM).exists():
+def save_model(model: Qwen, directory: str | os.PathLike, *, overwrite: bool = False) -> epath.Path:
+    """Save ``model`` as ``directory/{model_config.json, params/}`` (every process takes part); an existing
+    one is refused, or replaced with ``overwrite``."""
+    directory = absolute_path(directory)
+    if (directory / PARAMS_ITEM).exists() and not overwrite:
         raise FileExistsError(f"{directory / PARAMS_ITEM}: already exists")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory / PARAMS_ITEM, flat_params(nnx.state(model, nnx.Param)))
+    checkpointer.save(directory / PARAMS_ITEM, flat_params(nnx.state(model, nnx.Param)), force=overwrite)
     checkpointer.wait_until_finished()
     if jax.process_index() == 0:
         write_model_config(directory, model.cfg)
@@ -129,7 +130,7 @@ def save_model(model: Qwen, directory: str | os.PathLike) -> epath.Path:
 def find_params_dir(directory: str | os.PathLike) -> tuple[epath.Path, epath.Path]:
     """(dir holding model_config.json, params dir) for a model checkpoint, a manager root (its latest
     step) or one ``<root>/<step>`` of it."""
-    directory = _absolute(directory)
+    directory = absolute_path(directory)
     if (directory / PARAMS_ITEM).is_dir():  # a model checkpoint, or one step of a manager root
         step_of_root = directory.name.isdigit() and not (directory / MODEL_CONFIG_FILE).is_file()
         return (directory.parent if step_of_root else directory), directory / PARAMS_ITEM
@@ -363,7 +364,7 @@ def read_meta(directory: str | os.PathLike, step: int) -> dict:
     """The meta item (JSON: step, seed, data_state) of step ``step`` of the trainer's root ``directory``,
     read as ``TrainCheckpointer.restore`` reads it but without a manager (no collective: any process, at
     any time). Raises ``OSError`` (no such file) or ``ValueError`` (not JSON)."""
-    return dict(ocp.JsonCheckpointHandler().restore(_absolute(directory) / str(step) / "meta"))
+    return dict(ocp.JsonCheckpointHandler().restore(absolute_path(directory) / str(step) / "meta"))
 
 
 class TrainCheckpointer:
@@ -375,7 +376,7 @@ class TrainCheckpointer:
 
     def __init__(self, directory: str | os.PathLike, model_config: QwenConfig, *, every: int, keep: int,
                  with_critic: bool = False, lora_base: LoraBase | None = None):
-        self.directory = _absolute(directory)
+        self.directory = absolute_path(directory)
         self.every = every
         self.with_critic = with_critic
         self.manager = _Manager(

@@ -1,5 +1,6 @@
 """RL on adapters through the trainer CLI (the demo shrunk, LoRA rank 4 on every linear layer, the KL loss on):
-the learner trains and checkpoints the adapters alone, a run stopped and resumed equals an uninterrupted
+the warm-start trains the base at full rank, as a run without LoRA does, and the run keeps it for its
+resume and export; the learner trains and checkpoints the adapters alone, a run stopped and resumed equals an uninterrupted
 one, the KL to the reference (the adapters off) starts at 0, the sampler samples the newest adapter, and
 the run exports a PEFT folder beside the merged model. One step off's weight move: the adapters alone."""
 
@@ -19,11 +20,14 @@ from pacs_jax import models, sharding
 from pacs_jax.models import lora
 from pacs_jax.training.engine.weight_sync import WeightSync
 from qwen_reference import load_tool
-from train_helpers import RL_ONLY_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
+from train_helpers import FAST_DEMO_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
 
 pytestmark = pytest.mark.slow(seconds=60)  # two short runs and a resume of the demo's tiny model
 
-FLAGS = (*RL_ONLY_FLAGS, "--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=3e-3",
+# the shrunk demo with a 2-step warm-start (of the base, at full rank: training/warm_base.py), then LoRA's RL
+WARM_START_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=2", "--config.warmstart.target_accuracy=0",
+                    "--config.eval.sets=")
+FLAGS = (*WARM_START_FLAGS, "--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=3e-3",
          "--config.algorithm.use_kl_loss=True", "--config.algorithm.kl_loss_coef=0.01",
          "--config.train.mini_batches=1", "--config.train.checkpoint_every=1", "--config.eval.sets=")
 
@@ -61,7 +65,12 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_alone(runs):
 
 
 def test_a_run_stopped_and_resumed_equals_the_uninterrupted_one(runs):
+    """The resume puts the checkpoint's adapters on the warm-started base the run wrote (<workdir>/lora_base,
+    named in the checkpoints' model_config.json); on another base its steps would differ."""
     assert "resumed from step 2" in runs["resume_log"]
+    for run in ("a", "b"):
+        named = json.loads((runs[run] / "checkpoints" / "model_config.json").read_text())["pacs_jax"]["lora"]
+        assert named["model_path"] == str((runs[run] / "lora_base").absolute()), named
     a = {row["step"]: row for row in metrics_rows(runs["a"])}
     b = {row["step"]: row for row in metrics_rows(runs["b"])}
     assert sorted(a) == sorted(b) == [1, 2, 3]
@@ -90,8 +99,8 @@ def test_the_kl_starts_at_zero_and_the_sampler_samples_the_newest_adapter(runs):
 
 
 def test_export_hf_writes_the_checkpoints_adapters_as_peft_or_merged_as_the_run_did(runs, tmp_path):
-    """A LoRA checkpoint holds the adapters alone; export_hf loads it onto its base (the demo's: drawn again from the
-    run's seed) and writes what the run's own end wrote, bit for bit: the PEFT folder, and with --merged the model."""
+    """A LoRA checkpoint holds the adapters alone; export_hf loads it onto its base (the warm-started one the run
+    wrote to <workdir>/lora_base) and writes what the run's own end wrote, bit for bit: the PEFT folder, and with --merged the model."""
     export_hf = load_tool("export_hf")
     export_hf.main(["--checkpoint", str(runs["a"]), "--out", str(tmp_path / "peft")])
     export_hf.main(["--checkpoint", str(runs["a"]), "--out", str(tmp_path / "merged"), "--merged"])
@@ -103,15 +112,21 @@ def test_export_hf_writes_the_checkpoints_adapters_as_peft_or_merged_as_the_run_
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_without_lora_the_kl_reference_is_a_frozen_copy_kept_for_the_resume(tmp_path):
+def test_without_lora_the_kl_reference_is_a_frozen_copy_kept_for_the_resume(runs, tmp_path):
     """Full fine-tuning with the KL loss: the reference is the weights RL starts from, a copy written once to
-    <workdir>/kl_reference; the KL is 0 at step 1; a resume reads the copy back, and its step's KL is above 0."""
-    flags = (*RL_ONLY_FLAGS, "--config.algorithm.use_kl_loss=True", "--config.optim.lr=1e-3",
-             "--config.train.mini_batches=1", "--config.eval.sets=")
+    <workdir>/kl_reference; the KL is 0 at step 1; a resume reads the copy back, and its step's KL is above 0.
+    Those weights are the LoRA run's base: the same warm-start, at full rank, whatever RL then trains."""
+    flags = (*WARM_START_FLAGS, "--config.algorithm.use_kl_loss=True", "--config.optim.lr=1e-3",
+             "--config.train.mini_batches=1")
     env = train_env(compile_cache_dir())
     workdir = tmp_path / "full"
     assert finish(start_train(workdir, *flags, "--config.train.steps=1", env=env, log_name="f1")) == 0, logs(workdir, "f1")
     assert (workdir / "kl_reference").is_dir() and not (workdir / "peft_adapter").exists()
+    reference = ocp.StandardCheckpointer().restore(workdir / "kl_reference")
+    base = ocp.StandardCheckpointer().restore(runs["a"] / "lora_base" / "params")
+    assert sorted(base) == sorted(reference)
+    for name in reference:  # the adapters' B = 0 adds exact zeros: the base's forward and gradients
+        np.testing.assert_allclose(base[name], reference[name], rtol=1e-6, atol=1e-7, err_msg=name)
     assert finish(start_train(workdir, *flags, "--config.train.steps=2", env=env, log_name="f2")) == 0, logs(workdir, "f2")
     rows = {row["step"]: row for row in metrics_rows(workdir)}
     assert abs(rows[1]["actor/kl_loss"]) < 1e-6 < rows[2]["actor/kl_loss"], rows  # step 2 against the copy read back

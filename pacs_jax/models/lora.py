@@ -4,6 +4,7 @@
     model = attach(base_model, rank=32, alpha=64, targets=targets, seed=0)   # B = 0: the base's logits
     adapters, base = split(params)                      # nnx.State of the LoRAParam leaves, of the rest
     merged = merge(model)                               # a Qwen without adapters: W + alpha / r * A @ B
+    plain = base(model)                                 # a Qwen without adapters: W (the same arrays)
     tensors = peft_tensors(model)                       # {PEFT name: array}: adapter_model.safetensors
 
 A target module's kernel W [in..., out...] (models/qwen.py: q/k/v [D, N, Dh], o [H, Dh, D], gate/up
@@ -84,20 +85,30 @@ def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
     return scale * flat.reshape(*a.shape[:-1], *b.shape[2:])
 
 
+def base(model: Qwen, kernels: dict[str, jax.Array] | None = None) -> Qwen:
+    """``model`` without its adapters: its base (the same arrays), or with ``kernels`` ({PEFT module name:
+    stacked kernel}) in place of those modules' kernels."""
+    _, state = split(nnx.state(model))
+    for name, kernel in (kernels or {}).items():
+        sub, _ = _PLACES[name]
+        variable = state["layers"][sub][_KERNELS[name]]
+        state["layers"][sub][_KERNELS[name]] = variable.replace(value=kernel)
+    base_cfg = model.cfg.without_adapters()
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Qwen(base_cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, state)
+
+
 def merge(model: Qwen) -> Qwen:
     """A model without adapters whose target kernels are W + alpha / r * A @ B (in W's dtype): the model
     the adapters make, for an HF export or a sampler that reads merged weights."""
     cfg = model.cfg
-    base_cfg = cfg.without_adapters()
-    _, base = split(nnx.state(model))
     scale = cfg.lora_alpha / cfg.lora_rank
+    merged = {}
     for name, a, b in _adapter_arrays(model):
         sub, _ = _PLACES[name]
-        kernel = base["layers"][sub][_KERNELS[name]]
-        w = kernel.get_value()
-        base["layers"][sub][_KERNELS[name]] = kernel.replace(value=(w.astype(jnp.float32) + delta(a, b, scale)).astype(w.dtype))
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Qwen(base_cfg, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, base)
+        w = getattr(getattr(model.layers, sub), _KERNELS[name])[...]
+        merged[name] = (w.astype(jnp.float32) + delta(a, b, scale)).astype(w.dtype)
+    return base(model, merged)
 
 
 def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:

@@ -37,7 +37,7 @@ from etils import epath
 from flax import nnx
 
 from pacs_jax import distributed
-from pacs_jax.checkpoints import LoraBase, TrainCheckpointer
+from pacs_jax.checkpoints import TrainCheckpointer
 from pacs_jax.models import Qwen
 from pacs_jax.models import kernels
 from pacs_jax.rewards import RewardPool
@@ -57,6 +57,7 @@ from pacs_jax.training.rollout import OneStepOff, RolloutCollector, carry_over_s
 from pacs_jax.training.signals import finished_line, stop_signals
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
+from pacs_jax.training.warm_base import lora_base
 
 
 class PromptSource(Protocol):
@@ -219,7 +220,7 @@ class _Run:
         state = TrainState(params, programs.learner.init_optimizer(params), critic and critic.state())
         checkpointer = TrainCheckpointer(workdir / "checkpoints", model.cfg, every=tc.checkpoint_every,
                                          keep=tc.keep_checkpoints, with_critic=critic is not None,
-                                         lora_base=LoraBase(spec.model.path, spec.seed) if spec.model.lora_rank else None)
+                                         lora_base=lora_base(spec, workdir))
         primary = jax.process_index() == 0
         restored = restore_latest(checkpointer, state, warn=lambda line: print(line, flush=True) if primary else None,
                                   trainable=programs.learner.trainable)

@@ -62,6 +62,7 @@ from pacs_jax.training.learner.warmstart import WarmStartResult, warm_start
 from pacs_jax.training.loop import rl_train
 from pacs_jax.training.metrics import EvalScalars
 from pacs_jax.training.model_spec import lora_options, model_config, run_options
+from pacs_jax.training.warm_base import has_warm_base, keep_warm_base, resumed_base
 from pacs_jax.training.option_lines import options_line
 from pacs_jax.training.progress import planned_step_warning
 from pacs_jax.training.records import PromptBatch
@@ -212,7 +213,7 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
 
     if not latest:
         record_session()
-    model = build_model(spec, tokenizer)
+    model = build_model(resumed_base(spec, workdir) if latest else spec, tokenizer)  # LoRA: a warm-started base
     prompts, warm_prompts, held_out, counts = prompt_source(spec, tokenizer)
     if primary:
         print(f"RL prompts: {len(prompts.examples)} of {counts['rows']} problems read ({counts['warmstart']} for the "
@@ -288,6 +289,8 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
                                          safe_point=signals.safe_point)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
+                if has_warm_base(spec):  # the base LoRA's adapters train on, for the resume and the export
+                    keep_warm_base(model, workdir)
                 if primary:
                     print(_warm_start_line(warm, wc.target_accuracy), flush=True)
             if sets and ec.before_rl:

@@ -82,7 +82,7 @@ class LearnerPrograms:
         self.mesh = mesh
         self.spec, self.graphdef = spec, graphdef
         self.optimizer, self.lr_schedule = spec_optimizer(spec)
-        self.trainable = Trainable(adapters_only=spec.model.lora_rank > 0)  # LoRA: the adapters alone
+        self.trainable = Trainable("adapters" if spec.model.lora_rank else "all")  # LoRA: the adapters alone
         # (params, opt_state): AdamW's state over the trained leaves alone
         self.state = (abstract(params), abstract_optimizer_state(self.optimizer, self.trainable.of(params)))
         self.kl_loss = spec.algorithm.kl_loss
@@ -115,7 +115,10 @@ class LearnerPrograms:
             critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
             values_micro_batches=self.logprob_micro_batches, **critic_options(spec))
         wc = spec.warmstart
-        self.warmstart = warmstart.sft_step(graphdef, wc, params, self.trainable) if wc.steps > 0 else None
+        # the warm-start trains the base at full rank, LoRA or not: it stands in for a pretrained model, so that full
+        # fine-tuning and every rank start RL from one model (training/warm_base.py keeps a LoRA run's)
+        self.warmstart = (warmstart.sft_step(graphdef, wc, params, Trainable("base" if spec.model.lora_rank else "all"))
+                          if wc.steps > 0 else None)
         self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
 
     # ------------------------------------------------------------------------ packing (train.packing)

@@ -19,6 +19,11 @@ on prompts it never trained on makes RL start from the same skill level on any o
 Before each step the warm-start calls the caller's ``safe_point`` (training/run.py passes the run's
 ``StopSignals.safe_point``: on several processes a stop signal ends the run there, on every process at
 the same step; training/signals.py).
+
+With LoRA (model.lora_rank > 0) the warm-start trains the base at full rank and leaves the fresh adapters
+at B = 0 (``Trainable("base")``): it stands in for a pretrained model, so full fine-tuning and LoRA at
+any rank start RL from the same warm-started weights (the same seed: the same model), and RL then trains the
+adapters. The run keeps that base in <workdir>/lora_base (training/warm_base.py).
 """
 
 from __future__ import annotations
@@ -79,14 +84,14 @@ class SFTStep(NamedTuple):
     optimizer: optax.GradientTransformation
     step: Callable  # jitted (params, opt_state, batch) -> (params, opt_state, loss); state donated
     opt_shardings: object  # the AdamW state's shardings the step keeps
-    trainable: Trainable  # the parameters it trains (LoRA: the adapters alone)
+    trainable: Trainable  # the parameters it trains (LoRA: the base, not the adapters)
 
 
 def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params,
-             trainable: Trainable = Trainable(adapters_only=False)) -> SFTStep:
+             trainable: Trainable = Trainable()) -> SFTStep:
     """The warm-start step of ``wc`` (``warmstart``: AdamW at ``lr``, ``weight_decay``; responses
     of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings), training ``trainable``'s
-    leaves (LoRA: the adapters alone)."""
+    leaves (a LoRA run's: the base, at full rank)."""
     optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
     shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, trainable.of(params))))
     step = make_sft_step(graphdef, optimizer, wc.max_response_tokens, shardings, trainable)
@@ -94,7 +99,7 @@ def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params,
 
 
 def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int,
-                  state_shardings: tuple | None = None, trainable: Trainable = Trainable(adapters_only=False)):
+                  state_shardings: tuple | None = None, trainable: Trainable = Trainable()):
     """A jitted (params, opt_state, batch: ``SFTBatch``) -> (params, opt_state, loss) step; state buffers
     donated; opt_state over ``trainable``'s trained leaves.
 
