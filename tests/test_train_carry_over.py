@@ -28,7 +28,7 @@ from pacs_jax.training.spec import RunSpec
 from pacs_jax.training import compilations, memory_check
 from pacs_jax.training.step_programs import StepPrograms
 from test_train_config import load_config
-from train_helpers import ListPromptSource, tiny_model_on_mesh
+from train_helpers import ListPromptSource, tiny_model_on_mesh, with_adapters
 
 N, PROMPTS, MAX_NEW_TOKENS, SEED = 2, 4, 12, 4
 STOPS = tuple(range(2, 22))  # about 1 token in 5 ends a response: lengths from 1 to the budget
@@ -125,8 +125,13 @@ def _train(config, model, batches, workdir, steps, pool, trained):
     return result.history, weights, result.collector.carry
 
 
-def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setup, tmp_path, capsys):
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setup, tmp_path, capsys, adapters):
+    """With LoRA adapters (rank 2 on every linear layer) the same: the engine samples each step with the newest
+    adapters, where an engine left on the first ones would sample other tokens (checked: the test fails on it)."""
     mesh, model, config, batches = setup
+    if adapters:
+        model, config = with_adapters(mesh, model, config)
     trained = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
         history, weights, _ = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 4, pool,
@@ -138,10 +143,16 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
         engine = CarryOverSampler(graphdef, settings, prompts=2 * PROMPTS, prompt_length=16, groups=PROMPTS,
                                   max_staleness=1)
         base = jax.random.key(SEED)
+        first = CarryOverSampler(graphdef, settings, prompts=2 * PROMPTS, prompt_length=16, groups=PROMPTS,
+                                 max_staleness=1) if adapters else None  # on the first adapters throughout
+        differ = []
         for step, batch, metrics, ((_, placed),) in trained:
             tokens, mask = buckets.left_pad(placed, 2 * PROMPTS, 16)
             rows = jax.tree.map(np.asarray, engine.step(weights[step], step, tokens, mask,
                                                         jax.random.fold_in(base, step)))
+            if first is not None:
+                stale = first.step(weights[1], step, tokens, mask, jax.random.fold_in(base, step))
+                differ.append(not np.array_equal(np.asarray(stale.tokens), rows.tokens))
             R = batch["response_mask"].shape[1]
             for r in range(PROMPTS * N):
                 L = int(rows.lengths[r])
@@ -149,6 +160,8 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
                 np.testing.assert_array_equal(batch["input_ids"][r, -R:][:L], rows.tokens[r, :L], err_msg=f"{step} {r}")
             assert metrics["rollout_staleness_max"] == float(rows.staleness_max)
             assert metrics["carried_rows"] == float(rows.carried_rows)
+    if adapters:  # step 1: both on the first adapters; later, the stale engine samples other tokens
+        assert not differ[0] and any(differ[1:]), differ
     assert [len(inserted[0][0].prompt_ids) for *_, inserted in trained][0] == 2 * PROMPTS  # then what the last call returned
     assert all(m["carried_rows"] > 0 for _, _, m, _ in trained[1:])  # responses went over to the next step
     assert max(m["rollout_staleness_max"] for _, _, m, _ in trained) == 1.0

@@ -194,6 +194,22 @@ class ListPromptSource:
         self.next_index = state["next_index"]
 
 
+def with_adapters(mesh, model, config):
+    """(``model`` with fresh LoRA adapters of rank 2 on every linear layer, on ``mesh``; a copy of ``config``
+    that trains them at a learning rate that moves the sampler within a step): the LoRA cases of the schedule
+    tests (the sampler samples the newest adapters)."""
+    import jax
+
+    from pacs_jax.models import lora
+    from pacs_jax.models.config import LORA_MODULES
+
+    config = config.copy_and_resolve_references()
+    config.model.update(lora_rank=2, lora_alpha=16.0)
+    config.optim.lr = 3e-2
+    with jax.set_mesh(mesh):
+        return lora.attach(model, rank=2, alpha=16.0, targets=LORA_MODULES, seed=0), config
+
+
 def tiny_model_on_mesh(seed: int = 5):
     """(the (2, 2, 2) mesh of the 8 simulated devices, a 1-layer random Qwen3 of a 96-token vocabulary on it,
     eos 1): the model the step-level tests of dynamic sampling and carry-over train."""
