@@ -121,6 +121,11 @@ def build_model(spec: RunSpec, tokenizer) -> models.Qwen:
         architecture = {} if spec.model.preset else {"eos_token_id": tokenizer.eos_token_id}
         cfg = model_config(spec, vocab_size=len(tokenizer), **architecture)
         base = models.init_random(cfg.without_adapters(), seed=spec.seed)
+    return with_adapters(spec, base)
+
+
+def with_adapters(spec: RunSpec, base: models.Qwen) -> models.Qwen:
+    """``base`` with the run's fresh LoRA adapters (drawn from the seed, B = 0), or ``base`` itself without LoRA."""
     adapters = lora_options(spec)
     if not adapters:
         return base
@@ -281,16 +286,19 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
             if wc.steps > 0:
                 signals.exit_at_once("the warm-start, which is not checkpointed: a restart runs it again from its "
                                      "first step")
-                model, warm = warm_start(model, warm_prompts, tokenizer, wc, program=programs.learner.warmstart,
-                                         probe=prompts.examples[:wc.probe_problems],
-                                         prompt_length=dc.max_prompt_length,
-                                         seed=spec.seed, pool=pool, reward_name=reward_name,
-                                         probe_max_new_tokens=spec.rollout.max_new_tokens, stop_token_ids=stop_ids,
-                                         safe_point=signals.safe_point)
+                # the model without adapters (LoRA's fresh ones drawn again after it): decision 0014
+                base, warm = warm_start(lora.base(model) if spec.model.lora_rank else model, warm_prompts, tokenizer,
+                                        wc, program=programs.learner.warmstart,
+                                        probe=prompts.examples[:wc.probe_problems],
+                                        prompt_length=dc.max_prompt_length,
+                                        seed=spec.seed, pool=pool, reward_name=reward_name,
+                                        probe_max_new_tokens=spec.rollout.max_new_tokens, stop_token_ids=stop_ids,
+                                        safe_point=signals.safe_point)
                 before["warmstart"] = {"steps": warm.steps, "probe_accuracy": warm.probe_accuracy,
                                        "seconds": warm.seconds}
+                model = with_adapters(spec, base)
                 if has_warm_base(spec):  # the base LoRA's adapters train on, for the resume and the export
-                    keep_warm_base(model, workdir)
+                    keep_warm_base(base, workdir)
                 if primary:
                     print(_warm_start_line(warm, wc.target_accuracy), flush=True)
             if sets and ec.before_rl:

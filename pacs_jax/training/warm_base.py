@@ -1,15 +1,15 @@
 """A LoRA run's base model: the weights its adapters train on, which its checkpoints name.
 
 Without a warm-start the base is model.path's weights, or the demo's random ones (``init_random`` at the
-run's seed). With one (warmstart.steps > 0) the warm-start trains the base at full rank and leaves the
-fresh adapters at B = 0 (training/learner/warmstart.py): it stands in for a pretrained model, so that full
-fine-tuning and LoRA at any rank start RL from the same weights. The base is then the warm-started
+run's seed). With one (warmstart.steps > 0) the warm-start trains the model without adapters, the program
+a run without LoRA runs, and fresh adapters are drawn after it (training/run.py; decision 0014): it stands in
+for a pretrained model, so that full fine-tuning and LoRA at any rank start RL from the same weights. The base is then the warm-started
 weights, written once after the warm-start to ``<workdir>/lora_base`` (a pacs_jax model checkpoint): the
 checkpoints' model_config.json names that folder, so a resumed run, tools/export_hf.py and the evaluator
 load the adapters onto it.
 
     base = lora_base(spec, workdir)              # checkpoints.LoraBase, None without LoRA
-    keep_warm_base(model, workdir)               # after the warm-start: <workdir>/lora_base
+    keep_warm_base(base, workdir)                # after the warm-start: <workdir>/lora_base
     model = build_model(resumed_base(spec, workdir), tokenizer)   # a resume: the base from there
 """
 
@@ -21,7 +21,7 @@ import jax
 from etils import epath
 
 from pacs_jax.checkpoints import PARAMS_ITEM, LoraBase, absolute_path, save_model
-from pacs_jax.models import Qwen, lora
+from pacs_jax.models import Qwen
 from pacs_jax.training.spec import ConfigError, RunSpec
 
 BASE_FOLDER = "lora_base"
@@ -45,13 +45,13 @@ def lora_base(spec: RunSpec, workdir: str | epath.Path) -> LoraBase | None:
     return LoraBase(str(warm_base_folder(workdir)) if has_warm_base(spec) else spec.model.path, spec.seed)
 
 
-def keep_warm_base(model: Qwen, workdir: str | epath.Path) -> None:
-    """Write the warm-started base of ``model`` (its adapters left out) to <workdir>/lora_base, replacing a
-    stopped earlier session's (every process takes part)."""
+def keep_warm_base(base: Qwen, workdir: str | epath.Path) -> None:
+    """Write the warm-started ``base`` (a model without adapters) to <workdir>/lora_base, replacing a stopped
+    earlier session's (every process takes part)."""
     folder = warm_base_folder(workdir)
     if jax.process_index() == 0:
         print(f"LoRA: writing the warm-started base the adapters train on to {folder}, once", flush=True)
-    save_model(lora.base(model), folder, overwrite=True)
+    save_model(base, folder, overwrite=True)
 
 
 def resumed_base(spec: RunSpec, workdir: str | epath.Path) -> RunSpec:

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pacs_jax import sharding
+from pacs_jax.models import lora
 from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.packing import PackedPlan, PackedPlanArrays, plan_packing, plan_shape
 from pacs_jax.rl.update_batch import CriticBatch, SFTBatch, UpdateBatch
@@ -82,7 +83,7 @@ class LearnerPrograms:
         self.mesh = mesh
         self.spec, self.graphdef = spec, graphdef
         self.optimizer, self.lr_schedule = spec_optimizer(spec)
-        self.trainable = Trainable("adapters" if spec.model.lora_rank else "all")  # LoRA: the adapters alone
+        self.trainable = Trainable(adapters_only=spec.model.lora_rank > 0)  # LoRA: the adapters alone
         # (params, opt_state): AdamW's state over the trained leaves alone
         self.state = (abstract(params), abstract_optimizer_state(self.optimizer, self.trainable.of(params)))
         self.kl_loss = spec.algorithm.kl_loss
@@ -115,10 +116,12 @@ class LearnerPrograms:
             critic.graphdef, critic.optimizer, jax.tree.map(lambda x: x.sharding, abstract(critic.state)),
             values_micro_batches=self.logprob_micro_batches, **critic_options(spec))
         wc = spec.warmstart
-        # the warm-start trains the base at full rank, LoRA or not: it stands in for a pretrained model, so that full
-        # fine-tuning and every rank start RL from one model (training/warm_base.py keeps a LoRA run's)
-        self.warmstart = (warmstart.sft_step(graphdef, wc, params, Trainable("base" if spec.model.lora_rank else "all"))
-                          if wc.steps > 0 else None)
+        # the warm-start trains the model without adapters, LoRA or not: it stands in for a pretrained model, so that
+        # full fine-tuning and every rank start RL from one model (decision 0014; training/warm_base.py)
+        warm_graphdef, warm_params = (nnx.split(lora.base(nnx.merge(graphdef, params))) if spec.model.lora_rank
+                                      else (graphdef, params))
+        self.warmstart = warmstart.sft_step(warm_graphdef, wc, warm_params) if wc.steps > 0 else None
+        self.warmstart_params = abstract(warm_params)  # [the base's parameters] (abstract)
         self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
 
     # ------------------------------------------------------------------------ packing (train.packing)
@@ -204,7 +207,8 @@ class LearnerPrograms:
         out = []
         if with_warmstart and self.warmstart is not None:
             batch_rows, prompt, response = self.warmstart_rows
-            warm_state = (params, abstract_optimizer_state(self.warmstart.optimizer, self.trainable.of(params)))
+            warm_params = self.warmstart_params
+            warm_state = (warm_params, abstract_optimizer_state(self.warmstart.optimizer, warm_params))
             warm_batch = SFTBatch(input_ids=rows((batch_rows, prompt + response), jnp.int32),
                                   attention_mask=rows((batch_rows, prompt + response), jnp.int32),
                                   response_mask=rows((batch_rows, response), jnp.float32))

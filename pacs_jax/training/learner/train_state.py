@@ -6,7 +6,7 @@
 
 A checkpoint holds ``params``, ``opt_state`` and, for PPO, ``critic_params`` and ``critic_opt_state``
 (checkpoints.py ``TrainCheckpointer``): the record is saved and restored as those items, so checkpoints
-written before it existed restore. With LoRA (``Trainable("adapters")``) ``params`` is the adapters
+written before it existed restore. With LoRA (``Trainable.adapters_only``) ``params`` is the adapters
 alone: the base weights are the run's model.path, restored by loading it, and never written.
 """
 
@@ -52,7 +52,7 @@ class RestoredState:
 
 
 def save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta: dict | Callable[[], dict], *,
-         force: bool = False, trainable: Trainable = Trainable()) -> bool:
+         force: bool = False, trainable: Trainable = Trainable(adapters_only=False)) -> bool:
     """``checkpointer.save`` of ``state`` at ``step``, its parameters ``trainable``'s trained leaves (LoRA: the
     adapters); returns whether it saved (meta: as there)."""
     return checkpointer.save(step, trainable.of(state.params), state.opt_state, meta, force=force,
@@ -60,7 +60,7 @@ def save(checkpointer: TrainCheckpointer, step: int, state: TrainState, meta: di
 
 
 def restore_latest(checkpointer: TrainCheckpointer, template: TrainState, *, warn,
-                   trainable: Trainable = Trainable()) -> RestoredState | None:
+                   trainable: Trainable = Trainable(adapters_only=False)) -> RestoredState | None:
     """The newest intact checkpoint (``checkpointer.restore_latest``) restored into ``template``'s shardings,
     or None without one; with LoRA its adapters join ``template``'s base weights."""
     trained, frozen = trainable.split(template.params)

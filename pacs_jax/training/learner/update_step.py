@@ -65,7 +65,7 @@ class MiniBatchUpdates:
 
 def mini_batch_updates(loss_and_grad: Callable, optimizer: optax.GradientTransformation, *,
                        num_mini_batches: int = 1, state_shardings: tuple | None = None,
-                       trainable: Trainable = Trainable()) -> MiniBatchUpdates:
+                       trainable: Trainable = Trainable(adapters_only=False)) -> MiniBatchUpdates:
     """The ``MiniBatchUpdates`` of ``loss_and_grad``: pure ``(params, mini-batch[, frozen]) -> (loss, metrics,
     float32 grads)``, and ``optimizer`` (its state over ``trainable``'s trained leaves alone: LoRA's
     adapters, or every parameter). state_shardings: (params, opt_state) shardings the outputs keep
@@ -96,7 +96,7 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
                      num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int | None = None,
                      state_shardings: tuple | None = None, bypass: Bypass | None = None, kl: KLLoss | None = None,
-                     trainable: Trainable = Trainable()) -> MiniBatchUpdates:
+                     trainable: Trainable = Trainable(adapters_only=False)) -> MiniBatchUpdates:
     """The actor's update: the ``MiniBatchUpdates`` of ``rl.loss_and_grad_fn`` (``objective``),
     ``(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)``.
 

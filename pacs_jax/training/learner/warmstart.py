@@ -20,10 +20,10 @@ Before each step the warm-start calls the caller's ``safe_point`` (training/run.
 ``StopSignals.safe_point``: on several processes a stop signal ends the run there, on every process at
 the same step; training/signals.py).
 
-With LoRA (model.lora_rank > 0) the warm-start trains the base at full rank and leaves the fresh adapters
-at B = 0 (``Trainable("base")``): it stands in for a pretrained model, so full fine-tuning and LoRA at
-any rank start RL from the same warm-started weights (the same seed: the same model), and RL then trains the
-adapters. The run keeps that base in <workdir>/lora_base (training/warm_base.py).
+With LoRA (model.lora_rank > 0) the run warm-starts the model without adapters, this same program at full
+rank, and draws the fresh adapters after it (training/run.py): the warm-start stands in for a pretrained model,
+so full fine-tuning and LoRA at any rank start RL from the same weights (decision 0014). The run keeps that
+base in <workdir>/lora_base (training/warm_base.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from pacs_jax.rl.update_batch import SFTBatch
 from pacs_jax.sampling.buckets import left_pad
 from pacs_jax.sharding import abstract, abstract_optimizer_state, batch_sharding, state_shardings
 from pacs_jax.training.spec import WarmstartSpec
-from pacs_jax.training.learner.trainable import Trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,40 +83,35 @@ class SFTStep(NamedTuple):
     optimizer: optax.GradientTransformation
     step: Callable  # jitted (params, opt_state, batch) -> (params, opt_state, loss); state donated
     opt_shardings: object  # the AdamW state's shardings the step keeps
-    trainable: Trainable  # the parameters it trains (LoRA: the base, not the adapters)
 
 
-def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params,
-             trainable: Trainable = Trainable()) -> SFTStep:
+def sft_step(graphdef: nnx.GraphDef, wc: WarmstartSpec, params) -> SFTStep:
     """The warm-start step of ``wc`` (``warmstart``: AdamW at ``lr``, ``weight_decay``; responses
-    of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings), training ``trainable``'s
-    leaves (a LoRA run's: the base, at full rank)."""
+    of ``max_response_tokens``) for ``params`` (arrays or abstract, with shardings)."""
     optimizer = optax.adamw(wc.lr, weight_decay=wc.weight_decay)
-    shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, trainable.of(params))))
-    step = make_sft_step(graphdef, optimizer, wc.max_response_tokens, shardings, trainable)
-    return SFTStep(optimizer, step, shardings[1], trainable)
+    shardings = state_shardings((abstract(params), abstract_optimizer_state(optimizer, params)))
+    return SFTStep(optimizer, make_sft_step(graphdef, optimizer, wc.max_response_tokens, shardings), shardings[1])
 
 
 def make_sft_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, response_length: int,
-                  state_shardings: tuple | None = None, trainable: Trainable = Trainable()):
+                  state_shardings: tuple | None = None):
     """A jitted (params, opt_state, batch: ``SFTBatch``) -> (params, opt_state, loss) step; state buffers
-    donated; opt_state over ``trainable``'s trained leaves.
+    donated.
 
     state_shardings: the (params, opt_state) shardings its outputs keep (``sharding.state_shardings``), so that step 2 runs the program step 1 compiled (default: XLA's choice, which
     can name the same layout differently, P() for P(None,), and compile the step a second time).
     """
 
-    def loss_fn(trained, frozen, batch):
-        logp = response_logprobs(nnx.merge(graphdef, trained, *frozen), batch.input_ids, batch.attention_mask,
+    def loss_fn(params, batch):
+        logp = response_logprobs(nnx.merge(graphdef, params), batch.input_ids, batch.attention_mask,
                                  response_length)  # [B, R]
         mask = batch.response_mask
         return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
     def step(params, opt_state, batch):
-        trained, frozen = trainable.split(params)
-        loss, grads = jax.value_and_grad(loss_fn)(trained, () if frozen is None else (frozen,), batch)
-        updates, opt_state = optimizer.update(grads, opt_state, trained)
-        return trainable.join(optax.apply_updates(trained, updates), frozen), opt_state, loss
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
 
     out_shardings = None if state_shardings is None else (*state_shardings, None)
     return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
@@ -149,7 +143,7 @@ def warm_start(model: Qwen, examples: Sequence[PromptExample], tokenizer, wc: Wa
                  + [eos]
                  for e in examples]
     graphdef, params = nnx.split(model)
-    opt_state = jax.jit(program.optimizer.init, out_shardings=program.opt_shardings)(program.trainable.of(params))
+    opt_state = jax.jit(program.optimizer.init, out_shardings=program.opt_shardings)(params)
     step_fn = program.step
     probe_kwargs = dict(reward_name=reward_name, max_new_tokens=probe_max_new_tokens, stop_token_ids=stop_token_ids)
     per_epoch = len(examples) // wc.batch_size
