@@ -13,6 +13,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from pacs_jax import models
@@ -114,17 +115,23 @@ def _evaluate_as_the_paper(config) -> None:
 
 
 @pytest.mark.slow(seconds=50)
-@pytest.mark.parametrize("arg", [EVALUATED, REWARD2, "qwen3_8b,pacs_beta1", "qwen25_3b,grpo"])
+@pytest.mark.parametrize("arg", [EVALUATED, REWARD2, "qwen3_8b,pacs_beta1", "qwen25_3b,grpo", "qwen25_7b_lora,pacs_beta1"])
 def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(setup_runs, arg):
     """Each MODEL of configs/paper.py (and the GRPO baseline), shrunk: its remat, bf16 and its tensor
     axis (4 for the 7B / 8B meshes) kept, fsdp reduced to fill the 8 test devices (qwen25_7b_v6e is
     qwen25_7b then: see above; qwen25_3b with PACS trains in test_train_real_config.py, with PPO in
-    test_train_ppo.py)."""
-    summary, rows, _, _ = setup_runs(arg)
+    test_train_ppo.py); qwen25_7b_lora trains its rank-32 adapters alone (the checkpoint holds them)."""
+    summary, rows, workdir, _ = setup_runs(arg)
     (row,) = rows
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["generated_tokens"] > 0
     assert 0 <= row["rollout_logprob_diff_mean"] <= row["rollout_logprob_diff_max"] < 1  # bfloat16: round-off
+    if "lora" in arg:
+        reference = load_config("paper.py", arg).model
+        named = json.loads((workdir / "checkpoints" / "model_config.json").read_text())["pacs_jax"]["lora"]
+        assert (named["rank"], named["alpha"]) == (reference.lora_rank, reference.lora_alpha) == (32, 64.0)
+        stored = ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / "1" / "params").item_metadata
+        assert len(stored) == 2 * 7 and all("_lora." in name for name in stored), sorted(stored)[:4]
 
 
 @pytest.mark.slow(seconds=40)  # the evaluation of the qwen25_7b run
