@@ -178,29 +178,28 @@ def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_p
 @pytest.mark.slow(seconds=120)  # two short runs, one of them on 2 processes
 def test_two_processes_train_lora_adapters_exactly_like_one(data_file, tmp_path):
     """LoRA (rank 4, every linear layer) with the KL loss on 2 processes x 4 devices equals 1 x 8: the metrics,
-    the KL to the adapters-off reference, and the adapters of step 2's checkpoint (which holds them alone: the
-    base is the warm-started one each run wrote to <workdir>/lora_base). Two warm-start steps of the base at
-    full rank (decision 0014) first: AdamW's normalised step moves a weight by up to its lr (0.01) a step even
-    where the gradient is round-off (k's bias, to which softmax is blind; embedding rows of tokens no batch holds),
-    so there the process counts' round-off moves the base apart by up to 2 x 2 steps x lr: the base is compared
-    within that, and the adapters, which RL trains, to 1e-6."""
+    the KL to the adapters-off reference, and step 2's checkpoint (which holds the adapters alone: the base is
+    drawn again from the run's seed when it loads). No warm-start: it would train the base at full rank (decision
+    0014), where AdamW's normalised step turns the process counts' round-off on gradients that are round-off
+    alone (k's bias, to which softmax is blind) into differences of up to its lr. PACS's naive advantage
+    (psi = r) gives the adapters a gradient before any row earns a reward (the centred estimators give none, and
+    B would stay 0); A's gradient is then B-sized, so the two runs' round-off reaches A at ~6e-6 after 2 steps
+    (AdamW's step is normalised) and the grad norm at 1.3e-5 relative: compared within 1e-5 and 1e-4."""
     lora = ("--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=0.001",
             "--config.algorithm.use_kl_loss=True", "--config.algorithm.kl_loss_coef=0.1",
-            "--config.warmstart.steps=2", "--config.warmstart.batch_size=8", "--config.warmstart.lr=0.01",
-            )
+            "--config.algorithm.pacs.adv_estimator=naive")
     two, one = tmp_path / "two", tmp_path / "one"
     _train(two, data_file, processes=2, flags=lora)
     _train(one, data_file, processes=1, flags=lora)
     m2, m1 = _metrics(two), _metrics(one)
     for step in (1, 2):
         for key in (*COMPARED, "actor/kl_loss"):
-            assert m2[step][key] == pytest.approx(m1[step][key], rel=1e-5, abs=1e-6), (step, key)
+            assert m2[step][key] == pytest.approx(m1[step][key], rel=1e-4, abs=1e-6), (step, key)
     final2, final1 = _params(two, 2), _params(one, 2)
-    adapters = [name for name in final1 if "_lora/" in name]
-    _assert_same_params({k: final2[k] for k in adapters}, {k: final1[k] for k in adapters})
     assert final2.keys() == final1.keys()
-    for name in final1:
-        np.testing.assert_allclose(final2[name], final1[name], rtol=0, atol=2 * 2 * 0.01, err_msg=name)
+    for name in final1:  # A's gradient is B-sized (~lr after one step): AdamW's normalised step magnifies its round-off
+        np.testing.assert_allclose(final2[name], final1[name], rtol=0, atol=1e-5, err_msg=name)
+    adapters = [name for name in final1 if "_lora/" in name]
     assert len(adapters) == 14 and max(float(np.abs(final1[k]).max()) for k in adapters if k.endswith("/b")) > 1e-3
     assert m1[2]["actor/kl_loss"] > 1e-6  # the policy differs from the reference (the adapters off)
 
