@@ -59,10 +59,10 @@ def attach(model: Qwen, *, rank: int, alpha: float, targets: Sequence[str], seed
 def switched_off(params: nnx.State) -> nnx.State:
     """``params`` with every adapter's B at 0 (the base model's logits exactly; the base's arrays are the
     same ones): the KL loss's reference model."""
-    adapters, base = split(params)
+    adapters, frozen = split(params)
     off = jax.tree.map(lambda var: var.replace(value=jnp.zeros_like(var.get_value())) if _is_b(var) else var,
                        adapters, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge_state(base, off)
+    return nnx.merge_state(frozen, off)
 
 
 def _is_b(var: nnx.Variable) -> bool:

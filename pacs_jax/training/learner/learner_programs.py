@@ -118,10 +118,12 @@ class LearnerPrograms:
         wc = spec.warmstart
         # the warm-start trains the model without adapters, LoRA or not: it stands in for a pretrained model, so that
         # full fine-tuning and every rank start RL from one model (decision 0014; training/warm_base.py)
-        warm_graphdef, warm_params = (nnx.split(lora.base(nnx.merge(graphdef, params))) if spec.model.lora_rank
-                                      else (graphdef, params))
-        self.warmstart = warmstart.sft_step(warm_graphdef, wc, warm_params) if wc.steps > 0 else None
-        self.warmstart_params = abstract(warm_params)  # [the base's parameters] (abstract)
+        self.warmstart = self.warmstart_params = None
+        if wc.steps > 0:
+            warm_graphdef, warm_params = (nnx.split(lora.base(nnx.merge(graphdef, params))) if spec.model.lora_rank
+                                          else (graphdef, params))
+            self.warmstart = warmstart.sft_step(warm_graphdef, wc, warm_params)
+            self.warmstart_params = abstract(warm_params)  # the base's parameters (abstract, with shardings)
         self.warmstart_rows = (wc.batch_size, spec.data.max_prompt_length, wc.max_response_tokens)
 
     # ------------------------------------------------------------------------ packing (train.packing)
