@@ -15,7 +15,7 @@ outside ``jax.jit``) for constraints, ``platform()`` for kernel choices. Code ru
 (a notebook, a unit test) runs on a 1 x 1 x 1 mesh over the first device.
 
 Divisibility: a logical axis whose size the mesh axes do not divide is replicated instead, except
-for the axes in ``MUST_DIVIDE`` (query heads, MLP width), where a silent replication would waste a
+for the axes in ``MUST_DIVIDE`` (query heads, MLP and expert widths), where a silent replication would waste a
 factor of the tensor axis in memory; those raise. This is how K/V projections with fewer KV heads
 than the tensor axis (Qwen2.5-7B: 4 KV heads on tensor=8) end up replicated, as in vLLM and MaxText.
 """
@@ -43,6 +43,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "norm": (),
+    "experts": (),  # a mixture-of-experts layer's experts (models/moe.py): replicated, their width split
+    "expert_mlp": ("tensor",),
     "layers": (),  # the stacking axis of the scanned decoder (and of the KV cache)
     # activations
     "batch": ("data", "fsdp"),
@@ -56,7 +58,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 }
 
 # Logical axes that must be divisible by their mesh axes (otherwise: a clear error).
-MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size"}
+MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size",
+               "expert_mlp": "moe_intermediate_size"}
 
 
 def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:

@@ -39,6 +39,11 @@ class QwenConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = 151643
     eos_token_id: int | tuple[int, ...] | None = 151643
+    # Qwen3-MoE's sparse blocks (models/moe.py); 0 experts = a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0       # k: the experts a token is routed to
+    moe_intermediate_size: int = 0     # an expert's SwiGLU width
+    norm_topk_prob: bool = True        # the k chosen probabilities renormalised to sum 1 (every released Qwen3-MoE)
     # How to run it (not part of the HF architecture):
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators
@@ -70,6 +75,11 @@ class QwenConfig:
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{field}={getattr(self, field)!r}: expected float32, bfloat16 or float16")
+        if self.num_experts < 0 or (self.num_experts > 0 and not (
+                1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0)):
+            raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "
+                             f"moe_intermediate_size={self.moe_intermediate_size}: with experts, 1 <= "
+                             f"num_experts_per_tok <= num_experts and moe_intermediate_size > 0")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_rank < 0 or (self.lora_rank > 0 and (self.lora_alpha <= 0 or not self.lora_targets)):
             raise ValueError(f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, lora_targets="

@@ -32,6 +32,8 @@ def check_mesh(cfg: QwenConfig) -> None:
     not divide it."""
     tensor = current_mesh().shape["tensor"]
     sizes = {"heads": cfg.num_attention_heads, "mlp": cfg.intermediate_size}
+    if cfg.num_experts:
+        sizes["expert_mlp"] = cfg.moe_intermediate_size
     for logical, size in sizes.items():
         if size % tensor:
             raise ValueError(f"{MUST_DIVIDE[logical]}={size} is not divisible by mesh.tensor={tensor}")

@@ -1,0 +1,97 @@
+"""Qwen3-MoE's sparse block: a float32 router, the top-k experts a token, dropless dispatch through a
+grouped matmul, and the routing it took (or was told to replay).
+
+Shapes: N tokens (the caller's [..., D] flattened), D hidden, E experts, I an expert's SwiGLU width,
+k experts a token (``num_experts_per_tok``), M = N k token-expert slots.
+
+Per token, as transformers' ``Qwen3MoeSparseMoeBlock``: probabilities p = softmax(x W_router) over the E
+experts (float32), the k largest chosen, their weights p renormalised to sum 1 when ``norm_topk_prob``;
+each chosen expert's SwiGLU down(silu(gate(x)) * up(x)) weighted and summed. No capacity, no dropped
+token, no noise.
+
+Dispatch: the M slots sorted by expert (stable), each expert's rows one group of
+``jax.lax.ragged_dot`` (XLA's grouped matmul on TPU; a dense reference on the CPU: tests only at a few
+experts), the outputs put back in slot order and summed over k in float32.
+
+Routing replay (R3): given ``routed`` [N, k], the experts a token uses are those, not the top k of this
+router, with the weights read from this router's own probabilities at them (so gradients reach the
+router); renormalised as the native routing is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax.models.config import QwenConfig
+
+
+def route(logits: jax.Array, k: int, norm_topk_prob: bool,
+          routed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router logits [N, E] float32 -> (weights [N, k] float32, experts [N, k] int32): the top k of
+    softmax(logits) (ties to the lower expert), or the experts ``routed`` [N, k] when given (replay),
+    their probabilities renormalised to sum 1 when ``norm_topk_prob``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if routed is None:
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        experts = routed.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """Each slot's expert SwiGLU: x [N, D] (compute dtype), experts [N, k] int32, gate / up [E, D, I],
+    down [E, I, D] (cast to x's dtype) -> [N, k, D] float32, slot (n, j) being expert experts[n, j]
+    applied to x[n]. The slots are sorted by expert for ``jax.lax.ragged_dot`` and put back after."""
+    n, k = experts.shape
+    num_experts = gate.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                          # [M] slots grouped by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)                          # [M, D]
+    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
+    g = dot(rows, gate.astype(x.dtype)).astype(x.dtype)
+    u = dot(rows, up.astype(x.dtype)).astype(x.dtype)
+    # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
+    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+    out = dot(h, down.astype(x.dtype))                              # [M, D] float32, sorted
+    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    return unsorted.reshape(n, k, -1)
+
+
+class MoE(nnx.Module):
+    """The sparse block of a Qwen3-MoE layer: [..., D] -> ([..., D], experts [..., k] int32).
+
+    Parameters (stacked [L, ...] when built with ``layers=L``): ``router_kernel`` [D, E],
+    ``gate_kernel`` / ``up_kernel`` [E, D, I], ``down_kernel`` [E, I, D] (HF's ``mlp.gate.weight`` and
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, transposed)."""
+
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
+        from pacs_jax.models.qwen import make_param  # the model's own initialiser and stacking
+
+        D, E, I, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
+        param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
+        self.cfg = cfg
+        self.router_kernel = param((D, E), ("embed", "experts"))
+        self.gate_kernel = param((E, D, I), ("experts", "embed", "expert_mlp"))
+        self.up_kernel = param((E, D, I), ("experts", "embed", "expert_mlp"))
+        self.down_kernel = param((E, I, D), ("experts", "expert_mlp", "embed"))
+
+    def __call__(self, x: jax.Array, routed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [..., D] in the compute dtype; ``routed`` None or [..., k] int (the experts to replay) ->
+        (the block's output [..., D] in x's dtype, the experts used [..., k] int32)."""
+        cfg = self.cfg
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
+        replay = None if routed is None else routed.reshape(-1, cfg.num_experts_per_tok)
+        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay)
+        slots = grouped_swiglu(flat, experts, self.gate_kernel[...], self.up_kernel[...], self.down_kernel[...])
+        out = jnp.einsum("nkd,nk->nd", slots, weights).astype(x.dtype)
+        return out.reshape(*lead, -1), experts.reshape(*lead, cfg.num_experts_per_tok)

@@ -1,0 +1,117 @@
+"""The Qwen3-MoE sparse block (pacs_jax/models/moe.py) against transformers' ``Qwen3MoeSparseMoeBlock``
+(PyTorch, float32, the same weights) and a float64 NumPy statement written from HF's definition; routing
+replay (R3) against the same statement with the replayed experts; a config it cannot serve refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.moe import MoE
+
+D, E, I, K = 32, 8, 16, 2
+
+
+def _config(norm_topk_prob: bool = True, **changes) -> QwenConfig:
+    fields = dict(model_type="qwen3", vocab_size=64, hidden_size=D, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=K,
+                  moe_intermediate_size=I, norm_topk_prob=norm_topk_prob)
+    return QwenConfig(**(fields | changes))
+
+
+def _block(cfg: QwenConfig, seed: int = 0) -> MoE:
+    """The block with every weight drawn normal (the router's wide enough that the top k are distinct)."""
+    block = MoE(cfg, nnx.Rngs(seed))
+    keys = jax.random.split(jax.random.key(seed + 1), 4)
+    for key, (name, scale) in zip(keys, (("router_kernel", 1.0), ("gate_kernel", 0.2), ("up_kernel", 0.2),
+                                          ("down_kernel", 0.2))):
+        var = getattr(block, name)
+        var.set_value(scale * jax.random.normal(key, var.get_value().shape, jnp.float32))
+    return block
+
+
+def _reference(x, router, gate, up, down, k, norm_topk_prob, experts=None):
+    """float64 NumPy, token by token, as HF's router and experts: p = softmax(x W_r); the k largest (or
+    ``experts``); weights p at them, renormalised; sum of w_j down(silu(gate x) * up x)."""
+    x, router, gate, up, down = (np.asarray(a, np.float64) for a in (x, router, gate, up, down))
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.zeros_like(flat)
+    chosen = np.zeros((len(flat), k), np.int64)
+    for n, token in enumerate(flat):
+        logits = token @ router
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        idx = np.argsort(-p, kind="stable")[:k] if experts is None else np.asarray(experts).reshape(-1, k)[n]
+        w = p[idx] / p[idx].sum() if norm_topk_prob else p[idx]
+        for j, e in enumerate(idx):
+            g, u = token @ gate[e], token @ up[e]
+            out[n] += w[j] * ((g / (1 + np.exp(-g)) * u) @ down[e])
+        chosen[n] = idx
+    return out.reshape(x.shape), chosen.reshape(*x.shape[:-1], k)
+
+
+def _weights(block: MoE):
+    return [np.array(getattr(block, n).get_value()) for n in ("router_kernel", "gate_kernel", "up_kernel",
+                                                                 "down_kernel")]
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_block_equals_transformers_and_float64_numpy(norm_topk_prob):
+    cfg = _config(norm_topk_prob)
+    block = _block(cfg)
+    x = jax.random.normal(jax.random.key(7), (2, 5, D), jnp.float32)
+    out, experts = block(x)
+    router, gate, up, down = _weights(block)
+
+    hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=D, num_experts=E, num_experts_per_tok=K,
+                                               moe_intermediate_size=I, norm_topk_prob=norm_topk_prob)).float()
+    with torch.no_grad():
+        hf.gate.weight.copy_(torch.from_numpy(router.T))
+        hf.experts.gate_up_proj.copy_(torch.from_numpy(np.concatenate([gate, up], axis=2).transpose(0, 2, 1)))
+        hf.experts.down_proj.copy_(torch.from_numpy(down.transpose(0, 2, 1)))
+        hf_out = hf(torch.from_numpy(np.array(x))).numpy()
+        _, _, hf_experts = hf.gate(torch.from_numpy(np.array(x)).reshape(-1, D))
+    np.testing.assert_allclose(np.asarray(out), hf_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.sort(np.asarray(experts).reshape(-1, K), -1), np.sort(hf_experts.numpy(), -1))
+
+    want, want_experts = _reference(x, router, gate, up, down, K, norm_topk_prob)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(experts), want_experts)
+    assert len(np.unique(np.asarray(experts))) > K  # the tokens spread over several groups of the grouped matmul
+
+
+def test_replay_uses_the_given_experts_with_this_routers_weights_and_its_gradient_reaches_the_router():
+    cfg = _config()
+    block = _block(cfg)
+    x = jax.random.normal(jax.random.key(3), (2, 4, D), jnp.float32)
+    native, experts = block(x)
+    same, replayed = block(x, routed=experts)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(native))  # replaying its own routing: bit for bit
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(experts))
+
+    # another routing (the experts after the native ones, mod E): the statement with those experts
+    other = (experts + K) % E
+    out, used = block(x, routed=other)
+    np.testing.assert_array_equal(np.asarray(used), np.asarray(other))
+    want, _ = _reference(x, *_weights(block), K, True, experts=np.asarray(other))
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(out), np.asarray(native), atol=1e-3)
+
+    graphdef, params = nnx.split(block)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(x, routed=other)[0] ** 2)  # noqa: E731
+    grads = jax.grad(loss)(params)
+    assert float(jnp.abs(grads["router_kernel"].get_value()).max()) > 0  # the replayed gates' weights train the router
+
+
+@pytest.mark.parametrize("changes, field", [(dict(num_experts_per_tok=E + 1), "num_experts_per_tok"),
+                                            (dict(moe_intermediate_size=0), "moe_intermediate_size")])
+def test_a_config_the_block_cannot_serve_is_refused_naming_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        _config(**changes)
