@@ -29,6 +29,16 @@ ARCHS: dict[str, dict] = {
                                   rms_norm_eps=1e-6, max_position_embeddings=256),
 }
 
+# Qwen3-MoE (issue 66): every layer sparse, 8 experts, 2 a token, the real vocabulary; not in ARCHS (the dense
+# model tests), tests/test_moe_model.py reads it
+MOE_ARCHS: dict[str, dict] = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0),
+}
+
 
 def random_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                     **overrides) -> transformers.PreTrainedModel:
@@ -37,7 +47,7 @@ def random_hf_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32
     HF initialises biases to 0 and norm scales to 1, which would hide a mis-mapped bias or norm.
     ``overrides`` change fields of the ARCHS entry.
     """
-    config = transformers.AutoConfig.for_model(**{**ARCHS[arch], **overrides})
+    config = transformers.AutoConfig.for_model(**{**(ARCHS | MOE_ARCHS)[arch], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     generator = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ from typing import Any
 
 from etils import epath
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")  # see pacs_jax/models/attention.py
 # The linear layers LoRA adapters may target, by PEFT's names for a Qwen (models/lora.py)
@@ -75,6 +75,13 @@ class QwenConfig:
         for field in ("param_dtype", "dtype"):
             if getattr(self, field) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{field}={getattr(self, field)!r}: expected float32, bfloat16 or float16")
+        if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
+            raise ValueError(f"model_type={self.model_type!r} with num_experts={self.num_experts}: a qwen3_moe "
+                             f"model has experts (num_experts > 0), and only a qwen3_moe model has them")
+        if self.lora_rank and self.num_experts and set(self.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
+            raise ValueError(f"lora_targets={self.lora_targets}: LoRA on a mixture-of-experts model's experts "
+                             f"(gate_proj, up_proj, down_proj) is not served yet; its attention's (q_proj, "
+                             f"k_proj, v_proj, o_proj) are")
         if self.num_experts < 0 or (self.num_experts > 0 and not (
                 1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0)):
             raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "
@@ -90,7 +97,7 @@ class QwenConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     def replace(self, **changes) -> QwenConfig:
         return dataclasses.replace(self, **changes)
@@ -135,6 +142,8 @@ class QwenConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
         )
+        if model_type == "qwen3_moe":
+            kwargs.update(_hf_experts(hf, source))
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -157,7 +166,8 @@ class QwenConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json dict (transformers' Qwen2Config / Qwen3Config fields)."""
-        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
         out = {
             "architectures": [arch],
             "model_type": self.model_type,
@@ -183,9 +193,31 @@ class QwenConfig:
             "torch_dtype": self.param_dtype,
             "dtype": self.param_dtype,
         }
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
+        if self.num_experts:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
         return out
+
+
+def _hf_experts(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Qwen3-MoE config.json's expert fields (``num_experts``, or ``num_local_experts`` as transformers
+    5 writes it). Every layer must be sparse: ValueError naming ``decoder_sparse_step`` /
+    ``mlp_only_layers`` when some would be dense (not served yet; no released Qwen3-MoE has one)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {missing} of a qwen3_moe model")
+    step, dense = hf.get("decoder_sparse_step", 1), list(hf.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise ValueError(f"{source}: decoder_sparse_step={step}, mlp_only_layers={dense}: dense layers among "
+                         f"the sparse ones are not served yet (every layer sparse: step 1, no mlp_only_layers)")
+    return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))  # transformers' default when absent
 
 
 def _read_json(path: epath.Path) -> dict[str, Any]:
@@ -207,8 +239,8 @@ def merge_eos_ids(*eos_fields: int | list[int] | None) -> int | tuple[int, ...] 
 
 
 def _preset(model_type, vocab, hidden, inter, layers, heads, kv, tie, max_pos, head_dim=None,
-            eos=151643):
-    return QwenConfig(model_type=model_type, vocab_size=vocab, hidden_size=hidden,
+            eos=151643, **experts):
+    return QwenConfig(**experts, model_type=model_type, vocab_size=vocab, hidden_size=hidden,
                       intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, head_dim=head_dim, rope_theta=1_000_000.0,
                       rms_norm_eps=1e-6, tie_word_embeddings=tie, attention_bias=model_type == "qwen2",
@@ -225,6 +257,10 @@ PRESETS: dict[str, QwenConfig] = {
     "Qwen3-1.7B": _preset("qwen3", 151936, 2048, 6144, 28, 16, 8, True, 40960, 128, 151645),
     "Qwen3-4B": _preset("qwen3", 151936, 2560, 9728, 36, 32, 8, True, 40960, 128, 151645),
     "Qwen3-8B": _preset("qwen3", 151936, 4096, 12288, 36, 32, 8, False, 40960, 128, 151645),
+    "Qwen3-30B-A3B": _preset("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, False, 40960, 128, 151645,
+                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "Qwen3-235B-A22B": _preset("qwen3_moe", 151936, 4096, 12288, 94, 64, 4, False, 40960, 128, 151645,
+                               num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
 }
 
 

@@ -41,7 +41,9 @@ class TensorMap:
     """How one of our parameters is stored in an HF checkpoint.
 
     A stacked decoder parameter ([L, ...], path ``layers.*``) is L HF tensors, one per layer:
-    ``hf_name`` then holds a ``{layer}`` field and the conversions apply to one layer.
+    ``hf_name`` then holds a ``{layer}`` field and the conversions apply to one layer. A mixture-of-experts
+    layer's expert parameter ([L, E, ...]) is L E HF tensors: ``hf_name`` holds an ``{expert}`` field too
+    (``num_experts`` set) and the conversions apply to one expert of one layer.
     to_ours / to_hf: convert an array (or, for to_ours, the HF block ``hf_index`` names);
     hf_index: the block of the HF tensor that holds a block of ours; hf_shape: ours -> HF shape.
     """
@@ -52,14 +54,30 @@ class TensorMap:
     hf_index: Callable[[Index], Index]
     hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
     num_layers: int | None = None
+    num_experts: int | None = None
 
-    def hf_tensors(self, ours: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, HF array) pairs of our array (one per layer when stacked)."""
+    def _tensors(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(HF name, the index of its slice in our array: (), (layer,) or (layer, expert)) of each HF tensor."""
         if self.num_layers is None:
-            yield self.hf_name, self.to_hf(ours)
+            yield self.hf_name, ()
+        elif self.num_experts is None:
+            for layer in range(self.num_layers):
+                yield self.hf_name.format(layer=layer), (layer,)
         else:
             for layer in range(self.num_layers):
-                yield self.hf_name.format(layer=layer), self.to_hf(ours[layer])
+                for expert in range(self.num_experts):
+                    yield self.hf_name.format(layer=layer, expert=expert), (layer, expert)
+
+    def hf_tensors(self, ours: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, HF array) pairs of our array (one per layer when stacked, one per layer and expert
+        for an expert parameter)."""
+        for name, index in self._tensors():
+            yield name, self.to_hf(ours[index])
+
+    def hf_shapes(self, shape: tuple[int, ...]) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(HF name, HF shape) of each HF tensor of our parameter of ``shape``."""
+        for name, index in self._tensors():
+            yield name, tuple(self.hf_shape(tuple(shape[len(index):])))
 
 
 def _same(hf_name: str) -> TensorMap:
@@ -117,8 +135,14 @@ def weight_map(cfg: QwenConfig) -> dict[str, TensorMap]:
     if cfg.qk_norm:
         layer("attn.q_norm.scale", _same("self_attn.q_norm.weight"))
         layer("attn.k_norm.scale", _same("self_attn.k_norm.weight"))
-    for name in ("gate", "up", "down"):
-        layer(f"mlp.{name}_kernel", _transposed(f"mlp.{name}_proj.weight"))
+    if cfg.num_experts:  # a Qwen3-MoE sparse block (models/moe.py)
+        layer("mlp.router_kernel", _transposed("mlp.gate.weight"))
+        for name in ("gate", "up", "down"):
+            layer(f"mlp.{name}_kernel", dataclasses.replace(
+                _transposed(f"mlp.experts.{{expert}}.{name}_proj.weight"), num_experts=cfg.num_experts))
+    else:
+        for name in ("gate", "up", "down"):
+            layer(f"mlp.{name}_kernel", _transposed(f"mlp.{name}_proj.weight"))
     layer("input_norm.scale", _same("input_layernorm.weight"))
     layer("post_attn_norm.scale", _same("post_attention_layernorm.weight"))
     return out
@@ -242,9 +266,15 @@ def read_param(reader: HFWeightReader, path: str, tmap: TensorMap, expected_shap
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index or (slice(None),) * len(shape), shape))
     if tmap.num_layers is None:
         value = _read_one(reader, tmap.hf_name, tmap, path, shape, index)
-    else:
+    elif tmap.num_experts is None:
         value = np.stack([_read_one(reader, tmap.hf_name.format(layer=i), tmap,
                                     path.replace("layers.", f"layers[{i}].", 1), shape[1:], index[1:])
+                          for i in range(index[0].start, index[0].stop)])
+    else:
+        value = np.stack([np.stack([_read_one(reader, tmap.hf_name.format(layer=i, expert=e), tmap,
+                                              path.replace("layers.", f"layers[{i}].", 1) + f"[expert {e}]",
+                                              shape[2:], index[2:])
+                                    for e in range(index[1].start, index[1].stop)])
                           for i in range(index[0].start, index[0].stop)])
     return np.ascontiguousarray(value if dtype is None else value.astype(dtype, copy=False))
 

@@ -22,7 +22,8 @@ from pacs_jax import console
 from pacs_jax.files import is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import HFWeightReader, read_param, weight_map, write_hf_dir
-from pacs_jax.models.qwen import Qwen, init_value
+from pacs_jax.models.params import init_value
+from pacs_jax.models.qwen import Qwen
 from pacs_jax.sharding import MUST_DIVIDE, current_mesh, placement
 
 
@@ -65,14 +66,7 @@ def hf_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
     """{HF tensor name: shape} of every tensor an HF checkpoint of ``cfg``'s model holds (what
     ``load_hf`` reads)."""
     ours = param_shapes(cfg)
-    out = {}
-    for path, tmap in weight_map(cfg).items():
-        if tmap.num_layers is None:
-            out[tmap.hf_name] = tuple(tmap.hf_shape(ours[path]))
-        else:
-            out.update({tmap.hf_name.format(layer=layer): tuple(tmap.hf_shape(ours[path][1:]))
-                        for layer in range(tmap.num_layers)})
-    return out
+    return {name: shape for path, tmap in weight_map(cfg).items() for name, shape in tmap.hf_shapes(ours[path])}
 
 
 def build_from_arrays(cfg: QwenConfig, load: Callable[[str, jax.ShapeDtypeStruct, tuple[slice, ...] | None], np.ndarray], *,

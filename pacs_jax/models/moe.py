@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.params import make_param
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool,
@@ -73,8 +74,6 @@ class MoE(nnx.Module):
     ``mlp.experts.{e}.{gate,up,down}_proj.weight``, transposed)."""
 
     def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
-        from pacs_jax.models.qwen import make_param  # the model's own initialiser and stacking
-
         D, E, I, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
         param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
         self.cfg = cfg

@@ -24,7 +24,6 @@ prefill), and, in decode, attention over the filled slots of the cache only.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -34,6 +33,8 @@ from flax import nnx
 from pacs_jax.models.attention import attention, decode_attention, resolve_impl
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models import kernels
+from pacs_jax.models.moe import MoE
+from pacs_jax.models.params import make_param
 from pacs_jax.models.paged_attention import PageView, paged_decode_attention, write as write_pages
 from pacs_jax.sharding import constrain, platform
 
@@ -53,32 +54,6 @@ class KVCache(NamedTuple):
 
 
 CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", None)
-
-
-def init_value(kind: str, key: jax.Array, shape, dtype) -> jax.Array:
-    """A parameter's initial value: "normal" (std 0.02), "ones", "zeros", or "lora_a": a stacked LoRA A
-    [L, in..., r] uniform in +-1 / sqrt(fan_in), fan_in the product of its input dims (PEFT's default)."""
-    if kind == "ones":
-        return jnp.ones(shape, dtype)
-    if kind == "zeros":
-        return jnp.zeros(shape, dtype)
-    if kind == "lora_a":
-        bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
-def make_param(rngs: nnx.Rngs, shape, logical_axes, dtype, init="normal", layers: int | None = None,
-               kind: type[nnx.Param] = nnx.Param, **metadata) -> nnx.Param:
-    """A parameter of ``shape`` (with a leading [layers] axis, logical name "layers", when stacked).
-
-    Its metadata keeps the logical axes (for sharding) and the init kind (for ``init_random``); ``kind``:
-    its variable type (``nnx.LoRAParam`` for an adapter).
-    """
-    if layers is not None:
-        shape, logical_axes = (layers, *shape), ("layers", *logical_axes)
-    key = rngs.params() if init in ("normal", "lora_a") else None
-    return kind(init_value(init, key, shape, dtype), logical_axes=tuple(logical_axes), init_kind=init, **metadata)
 
 
 class RMSNorm(nnx.Module):
@@ -303,7 +278,8 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)).
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (a SwiGLU MLP, or a Qwen3-MoE sparse
+    block when the config has experts: models/moe.py).
 
     Built with ``layers=L`` it holds the stacked parameters of all L layers ([L, ...] each); the
     scanned stack (``Qwen.forward``) runs it on one layer's slice at a time.
@@ -314,7 +290,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = norm()
         self.attn = Attention(cfg, rngs, layers)
         self.post_attn_norm = norm()
-        self.mlp = MLP(cfg, rngs, layers)
+        self.mlp = MoE(cfg, rngs, layers) if cfg.num_experts else MLP(cfg, rngs, layers)
 
     def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None):
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
@@ -323,7 +299,8 @@ class DecoderLayer(nnx.Module):
             # a GPU decode step: the residual written once; XLA:GPU summed the o gemm's split-K partials
             # in both its readers (0.13 GB a step on issue 52's H200 run; XLA:TPU fuses it better without)
             x = jax.lax.optimization_barrier(x)
-        x = x + self.mlp(self.post_attn_norm(x))
+        mlp_out = self.mlp(self.post_attn_norm(x))
+        x = x + (mlp_out[0] if self.attn.cfg.num_experts else mlp_out)  # a sparse block's experts: not kept yet
         return constrain(x, ("batch", "length", "act_embed")), cache
 
 

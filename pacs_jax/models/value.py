@@ -22,7 +22,8 @@ from flax import nnx
 
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.loading import abstract_model, dotted, random_param
-from pacs_jax.models.qwen import Qwen, make_param
+from pacs_jax.models.params import make_param
+from pacs_jax.models.qwen import Qwen
 
 
 class ValueModel(nnx.Module):

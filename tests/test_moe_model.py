@@ -1,0 +1,87 @@
+"""A Qwen3-MoE model in and out of Hugging Face's format: our logits against transformers'
+``Qwen3MoeForCausalLM`` (float32, random weights, the real vocabulary), greedy decoding against its
+``generate``, the HF files written back bit for bit, and a config it does not serve refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from pacs_jax import checkpoints, sampling
+from pacs_jax.models.config import PRESETS, QwenConfig
+from qwen_reference import hf_logits, load_tool, max_rel_err, padded_batch, save_random_hf_model
+from test_hf_roundtrip import assert_bit_identical, read_safetensors
+from test_sampling import hf_greedy
+
+import_hf, export_hf = load_tool("import_hf"), load_tool("export_hf")
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """(HF directory, transformers model) of a random Qwen3-MoE saved with save_pretrained."""
+    path = tmp_path_factory.mktemp("moe") / "hf"
+    return path, save_random_hf_model("qwen3_moe", path, seed=5)
+
+
+@pytest.fixture(scope="module")
+def ours(hf_moe):
+    return checkpoints.from_pretrained(hf_moe[0], dtype="float32")
+
+
+def test_the_config_reads_the_experts_as_transformers_writes_them(hf_moe):
+    written = json.loads((hf_moe[0] / "config.json").read_text())
+    cfg = QwenConfig.from_hf_file(hf_moe[0])
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) \
+        == ("qwen3_moe", written.get("num_experts", written.get("num_local_experts")), 2, 32, True)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_logits_match_transformers(hf_moe, ours, side):
+    tokens, mask = padded_batch(ours.cfg.vocab_size, [9, 4, 7], 9, side, seed=1)
+    logits = np.asarray(ours(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
+    assert max_rel_err(logits, hf_logits(hf_moe[1], tokens, mask), mask) < 1e-4
+
+
+def test_greedy_decoding_equals_transformers_generate(hf_moe, ours):
+    prompts = [[5, 17, 900, 33, 151000], [42, 7], [1000, 2000, 3000, 4000, 5, 6, 7]]
+    want, _ = hf_greedy(hf_moe[1], prompts, 12)
+    got = sampling.generate(ours, prompts, max_new_tokens=12, stop_token_ids=())
+    assert [list(t) for t in got.tokens] == want.tolist()
+
+
+def test_import_then_export_writes_the_hf_tensors_bit_for_bit(hf_moe, tmp_path):
+    import_hf.main(["--hf_dir", str(hf_moe[0]), "--out", str(tmp_path / "ckpt")])
+    export_hf.main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "export")])
+    ref = read_safetensors(hf_moe[0])
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in ref and "model.layers.0.mlp.gate.weight" in ref
+    assert_bit_identical(read_safetensors(tmp_path / "export"), ref)
+
+
+def test_the_presets_are_the_published_models():
+    """Qwen3-30B-A3B: ~30.5 B parameters, ~3.3 B active a token; Qwen3-235B-A22B: ~235 B."""
+    def count(cfg, experts):
+        attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+        moe = experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.hidden_size * cfg.num_experts
+        return cfg.num_hidden_layers * (attn + moe) + 2 * cfg.vocab_size * cfg.hidden_size
+    small, large = PRESETS["Qwen3-30B-A3B"], PRESETS["Qwen3-235B-A22B"]
+    assert 30.0e9 < count(small, small.num_experts) < 31.0e9 and 3.0e9 < count(small, 8) < 3.6e9
+    assert 234e9 < count(large, large.num_experts) < 236e9 and 21e9 < count(large, 8) < 23e9
+
+
+@pytest.mark.parametrize("changes, field", [(dict(mlp_only_layers=[1]), "mlp_only_layers"),
+                                            (dict(decoder_sparse_step=2), "decoder_sparse_step"),
+                                            (dict(num_experts_per_tok=None), "num_experts_per_tok")])
+def test_a_config_json_it_does_not_serve_is_refused_naming_the_field(hf_moe, changes, field):
+    written = json.loads((hf_moe[0] / "config.json").read_text()) | changes
+    with pytest.raises(ValueError, match=field):
+        QwenConfig.from_hf_dict({k: v for k, v in written.items() if v is not None}, source="config.json")
+
+
+def test_lora_on_the_experts_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="lora_targets"):
+        PRESETS["Qwen3-30B-A3B"].replace(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj", "up_proj"))
+    assert PRESETS["Qwen3-30B-A3B"].replace(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj",)).lora_rank == 8
