@@ -11,7 +11,7 @@ from flax import nnx
 from pacs_jax import models
 from pacs_jax.models import QwenConfig, preset
 
-# config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen3-0.6B as published on the Hugging Face hub.
+# config.json of Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B and Qwen/Qwen3-30B-A3B as published on the Hugging Face hub.
 PUBLISHED = {
     "Qwen2.5-0.5B": {
         "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -32,10 +32,23 @@ PUBLISHED = {
         "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
         "use_sliding_window": False, "vocab_size": 151936,
     },
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
 }
 # Parameter counts from the model cards: (total, non-embedding), in billions, as printed there.
-MODEL_CARD_PARAMS = {"Qwen2.5-0.5B": ("0.49", "0.36"), "Qwen3-0.6B": ("0.6", "0.44")}
-HF_CONFIG_CLASSES = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+MODEL_CARD_PARAMS = {"Qwen2.5-0.5B": ("0.49", "0.36"), "Qwen3-0.6B": ("0.6", "0.44"),
+                     "Qwen3-30B-A3B": ("30.5", "29.9"), "Qwen3-235B-A22B": ("235", "234")}
+HF_CONFIG_CLASSES = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                     "qwen3_moe": transformers.Qwen3MoeConfig}
 ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
                "max_position_embeddings", "bos_token_id", "eos_token_id", "hidden_act", "rope_parameters")
@@ -73,8 +86,9 @@ def test_parameter_count_matches_model_card(name):
     _, state = models.abstract_model(preset(name))
     sizes = {".".join(map(str, path)): math.prod(v.get_value().shape) for path, v in nnx.to_flat_state(state)}
     total = sum(sizes.values())
-    for count, printed in zip((total, total - sizes["embedding"]), MODEL_CARD_PARAMS[name]):
-        decimals = len(printed.split(".")[1])
+    embeddings = sizes["embedding"] + sizes.get("lm_head", 0)  # the cards' non-embedding count leaves out both
+    for count, printed in zip((total, total - embeddings), MODEL_CARD_PARAMS[name]):
+        decimals = len(printed.split(".")[1]) if "." in printed else 0
         assert f"{count / 1e9:.{decimals}f}" == printed
 
 
