@@ -53,6 +53,8 @@ def get_config() -> ml_collections.ConfigDict:
         model_type="", hidden_size=0, intermediate_size=0, num_hidden_layers=0,
         num_attention_heads=0, num_key_value_heads=0, head_dim=0, rope_theta=0.0,
         tie_word_embeddings=False, vocab_size=0,  # 0: the tokenizer's vocabulary size
+        # model_type qwen3_moe (pacs_jax/models/moe.py): experts, the experts a token uses, an expert's width
+        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
         dtype="bfloat16", param_dtype="float32", remat="none",
         attention="auto",         # auto | xla | cudnn | splash (auto: splash on TPU, cudnn on GPU, xla elsewhere)
         attention_block_size=512,

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from pacs_jax import checkpoints, sampling
 from pacs_jax.models.config import PRESETS, QwenConfig
 from qwen_reference import hf_logits, load_tool, max_rel_err, padded_batch, save_random_hf_model
 from test_hf_roundtrip import assert_bit_identical, read_safetensors
 from test_sampling import hf_greedy
+from train_helpers import FAST_DEMO_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
 
 import_hf, export_hf = load_tool("import_hf"), load_tool("export_hf")
 
@@ -86,3 +88,22 @@ def test_lora_on_the_experts_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="lora_targets"):
         PRESETS["Qwen3-30B-A3B"].replace(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj", "up_proj"))
     assert PRESETS["Qwen3-30B-A3B"].replace(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj",)).lora_rank == 8
+
+
+def test_the_demo_trains_a_mixture_of_experts_model_and_transformers_loads_its_export(tmp_path):
+    """The shrunk demo (warm-start, RL steps, checkpoint, evaluation, HF export) with every layer sparse
+    (4 experts, 2 a token); transformers' Qwen3MoeForCausalLM reads the export and computes our logits."""
+    workdir = tmp_path / "run"
+    flags = (*FAST_DEMO_FLAGS, "--config.train.steps=2", "--config.model.model_type=qwen3_moe",
+             "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
+             "--config.model.moe_intermediate_size=64")
+    process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="moe")
+    assert finish(process) == 0, logs(tmp_path / "run", "moe")[-3000:]
+    assert [row["step"] for row in metrics_rows(workdir)] == [1, 2]
+    export = workdir / "hf_export"
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    model = checkpoints.from_pretrained(export, dtype="float32")
+    tokens, mask = padded_batch(model.cfg.vocab_size, [6, 3], 6, "left", seed=2)
+    logits = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
+    assert max_rel_err(logits, hf_logits(hf, tokens, mask), mask) < 1e-4

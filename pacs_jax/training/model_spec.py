@@ -70,6 +70,7 @@ def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
         intermediate_size=m.intermediate_size, num_hidden_layers=m.num_hidden_layers,
         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
         rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-        attention_bias=m.model_type == "qwen2", bos_token_id=None, eos_token_id=None)
+        attention_bias=m.model_type == "qwen2", bos_token_id=None, eos_token_id=None, num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size)
     return models.QwenConfig(**{**fields, **run})
 

@@ -494,6 +494,9 @@ class ModelSpec:
     rope_theta: float
     tie_word_embeddings: bool
     vocab_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
     dtype: str
     param_dtype: str
     remat: str
@@ -522,9 +525,16 @@ class ModelSpec:
         if not (self.path or self.preset):  # a model of the config's own (configs/base.py): every architecture field
             require_choice(self.model_type, SUPPORTED_MODEL_TYPES, "model.model_type",
                            note=" (or set model.path or model.preset)")
-            for field in ARCHITECTURE_SIZES:
+            moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+            for field in ARCHITECTURE_SIZES + (moe if self.model_type == "qwen3_moe" else ()):
                 value = getattr(self, field)
                 require(value > 0, f"model.{field}", f"must be > 0 without model.path or model.preset, got {value!r}")
+            if self.model_type == "qwen3_moe":
+                require(self.num_experts_per_tok <= self.num_experts, "model.num_experts_per_tok",
+                        f"{self.num_experts_per_tok} is above model.num_experts ({self.num_experts})")
+            else:
+                require(self.num_experts == 0, "model.num_experts",
+                        f"{self.num_experts}, but model.model_type={self.model_type!r}: experts are qwen3_moe's")
         require(isinstance(self.random_init, bool), "model.random_init",
                 f"must be True or False, got {self.random_init!r}")
         require(not (self.random_init and self.path), "model.random_init",
@@ -954,12 +964,13 @@ class RunSpec:
                     f"context of {context} (max_position_embeddings): set it to at most {max(context - prompt, 0)}")
 
     def check_tensor_axis(self, model_cfg) -> None:
-        """Refuse a tensor axis that does not divide the model's (``model_cfg``, a QwenConfig) query heads
-        or MLP width (the model would otherwise waste a factor of the axis in memory;
+        """Refuse a tensor axis that does not divide the model's (``model_cfg``, a QwenConfig) query heads,
+        MLP width or experts' width (the model would otherwise waste a factor of the axis in memory;
         sharding.MUST_DIVIDE). Memory itself is checked on the compiled programs before step 1
         (training/memory_check.py)."""
         tensor = self.mesh_shape[2]
-        for field in ("num_attention_heads", "intermediate_size"):
+        for field in ("num_attention_heads", "intermediate_size") + (
+                ("moe_intermediate_size",) if model_cfg.num_experts else ()):
             require(getattr(model_cfg, field) % tensor == 0, "mesh.tensor",
                     f"{tensor} does not divide the model's {field} ({getattr(model_cfg, field)}); choose a tensor "
                     f"axis that divides it")
