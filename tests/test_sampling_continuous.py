@@ -75,7 +75,7 @@ SETTINGS = {
                          ids=[f"{case}-1dev" for case in sorted(SETTINGS)] + ["sampled_n8-2x2x2"])
 def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case):
     """Rows of different lengths (stop ids) run in 3 slots (one queue on the mesh too: 3 is no multiple
-    of its 4 batch shards), in 8 narrowing to 1 in the tail (one queue a shard on the mesh, 2 slots
+    of its 4 batch shards), in 8 narrowing to 3 in the tail (one queue a shard on the mesh, 2 slots
     narrowing to 1), in 8 narrowing to 4 over a page pool of 4-token pages (the paged sampler: a
     pool a shard on the mesh, 2 slots narrowing to 1) and in one slot per row: the same tokens, finish reasons and log-probs (float32
     round-off), as on a CPU they must (on a GPU or TPU they may differ: docs/design.md 3.2); the same
@@ -88,7 +88,10 @@ def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case)
         static = sampling.generate(model, prompts, **kwargs)
         lengths = {len(t) for t in static.tokens}
         assert len(lengths) > 1 and "stop" in static.finish_reason  # the schedule differs from the static one
-        for slots, tail_slots, page_size in ((3, None, None), (8, 1, None), (8, 4, 4)):
+        # 8 narrowing to 3: widths 8, 6, 4, 3, each a decode loop of its own to compile (narrowing to 1, the widths
+        # 8, 6, 4, 3, 2, 1 made n 8's chunk program 4 times the 3-slot one's to compile; the narrowing queue test
+        # below narrows to 1, and so does each queue on the mesh here)
+        for slots, tail_slots, page_size in ((3, None, None), (8, 3, None), (8, 4, 4)):
             continuous = sampling.generate(model, prompts, slots=slots, tail_slots=tail_slots, page_size=page_size,
                                            **kwargs)
             assert continuous.tokens == static.tokens, (slots, page_size)
@@ -102,17 +105,20 @@ def test_continuous_equals_static_token_for_token(hf, prompts, mesh_shape, case)
 def test_greedy_continuous_and_paged_with_per_prompt_budgets_equal_transformers(hf, prompts, mesh_shape):
     """3 slots over contiguous cache rows (the rows queue), and 8 narrowing to 4 over a page pool of
     4-token pages (dividing neither the prompts nor the budgets): transformers' greedy tokens, each row
-    cut at its own budget. On one device the samplers are the n 1 programs of the test above (the
-    budgets, the stop ids and the temperature are their arguments): none compiled again."""
+    cut at its own budget. The samplers are programs of the test above (the budgets, the stop ids, the
+    temperature and top-p are their arguments): on one device its n 1 programs, on the mesh its n 8
+    ones (top-k 40, which greedy ignores), each prompt's 8 rows greedy alike: none compiled again."""
     budgets = [23, 6, 19, 1, 13]
     reference, _ = hf_greedy(hf[1], prompts, 24)
+    n, top_k = (1, 0) if mesh_shape is None else (8, SETTINGS["sampled_n8"]["top_k"])
     for slots, tail_slots, page_size in ((3, None, None), (8, 4, 4)):
         with on_mesh(mesh_shape):
-            out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=24, stop_token_ids=(), slots=slots,
-                                    tail_slots=tail_slots, budgets=budgets, page_size=page_size)
-        for row, budget in enumerate(budgets):
-            assert out.tokens[row] == reference[row, :budget].tolist(), (page_size, row)
-        assert out.finish_reason == ["length"] * len(prompts)
+            out = sampling.generate(load(hf, mesh_shape), prompts, max_new_tokens=24, n=n, top_k=top_k,
+                                    stop_token_ids=(), slots=slots, tail_slots=tail_slots, budgets=budgets,
+                                    page_size=page_size)
+        for row, budget in enumerate(np.repeat(budgets, n)):
+            assert out.tokens[row] == reference[row // n, :budget].tolist(), (page_size, row)
+        assert out.finish_reason == ["length"] * len(prompts) * n
 
 
 def _sample(model, prompts, budgets, n, slots, stops=(), tail_slots=None):
