@@ -5,16 +5,20 @@
 from __future__ import annotations
 
 import json
+import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from pacs_jax import checkpoints, sampling
 from pacs_jax.models.config import PRESETS, QwenConfig
-from qwen_reference import hf_logits, load_tool, max_rel_err, padded_batch, save_random_hf_model
+from pacs_jax.sharding import make_mesh
+from qwen_reference import MOE_ARCHS, hf_logits, load_tool, max_rel_err, padded_batch, save_random_hf_model
 from test_hf_roundtrip import assert_bit_identical, read_safetensors
 from test_sampling import hf_greedy
 from train_helpers import FAST_DEMO_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
@@ -107,3 +111,36 @@ def test_the_demo_trains_a_mixture_of_experts_model_and_transformers_loads_its_e
     tokens, mask = padded_batch(model.cfg.vocab_size, [6, 3], 6, "left", seed=2)
     logits = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
     assert max_rel_err(logits, hf_logits(hf, tokens, mask), mask) < 1e-4
+
+
+def _loss_and_grads(model, tokens, mask):
+    """The mean next-token log-likelihood of the real tokens and its gradient, jitted on the mesh in context."""
+    def loss(m):
+        logp = jax.nn.log_softmax(m(tokens, attention_mask=mask)[:, :-1], axis=-1)
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        return -jnp.sum(picked * mask[:, 1:]) / jnp.sum(mask[:, 1:])
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+
+def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_one_device(hf_moe):
+    """Experts' width over the tensor axis, their input (hidden) over fsdp; the experts themselves
+    replicated (no expert axis yet): logits and every parameter's gradient as on one device."""
+    tokens, mask = (jnp.asarray(a) for a in padded_batch(MOE_ARCHS["qwen3_moe"]["vocab_size"], [8, 5, 3, 7], 8,
+                                                          "left", seed=4))
+    results = {}
+    for shape in ((1, 1, 1), (2, 2, 2)):
+        with jax.set_mesh(make_mesh(*shape, devices=jax.devices()[:math.prod(shape)])):
+            model = checkpoints.from_pretrained(hf_moe[0], dtype="float32")
+            if shape == (2, 2, 2):
+                layers = nnx.state(model, nnx.Param)["layers"]["mlp"]
+                assert tuple(layers["gate_kernel"].get_value().sharding.spec) == (None, None, "fsdp", "tensor")
+                assert tuple(layers["down_kernel"].get_value().sharding.spec) == (None, None, "tensor", "fsdp")
+            loss, grads = _loss_and_grads(model, tokens, mask)
+            results[shape] = (float(loss), {".".join(map(str, p)): np.asarray(v.get_value())
+                                            for p, v in nnx.to_flat_state(grads)})
+    (loss1, grads1), (loss8, grads8) = results[(1, 1, 1)], results[(2, 2, 2)]
+    np.testing.assert_allclose(loss8, loss1, rtol=1e-6)
+    assert sorted(grads8) == sorted(grads1) and "layers.mlp.router_kernel" in grads1
+    for name, grad in grads1.items():
+        assert np.abs(grad).max() > 0, name  # every parameter, the router included, is trained
+        np.testing.assert_allclose(grads8[name], grad, rtol=1e-4, atol=1e-6 * np.abs(grad).max(), err_msg=name)
