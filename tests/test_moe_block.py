@@ -13,6 +13,7 @@ from flax import nnx
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from pacs_jax.models import kernels
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.moe import MoE
 
@@ -20,7 +21,7 @@ D, E, I, K = 32, 8, 16, 2
 
 
 def _config(norm_topk_prob: bool = True, **changes) -> QwenConfig:
-    fields = dict(model_type="qwen3", vocab_size=64, hidden_size=D, intermediate_size=48, num_hidden_layers=2,
+    fields = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=D, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=E, num_experts_per_tok=K,
                   moe_intermediate_size=I, norm_topk_prob=norm_topk_prob)
     return QwenConfig(**(fields | changes))
@@ -115,3 +116,12 @@ def test_replay_uses_the_given_experts_with_this_routers_weights_and_its_gradien
 def test_a_config_the_block_cannot_serve_is_refused_naming_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         _config(**changes)
+
+
+def test_the_grouped_matmul_choice_is_recorded_with_why_a_gpu_is_not_served_by_a_grouped_kernel():
+    block = _block(_config())
+    block(jnp.ones((1, 3, D), jnp.float32))
+    assert kernels.KernelChoice("moe gemm", "ragged_dot") in kernels.chosen()  # the CPU: the reference path
+    gpu = kernels.moe_gemm("gpu")
+    assert "densely" in gpu.reason and "moe gemm: ragged_dot (not the kernel:" in str(gpu)
+    assert kernels.moe_gemm("tpu").reason == ""  # XLA:TPU's grouped kernel

@@ -3,7 +3,8 @@ choice made once at trace time from them, and a record of what was chosen.
 
 Ops: "attention" (training, log-probs and prefill over padded rows), "packed attention" (training and
 log-probs over packed rows: segment ids), "paged decode" (the paged sampler's decode step), "token
-selection" (the decode step's LM head and token selection).
+selection" (the decode step's LM head and token selection), "moe gemm" (a mixture-of-experts layer's grouped
+matmul, models/moe.py).
 
 A kernel that does not take a shape is not called: the op runs the XLA path, and the choice says why
 (``KernelChoice.reason``), so a config never meets a kernel's lowering error at step 1. Every choice
@@ -127,3 +128,14 @@ def paged_decode(impl: str, *, head_dim: int, page_size: int, dtype) -> KernelCh
     elif paged == "gpu":
         reason = paged_attention_gpu.unsupported(head_dim, page_size, dtype) or ""
     return _record(KernelChoice("paged decode", "xla" if reason else paged, reason))
+
+
+def moe_gemm(platform: str) -> KernelChoice:
+    """A mixture-of-experts layer's grouped matmul (models/moe.py) on ``platform``: ``jax.lax.ragged_dot``
+    on every platform for now. XLA:TPU lowers it to its grouped kernel (a group's rows only: 0.62 TFLOP for
+    Qwen3-30B-A3B's 65,536 token-slots, docs/measurements.md section 8.4); XLA:GPU computes every group
+    densely (79.2 TFLOP for the same), so on a GPU the choice names why it is not a grouped kernel
+    (tokamax's ``mosaic_gpu`` one is, decision 0010); on the CPU it is the reference."""
+    reason = ("XLA:GPU computes every expert's group densely (num_experts x the FLOPs); tokamax's mosaic_gpu "
+              "grouped matmul is not wired in yet") if platform == "gpu" else ""
+    return _record(KernelChoice("moe gemm", "ragged_dot", reason))

@@ -10,8 +10,9 @@ each chosen expert's SwiGLU down(silu(gate(x)) * up(x)) weighted and summed. No 
 token, no noise.
 
 Dispatch: the M slots sorted by expert (stable), each expert's rows one group of
-``jax.lax.ragged_dot`` (XLA's grouped matmul on TPU; a dense reference on the CPU: tests only at a few
-experts), the outputs put back in slot order and summed over k in float32.
+``jax.lax.ragged_dot`` (XLA's grouped matmul on TPU; computed densely on a GPU and the CPU: the choice
+and its reason are recorded, models/kernels.py ``moe_gemm``), the outputs put back in slot order and
+summed over k in float32.
 
 Routing replay (R3): given ``routed`` [N, k], the experts a token uses are those, not the top k of this
 router, with the weights read from this router's own probabilities at them (so gradients reach the
@@ -26,8 +27,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pacs_jax.models import kernels
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.params import make_param
+from pacs_jax.sharding import platform
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool,
@@ -50,6 +53,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Ar
     """Each slot's expert SwiGLU: x [N, D] (compute dtype), experts [N, k] int32, gate / up [E, D, I],
     down [E, I, D] (cast to x's dtype) -> [N, k, D] float32, slot (n, j) being expert experts[n, j]
     applied to x[n]. The slots are sorted by expert for ``jax.lax.ragged_dot`` and put back after."""
+    kernels.moe_gemm(platform())
     n, k = experts.shape
     num_experts = gate.shape[0]
     flat = experts.reshape(-1)
