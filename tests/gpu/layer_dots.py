@@ -3,11 +3,13 @@ dots_with_no_batch_dims_saveable, the platform's attention kernel) compiled for 
 TOPOLOGY (pacs_jax/topologies.py; default h200x8, run by tests/test_gpu_compile.py with the GPU-compiling
 interpreter; v5p-64 by tests/test_model_sharding.py with libtpu). Prints one JSON object: the layer
 scan's stacked arrays ([L, B, T, ...]: what the remat saves for the backward pass) of the MLP's and the
-attention projections' widths, by dtype, on one device; and, on two splitting the batch ("data" 2), the
-dtypes of the all-reduces that sum the layers' weight gradients across them ("grad_sums"). The layers'
-gemms write the compute dtype (models/qwen.py ``_dot_rounded``), so the saved dot outputs are bfloat16
-(float32 ones there were twice the bytes, issue 52), while their derivative's dots, and so the sums of
-the gradients' shards, stay float32 (bfloat16 sums round at every step of the reduction)."""
+attention projections' widths, by dtype, and the dtypes of the all-reduces that sum the layers' weight
+gradients ("grad_sums"), both read from one program on two devices splitting the batch ("data" 2, B rows
+a device: a device saves what the one-device program saves, which was compiled besides until then, twice
+the compile time). The layers' gemms write the compute dtype (models/qwen.py ``_dot_rounded``), so the
+saved dot outputs are bfloat16 (float32 ones there were twice the bytes, issue 52), while their
+derivative's dots, and so the sums of the gradients' shards, stay float32 (bfloat16 sums round at every
+step of the reduction)."""
 
 from __future__ import annotations
 
@@ -51,14 +53,14 @@ def main() -> dict:
     cfg = QwenConfig(vocab_size=512, hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
                      num_key_value_heads=K, head_dim=Dh, dtype="bfloat16", remat="dots_with_no_batch_dims_saveable",
                      attention=ATTENTION)
-    text = _gradient_text(cfg, 1)
+    text = _gradient_text(cfg, 2)
     stacks = {}
     for width, name in ((F, "mlp"), (H * Dh, "q/o"), (K * Dh, "k/v")):
         for dtype, dims in re.findall(rf"\b(f32|bf16)\[{L},{B},{T},([\d,]+)\]", text):
             if math.prod(int(d) for d in dims.split(",")) == width:  # [L, B, T, width] or [L, B, T, heads, Dh]
                 stacks.setdefault(name, set()).add(dtype)
     sums = set()  # the all-reduces of at least one layer's MLP weights: the layers' weight gradients (XLA:TPU
-    for result in re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", _gradient_text(cfg, 2)):  # sums tuples
+    for result in re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", text):  # sums tuples
         for dtype, dims in re.findall(r"(f32|bf16)\[([\d,]+)\]", result):
             if math.prod(int(d) for d in dims.split(",")) >= D * F:
                 sums.add(dtype)
