@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -144,3 +146,19 @@ def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_on
     for name, grad in grads1.items():
         assert np.abs(grad).max() > 0, name  # every parameter, the router included, is trained
         np.testing.assert_allclose(grads8[name], grad, rtol=1e-4, atol=1e-6 * np.abs(grad).max(), err_msg=name)
+
+
+def test_lora_on_a_mixture_of_experts_preset_is_refused_before_anything_is_written(tmp_path):
+    """all-linear (the default target_modules) reaches the experts, not served yet: one line naming
+    config.model and what is served, status 78, no workdir."""
+    from pacs_jax.errors import PERMANENT_ERROR_STATUS
+
+    flags = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4",
+             "--config.model.num_experts_per_tok=2", "--config.model.moe_intermediate_size=64",
+             "--config.model.lora_rank=8")
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *flags, f"--workdir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=300, env=train_env())
+    assert run.returncode == PERMANENT_ERROR_STATUS and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().startswith("pacs_jax.train: error: config.model: lora_targets=") \
+        and "target_modules 'self_attn'" in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "run").exists()

@@ -81,7 +81,7 @@ class QwenConfig:
         if self.lora_rank and self.num_experts and set(self.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
             raise ValueError(f"lora_targets={self.lora_targets}: LoRA on a mixture-of-experts model's experts "
                              f"(gate_proj, up_proj, down_proj) is not served yet; its attention's (q_proj, "
-                             f"k_proj, v_proj, o_proj) are")
+                             f"k_proj, v_proj, o_proj) are: target_modules 'self_attn'")
         if self.num_experts < 0 or (self.num_experts > 0 and not (
                 1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0)):
             raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "

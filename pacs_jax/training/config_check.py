@@ -195,8 +195,13 @@ def _check_model_folder(path: str, field: str) -> None:
 
 def _model_if_readable(spec: RunSpec):
     """The model's QwenConfig (``model_config``), or None when it has none yet or its source does not
-    read: that source is checked, and named, by ``check_spec``."""
+    read: that source is checked, and named, by ``check_spec``. A preset's or the config's own fields that
+    make no model (LoRA on a mixture-of-experts model's experts) raise ConfigError naming config.model."""
     try:
         return model_config(spec)
-    except (OSError, ValueError):
+    except OSError:
         return None
+    except ValueError as e:
+        if spec.model.path:
+            return None
+        raise ConfigError(f"config.model: {e}") from None
