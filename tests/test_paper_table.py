@@ -5,12 +5,14 @@ small tokenizer of 4,096 entries), each a CLI subprocess with the README's flags
 after them: the Base row by ``python -m pacs_jax.evaluate --config=configs/eval.py:paper``, the PACS and
 GRPO rows by ``python -m pacs_jax.train --config=configs/paper.py:qwen25_3b,{pacs_beta1,grpo}`` (one RL
 step each; evaluated after RL and, PACS, before, at the tables' per-set settings shrunk), then the README's
-tools/paper_table.py line and the tool's other forms on their outputs: the Markdown's rows, columns and
-values against the runs' eval_metrics.json and the published numbers' file, the PNG, the row names and
-the errors."""
+tools/paper_table.py line and the tool's other forms (its main, in this process) on their outputs: the
+Markdown's rows, columns and values against the runs' eval_metrics.json and the published numbers' file,
+the PNG, the row names and the errors."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pathlib
 import re
@@ -128,9 +130,13 @@ def runs(qwen25_dir, tmp_path_factory):
     return {"Base": root / "base", "PACS": root / "pacs", "GRPO": root / "grpo", "table": table}
 
 
-def _tool(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "paper_table.py"), *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+def _tool(*args) -> subprocess.CompletedProcess:
+    """tools/paper_table.py's ``main`` on ``args`` in this process (the README's line runs it as a script): its
+    exit status and what it printed, as a CompletedProcess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = table_tool.main(list(map(str, args)))
+    return subprocess.CompletedProcess(["paper_table.py", *map(str, args)], status, out.getvalue(), err.getvalue())
 
 
 def _tables(markdown: str) -> dict[str, dict[str, list[str]]]:
