@@ -21,6 +21,7 @@ configs/base.py (item 7)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -50,6 +51,12 @@ def _env() -> dict:
 def _run(module: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd, env=_env())
+
+
+@functools.cache
+def _help(module: str) -> subprocess.CompletedProcess:
+    """``python -m module --help``, run once for the tests that read it."""
+    return _run(module, "--help")
 
 
 def _error_line(run: subprocess.CompletedProcess, program: str) -> str:
@@ -97,7 +104,7 @@ def test_help_exits_0_and_points_to_the_config_fields(module, flag):
 
     from configs import base
 
-    run = _run(module, "--help")
+    run = _help(module)
     assert run.returncode == 0 and not run.stderr, run.stderr[-3000:]
     assert f"  {flag}: " in run.stdout and CONFIG_HELP in run.stdout, run.stdout
     sections = [name for name, value in base.get_config().items() if isinstance(value, ml_collections.ConfigDict)]
@@ -109,7 +116,7 @@ def test_help_lists_the_config_files_the_trainer_runs_and_their_arguments():
     files define them."""
     from configs import algorithms, default, demo_objectives, paper
 
-    run = _run("pacs_jax.train", "--help")
+    run = _help("pacs_jax.train")
     assert run.returncode == 0 and not run.stderr, run.stderr[-3000:]
     for usage in ("configs/default.py[:SETUP]", "configs/demo_objectives.py:OBJECTIVE",
                   "configs/paper.py:MODEL,ALGO[,cpu]"):

@@ -61,16 +61,17 @@ def _env(cache_dir=None, **extra) -> dict:
     return {**train_env(cache_dir), **extra}
 
 
-def _train(workdir, data_file, *, processes: int, flags: tuple[str, ...] = ()) -> None:
-    """A run of SHRUNK in ``workdir``: 1 process x 8 devices or 2 processes x 4 devices, reading and
-    writing the session's compilation cache (whose file lock, tests/conftest.py, keeps a process from
-    reading an entry that another is writing: before it, an abort seen once in CI). The run on padded rows
-    reads the sampler that the 1-process run compiled, the resumed run every program."""
+def _train(workdir, data_file, *, processes: int, flags: tuple[str, ...] = (), sampler: str = "static") -> None:
+    """A run of SHRUNK in ``workdir``: 1 process x 8 devices on ``sampler`` (carry-over's runs pass "paged", the
+    one it runs on) or 2 processes x 4 devices, reading and writing the session's compilation cache (whose
+    file lock, tests/conftest.py, keeps a process from reading an entry that another is writing: before it,
+    an abort seen once in CI). The run on padded rows reads the sampler that the 1-process run compiled, the
+    resumed run every program."""
     flags = [*SHRUNK, *flags, f"--config.data.train_files=('{data_file}',)", f"--workdir={workdir}",
              f"--config.data.tokenizer={data_file.parents[1] / 'tokenizer'}"]  # data_file's, written beside it
     command = [sys.executable, "-m", "pacs_jax.train", *flags]
-    if processes == 1:  # the static sampler (one slot per response) against the 2 processes' paged one (the default)
-        command.append("--config.rollout.sampler=static")
+    if processes == 1:  # by default the static sampler (one slot per response) against the 2 processes' paged one
+        command.append(f"--config.rollout.sampler={sampler}")
         env = _env(compile_cache_dir())
         env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # the suite's other flags kept
         run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -175,27 +176,42 @@ def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_p
     assert resumed["sampled_tokens_checksum"] == _metrics(one)[2]["sampled_tokens_checksum"]
 
 
-@pytest.mark.slow(seconds=120)  # two short runs, one of them on 2 processes
-def test_two_processes_train_lora_adapters_exactly_like_one(data_file, tmp_path):
+# LoRA (rank 4, every linear layer) with the KL loss, and carry-over rollouts (rollout.carry_over: one sampler
+# call a step, 3 steps): one pair of runs, 2 processes x 4 devices and 1 x 8 (both on carry-over's paged
+# sampler), for the LoRA and the carry-over tests (each pair cost a 2-process run's start-up and compilations)
+LORA_CARRY_OVER = ("--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=0.001",
+                   "--config.algorithm.use_kl_loss=True", "--config.algorithm.kl_loss_coef=0.1",
+                   "--config.algorithm.pacs.adv_estimator=naive", "--config.rollout.carry_over=True",
+                   "--config.rollout.micro_batches=1", "--config.train.steps=3")
+
+
+@pytest.fixture(scope="module")
+def lora_carry_over_runs(data_file, tmp_path_factory):
+    """(2 processes x 4 devices, 1 process x 8 devices) workdirs of the same 3-step LORA_CARRY_OVER run."""
+    two, one = tmp_path_factory.mktemp("lora_two"), tmp_path_factory.mktemp("lora_one")
+    _train(two, data_file, processes=2, flags=LORA_CARRY_OVER)
+    _train(one, data_file, processes=1, flags=LORA_CARRY_OVER, sampler="paged")
+    return two, one
+
+
+@pytest.mark.slow(seconds=120)  # the fixture's two runs, one of them on 2 processes
+def test_two_processes_train_lora_adapters_exactly_like_one(lora_carry_over_runs):
     """LoRA (rank 4, every linear layer) with the KL loss on 2 processes x 4 devices equals 1 x 8: the metrics,
-    the KL to the adapters-off reference, and step 2's checkpoint (which holds the adapters alone: the base is
+    the KL to the adapters-off reference, and step 3's checkpoint (which holds the adapters alone: the base is
     drawn again from the run's seed when it loads). No warm-start: it would train the base at full rank (decision
     0014), where AdamW's normalised step turns the process counts' round-off on gradients that are round-off
     alone (k's bias, to which softmax is blind) into differences of up to its lr. PACS's naive advantage
     (psi = r) gives the adapters a gradient before any row earns a reward (the centred estimators give none, and
-    B would stay 0); A's gradient is then B-sized, so the two runs' round-off reaches A at ~6e-6 after 2 steps
-    (AdamW's step is normalised) and the grad norm at 1.3e-5 relative: compared within 1e-5 and 1e-4."""
-    lora = ("--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=0.001",
-            "--config.algorithm.use_kl_loss=True", "--config.algorithm.kl_loss_coef=0.1",
-            "--config.algorithm.pacs.adv_estimator=naive")
-    two, one = tmp_path / "two", tmp_path / "one"
-    _train(two, data_file, processes=2, flags=lora)
-    _train(one, data_file, processes=1, flags=lora)
+    B would stay 0); A's gradient is then B-sized, so the two runs' round-off can reach A at ~6e-6 after 2 steps
+    (AdamW's step is normalised) and the grad norm at 1.3e-5 relative: compared within 1e-5 and 1e-4. (The runs
+    carry rollouts over, test_carry_over_runs_its_queues_across_two_processes: the same on 1 process.)"""
+    two, one = lora_carry_over_runs
     m2, m1 = _metrics(two), _metrics(one)
-    for step in (1, 2):
+    assert sorted(m2) == sorted(m1) == [1, 2, 3]
+    for step in (1, 2, 3):
         for key in (*COMPARED, "actor/kl_loss"):
             assert m2[step][key] == pytest.approx(m1[step][key], rel=1e-4, abs=1e-6), (step, key)
-    final2, final1 = _params(two, 2), _params(one, 2)
+    final2, final1 = _params(two, 3), _params(one, 3)
     assert final2.keys() == final1.keys()
     for name in final1:  # A's gradient is B-sized (~lr after one step): AdamW's normalised step magnifies its round-off
         np.testing.assert_allclose(final2[name], final1[name], rtol=0, atol=1e-5, err_msg=name)
@@ -212,19 +228,19 @@ def _free_port() -> int:
     return int(run.stdout.strip().rpartition(":")[2])
 
 
-@pytest.mark.slow(seconds=60)
-def test_carry_over_runs_its_queues_across_two_processes(data_file, tmp_path):
+@pytest.mark.slow(seconds=5)  # lora_carry_over_runs' 2-process run
+def test_carry_over_runs_its_queues_across_two_processes(lora_carry_over_runs):
     """Carry-over (``rollout.carry_over``) on 2 processes x 4 devices: a queue per batch shard (data 4), each
     process placing the new prompts in the queues' shares alike (training/carry_over.py) and passing the
     carried prompts as its own shards; 3 steps, rows carried from each step into the next, none stale
-    past max_staleness, and nothing compiled after step 1."""
-    _train(tmp_path, data_file, processes=2, flags=("--config.rollout.carry_over=True", "--config.rollout.micro_batches=1",
-                                                    "--config.train.steps=3"))
-    metrics = _metrics(tmp_path)
+    past max_staleness, and nothing compiled after step 1; 1 process carries the same rows."""
+    two, one = lora_carry_over_runs
+    metrics, single = _metrics(two), _metrics(one)
     assert sorted(metrics) == [1, 2, 3]
     assert metrics[1]["carried_rows"] == 0 and metrics[2]["carried_rows"] > 0 and metrics[3]["carried_rows"] > 0, metrics
     assert all(metrics[s]["rollout_staleness_max"] <= 1 for s in (1, 2, 3)), metrics
     assert metrics[3]["compilations"] == metrics[2]["compilations"] == metrics[1]["compilations"], metrics
+    assert [single[s]["carried_rows"] for s in (1, 2, 3)] == [metrics[s]["carried_rows"] for s in (1, 2, 3)]
 
 
 def test_a_process_that_never_starts_is_named_by_the_others():

@@ -1,16 +1,18 @@
 """The README's "Reproducing the paper" section end to end on a shrunk paper setup: its commands, read
 from the README (the qwen25_3b setups of Table 1, as the README says to run them), on a tiny random
-Qwen2.5-3B-shaped base model folder with its own tokenizer files (test_model_tokenizer.py), each a CLI
-subprocess with the README's flags and shrinking overrides after them: the Base row by
-``python -m pacs_jax.evaluate --config=configs/eval.py:paper``, the PACS and GRPO rows by
-``python -m pacs_jax.train --config=configs/paper.py:qwen25_3b,{pacs_beta1,grpo}`` (one RL step each;
-evaluated after RL and, PACS, before, at the tables' per-set settings shrunk), then the README's
-tools/paper_table.py line and the tool's other forms on their outputs: the Markdown's rows, columns and
-values against the runs' eval_metrics.json and the published numbers' file, the PNG, the row names and
-the errors."""
+Qwen2.5-3B-shaped base model folder with its own tokenizer files (test_model_tokenizer.py's, on the
+small tokenizer of 4,096 entries), each a CLI subprocess with the README's flags and shrinking overrides
+after them: the Base row by ``python -m pacs_jax.evaluate --config=configs/eval.py:paper``, the PACS and
+GRPO rows by ``python -m pacs_jax.train --config=configs/paper.py:qwen25_3b,{pacs_beta1,grpo}`` (one RL
+step each; evaluated after RL and, PACS, before, at the tables' per-set settings shrunk), then the README's
+tools/paper_table.py line and the tool's other forms (its main, in this process) on their outputs: the
+Markdown's rows, columns and values against the runs' eval_metrics.json and the published numbers' file,
+the PNG, the row names and the errors."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pathlib
 import re
@@ -22,8 +24,8 @@ import pytest
 
 from conftest import REPO
 from qwen_reference import load_tool
-from test_model_tokenizer import qwen25_dir  # noqa: F401 (a fixture: the tiny Qwen2.5 base model folder)
-from train_helpers import compile_cache_dir, train_env
+from test_model_tokenizer import QWEN25_GENERATION_CONFIG, write_qwen25_tokenizer
+from train_helpers import SMALL_TOKENIZER_SIZE, compile_cache_dir, train_env
 
 table_tool = load_tool("paper_table")
 PUBLISHED = REPO / "data" / "paper_results" / "pacs_2509.02522.json"
@@ -76,7 +78,31 @@ def readme_commands(model_dir, root) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def runs(qwen25_dir, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+def qwen25_dir(small_tokenizer_dir, tmp_path_factory):
+    """A Qwen2.5-3B-shaped base model folder, shrunk as test_model_tokenizer.py's qwen25_dir (a random 2-layer
+    Qwen2, tied embeddings, bos = eos = <|endoftext|>, Qwen2.5's generation_config.json and tokenizer files)
+    but on conftest.py's small tokenizer: 4,096 vocabulary entries, not 151,936 (the table is not about the
+    vocabulary, whose [T, V] logits and embedding were most of the three runs' CPU time)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("Qwen2.5-3B-tiny")
+    write_qwen25_tokenizer(small_tokenizer_dir, path)
+    added = json.loads((path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    (endoftext,) = [int(i) for i, token in added.items() if token["content"] == "<|endoftext|>"]
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=SMALL_TOKENIZER_SIZE, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=1024, tie_word_embeddings=True,
+                                         bos_token_id=endoftext, eos_token_id=endoftext))
+    model.eval().save_pretrained(path)
+    generation = {**QWEN25_GENERATION_CONFIG, "bos_token_id": endoftext, "eos_token_id": endoftext}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(qwen25_dir, tmp_path_factory):
     """{"Base": the evaluation's folder, "PACS" / "GRPO": the runs' workdirs, "table": the README's
     tools/paper_table.py argv}, made by the README's commands (shrunk) on the tiny Qwen2.5 folder."""
     root = tmp_path_factory.mktemp("paper_table_runs")
@@ -104,9 +130,13 @@ def runs(qwen25_dir, tmp_path_factory):  # noqa: F811 (the fixture imported abov
     return {"Base": root / "base", "PACS": root / "pacs", "GRPO": root / "grpo", "table": table}
 
 
-def _tool(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "paper_table.py"), *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+def _tool(*args) -> subprocess.CompletedProcess:
+    """tools/paper_table.py's ``main`` on ``args`` in this process (the README's line runs it as a script): its
+    exit status and what it printed, as a CompletedProcess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = table_tool.main(list(map(str, args)))
+    return subprocess.CompletedProcess(["paper_table.py", *map(str, args)], status, out.getvalue(), err.getvalue())
 
 
 def _tables(markdown: str) -> dict[str, dict[str, list[str]]]:
@@ -133,7 +163,7 @@ def _cell(ours: float | None, paper: float) -> str:
     return f"— / {paper:.2f}" if ours is None else f"{100 * ours:.2f} / {paper:.2f} ({100 * ours - paper:+.2f})"
 
 
-@pytest.mark.slow(seconds=60)  # the fixture's three CLI runs
+@pytest.mark.slow(seconds=40)  # the fixture's three CLI runs
 def test_the_readme_commands_give_the_papers_table(runs, tmp_path):
     # The README's command: the runs only, the Base row their first evaluation before RL, the published
     # table the runs' preset's (qwen25_3b: Qwen2.5-3B, Table 1)
