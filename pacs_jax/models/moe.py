@@ -42,7 +42,7 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool,
     if routed is None:
         weights, experts = jax.lax.top_k(probs, k)
     else:
-        experts = routed.astype(jnp.int32)
+        experts = routed
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -71,7 +71,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Ar
 
 
 class MoE(nnx.Module):
-    """The sparse block of a Qwen3-MoE layer: [..., D] -> ([..., D], experts [..., k] int32).
+    """The sparse block of a Qwen3-MoE layer: [..., D] -> [..., D] (and the experts used, [..., k] int32).
 
     Parameters (stacked [L, ...] when built with ``layers=L``): ``router_kernel`` [D, E],
     ``gate_kernel`` / ``up_kernel`` [E, D, I], ``down_kernel`` [E, I, D] (HF's ``mlp.gate.weight`` and
@@ -86,9 +86,10 @@ class MoE(nnx.Module):
         self.up_kernel = param((E, D, I), ("experts", "embed", "expert_mlp"))
         self.down_kernel = param((E, I, D), ("experts", "expert_mlp", "embed"))
 
-    def __call__(self, x: jax.Array, routed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """x [..., D] in the compute dtype; ``routed`` None or [..., k] int (the experts to replay) ->
-        (the block's output [..., D] in x's dtype, the experts used [..., k] int32)."""
+    def __call__(self, x: jax.Array, routed: jax.Array | None = None,
+                 with_experts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """x [..., D] in the compute dtype; ``routed`` None or [..., k] int (the experts to replay) -> the
+        block's output [..., D] in x's dtype, and with ``with_experts`` the experts used [..., k] int32."""
         cfg = self.cfg
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
@@ -96,5 +97,5 @@ class MoE(nnx.Module):
         replay = None if routed is None else routed.reshape(-1, cfg.num_experts_per_tok)
         weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay)
         slots = grouped_swiglu(flat, experts, self.gate_kernel[...], self.up_kernel[...], self.down_kernel[...])
-        out = jnp.einsum("nkd,nk->nd", slots, weights).astype(x.dtype)
-        return out.reshape(*lead, -1), experts.reshape(*lead, cfg.num_experts_per_tok)
+        out = jnp.einsum("nkd,nk->nd", slots, weights).astype(x.dtype).reshape(*lead, -1)
+        return (out, experts.reshape(*lead, cfg.num_experts_per_tok)) if with_experts else out

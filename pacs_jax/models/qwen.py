@@ -299,8 +299,7 @@ class DecoderLayer(nnx.Module):
             # a GPU decode step: the residual written once; XLA:GPU summed the o gemm's split-K partials
             # in both its readers (0.13 GB a step on issue 52's H200 run; XLA:TPU fuses it better without)
             x = jax.lax.optimization_barrier(x)
-        mlp_out = self.mlp(self.post_attn_norm(x))
-        x = x + (mlp_out[0] if self.attn.cfg.num_experts else mlp_out)  # a sparse block's experts: not kept yet
+        x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed")), cache
 
 
