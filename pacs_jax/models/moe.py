@@ -33,6 +33,20 @@ from pacs_jax.models.params import make_param
 from pacs_jax.sharding import platform
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2")  # train.router_replay: verl's router_replay.mode values built here
+
+
+def routing_dtype(num_experts: int) -> jnp.dtype:
+    """The dtype of a routing record (the experts of every token in every layer): uint8 up to 256 experts
+    (Qwen3-30B-A3B's 48 layers x 8: 384 bytes a token), int16 past."""
+    return jnp.dtype(jnp.uint8 if num_experts <= 256 else jnp.int16)
+
+
+def routing_shape(cfg: QwenConfig) -> tuple[int, int]:
+    """A token's routing record: (layers, experts a token), [L, k]."""
+    return cfg.num_hidden_layers, cfg.num_experts_per_tok
+
+
 def route(logits: jax.Array, k: int, norm_topk_prob: bool,
           routed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits [N, E] float32 -> (weights [N, k] float32, experts [N, k] int32): the top k of

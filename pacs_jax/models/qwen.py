@@ -292,15 +292,21 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = norm()
         self.mlp = MoE(cfg, rngs, layers) if cfg.num_experts else MLP(cfg, rngs, layers)
 
-    def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None):
+    def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None, routed=None):
+        """The layer on x [B, T, D] (the attention's arguments: ``Attention.__call__``); routed None or
+        [B, T, k] int, the experts to replay (a sparse layer). Returns (x [B, T, D], the updated cache,
+        the experts each token used [B, T, k] int32, None in a dense layer)."""
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
         x = x + attn_out
         if cache is not None and x.shape[1] == 1 and resolve_impl(self.attn.cfg.attention) == "cudnn":
             # a GPU decode step: the residual written once; XLA:GPU summed the o gemm's split-K partials
             # in both its readers (0.13 GB a step on issue 52's H200 run; XLA:TPU fuses it better without)
             x = jax.lax.optimization_barrier(x)
-        x = x + self.mlp(self.post_attn_norm(x))
-        return constrain(x, ("batch", "length", "act_embed")), cache
+        if isinstance(self.mlp, MoE):
+            mlp_out, experts = self.mlp(self.post_attn_norm(x), routed, with_experts=True)
+        else:
+            mlp_out, experts = self.mlp(self.post_attn_norm(x)), None
+        return constrain(x + mlp_out, ("batch", "length", "act_embed")), cache, experts
 
 
 def _is_variable(x) -> bool:
@@ -369,8 +375,10 @@ class Qwen(nnx.Module):
         out = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "length", "act_vocab"))
 
-    def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0, segment_ids=None):
-        """The decoder stack: tokens [B, T] int -> (final-normed hidden [B, T, D], updated cache).
+    def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0, segment_ids=None, *,
+                routed: jax.Array | None = None, with_routing: bool = False):
+        """The decoder stack: tokens [B, T] int -> (final-normed hidden [B, T, D], updated cache), and with
+        ``with_routing`` the experts every token used in every layer, [B, T, L, k] int32 (a model with experts).
 
         positions [B, T] int; kv_valid [B, S] bool marks keys that may be attended to (S = T without
         a cache); segment_ids None or [B, T] int32: packed rows (without a cache), a token attends
@@ -379,61 +387,79 @@ class Qwen(nnx.Module):
         (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching), and a
         cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
         A paged decode call gives a ``PagedKVCache`` and cache_index a ``PageView`` (kv_valid None).
+        routed: None, or [B, T, L, k] int, the experts each token uses in each layer (routing replay,
+        models/moe.py; a model with experts), their gate weights from this model's own router.
 
         The layers run as one ``lax.scan`` over the stacked parameters (unrolled over their per-layer
         buffers when the decode layout holds them so, ``unstack_layers``); without a cache (the
         gradient path) its body is rematerialised per ``config.remat``.
         """
         cfg = self.cfg
+        if (routed is not None or with_routing) and not cfg.num_experts:
+            raise ValueError("routing replay and routing records need a model with experts (num_experts > 0)")
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
         x = constrain(x, ("batch", "length", "act_embed"))
         layer_def, layer_params = nnx.split(self.layers)
+        by_layer = None if routed is None else jnp.moveaxis(routed, 2, 0)  # [L, B, T, k]
+        stacked = lambda experts: None if experts is None else jnp.moveaxis(experts, 0, 2)  # noqa: E731
 
         if cache is None:
-            def body(x, params):
-                x, _ = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index, segment_ids)
-                return x, None
+            def body(x, xs):
+                params, replay = xs
+                x, _, experts = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index, segment_ids,
+                                                             replay)
+                return x, experts if with_routing else None
 
             if cfg.remat != "none":
                 body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            x, _ = jax.lax.scan(body, x, layer_params)
-            return self.final_norm(x), None
+            x, experts = jax.lax.scan(body, x, (layer_params, by_layer))
+            out = (self.final_norm(x), None)
+            return (*out, stacked(experts)) if with_routing else out
 
         def cached_body(carry, xs):
             x, k_cache, v_cache = carry
-            params, layer = xs
-            x, (k_cache, v_cache) = nnx.merge(layer_def, params)(
-                x, positions, kv_valid, (k_cache, v_cache, layer), cache_index)
-            return (x, k_cache, v_cache), None
+            params, layer, replay = xs
+            x, (k_cache, v_cache), experts = nnx.merge(layer_def, params)(
+                x, positions, kv_valid, (k_cache, v_cache, layer), cache_index, None, replay)
+            return (x, k_cache, v_cache), experts if with_routing else None
 
         carry = (x, cache.k, cache.v)
         if is_unstacked(layer_params):  # the decode layout: layer l's own buffers, read in place
+            per_layer = []
             for layer in range(cfg.num_hidden_layers):
-                carry, _ = cached_body(carry, (layer_slice(layer_params, layer), layer))
+                replay = None if by_layer is None else by_layer[layer]
+                carry, experts = cached_body(carry, (layer_slice(layer_params, layer), layer, replay))
+                per_layer.append(experts)
+            experts = jnp.stack(per_layer) if with_routing else None
         else:
             layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-            carry, _ = jax.lax.scan(cached_body, carry, (layer_params, layers))
+            carry, experts = jax.lax.scan(cached_body, carry, (layer_params, layers, by_layer))
         x, k_cache, v_cache = carry
-        return self.final_norm(x), type(cache)(k_cache, v_cache)
+        out = (self.final_norm(x), type(cache)(k_cache, v_cache))
+        return (*out, stacked(experts)) if with_routing else out
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 return_hidden: bool = False) -> jax.Array:
+                 return_hidden: bool = False, routed: jax.Array | None = None, with_routing: bool = False):
         """tokens [B, T] int, attention_mask [B, T] (1 = real token; left or right padding).
 
         Packed rows (several sequences in a row, rl/packing.py) give instead segment_ids [B, T]
         int32 (0 on padding, one id per sequence) and positions [B, T] (each token's position in
         its own sequence): a token then attends only within its sequence, at its own positions.
         Returns logits [B, T, V] in float32, or the final-normed hidden states [B, T, D] in the
-        compute dtype when ``return_hidden`` (for the fused log-prob loss).
+        compute dtype when ``return_hidden`` (for the fused log-prob loss); with ``with_routing``,
+        (that, the experts used [B, T, L, k] int32). routed: None or [B, T, L, k], the experts to
+        replay (``forward``).
         """
+        kwargs = dict(routed=routed, with_routing=with_routing)
         if segment_ids is not None:
-            hidden, _ = self.forward(tokens, positions, segment_ids > 0, segment_ids=segment_ids)
-            return hidden if return_hidden else self.logits(hidden)
-        if attention_mask is None:
-            attention_mask = jnp.ones(tokens.shape, jnp.int32)
-        hidden, _ = self.forward(tokens, positions_from_mask(attention_mask), attention_mask.astype(bool))
-        return hidden if return_hidden else self.logits(hidden)
+            out = self.forward(tokens, positions, segment_ids > 0, segment_ids=segment_ids, **kwargs)
+        else:
+            if attention_mask is None:
+                attention_mask = jnp.ones(tokens.shape, jnp.int32)
+            out = self.forward(tokens, positions_from_mask(attention_mask), attention_mask.astype(bool), **kwargs)
+        hidden = out[0] if return_hidden else self.logits(out[0])
+        return (hidden, out[2]) if with_routing else hidden
 
     def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
         """Zeroed KV cache, [L, B, K, S, Dh] each, in the compute dtype (sharded on the mesh in context)."""

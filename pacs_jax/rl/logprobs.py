@@ -31,8 +31,8 @@ from flax import nnx
 
 from pacs_jax.numerics import batched_dot_operand
 from pacs_jax.rl.micro_batches import put_strided_micro_batch, strided_micro_batch
-from pacs_jax.rl.packing import (PackedPlanArrays, PassPlan, keep_own_rows, packed_inputs, pass_plan, response_stream,
-                                 unpack)
+from pacs_jax.rl.packing import (PackedPlanArrays, PassPlan, keep_own_rows, packed_inputs, packed_routing, pass_plan,
+                                 response_stream, unpack, unpacked_routing)
 from pacs_jax.sharding import batch_shards, constrain
 
 DEFAULT_CHUNK_SIZE = 512
@@ -71,48 +71,62 @@ def _valid(valid, hidden) -> jax.Array | None:
 
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
-                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                      routed: jax.Array | None = None, with_routing: bool = False):
     """log pi(response token t | everything before it): input_ids, attention_mask [B, P + R] -> [B, R] float32.
 
     The one log-prob path of the trainer (pi_old after the rollout, pi_theta in the update, the
     warm-start): the hidden state at position P - 1 + t predicts response token t, so these are
     ``token_logprobs`` of hidden[:, P-1:L-1] against input_ids[:, P:]. With ``with_entropy``,
-    returns (log-probs [B, R], entropy of each token's distribution [B, R]).
+    returns (log-probs [B, R], entropy of each token's distribution [B, R]). A model with experts:
+    ``routed`` [B, P + R, layers, k] replays those experts (routing replay, models/moe.py); with
+    ``with_routing`` the return is (the above, the experts its router chose [B, P + R, layers, k] int32).
     """
     prompt_length = input_ids.shape[1] - response_length
-    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True)  # [B, L, D]
+    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True, routed=routed,
+                   with_routing=with_routing)  # [B, L, D]
+    hidden, routing = hidden if with_routing else (hidden, None)
     args = (hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:])
     kwargs = dict(temperature=temperature, chunk_size=chunk_size)
-    return token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
+    out = token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
+    return (out, routing) if with_routing else out
 
 
 def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
                              plan: PassPlan, *, temperature: float = 1.0,
-                             chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+                             chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                             routed: jax.Array | None = None, with_routing: bool = False):
     """``response_logprobs`` of one pass's rows computed on its packed rows (rl/packing.py): input_ids,
     attention_mask [B_m, P + R] (the mini-batch's padded rows, read through ``plan.pack_index``
     [S N, Lp]) -> [B_m, R] float32 (and entropy [B_m, R]), the padded rows' numbers at every response
     token of the pass's own rows (``rl.packing.own_rows``), from S N x Lp tokens through the decoder
     and only the response stream [S, Q] through the LM head. plan: one pass's arrays
-    (``rl.packing.run_passes``).
+    (``rl.packing.run_passes``). routed [B_m, P + R, layers, k]: the experts to replay, packed as the
+    tokens; with ``with_routing`` the return is (the above, the router's own choice [S N, Lp, layers, k]
+    int32 on the packed rows: ``rl.packing.unpacked_routing`` puts it back in the rows).
     """
     tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan.pack_index)
-    hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True)  # [S N, Lp, D]
+    replay = None if routed is None else packed_routing(routed, plan.pack_index)
+    hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True, routed=replay,
+                   with_routing=with_routing)  # [S N, Lp, D]
+    hidden, routing = hidden if with_routing else (hidden, None)
     args = (response_stream(hidden, plan.stream_index), model.lm_head_kernel(),
             response_stream(targets, plan.stream_index))  # [S, Q, D], [D, V], [S, Q]
     # chunks of at most R stream positions: the [S, chunk, V] logits of a trip no larger than a padded row's
     kwargs = dict(temperature=temperature, chunk_size=min(chunk_size, plan.unpack_index.shape[1]),
                   valid=plan.stream_length)
     if not with_entropy:
-        return unpack(token_logprobs(*args, **kwargs), plan.unpack_index)
-    logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
-    return unpack(logp, plan.unpack_index), unpack(entropy, plan.unpack_index)
+        out = unpack(token_logprobs(*args, **kwargs), plan.unpack_index)
+    else:
+        logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
+        out = unpack(logp, plan.unpack_index), unpack(entropy, plan.unpack_index)
+    return (out, routing) if with_routing else out
 
 
 def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                      out, k: jax.Array, *, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                     packing: PackedPlanArrays | None = None):
+                     packing: PackedPlanArrays | None = None, routing: jax.Array | None = None):
     """Pass ``k`` (int32 []) of a batch's ``response_logprobs`` without gradient, its rows written into
     ``out`` (returned): log-probs [B, R] float32, or with ``with_entropy`` (log-probs, entropy). One
     pass is a micro-batch's forward: padded (``packing`` None), micro-batch k of ``num_micro_batches``
@@ -120,16 +134,23 @@ def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: ja
     (rl/packing.py ``PackedPlanArrays``), its own rows (``rl.packing.own_rows``). Every k
     (< K, or < the plan's passes) once, in any order, gives every row: pi_old dispatches one call a
     pass (training/learner/old_policy.py), so activation memory is a micro-batch's and the host sees each
-    pass end."""
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    pass end. routing: a model with experts, the record [B, P + R, layers, k] the pass's rows' routing is
+    written into (routing replay R2: the experts pi_old's router chose); the return is then (out, routing)."""
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                  with_routing=routing is not None)
     if packing is not None:
         one = pass_plan(packing, k)
         new = packed_response_logprobs(model, input_ids, attention_mask, one, **kwargs)
-        return jax.lax.stop_gradient(keep_own_rows(one, k, out, new))
+        if routing is None:
+            return jax.lax.stop_gradient(keep_own_rows(one, k, out, new))
+        values, packed = new
+        return jax.lax.stop_gradient((keep_own_rows(one, k, out, values),
+                                      unpacked_routing(packed, one.pack_index, routing)))
     K = num_micro_batches
-    micro = lambda x: constrain(strided_micro_batch(x, K, k), ("batch", None))  # noqa: E731
+    micro = lambda x: constrain(strided_micro_batch(x, K, k), ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     new = response_logprobs(model, micro(input_ids), micro(attention_mask), response_length, **kwargs)
-    return jax.lax.stop_gradient(jax.tree.map(lambda a, v: put_strided_micro_batch(a, v, K, k), out, new))
+    full = out if routing is None else (out, routing)
+    return jax.lax.stop_gradient(jax.tree.map(lambda a, v: put_strided_micro_batch(a, v, K, k), full, new))
 
 
 def _check(hidden, lm_head, targets, temperature, chunk_size) -> None:

@@ -52,7 +52,7 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     "_std" metric is the mean of the micro-batch stds). bypass: the rollout correction's bypass mode
     (rl/bypass.py: the batch's old_logp are the sampler's, corrected in the loss); None: the objective.
     kl: the KL loss to the reference model (rl/kl.py; the batch then holds ``ref_logp``), aggregated as the
-    objective aggregates its tokens.
+    objective aggregates its tokens. A batch with ``routing`` (routing replay) runs the model on those experts.
     """
     options = dict(objective_options or {})
     fn = get_objective(objective, **options) if bypass is None else bypass_objective(objective, bypass, **options)
@@ -64,9 +64,10 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     def forward(params, rows, plan=None, frozen=()):
         """log pi_theta of the response tokens [b, R] (packed: of the pass ``plan``'s rows)."""
         model = nnx.merge(graphdef, params, *frozen)
+        replay = dict(kwargs, routed=rows.routing)  # routing replay (R2): pi_old's experts, None without
         if plan is not None:
-            return packed_response_logprobs(model, rows.input_ids, rows.attention_mask, plan, **kwargs)
-        return response_logprobs(model, rows.input_ids, rows.attention_mask, rows.response_mask.shape[1], **kwargs)
+            return packed_response_logprobs(model, rows.input_ids, rows.attention_mask, plan, **replay)
+        return response_logprobs(model, rows.input_ids, rows.attention_mask, rows.response_mask.shape[1], **replay)
 
     def loss(logp, rows, totals):
         extra = {} if kl is None else {"ref_logp": rows.ref_logp}

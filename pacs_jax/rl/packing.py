@@ -298,6 +298,25 @@ def packed_inputs(input_ids: jax.Array, attention_mask: jax.Array, pack_index: j
     return tokens, segment_ids, positions, targets
 
 
+def packed_routing(routing: jax.Array, pack_index: jax.Array) -> jax.Array:
+    """A mini-batch's routing record [B_m, W, L, k] (the experts of every token in every layer,
+    rl/update_batch.py ``UpdateBatch.routing``) -> the pass's packed rows' [S N, Lp, L, k] (padding:
+    expert 0, never read by a scored position)."""
+    flat = routing.reshape(-1, *routing.shape[2:])  # [B_m W, L, k]
+    out = jnp.where((pack_index >= 0)[..., None, None], flat[jnp.maximum(pack_index, 0)], 0)
+    return constrain(out.astype(routing.dtype), ("batch",) + (None,) * (out.ndim - 1))
+
+
+def unpacked_routing(packed: jax.Array, pack_index: jax.Array, acc: jax.Array) -> jax.Array:
+    """The inverse of ``packed_routing``: a pass's packed routing [S N, Lp, L, k] written into the
+    mini-batch's record ``acc`` [B_m, W, L, k] at the tokens the pass holds (the others unchanged)."""
+    B, W = acc.shape[:2]
+    at = jnp.where(pack_index >= 0, pack_index, B * W).reshape(-1)  # padding: out of bounds, dropped
+    flat = acc.reshape(B * W, *acc.shape[2:]).at[at].set(packed.reshape(-1, *packed.shape[2:]).astype(acc.dtype),
+                                                         mode="drop")
+    return constrain(flat.reshape(acc.shape), ("batch",) + (None,) * (acc.ndim - 1))
+
+
 def response_stream(x: jax.Array, stream_index: jax.Array) -> jax.Array:
     """Per-position values of a pass's packed rows, x [S N, Lp, ...], -> its response stream
     [S, Q, ...] (``stream_index`` [S, Q]; a gather within each shard)."""

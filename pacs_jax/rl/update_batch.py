@@ -32,6 +32,9 @@ class UpdateBatch:
     rollout_is_weights  [B, R] float32  the rollout correction's weights (rl/rollout_correction.py)
     ref_logp            [B, R] float32  the KL loss's reference model's log-probs of the response tokens
                                         (``algorithm.use_kl_loss``; rl/kl.py)
+    routing             [B, L, layers, k] uint8 (int16 past 256 experts)  a model with experts, routing replay
+                        (``train.router_replay`` "R2"): the experts pi_old's router chose for every token in
+                        every layer, which the update replays (models/moe.py)
     packing             the update's packing plan (``train.packing``): the batch then runs as its
                         packed passes (``rl.packing.accumulate_passes``), not as micro-batches
     """
@@ -44,6 +47,7 @@ class UpdateBatch:
     advantages: jax.Array | None = None
     rollout_is_weights: jax.Array | None = None
     ref_logp: jax.Array | None = None
+    routing: jax.Array | None = None
     packing: PackedPlanArrays | None = None
 
 

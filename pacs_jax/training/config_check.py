@@ -47,6 +47,7 @@ def placed(spec: RunSpec, device_count: int | None = None) -> RunSpec:
     cfg = _model_if_readable(spec)
     if cfg is not None:
         spec.check_tensor_axis(cfg)
+        spec.check_router_replay(cfg)
     return spec
 
 

@@ -29,6 +29,7 @@ from pacs_jax.errors import PermanentError, did_you_mean
 from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.lora_targets import resolve_targets as resolve_lora_targets
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
+from pacs_jax.models.moe import ROUTER_REPLAY_MODES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl import filter_groups, rollout_correction
 from pacs_jax.rl.bypass import REINFORCE_ESTIMATORS
@@ -112,8 +113,13 @@ class TrainSpec:
     keep_checkpoints: int
     progress_seconds: float
     off_policy_steps: int
+    router_replay: str
 
     def __post_init__(self):
+        require(self.router_replay != "R3", "train.router_replay",
+                "'R3' (the sampler's routing replayed) is not built yet: the sampler does not record its experts; "
+                "'R2' replays pi_old's routing in the update")
+        require_choice(self.router_replay, ROUTER_REPLAY_MODES, "train.router_replay")
         require(self.off_policy_steps in (0, 1) and isinstance(self.off_policy_steps, int), "train.off_policy_steps",
                 f"must be 0 (synchronous) or 1 (one step off), got {self.off_policy_steps!r}")
         for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
@@ -901,6 +907,9 @@ class RunSpec:
         require(not (self.model.lora_rank and self.critic is not None), "model.lora_rank",
                 f"{self.model.lora_rank} with algorithm.objective 'ppo': PPO's critic is a full copy of the actor's "
                 "backbone, trained at full rank beside adapters it would not know; LoRA serves every other objective")
+        require(not (tc.router_replay == "R2" and self.algorithm.rollout_correction.bypass_mode), "train.router_replay",
+                "'R2' replays pi_old's routing, and bypass mode (algorithm.rollout_correction.bypass_mode) computes no "
+                "pi_old; turn one of them off")
         self._check_warmstart_data()
         if self.devices is None:
             return
@@ -962,6 +971,12 @@ class RunSpec:
             require(prompt + length <= context, field,
                     f"{length} with data.max_prompt_length={prompt} is {prompt + length} tokens, beyond the model's "
                     f"context of {context} (max_position_embeddings): set it to at most {max(context - prompt, 0)}")
+
+    def check_router_replay(self, model_cfg) -> None:
+        """Refuse routing replay (``train.router_replay``) on a model (``model_cfg``, a QwenConfig) without experts."""
+        require(self.train.router_replay == "disabled" or model_cfg.num_experts > 0, "train.router_replay",
+                f"{self.train.router_replay!r} replays the experts of a mixture-of-experts model, and the model "
+                f"({model_cfg.model_type}) has none; set it to 'disabled'")
 
     def check_tensor_axis(self, model_cfg) -> None:
         """Refuse a tensor axis that does not divide the model's (``model_cfg``, a QwenConfig) query heads,

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from pacs_jax import sharding
 from pacs_jax.models import lora
+from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.rl.bypass import Bypass
 from pacs_jax.rl.packing import PackedPlan, PackedPlanArrays, plan_packing, plan_shape
 from pacs_jax.rl.update_batch import CriticBatch, SFTBatch, UpdateBatch
@@ -104,8 +105,13 @@ class LearnerPrograms:
             num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
             state_shardings=self.state_shardings, bypass=self.bypass, kl=self.kl_loss, trainable=self.trainable,
             **extra)
+        self.routing = None  # routing replay R2: pi_old records each token's experts, the update replays them
+        if tc.router_replay == "R2":
+            cfg = nnx.merge(graphdef, params).cfg
+            self.routing = (*routing_shape(cfg), routing_dtype(cfg.num_experts))
         self.pi_old = old_policy_passes(graphdef, temperature=rc.temperature,
-                                        num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size)
+                                        num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size,
+                                        routing=self.routing)
         self.rollout_consistency = consistency_program()
         # decoupled (pi_old computed): the correction after pi_old; bypass: in the loss, the sampler's as pi_old
         self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
@@ -190,7 +196,9 @@ class LearnerPrograms:
                            response_mask=per_token, old_logp=per_token, rewards=rows((B,), jnp.float32),
                            advantages=per_token if self.critic is not None else None,
                            rollout_is_weights=per_token if self.rollout_correction is not None else None,
-                           ref_logp=per_token if self.kl_loss is not None else None)
+                           ref_logp=per_token if self.kl_loss is not None else None,
+                           routing=None if self.routing is None else rows(
+                               (B, prompt_bucket + response_bucket, *self.routing[:2]), self.routing[2]))
 
     # ------------------------------------------------------------------------ the list of programs
     def programs(self, prompt_buckets, response_buckets, with_warmstart: bool = False) -> list[Program]:

@@ -36,16 +36,21 @@ class OldPolicyPasses:
     """``(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None, passes=None) ->
     (update batch without rewards, entropy_means)``: prompts [P, Tp], responses [P*n, R] -> the update
     batch (rl/update_batch.py ``UpdateBatch``: input_ids, attention_mask [P*n, Tp + R] int32;
-    response_mask, old_logp [P*n, R] float32) and, a pass, the mean entropy of the response tokens of
-    the passes so far ([] float32 each: the last one's is the step's).
+    response_mask, old_logp [P*n, R] float32; with ``routing``, the experts pi_old chose [P*n, Tp + R,
+    layers, k]) and, a pass, the mean entropy of the response tokens of the passes so far ([] float32
+    each: the last one's is the step's).
 
     program: jitted ``(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy,
-    k, packing) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp and entropy donated.
+    routing, k, packing) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp, entropy and
+    routing (None without a record) donated.
     num_micro_batches: K, the passes of padded rows.
+    routing: None, or a record's (layers, k, dtype) per token (``train.router_replay`` "R2": the update
+    replays what pi_old's router chose; models/moe.py ``routing_shape``, ``routing_dtype``).
     """
 
     program: Callable
     num_micro_batches: int
+    routing: tuple[int, int, np.dtype] | None = None
 
     def __call__(self, params, prompt_tokens, prompt_mask, tokens, response_mask,
                  packing: PackedPlanArrays | None = None, passes: int | None = None
@@ -54,19 +59,32 @@ class OldPolicyPasses:
             raise ValueError("packed pi_old takes the plan's arrays and its number of passes together")
         logp, entropy = (distributed.put_rows(np.zeros(tokens.shape, np.float32), batch_sharding(tokens.shape))
                          for _ in range(2))
+        routing = None
+        if self.routing is not None:
+            shape = self._routing_shape(prompt_tokens, tokens)
+            routing = distributed.put_rows(np.zeros(shape, self.routing[2]), batch_sharding(shape))
         means = []
         for k in range(self.num_micro_batches if passes is None else passes):
             batch, entropy, mean = self.program(params, prompt_tokens, prompt_mask, tokens, response_mask,
-                                                logp, entropy, np.int32(k), packing)
-            logp = batch.old_logp
+                                                logp, entropy, routing, np.int32(k), packing)
+            logp, routing = batch.old_logp, batch.routing
             means.append(mean)
         return batch, means
+
+    def _routing_shape(self, prompt_tokens, tokens) -> tuple[int, ...]:
+        """The routing record of the update batch's rows: [P*n, Tp + R, layers, k]."""
+        layers, k, _ = self.routing
+        return (tokens.shape[0], prompt_tokens.shape[1] + tokens.shape[1], layers, k)
 
     def lower(self, params, prompt_tokens, prompt_mask, tokens, response_mask, packing: PackedPlanArrays | None = None
               ) -> jax.stages.Lowered:
         """The one program of every pass, lowered on (abstract) arguments."""
         buffer = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=batch_sharding(tokens.shape))
-        return self.program.lower(params, prompt_tokens, prompt_mask, tokens, response_mask, buffer, buffer,
+        routing = None
+        if self.routing is not None:
+            shape = self._routing_shape(prompt_tokens, tokens)
+            routing = jax.ShapeDtypeStruct(shape, self.routing[2], sharding=batch_sharding(shape))
+        return self.program.lower(params, prompt_tokens, prompt_mask, tokens, response_mask, buffer, buffer, routing,
                                   jax.ShapeDtypeStruct((), jnp.int32), packing)
 
 
@@ -94,21 +112,24 @@ def sampler_as_old_policy() -> jax.stages.Wrapped:
 
 
 def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_batches: int,
-                      chunk_size: int | None = None) -> OldPolicyPasses:
+                      chunk_size: int | None = None, routing: tuple[int, int, np.dtype] | None = None
+                      ) -> OldPolicyPasses:
     """pi_old at the rollout ``temperature`` (logits / T, as verl) in ``num_micro_batches`` padded
-    passes, or a packing plan's passes."""
+    passes, or a packing plan's passes; ``routing`` (layers, k, dtype): the passes also record the
+    experts pi_old's router chose for every token (routing replay R2)."""
     rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}
     K = num_micro_batches
 
-    def one_pass(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy, k, packing):
+    def one_pass(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy, routing, k, packing):
         ids, mask = update_rows(prompt_tokens, prompt_mask, tokens, response_mask)
-        old_logp, entropy = logprobs_of_pass(
+        out = logprobs_of_pass(
             nnx.merge(graphdef, params), ids, mask, tokens.shape[1], (old_logp, entropy), k, num_micro_batches=K,
-            temperature=temperature, with_entropy=True, packing=packing, **extra)
+            temperature=temperature, with_entropy=True, packing=packing, routing=routing, **extra)
+        (old_logp, entropy), routing = out if routing is not None else (out, None)
         response_mask = response_mask.astype(jnp.float32)
         entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
-        return UpdateBatch(ids, mask, response_mask, old_logp), entropy, entropy_mean
+        return UpdateBatch(ids, mask, response_mask, old_logp, routing=routing), entropy, entropy_mean
 
     out = (rows, rows, sharding.replicated())  # every array of the batch: rows
-    return OldPolicyPasses(jax.jit(one_pass, donate_argnums=(5, 6), out_shardings=out), K)
+    return OldPolicyPasses(jax.jit(one_pass, donate_argnums=(5, 6, 7), out_shardings=out), K, routing)

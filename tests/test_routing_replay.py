@@ -1,0 +1,155 @@
+"""Routing replay (``train.router_replay``, models/moe.py): a Qwen3-MoE run on given experts equals transformers'
+``Qwen3MoeForCausalLM`` in float64 with its routers made to choose them; pi_old's passes (padded and packed) record
+the experts its router chose, and the update's loss on replayed experts equals a float64 statement of PACS on
+transformers' log-probs with them; routing replay where it cannot serve is refused naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from pacs_jax import checkpoints
+from pacs_jax.errors import PERMANENT_ERROR_STATUS
+from pacs_jax.models.moe import routing_dtype, routing_shape
+from pacs_jax.rl import packing
+from pacs_jax.rl.loss_and_grad import loss_and_grad_fn
+from pacs_jax.sharding import make_mesh
+from pacs_jax.training.learner.old_policy import old_policy_passes, update_rows
+from qwen_reference import hf_logits, max_rel_err, padded_batch, save_random_hf_model
+from test_rl_pacs import ref_pacs
+from train_helpers import RL_ONLY_FLAGS, train_env
+
+P, N_SAMPLES, TP, R = 2, 2, 5, 6  # prompts, samples a prompt, prompt and response widths
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(transformers' model in float64, ours in float32) of one random Qwen3-MoE (8 experts, 2 a token, 2 layers)."""
+    path = tmp_path_factory.mktemp("moe") / "hf"
+    hf = save_random_hf_model("qwen3_moe", path, seed=7)
+    hf.config._experts_implementation = "eager"  # its expert loop: the grouped-mm kernel has no float64
+    return hf.double().eval(), checkpoints.from_pretrained(path, dtype="float32")
+
+
+def _hf_on_experts(hf, tokens, mask, routed) -> np.ndarray:
+    """transformers' logits [B, T, V] (float64) with every layer's router choosing ``routed`` [B, T, L, k]: its
+    gate's softmax read at those experts, renormalised (norm_topk_prob), in place of its top k."""
+    flat = torch.from_numpy(np.asarray(routed, np.int64).reshape(-1, *routed.shape[2:]))  # [B T, L, k]
+
+    def gate_on(layer, gate):
+        def forward(hidden):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            weights = torch.softmax(logits, dim=-1).gather(1, flat[:, layer])
+            return logits, weights / weights.sum(-1, keepdim=True), flat[:, layer]
+        return forward
+
+    gates = [layer.mlp.gate for layer in hf.model.layers]
+    try:
+        for i, gate in enumerate(gates):
+            gate.forward = gate_on(i, gate)
+        return hf_logits(hf, tokens, mask)
+    finally:
+        for gate in gates:
+            del gate.forward
+
+
+def _other_experts(routing: np.ndarray, num_experts: int, seed: int) -> np.ndarray:
+    """Another valid routing of the same shape [..., k]: k distinct experts a token, differing from ``routing``."""
+    rng = np.random.default_rng(seed)
+    flat = routing.reshape(-1, routing.shape[-1])
+    out = np.stack([rng.permutation(num_experts)[:flat.shape[1]] for _ in range(len(flat))])
+    same = np.all(np.sort(out, -1) == np.sort(flat, -1), -1)
+    out[same] = (out[same] + 1) % num_experts
+    return out.reshape(routing.shape).astype(routing.dtype)
+
+
+def test_replaying_the_models_own_experts_changes_nothing_and_others_compute_as_transformers(models):
+    hf, ours = models
+    tokens, mask = padded_batch(ours.cfg.vocab_size, [9, 4, 7], 9, "left", seed=3)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    logits, own = ours(tokens, attention_mask=mask, with_routing=True)
+    assert own.shape == (3, 9, ours.cfg.num_hidden_layers, ours.cfg.num_experts_per_tok)
+    np.testing.assert_array_equal(np.asarray(ours(tokens, attention_mask=mask, routed=own)), np.asarray(logits))
+    other = _other_experts(np.asarray(own), ours.cfg.num_experts, seed=0)
+    replayed = np.asarray(ours(tokens, attention_mask=mask, routed=jnp.asarray(other)))
+    assert max_rel_err(replayed, hf_logits(hf, np.asarray(tokens), np.asarray(mask)), np.asarray(mask)) > 1e-2
+    assert max_rel_err(replayed, _hf_on_experts(hf, np.asarray(tokens), np.asarray(mask), other),
+                       np.asarray(mask)) < 1e-4
+
+
+def _rollout(vocab_size: int):
+    """A step's rows: prompts [P, TP] left-padded, responses [P n, R] right-padded, their masks, rewards [P n]."""
+    prompts, prompt_mask = padded_batch(vocab_size, [5, 3], TP, "left", seed=11)
+    responses, response_mask = padded_batch(vocab_size, [6, 2, 4, 5], R, "right", seed=12)
+    return (*(jnp.asarray(a) for a in (prompts, prompt_mask, responses, response_mask)),
+            np.array([1.0, 0.0, 0.0, 1.0], np.float32))
+
+
+def _packing_plan(prompt_mask, response_mask):
+    plan = packing.plan_packing(np.asarray(prompt_mask).sum(1).repeat(N_SAMPLES), np.asarray(response_mask).sum(1),
+                                prompt_width=TP, response_width=R, packed_length=TP + R, mini_batches=1, passes=4,
+                                unit=N_SAMPLES, shards=1, rows=2)
+    return jax.tree.map(jnp.asarray, plan.arrays()), int(plan.passes[0])
+
+
+def test_pi_old_records_its_routers_experts_and_the_update_on_replayed_experts_is_float64_pacs(models):
+    """pi_old's passes (2 padded micro-batches; a packed plan) write each row's experts where the rows are; the
+    update's loss on another routing is PACS (float64 NumPy) of transformers' float64 log-probs with that routing,
+    and its gradient reaches the router (the gate weights are the learner's own)."""
+    hf, ours = models
+    cfg = ours.cfg
+    graphdef, params = nnx.split(ours)
+    prompts, prompt_mask, responses, response_mask, rewards = _rollout(cfg.vocab_size)
+    record = (*routing_shape(cfg), routing_dtype(cfg.num_experts))
+    with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
+        padded, _ = old_policy_passes(graphdef, temperature=1.0, num_micro_batches=2, routing=record)(
+            params, prompts, prompt_mask, responses, response_mask)
+        plan, passes = _packing_plan(prompt_mask, response_mask)
+        packed, _ = old_policy_passes(graphdef, temperature=1.0, num_micro_batches=1, routing=record)(
+            params, prompts, prompt_mask, responses, response_mask, plan, passes=passes)
+        ids, mask = update_rows(prompts, prompt_mask, responses, response_mask)
+        _, own = ours(ids, attention_mask=mask, with_routing=True)
+        real = np.asarray(mask, bool)
+        assert padded.routing.dtype == np.uint8 and padded.routing.shape == (*ids.shape, *record[:2])
+        np.testing.assert_array_equal(np.asarray(padded.routing), np.asarray(own))
+        np.testing.assert_array_equal(np.asarray(packed.routing)[real], np.asarray(own)[real])
+
+        other = _other_experts(np.asarray(padded.routing), cfg.num_experts, seed=1)
+        batch = padded.replace(rewards=jnp.asarray(rewards), routing=jnp.asarray(other))
+        loss, _, grads = jax.jit(loss_and_grad_fn(graphdef, "pacs", group_size=N_SAMPLES))(params, batch)
+
+    logits = _hf_on_experts(hf, np.asarray(ids), np.asarray(mask), other)[:, :-1]  # float64, [B, TP + R - 1, V]
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, np.asarray(ids)[:, 1:, None], axis=-1)[:, TP - 1:, 0]  # [B, R]
+    want, _, _ = ref_pacs(picked, np.asarray(batch.old_logp, np.float64), np.asarray(response_mask), rewards, N_SAMPLES)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+    assert np.abs(np.asarray(grads["layers"]["mlp"]["router_kernel"].get_value())).max() > 0
+
+
+@pytest.mark.parametrize("flags, field, says", [
+    (("--config.train.router_replay=R2",), "train.router_replay", "has none"),
+    (("--config.train.router_replay=R3",), "train.router_replay", "not built yet"),
+    (("--config.train.router_replay=R1",), "train.router_replay", "'disabled'"),
+    (("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
+      "--config.model.moe_intermediate_size=64", "--config.train.router_replay=R2",
+      "--config.algorithm.rollout_correction.bypass_mode=True", "--config.rollout.max_logprob_diff=0"),
+     "train.router_replay", "bypass mode"),
+])
+def test_routing_replay_where_it_cannot_serve_is_refused_before_anything_is_written(tmp_path, flags, field, says):
+    """A dense model, a mode not built, a name not a mode, pi_old skipped by bypass mode: one line naming the field,
+    status 78, no workdir."""
+    workdir = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *RL_ONLY_FLAGS, *flags, f"--workdir={workdir}"],
+                         capture_output=True, text=True, timeout=300, env=train_env())
+    assert run.returncode == PERMANENT_ERROR_STATUS, run.stderr[-2000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert field in last and says in last, run.stderr[-2000:]
+    assert not workdir.exists()
