@@ -205,9 +205,10 @@ def get_config() -> ml_collections.ConfigDict:
         off_policy_steps=0,       # 1: one step off: step k's rollout is sampled with the weights step k - 1 started
                                   # from, while the learner trains step k - 1 (on mesh.rollout_devices of their own);
                                   # its stale tokens are weighed by the rollout correction (token TIS 2.0 unless set)
-        router_replay="disabled",  # a mixture-of-experts model (verl's router_replay.mode): "R2", the update runs every
-                                  # token through the experts pi_old's router chose (gate weights from its own router);
-                                  # "disabled": each pass routes afresh (models/moe.py)
+        router_replay="disabled",  # a mixture-of-experts model (verl's router_replay.mode): "R3", pi_old and the update
+                                  # run every token through the experts the sampler chose; "R2", the update through
+                                  # those pi_old's router chose (gate weights from the learner's own router either
+                                  # way); "disabled": each pass routes afresh (models/moe.py)
         checkpoint_every=50,
         keep_checkpoints=3,
         progress_seconds=30.0,    # a phase of a step (sampling, reward, pi_old, update) longer than this prints a line

@@ -97,16 +97,19 @@ def test_lora_on_the_experts_is_refused_naming_the_field():
 
 
 def test_the_demo_trains_a_mixture_of_experts_model_and_transformers_loads_its_export(tmp_path):
-    """The shrunk demo (warm-start, RL steps with routing replay R2 on packed passes, checkpoint, evaluation, HF
-    export) with every layer sparse (4 experts, 2 a token); transformers' Qwen3MoeForCausalLM reads the export and
-    computes our logits."""
+    """The shrunk demo (warm-start, RL steps replaying the sampler's routing (R3) on packed passes, checkpoint,
+    evaluation, HF export) with every layer sparse (4 experts, 2 a token): each step reports how many tokens the
+    learner's routers would have sent elsewhere (none: the same float32 weights); transformers'
+    Qwen3MoeForCausalLM reads the export and computes our logits."""
     workdir = tmp_path / "run"
     flags = (*FAST_DEMO_FLAGS, "--config.train.steps=2", "--config.model.model_type=qwen3_moe",
              "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
-             "--config.model.moe_intermediate_size=64", "--config.train.router_replay=R2")
+             "--config.model.moe_intermediate_size=64", "--config.train.router_replay=R3")
     process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="moe")
     assert finish(process) == 0, logs(tmp_path / "run", "moe")[-3000:]
-    assert [row["step"] for row in metrics_rows(workdir)] == [1, 2]
+    rows = metrics_rows(workdir)
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["routing_mismatch_tokens"] == row["routing_mismatch_decisions"] == 0 for row in rows)
     export = workdir / "hf_export"
     assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()

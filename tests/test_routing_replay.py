@@ -1,10 +1,13 @@
 """Routing replay (``train.router_replay``, models/moe.py): a Qwen3-MoE run on given experts equals transformers'
-``Qwen3MoeForCausalLM`` in float64 with its routers made to choose them; pi_old's passes (padded and packed) record
-the experts its router chose, and the update's loss on replayed experts equals a float64 statement of PACS on
-transformers' log-probs with them; routing replay where it cannot serve is refused naming the field."""
+``Qwen3MoeForCausalLM`` in float64 with its routers made to choose them; the sampler records the experts of every
+token (static, continuous and paged) as the learner recomputes them, and a sampler with a noisy router is replayed
+(R3) with the routing metrics showing the difference; pi_old's passes (padded and packed) record the experts its
+router chose, and the update's loss on replayed experts equals a float64 statement of PACS on transformers'
+log-probs with them (R2); routing replay where it cannot serve is refused naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -15,13 +18,16 @@ import pytest
 import torch
 from flax import nnx
 
-from pacs_jax import checkpoints
+from pacs_jax import checkpoints, sampling
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.rl import packing
 from pacs_jax.rl.loss_and_grad import loss_and_grad_fn
+from pacs_jax.sampling.settings import SamplingSettings
 from pacs_jax.sharding import make_mesh
+from pacs_jax.training.engine.sampler_programs import assemble_routing
 from pacs_jax.training.learner.old_policy import old_policy_passes, update_rows
+from pacs_jax.training.learner.rollout_consistency import consistency_program, routing_consistency_program
 from qwen_reference import hf_logits, max_rel_err, padded_batch, save_random_hf_model
 from test_rl_pacs import ref_pacs
 from train_helpers import RL_ONLY_FLAGS, train_env
@@ -84,6 +90,67 @@ def test_replaying_the_models_own_experts_changes_nothing_and_others_compute_as_
                        np.asarray(mask)) < 1e-4
 
 
+def _fed(mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[B, TP + R] bool: the update rows' tokens a sampler fed through the model (real, but each row's last)."""
+    fed = np.asarray(mask, bool).copy()
+    fed[np.arange(len(lengths)), TP + np.asarray(lengths) - 1] = False
+    return fed
+
+
+@pytest.mark.parametrize("sampler", [dict(), dict(slots=4, tail_slots=2), dict(slots=4, page_size=4)],
+                         ids=["static", "continuous-narrowing", "paged"])
+def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(models, sampler):
+    """R3's record: the prefill's experts of every prompt token and each decode step's of the token it fed, in the
+    update rows' layout, equal pi_old's router's at every token the sampler fed (the same weights, float32); the
+    tokens are those of the sampler without the record."""
+    _, ours = models
+    graphdef, params = nnx.split(ours)
+    prompts, prompt_mask, *_ = _rollout(ours.cfg.vocab_size)
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, **sampler)
+    out = sampling.sample(graphdef, params, prompts, prompt_mask, dataclasses.replace(settings, record_routing=True),
+                          jax.random.key(0))
+    plain = sampling.sample(graphdef, params, prompts, prompt_mask, settings, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    assert plain.routing is None and out.routing.dtype == np.uint8
+    record = assemble_routing((out.prompt_routing,), (out.routing,), TP, R)
+    ids, mask = update_rows(prompts, prompt_mask, out.tokens, out.response_mask)
+    _, own = ours(ids, attention_mask=mask, with_routing=True)
+    fed = _fed(np.asarray(mask), np.asarray(out.lengths))
+    np.testing.assert_array_equal(np.sort(np.asarray(record), -1)[fed], np.sort(np.asarray(own), -1)[fed])
+
+
+def test_a_sampler_with_a_noisy_router_is_replayed_and_the_metrics_show_the_difference_it_removes(models):
+    """A sampler whose routers are perturbed routes other experts; pi_old's own router differs from its record on
+    many tokens (``routing_mismatch_tokens``), and running pi_old on the record (R3) brings its log-probs
+    closer to the sampler's than its own routing does (``rollout_kl``)."""
+    _, ours = models
+    cfg = ours.cfg
+    graphdef, params = nnx.split(ours)
+    noisy = jax.tree.map(lambda x: x, params)
+    router = noisy["layers"]["mlp"]["router_kernel"]
+    scale = float(jnp.std(router.get_value()))
+    router.set_value(router.get_value() + scale * jax.random.normal(jax.random.key(1), router.get_value().shape))
+    prompts, prompt_mask, *_ = _rollout(cfg.vocab_size)
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, record_routing=True)
+    out = sampling.sample(graphdef, noisy, prompts, prompt_mask, settings, jax.random.key(0))
+    record = assemble_routing((out.prompt_routing,), (out.routing,), TP, R)
+    passes = old_policy_passes(graphdef, temperature=1.0, num_micro_batches=1,
+                               routing=(*routing_shape(cfg), routing_dtype(cfg.num_experts)))
+    with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
+        own, _ = passes(params, prompts, prompt_mask, out.tokens, out.response_mask)
+        replayed, _ = passes(params, prompts, prompt_mask, out.tokens, out.response_mask, replay=record)
+        routing = {name: float(v) for name, v in routing_consistency_program()(record, own.routing,
+                                                                                own.response_mask).items()}
+        logp = (out.logprobs,)
+        kl_own, kl_replayed = (float(consistency_program()(logp, b.old_logp, b.response_mask)["rollout_kl"])
+                               for b in (own, replayed))
+    # the record is the router's own choice, replay or not: the first layer's, whose input replay does not reach
+    np.testing.assert_array_equal(np.asarray(replayed.routing)[:, :, 0], np.asarray(own.routing)[:, :, 0])
+    assert 0.1 < routing["routing_mismatch_tokens"] <= 1 and 0 < routing["routing_mismatch_decisions"] \
+        <= routing["routing_mismatch_tokens"]
+    assert kl_replayed < kl_own / 2, (kl_replayed, kl_own)
+
+
 def _rollout(vocab_size: int):
     """A step's rows: prompts [P, TP] left-padded, responses [P n, R] right-padded, their masks, rewards [P n]."""
     prompts, prompt_mask = padded_batch(vocab_size, [5, 3], TP, "left", seed=11)
@@ -134,18 +201,21 @@ def test_pi_old_records_its_routers_experts_and_the_update_on_replayed_experts_i
     assert np.abs(np.asarray(grads["layers"]["mlp"]["router_kernel"].get_value())).max() > 0
 
 
+MOE_FLAGS = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4",
+             "--config.model.num_experts_per_tok=2", "--config.model.moe_intermediate_size=64")
+
+
 @pytest.mark.parametrize("flags, field, says", [
-    (("--config.train.router_replay=R2",), "train.router_replay", "has none"),
-    (("--config.train.router_replay=R3",), "train.router_replay", "not built yet"),
+    (("--config.train.router_replay=R3",), "train.router_replay", "has none"),
     (("--config.train.router_replay=R1",), "train.router_replay", "'disabled'"),
-    (("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
-      "--config.model.moe_intermediate_size=64", "--config.train.router_replay=R2",
-      "--config.algorithm.rollout_correction.bypass_mode=True", "--config.rollout.max_logprob_diff=0"),
-     "train.router_replay", "bypass mode"),
+    ((*MOE_FLAGS, "--config.train.router_replay=R2", "--config.algorithm.rollout_correction.bypass_mode=True",
+      "--config.rollout.max_logprob_diff=0"), "train.router_replay", "bypass mode"),
+    ((*MOE_FLAGS, "--config.train.router_replay=R3", "--config.rollout.carry_over=True"), "train.router_replay",
+     "not built yet"),
 ])
 def test_routing_replay_where_it_cannot_serve_is_refused_before_anything_is_written(tmp_path, flags, field, says):
-    """A dense model, a mode not built, a name not a mode, pi_old skipped by bypass mode: one line naming the field,
-    status 78, no workdir."""
+    """A dense model, a name not a mode, pi_old skipped by bypass mode, the sampler's record with carry-over: one
+    line naming the field, status 78, no workdir."""
     workdir = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *RL_ONLY_FLAGS, *flags, f"--workdir={workdir}"],
                          capture_output=True, text=True, timeout=300, env=train_env())

@@ -33,7 +33,7 @@ from pacs_jax.models.params import make_param
 from pacs_jax.sharding import platform
 
 
-ROUTER_REPLAY_MODES = ("disabled", "R2")  # train.router_replay: verl's router_replay.mode values built here
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # train.router_replay: verl's router_replay.mode
 
 
 def routing_dtype(num_experts: int) -> jnp.dtype:
@@ -103,13 +103,18 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, routed: jax.Array | None = None,
                  with_experts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
         """x [..., D] in the compute dtype; ``routed`` None or [..., k] int (the experts to replay) -> the
-        block's output [..., D] in x's dtype, and with ``with_experts`` the experts used [..., k] int32."""
+        block's output [..., D] in x's dtype, and with ``with_experts`` the experts this router chooses, its
+        own top k [..., k] int32 (those it ran on unless ``routed``: a routing record is the router's choice)."""
         cfg = self.cfg
+        k = cfg.num_experts_per_tok
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
-        replay = None if routed is None else routed.reshape(-1, cfg.num_experts_per_tok)
-        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, replay)
+        replay = None if routed is None else routed.reshape(-1, k)
+        weights, experts = route(logits, k, cfg.norm_topk_prob, replay)
         slots = grouped_swiglu(flat, experts, self.gate_kernel[...], self.up_kernel[...], self.down_kernel[...])
         out = jnp.einsum("nkd,nk->nd", slots, weights).astype(x.dtype).reshape(*lead, -1)
-        return (out, experts.reshape(*lead, cfg.num_experts_per_tok)) if with_experts else out
+        if not with_experts:
+            return out
+        chosen = experts if replay is None else route(logits, k, cfg.norm_topk_prob)[1]
+        return out, jax.lax.stop_gradient(chosen).reshape(*lead, k)

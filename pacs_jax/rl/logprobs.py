@@ -126,7 +126,8 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
 def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,
                      out, k: jax.Array, *, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                     packing: PackedPlanArrays | None = None, routing: jax.Array | None = None):
+                     packing: PackedPlanArrays | None = None, routing: jax.Array | None = None,
+                     routed: jax.Array | None = None):
     """Pass ``k`` (int32 []) of a batch's ``response_logprobs`` without gradient, its rows written into
     ``out`` (returned): log-probs [B, R] float32, or with ``with_entropy`` (log-probs, entropy). One
     pass is a micro-batch's forward: padded (``packing`` None), micro-batch k of ``num_micro_batches``
@@ -135,12 +136,13 @@ def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: ja
     (< K, or < the plan's passes) once, in any order, gives every row: pi_old dispatches one call a
     pass (training/learner/old_policy.py), so activation memory is a micro-batch's and the host sees each
     pass end. routing: a model with experts, the record [B, P + R, layers, k] the pass's rows' routing is
-    written into (routing replay R2: the experts pi_old's router chose); the return is then (out, routing)."""
+    written into (the experts pi_old's router chose); the return is then (out, routing). routed: None or
+    [B, P + R, layers, k], the experts the pass runs on (routing replay R3: the sampler's)."""
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
                   with_routing=routing is not None)
     if packing is not None:
         one = pass_plan(packing, k)
-        new = packed_response_logprobs(model, input_ids, attention_mask, one, **kwargs)
+        new = packed_response_logprobs(model, input_ids, attention_mask, one, routed=routed, **kwargs)
         if routing is None:
             return jax.lax.stop_gradient(keep_own_rows(one, k, out, new))
         values, packed = new
@@ -148,7 +150,8 @@ def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: ja
                                       unpacked_routing(packed, one.pack_index, routing)))
     K = num_micro_batches
     micro = lambda x: constrain(strided_micro_batch(x, K, k), ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
-    new = response_logprobs(model, micro(input_ids), micro(attention_mask), response_length, **kwargs)
+    new = response_logprobs(model, micro(input_ids), micro(attention_mask), response_length,
+                            routed=None if routed is None else micro(routed), **kwargs)
     full = out if routing is None else (out, routing)
     return jax.lax.stop_gradient(jax.tree.map(lambda a, v: put_strided_micro_batch(a, v, K, k), full, new))
 

@@ -115,7 +115,7 @@ def put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryOv
                                                                   g * part.shape[0], axis=0)
     kv = _put_prompt_pages(kv, inputs.prompt_cache, inputs.prompt_real, spec, g)
     lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
-    outputs = decode.Outputs(*(put(whole, part) for whole, part in zip(outputs, rows)))
+    outputs = jax.tree.map(put, outputs, rows)  # carry-over records no routing: a None stays None
     state = state._replace(
         versions=put(state.versions, versions), call_start=outputs.lengths,
         first_tokens=put(state.first_tokens, first_tokens), budgets=put(state.budgets, inputs.budgets),

@@ -113,7 +113,7 @@ def _reseat_queue(model: nnx.Module, state: CarryState, slot_rows: jax.Array, sp
     def feed(carry):
         kv, t, steps = carry
         busy = t < target
-        _, kv = store.attend(model, kv, token(t), positions(t), t, busy)
+        _, kv, _ = store.attend(model, kv, token(t), positions(t), t, busy)
         return kv, jnp.where(busy, t + 1, t), steps + 1
 
     t = jnp.where(take, 1, jnp.where(seated, state.decode.slots.t, 1))  # a seated slot's next position to feed

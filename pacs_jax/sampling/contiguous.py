@@ -61,10 +61,11 @@ class RowStore:
         kv_valid = kv.kv_valid.at[:, :T].set(jnp.where(take[:, None], self.prompt_real[prompt], kv.kv_valid[:, :T]))
         return RowState(cache, kv_valid)
 
-    def attend(self, model, kv: RowState, last, positions, t, busy):
+    def attend(self, model, kv: RowState, last, positions, t, busy, with_routing: bool = False):
         T = self.prompt_real.shape[1]
-        hidden, cache = model.forward(last[:, None], positions[:, None], kv.kv_valid, kv.cache, T + t - 1)
-        return hidden, kv._replace(cache=cache)
+        out = model.forward(last[:, None], positions[:, None], kv.kv_valid, kv.cache, T + t - 1,
+                            with_routing=with_routing)
+        return out[0], kv._replace(cache=out[1]), out[2] if with_routing else None
 
     def release(self, kv: RowState, done) -> RowState:
         return kv

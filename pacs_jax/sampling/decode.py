@@ -67,12 +67,15 @@ class Slots(NamedTuple):
 
 
 class Outputs(NamedTuple):
-    """The rows' results, written as they are made: tokens, logprobs [Q, N]; lengths [Q] int32, stopped [Q] bool."""
+    """The rows' results, written as they are made: tokens, logprobs [Q, N]; lengths [Q] int32, stopped [Q] bool;
+    routing None, or (a model with experts, recording its routing) [Q, N, L, k]: the experts of response token t
+    in every layer, where decode step t + 1 fed it (a row's last token is never fed: its entry stays 0)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     lengths: jax.Array
     stopped: jax.Array
+    routing: jax.Array | None = None
 
 
 class DecodeState(NamedTuple):
@@ -87,8 +90,8 @@ class DecodeState(NamedTuple):
 
 
 class QueueResult(NamedTuple):
-    """One queue's results: ``Outputs``' fields, decode steps [], slot steps [] (each width's slots x
-    its decode steps, summed) and free pages at the end [] (0 without pages)."""
+    """One queue's results: ``Outputs``' fields but its routing, decode steps [], slot steps [] (each width's
+    slots x its decode steps, summed), free pages at the end [] (0 without pages) and the routing record."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -97,6 +100,7 @@ class QueueResult(NamedTuple):
     steps: jax.Array
     slot_steps: jax.Array
     free_pages: jax.Array
+    routing: jax.Array | None = None
 
 
 class KVStore(Protocol):
@@ -114,9 +118,11 @@ class KVStore(Protocol):
     def admit(self, kv, take: jax.Array, row: jax.Array, prompt: jax.Array) -> Any:
         """The slots where take [w] start rows row [w] of prompts prompt [w]: their prompt's K/V."""
 
-    def attend(self, model, kv, last: jax.Array, positions: jax.Array, t: jax.Array, busy: jax.Array):
+    def attend(self, model, kv, last: jax.Array, positions: jax.Array, t: jax.Array, busy: jax.Array,
+               with_routing: bool = False):
         """One decode step of the model: last [w] tokens at positions [w] (token t [w] of each row;
-        busy [w] bool) -> (hidden [w, 1, D], state with their K/V written)."""
+        busy [w] bool) -> (hidden [w, 1, D], state with their K/V written, and with ``with_routing`` the
+        experts each token used [w, 1, L, k], else None)."""
 
     def release(self, kv, done: jax.Array) -> Any:
         """The slots where done [w] end their rows."""
@@ -145,21 +151,25 @@ def make_queue(real, first_tokens, budgets, row_keys, prompt_lengths, stop_ids) 
                  first_tokens, budgets, row_keys, prompt_lengths, stop_ids)
 
 
-def first_outputs(real, first_tokens, first_logp, stop_ids, max_new_tokens: int, pad_id: int) -> Outputs:
+def first_outputs(real, first_tokens, first_logp, stop_ids, max_new_tokens: int, pad_id: int,
+                  routing: tuple | None = None) -> Outputs:
     """The outputs of rows real [Q] bool (False: no sample) with only token 0 written: first_tokens
-    [Q] int32, first_logp [Q] float32, stop_ids [S] -> ``Outputs`` of [Q, max_new_tokens]."""
+    [Q] int32, first_logp [Q] float32, stop_ids [S] -> ``Outputs`` of [Q, max_new_tokens]; ``routing``
+    (L, k, dtype): with a zeroed routing record [Q, max_new_tokens, L, k]."""
     Q, N = real.shape[0], max_new_tokens
+    record = None if routing is None else jnp.zeros((Q, N, *routing[:2]), routing[2])
     return Outputs(jnp.zeros((Q, N), jnp.int32).at[:, 0].set(jnp.where(real, first_tokens, pad_id)),
                    jnp.zeros((Q, N), jnp.float32).at[:, 0].set(jnp.where(real, first_logp, 0.0)),
-                   real.astype(jnp.int32), real & is_stop(first_tokens, stop_ids))
+                   real.astype(jnp.int32), real & is_stop(first_tokens, stop_ids), record)
 
 
 def start(model, queue: Queue, store: KVStore, real: jax.Array, first_logp: jax.Array, max_new_tokens: int,
-          slots: int, pad_id: int) -> DecodeState:
+          slots: int, pad_id: int, routing: tuple | None = None) -> DecodeState:
     """The state before the first decode step: token 0 of every row written (real [Q] bool, False
-    for rows without a sample; first_logp [Q]) and the C slots filled from the queue."""
+    for rows without a sample; first_logp [Q]) and the C slots filled from the queue; ``routing`` (L, k,
+    dtype): the decode steps record the experts of the tokens they feed (``Outputs.routing``)."""
     Q = queue.rows
-    outputs = first_outputs(real, queue.first_tokens, first_logp, queue.stop_ids, max_new_tokens, pad_id)
+    outputs = first_outputs(real, queue.first_tokens, first_logp, queue.stop_ids, max_new_tokens, pad_id, routing)
     zeros = jnp.zeros((slots,), jnp.int32)
     idle = DecodeState(jnp.int32(0), Slots(jnp.full((slots,), Q, jnp.int32), zeros, zeros), store.init(model, slots),
                        jnp.int32(0), outputs)
@@ -188,15 +198,20 @@ def decode_step(model, queue: Queue, store: KVStore, selection: Selection, state
     busy = slots.row < Q
     r = jnp.minimum(slots.row, Q - 1)
     positions = queue.prompt_lengths[r // queue.samples] + slots.t - 1  # [w]: the position of each slot's last token
-    hidden, kv = store.attend(model, state.kv, slots.last, positions, slots.t, busy)
+    record = outputs.routing
+    hidden, kv, experts = store.attend(model, state.kv, slots.last, positions, slots.t, busy,
+                                       with_routing=record is not None)
     keys = jax.vmap(jax.random.fold_in)(queue.row_keys[r], slots.t)
     token, logp = selection.select_from_hidden(model, hidden[:, 0], keys)
     out = jnp.where(busy, slots.row, Q)  # idle slots write nowhere (out of bounds: dropped)
     hit = busy & is_stop(token, queue.stop_ids)
     t = jnp.where(busy, slots.t + 1, slots.t)
+    if record is not None:  # the fed token is the row's token t - 1
+        record = record.at[out, slots.t - 1].set(experts[:, 0].astype(record.dtype), mode="drop")
     outputs = Outputs(outputs.tokens.at[out, slots.t].set(token, mode="drop"),
                       outputs.logprobs.at[out, slots.t].set(logp, mode="drop"),
-                      outputs.lengths.at[out].set(t, mode="drop"), outputs.stopped.at[out].set(hit, mode="drop"))
+                      outputs.lengths.at[out].set(t, mode="drop"), outputs.stopped.at[out].set(hit, mode="drop"),
+                      record)
     done = hit | (busy & (t >= queue.budgets[r]))
     state = DecodeState(state.steps + 1, Slots(slots.row, t, token), store.release(kv, done), state.taken, outputs)
     if refills:
@@ -248,4 +263,6 @@ def progress(queue: Queue, loop: WidthLoop, widths: tuple[int, ...]) -> jax.Arra
 def result(store: KVStore, loop: WidthLoop) -> QueueResult:
     """One queue's results once its loops are done."""
     state = loop.carry
-    return QueueResult(*state.outputs, state.steps, loop.slot_steps, store.free_pages(state.kv))
+    out = state.outputs
+    return QueueResult(out.tokens, out.logprobs, out.lengths, out.stopped, state.steps, loop.slot_steps,
+                       store.free_pages(state.kv), out.routing)

@@ -68,6 +68,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.models.qwen import KVCache
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.contiguous import RowStore
@@ -105,6 +106,10 @@ class SampleArrays(NamedTuple):
                    when the batch is sharded (the others wait for it)
     free_pages:    [] int32, the paged sampler: response pages free at the end of the call, summed over
                    the queues (all of them when every page came back); 0 for the contiguous samplers
+    prompt_routing: None, or (``SamplingSettings.record_routing``) [P, T, L, k] uint8 (int16 past 256 experts):
+                   the experts of every prompt token in every layer, as the prefill routed it
+    routing:       None, or [Q, N, L, k]: the experts of response token t in every layer, as the decode step that
+                   fed it routed it (a row's last token and the padding after it: 0, never fed)
     """
 
     tokens: jax.Array
@@ -116,6 +121,8 @@ class SampleArrays(NamedTuple):
     decode_steps: jax.Array
     slot_steps: jax.Array
     free_pages: jax.Array
+    prompt_routing: jax.Array | None = None
+    routing: jax.Array | None = None
 
 
 def slot_utilisation(lengths: np.ndarray, slot_steps: int) -> float:
@@ -177,7 +184,10 @@ def _queue_start(model, inputs: QueueInputs, spec: EngineSpec) -> tuple[decode.Q
                                 pages=spec.pages or default_pages(spec.slots, spec.page_size, spec.max_new_tokens))
     else:
         store = RowStore(inputs.prompt_cache, inputs.prompt_real, spec.max_new_tokens)
-    state = decode.start(model, queue, store, inputs.real, inputs.first_logp, spec.max_new_tokens, spec.slots, PAD_ID)
+    cfg = model.cfg
+    routing = (*routing_shape(cfg), routing_dtype(cfg.num_experts)) if spec.routing else None
+    state = decode.start(model, queue, store, inputs.real, inputs.first_logp, spec.max_new_tokens, spec.slots, PAD_ID,
+                         routing)
     return queue, store, state
 
 
@@ -196,6 +206,7 @@ class Started(NamedTuple):
     loop: WidthLoop  # each queue's decode state before its first decode step (donated to the chunks)
     origin: jax.Array  # [Q] int32: the call's row i*n + j of each queue position's row
     prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
+    prompt_routing: jax.Array | None  # [P, T, L, k]: the prompts' experts (``EngineSpec.routing``), else None
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec",))
@@ -208,7 +219,7 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     _TRACE_COUNT += 1
     axes = _queue_groups(prompt_tokens.shape[0], spec.slots)
     prefilled = prefill(decode_model(graphdef, state), prompt_tokens, prompt_mask, budgets, key, selection, stop_ids,
-                        n=spec.n, spread=bool(axes))
+                        n=spec.n, spread=bool(axes), record_routing=spec.routing)
     queue_spec = _queue_spec(spec, axes)
 
     def per_queue(layout, inputs):
@@ -220,7 +231,7 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     layout = nnx.state(prefilled.model)
     queue, store, loop = on_queues(per_queue, axes, (layout,), (prefilled.inputs,), split_in=(
         QueueInputs(cache_split, split, split, split, split, split, split, whole),))
-    return Started(layout, queue, store, loop, prefilled.origin, prefilled.prefill_tokens)
+    return Started(layout, queue, store, loop, prefilled.origin, prefilled.prefill_tokens, prefilled.prompt_routing)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("spec", "axes", "loop_shardings"),
@@ -251,21 +262,27 @@ def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, queue: decode.Queu
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "axes"))
-def _finish_program(store, loop: WidthLoop, origin: jax.Array, prefill_tokens: jax.Array, *, spec: EngineSpec,
-                    axes: tuple[str, ...]) -> SampleArrays:
+def _finish_program(store, loop: WidthLoop, origin: jax.Array, prefill_tokens: jax.Array,
+                    prompt_routing: jax.Array | None, *, spec: EngineSpec, axes: tuple[str, ...]) -> SampleArrays:
     """The queues' results (stacked per queue, or one) as the call's ``SampleArrays``."""
     result = decode.result(store, loop)
     if axes:
         # each position's rows back to rows i*n + j (the rows of batch-padding prompts stay empty)
-        flat = (x.reshape(-1, *x.shape[2:]) for x in result[:4])  # [queues, Q / queues, ...] -> [Q, ...]
-        tokens, logprobs, lengths, stopped = (
-            constrain(jnp.full_like(x, empty).at[origin].set(x, mode="drop"), ("batch",) + (None,) * (x.ndim - 1))
-            for x, empty in zip(flat, (PAD_ID, 0.0, 0, False)))
+        def rows_back(x, empty):
+            if x is None:  # no routing record
+                return None
+            flat = x.reshape(-1, *x.shape[2:])  # [queues, Q / queues, ...] -> [Q, ...]
+            return constrain(jnp.full_like(flat, empty).at[origin].set(flat, mode="drop"),
+                             ("batch",) + (None,) * (flat.ndim - 1))
+
+        tokens, logprobs, lengths, stopped, routing = (
+            rows_back(x, empty) for x, empty in zip((*result[:4], result.routing), (PAD_ID, 0.0, 0, False, 0)))
         result = decode.QueueResult(tokens, logprobs, lengths, stopped, jnp.max(result.steps),
-                                    jnp.max(result.slot_steps) * result.slot_steps.shape[0], jnp.sum(result.free_pages))
+                                    jnp.max(result.slot_steps) * result.slot_steps.shape[0], jnp.sum(result.free_pages),
+                                    routing)
     response_mask = (jnp.arange(spec.max_new_tokens)[None, :] < result.lengths[:, None]).astype(jnp.int32)
     return SampleArrays(result.tokens, result.logprobs, response_mask, result.lengths, result.stopped, prefill_tokens,
-                        result.steps, result.slot_steps, result.free_pages)
+                        result.steps, result.slot_steps, result.free_pages, prompt_routing, result.routing)
 
 
 def _carry_shardings(loop, axes: tuple[str, ...]) -> tuple | None:
@@ -321,7 +338,7 @@ def _program_args(prompt_tokens, prompt_mask, settings: SamplingSettings, key, b
                          f"{row_pages(settings.page_size, settings.max_new_tokens)} of {settings.page_size} tokens "
                          f"(max_new_tokens={settings.max_new_tokens})")
     spec = EngineSpec(settings.sampler, settings.n, settings.max_new_tokens, slots, tail_slots, settings.page_size,
-                      settings.pages, settings.chunk_steps)
+                      settings.pages, settings.chunk_steps, settings.record_routing)
     if abstract:
         key = jax.eval_shape(jax.random.key, 0) if key is None else key
         abstract = jax.ShapeDtypeStruct
@@ -371,7 +388,8 @@ def sample(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array, p
     loop = run_chunks(lambda loop: _chunk_program(graphdef, started.layout, started.queue, started.store, args[4], loop,
                                                   spec=spec, axes=axes, loop_shardings=loop_shardings),
                       started.loop, DecodeProgress.read, wait)
-    return _finish_program(started.store, loop, started.origin, started.prefill_tokens, spec=spec, axes=axes)
+    return _finish_program(started.store, loop, started.origin, started.prefill_tokens, started.prompt_routing,
+                           spec=spec, axes=axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,8 +439,8 @@ class SamplerLowered:
                                              loop_shardings=_carry_shardings(started.loop, self.axes))
         chunk = chunk_lowered.compile()
         loop = abstract_results(chunk_lowered, chunk)[0]
-        finish = _finish_program.lower(started.store, loop, started.origin, started.prefill_tokens, spec=self.spec,
-                                       axes=self.axes).compile()
+        finish = _finish_program.lower(started.store, loop, started.origin, started.prefill_tokens,
+                                       started.prompt_routing, spec=self.spec, axes=self.axes).compile()
         return SamplerCompiled((start, chunk, finish), self.parameter_bytes)
 
 

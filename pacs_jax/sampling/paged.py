@@ -189,7 +189,7 @@ class PageStore:
 
         return jax.lax.fori_loop(0, jnp.sum(busy, dtype=jnp.int32), copy, kv)
 
-    def attend(self, model, kv: PageState, last, positions, t, busy):
+    def attend(self, model, kv: PageState, last, positions, t, busy, with_routing: bool = False):
         """A slot whose token starts a new page takes one first; idle slots write into the scratch page."""
         s, M = self.page_size, self.table_width
         grows = busy & (positions % s == 0) & (positions // s > kv.own)
@@ -199,8 +199,11 @@ class PageStore:
         view = PageView(table, jnp.where(busy, positions + 1, 0),
                         jnp.where(busy, table[jnp.arange(w), jnp.minimum(positions // s, M - 1)], self.scratch),
                         jnp.where(busy, positions % s, 0))
-        hidden, cache = model.forward(last[:, None], positions[:, None], None, PagedKVCache(kv.k, kv.v), view)
-        return hidden, kv._replace(k=cache.k, v=cache.v, table=table, held=kv.held + grows)
+        out = model.forward(last[:, None], positions[:, None], None, PagedKVCache(kv.k, kv.v), view,
+                            with_routing=with_routing)
+        cache = out[1]
+        return (out[0], kv._replace(k=cache.k, v=cache.v, table=table, held=kv.held + grows),
+                out[2] if with_routing else None)
 
     def release(self, kv: PageState, done) -> PageState:
         """The pages of the slots where ``done`` back onto the stack; those slots hold none after."""

@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from pacs_jax.models.moe import routing_dtype
 from pacs_jax.models.qwen import KVCache, positions_from_mask, unstack_layers
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.selection import Selection
@@ -74,6 +75,7 @@ class EngineSpec:
     page_size: int | None = None
     pages: int | None = None
     chunk_steps: int = 1
+    routing: bool = False  # record every token's experts (a model with experts: ``SampleArrays.routing``)
 
     def per_queue(self, shards: int) -> "EngineSpec":
         """The spec of one of ``shards`` queues: their share of the slots and the tail."""
@@ -221,10 +223,12 @@ class Prefilled(NamedTuple):
     inputs: QueueInputs  # the loop's inputs: the prompts' K/V, token 0 of every row, budgets, keys
     origin: jax.Array  # [Q] int32: each position's row i*n + j, Q where none
     prefill_tokens: jax.Array  # [] int32: prompt tokens the prefill computed
+    prompt_routing: jax.Array | None = None  # [P, T, L, k]: each prompt's tokens' experts (``record_routing``)
 
 
 def prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array, budgets: jax.Array,
-            key: jax.Array, selection: Selection, stop_ids: jax.Array, *, n: int, spread: bool) -> Prefilled:
+            key: jax.Array, selection: Selection, stop_ids: jax.Array, *, n: int, spread: bool,
+            record_routing: bool = False) -> Prefilled:
     """Everything before the decode loop (``model`` in the decode layout, ``decode_model``): the rows
     spread over the positions (``spread``: when the batch shards run their own queues, ``spread_rows``),
     the prefill and token 0 of every row.
@@ -232,6 +236,8 @@ def prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array,
     prompt_tokens, prompt_mask: [P, T] (an all-zero mask row is batch padding: its rows hold no
     sample); budgets [Q] ints, each row's; key: the call's PRNG key (row i n + j's is
     ``fold_in(fold_in(key, i), j)``); selection: temperature, top_p, top_k; stop_ids [S] int32.
+    record_routing: a model with experts, the experts of every prompt token in every layer come back
+    (``Prefilled.prompt_routing``, in the call's prompt order).
     """
     P, T = prompt_tokens.shape
     Q = P * n
@@ -258,8 +264,13 @@ def prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array,
     prompt_real = constrain(prompt_mask.astype(bool), ("batch", "length"))
     padding_row = ~jnp.any(prompt_real, axis=-1)  # [P]
     visible = prompt_real.at[:, -1].set(prompt_real[:, -1] | padding_row)
-    hidden, prompt_cache = model.forward(prompt_tokens, positions_from_mask(visible), visible,
-                                         model.init_cache(P, T), 0)
+    out = model.forward(prompt_tokens, positions_from_mask(visible), visible, model.init_cache(P, T), 0,
+                        with_routing=record_routing)
+    hidden, prompt_cache = out[:2]
+    prompt_routing = None
+    if record_routing:  # back to the call's prompt order (a prompt spread over positions: one copy's)
+        experts = out[2].astype(routing_dtype(model.cfg.num_experts))
+        prompt_routing = constrain(jnp.zeros_like(experts).at[source].set(experts), ("batch", None, None, None))
     last = jnp.max(jnp.where(visible, jnp.arange(T), 0), axis=-1)  # [P]: T - 1 when left-padded
     last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [P, 1, D]
     first_logits = model.logits(last_hidden)[:, 0]  # [P, V]: only the last real position is needed
@@ -274,7 +285,7 @@ def prefill(model: nnx.Module, prompt_tokens: jax.Array, prompt_mask: jax.Array,
     rows = lambda x: x.T.reshape(Q)  # [n, P] -> [Q], row p*n + j
     inputs = QueueInputs(prompt_cache, prompt_real, held, rows(first_tokens), rows(first_logp), budgets,
                          row_keys.reshape(Q), stop_ids)
-    return Prefilled(model, inputs, origin, prefill_tokens)
+    return Prefilled(model, inputs, origin, prefill_tokens, prompt_routing)
 
 
 def run_chunks(chunk: Callable, loop, read: Callable, wait: Callable | None):

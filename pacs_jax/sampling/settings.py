@@ -42,6 +42,9 @@ class SamplingSettings:
     enough for every slot's longest row at once. A row waits for pages when too few are free.
     chunk_steps: decode steps a program of the decode loop runs (engine.sample): between two the
     host reads the call's progress and may stop it. The tokens do not depend on it.
+    record_routing: a model with experts (models/moe.py): the call also returns the experts every prompt
+    and response token went through in every layer, as the prefill and the decode steps chose them
+    (``engine.SampleArrays.prompt_routing`` / ``routing``; routing replay R3).
     """
 
     max_new_tokens: int
@@ -55,6 +58,7 @@ class SamplingSettings:
     page_size: int | None = None
     pages: int | None = None
     chunk_steps: int = DECODE_CHUNK_STEPS
+    record_routing: bool = False
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

@@ -70,6 +70,8 @@ class SampledRows:
     local_rows: np.ndarray  # [b] the rows this process holds, sorted
     local_tokens: np.ndarray  # [b, R] their tokens (host)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler's own (carry-over's)
+    routing: jax.Array | None = None  # [B, Tp + R, L, k] (train.router_replay "R3"): the experts the sampler chose
+    #                                   for every prompt and response token in every layer, as the update rows hold them
 
     @property
     def sampler_logprobs(self) -> tuple[jax.Array, ...]:

@@ -116,9 +116,6 @@ class TrainSpec:
     router_replay: str
 
     def __post_init__(self):
-        require(self.router_replay != "R3", "train.router_replay",
-                "'R3' (the sampler's routing replayed) is not built yet: the sampler does not record its experts; "
-                "'R2' replays pi_old's routing in the update")
         require_choice(self.router_replay, ROUTER_REPLAY_MODES, "train.router_replay")
         require(self.off_policy_steps in (0, 1) and isinstance(self.off_policy_steps, int), "train.off_policy_steps",
                 f"must be 0 (synchronous) or 1 (one step off), got {self.off_policy_steps!r}")
@@ -907,9 +904,15 @@ class RunSpec:
         require(not (self.model.lora_rank and self.critic is not None), "model.lora_rank",
                 f"{self.model.lora_rank} with algorithm.objective 'ppo': PPO's critic is a full copy of the actor's "
                 "backbone, trained at full rank beside adapters it would not know; LoRA serves every other objective")
-        require(not (tc.router_replay == "R2" and self.algorithm.rollout_correction.bypass_mode), "train.router_replay",
-                "'R2' replays pi_old's routing, and bypass mode (algorithm.rollout_correction.bypass_mode) computes no "
-                "pi_old; turn one of them off")
+        replay = tc.router_replay
+        require(replay == "disabled" or not self.algorithm.rollout_correction.bypass_mode, "train.router_replay",
+                f"{replay!r} records pi_old's routing, and bypass mode (algorithm.rollout_correction.bypass_mode) "
+                "computes no pi_old; turn one of them off")
+        for on, option in ((rc.carry_over, "rollout.carry_over"), (self.algorithm.filter_groups.enable,
+                                                                   "algorithm.filter_groups.enable")):
+            require(replay != "R3" or not on, "train.router_replay",
+                    f"'R3' with {option}=True is not built yet (the sampler's routing record does not travel with "
+                    "its rows there); use 'R2', or turn the option off")
         self._check_warmstart_data()
         if self.devices is None:
             return

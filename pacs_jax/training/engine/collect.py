@@ -116,9 +116,14 @@ class RowCollector:
         # one transfer for all calls
         host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
         lengths, stopped, decode_steps, slot_steps = zip(*host_calls)
-        return self._rows(prompts, tuple(CallRows(o.tokens, o.logprobs, o.lengths) for o in outs), length,
-                          np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
-                          sum(map(int, slot_steps)))
+        sampled = self._rows(prompts, tuple(CallRows(o.tokens, o.logprobs, o.lengths) for o in outs), length,
+                             np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
+                             sum(map(int, slot_steps)))
+        if outs[0].routing is None:
+            return sampled
+        routing = self.sampler.assemble_routing(tuple(o.prompt_routing for o in outs), tuple(o.routing for o in outs),
+                                                sampled.prompt_tokens.shape[1], sampled.tokens.shape[1])
+        return dataclasses.replace(sampled, routing=routing)
 
     def _carried(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch) -> SampledRows:
         """Carry-over's next call on ``prompts`` (at the largest prompt bucket): the groups it returns as the

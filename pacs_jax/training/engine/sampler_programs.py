@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pacs_jax import hlo, sampling, sharding
+from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.sampling.carry_over import CarryOverSampler, queue_count
 from pacs_jax.sampling.engine import decode_layer_weights, lower_sample, queues
 from pacs_jax.sampling.paged import default_pages
@@ -40,7 +41,22 @@ def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
+                                     record_routing=spec.train.router_replay == "R3",
                                      **rc.sampler.call_settings(spec.call_responses))
+
+
+def assemble_routing(prompt_routing: tuple[jax.Array, ...], routing: tuple[jax.Array, ...], prompt_width: int,
+                     bucket: int) -> jax.Array:
+    """K sampler calls' routing records (``SampleArrays.prompt_routing`` [P / K, Tp, L, k], ``routing``
+    [P n / K, max_new, L, k]) -> the update rows' [P n, prompt_width + bucket, L, k]: each prompt's record
+    left-padded to ``prompt_width`` (its tokens are left-padded so) and repeated for its n responses, then
+    the response's, cut to ``bucket`` (routing replay R3: the experts the sampler's prefill and decode steps
+    chose, in the layout of training/learner/old_policy.py ``update_rows``)."""
+    prompts = jnp.concatenate(prompt_routing, axis=0)
+    responses = jnp.concatenate(routing, axis=0)[:, :bucket]
+    n = responses.shape[0] // prompts.shape[0]
+    pad = [(0, 0), (prompt_width - prompts.shape[1], 0)] + [(0, 0)] * (prompts.ndim - 2)
+    return jnp.concatenate([jnp.repeat(jnp.pad(prompts, pad), n, axis=0), responses], axis=1)
 
 
 class SamplerPrograms:
@@ -83,6 +99,10 @@ class SamplerPrograms:
             return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
+        self.assemble_routing = jax.jit(assemble_routing, static_argnums=(2, 3), out_shardings=rows)
+        cfg = nnx.merge(graphdef, params).cfg  # a routing record's [L, k] and dtype (R3: the sampler records them)
+        self.routing = ((*routing_shape(cfg), routing_dtype(cfg.num_experts)) if self.settings.record_routing
+                        else None)
         self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
         # carry-over (sampling/carry_over.py): one call a step at the largest prompt bucket, B = P groups returned;
         # room for 2P prompts a call, so that P groups can be in flight between calls (training/engine/carry_over.py)
@@ -137,7 +157,25 @@ class SamplerPrograms:
             out.append(Program("assemble", f"{K} calls' responses -> {B} rows x {r} tokens",
                                lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
                                (call_tokens, call_lengths), self.resident))
+            if self.routing is not None:
+                out += self._routing_programs(r, largest_only)
         return [dataclasses.replace(p, mesh=self.mesh) for p in out]  # lowered and compiled on the engine's mesh
+
+    def _routing_programs(self, bucket: int, largest_only: bool) -> list[Program]:
+        """``assemble_routing`` of the calls' routing records into rows of ``bucket`` response tokens, one per
+        prompt bucket a call may take (routing replay R3)."""
+        P, B, K, rows = self.num_prompts, self.num_prompts * self.n, self.sampler_calls, self.abstract_rows
+        layers, k, dtype = self.routing
+        responses = (rows((B // K, self.settings.max_new_tokens, layers, k), dtype),) * K
+        out = []
+        for p in self.prompt_buckets[-1:] if largest_only else self.prompt_buckets:
+            width = self.pass_widths[0] if self.packing else p
+            prompts = (rows((P // K, p, layers, k), dtype),) * K
+            out.append(Program("assemble_routing", f"{K} calls' routing -> {B} rows x {width}+{bucket} tokens x "
+                                                   f"{layers} layers x {k} experts",
+                               lambda a=(prompts, responses, width, bucket): self.assemble_routing.lower(*a),
+                               (prompts, responses), self.resident))
+        return out
 
     def _sampler_program(self, prompt_tokens: int) -> Program:
         """The sampler (sampling/engine.py, lowered by ``lower_sample``) of one call, for prompts of

@@ -36,7 +36,7 @@ from pacs_jax.training.learner import warmstart
 from pacs_jax.training.learner.critic_step import CriticState, critic_options, critic_programs
 from pacs_jax.training.learner.old_policy import old_policy_passes, sampler_as_old_policy
 from pacs_jax.training.learner.optim import make_optimizer
-from pacs_jax.training.learner.rollout_consistency import consistency_program
+from pacs_jax.training.learner.rollout_consistency import consistency_program, routing_consistency_program
 from pacs_jax.training.learner.rollout_correction_step import correction_program
 from pacs_jax.training.learner.trainable import Trainable
 from pacs_jax.training.learner.update_step import make_update_step
@@ -105,14 +105,17 @@ class LearnerPrograms:
             num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
             state_shardings=self.state_shardings, bypass=self.bypass, kl=self.kl_loss, trainable=self.trainable,
             **extra)
-        self.routing = None  # routing replay R2: pi_old records each token's experts, the update replays them
-        if tc.router_replay == "R2":
+        # routing replay: pi_old records each token's experts; R2: the update replays them; R3: pi_old and the
+        # update run on the sampler's (``replays_sampler``), the record measures how far the learner's differ
+        self.routing, self.replays_sampler = None, tc.router_replay == "R3"
+        if tc.router_replay != "disabled":
             cfg = nnx.merge(graphdef, params).cfg
             self.routing = (*routing_shape(cfg), routing_dtype(cfg.num_experts))
         self.pi_old = old_policy_passes(graphdef, temperature=rc.temperature,
                                         num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size,
                                         routing=self.routing)
         self.rollout_consistency = consistency_program()
+        self.routing_consistency = routing_consistency_program() if self.replays_sampler else None
         # decoupled (pi_old computed): the correction after pi_old; bypass: in the loss, the sampler's as pi_old
         self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
                                    else None)
@@ -286,8 +289,13 @@ class LearnerPrograms:
                 out.append(Program("reference_logprobs", "the KL loss's reference, " + passes,
                                    lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
         else:
-            args = (params, prompts, prompts, responses, responses, *(() if plan is None else (plan,)))
+            replay = batch.routing if self.replays_sampler else None  # R3: pi_old runs on the sampler's experts
+            args = (params, prompts, prompts, responses, responses, plan, replay)
             out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
+            if self.replays_sampler:
+                args = (batch.routing, batch.routing, batch.response_mask)
+                out.append(Program("routing_consistency", "the sampler's experts against pi_old's router's",
+                                   lambda a=args: self.routing_consistency.lower(*a), args, actor_bytes + critic_bytes))
         if self.critic is not None:
             critic_params, critic_opt = self.critic_state.state
             args = (critic_params, batch.replace(advantages=None), plan)

@@ -33,19 +33,21 @@ from pacs_jax.training.learner.rollout_consistency import sampler_rows
 
 @dataclasses.dataclass(frozen=True)
 class OldPolicyPasses:
-    """``(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None, passes=None) ->
+    """``(params, prompt_tokens, prompt_mask, tokens, response_mask, packing=None, passes=None, replay=None) ->
     (update batch without rewards, entropy_means)``: prompts [P, Tp], responses [P*n, R] -> the update
     batch (rl/update_batch.py ``UpdateBatch``: input_ids, attention_mask [P*n, Tp + R] int32;
-    response_mask, old_logp [P*n, R] float32; with ``routing``, the experts pi_old chose [P*n, Tp + R,
-    layers, k]) and, a pass, the mean entropy of the response tokens of the passes so far ([] float32
-    each: the last one's is the step's).
+    response_mask, old_logp [P*n, R] float32; with ``routing``, the experts pi_old's router chose [P*n,
+    Tp + R, layers, k]) and, a pass, the mean entropy of the response tokens of the passes so far ([]
+    float32 each: the last one's is the step's). replay: None, or a routing record [P*n, Tp + R, layers, k]
+    pi_old runs on (R3: the sampler's); its router's own choice is still what ``routing`` records.
 
     program: jitted ``(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy,
-    routing, k, packing) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp, entropy and
-    routing (None without a record) donated.
+    routing, k, packing, replay) -> (batch, entropy, entropy_mean)``, pass k (int32 []); old_logp, entropy
+    and routing (None without a record) donated.
     num_micro_batches: K, the passes of padded rows.
     routing: None, or a record's (layers, k, dtype) per token (``train.router_replay`` "R2": the update
-    replays what pi_old's router chose; models/moe.py ``routing_shape``, ``routing_dtype``).
+    replays what pi_old's router chose; "R3": the learner's choice against the sampler's; models/moe.py
+    ``routing_shape``, ``routing_dtype``).
     """
 
     program: Callable
@@ -53,7 +55,7 @@ class OldPolicyPasses:
     routing: tuple[int, int, np.dtype] | None = None
 
     def __call__(self, params, prompt_tokens, prompt_mask, tokens, response_mask,
-                 packing: PackedPlanArrays | None = None, passes: int | None = None
+                 packing: PackedPlanArrays | None = None, passes: int | None = None, replay: jax.Array | None = None
                  ) -> tuple[UpdateBatch, list[jax.Array]]:
         if (packing is None) != (passes is None):
             raise ValueError("packed pi_old takes the plan's arrays and its number of passes together")
@@ -66,7 +68,7 @@ class OldPolicyPasses:
         means = []
         for k in range(self.num_micro_batches if passes is None else passes):
             batch, entropy, mean = self.program(params, prompt_tokens, prompt_mask, tokens, response_mask,
-                                                logp, entropy, routing, np.int32(k), packing)
+                                                logp, entropy, routing, np.int32(k), packing, replay)
             logp, routing = batch.old_logp, batch.routing
             means.append(mean)
         return batch, means
@@ -76,8 +78,8 @@ class OldPolicyPasses:
         layers, k, _ = self.routing
         return (tokens.shape[0], prompt_tokens.shape[1] + tokens.shape[1], layers, k)
 
-    def lower(self, params, prompt_tokens, prompt_mask, tokens, response_mask, packing: PackedPlanArrays | None = None
-              ) -> jax.stages.Lowered:
+    def lower(self, params, prompt_tokens, prompt_mask, tokens, response_mask, packing: PackedPlanArrays | None = None,
+              replay: jax.ShapeDtypeStruct | None = None) -> jax.stages.Lowered:
         """The one program of every pass, lowered on (abstract) arguments."""
         buffer = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=batch_sharding(tokens.shape))
         routing = None
@@ -85,7 +87,7 @@ class OldPolicyPasses:
             shape = self._routing_shape(prompt_tokens, tokens)
             routing = jax.ShapeDtypeStruct(shape, self.routing[2], sharding=batch_sharding(shape))
         return self.program.lower(params, prompt_tokens, prompt_mask, tokens, response_mask, buffer, buffer, routing,
-                                  jax.ShapeDtypeStruct((), jnp.int32), packing)
+                                  jax.ShapeDtypeStruct((), jnp.int32), packing, replay)
 
 
 def update_rows(prompt_tokens, prompt_mask, tokens, response_mask) -> tuple[jax.Array, jax.Array]:
@@ -116,16 +118,18 @@ def old_policy_passes(graphdef: nnx.GraphDef, *, temperature: float, num_micro_b
                       ) -> OldPolicyPasses:
     """pi_old at the rollout ``temperature`` (logits / T, as verl) in ``num_micro_batches`` padded
     passes, or a packing plan's passes; ``routing`` (layers, k, dtype): the passes also record the
-    experts pi_old's router chose for every token (routing replay R2)."""
+    experts pi_old's router chose for every token (routing replay: R2 replays them in the update, R3
+    compares them with the sampler's, which pi_old then runs on)."""
     rows = batch_sharding((0, 0))  # the update batch's rows always divide (the spec)
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}
     K = num_micro_batches
 
-    def one_pass(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy, routing, k, packing):
+    def one_pass(params, prompt_tokens, prompt_mask, tokens, response_mask, old_logp, entropy, routing, k, packing,
+                 replay):
         ids, mask = update_rows(prompt_tokens, prompt_mask, tokens, response_mask)
         out = logprobs_of_pass(
             nnx.merge(graphdef, params), ids, mask, tokens.shape[1], (old_logp, entropy), k, num_micro_batches=K,
-            temperature=temperature, with_entropy=True, packing=packing, routing=routing, **extra)
+            temperature=temperature, with_entropy=True, packing=packing, routing=routing, routed=replay, **extra)
         (old_logp, entropy), routing = out if routing is not None else (out, None)
         response_mask = response_mask.astype(jnp.float32)
         entropy_mean = jnp.sum(entropy * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)

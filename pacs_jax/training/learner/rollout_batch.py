@@ -61,7 +61,8 @@ def to_mesh(sampled: SampledRows, mesh: Mesh) -> SampledRows:
     return dataclasses.replace(
         sampled, calls=tuple(CallRows(*map(move, c)) for c in sampled.calls),
         prompt_tokens=move(sampled.prompt_tokens), prompt_mask=move(sampled.prompt_mask),
-        tokens=move(sampled.tokens), response_mask=move(sampled.response_mask))
+        tokens=move(sampled.tokens), response_mask=move(sampled.response_mask),
+        routing=None if sampled.routing is None else move(sampled.routing))
 
 
 def packing_metrics(tokens_real: int, tokens_computed: int) -> dict[str, float]:
@@ -138,9 +139,10 @@ class RolloutBatcher:
         if bypass:
             batch, entropy = learner.sampler_as_old_policy(sampled.sampler_logprobs, *args), []
             passes -= 1
+        replay = sampled.routing  # R3: the sampler's routing record, which pi_old runs on (else None)
         if not learner.packing:
             if not bypass:
-                batch, entropy = learner.pi_old(state, *args)
+                batch, entropy = learner.pi_old(state, *args, replay=replay)
             if learner.kl_loss is not None:
                 batch = batch.replace(ref_logp=self._reference_logprobs(state, args))
             passes += reference_pass
@@ -149,7 +151,7 @@ class RolloutBatcher:
         on_device = plans.map(lambda plan: jax.tree.map(self._put, plan.arrays()))
         (logprob_passes,) = plans.logprob.passes  # one mini-batch: the whole batch
         if not bypass:
-            batch, entropy = learner.pi_old(state, *args, on_device.logprob, passes=logprob_passes)
+            batch, entropy = learner.pi_old(state, *args, on_device.logprob, passes=logprob_passes, replay=replay)
         if learner.kl_loss is not None:
             batch = batch.replace(ref_logp=self._reference_logprobs(state, args, packing=on_device.logprob,
                                                                     passes=logprob_passes))
@@ -178,6 +180,9 @@ class RolloutBatcher:
         learner = self.learner
         mismatch = ({} if learner.bypass is not None else  # bypass: no pi_old to compare with
                     learner.rollout_consistency(sampled.sampler_logprobs, batch.old_logp, batch.response_mask))
+        if learner.routing_consistency is not None:  # R3: the sampler's experts against pi_old's own, then replayed
+            mismatch = {**mismatch, **learner.routing_consistency(sampled.routing, batch.routing, batch.response_mask)}
+            batch = batch.replace(routing=sampled.routing)
         correction = {}
         if learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
             weights, response_mask, correction = learner.rollout_correction(sampled.sampler_logprobs, batch.old_logp,
