@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax import checkpoints, sampling
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
@@ -93,7 +94,8 @@ def test_replaying_the_models_own_experts_changes_nothing_and_others_compute_as_
 def _fed(mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """[B, TP + R] bool: the update rows' tokens a sampler fed through the model (real, but each row's last)."""
     fed = np.asarray(mask, bool).copy()
-    fed[np.arange(len(lengths)), TP + np.asarray(lengths) - 1] = False
+    rows = np.flatnonzero(np.asarray(lengths) > 0)
+    fed[rows, TP + np.asarray(lengths)[rows] - 1] = False
     return fed
 
 
@@ -117,6 +119,32 @@ def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(
     _, own = ours(ids, attention_mask=mask, with_routing=True)
     fed = _fed(np.asarray(mask), np.asarray(out.lengths))
     np.testing.assert_array_equal(np.sort(np.asarray(record), -1)[fed], np.sort(np.asarray(own), -1)[fed])
+
+
+def test_on_a_mesh_each_batch_shards_queue_records_its_rows_in_the_calls_order(models):
+    """Four queues (one a batch shard of a 2x2x1 mesh) over prompts spread around a batch-padding one: the records
+    come back in the call's prompt and row order, equal to the learner's routing at every fed token of the real
+    rows (the padding prompt's rows hold none)."""
+    _, ours = models
+    graphdef, params = nnx.split(ours)
+    prompts, prompt_mask = padded_batch(ours.cfg.vocab_size, [5, 3, 4, 2], TP, "left", seed=13)
+    prompt_mask[2] = 0  # batch padding: its samples come back empty
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, slots=8, page_size=4,
+                                record_routing=True)
+    mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))  # replicated (the model is tiny)
+        out = sampling.sample(graphdef, params, jnp.asarray(prompts), jnp.asarray(prompt_mask), settings,
+                              jax.random.key(2))
+        record = np.asarray(assemble_routing((out.prompt_routing,), (out.routing,), TP, R))
+        tokens, response_mask, lengths = (np.asarray(a) for a in (out.tokens, out.response_mask, out.lengths))
+    ids, mask = update_rows(jnp.asarray(prompts), jnp.asarray(prompt_mask), jnp.asarray(tokens),
+                            jnp.asarray(response_mask))
+    _, own = ours(ids, attention_mask=mask, with_routing=True)
+    fed = _fed(np.asarray(mask), lengths)
+    real = np.repeat(prompt_mask.any(1), N_SAMPLES)
+    assert fed[real].sum() > 20 and not fed[~real].any()
+    np.testing.assert_array_equal(np.sort(record, -1)[fed], np.sort(np.asarray(own), -1)[fed])
 
 
 def test_a_sampler_with_a_noisy_router_is_replayed_and_the_metrics_show_the_difference_it_removes(models):
