@@ -19,6 +19,8 @@ from flax import nnx
 
 from pacs_jax import checkpoints, sampling
 from pacs_jax.models.config import PRESETS, QwenConfig
+from pacs_jax.models.moe import MoE
+from pacs_jax.models.qwen import MLP
 from pacs_jax.sharding import make_mesh
 from qwen_reference import MOE_ARCHS, hf_logits, load_tool, max_rel_err, padded_batch, save_random_hf_model
 from test_hf_roundtrip import assert_bit_identical, read_safetensors
@@ -30,9 +32,10 @@ import_hf, export_hf = load_tool("import_hf"), load_tool("export_hf")
 
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
-    """(HF directory, transformers model) of a random Qwen3-MoE saved with save_pretrained."""
+    """(HF directory, transformers model) of a random Qwen3-MoE saved with save_pretrained: 3 layers, the middle
+    one dense (``mlp_only_layers``) between two sparse ones of 8 experts, 2 a token."""
     path = tmp_path_factory.mktemp("moe") / "hf"
-    return path, save_random_hf_model("qwen3_moe", path, seed=5)
+    return path, save_random_hf_model("qwen3_moe", path, seed=5, num_hidden_layers=3, mlp_only_layers=[1])
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,7 @@ def test_the_config_reads_the_experts_as_transformers_writes_them(hf_moe):
     cfg = QwenConfig.from_hf_file(hf_moe[0])
     assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) \
         == ("qwen3_moe", written.get("num_experts", written.get("num_local_experts")), 2, 32, True)
+    assert cfg.layer_runs() == ((True, 0, 1), (False, 1, 1), (True, 2, 1))  # sparse, dense, sparse
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -65,7 +69,8 @@ def test_import_then_export_writes_the_hf_tensors_bit_for_bit(hf_moe, tmp_path):
     import_hf.main(["--hf_dir", str(hf_moe[0]), "--out", str(tmp_path / "ckpt")])
     export_hf.main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "export")])
     ref = read_safetensors(hf_moe[0])
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in ref and "model.layers.0.mlp.gate.weight" in ref
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in ref and "model.layers.0.mlp.gate.weight" in ref
+    assert "model.layers.1.mlp.down_proj.weight" in ref  # the dense layer's MLP
     assert_bit_identical(read_safetensors(tmp_path / "export"), ref)
 
 
@@ -81,8 +86,19 @@ def test_the_presets_activate_what_their_model_cards_say():
     assert 22e9 <= active(PRESETS["Qwen3-235B-A22B"]) < 23e9
 
 
-@pytest.mark.parametrize("changes, field", [(dict(mlp_only_layers=[1]), "mlp_only_layers"),
-                                            (dict(decoder_sparse_step=2), "decoder_sparse_step"),
+def test_every_other_layer_sparse_computes_transformers_logits_and_routes_only_there(tmp_path):
+    """``decoder_sparse_step`` 2 (layers 1 and 3 sparse, 0 and 2 dense): a scan a stack, the logits as transformers',
+    the routing record of the two sparse layers."""
+    hf = save_random_hf_model("qwen3_moe", tmp_path / "hf", seed=6, num_hidden_layers=4, decoder_sparse_step=2)
+    ours = checkpoints.from_pretrained(tmp_path / "hf", dtype="float32")
+    tokens, mask = padded_batch(ours.cfg.vocab_size, [7, 4], 7, "left", seed=3)
+    logits, routing = ours(jnp.asarray(tokens), attention_mask=jnp.asarray(mask), with_routing=True)
+    assert max_rel_err(np.asarray(logits), hf_logits(hf, tokens, mask), mask) < 1e-4
+    assert routing.shape == (2, 7, 2, 2) and isinstance(ours.layers_1.mlp, MoE) and isinstance(ours.layers.mlp, MLP)
+
+
+@pytest.mark.parametrize("changes, field", [(dict(mlp_only_layers=[7]), "mlp_only_layers"),
+                                            (dict(decoder_sparse_step=0), "decoder_sparse_step"),
                                             (dict(num_experts_per_tok=None), "num_experts_per_tok")])
 def test_a_config_json_it_does_not_serve_is_refused_naming_the_field(hf_moe, changes, field):
     written = json.loads((hf_moe[0] / "config.json").read_text()) | changes
@@ -149,7 +165,8 @@ def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_on
     assert sorted(grads8) == sorted(grads1) and "layers.mlp.router_kernel" in grads1
     for name, grad in grads1.items():
         assert np.abs(grad).max() > 0, name  # every parameter, the router included, is trained
-        np.testing.assert_allclose(grads8[name], grad, rtol=1e-4, atol=1e-6 * np.abs(grad).max(), err_msg=name)
+        # float32 sums in another order on 8 shards: within 1e-4 relative, or 1e-5 of the tensor's largest entry
+        np.testing.assert_allclose(grads8[name], grad, rtol=1e-4, atol=1e-5 * np.abs(grad).max(), err_msg=name)
 
 
 def test_lora_on_a_mixture_of_experts_preset_is_refused_before_anything_is_written(tmp_path):

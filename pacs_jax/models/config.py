@@ -44,6 +44,8 @@ class QwenConfig:
     num_experts_per_tok: int = 0       # k: the experts a token is routed to
     moe_intermediate_size: int = 0     # an expert's SwiGLU width
     norm_topk_prob: bool = True        # the k chosen probabilities renormalised to sum 1 (every released Qwen3-MoE)
+    decoder_sparse_step: int = 1       # layer i is sparse when (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size) among the sparse ones
     # How to run it (not part of the HF architecture):
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators
@@ -78,6 +80,13 @@ class QwenConfig:
         if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
             raise ValueError(f"model_type={self.model_type!r} with num_experts={self.num_experts}: a qwen3_moe "
                              f"model has experts (num_experts > 0), and only a qwen3_moe model has them")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.decoder_sparse_step < 1 or not all(0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers={self.mlp_only_layers}: "
+                             f"a step >= 1 and layers among the {self.num_hidden_layers}")
+        if self.num_experts and len(self.layer_runs()) > 1 and self.lora_rank:
+            raise ValueError(f"lora_rank={self.lora_rank}: LoRA on a model with dense layers among its sparse ones "
+                             "(decoder_sparse_step, mlp_only_layers) is not served yet")
         if self.lora_rank and self.num_experts and set(self.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
             raise ValueError(f"lora_targets={self.lora_targets}: LoRA on a mixture-of-experts model's experts "
                              f"(gate_proj, up_proj, down_proj) is not served yet; its attention's (q_proj, "
@@ -98,6 +107,23 @@ class QwenConfig:
     @property
     def qk_norm(self) -> bool:
         return self.model_type in ("qwen3", "qwen3_moe")
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` holds a sparse block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_runs(self) -> tuple[tuple[bool, int, int], ...]:
+        """The decoder as runs of consecutive layers of one kind: (sparse, first layer, layers) each; one run
+        for a dense model and for one whose every layer is sparse (models/qwen.py scans a run at a time)."""
+        runs: list[list] = []
+        for layer in range(self.num_hidden_layers):
+            sparse = self.sparse_layer(layer)
+            if runs and runs[-1][0] == sparse:
+                runs[-1][2] += 1
+            else:
+                runs.append([sparse, layer, 1])
+        return tuple(tuple(run) for run in runs)
 
     def replace(self, **changes) -> QwenConfig:
         return dataclasses.replace(self, **changes)
@@ -198,24 +224,29 @@ class QwenConfig:
         if self.num_experts:
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                       decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                       router_aux_loss_coef=0.0)
         return out
+
+
+def layer_stacks(cfg: QwenConfig) -> tuple[tuple[str, bool, int, int], ...]:
+    """The model's stacks of decoder layers, (attribute, sparse, first layer, layers) each, in order: one
+    stack "layers" of all L (a dense model, or every layer sparse); a Qwen3-MoE with dense layers among its
+    sparse ones (``decoder_sparse_step``, ``mlp_only_layers``) has a stack a run of one kind, "layers",
+    "layers_1", ... (``QwenConfig.layer_runs``; models/qwen.py, hf_weights.py)."""
+    return tuple(("layers" if i == 0 else f"layers_{i}", *run) for i, run in enumerate(cfg.layer_runs()))
 
 
 def _hf_experts(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """A Qwen3-MoE config.json's expert fields (``num_experts``, or ``num_local_experts`` as transformers
-    5 writes it). Every layer must be sparse: ValueError naming ``decoder_sparse_step`` /
-    ``mlp_only_layers`` when some would be dense (not served yet; no released Qwen3-MoE has one)."""
+    5 writes it) and which layers are sparse (``decoder_sparse_step``, ``mlp_only_layers``)."""
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
                               ("moe_intermediate_size", hf.get("moe_intermediate_size"))) if v is None]
     if missing:
         raise ValueError(f"{source}: missing field(s) {missing} of a qwen3_moe model")
-    step, dense = hf.get("decoder_sparse_step", 1), list(hf.get("mlp_only_layers") or [])
-    if step != 1 or dense:
-        raise ValueError(f"{source}: decoder_sparse_step={step}, mlp_only_layers={dense}: dense layers among "
-                         f"the sparse ones are not served yet (every layer sparse: step 1, no mlp_only_layers)")
     return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                decoder_sparse_step=hf.get("decoder_sparse_step", 1), mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
                 moe_intermediate_size=hf["moe_intermediate_size"],
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))  # transformers' default when absent
 

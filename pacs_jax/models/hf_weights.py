@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from pacs_jax.files import is_remote, publish_mode
-from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.config import QwenConfig, layer_stacks
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -40,8 +40,10 @@ Index = tuple[slice, ...]  # one slice per dim, with integer start and stop
 class TensorMap:
     """How one of our parameters is stored in an HF checkpoint.
 
-    A stacked decoder parameter ([L, ...], path ``layers.*``) is L HF tensors, one per layer:
-    ``hf_name`` then holds a ``{layer}`` field and the conversions apply to one layer. A mixture-of-experts
+    A stacked decoder parameter ([L, ...], path ``layers.*``, or ``layers_1.*`` ... for the later stacks of a
+    model with dense layers among sparse ones) is L HF tensors, one per layer: ``hf_name`` then holds a
+    ``{layer}`` field, ``layers`` the HF layer index of each row of the stack, and the conversions apply to one
+    layer. A mixture-of-experts
     layer's expert parameter ([L, E, ...]) is L E HF tensors: ``hf_name`` holds an ``{expert}`` field too
     (``num_experts`` set) and the conversions apply to one expert of one layer.
     to_ours / to_hf: convert an array (or, for to_ours, the HF block ``hf_index`` names);
@@ -53,20 +55,20 @@ class TensorMap:
     to_hf: Callable[[np.ndarray], np.ndarray]
     hf_index: Callable[[Index], Index]
     hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
-    num_layers: int | None = None
+    layers: tuple[int, ...] | None = None
     num_experts: int | None = None
 
     def _tensors(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """(HF name, the index of its slice in our array: (), (layer,) or (layer, expert)) of each HF tensor."""
-        if self.num_layers is None:
+        """(HF name, the index of its slice in our array: (), (row,) or (row, expert)) of each HF tensor."""
+        if self.layers is None:
             yield self.hf_name, ()
         elif self.num_experts is None:
-            for layer in range(self.num_layers):
-                yield self.hf_name.format(layer=layer), (layer,)
+            for row, layer in enumerate(self.layers):
+                yield self.hf_name.format(layer=layer), (row,)
         else:
-            for layer in range(self.num_layers):
+            for row, layer in enumerate(self.layers):
                 for expert in range(self.num_experts):
-                    yield self.hf_name.format(layer=layer, expert=expert), (layer, expert)
+                    yield self.hf_name.format(layer=layer, expert=expert), (row, expert)
 
     def hf_tensors(self, ours: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, HF array) pairs of our array (one per layer when stacked, one per layer and expert
@@ -117,15 +119,23 @@ def _heads_out(hf_name: str, dh: int) -> TensorMap:
 
 def weight_map(cfg: QwenConfig) -> dict[str, TensorMap]:
     """Our dotted parameter path -> TensorMap, for every parameter of ``Qwen(cfg)``."""
-    dh, L = cfg.head_dim, cfg.num_hidden_layers
     out: dict[str, TensorMap] = {"embedding": _same("model.embed_tokens.weight"),
                                  "final_norm.scale": _same("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = _transposed("lm_head.weight")
+    for stack, sparse, first, count in layer_stacks(cfg):
+        out.update(_stack_map(cfg, stack, sparse, tuple(range(first, first + count))))
+    return out
+
+
+def _stack_map(cfg: QwenConfig, stack: str, sparse: bool, layers: tuple[int, ...]) -> dict[str, TensorMap]:
+    """The TensorMaps of one stack of decoder layers (``qwen.layer_stacks``: attribute ``stack``, a sparse
+    block's parameters or a dense MLP's), its rows HF's ``layers``."""
+    dh, out = cfg.head_dim, {}
 
     def layer(ours: str, tmap: TensorMap) -> None:
-        out[f"layers.{ours}"] = dataclasses.replace(tmap, hf_name=f"model.layers.{{layer}}.{tmap.hf_name}",
-                                                    num_layers=L)
+        out[f"{stack}.{ours}"] = dataclasses.replace(tmap, hf_name=f"model.layers.{{layer}}.{tmap.hf_name}",
+                                                     layers=layers)
 
     for name in ("q", "k", "v"):
         layer(f"attn.{name}_kernel", _heads_in(f"self_attn.{name}_proj.weight", dh))
@@ -135,7 +145,7 @@ def weight_map(cfg: QwenConfig) -> dict[str, TensorMap]:
     if cfg.qk_norm:
         layer("attn.q_norm.scale", _same("self_attn.q_norm.weight"))
         layer("attn.k_norm.scale", _same("self_attn.k_norm.weight"))
-    if cfg.num_experts:  # a Qwen3-MoE sparse block (models/moe.py)
+    if sparse:  # a Qwen3-MoE sparse block (models/moe.py)
         layer("mlp.router_kernel", _transposed("mlp.gate.weight"))
         for name in ("gate", "up", "down"):
             layer(f"mlp.{name}_kernel", dataclasses.replace(
@@ -264,18 +274,24 @@ def read_param(reader: HFWeightReader, path: str, tmap: TensorMap, expected_shap
     ``index`` (the part a device holds: only those bytes are read), checked against ``expected_shape``."""
     shape = tuple(expected_shape)
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index or (slice(None),) * len(shape), shape))
-    if tmap.num_layers is None:
-        value = _read_one(reader, tmap.hf_name, tmap, path, shape, index)
-    elif tmap.num_experts is None:
-        value = np.stack([_read_one(reader, tmap.hf_name.format(layer=i), tmap,
-                                    path.replace("layers.", f"layers[{i}].", 1), shape[1:], index[1:])
+    if tmap.layers is None:
+        return _finish(_read_one(reader, tmap.hf_name, tmap, path, shape, index), dtype)
+    stack, _, rest = path.partition(".")
+    where = lambda row: f"{stack}[{row}].{rest}"  # noqa: E731  (our row, named as the path of its stack)
+    if tmap.num_experts is None:
+        value = np.stack([_read_one(reader, tmap.hf_name.format(layer=tmap.layers[i]), tmap, where(i), shape[1:],
+                                    index[1:])
                           for i in range(index[0].start, index[0].stop)])
     else:
-        value = np.stack([np.stack([_read_one(reader, tmap.hf_name.format(layer=i, expert=e), tmap,
-                                              path.replace("layers.", f"layers[{i}].", 1) + f"[expert {e}]",
-                                              shape[2:], index[2:])
+        value = np.stack([np.stack([_read_one(reader, tmap.hf_name.format(layer=tmap.layers[i], expert=e), tmap,
+                                              where(i) + f"[expert {e}]", shape[2:], index[2:])
                                     for e in range(index[1].start, index[1].stop)])
                           for i in range(index[0].start, index[0].stop)])
+    return _finish(value, dtype)
+
+
+def _finish(value: np.ndarray, dtype) -> np.ndarray:
+    """A parameter read, contiguous, in ``dtype`` (None: as stored)."""
     return np.ascontiguousarray(value if dtype is None else value.astype(dtype, copy=False))
 
 

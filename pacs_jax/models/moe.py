@@ -43,8 +43,8 @@ def routing_dtype(num_experts: int) -> jnp.dtype:
 
 
 def routing_shape(cfg: QwenConfig) -> tuple[int, int]:
-    """A token's routing record: (layers, experts a token), [L, k]."""
-    return cfg.num_hidden_layers, cfg.num_experts_per_tok
+    """A token's routing record: (sparse layers, experts a token), [L, k] (a model's dense layers route nothing)."""
+    return sum(map(cfg.sparse_layer, range(cfg.num_hidden_layers))), cfg.num_experts_per_tok
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool,

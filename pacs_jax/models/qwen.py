@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models.attention import attention, decode_attention, resolve_impl
-from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.config import QwenConfig, layer_stacks
 from pacs_jax.models import kernels
 from pacs_jax.models.moe import MoE
 from pacs_jax.models.params import make_param
@@ -278,19 +278,19 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (a SwiGLU MLP, or a Qwen3-MoE sparse
-    block when the config has experts: models/moe.py).
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)) (a SwiGLU MLP, or with ``sparse`` a
+    Qwen3-MoE sparse block: models/moe.py).
 
-    Built with ``layers=L`` it holds the stacked parameters of all L layers ([L, ...] each); the
+    Built with ``layers=L`` it holds the stacked parameters of L layers ([L, ...] each); the
     scanned stack (``Qwen.forward``) runs it on one layer's slice at a time.
     """
 
-    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None, sparse: bool = False):
         norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs, layers)
         self.input_norm = norm()
         self.attn = Attention(cfg, rngs, layers)
         self.post_attn_norm = norm()
-        self.mlp = MoE(cfg, rngs, layers) if cfg.num_experts else MLP(cfg, rngs, layers)
+        self.mlp = MoE(cfg, rngs, layers) if sparse else MLP(cfg, rngs, layers)
 
     def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None, routed=None):
         """The layer on x [B, T, D] (the attention's arguments: ``Attention.__call__``); routed None or
@@ -352,7 +352,8 @@ class Qwen(nnx.Module):
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = DecoderLayer(cfg, rngs, layers=cfg.num_hidden_layers)  # stacked: [L, ...] params
+        for name, sparse, _, count in layer_stacks(cfg):  # stacked: [L, ...] params (one stack but for mixed kinds)
+            setattr(self, name, DecoderLayer(cfg, rngs, layers=count, sparse=sparse))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
@@ -387,23 +388,45 @@ class Qwen(nnx.Module):
         (T = 1) may give cache_index as [B] int32, each row's own slot (continuous batching), and a
         cache of more than B rows, of which it reads and writes the first B (a narrowed decode batch).
         A paged decode call gives a ``PagedKVCache`` and cache_index a ``PageView`` (kv_valid None).
-        routed: None, or [B, T, L, k] int, the experts each token uses in each layer (routing replay,
-        models/moe.py; a model with experts), their gate weights from this model's own router.
+        routed: None, or [B, T, L, k] int, the experts each token uses in each sparse layer (routing replay,
+        models/moe.py; a model with experts), their gate weights from this model's own router; L counts
+        the sparse layers only, as the record ``with_routing`` returns.
 
-        The layers run as one ``lax.scan`` over the stacked parameters (unrolled over their per-layer
-        buffers when the decode layout holds them so, ``unstack_layers``); without a cache (the
-        gradient path) its body is rematerialised per ``config.remat``.
+        The layers run as one ``lax.scan`` over the stacked parameters (a scan a stack, ``layer_stacks``, when
+        dense layers sit among sparse ones; unrolled over their per-layer buffers when the decode layout holds
+        them so, ``unstack_layers``); without a cache (the gradient path) its body is rematerialised per
+        ``config.remat``.
         """
         cfg = self.cfg
         if (routed is not None or with_routing) and not cfg.num_experts:
             raise ValueError("routing replay and routing records need a model with experts (num_experts > 0)")
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
         x = constrain(x, ("batch", "length", "act_embed"))
-        layer_def, layer_params = nnx.split(self.layers)
-        by_layer = None if routed is None else jnp.moveaxis(routed, 2, 0)  # [L, B, T, k]
-        stacked = lambda experts: None if experts is None else jnp.moveaxis(experts, 0, 2)  # noqa: E731
+        by_layer = None if routed is None else jnp.moveaxis(routed, 2, 0)  # [L sparse, B, T, k]
+        caches = None if cache is None else (cache.k, cache.v)
+        sparse_done, records = 0, []
+        for name, sparse, first, count in layer_stacks(cfg):
+            replay = None if by_layer is None or not sparse else by_layer[sparse_done:sparse_done + count]
+            x, caches, experts = self._stack(getattr(self, name), x, positions, kv_valid, caches, cache_index,
+                                             segment_ids, replay, with_routing and sparse, first, count)
+            if sparse:
+                sparse_done += count
+                records.append(experts)
+        out = (self.final_norm(x), None if cache is None else type(cache)(*caches))
+        if not with_routing:
+            return out
+        return (*out, jnp.moveaxis(jnp.concatenate(records, axis=0), 0, 2))  # [B, T, L sparse, k]
 
-        if cache is None:
+    def _stack(self, stack: DecoderLayer, x, positions, kv_valid, caches, cache_index, segment_ids, routed,
+               with_routing: bool, first: int, count: int):
+        """One stack of ``count`` layers (from layer ``first``) on x [B, T, D] -> (x, the updated (k, v) caches
+        [L, ...] or None, the experts its routers chose [count, B, T, k] with ``with_routing``, else None);
+        routed: None or [count, B, T, k], the experts to replay. A scan over the stacked parameters (unrolled
+        over their per-layer buffers in the decode layout); without a cache, its body rematerialised per
+        ``config.remat``."""
+        cfg = self.cfg
+        layer_def, layer_params = nnx.split(stack)
+        if caches is None:
             def body(x, xs):
                 params, replay = xs
                 x, _, experts = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index, segment_ids,
@@ -412,9 +435,8 @@ class Qwen(nnx.Module):
 
             if cfg.remat != "none":
                 body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            x, experts = jax.lax.scan(body, x, (layer_params, by_layer))
-            out = (self.final_norm(x), None)
-            return (*out, stacked(experts)) if with_routing else out
+            x, experts = jax.lax.scan(body, x, (layer_params, routed))
+            return x, None, experts
 
         def cached_body(carry, xs):
             x, k_cache, v_cache = carry
@@ -423,20 +445,18 @@ class Qwen(nnx.Module):
                 x, positions, kv_valid, (k_cache, v_cache, layer), cache_index, None, replay)
             return (x, k_cache, v_cache), experts if with_routing else None
 
-        carry = (x, cache.k, cache.v)
+        carry = (x, *caches)
         if is_unstacked(layer_params):  # the decode layout: layer l's own buffers, read in place
             per_layer = []
-            for layer in range(cfg.num_hidden_layers):
-                replay = None if by_layer is None else by_layer[layer]
-                carry, experts = cached_body(carry, (layer_slice(layer_params, layer), layer, replay))
+            for i in range(count):
+                replay = None if routed is None else routed[i]
+                carry, experts = cached_body(carry, (layer_slice(layer_params, i), first + i, replay))
                 per_layer.append(experts)
             experts = jnp.stack(per_layer) if with_routing else None
         else:
-            layers = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-            carry, experts = jax.lax.scan(cached_body, carry, (layer_params, layers, by_layer))
-        x, k_cache, v_cache = carry
-        out = (self.final_norm(x), type(cache)(k_cache, v_cache))
-        return (*out, stacked(experts)) if with_routing else out
+            layers = first + jnp.arange(count, dtype=jnp.int32)
+            carry, experts = jax.lax.scan(cached_body, carry, (layer_params, layers, routed))
+        return carry[0], carry[1:], experts
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
