@@ -106,3 +106,17 @@ def test_bypass_mode_alone_has_a_step_line_as_its_start_line_promises():
     assert step_line(spec, {"rollout_corr/kl": -0.0003, "rollout_corr/k3_kl": 0.001234, "loss": 0.7}) == (
         "correction: bypass mode, KL(sampler || learner) 0.00123 a token (k3 estimate; the sampler's log-probs are "
         "pi_old)")
+
+
+def test_routing_replay_says_whose_experts_ran_and_how_far_the_learners_routers_strayed():
+    moe = {"model.model_type": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 2,
+           "model.moe_intermediate_size": 64}
+    r3 = _spec(**moe, **{"train.router_replay": "R3"})
+    assert "routing replay R3 (train.router_replay: pi_old and the update run every token through the experts the " \
+           "sampler chose, gate weights from the learner's own routers)" in options_line(r3, 1)
+    line = step_line(r3, {"routing_mismatch_tokens": 0.0937, "routing_mismatch_decisions": 0.0214})
+    assert line == ("routing replay: the learner's routers would have sent 9.37% of the tokens (2.14% of their "
+                    "layers' decisions) to other experts than the sampler's, which they ran on")
+    r2 = _spec(**moe, **{"train.router_replay": "R2"})
+    assert "the update runs every token through the experts pi_old chose" in options_line(r2, 1)
+    assert step_line(r2, {}) == "routing replay: the update ran on the experts pi_old chose"

@@ -8,7 +8,8 @@ the step's metrics row (host floats already: no device read of its own).
                                   ..."; None when none is on
 
 The options: carry-over (``rollout.carry_over``: rows carried in from earlier calls, the returned tokens'
-staleness, prompts dropped as stale), dynamic sampling (``algorithm.filter_groups``: batches drawn of
+staleness, prompts dropped as stale), routing replay (``train.router_replay``: R3, the share of tokens and of
+routing decisions the learner's routers would have sent elsewhere), dynamic sampling (``algorithm.filter_groups``: batches drawn of
 its limit, the groups with spread, the sampling's seconds; the step that reaches the limit says so), one
 step off (``train.off_policy_steps``: the device split at the start, each step's lag) and the rollout
 correction (``algorithm.rollout_correction``: the IS weights' mean, min and max and the share truncated or
@@ -62,6 +63,11 @@ def options_line(spec: RunSpec, devices: int) -> str | None:
                  f"{devices - split}" if split else
                  f"while the learner trains step s, the two taking turns on {shared} (mesh.rollout_devices=0)")
         on.append(f"one step off (the rollout engine samples step s + 1 with the weights step s started from, {where})")
+    if tc.router_replay != "disabled":
+        on.append(f"routing replay {tc.router_replay} (train.router_replay: "
+                  + ("pi_old and the update run every token through the experts the sampler chose" if
+                     tc.router_replay == "R3" else "the update runs every token through the experts pi_old chose")
+                  + ", gate weights from the learner's own routers)")
     if correction.enabled or correction.bypass_mode:
         because = ""
         if algorithm.correction_by_default:
@@ -106,6 +112,12 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
         parts.append(f"one step off: rows sampled with the weights {lag} step behind, during the previous step's "
                      "update" if lag else "one step off: rows sampled now, with the step's own weights (a "
                      "session's first step)")
+    if tc.router_replay == "R3":
+        parts.append(f"routing replay: the learner's routers would have sent {_percent(metrics['routing_mismatch_tokens'])}"
+                     f" of the tokens ({_percent(metrics['routing_mismatch_decisions'])} of their layers' decisions) "
+                     "to other experts than the sampler's, which they ran on")
+    elif tc.router_replay == "R2":
+        parts.append("routing replay: the update ran on the experts pi_old chose")
     if correction.enabled or correction.bypass_mode:
         parts.append("correction: " + _correction_stats(correction, metrics))
     return "; ".join(parts) or None
