@@ -172,6 +172,8 @@ def test_a_sampler_with_a_noisy_router_is_replayed_and_the_metrics_show_the_diff
         logp = (out.logprobs,)
         kl_own, kl_replayed = (float(consistency_program()(logp, b.old_logp, b.response_mask)["rollout_kl"])
                                for b in (own, replayed))
+    print(f"noisy sampler router: routing_mismatch_tokens {routing['routing_mismatch_tokens']:.3f}, decisions "
+          f"{routing['routing_mismatch_decisions']:.3f}; rollout_kl without replay {kl_own:.3g}, with {kl_replayed:.3g}")
     # the record is the router's own choice, replay or not: the first layer's, whose input replay does not reach
     np.testing.assert_array_equal(np.asarray(replayed.routing)[:, :, 0], np.asarray(own.routing)[:, :, 0])
     assert 0.1 < routing["routing_mismatch_tokens"] <= 1 and 0 < routing["routing_mismatch_decisions"] \
