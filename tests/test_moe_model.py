@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -146,7 +147,8 @@ def _loss_and_grads(model, tokens, mask):
 
 def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_one_device(hf_moe):
     """Experts' width over the tensor axis, their input (hidden) over fsdp; the experts themselves
-    replicated (no expert axis yet): logits and every parameter's gradient as on one device."""
+    replicated (no expert axis yet), each batch shard dispatching its own tokens (``moe.local_dispatch``): logits
+    and every parameter's gradient as on one device."""
     tokens, mask = (jnp.asarray(a) for a in padded_batch(MOE_ARCHS["qwen3_moe"]["vocab_size"], [8, 5, 3, 7], 8,
                                                           "left", seed=4))
     results = {}
@@ -158,6 +160,10 @@ def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_on
                 assert tuple(layers["gate_kernel"].get_value().sharding.spec) == (None, None, "fsdp", "tensor")
                 assert tuple(layers["down_kernel"].get_value().sharding.spec) == (None, None, "tensor", "fsdp")
             loss, grads = _loss_and_grads(model, tokens, mask)
+            if shape == (2, 2, 2):  # each of the 4 batch shards sorts its own 8 tokens' 16 slots, not all 64
+                hlo = nnx.jit(lambda m: m(tokens, attention_mask=mask).sum()).lower(model).compile().as_text()
+                sorted_slots = set(re.findall(r"\(s32\[(\d+)\]\{0\}, s32\[\d+\]\{0\}\) sort\(", hlo))
+                assert sorted_slots == {str(tokens.size * 2 // 4)}, sorted_slots
             results[shape] = (float(loss), {".".join(map(str, p)): np.asarray(v.get_value())
                                             for p, v in nnx.to_flat_state(grads)})
     (loss1, grads1), (loss8, grads8) = results[(1, 1, 1)], results[(2, 2, 2)]
