@@ -12,6 +12,7 @@ passed (297 MB were left in /tmp)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -36,12 +37,16 @@ def _tool(name: str = "accelerator_check"):
     return module
 
 
-@pytest.mark.slow(seconds=240)
-def test_tiny_check_runs_every_tool_and_prints_one_table(tmp_path):
+@pytest.mark.slow(seconds=200)
+def test_tiny_check_runs_every_tool_and_prints_one_table(small_tokenizer_dir, tmp_path):
     """Its tools write every program they compile to the suite's compilation cache, so that one check reads
-    what another compiled (the random model's initialisers, the trainer's learner programs)."""
+    what another compiled (the random model's initialisers, the trainer's learner programs). The trainer
+    checks take the Qwen tokenizer cut to 4,096 entries (conftest.py's small_tokenizer_dir, ``--tokenizer``):
+    what they check, the sampler's log-probs against pi_old's, is not about the vocabulary, and the real
+    151,936 entries' head and logits cost 13 of its 137 CPU seconds (the tool alone: 137 -> 124 s)."""
     result = subprocess.run([sys.executable, "tools/accelerator_check.py", "--size=tiny", f"--logs={tmp_path}",
-                             f"--out={tmp_path / 'check.json'}"], cwd=REPO, env=train_env(compile_cache_dir()),
+                             f"--out={tmp_path / 'check.json'}", f"--tokenizer={small_tokenizer_dir}"], cwd=REPO,
+                            env=train_env(compile_cache_dir()),
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("check  "):result.stdout.index("predicted: ")]
@@ -56,6 +61,8 @@ def test_tiny_check_runs_every_tool_and_prints_one_table(tmp_path):
     for sampler in ("paged", "continuous"):
         assert 0 <= figure(f"train 2 steps ({sampler})", "rollout_logprob_diff_mean") < 1e-5
     assert re.search(r"^decode step ([\d.]+ ms|n/a)", (tmp_path / "decode_fill_16.log").read_text(), re.M)  # its log
+    for sampler in ("paged", "continuous"):  # the model the trainer built: the tokenizer's vocabulary
+        assert json.loads((tmp_path / f"train_{sampler}" / "config.json").read_text())["model"]["vocab_size"] == 4096
 
 
 def test_a_check_that_crashes_or_prints_no_figures_is_reported(tmp_path, monkeypatch):
@@ -68,9 +75,9 @@ def test_a_check_that_crashes_or_prints_no_figures_is_reported(tmp_path, monkeyp
     assert results["silent"]["status"] == "no figures" and results["fine"]["figures"] == {"x": 7.0}
     assert "crashed (status 3)" in tool.table(results) and "boom" in tool.table(results)
     monkeypatch.setattr(tool, "default_backend", lambda: "cpu")
-    monkeypatch.setattr(tool, "checks", lambda size, workdir: [fine, crash])
+    monkeypatch.setattr(tool, "checks", lambda size, workdir, tokenizer: [fine, crash])
     assert tool.main(["--size=tiny", f"--logs={tmp_path}"]) == 1
-    monkeypatch.setattr(tool, "checks", lambda size, workdir: [fine])
+    monkeypatch.setattr(tool, "checks", lambda size, workdir, tokenizer: [fine])
     assert tool.main(["--size=tiny", f"--logs={tmp_path}"]) == 0
 
 
@@ -139,7 +146,7 @@ def test_the_temporary_logs_are_deleted_when_every_check_passed_and_kept_when_on
     monkeypatch.setattr(tool, "default_backend", lambda: "cpu")
     fine = tool.Check("fine", (sys.executable, "-c", "print('x 7')"), {"x": r"x (\d+)"}, 60)
     crash = tool.Check("crash", (sys.executable, "-c", "raise SystemExit(3)"), {"x": r"x (\d+)"}, 60)
-    monkeypatch.setattr(tool, "checks", lambda size, workdir: [fine])
+    monkeypatch.setattr(tool, "checks", lambda size, workdir, tokenizer: [fine])
     assert tool.main(["--size=tiny"]) == 0
     assert list(tmp_path.iterdir()) == []
     out = capsys.readouterr().out
@@ -150,7 +157,7 @@ def test_the_temporary_logs_are_deleted_when_every_check_passed_and_kept_when_on
     kept = list(tmp_path.iterdir())
     assert [p.name for p in kept[0].iterdir()] == ["fine.log"]
     assert capsys.readouterr().out.endswith(f"logs: {kept[0]}\n")
-    monkeypatch.setattr(tool, "checks", lambda size, workdir: [fine, crash])
+    monkeypatch.setattr(tool, "checks", lambda size, workdir, tokenizer: [fine, crash])
     assert tool.main(["--size=tiny"]) == 1
     failed = [p for p in tmp_path.iterdir() if p not in kept]
     assert len(failed) == 1 and capsys.readouterr().out.endswith(f"logs: {failed[0]}\n")

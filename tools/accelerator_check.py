@@ -3,6 +3,7 @@
     python tools/accelerator_check.py                 # on a GPU or TPU host: a few minutes
     python tools/accelerator_check.py --size=tiny     # any machine, the CPU included: tiny shapes (CI runs this)
     python tools/accelerator_check.py --only=decode,sampling --out=check.json
+    python tools/accelerator_check.py --size=tiny --tokenizer=DIR     # the trainer checks on DIR's tokenizer
 
 Runs the project's own tools, each in its own process (a crash or a hang in one is reported, the others
 still run), on random weights of the Qwen2.5-1.5B preset in bfloat16 (``--size=tiny``: one layer of
@@ -80,29 +81,31 @@ class Check:
     env: tuple[tuple[str, str], ...] = ()  # (variable, value) pairs added to the tool's environment
 
 
-def _train_argv(size: str, sampler: str, workdir: pathlib.Path) -> tuple[str, ...]:
+def _train_argv(size: str, sampler: str, workdir: pathlib.Path, tokenizer: str = "") -> tuple[str, ...]:
     """Two trainer steps of the paper's Qwen2.5 setup (PACS, beta 1) shrunk to one device and the
     data shipped in the repository; random weights."""
-    return (sys.executable, "-m", "pacs_jax.train", *_config_argv(size, sampler), f"--workdir={workdir}")
+    return (sys.executable, "-m", "pacs_jax.train", *_config_argv(size, sampler, tokenizer), f"--workdir={workdir}")
 
 
-def _train_shape(size: str) -> tuple[int, int, list[str]]:
-    """The trainer check's prompts a step, new tokens and model flags at ``size``."""
+def _train_shape(size: str, tokenizer: str = "") -> tuple[int, int, list[str]]:
+    """The trainer check's prompts a step, new tokens and model flags at ``size`` (tiny: Qwen's 151,936-entry
+    vocabulary, or with ``tokenizer`` that folder's)."""
     if size == "tiny":
+        vocab = 0 if tokenizer else 151936  # 0: the tokenizer's
         return 2, 8, ["--config.model.preset=", "--config.model.hidden_size=64", "--config.model.intermediate_size=128",
                       "--config.model.num_hidden_layers=2", "--config.model.num_attention_heads=4",
                       "--config.model.num_key_value_heads=2", "--config.model.head_dim=16",
-                      "--config.model.vocab_size=151936", "--config.model.model_type=qwen2",
+                      f"--config.model.vocab_size={vocab}", "--config.model.model_type=qwen2",
                       "--config.model.rope_theta=1000000.0", "--config.model.dtype=float32"]
     return 16, 512, ["--config.model.preset=Qwen2.5-1.5B"]
 
 
-def _config_argv(size: str, sampler: str) -> tuple[str, ...]:
+def _config_argv(size: str, sampler: str, tokenizer: str = "") -> tuple[str, ...]:
     """The trainer check's config flags (the paper's Qwen2.5 setup shrunk to one device and the data
-    shipped in the repository; random weights)."""
-    prompts, new, model = _train_shape(size)
+    shipped in the repository, the tokenizer ``tokenizer`` or the repository's Qwen one; random weights)."""
+    prompts, new, model = _train_shape(size, tokenizer)
     return ("--config=configs/paper.py:qwen25_3b,pacs_beta1", "--config.model.random_init=True", *model,
-            "--config.data.tokenizer=data/tokenizers/qwen3", "--config.data.tokenizer_force=True",
+            f"--config.data.tokenizer={tokenizer or 'data/tokenizers/qwen3'}", "--config.data.tokenizer_force=True",
             "--config.data.train_files=('data/deepscaler_subset/math.json',)",
             "--config.data.max_prompt_length=256", "--config.data.prompt_buckets=(256,)",
             "--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
@@ -126,13 +129,13 @@ COMPARED = (("sampling", ("prefill s", "decode s"), "time_sample"), ("pi_old", (
             ("update", ("update s",), "time_update"), ("step", ("step s",), "time_step"))
 
 
-def plan_checks(size: str, topology: str | None) -> list[Check]:
+def plan_checks(size: str, topology: str | None, tokenizer: str = "") -> list[Check]:
     """The plan check (tools/plan_step.py for the paged trainer check's shape on ``topology``), or none
     without a topology."""
     if topology is None:
         return []
     argv = (sys.executable, str(TOOLS / "plan_step.py"), f"--topology={topology}", "--lengths=budget",
-            *_config_argv(size, "paged"))
+            *_config_argv(size, "paged", tokenizer))
     return [Check("plan (predicted)", argv, PREDICTED, 900)]
 
 
@@ -166,8 +169,9 @@ def comparison(results: dict, why_none: str) -> str:
     return "\n".join(lines)
 
 
-def checks(size: str, workdir: pathlib.Path) -> list[Check]:
-    """The checks at ``size`` ("tiny": any machine; "full": the sizes an accelerator is judged at)."""
+def checks(size: str, workdir: pathlib.Path, tokenizer: str = "") -> list[Check]:
+    """The checks at ``size`` ("tiny": any machine; "full": the sizes an accelerator is judged at); the trainer
+    checks' tokenizer folder ``tokenizer`` ("": the repository's Qwen one)."""
     py = sys.executable
     if size == "tiny":
         # random weights and random prompts: a vocabulary of 4,096 entries checks the same code as Qwen's 151,936,
@@ -208,7 +212,7 @@ def checks(size: str, workdir: pathlib.Path) -> list[Check]:
                       "loss diff": r"loss difference ([-+\d.e]+)"}, limit))
     for sampler in ("paged", "continuous"):
         run = workdir / f"train_{sampler}"
-        out.append(Check(f"train 2 steps ({sampler})", _train_argv(size, sampler, run), consistency, limit,
+        out.append(Check(f"train 2 steps ({sampler})", _train_argv(size, sampler, run, tokenizer), consistency, limit,
                          metrics=run / "metrics.jsonl"))
     return out
 
@@ -307,9 +311,13 @@ def main(argv=None) -> int:
     parser.add_argument("--keep_logs", action="store_true", help="keep the temporary logs folder when every check "
                                                                  "passed too")
     parser.add_argument("--out", default="", help="also write the results as JSON to this file (after each check)")
+    parser.add_argument("--tokenizer", default="", help="the trainer checks' tokenizer folder (default: the "
+                                                        "repository's Qwen one); at --size=tiny its vocabulary "
+                                                        "sizes the model's (else Qwen's 151,936 entries)")
     args = parser.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    chosen = lambda logs, topology=None: [c for c in plan_checks(args.size, topology) + checks(args.size, logs)  # noqa: E731
+    chosen = lambda logs, topology=None: [c for c in plan_checks(args.size, topology, args.tokenizer)  # noqa: E731
+                                          + checks(args.size, logs, args.tokenizer)
                                           if not wanted or any(c.name.startswith(w) for w in wanted)]
     if not chosen(pathlib.Path("."), "h200x1"):  # before anything is written
         parser.error(f"--only={args.only}: no check starts with that (decode, sampling, update, train, plan)")
