@@ -8,7 +8,8 @@ Parameters are stored in ``config.param_dtype`` and cast to ``config.dtype`` for
 softmax and logits run in float32.
 
 The decoder stack is one ``jax.lax.scan`` over layers: every per-layer parameter is stacked along a
-leading "layers" axis ([L, ...]), so the program (and its compile time) does not grow with depth.
+leading "layers" axis ([L, ...]), so the program (and its compile time) does not grow with depth (a
+Qwen3-MoE with dense layers among its sparse ones: a stack and a scan a run of one kind, ``layer_stacks``).
 Training applies the remat policy (``config.remat``) to the scanned body; prefill and decode never
 do (remat belongs to the gradient computation). The KV cache is stacked the same way, [L, B, K, S, Dh],
 and carried through the scan so each layer writes its new keys in place. The sampler's decode layout
@@ -295,7 +296,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None, routed=None):
         """The layer on x [B, T, D] (the attention's arguments: ``Attention.__call__``); routed None or
         [B, T, k] int, the experts to replay (a sparse layer). Returns (x [B, T, D], the updated cache,
-        the experts each token used [B, T, k] int32, None in a dense layer)."""
+        the experts its router chose for each token [B, T, k] int32, None in a dense layer)."""
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
         x = x + attn_out
         if cache is not None and x.shape[1] == 1 and resolve_impl(self.attn.cfg.attention) == "cudnn":
@@ -379,7 +380,8 @@ class Qwen(nnx.Module):
     def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0, segment_ids=None, *,
                 routed: jax.Array | None = None, with_routing: bool = False):
         """The decoder stack: tokens [B, T] int -> (final-normed hidden [B, T, D], updated cache), and with
-        ``with_routing`` the experts every token used in every layer, [B, T, L, k] int32 (a model with experts).
+        ``with_routing`` the experts its routers chose for every token in every sparse layer, [B, T, L, k] int32
+        (a model with experts).
 
         positions [B, T] int; kv_valid [B, S] bool marks keys that may be attended to (S = T without
         a cache); segment_ids None or [B, T] int32: packed rows (without a cache), a token attends
