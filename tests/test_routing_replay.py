@@ -26,12 +26,19 @@ from pacs_jax.rl import packing
 from pacs_jax.rl.loss_and_grad import loss_and_grad_fn
 from pacs_jax.sampling.settings import SamplingSettings
 from pacs_jax.sharding import make_mesh
-from pacs_jax.training.engine.sampler_programs import assemble_routing
+from pacs_jax.training.engine.sampler_programs import call_routing
 from pacs_jax.training.learner.old_policy import old_policy_passes, update_rows
 from pacs_jax.training.learner.rollout_consistency import consistency_program, routing_consistency_program
 from qwen_reference import hf_logits, max_rel_err, padded_batch, save_random_hf_model
+from pacs_jax.rewards import RewardPool
+from pacs_jax.training.records import PromptBatch
+from pacs_jax.training.rollout import RolloutCollector
+from pacs_jax.training.spec import RunSpec
+from pacs_jax.training.step_programs import StepPrograms
+from test_dynamic_sampling import _parity as parity_answer
 from test_rl_pacs import ref_pacs
-from train_helpers import RL_ONLY_FLAGS, train_env
+from test_train_config import load_config
+from train_helpers import RL_ONLY_FLAGS, tiny_model_on_mesh, train_env
 
 P, N_SAMPLES, TP, R = 2, 2, 5, 6  # prompts, samples a prompt, prompt and response widths
 
@@ -114,7 +121,7 @@ def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(
     plain = sampling.sample(graphdef, params, prompts, prompt_mask, settings, jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
     assert plain.routing is None and out.routing.dtype == np.uint8
-    record = assemble_routing((out.prompt_routing,), (out.routing,), TP, R)
+    record = call_routing(out.prompt_routing, out.routing, TP)
     ids, mask = update_rows(prompts, prompt_mask, out.tokens, out.response_mask)
     _, own = ours(ids, attention_mask=mask, with_routing=True)
     fed = _fed(np.asarray(mask), np.asarray(out.lengths))
@@ -136,7 +143,7 @@ def test_on_a_mesh_each_batch_shards_queue_records_its_rows_in_the_calls_order(m
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))  # replicated (the model is tiny)
         out = sampling.sample(graphdef, params, jnp.asarray(prompts), jnp.asarray(prompt_mask), settings,
                               jax.random.key(2))
-        record = np.asarray(assemble_routing((out.prompt_routing,), (out.routing,), TP, R))
+        record = np.asarray(call_routing(out.prompt_routing, out.routing, TP))
         tokens, response_mask, lengths = (np.asarray(a) for a in (out.tokens, out.response_mask, out.lengths))
     ids, mask = update_rows(jnp.asarray(prompts), jnp.asarray(prompt_mask), jnp.asarray(tokens),
                             jnp.asarray(response_mask))
@@ -161,7 +168,7 @@ def test_a_sampler_with_a_noisy_router_is_replayed_and_the_metrics_show_the_diff
     prompts, prompt_mask, *_ = _rollout(cfg.vocab_size)
     settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, record_routing=True)
     out = sampling.sample(graphdef, noisy, prompts, prompt_mask, settings, jax.random.key(0))
-    record = assemble_routing((out.prompt_routing,), (out.routing,), TP, R)
+    record = call_routing(out.prompt_routing, out.routing, TP)
     passes = old_policy_passes(graphdef, temperature=1.0, num_micro_batches=1,
                                routing=(*routing_shape(cfg), routing_dtype(cfg.num_experts)))
     with jax.set_mesh(make_mesh(1, 1, 1, devices=jax.devices()[:1])):
@@ -229,6 +236,35 @@ def test_pi_old_records_its_routers_experts_and_the_update_on_replayed_experts_i
     want, _, _ = ref_pacs(picked, np.asarray(batch.old_logp, np.float64), np.asarray(response_mask), rewards, N_SAMPLES)
     np.testing.assert_allclose(float(loss), want, rtol=1e-4)
     assert np.abs(np.asarray(grads["layers"]["mlp"]["router_kernel"].get_value())).max() > 0
+
+
+def test_dynamic_sampling_carries_each_kept_rows_record_to_the_update():
+    """R3 with DAPO's dynamic sampling on a 2x2x2 mesh: the step's kept groups come from several gen batches, and
+    the update batch's routing is each kept row's own record (the learner's routing at every fed token: the
+    same float32 weights), as the metric says."""
+    mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16)
+    config = load_config("default.py")
+    config.rollout.update(n=N_SAMPLES, max_new_tokens=R, temperature=1.0)
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.update(prompts_per_step=4, logprob_micro_batches=1, packing=False, router_replay="R3")
+    config.algorithm.filter_groups.update(enable=True, max_num_gen_batches=20)
+    rs = np.random.RandomState(0)
+    batches = iter([PromptBatch([list(rs.randint(2, 96, size=rs.randint(3, 16))) for _ in range(4)], ["7"] * 4,
+                                [f"batch {b}"] * 4) for b in range(20)])
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        graphdef, params = nnx.split(model)
+        spec = RunSpec.unplaced(config)
+        collector = RolloutCollector.from_spec(spec, StepPrograms(spec, graphdef, params, (1,)), decode=parity_answer,
+                                               reward_pool=pool)
+        rollout = collector(params, lambda: next(batches), jax.random.key(11))
+        _, own = model(rollout.batch.input_ids, attention_mask=rollout.batch.attention_mask, with_routing=True)
+        batch, own = jax.tree.map(np.asarray, (rollout.batch, own))
+    assert rollout.metrics["num_gen_batches"] >= 2 and rollout.metrics["routing_mismatch_tokens"] == 0
+    lengths = batch.response_mask.sum(1).astype(int)
+    fed = np.asarray(batch.attention_mask, bool).copy()
+    fed[np.arange(len(lengths)), batch.input_ids.shape[1] - batch.response_mask.shape[1] + lengths - 1] = False
+    np.testing.assert_array_equal(np.sort(batch.routing, -1)[fed], np.sort(own, -1)[fed])
 
 
 MOE_FLAGS = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4",

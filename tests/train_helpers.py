@@ -210,16 +210,18 @@ def with_adapters(mesh, model, config):
         return lora.attach(model, rank=2, alpha=16.0, targets=LORA_MODULES, seed=0), config
 
 
-def tiny_model_on_mesh(seed: int = 5):
+def tiny_model_on_mesh(seed: int = 5, **overrides):
     """(the (2, 2, 2) mesh of the 8 simulated devices, a 1-layer random Qwen3 of a 96-token vocabulary on it,
-    eos 1): the model the step-level tests of dynamic sampling and carry-over train."""
+    eos 1; ``overrides``: QwenConfig fields, a Qwen3-MoE's): the model the step-level tests of dynamic sampling and
+    carry-over train."""
     import jax
 
     from pacs_jax import models, sharding
 
-    cfg = models.QwenConfig(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64,
-                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            attention_bias=False, bos_token_id=None, eos_token_id=1, max_position_embeddings=128)
+    fields = dict(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=False, bos_token_id=None,
+                  eos_token_id=1, max_position_embeddings=128)
+    cfg = models.QwenConfig(**{**fields, **overrides})
     mesh = sharding.make_mesh(2, 2, 2)
     with jax.set_mesh(mesh):
         return mesh, models.init_random(cfg, seed=seed)

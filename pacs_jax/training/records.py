@@ -30,11 +30,15 @@ class PromptBatch:
 
 
 class CallRows(NamedTuple):
-    """One sampler call's rows: tokens, logprobs [B / K, N] (int32, float32), lengths [B / K] int32."""
+    """One sampler call's rows: tokens, logprobs [B / K, N] (int32, float32), lengths [B / K] int32; routing None,
+    or (``train.router_replay`` "R3") [B / K, Tp + N, L, k]: the experts the sampler chose for each row's prompt
+    (left-padded to the largest prompt bucket Tp) and response tokens in every sparse layer
+    (``engine.sampler_programs.call_routing``)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     lengths: jax.Array
+    routing: jax.Array | None = None
 
 
 @dataclasses.dataclass

@@ -908,11 +908,9 @@ class RunSpec:
         require(replay == "disabled" or not self.algorithm.rollout_correction.bypass_mode, "train.router_replay",
                 f"{replay!r} records pi_old's routing, and bypass mode (algorithm.rollout_correction.bypass_mode) "
                 "computes no pi_old; turn one of them off")
-        for on, option in ((rc.carry_over, "rollout.carry_over"), (self.algorithm.filter_groups.enable,
-                                                                   "algorithm.filter_groups.enable")):
-            require(replay != "R3" or not on, "train.router_replay",
-                    f"'R3' with {option}=True is not built yet (the sampler's routing record does not travel with "
-                    "its rows there); use 'R2', or turn the option off")
+        require(replay != "R3" or not rc.carry_over, "train.router_replay",
+                "'R3' with rollout.carry_over=True is not built yet (the sampler's routing record does not travel "
+                "with carry-over's rows); use 'R2', or turn carry-over off")
         self._check_warmstart_data()
         if self.devices is None:
             return

@@ -116,14 +116,11 @@ class RowCollector:
         # one transfer for all calls
         host_calls = distributed.to_host([(o.lengths, o.stopped, o.decode_steps, o.slot_steps) for o in outs])
         lengths, stopped, decode_steps, slot_steps = zip(*host_calls)
-        sampled = self._rows(prompts, tuple(CallRows(o.tokens, o.logprobs, o.lengths) for o in outs), length,
-                             np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
-                             sum(map(int, slot_steps)))
-        if outs[0].routing is None:
-            return sampled
-        routing = self.sampler.assemble_routing(tuple(o.prompt_routing for o in outs), tuple(o.routing for o in outs),
-                                                sampled.prompt_tokens.shape[1], sampled.tokens.shape[1])
-        return dataclasses.replace(sampled, routing=routing)
+        records = [None if o.routing is None else  # R3: each call's rows' routing record
+                   sampler.call_routing(o.prompt_routing, o.routing, sampler.prompt_buckets[-1]) for o in outs]
+        return self._rows(prompts, tuple(CallRows(o.tokens, o.logprobs, o.lengths, r) for o, r in zip(outs, records)),
+                          length, np.concatenate(lengths), np.concatenate(stopped), sum(map(int, decode_steps)),
+                          sum(map(int, slot_steps)))
 
     def _carried(self, state: nnx.State, prompts: PromptBatch, key: jax.Array, watch: StepWatch) -> SampledRows:
         """Carry-over's next call on ``prompts`` (at the largest prompt bucket): the groups it returns as the
@@ -156,10 +153,12 @@ class RowCollector:
                                                   sampler.pass_widths[1] if sampler.packing else R)
         pass_tokens, pass_mask = sampling.left_pad(prompt_ids, len(prompt_ids),
                                                    sampler.pass_widths[0] if sampler.packing else prompt_bucket)
+        routing = None if calls[0].routing is None else sampler.assemble_routing(
+            tuple(c.routing for c in calls), sampler.prompt_buckets[-1], pass_tokens.shape[1], tokens.shape[1])
         rows, local_tokens = distributed.local_rows(tokens)  # waits for the sampler
         return SampledRows(prompts, calls, self._put(pass_tokens), self._put(pass_mask), tokens, response_mask,
                            np.repeat([len(p) for p in prompt_ids], sampler.n), lengths, stopped, prompt_bucket, R,
-                           decode_steps, slot_steps, rows, local_tokens[:, :R])
+                           decode_steps, slot_steps, rows, local_tokens[:, :R], routing=routing)
 
     def score(self, sampled: SampledRows, watch: StepWatch) -> ScoredBatch:
         """Decode and score the rows this process holds (``sampled.local_rows``, in order; a stop ends the

@@ -31,15 +31,19 @@ class FilterGroupsExhausted(PermanentError):
 
 
 
-def select_program(calls: int) -> jax.stages.Wrapped:
-    """``(kept, drawn, source) -> kept'``: K = ``calls`` calls' ``CallRows`` each; source [B] int32, for each row of
-    the step (the K calls' rows in order) the row of ``drawn`` (its calls' rows in order) placed
-    there, or -1 to keep ``kept``'s. Jitted; the results sharded as the sampler's rows."""
+def select_program(calls: int, routing: bool = False) -> jax.stages.Wrapped:
+    """``(kept, drawn, source) -> kept'``: K = ``calls`` calls' ``CallRows`` each (with their routing records when
+    ``routing``); source [B] int32, for each row of the step (the K calls' rows in order) the row of ``drawn`` (its
+    calls' rows in order) placed there, or -1 to keep ``kept``'s. Jitted; the results sharded as the sampler's
+    rows."""
 
     def select(kept: Sequence[CallRows], drawn: Sequence[CallRows], source: jax.Array) -> tuple[CallRows, ...]:
         K = len(kept)
         out = []
-        for field in range(3):
+        for field in range(len(kept[0])):
+            if kept[0][field] is None:  # no routing record
+                out.append([None] * K)
+                continue
             old = jnp.concatenate([call[field] for call in kept], axis=0)
             new = jnp.concatenate([call[field] for call in drawn], axis=0)
             taken = new[jnp.maximum(source, 0)]
@@ -47,7 +51,8 @@ def select_program(calls: int) -> jax.stages.Wrapped:
             out.append(jnp.split(jnp.where(where, taken, old), K, axis=0))
         return tuple(CallRows(*fields) for fields in zip(*out))
 
-    rows = CallRows(batch_sharding((0, 0)), batch_sharding((0, 0)), batch_sharding((0,)))
+    rows = CallRows(batch_sharding((0, 0)), batch_sharding((0, 0)), batch_sharding((0,)),
+                    batch_sharding((0, 0)) if routing else None)
     return jax.jit(select, out_shardings=(rows,) * calls)
 
 

@@ -45,18 +45,22 @@ def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.
                                      **rc.sampler.call_settings(spec.call_responses))
 
 
-def assemble_routing(prompt_routing: tuple[jax.Array, ...], routing: tuple[jax.Array, ...], prompt_width: int,
-                     bucket: int) -> jax.Array:
-    """K sampler calls' routing records (``SampleArrays.prompt_routing`` [P / K, Tp, L, k], ``routing``
-    [P n / K, max_new, L, k]) -> the update rows' [P n, prompt_width + bucket, L, k]: each prompt's record
-    left-padded to ``prompt_width`` (its tokens are left-padded so) and repeated for its n responses, then
-    the response's, cut to ``bucket`` (routing replay R3: the experts the sampler's prefill and decode steps
-    chose, in the layout of training/learner/old_policy.py ``update_rows``)."""
-    prompts = jnp.concatenate(prompt_routing, axis=0)
-    responses = jnp.concatenate(routing, axis=0)[:, :bucket]
-    n = responses.shape[0] // prompts.shape[0]
-    pad = [(0, 0), (prompt_width - prompts.shape[1], 0)] + [(0, 0)] * (prompts.ndim - 2)
-    return jnp.concatenate([jnp.repeat(jnp.pad(prompts, pad), n, axis=0), responses], axis=1)
+def call_routing(prompt_routing: jax.Array, routing: jax.Array, prompt_width: int) -> jax.Array:
+    """A sampler call's routing records (``SampleArrays.prompt_routing`` [P, Tp, L, k], ``routing`` [P n, N, L, k])
+    -> its rows' [P n, prompt_width + N, L, k]: each prompt's record left-padded to ``prompt_width`` (the largest
+    prompt bucket; its tokens are left-padded so) and repeated for its n responses, then the response's (routing
+    replay R3: the experts the sampler's prefill and decode steps chose, rows as the update's)."""
+    n = routing.shape[0] // prompt_routing.shape[0]
+    pad = [(0, 0), (prompt_width - prompt_routing.shape[1], 0)] + [(0, 0)] * (prompt_routing.ndim - 2)
+    return jnp.concatenate([jnp.repeat(jnp.pad(prompt_routing, pad), n, axis=0), routing], axis=1)
+
+
+def assemble_routing(records: tuple[jax.Array, ...], largest_prompt: int, prompt_width: int, bucket: int) -> jax.Array:
+    """K calls' row records (``call_routing``: [P n / K, Tp + N, L, k], Tp = ``largest_prompt``) -> the update rows'
+    [P n, prompt_width + bucket, L, k] (training/learner/old_policy.py ``update_rows``): the last ``prompt_width``
+    prompt positions (left-padded: the prompts' own) and the first ``bucket`` response ones."""
+    rows = jnp.concatenate(records, axis=0)
+    return rows[:, largest_prompt - prompt_width:largest_prompt + bucket]
 
 
 class SamplerPrograms:
@@ -99,11 +103,13 @@ class SamplerPrograms:
             return tokens, (jnp.arange(bucket)[None, :] < lengths[:, None]).astype(jnp.int32)
 
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
-        self.assemble_routing = jax.jit(assemble_routing, static_argnums=(2, 3), out_shardings=rows)
+        self.call_routing = jax.jit(call_routing, static_argnums=2, out_shardings=rows)
+        self.assemble_routing = jax.jit(assemble_routing, static_argnums=(1, 2, 3), out_shardings=rows)
         cfg = nnx.merge(graphdef, params).cfg  # a routing record's [L, k] and dtype (R3: the sampler records them)
         self.routing = ((*routing_shape(cfg), routing_dtype(cfg.num_experts)) if self.settings.record_routing
                         else None)
-        self.select_groups = select_program(self.sampler_calls) if spec.algorithm.filter_groups.enable else None
+        self.select_groups = (select_program(self.sampler_calls, routing=self.routing is not None)
+                              if spec.algorithm.filter_groups.enable else None)
         # carry-over (sampling/carry_over.py): one call a step at the largest prompt bucket, B = P groups returned;
         # room for 2P prompts a call, so that P groups can be in flight between calls (training/engine/carry_over.py)
         self.carry_over = (CarryOverSampler(graphdef, self.settings, prompts=2 * self.num_prompts,
@@ -146,9 +152,14 @@ class SamplerPrograms:
             out = [self._sampler_program(p) for p in buckets]
         call_tokens = (rows((B // K, self.settings.max_new_tokens), jnp.int32),) * K
         call_lengths = (rows((B // K,), jnp.int32),) * K
+        call_records = (None,) * K
+        if self.routing is not None:  # R3: each call's routing record, at the largest prompt bucket
+            out += self._call_routing_programs(largest_only)
+            layers, k, dtype = self.routing
+            call_records = (rows((B // K, self.prompt_buckets[-1] + self.settings.max_new_tokens, layers, k), dtype),) * K
         if self.select_groups is not None:
             call_logp = (rows((B // K, self.settings.max_new_tokens), jnp.float32),) * K
-            calls = tuple(CallRows(*fields) for fields in zip(call_tokens, call_logp, call_lengths))
+            calls = tuple(CallRows(*fields) for fields in zip(call_tokens, call_logp, call_lengths, call_records))
             args = (calls, calls, rows((B,), jnp.int32))
             out.append(Program("select_groups", f"a gen batch's kept groups into the step's {B} rows (dynamic sampling)",
                                lambda a=args: self.select_groups.lower(*a), args, self.resident))
@@ -158,24 +169,32 @@ class SamplerPrograms:
                                lambda r=r: self.assemble.lower(call_tokens, call_lengths, r),
                                (call_tokens, call_lengths), self.resident))
             if self.routing is not None:
-                out += self._routing_programs(r, largest_only)
+                out += self._assemble_routing_programs(call_records, r, largest_only)
         return [dataclasses.replace(p, mesh=self.mesh) for p in out]  # lowered and compiled on the engine's mesh
 
-    def _routing_programs(self, bucket: int, largest_only: bool) -> list[Program]:
-        """``assemble_routing`` of the calls' routing records into rows of ``bucket`` response tokens, one per
-        prompt bucket a call may take (routing replay R3)."""
+    def _call_routing_programs(self, largest_only: bool) -> list[Program]:
+        """``call_routing`` of a call's routing records at each prompt bucket it may take (routing replay R3)."""
         P, B, K, rows = self.num_prompts, self.num_prompts * self.n, self.sampler_calls, self.abstract_rows
         layers, k, dtype = self.routing
-        responses = (rows((B // K, self.settings.max_new_tokens, layers, k), dtype),) * K
+        responses = rows((B // K, self.settings.max_new_tokens, layers, k), dtype)
         out = []
         for p in self.prompt_buckets[-1:] if largest_only else self.prompt_buckets:
-            width = self.pass_widths[0] if self.packing else p
-            prompts = (rows((P // K, p, layers, k), dtype),) * K
-            out.append(Program("assemble_routing", f"{K} calls' routing -> {B} rows x {width}+{bucket} tokens x "
-                                                   f"{layers} layers x {k} experts",
-                               lambda a=(prompts, responses, width, bucket): self.assemble_routing.lower(*a),
+            prompts = rows((P // K, p, layers, k), dtype)
+            out.append(Program("call_routing", f"a call's routing: {P // K} prompts x {p} tokens and {B // K} "
+                                               f"responses x {layers} layers x {k} experts",
+                               lambda a=(prompts, responses, self.prompt_buckets[-1]): self.call_routing.lower(*a),
                                (prompts, responses), self.resident))
         return out
+
+    def _assemble_routing_programs(self, records: tuple, bucket: int, largest_only: bool) -> list[Program]:
+        """``assemble_routing`` of the calls' records into rows of ``bucket`` response tokens, at each prompt width
+        the rows may take (packed: the passes'; routing replay R3)."""
+        B, K, largest = self.num_prompts * self.n, self.sampler_calls, self.prompt_buckets[-1]
+        widths = self.pass_widths[:1] if self.packing else self.prompt_buckets[-1:] if largest_only else \
+            self.prompt_buckets
+        return [Program("assemble_routing", f"{K} calls' routing -> {B} rows x {w}+{bucket} tokens",
+                        lambda a=(records, largest, w, bucket): self.assemble_routing.lower(*a), (records,),
+                        self.resident) for w in widths]
 
     def _sampler_program(self, prompt_tokens: int) -> Program:
         """The sampler (sampling/engine.py, lowered by ``lower_sample``) of one call, for prompts of

@@ -59,7 +59,7 @@ def to_mesh(sampled: SampledRows, mesh: Mesh) -> SampledRows:
     learner's mesh, one step off on split devices)."""
     move = lambda x: jax.device_put(x, batch_sharding(x.shape, mesh))  # noqa: E731
     return dataclasses.replace(
-        sampled, calls=tuple(CallRows(*map(move, c)) for c in sampled.calls),
+        sampled, calls=tuple(CallRows(*(None if x is None else move(x) for x in c)) for c in sampled.calls),
         prompt_tokens=move(sampled.prompt_tokens), prompt_mask=move(sampled.prompt_mask),
         tokens=move(sampled.tokens), response_mask=move(sampled.response_mask),
         routing=None if sampled.routing is None else move(sampled.routing))
