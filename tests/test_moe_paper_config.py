@@ -2,13 +2,16 @@
 compiling it (its plan on a v5p-64: tools/plan_memory.py and tools/plan_step.py, docs/measurements.md 8c).
 
 ``qwen3_30b_a3b,ALGO`` is the mixture-of-experts preset on a mesh whose tensor axis divides the experts'
-width, and passes the trainer's check for the v5p-64's 32 chips as launch/tpu_pod.sh runs it (the data files
-left to the workers); its ``,cpu`` scale is a tiny random model of the same family, experts included, that
-passes the trainer's check on one device.
+width (the 8B's setup otherwise, its sampling split into more calls), and passes the trainer's check for the
+v5p-64's 32 chips as launch/tpu_pod.sh runs it (the data files left to the workers); its ``,cpu`` scale is a
+tiny random model of the same family, experts included, that passes the trainer's check on one device.
+tools/plan_step.py's decode step must read only the experts its tokens route to: their expected share against
+a simulation of uniform routing.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pacs_jax.models.config import preset
@@ -16,6 +19,7 @@ from pacs_jax.sharding import mesh_shape
 from pacs_jax.training.config_check import check_for_slice, validate_config
 from pacs_jax.training.model_spec import model_config
 from pacs_jax.training.spec import RunSpec
+from qwen_reference import load_tool
 from train_helpers import load_config
 
 V5P_64_CHIPS = 32
@@ -40,6 +44,29 @@ def test_the_30b_setup_is_the_moe_preset_and_passes_the_check_for_a_v5p_64(algo)
     assert config.rollout.slots <= rows
 
 
+def _fields(config) -> dict:
+    """{dotted field: value} of a config."""
+    def walk(tree, prefix):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+    return dict(walk(config.to_dict(), ""))
+
+
+def test_the_30b_setup_is_the_8b_setup_but_for_the_model_and_the_sampler_calls():
+    """The paper's setup at Qwen3-8B (its mesh, micro-batches, remat) with the MoE preset; only the prefill's
+    bound (module docstring) splits a step's sampling into more calls of fewer slots."""
+    moe, dense = (_fields(load_config("paper.py", f"{m},pacs_beta1")) for m in ("qwen3_30b_a3b", "qwen3_8b"))
+    differ = {k: (moe[k], dense[k]) for k in moe if moe[k] != dense[k]}
+    assert set(moe) == set(dense)
+    assert differ.pop("model.preset") == ("Qwen3-30B-A3B", "Qwen3-8B")
+    assert differ.pop("workdir") == ("workdir/qwen3_30b_a3b_pacs_beta1", "workdir/qwen3_8b_pacs_beta1")
+    calls, slots = differ.pop("rollout.micro_batches"), differ.pop("rollout.slots")
+    assert calls[0] > calls[1] and slots[0] < slots[1] and differ == {}
+
+
 def test_the_30b_cpu_scale_is_a_tiny_moe_that_passes_the_check_on_one_device():
     small = load_config("paper.py", "qwen3_30b_a3b,pacs_beta1,cpu")
     validate_config(small, device_count=1)
@@ -49,3 +76,17 @@ def test_the_30b_cpu_scale_is_a_tiny_moe_that_passes_the_check_on_one_device():
     assert small.rollout.max_new_tokens == 64 and small.model.preset == ""
     dense = load_config("paper.py", "qwen3_8b,pacs_beta1,cpu")  # the dense family's scale has no experts
     assert (dense.model.model_type, dense.model.num_experts) == ("qwen3", 0)
+
+
+@pytest.mark.parametrize("tokens, experts, per_token", [(1, 128, 8), (4, 16, 2), (32, 128, 8)])
+def test_a_decode_step_must_read_the_experts_its_tokens_route_to(tokens, experts, per_token):
+    share = load_tool("plan_step").experts_touched(tokens, experts, per_token)
+    rng = np.random.default_rng(0)
+    trials = 1000  # each token's k distinct experts drawn uniformly, as top-k of random scores
+    picks = np.argsort(rng.random((trials, tokens, experts)), axis=-1)[..., :per_token]
+    touched = np.zeros((trials, experts), bool)
+    np.put_along_axis(touched, picks.reshape(trials, -1), True, axis=-1)
+    simulated = touched.mean()
+    assert share == pytest.approx(simulated, abs=4 * touched.mean(axis=-1).std() / np.sqrt(trials) + 1e-6)
+    if tokens == 1:
+        assert share == pytest.approx(per_token / experts)
