@@ -30,7 +30,7 @@ def test_the_30b_setup_is_the_moe_preset_and_passes_the_check_for_a_v5p_64(algo)
     config = load_config("paper.py", f"qwen3_30b_a3b,{algo}")
     config.model.random_init = True  # no released weights here: the plan's model
     spec, unchecked = check_for_slice(RunSpec.unplaced(config), V5P_64_CHIPS)
-    assert unchecked == ["data.train_files[0]=data/deepscaler/train.jsonl"]  # on the workers' disks
+    assert set(unchecked) <= {"data.train_files[0]=data/deepscaler/train.jsonl"}  # left to the workers' disks
     cfg = model_config(spec)
     released = preset("Qwen3-30B-A3B")
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok,
