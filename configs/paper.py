@@ -89,13 +89,11 @@ MODELS = {
     # peaks 52.6 / 7.8 / 72.5 GiB (docs/measurements.md section 8b)
     "qwen25_7b_lora": dict(preset="Qwen2.5-7B", mesh=(1, 2, 4), micro_batches=32, logprob_micro_batches=64,
                            rollout_micro_batches=1, slots=1024, remat=_DOTS, lora=dict(rank=32, alpha=64.0)),
-    # Qwen3-30B-A3B (issue 66: 48 layers of 128 experts, 8 a token), v5p-64: 73.1 / 18.3 / 30.5 GiB (the sampler
-    # 66.0 + 7.1 of AdamW state). Its prefill is the bound: the MoE block's dispatch sorts a program's token-expert
-    # slots together, so every device holds all of a call's prompt tokens through it (prompts x 512 x 8 slots of
-    # 2048 floats; 1024 prompts a call: 114.6 GiB of temporaries), whatever the batch shards. 4 calls of 256
-    # prompts: 28.1 GiB of them, and 2048 slots (a call's rows) leave the page pool 24 GiB a device.
+    # Qwen3-30B-A3B (issue 66: 48 layers of 128 experts, 8 a token), v5p-64: 74.5 / 14.9 / 30.2 GiB (the sampler
+    # 67.3 + 7.1 of AdamW state). The 8B's setup with 2048 slots: its 4096 slots' page pool (49 GiB a device beside
+    # the decode layout's 14.2 GiB of bfloat16 weights) would peak at 98.5 GiB.
     "qwen3_30b_a3b": dict(preset="Qwen3-30B-A3B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
-                          rollout_micro_batches=4, slots=2048, remat=_DOTS),
+                          rollout_micro_batches=1, slots=2048, remat=_DOTS),
 }
 LORA_LR_SCALE = 10  # a LoRA MODEL's optim.lr: this many times the paper's
 
