@@ -20,7 +20,8 @@ ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of t
        PAPER_SOURCES below names where the paper reports each ALGO; configs/algorithms.py defines them.
 
 SCALE (optional third part): cpu, the setup shrunk to a CPU smoke test (``_cpu_smoke_test``: a tiny
-random model of the family, a mixture of experts for qwen3_30b_a3b, 8 prompts x 8 responses of 64 tokens, every length that depends on them).
+random model of the family, a mixture of experts for qwen3_30b_a3b, 8 prompts x 8 responses of 64 tokens,
+every length that depends on them).
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
 named after it. Another slice: pick the nearest entry and override --config.mesh.* /
 --config.train.micro_batches / --config.rollout.micro_batches / --config.model.remat, then check
@@ -233,8 +234,8 @@ CPU_TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_s
 
 def _cpu_smoke_test(c: ml_collections.ConfigDict, model_name: str, algo_name: str) -> None:
     """Shrink a paper setup to a CPU smoke test, every dependent field with it: a tiny random model of
-    the family (a MoE MODEL's with CPU_TINY_EXPERTS; the repository's Qwen tokenizer: no model.path), the DeepScaleR subset in data/, 8
-    prompts x 8 responses of <= CPU_MAX_NEW_TOKENS tokens (the response buckets, the algorithm's L_max,
+    the family (a MoE MODEL's with CPU_TINY_EXPERTS; the repository's Qwen tokenizer: no model.path), the
+    DeepScaleR subset in data/, 8 prompts x 8 responses of <= CPU_MAX_NEW_TOKENS tokens (the response buckets, the algorithm's L_max,
     the evaluation lengths, every eval.final.per_set entry's too), fp32, no remat, the mesh over
     whatever devices there are (fsdp), the evaluations on the first 8 problems of MATH-500 and AMC23."""
     family = preset(c.model.preset).model_type  # qwen2, qwen3 or qwen3_moe
