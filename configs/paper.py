@@ -9,6 +9,7 @@ MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 sli
        qwen25_7b_v6e                                (Qwen2.5-7B sized for a TPU v6e-64 slice: 64 chips of 32 GiB)
        qwen25_7b_lora                               (Qwen2.5-7B with LoRA rank 32 on every linear layer, lr 1e-5,
                                                      sized for a TPU v5p-16 slice: 8 chips of 95 GiB)
+       qwen3_30b_a3b                                (Qwen3-30B-A3B, the mixture of experts, sized for a v5p-64)
 ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of the tables: PACS, PACS w/o weight,
                                                                  GRPO, PPO)
        pacs_beta0p1 | pacs_beta0p5 | pacs_beta2 | pacs_beta10     (ablation, beta: v2 section 5.1, Figure 4)
@@ -19,7 +20,8 @@ ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of t
        PAPER_SOURCES below names where the paper reports each ALGO; configs/algorithms.py defines them.
 
 SCALE (optional third part): cpu, the setup shrunk to a CPU smoke test (``_cpu_smoke_test``: a tiny
-random model of the family, 8 prompts x 8 responses of 64 tokens, every length that depends on them).
+random model of the family, a mixture of experts for qwen3_30b_a3b, 8 prompts x 8 responses of 64 tokens,
+every length that depends on them).
 A MODEL fixes the mesh and the memory settings (micro-batches, remat) for its slice; the workdir is
 named after it. Another slice: pick the nearest entry and override --config.mesh.* /
 --config.train.micro_batches / --config.rollout.micro_batches / --config.model.remat, then check
@@ -42,6 +44,7 @@ import ml_collections
 
 from configs import algorithms, base, paper_evaluation
 from pacs_jax.errors import did_you_mean
+from pacs_jax.models.config import preset
 
 # Per model: the preset, the mesh (data, fsdp, tensor; -1 fills the slice) and the memory settings of
 # one step on the slice it is sized for (see the module docstring), each checked to fit with
@@ -87,6 +90,11 @@ MODELS = {
     # peaks 52.6 / 7.8 / 72.5 GiB (docs/measurements.md section 8b)
     "qwen25_7b_lora": dict(preset="Qwen2.5-7B", mesh=(1, 2, 4), micro_batches=32, logprob_micro_batches=64,
                            rollout_micro_batches=1, slots=1024, remat=_DOTS, lora=dict(rank=32, alpha=64.0)),
+    # Qwen3-30B-A3B (issue 66: 48 layers of 128 experts, 8 a token), v5p-64: 74.5 / 14.9 / 30.2 GiB (the sampler
+    # 67.3 + 7.1 of AdamW state). The 8B's setup with 2048 slots: its 4096 slots' page pool (49 GiB a device beside
+    # the decode layout's 14.2 GiB of bfloat16 weights) would peak at 98.5 GiB.
+    "qwen3_30b_a3b": dict(preset="Qwen3-30B-A3B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
+                          rollout_micro_batches=1, slots=2048, remat=_DOTS),
 }
 LORA_LR_SCALE = 10  # a LoRA MODEL's optim.lr: this many times the paper's
 
@@ -221,18 +229,21 @@ CPU_MAX_NEW_TOKENS = 64
 CPU_TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
                       vocab_size=0)  # vocab 0: the tokenizer's
+CPU_TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # a MoE MODEL's sparse block
 
 
 def _cpu_smoke_test(c: ml_collections.ConfigDict, model_name: str, algo_name: str) -> None:
     """Shrink a paper setup to a CPU smoke test, every dependent field with it: a tiny random model of
-    the family (the repository's Qwen tokenizer: no model.path), the DeepScaleR subset in data/, 8
-    prompts x 8 responses of <= CPU_MAX_NEW_TOKENS tokens (the response buckets, the algorithm's L_max,
+    the family (a MoE MODEL's with CPU_TINY_EXPERTS; the repository's Qwen tokenizer: no model.path), the
+    DeepScaleR subset in data/, 8 prompts x 8 responses of <= CPU_MAX_NEW_TOKENS tokens (the response buckets, the algorithm's L_max,
     the evaluation lengths, every eval.final.per_set entry's too), fp32, no remat, the mesh over
     whatever devices there are (fsdp), the evaluations on the first 8 problems of MATH-500 and AMC23."""
-    family = "qwen3" if c.model.preset.startswith("Qwen3") else "qwen2"
+    family = preset(c.model.preset).model_type  # qwen2, qwen3 or qwen3_moe
     c.workdir = f"workdir/{model_name}_{algo_name}_cpu"
     c.model.preset, c.model.model_type = "", family
     c.model.update(CPU_TINY_MODEL)
+    if family == "qwen3_moe":
+        c.model.update(CPU_TINY_EXPERTS)
     c.model.dtype, c.model.param_dtype, c.model.remat = "float32", "float32", "none"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.data.train_files = ("data/deepscaler_subset/math.json", "data/deepscaler_subset/aime.json")

@@ -40,8 +40,10 @@ bandwidth: ``Topology`` peaks), the bound (the largest), the phase's seconds, an
                              XLA counts no FLOPs in a kernel: where attention runs in one, its
                              useful FLOPs are added to the compiled ones)
     decode                   bytes a step must read (the weights' shard in the compute dtype,
-                             the embedding table only if the LM head is tied to it, and the
-                             queue's page pool, full) / compiled bytes accessed
+                             the embedding table only if the LM head is tied to it, of a MoE
+                             layer's experts the share the step's tokens route to, uniformly:
+                             ``experts_touched``, and the queue's page pool, full) / compiled
+                             bytes accessed
 
 For the decode step it also prints what the compiled step launches (``hlo.program_profile``: fusions,
 library kernels, copies, each times the known trips around it) and how many of its layers' weights
@@ -132,6 +134,13 @@ def lengths_median(spec: str, median: float, budget: int) -> tuple[float | None,
     median = fitted_median(mean, budget)
     return median, (f"log-normal fitted to {spec} (mean response {mean:.0f} tokens over its last "
                     f"{len(means) - len(means) // 2} steps): median {median:.0f}, sigma 1, clipped to {budget}")
+
+
+def experts_touched(tokens: int, experts: int, per_token: int) -> float:
+    """The expected share of a mixture-of-experts layer's ``experts`` that a decode step of ``tokens`` tokens
+    routes to, each token to ``per_token`` distinct experts drawn uniformly: 1 - (1 - k / E) ** tokens. The step
+    must read only those experts' weights; routing less even than uniform touches fewer, so this is the most."""
+    return 1.0 - (1.0 - per_token / experts) ** tokens
 
 
 def decode_steps(prompts: np.ndarray, lengths: np.ndarray, slots: int, queues: int) -> tuple[int, float]:
@@ -373,6 +382,11 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     log(f"  the step launches {hlo.program_profile(text).describe()}; {weight_copies_line(layer_weights, text)}")
     pool = per_device([p for p in sizes if p in ("[4].kv.k", "[4].kv.v")])  # the K/V the decode loop carries
     weights = per_device([p for p in sizes if p.startswith("[0]") and (cfg.tie_word_embeddings or "embedding" not in p)])
+    # a MoE layer's experts (models/moe.py): a step reads those its tokens route to
+    experts = per_device([p for p in sizes if p.startswith("[0]") and cfg.num_experts and
+                          any(f"['mlp']['{name}']" in p for name in ("gate_kernel", "up_kernel", "down_kernel"))])
+    touched = experts_touched(settings.slots, cfg.num_experts, cfg.num_experts_per_tok) if experts else 1.0
+    weights -= (1.0 - touched) * experts
     L = cfg.num_hidden_layers
 
     def kernel_reads(fill: float) -> Callable:
@@ -391,7 +405,9 @@ def decode_phase(spec, devices, step, prompts: np.ndarray, lengths: np.ndarray, 
     pages = page and (settings.pages or default_pages(settings.slots, page, settings.max_new_tokens))
     capacity = page and (P // shards * -(-step.sampler.prompt_buckets[-1] // page) + pages) * page  # the pool's tokens
     fill = min(1.0, reads / capacity) if page else 1.0  # the contiguous cache: its rows are read whole
-    log(f"  must read a step: weights {weights / 1e9:.2f} GB + page pool {pool / 1e9:.2f} GB (full); compiled "
+    routed = (f" (the experts' {experts / 1e9:.2f} GB at the {touched:.4f} that {settings.slots} tokens route to, "
+              f"uniformly)") if experts else ""
+    log(f"  must read a step: weights {weights / 1e9:.2f} GB{routed} + page pool {pool / 1e9:.2f} GB (full); compiled "
         f"{full.bytes / 1e9:.2f} GB at a full pool; a mean step reads {fill:.2f} of the pool")
     calls = spec.rollout.micro_batches
     queue_slots = step.sampler.slots // shards
