@@ -78,7 +78,7 @@ from pacs_jax.sampling.seam import (PAD_ID, EngineSpec, QueueInputs, abstract_re
                                     on_queues, prefill, queue_shards, queues, run_chunks, stop_id_array)
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
-from pacs_jax.sharding import constrain, current_rules, decode_rules, replicated
+from pacs_jax.sharding import MeshRules, constrain, current_mesh, current_rules, decode_rules, replicated
 
 _TRACE_COUNT = 0
 
@@ -508,4 +508,27 @@ def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask,
     def step(layout, queue, store, selection, decode_state):
         return decode.decode_step(nnx.merge(graphdef, layout), queue, store, selection, decode_state, refills=refills)
 
-    return jax.jit(step, donate_argnums=4).lower(pre.layout, pre.queue, pre.store, pre.selection, pre.decode_state)
+    return jax.jit(step, donate_argnums=4).lower(_placed_layout(pre.layout), pre.queue, pre.store, pre.selection,
+                                                 pre.decode_state)
+
+
+def _placed_layout(layout: nnx.State) -> nnx.State:
+    """The decode layout's abstract parameters (``jax.eval_shape`` gives them no sharding) placed as
+    ``seam.decode_layout`` places them: split over "tensor" by their logical axes, replicated over the batch
+    axes (a stacked parameter held a buffer a layer: each by the axes after "layers"). Left unplaced, a
+    lowered decode step took a parameter XLA had no constraint on whole on every device (the experts'
+    [E, D, I] kernels of a mixture-of-experts model: a must-read 4x a v5p-64 device's own share)."""
+    rules = decode_rules(MeshRules(current_mesh()))  # a concrete mesh: the arguments' shardings are lowered
+
+    def placed(x, axes):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rules.sharding(axes, x.shape))
+
+    def place(var: nnx.Variable) -> nnx.Variable:
+        axes, value = getattr(var, "logical_axes", None), var.get_value()
+        if axes is None:
+            return var
+        if isinstance(value, tuple):  # one buffer a layer
+            return var.replace(value=tuple(placed(x, axes[1:]) for x in value))
+        return var.replace(value=placed(value, axes))
+
+    return jax.tree.map(place, layout, is_leaf=lambda x: isinstance(x, nnx.Variable))
