@@ -42,7 +42,7 @@ def models_and_batch(tmp_path_factory):
     response_mask = (np.arange(RESPONSE_LEN)[None] < lengths[:, None]).astype(np.int32)
     sampled = types.SimpleNamespace(  # the fields of rollout.SampledRows that pi_old reads
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens, response_mask=response_mask,
-        lengths=lengths, prompt_lengths=np.repeat(prompt_mask.sum(axis=1), N))
+        lengths=lengths, prompt_lengths=np.repeat(prompt_mask.sum(axis=1), N), routing=None)  # no experts: no record
     return hf_model, model, sampled
 
 
