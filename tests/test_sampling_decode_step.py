@@ -40,3 +40,23 @@ def test_the_decode_step_lowers_and_compiles_alone_from_abstract_arguments(page_
     assert re.search(r"f32\[6,96\]", text), "one [slots, vocab] logits block a step"
     contiguous_cache = re.search(r"\[2,6,2,24,16\]", text)  # [L, slots, K, 16 + 8, Dh]
     assert (contiguous_cache is None) == (page_size is not None)
+
+
+def test_a_mixture_of_experts_decode_step_takes_its_weights_split_as_the_sampler_holds_them():
+    """On a (1, 2, 4) mesh the step compiled alone (what tools/plan_step.py costs) takes every expert kernel
+    split over "tensor" and replicated over the batch axes, as the sampler's decode layout holds them: abstract
+    parameters from ``jax.eval_shape`` carry no sharding, and unplaced the experts came in whole."""
+    from pacs_jax.sharding import make_mesh
+
+    cfg = models.QwenConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=48, intermediate_size=80,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, attention_bias=False)
+    with jax.set_mesh(make_mesh(1, 2, 4)):
+        graphdef, state = models.abstract_model(cfg)
+        prompts = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+        settings = sampling.SamplingSettings(max_new_tokens=8, n=2, temperature=1.0, slots=8, page_size=4)
+        compiled = engine.lower_decode_step(graphdef, state, prompts, prompts, settings).compile()
+    layout = compiled.input_shardings[0][0]
+    experts = [s.spec for path, s in jax.tree_util.tree_leaves_with_path(layout)
+               if any("gate_kernel" in str(k) or "down_kernel" in str(k) for k in path) and len(s.spec) == 3]
+    assert experts and all("tensor" in spec and not {"fsdp", "data"} & set(spec) for spec in experts), experts
