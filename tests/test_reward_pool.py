@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -127,6 +128,32 @@ def test_a_dying_worker_scores_its_item_zero():
         assert statuses == [verdict.CRASH] and scores.tolist() == [0.0]
         assert metrics["errors"] == 1 and metrics["worker_restarts"] == 1
         assert one.score(["\\boxed{1}"], ["1"]).scores.tolist() == [1.0]
+
+
+def test_ctrl_c_while_a_worker_starts_reaches_neither_it_nor_the_output(capfd):
+    """Ctrl-C reaches the whole process group, the workers too, which may still be starting: their interpreter
+    importing site's .pth files (the editable install's finder), before a line of theirs ran. A SIGINT every
+    few milliseconds from the moment each worker is spawned until it is ready: no worker dies, none prints
+    a KeyboardInterrupt traceback (both did while the workers ignored SIGINT only from their first line on)."""
+    with rewards.RewardPool(num_workers=2, item_timeout=60.0) as pool:
+        pids = [worker.process.pid for worker in pool._workers]
+        stop = threading.Event()
+
+        def interrupt():
+            while not stop.wait(0.003):
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):  # a worker the signal killed
+                        os.kill(pid, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            scores, _, metrics = pool.score(["\\boxed{1}", "\\boxed{2}"], ["1", "2"])
+        finally:
+            stop.set()
+            interrupter.join()
+    assert scores.tolist() == [1.0, 1.0] and metrics["worker_restarts"] == 0
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 def test_workers_that_cannot_start_raise(monkeypatch):

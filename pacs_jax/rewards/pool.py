@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -40,10 +41,14 @@ _PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 _MAX_FAILED_STARTS = 3
 POLL_S = 0.25  # the most seconds between two calls of score's poll
 # The parent owns Ctrl-C and preemption (SIGINT / SIGTERM to the process group): it finishes or drops the step and
-# closes the worker's pipe, which is when the worker exits. Both are ignored before anything is imported: a Ctrl-C
-# while a worker still imported printed its KeyboardInterrupt traceback into the trainer's output.
+# closes the worker's pipe, which is when the worker exits. A worker starts with both blocked (``_spawn`` blocks them
+# around the fork; the mask outlives exec), ignores them, which drops one already pending, and only then unblocks
+# them: a Ctrl-C while a worker's interpreter still started printed a KeyboardInterrupt traceback from site's .pth
+# files (the editable install's finder) into the trainer's output, before a first line of the worker had run.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _WORKER_ENTRY = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                 "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM}); "
                  "import sys; from pacs_jax.rewards.worker import main; main(sys.argv)")
 _log = logging.getLogger(__name__)
 
@@ -246,10 +251,12 @@ class RewardPool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
         command = [sys.executable, "-c", _WORKER_ENTRY, str(to_worker_r), str(from_worker_w),
                    str(self.memory_limit_bytes or 0)]
-        try:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # one arriving now reaches another thread
+        try:                                                                  # or waits for the unblock below
             process = subprocess.Popen(command, pass_fds=(to_worker_r, from_worker_w), env=env,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(to_worker_r)
             os.close(from_worker_w)
         return _Worker(process, Connection(to_worker_w, readable=False), Connection(from_worker_r, writable=False),
