@@ -114,6 +114,74 @@ def test_peft_export_loaded_by_peft_onto_the_hf_base_gives_our_logits(hf_base, t
     assert (config.r, config.lora_alpha, sorted(config.target_modules)) == (4, 16.0, sorted(targets))
 
 
+def with_random_saved(model: nnx.Module, seed: int) -> nnx.Module:
+    """``model`` with every module trained whole (``lora.saved``) moved by noise (a trained one)."""
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+    moved = [(path, var.replace(value=var.get_value() + 0.2 * jax.random.normal(
+        jax.random.fold_in(key, i), var.get_value().shape, var.get_value().dtype)))
+             for i, (path, var) in enumerate(nnx.to_flat_state(lora.saved(state)))]
+    return nnx.merge(graphdef, nnx.merge_state(state, nnx.from_flat_state(moved)))
+
+
+# peft 0.21.2 reads transformers' deprecated is_gradient_checkpointing (theirs, not ours)
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("arch, names, whole", [
+    # PEFT's rule: "norm" ends the final norm's name and every layer's four (input, post-attention, q, k)
+    ("qwen3_tied_head_dim24", ["embed_tokens", "norm"],
+     {"embedding", "final_norm.scale", "layers.input_norm.scale", "layers.post_attn_norm.scale",
+      "layers.attn.q_norm.scale", "layers.attn.k_norm.scale"}),
+    ("qwen2_untied_bias", ["lm_head", "input_layernorm"], {"lm_head", "layers.input_norm.scale"}),
+])
+def test_modules_to_save_train_whole_beside_the_adapters_and_peft_loads_them(arch, names, whole, tmp_path):
+    """PEFT's modules_to_save: the modules named train whole (their leaves among the trained ones), start at the
+    base's values (its logits exactly), the KL reference puts their original values back (the base's logits
+    exactly, however they trained), merging keeps them, and the PEFT export loaded by peft onto the HF base
+    gives our logits, a tied embedding's LM head tied to it."""
+    folder = tmp_path / arch
+    save_random_hf_model(arch, folder, seed=3)
+    tokens, mask = padded_batch(160, LENGTHS, T, "left")
+    base = checkpoints.from_pretrained(folder, dtype="float32")
+    plain = np.asarray(logits(base, tokens, mask), np.float64)
+    fresh = lora.attach(base, rank=4, alpha=16.0, targets=LORA_MODULES, modules_to_save=names, seed=4)
+    trained, _ = lora.split(nnx.state(fresh))
+    saved = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(lora.saved(trained))}
+    assert {p.removesuffix(".value") for p in saved} == whole
+    np.testing.assert_array_equal(np.asarray(logits(fresh, tokens, mask), np.float64), plain)
+    model = with_random_saved(with_random_b(fresh, seed=6), seed=7)
+    ours = np.asarray(logits(model, tokens, mask), np.float64)
+    graphdef, state = nnx.split(model)
+    reference = nnx.merge(graphdef, lora.switched_off(state, lora.saved(nnx.state(fresh))))
+    np.testing.assert_array_equal(np.asarray(logits(reference, tokens, mask), np.float64), plain)
+    with pytest.raises(ValueError, match="originals are missing"):
+        lora.switched_off(state)
+    adapters_alone = with_random_b(fresh, seed=6)  # the same adapters, the saved modules at the base's values
+    assert max_rel_err(np.asarray(logits(adapters_alone, tokens, mask), np.float64), ours, mask) > 1e-2
+    assert max_rel_err(np.asarray(logits(lora.merge(model), tokens, mask), np.float64), ours, mask) < 1e-4
+    out = export_peft(model, tmp_path / "adapter", base_model=str(folder))
+    hf = save_random_hf_model(arch, tmp_path / "unused", seed=3)  # the same base weights (seed 3)
+    with torch.no_grad():
+        peft_model = peft.PeftModel.from_pretrained(hf, str(out)).eval()
+    assert max_rel_err(ours, hf_logits(peft_model, tokens, mask), mask) < 1e-4
+
+
+@pytest.mark.parametrize("arch, names, words", [
+    ("qwen3_tied_head_dim24", ("lm_head",), "ties its LM head to the embedding: 'embed_tokens' trains both"),
+    ("qwen2_untied_bias", ("q_norm",), "matches no module of this model; there are model.embed_tokens, lm_head"),
+    ("qwen2_untied_bias", ("up_proj",), "names a linear layer"),
+])
+def test_modules_to_save_that_name_no_module_or_a_linear_layer_are_refused(arch, names, words):
+    from qwen_reference import ARCHS
+
+    from pacs_jax.models.config import QwenConfig
+
+    hf = dict(ARCHS[arch], lora_rank=4, lora_alpha=8.0, lora_targets=LORA_MODULES, lora_saved=names)
+    hf.pop("max_position_embeddings")
+    with pytest.raises(ValueError, match="lora_saved") as error:
+        QwenConfig(**hf)
+    assert words in str(error.value)
+
+
 @pytest.mark.parametrize("given, expected", [
     ("all-linear", LORA_MODULES),
     (("v_proj", "q_proj"), ("q_proj", "v_proj")),

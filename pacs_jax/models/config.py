@@ -18,6 +18,13 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")  # see pacs_jax/models/attention.py
 # The linear layers LoRA adapters may target, by PEFT's names for a Qwen (models/lora.py)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The modules a LoRA run may train whole beside its adapters (PEFT's modules_to_save): our name -> the HF module
+# ("{}": each decoder layer's); PEFT's rule picks them: a module is saved when its HF name ends with a given name
+# ("norm": all five kinds of norm, "layernorm": a decoder layer's two, "embed_tokens": the embedding)
+SAVED_MODULES = {"embedding": "model.embed_tokens", "lm_head": "lm_head", "final_norm": "model.norm",
+                 "input_norm": "model.layers.{}.input_layernorm",
+                 "post_attn_norm": "model.layers.{}.post_attention_layernorm",
+                 "q_norm": "model.layers.{}.self_attn.q_norm", "k_norm": "model.layers.{}.self_attn.k_norm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class QwenConfig:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()  # of LORA_MODULES
+    lora_saved: tuple[str, ...] = ()    # PEFT's modules_to_save: names whose modules train whole (``saved_modules``)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,6 +111,34 @@ class QwenConfig:
         unknown = set(self.lora_targets) - set(LORA_MODULES)
         if unknown:
             raise ValueError(f"lora_targets: {sorted(unknown)} are not among {LORA_MODULES}")
+        object.__setattr__(self, "lora_saved", tuple(self.lora_saved))
+        if self.lora_saved and not self.lora_rank:
+            raise ValueError(f"lora_saved={self.lora_saved}: modules trained whole beside LoRA's adapters need "
+                             "lora_rank > 0 (full fine-tuning trains every module)")
+        self.saved_modules  # noqa: B018 (the check)
+
+    @property
+    def saved_modules(self) -> frozenset[str]:
+        """Our modules (SAVED_MODULES' keys) that ``lora_saved`` names on this architecture, by PEFT's rule: an HF
+        module is saved when its name ends with one of the names. ValueError naming lora_saved for a name that
+        matches no module of this model, or a linear layer (adapters train those: lora_targets)."""
+        present = {kind: hf.format(0) for kind, hf in SAVED_MODULES.items()
+                   if (kind != "lm_head" or not self.tie_word_embeddings) and (kind not in ("q_norm", "k_norm")
+                                                                               or self.qk_norm)}
+        linear = [f"model.layers.0.{'self_attn' if m in LORA_MODULES[:4] else 'mlp'}.{m}" for m in LORA_MODULES]
+        saved = set()
+        for name in self.lora_saved:
+            if any(hf.endswith(name) for hf in linear):
+                raise ValueError(f"lora_saved: {name!r} names a linear layer; LoRA's adapters train those "
+                                 "(target_modules), a whole linear layer beside them is not served")
+            found = {kind for kind, hf in present.items() if hf.endswith(name)}
+            if not found:
+                tied = " (this model ties its LM head to the embedding: 'embed_tokens' trains both)" if (
+                    "lm_head".endswith(name) and self.tie_word_embeddings) else ""
+                raise ValueError(f"lora_saved: {name!r} matches no module of this model{tied}; there are "
+                                 + ", ".join(hf.format("{i}") for hf in present.values()))
+            saved |= found
+        return frozenset(saved)
 
     @property
     def qk_norm(self) -> bool:
@@ -130,7 +166,7 @@ class QwenConfig:
 
     def without_adapters(self) -> QwenConfig:
         """This model's base: the same architecture and run options without LoRA adapters."""
-        return self.replace(lora_rank=0, lora_alpha=0.0, lora_targets=())
+        return self.replace(lora_rank=0, lora_alpha=0.0, lora_targets=(), lora_saved=())
 
     # ------------------------------------------------------------------ HF config.json
     @classmethod

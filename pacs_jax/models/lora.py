@@ -2,6 +2,7 @@
 
     targets = resolve_targets("all-linear")             # models/lora_targets.py: ("q_proj", ..., "down_proj")
     model = attach(base_model, rank=32, alpha=64, targets=targets, seed=0)   # B = 0: the base's logits
+    model = attach(base_model, ..., modules_to_save=["embed_tokens", "norm"])  # those trained whole too
     adapters, base = split(params)                      # nnx.State of the LoRAParam leaves, of the rest
     merged = merge(model)                               # a Qwen without adapters: W + alpha / r * A @ B
     plain = base(model)                                 # a Qwen without adapters: W (the same arrays)
@@ -15,6 +16,11 @@ default, Kaiming-uniform with a = sqrt(5)), B at 0, so a fresh adapter changes n
 are ``nnx.LoRAParam`` variables: the learner differentiates and optimises those leaves alone
 (training/learner/trainable.py), and the reference model of the KL loss is the same parameters with
 the adapters switched off (``switched_off``). Our own, not qwix's (docs/decisions/0013-lora.md).
+
+Modules trained whole beside the adapters (PEFT's ``modules_to_save``: the embedding, the norms; QwenConfig
+``lora_saved``) hold ``SavedParam`` variables, a kind of ``LoRAParam``: they train, are checkpointed and move to
+the sampler with the adapters; ``base`` and ``merge`` keep their trained values, the PEFT export writes them
+whole, and the KL reference puts back the values the run started from (``switched_off``'s ``originals``).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pacs_jax.models.config import QwenConfig
+from pacs_jax.models.config import SAVED_MODULES, QwenConfig
 from pacs_jax.models.lora_targets import PEFT_PARENTS
 from pacs_jax.models.loading import abstract_model, host_array, random_param
+from pacs_jax.models.params import SavedParam
 from pacs_jax.models.qwen import Qwen
 
 # PEFT's module name -> (our sub-module of a decoder layer, the adapter's attribute there)
@@ -39,30 +46,48 @@ _KERNELS = {"q_proj": "q_kernel", "k_proj": "k_kernel", "v_proj": "v_kernel", "o
             "gate_proj": "gate_kernel", "up_proj": "up_kernel", "down_proj": "down_kernel"}
 
 
+_ADAPTER = nnx.All(nnx.LoRAParam, nnx.Not(SavedParam))
+
+
 def split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(the adapters' leaves, every other leaf) of a model's state; ``nnx.merge_state`` joins them."""
+    """(the trained leaves: the adapters' and the modules trained whole (``SavedParam``), every other leaf) of a
+    model's state; ``nnx.merge_state`` joins them."""
     return nnx.split_state(params, nnx.LoRAParam, ...)
 
 
-def attach(model: Qwen, *, rank: int, alpha: float, targets: Sequence[str], seed: int = 0) -> Qwen:
+def saved(params: nnx.State) -> nnx.State:
+    """The leaves of the modules a LoRA run trains whole beside its adapters (``SavedParam``; empty without)."""
+    return nnx.split_state(params, SavedParam, ...)[0]
+
+
+def attach(model: Qwen, *, rank: int, alpha: float, targets: Sequence[str], modules_to_save: Sequence[str] = (),
+           seed: int = 0) -> Qwen:
     """``model`` (no adapters; its arrays reused, not copied) with fresh adapters of ``rank`` on the
-    ``targets`` modules, in the shardings of the mesh in context: A drawn from ``seed``, B = 0."""
-    cfg = model.cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=tuple(targets))
+    ``targets`` modules, in the shardings of the mesh in context: A drawn from ``seed``, B = 0; the modules
+    ``modules_to_save`` names (PEFT's, QwenConfig ``lora_saved``) trained whole, from their values in ``model``."""
+    cfg = model.cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=tuple(targets),
+                            lora_saved=tuple(modules_to_save))
     graphdef, abstract = abstract_model(cfg)
-    adapters, _ = split(abstract)
+    adapters, _ = nnx.split_state(abstract, _ADAPTER, ...)
     key = jax.random.key(seed)
     drawn = [(path, var.replace(value=random_param(var, jax.random.fold_in(key, i))))
              for i, (path, var) in enumerate(nnx.to_flat_state(adapters))]
-    return nnx.merge(graphdef, nnx.state(model), nnx.from_flat_state(drawn))
+    base_state = nnx.to_flat_state(nnx.state(model))
+    kinds = dict(nnx.to_flat_state(abstract))
+    retyped = [(path, type(kinds[path])(var.get_value(), **var.get_metadata())) for path, var in base_state]
+    return nnx.merge(graphdef, nnx.from_flat_state(retyped), nnx.from_flat_state(drawn))
 
 
-def switched_off(params: nnx.State) -> nnx.State:
-    """``params`` with every adapter's B at 0 (the base model's logits exactly; the base's arrays are the
-    same ones): the KL loss's reference model."""
+def switched_off(params: nnx.State, originals: nnx.State | None = None) -> nnx.State:
+    """``params`` with every adapter's B at 0 and the modules trained whole back at ``originals`` (``saved`` of
+    the weights the run started from; None without such modules): the base model's logits exactly (its arrays
+    the same ones), the KL loss's reference model."""
     adapters, frozen = split(params)
     off = jax.tree.map(lambda var: var.replace(value=jnp.zeros_like(var.get_value())) if _is_b(var) else var,
                        adapters, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge_state(frozen, off)
+    if len(nnx.to_flat_state(saved(params))) and originals is None:
+        raise ValueError("switched_off: the model trains modules whole (lora_saved) and their originals are missing")
+    return nnx.merge_state(frozen, off, *(() if originals is None else (originals,)))
 
 
 def _is_b(var: nnx.Variable) -> bool:
@@ -86,9 +111,11 @@ def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
 
 
 def base(model: Qwen, kernels: dict[str, jax.Array] | None = None) -> Qwen:
-    """``model`` without its adapters: its base (the same arrays), or with ``kernels`` ({PEFT module name:
-    stacked kernel}) in place of those modules' kernels."""
-    _, state = split(nnx.state(model))
+    """``model`` without its adapters: its base (the same arrays, the modules trained whole as they are now), or
+    with ``kernels`` ({PEFT module name: stacked kernel}) in place of those modules' kernels."""
+    trained, state = split(nnx.state(model))
+    whole = [(path, nnx.Param(var.get_value(), **var.get_metadata())) for path, var in nnx.to_flat_state(saved(trained))]
+    state = nnx.merge_state(state, nnx.from_flat_state(whole))
     for name, kernel in (kernels or {}).items():
         sub, _ = _PLACES[name]
         variable = state["layers"][sub][_KERNELS[name]]
@@ -112,7 +139,8 @@ def merge(model: Qwen) -> Qwen:
 
 
 def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
-    """(PEFT tensor name, host array) of every adapter, one layer at a time, as PEFT saves a Qwen's LoRA:
+    """(PEFT tensor name, host array) of every adapter, one layer at a time, as PEFT saves a Qwen's LoRA, then
+    of every module trained whole (``_peft_saved_tensors``):
     ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight``
     [out, in] with in / out the HF Linear's features (heads flattened)."""
     for name, a, b in _adapter_arrays(model):
@@ -123,12 +151,45 @@ def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
             yield f"{prefix}.lora_A.weight", np.ascontiguousarray(a[layer].reshape(-1, r).T)
             yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b[layer].reshape(r, -1).T)
+    yield from _peft_saved_tensors(model)
+
+
+def _saved_arrays(model: Qwen) -> Iterator[tuple[str, jax.Array]]:
+    """(config.SAVED_MODULES' HF module, its weight as HF holds it: [out, in] for the LM head; [L, ...] for a
+    decoder layer's module) of each module ``model`` trains whole."""
+    layers, kinds = model.layers, model.cfg.saved_modules
+    held = {"embedding": lambda: model.embedding[...], "lm_head": lambda: model.lm_head[...].T,
+            "final_norm": lambda: model.final_norm.scale[...], "input_norm": lambda: layers.input_norm.scale[...],
+            "post_attn_norm": lambda: layers.post_attn_norm.scale[...],
+            "q_norm": lambda: layers.attn.q_norm.scale[...], "k_norm": lambda: layers.attn.k_norm.scale[...]}
+    for kind, hf in SAVED_MODULES.items():
+        if kind in kinds:
+            yield hf, held[kind]()
+    if "embedding" in kinds and model.cfg.tie_word_embeddings:  # PEFT keeps the tied head beside it
+        yield "lm_head", model.embedding[...]
+
+
+def _peft_saved_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
+    """(PEFT tensor name, host array) of every module trained whole, as PEFT saves a ``modules_to_save``
+    module: ``base_model.model.model.norm.weight``, one a layer for a decoder layer's
+    (``base_model.model.model.layers.{i}.input_layernorm.weight``)."""
+    for hf, array in _saved_arrays(model):
+        array = host_array(array)  # every process takes part in the gather
+        if "{}" not in hf:
+            yield f"base_model.model.{hf}.weight", np.ascontiguousarray(array)
+            continue
+        for layer in range(array.shape[0]):
+            yield f"base_model.model.{hf.format(layer)}.weight", np.ascontiguousarray(array[layer])
 
 
 def peft_config(cfg: QwenConfig, base_model: str) -> dict:
-    """adapter_config.json as PEFT writes it for these adapters (``base_model``: the base's path or name)."""
+    """adapter_config.json as PEFT writes it for these adapters (``base_model``: the base's path or name); the
+    modules trained whole are its ``modules_to_save``, a tied embedding's head kept tied
+    (``ensure_weight_tying``)."""
+    tied = "embedding" in cfg.saved_modules and cfg.tie_word_embeddings
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.lora_targets),
             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": list(cfg.lora_saved) or None,
+            "ensure_weight_tying": tied, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+            "alpha_pattern": {}}

@@ -1,4 +1,4 @@
-"""Our parameters' construction: each an ``nnx.Param`` (or ``nnx.LoRAParam``) carrying its logical axes
+"""Our parameters' construction: each an ``nnx.Param`` (or ``nnx.LoRAParam``, ``SavedParam``) carrying its logical axes
 (pacs_jax/sharding.py) and its init kind (models/loading.py ``init_random`` redraws from it), stacked over
 layers ([L, ...]) when the module is a scanned stack."""
 
@@ -9,6 +9,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+
+class SavedParam(nnx.LoRAParam):
+    """A parameter a LoRA run trains whole beside its adapters (PEFT's ``modules_to_save``, QwenConfig
+    ``lora_saved``): a ``LoRAParam`` for every filter that picks what trains, what a checkpoint holds and what
+    one step off moves; models/lora.py keeps it in the base and exports it whole."""
 
 
 def init_value(kind: str, key: jax.Array, shape, dtype) -> jax.Array:

@@ -35,7 +35,7 @@ from pacs_jax.models.attention import attention, decode_attention, resolve_impl
 from pacs_jax.models.config import QwenConfig, layer_stacks
 from pacs_jax.models import kernels
 from pacs_jax.models.moe import MoE
-from pacs_jax.models.params import make_param
+from pacs_jax.models.params import SavedParam, make_param
 from pacs_jax.models.paged_attention import PageView, paged_decode_attention, write as write_pages
 from pacs_jax.sharding import constrain, platform
 
@@ -61,9 +61,9 @@ class RMSNorm(nnx.Module):
     """x / sqrt(mean(x^2) + eps) * scale, computed in float32: [..., N] -> [..., N]."""
 
     def __init__(self, size: int, eps: float, param_dtype, logical_axis: str, rngs: nnx.Rngs,
-                 layers: int | None = None):
+                 layers: int | None = None, kind: type[nnx.Param] = nnx.Param):
         self.eps = eps
-        self.scale = make_param(rngs, (size,), (logical_axis,), param_dtype, init="ones", layers=layers)
+        self.scale = make_param(rngs, (size,), (logical_axis,), param_dtype, init="ones", layers=layers, kind=kind)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -104,6 +104,12 @@ class Adapter(nnx.Module):
         return _dot_rounded(self.specs[1], down, self.b[...]) * jnp.asarray(self.scale, x.dtype)
 
 
+def param_kind(cfg: QwenConfig, module: str) -> type[nnx.Param]:
+    """The variable type of module ``module``'s parameters (config.SAVED_MODULES' names): ``SavedParam`` when a
+    LoRA run trains it whole (QwenConfig ``saved_modules``), else ``nnx.Param``."""
+    return SavedParam if module in cfg.saved_modules else nnx.Param
+
+
 def adapter(cfg: QwenConfig, name: str, in_dims, out_dims, rngs: nnx.Rngs, layers: int | None) -> Adapter | None:
     """The adapter of module ``name`` (PEFT's name: "q_proj", ...) when cfg targets it, else None."""
     return Adapter(cfg, in_dims, out_dims, rngs, layers) if name in cfg.lora_targets else None
@@ -130,8 +136,8 @@ class Attention(nnx.Module):
             self.k_bias = param((K, Dh), ("kv_heads", "head_dim"), init="zeros")
             self.v_bias = param((K, Dh), ("kv_heads", "head_dim"), init="zeros")
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers)
-            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers)
+            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers, param_kind(cfg, "q_norm"))
+            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd, "head_dim", rngs, layers, param_kind(cfg, "k_norm"))
 
     def _project(self, x, kernel, bias_name, lora: Adapter | None):
         out = _dot_rounded("btd,dnh->btnh", x, kernel[...])
@@ -288,9 +294,9 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None, sparse: bool = False):
         norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs, layers)
-        self.input_norm = norm()
+        self.input_norm = norm(param_kind(cfg, "input_norm"))
         self.attn = Attention(cfg, rngs, layers)
-        self.post_attn_norm = norm()
+        self.post_attn_norm = norm(param_kind(cfg, "post_attn_norm"))
         self.mlp = MoE(cfg, rngs, layers) if sparse else MLP(cfg, rngs, layers)
 
     def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None, routed=None):
@@ -352,12 +358,15 @@ class Qwen(nnx.Module):
 
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
+        self.embedding = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype,
+                                    kind=param_kind(cfg, "embedding"))
         for name, sparse, _, count in layer_stacks(cfg):  # stacked: [L, ...] params (one stack but for mixed kinds)
             setattr(self, name, DecoderLayer(cfg, rngs, layers=count, sparse=sparse))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, "norm", rngs,
+                                  kind=param_kind(cfg, "final_norm"))
         if not cfg.tie_word_embeddings:
-            self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+            self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype,
+                                      kind=param_kind(cfg, "lm_head"))
 
     def lm_head_kernel(self) -> jax.Array:
         """The output projection [D, V] (the embedding transposed when tied), in param dtype."""
