@@ -66,6 +66,10 @@ def get_config() -> ml_collections.ConfigDict:
         lora_alpha=16.0,
         target_modules=ml_collections.FieldReference("all-linear", field_type=object),  # all-linear | a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
                                   # down_proj | a regular expression searched in "self_attn.q_proj", "mlp.up_proj", ...
+        # PEFT's modules_to_save: modules LoRA trains whole beside the adapters, by PEFT's rule (an HF module whose
+        # name ends with one: "embed_tokens" the embedding (a tied LM head with it), "lm_head", "norm" every norm,
+        # "layernorm" a layer's two); their original copy is the KL reference's. A list, or names with commas.
+        modules_to_save=ml_collections.FieldReference((), field_type=object),
     ))
 
     c.mesh = ml_collections.ConfigDict(dict(

@@ -55,7 +55,7 @@ def model_config_dict(cfg: QwenConfig, base: LoraBase | None = None) -> dict:
     ours = {k: getattr(cfg, k) for k in run}
     if cfg.lora_rank:
         ours["lora"] = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets),
-                        **({} if base is None else base._asdict())}
+                        "modules_to_save": list(cfg.lora_saved), **({} if base is None else base._asdict())}
     return {**cfg.to_hf_dict(), "pacs_jax": ours}
 
 
@@ -84,7 +84,8 @@ def read_model_config(directory: str | os.PathLike, **overrides) -> QwenConfig:
     raw, ours = _read_model_config(directory)
     adapters = ours.pop("lora", None)
     if adapters is not None:
-        ours.update(lora_rank=adapters["rank"], lora_alpha=adapters["alpha"], lora_targets=tuple(adapters["targets"]))
+        ours.update(lora_rank=adapters["rank"], lora_alpha=adapters["alpha"], lora_targets=tuple(adapters["targets"]),
+                    lora_saved=tuple(adapters.get("modules_to_save", ())))
     return QwenConfig.from_hf_dict(raw, source=str(epath.Path(directory) / MODEL_CONFIG_FILE), **{**ours, **overrides})
 
 
@@ -185,7 +186,7 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
     run = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention,
                attention_block_size=cfg.attention_block_size)
     model = lora.attach(from_pretrained(base.model_path, **run) if base.model_path else init_random(plain, base.seed),
-                        rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+                        rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets, modules_to_save=cfg.lora_saved)
     graphdef, state = nnx.split(model)
     adapters, frozen = lora.split(state)
     restored = params_from_flat(adapters, restore_flat_params(params_dir, abstract(flat_params(adapters))))
@@ -265,10 +266,11 @@ def check_model_dir(path: str | os.PathLike) -> QwenConfig:
         raise ModelFolderError(f"{path}: {_first_line(e).split(': ', 1)[-1]}") from None
     tree = getattr(stored, "item_metadata", stored)
     shapes = {key: tuple(meta.shape) for key, meta in tree.items()} if hasattr(tree, "items") else {}
-    needed = param_shapes(cfg)
     base = read_lora_base(config_dir)
-    if base is not None:  # a training checkpoint of LoRA adapters: they alone are in it, the base is its model.path
-        needed = {k: shape for k, shape in needed.items() if "_lora." in k}
+    # a training checkpoint of LoRA adapters: they alone are in it (and the modules trained whole), the base is its
+    # model.path
+    needed = param_shapes(cfg, nnx.Param if base is None else nnx.LoRAParam)
+    if base is not None:
         if base.model_path:
             try:
                 check_model_dir(base.model_path)

@@ -27,6 +27,29 @@ SAVED_MODULES = {"embedding": "model.embed_tokens", "lm_head": "lm_head", "final
                  "q_norm": "model.layers.{}.self_attn.q_norm", "k_norm": "model.layers.{}.self_attn.k_norm"}
 
 
+def saved_kinds(names, *, tied: bool, qk_norm: bool) -> frozenset[str]:
+    """Our modules (SAVED_MODULES' keys) that PEFT's ``modules_to_save`` ``names`` name on a model whose LM head
+    is its embedding (``tied``) or not, with q/k norms or not, by PEFT's rule: an HF module is saved when its name
+    ends with one of the names. ValueError naming modules_to_save for a name that matches no module there, or a
+    linear layer (LoRA's adapters train those: target_modules)."""
+    present = {kind: hf.format(0) for kind, hf in SAVED_MODULES.items()
+               if (kind != "lm_head" or not tied) and (kind not in ("q_norm", "k_norm") or qk_norm)}
+    linear = [f"model.layers.0.{'self_attn' if m in LORA_MODULES[:4] else 'mlp'}.{m}" for m in LORA_MODULES]
+    saved = set()
+    for name in names:
+        if any(hf.endswith(name) for hf in linear):
+            raise ValueError(f"modules_to_save: {name!r} names a linear layer; LoRA's adapters train those "
+                             "(target_modules), a whole linear layer beside them is not served")
+        found = {kind for kind, hf in present.items() if hf.endswith(name)}
+        if not found:
+            why = " (this model ties its LM head to the embedding: 'embed_tokens' trains both)" if (
+                "lm_head".endswith(name) and tied) else ""
+            raise ValueError(f"modules_to_save: {name!r} matches no module of this model{why}; there are "
+                             + ", ".join(hf.format("{i}") for hf in present.values()))
+        saved |= found
+    return frozenset(saved)
+
+
 @dataclasses.dataclass(frozen=True)
 class QwenConfig:
     """Architecture of a Qwen decoder plus the dtypes and remat policy used to run it."""
@@ -113,32 +136,14 @@ class QwenConfig:
             raise ValueError(f"lora_targets: {sorted(unknown)} are not among {LORA_MODULES}")
         object.__setattr__(self, "lora_saved", tuple(self.lora_saved))
         if self.lora_saved and not self.lora_rank:
-            raise ValueError(f"lora_saved={self.lora_saved}: modules trained whole beside LoRA's adapters need "
+            raise ValueError(f"modules_to_save={list(self.lora_saved)}: modules trained whole beside LoRA's adapters need "
                              "lora_rank > 0 (full fine-tuning trains every module)")
         self.saved_modules  # noqa: B018 (the check)
 
     @property
     def saved_modules(self) -> frozenset[str]:
-        """Our modules (SAVED_MODULES' keys) that ``lora_saved`` names on this architecture, by PEFT's rule: an HF
-        module is saved when its name ends with one of the names. ValueError naming lora_saved for a name that
-        matches no module of this model, or a linear layer (adapters train those: lora_targets)."""
-        present = {kind: hf.format(0) for kind, hf in SAVED_MODULES.items()
-                   if (kind != "lm_head" or not self.tie_word_embeddings) and (kind not in ("q_norm", "k_norm")
-                                                                               or self.qk_norm)}
-        linear = [f"model.layers.0.{'self_attn' if m in LORA_MODULES[:4] else 'mlp'}.{m}" for m in LORA_MODULES]
-        saved = set()
-        for name in self.lora_saved:
-            if any(hf.endswith(name) for hf in linear):
-                raise ValueError(f"lora_saved: {name!r} names a linear layer; LoRA's adapters train those "
-                                 "(target_modules), a whole linear layer beside them is not served")
-            found = {kind for kind, hf in present.items() if hf.endswith(name)}
-            if not found:
-                tied = " (this model ties its LM head to the embedding: 'embed_tokens' trains both)" if (
-                    "lm_head".endswith(name) and self.tie_word_embeddings) else ""
-                raise ValueError(f"lora_saved: {name!r} matches no module of this model{tied}; there are "
-                                 + ", ".join(hf.format("{i}") for hf in present.values()))
-            saved |= found
-        return frozenset(saved)
+        """Our modules (SAVED_MODULES' keys) that ``lora_saved`` names on this architecture (``saved_kinds``)."""
+        return saved_kinds(self.lora_saved, tied=self.tie_word_embeddings, qk_norm=self.qk_norm)
 
     @property
     def qk_norm(self) -> bool:

@@ -55,10 +55,10 @@ def dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def param_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
-    """{dotted path: shape} of every parameter of ``Qwen(cfg)``, traced abstractly (nothing allocated,
-    no mesh needed)."""
-    state = nnx.state(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+def param_shapes(cfg: QwenConfig, kind: type[nnx.Param] = nnx.Param) -> dict[str, tuple[int, ...]]:
+    """{dotted path: shape} of every parameter of ``Qwen(cfg)`` (of variable type ``kind``: ``nnx.LoRAParam``,
+    what a LoRA run trains), traced abstractly (nothing allocated, no mesh needed)."""
+    state = nnx.state(nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0))), kind)
     return {dotted(path): tuple(var.get_value().shape) for path, var in nnx.to_flat_state(state)}
 
 

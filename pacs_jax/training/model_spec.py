@@ -35,7 +35,8 @@ def lora_options(spec: RunSpec) -> dict:
     m = spec.model
     if not m.lora_rank:
         return {}
-    return dict(lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha), lora_targets=m.lora_targets)
+    return dict(lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha), lora_targets=m.lora_targets,
+                lora_saved=m.modules_to_save)
 
 
 def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):

@@ -130,7 +130,7 @@ def with_adapters(spec: RunSpec, base: models.Qwen) -> models.Qwen:
     if not adapters:
         return base
     return lora.attach(base, rank=adapters["lora_rank"], alpha=adapters["lora_alpha"],
-                       targets=adapters["lora_targets"], seed=spec.seed)
+                       targets=adapters["lora_targets"], modules_to_save=adapters["lora_saved"], seed=spec.seed)
 
 
 def eval_sets(spec: RunSpec, held_out: list[data.Problem]) -> list[evaluation.EvalSet]:

@@ -28,7 +28,7 @@ from pacs_jax.data.sources import SOURCES
 from pacs_jax.errors import PermanentError, did_you_mean
 from pacs_jax.evaluation.runner import EvalSettings
 from pacs_jax.models.lora_targets import resolve_targets as resolve_lora_targets
-from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES
+from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES, saved_kinds
 from pacs_jax.models.moe import ROUTER_REPLAY_MODES
 from pacs_jax.rewards import REWARD_MODES, REWARDS
 from pacs_jax.rl import filter_groups, rollout_correction
@@ -508,14 +508,28 @@ class ModelSpec:
     lora_rank: int
     lora_alpha: float
     target_modules: str | tuple[str, ...]
+    modules_to_save: tuple[str, ...]
 
     def __post_init__(self):
+        names = self.modules_to_save
+        object.__setattr__(self, "modules_to_save", tuple(n for n in names.split(",") if n) if isinstance(names, str)
+                           else tuple(names))
         require(isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool) and self.lora_rank >= 0,
                 "model.lora_rank", f"must be an integer >= 0 (0: full fine-tuning), got {self.lora_rank!r}")
         if self.lora_rank:
             require(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, "model.lora_alpha",
                     f"must be > 0 (the adapters' scale is lora_alpha / lora_rank), got {self.lora_alpha!r}")
             self.lora_targets  # noqa: B018 (the check)
+        if self.modules_to_save:
+            require(bool(self.lora_rank), "model.modules_to_save",
+                    f"{list(self.modules_to_save)} trains modules whole beside LoRA's adapters, and model.lora_rank "
+                    "is 0 (full fine-tuning trains every module): set model.lora_rank, or leave it empty")
+            require(all(isinstance(n, str) and n for n in self.modules_to_save), "model.modules_to_save",
+                    f"must be module names (PEFT's), got {self.modules_to_save!r}")
+            try:  # names no Qwen has (this model's own architecture is checked where it is known: QwenConfig)
+                saved_kinds(self.modules_to_save, tied=False, qk_norm=True)
+            except ValueError as e:
+                raise ConfigError(f"config.model.{e}") from None
         require_choice(self.remat, REMAT_POLICIES, "model.remat")
         for field in ("dtype", "param_dtype"):
             value = getattr(self, field)

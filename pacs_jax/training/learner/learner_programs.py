@@ -178,11 +178,13 @@ class LearnerPrograms:
         return memory_check.per_device_bytes(self.state) + critic + self.reference_bytes()
 
     def reference_bytes(self) -> int:
-        """The KL loss's frozen reference copy a device holds (bytes; 0 with LoRA, whose reference is the
-        weights with the adapters off, or without the KL loss): training/learner/kl_reference.py."""
-        if self.kl_loss is None or self.trainable.adapters_only:
+        """The KL loss's frozen reference copy a device holds (bytes; 0 without the KL loss; with LoRA, whose
+        reference is the weights with the adapters off, the modules it trains whole alone):
+        training/learner/kl_reference.py."""
+        if self.kl_loss is None:
             return 0
-        return memory_check.per_device_bytes(self.state[0])
+        params = self.state[0]
+        return memory_check.per_device_bytes(lora.saved(params) if self.trainable.adapters_only else params)
 
     # ------------------------------------------------------------------------ abstract arguments
     def abstract_rows(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:

@@ -101,20 +101,24 @@ class RolloutBatcher:
 
     def __init__(self, learner: LearnerPrograms, *, n: int, max_logprob_diff: float = 0.0, split: bool = False):
         self.learner, self.n, self.max_logprob_diff, self.split = learner, n, max_logprob_diff, split
-        self.reference: nnx.State | None = None  # the KL loss's frozen reference without LoRA (``hold_reference``)
+        self.reference: nnx.State | None = None  # the KL loss's frozen reference copy (``hold_reference``)
 
     def hold_reference(self, reference: nnx.State | None) -> None:
         """The KL loss's reference weights for the run (full fine-tuning: the frozen copy RL started from;
-        None with LoRA, whose reference is the learner's weights with the adapters off)."""
+        with LoRA, whose reference is the learner's weights with the adapters off, the copy of the modules it
+        trains whole, or None when it trains none)."""
         self.reference = reference
 
     def _reference_logprobs(self, state: nnx.State, args: list, **packed) -> jax.Array:
         """The KL loss's reference log-probs of the rows [B, R]: pi_old's program (``packed``: its packing plan
         and passes) on the reference's weights."""
         learner = self.learner
-        reference = lora.switched_off(state) if learner.trainable.adapters_only else self.reference
-        if reference is None:
+        if learner.trainable.adapters_only:
+            reference = lora.switched_off(state, self.reference)
+        elif self.reference is None:
             raise ValueError("algorithm.use_kl_loss without LoRA: the run holds no reference (hold_reference)")
+        else:
+            reference = self.reference
         batch, _ = learner.pi_old(reference, *args, **packed)
         return batch.old_logp
 
