@@ -32,6 +32,17 @@ def _refusal(**fields) -> str:
      "config.model.target_modules: 'lm_head' matches no module; the modules are self_attn.q_proj, self_attn.k_proj, "
      "self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj"),
     ({"model__lora_rank": 8, "algorithm__objective": "ppo"}, "config.model.lora_rank: 8 with algorithm.objective 'ppo'"),
+    ({"model__modules_to_save": "embed_tokens"}, "config.model.modules_to_save: ['embed_tokens'] trains modules whole "
+                                                 "beside LoRA's adapters, and model.lora_rank is 0"),
+    ({"model__lora_rank": 8, "model__modules_to_save": ["embed_tokens", "up_proj"]},
+     "config.model.modules_to_save: 'up_proj' names a linear layer; LoRA's adapters train those"),
+    ({"model__lora_rank": 8, "model__modules_to_save": "embed_tokens,embeddings"},
+     "config.model.modules_to_save: 'embeddings' matches no module of this model; there are model.embed_tokens, "
+     "lm_head, model.norm, model.layers.{i}.input_layernorm"),
+    # the demo's model ties its head to its embedding (its own architecture, known before anything runs)
+    ({"model__lora_rank": 8, "model__modules_to_save": "lm_head"},
+     "modules_to_save: 'lm_head' matches no module of this model (this model ties its LM head to the embedding: "
+     "'embed_tokens' trains both)"),
     ({"algorithm__kl_loss_type": "full"}, "config.algorithm.kl_loss_type: 'full' is not one of"),
     ({"algorithm__kl_loss_type": "low_var"}, "did you mean 'low_var_kl'?"),
     ({"algorithm__kl_loss_coef": -0.1}, "config.algorithm.kl_loss_coef: must be >= 0, got -0.1"),

@@ -45,7 +45,7 @@ def saved_kinds(names, *, tied: bool, qk_norm: bool) -> frozenset[str]:
             why = " (this model ties its LM head to the embedding: 'embed_tokens' trains both)" if (
                 "lm_head".endswith(name) and tied) else ""
             raise ValueError(f"modules_to_save: {name!r} matches no module of this model{why}; there are "
-                             + ", ".join(hf.format("{i}") for hf in present.values()))
+                             + ", ".join(SAVED_MODULES[kind].format("{i}") for kind in present))
         saved |= found
     return frozenset(saved)
 
