@@ -125,3 +125,26 @@ def test_the_grouped_matmul_choice_is_recorded_with_why_a_gpu_is_not_served_by_a
     gpu = kernels.moe_gemm("gpu")
     assert "densely" in gpu.reason and "moe gemm: ragged_dot (not the kernel:" in str(gpu)
     assert kernels.moe_gemm("tpu").reason == ""  # XLA:TPU's grouped kernel
+
+
+def test_each_batch_shard_sorts_its_own_tokens_and_tokens_that_do_not_divide_are_named():
+    """On a 2x2x2 mesh (4 batch shards) the block dispatches each shard's tokens by itself (local_dispatch) and
+    gives the single device's output; a batch of tokens the 4 shards do not divide takes one global sort, named
+    on the kernels line with why (every slot gathered to every device), with the same output."""
+    from pacs_jax import sharding
+
+    block = _block(_config())
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    run = nnx.jit(lambda b, x: b(x))
+    for rows, impl in ((8, "per batch shard"), (6, "one global sort")):
+        x = jax.random.normal(jax.random.key(rows), (rows, 1, D), jnp.float32)  # [B, T, D]: B tokens of one
+        want = np.asarray(block(x))
+        kernels._CHOSEN.clear()  # the record keeps a process's first of each choice: this run's alone
+        with jax.set_mesh(mesh):
+            got = np.asarray(run(block, x))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        (choice,) = [c for c in kernels.chosen() if c.op == "moe dispatch"]
+        assert choice.impl == impl
+    fallback = choice
+    assert fallback.reason == ("6 tokens do not divide over the 4 batch shards (data x fsdp): every slot gathered "
+                               "to every device")

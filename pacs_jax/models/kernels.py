@@ -4,7 +4,7 @@ choice made once at trace time from them, and a record of what was chosen.
 Ops: "attention" (training, log-probs and prefill over padded rows), "packed attention" (training and
 log-probs over packed rows: segment ids), "paged decode" (the paged sampler's decode step), "token
 selection" (the decode step's LM head and token selection), "moe gemm" (a mixture-of-experts layer's grouped
-matmul, models/moe.py).
+matmul, models/moe.py), "moe dispatch" (where that layer sorts its tokens by expert).
 
 A kernel that does not take a shape is not called: the op runs the XLA path, and the choice says why
 (``KernelChoice.reason``), so a config never meets a kernel's lowering error at step 1. Every choice
@@ -139,3 +139,14 @@ def moe_gemm(platform: str) -> KernelChoice:
     reason = ("XLA:GPU computes every expert's group densely (num_experts x the FLOPs); tokamax's mosaic_gpu "
               "grouped matmul is not wired in yet") if platform == "gpu" else ""
     return _record(KernelChoice("moe gemm", "ragged_dot", reason))
+
+
+def moe_dispatch(tokens: int, shards: int, axes: tuple[str, ...]) -> KernelChoice:
+    """Where a mixture-of-experts layer sorts its ``tokens`` token-expert slots (models/moe.py ``local_dispatch``):
+    each of the ``shards`` batch shards (mesh ``axes``) its own, or, when the tokens do not divide over them, all
+    of them in one sort, which GSPMD gathers to every device (a v5p-64 prefill of 1024 prompts: 114.6 GiB against
+    27.0 per shard, docs/measurements.md 8c): that fallback is named with its reason."""
+    if shards <= 1 or not tokens % shards:
+        return _record(KernelChoice("moe dispatch", "per batch shard" if shards > 1 else "one sort"))
+    return _record(KernelChoice("moe dispatch", "one global sort", f"{tokens} tokens do not divide over the {shards} "
+                                f"batch shards ({' x '.join(axes)}): every slot gathered to every device"))

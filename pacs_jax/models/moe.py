@@ -101,6 +101,7 @@ def local_dispatch(fn):
     shards = math.prod(mesh.shape[a] for a in axes)
 
     def run(x, experts, gate, up, down):
+        kernels.moe_dispatch(x.shape[0], shards, axes)
         if not axes or x.shape[0] % shards:
             return fn(x, experts, gate, up, down)
         split, whole = PartitionSpec(axes), PartitionSpec()
