@@ -112,10 +112,13 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
         parts.append(f"one step off: rows sampled with the weights {lag} step behind, during the previous step's "
                      "update" if lag else "one step off: rows sampled now, with the step's own weights (a "
                      "session's first step)")
-    if tc.router_replay == "R3":
-        parts.append(f"routing replay: the learner's routers would have sent {_percent(metrics['routing_mismatch_tokens'])}"
-                     f" of the tokens ({_percent(metrics['routing_mismatch_decisions'])} of their layers' decisions) "
-                     "to other experts than the sampler's, which they ran on")
+    if "routing_mismatch_tokens" in metrics:  # R3, or measured without replay (RunSpec.measures_routing)
+        would, ran = (("would have sent", ", which they ran on") if tc.router_replay == "R3" else
+                      ("sent", " (train.router_replay disabled: nothing replayed)"))
+        parts.append(f"routing{' replay' if tc.router_replay == 'R3' else ''}: the learner's routers {would} "
+                     f"{_percent(metrics['routing_mismatch_tokens'])} of the tokens "
+                     f"({_percent(metrics['routing_mismatch_decisions'])} of their layers' decisions) to other experts "
+                     f"than the sampler's{ran}")
     elif tc.router_replay == "R2":
         parts.append("routing replay: the update ran on the experts pi_old chose")
     if correction.enabled or correction.bypass_mode:

@@ -987,6 +987,16 @@ class RunSpec:
                     f"{length} with data.max_prompt_length={prompt} is {prompt + length} tokens, beyond the model's "
                     f"context of {context} (max_position_embeddings): set it to at most {max(context - prompt, 0)}")
 
+    def measures_routing(self, num_experts: int) -> bool:
+        """Whether the sampler records each token's experts and each step reports how far the learner's routers
+        differ from them (``routing_mismatch_tokens`` / ``_decisions``) on a model with ``num_experts``: with
+        ``train.router_replay`` R3, which replays the record, and "disabled", which measures it without (verl's
+        metric of a run without replay); not with R2, which replays pi_old's own choice, and not with carry-over
+        or bypass mode (whose rows have no record or no pi_old)."""
+        replay, rc = self.train.router_replay, self.rollout
+        return num_experts > 0 and (replay == "R3" or (replay == "disabled" and not rc.carry_over
+                                                        and not self.algorithm.rollout_correction.bypass_mode))
+
     def check_router_replay(self, model_cfg) -> None:
         """Refuse routing replay (``train.router_replay``) on a model (``model_cfg``, a QwenConfig) without experts."""
         require(self.train.router_replay == "disabled" or model_cfg.num_experts > 0, "train.router_replay",

@@ -34,14 +34,15 @@ from pacs_jax.training.program import Program
 from pacs_jax.training.spec import RunSpec
 
 
-def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int]) -> sampling.SamplingSettings:
+def sampling_settings(spec: RunSpec, stop_token_ids: Sequence[int], num_experts: int = 0) -> sampling.SamplingSettings:
     """The training sampler's settings: ``rollout.*`` and its sampler section for a call's responses; a
-    sample stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``."""
+    sample stops at ``stop_token_ids`` (the model's and tokenizer's) and at ``rollout.stop_token_ids``; a model
+    with ``num_experts`` records each token's experts where the run measures them (``RunSpec.measures_routing``)."""
     rc = spec.rollout
     stops = tuple(dict.fromkeys([*stop_token_ids, *rc.stop_token_ids]))
     return sampling.SamplingSettings(max_new_tokens=rc.max_new_tokens, n=rc.n, temperature=rc.temperature,
                                      top_p=rc.top_p, top_k=rc.top_k, stop_token_ids=stops,
-                                     record_routing=spec.train.router_replay == "R3",
+                                     record_routing=spec.measures_routing(num_experts),
                                      **rc.sampler.call_settings(spec.call_responses))
 
 
@@ -86,7 +87,8 @@ class SamplerPrograms:
         tc, rc = spec.train, spec.rollout
         self.mesh = mesh
         self.graphdef, self.params = graphdef, abstract(params)
-        self.settings = sampling_settings(spec, stop_token_ids)
+        cfg = nnx.merge(graphdef, params).cfg  # a routing record's [L, k] and dtype (the sampler records them)
+        self.settings = sampling_settings(spec, stop_token_ids, cfg.num_experts)
         self.num_prompts, self.n = tc.prompts_per_step, rc.n
         self.prompt_buckets = spec.data.prompt_buckets  # strictly increasing, as the response buckets (the spec)
         self.response_buckets = rc.buckets
@@ -105,7 +107,6 @@ class SamplerPrograms:
         self.assemble = jax.jit(assemble, static_argnums=2, out_shardings=(rows, rows))
         self.call_routing = jax.jit(call_routing, static_argnums=2, out_shardings=rows)
         self.assemble_routing = jax.jit(assemble_routing, static_argnums=(1, 2, 3), out_shardings=rows)
-        cfg = nnx.merge(graphdef, params).cfg  # a routing record's [L, k] and dtype (R3: the sampler records them)
         self.routing = ((*routing_shape(cfg), routing_dtype(cfg.num_experts)) if self.settings.record_routing
                         else None)
         self.select_groups = (select_program(self.sampler_calls, routing=self.routing is not None)

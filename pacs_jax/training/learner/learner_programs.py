@@ -106,16 +106,19 @@ class LearnerPrograms:
             state_shardings=self.state_shardings, bypass=self.bypass, kl=self.kl_loss, trainable=self.trainable,
             **extra)
         # routing replay: pi_old records each token's experts; R2: the update replays them; R3: pi_old and the
-        # update run on the sampler's (``replays_sampler``), the record measures how far the learner's differ
+        # update run on the sampler's (``replays_sampler``); with R3, and without replay where the sampler records
+        # (``RunSpec.measures_routing``), the record measures how far the learner's routers differ from the sampler's
+        cfg = nnx.merge(graphdef, params).cfg
+        measured = spec.measures_routing(cfg.num_experts)
         self.routing, self.replays_sampler = None, tc.router_replay == "R3"
-        if tc.router_replay != "disabled":
-            cfg = nnx.merge(graphdef, params).cfg
+        self.update_replays = tc.router_replay != "disabled"  # the update batch holds a routing record
+        if self.update_replays or measured:
             self.routing = (*routing_shape(cfg), routing_dtype(cfg.num_experts))
         self.pi_old = old_policy_passes(graphdef, temperature=rc.temperature,
                                         num_micro_batches=self.logprob_micro_batches, chunk_size=chunk_size,
                                         routing=self.routing)
         self.rollout_consistency = consistency_program()
-        self.routing_consistency = routing_consistency_program() if self.replays_sampler else None
+        self.routing_consistency = routing_consistency_program() if measured else None
         # decoupled (pi_old computed): the correction after pi_old; bypass: in the loss, the sampler's as pi_old
         self.rollout_correction = (correction_program(correction) if correction.enabled and self.bypass is None
                                    else None)
@@ -202,7 +205,7 @@ class LearnerPrograms:
                            advantages=per_token if self.critic is not None else None,
                            rollout_is_weights=per_token if self.rollout_correction is not None else None,
                            ref_logp=per_token if self.kl_loss is not None else None,
-                           routing=None if self.routing is None else rows(
+                           routing=None if not self.update_replays else rows(
                                (B, prompt_bucket + response_bucket, *self.routing[:2]), self.routing[2]))
 
     # ------------------------------------------------------------------------ the list of programs
@@ -294,8 +297,9 @@ class LearnerPrograms:
             replay = batch.routing if self.replays_sampler else None  # R3: pi_old runs on the sampler's experts
             args = (params, prompts, prompts, responses, responses, plan, replay)
             out.append(Program("pi_old", passes, lambda a=args: self.pi_old.lower(*a), args, opt_bytes + critic_bytes))
-            if self.replays_sampler:
-                args = (batch.routing, batch.routing, batch.response_mask)
+            if self.routing_consistency is not None:
+                record = self.abstract_rows((*batch.input_ids.shape, *self.routing[:2]), self.routing[2])
+                args = (record, record, batch.response_mask)
                 out.append(Program("routing_consistency", "the sampler's experts against pi_old's router's",
                                    lambda a=args: self.routing_consistency.lower(*a), args, actor_bytes + critic_bytes))
         if self.critic is not None:

@@ -184,9 +184,12 @@ class RolloutBatcher:
         learner = self.learner
         mismatch = ({} if learner.bypass is not None else  # bypass: no pi_old to compare with
                     learner.rollout_consistency(sampled.sampler_logprobs, batch.old_logp, batch.response_mask))
-        if learner.routing_consistency is not None:  # R3: the sampler's experts against pi_old's own, then replayed
+        if learner.routing_consistency is not None:  # the sampler's experts against pi_old's own
             mismatch = {**mismatch, **learner.routing_consistency(sampled.routing, batch.routing, batch.response_mask)}
+        if learner.replays_sampler:  # R3: the update replays the sampler's experts
             batch = batch.replace(routing=sampled.routing)
+        elif not learner.update_replays:  # measured only: the update routes as its routers choose
+            batch = batch.replace(routing=None)
         correction = {}
         if learner.rollout_correction is not None:  # verl's weights and rejection mask (docs/design.md 6.7)
             weights, response_mask, correction = learner.rollout_correction(sampled.sampler_logprobs, batch.old_logp,
