@@ -22,6 +22,7 @@ than the tensor axis (Qwen2.5-7B: 4 KV heads on tensor=8) end up replicated, as 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -157,6 +158,16 @@ def current_mesh() -> Mesh:
     set; for placing arrays (outside ``jax.jit``)."""
     mesh = jax.sharding.get_mesh()
     return _single_device_mesh() if mesh.empty else mesh
+
+
+def tracing_device(mesh: Mesh):
+    """A context in which JAX's default device is ``mesh``'s first when this host's default backend is another
+    platform (compile-only devices: a v5p or an H200 planned from a CPU host), for the libraries that read the
+    target's generation from the default device while tracing (tokamax: models/moe_gemm_gpu.py); else nothing."""
+    device = mesh.devices.flat[0]
+    if device.platform == jax.default_backend():
+        return contextlib.nullcontext()
+    return jax.default_device(device)
 
 
 def current_rules() -> MeshRules:

@@ -4,6 +4,9 @@ replay (R3) against the same statement with the replayed experts; a config it ca
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,9 +125,31 @@ def test_the_grouped_matmul_choice_is_recorded_with_why_a_gpu_is_not_served_by_a
     block = _block(_config())
     block(jnp.ones((1, 3, D), jnp.float32))
     assert kernels.KernelChoice("moe gemm", "ragged_dot") in kernels.chosen()  # the CPU: the reference path
-    gpu = kernels.moe_gemm("gpu")
-    assert "densely" in gpu.reason and "moe gemm: ragged_dot (not the kernel:" in str(gpu)
-    assert kernels.moe_gemm("tpu").reason == ""  # XLA:TPU's grouped kernel
+    assert kernels.moe_gemm("gpu", jnp.bfloat16) == kernels.KernelChoice("moe gemm", "tokamax mosaic_gpu")
+    gpu = kernels.moe_gemm("gpu", jnp.float32)
+    assert "float32 operands" in gpu.reason and "moe gemm: ragged_dot (not the kernel:" in str(gpu)
+    assert kernels.moe_gemm("tpu", jnp.bfloat16).reason == ""  # XLA:TPU's grouped kernel
+
+
+@pytest.mark.slow(seconds=40)
+def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_split_over_tensor():
+    """The block's gradient compiled for H200s (compile-only, tests/gpu/moe_gemm.py with the GPU-compiling
+    interpreter) on 2 devices splitting the tokens x 2 splitting the experts' width: in bfloat16 its grouped
+    matmuls are tokamax's Mosaic GPU kernel (a custom call; no dense [G, M, N] temporary: a tenth of float32's
+    bytes or less), forward and backward, with the experts' width still split (their gradients 192 of 384 a
+    device); float32 takes XLA's ragged_dot and says why."""
+    from gpu_compiler import REPO, gpu_python
+
+    result = subprocess.run([str(gpu_python()), "tests/gpu/moe_gemm.py"], cwd=REPO, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    half, full = out["bfloat16"], out["float32"]
+    assert "moe gemm: tokamax mosaic_gpu" in half["choices"] and "mosaic_gpu_v2" in half["custom_calls"]
+    assert half["expert_grads"] == ["f32[16,192,512]", "f32[16,512,192]"] == full["expert_grads"]
+    assert half["temp_bytes"] * 10 < full["temp_bytes"]
+    assert not full["custom_calls"] and "float32 operands" in " ".join(full["choices"])
+    assert "libtpu" not in result.stderr and "TPU_WORKER" not in result.stderr  # tokamax's import held quiet
 
 
 def test_each_batch_shard_sorts_its_own_tokens_and_tokens_that_do_not_divide_are_named():

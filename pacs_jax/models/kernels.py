@@ -130,14 +130,24 @@ def paged_decode(impl: str, *, head_dim: int, page_size: int, dtype) -> KernelCh
     return _record(KernelChoice("paged decode", "xla" if reason else paged, reason))
 
 
-def moe_gemm(platform: str) -> KernelChoice:
-    """A mixture-of-experts layer's grouped matmul (models/moe.py) on ``platform``: ``jax.lax.ragged_dot``
-    on every platform for now. XLA:TPU lowers it to its grouped kernel (a group's rows only: 0.62 TFLOP for
-    Qwen3-30B-A3B's 65,536 token-slots, docs/measurements.md section 8.4); XLA:GPU computes every group
-    densely (79.2 TFLOP for the same), so on a GPU the choice names why it is not a grouped kernel
-    (tokamax's ``mosaic_gpu`` one is, decision 0010); on the CPU it is the reference."""
-    reason = ("XLA:GPU computes every expert's group densely (num_experts x the FLOPs); tokamax's mosaic_gpu "
-              "grouped matmul is not wired in yet") if platform == "gpu" else ""
+def moe_gemm(platform: str, dtype) -> KernelChoice:
+    """A mixture-of-experts layer's grouped matmul (models/moe.py) on ``platform`` for operands of ``dtype``
+    (the compute dtype). TPU: ``jax.lax.ragged_dot``, which XLA:TPU lowers to its grouped kernel (a group's rows
+    only: 0.62 TFLOP for Qwen3-30B-A3B's 65,536 token-slots, docs/measurements.md section 8.4). GPU: tokamax's
+    Mosaic GPU kernel (models/moe_gemm_gpu.py; decision 0010) for bfloat16 / float16 operands, where XLA:GPU's
+    ragged_dot computes every group densely (79.2 TFLOP for the same); a float32 model, or tokamax not installed,
+    takes that ragged_dot, and the choice says why. The CPU: ragged_dot, the reference."""
+    if platform != "gpu":
+        return _record(KernelChoice("moe gemm", "ragged_dot"))
+    from pacs_jax.models import moe_gemm_gpu
+
+    dense = "XLA:GPU computes every expert's group densely (num_experts x the FLOPs)"
+    if jnp.dtype(dtype) not in _HALF:
+        reason = f"{jnp.dtype(dtype).name} operands (tokamax's mosaic_gpu kernel takes bfloat16 / float16); {dense}"
+    elif not moe_gemm_gpu.installed():
+        reason = f"tokamax is not installed (pip install tokamax==0.0.17); {dense}"
+    else:
+        return _record(KernelChoice("moe gemm", "tokamax mosaic_gpu"))
     return _record(KernelChoice("moe gemm", "ragged_dot", reason))
 
 

@@ -9,10 +9,10 @@ experts (float32), the k largest chosen, their weights p renormalised to sum 1 w
 each chosen expert's SwiGLU down(silu(gate(x)) * up(x)) weighted and summed. No capacity, no dropped
 token, no noise.
 
-Dispatch: the M slots sorted by expert (stable), each expert's rows one group of
-``jax.lax.ragged_dot`` (XLA's grouped matmul on TPU; computed densely on a GPU and the CPU: the choice
-and its reason are recorded, models/kernels.py ``moe_gemm``), the outputs put back in slot order and
-summed over k in float32.
+Dispatch: the M slots sorted by expert (stable), each expert's rows one group of a grouped matmul
+(models/kernels.py ``moe_gemm`` records the choice and its reason: ``jax.lax.ragged_dot``, XLA's grouped kernel on
+TPU, the reference on the CPU; tokamax's Mosaic GPU kernel on a GPU, models/moe_gemm_gpu.py), the outputs put back
+in slot order and summed over k in float32.
 
 Routing replay (R3): given ``routed`` [N, k], the experts a token uses are those, not the top k of this
 router, with the weights read from this router's own probabilities at them (so gradients reach the
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pacs_jax.models import kernels
+from pacs_jax.models import kernels, moe_gemm_gpu
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.params import make_param
 from jax.sharding import PartitionSpec
@@ -69,20 +69,25 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool,
 def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """Each slot's expert SwiGLU: x [N, D] (compute dtype), experts [N, k] int32, gate / up [E, D, I],
     down [E, I, D] (cast to x's dtype) -> [N, k, D] float32, slot (n, j) being expert experts[n, j]
-    applied to x[n]. The slots are sorted by expert for ``jax.lax.ragged_dot`` and put back after."""
-    kernels.moe_gemm(platform())
+    applied to x[n]. The slots are sorted by expert for the grouped matmul (``kernels.moe_gemm``: tokamax's on a
+    GPU, whose products come back in the compute dtype; ``jax.lax.ragged_dot`` in float32 elsewhere) and put back
+    after."""
+    choice = kernels.moe_gemm(platform(), x.dtype)
     n, k = experts.shape
     num_experts = gate.shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)                          # [M] slots grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)                          # [M, D]
-    dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
+    if choice.impl == "tokamax mosaic_gpu":
+        dot = functools.partial(moe_gemm_gpu.ragged_dot, group_sizes=group_sizes)
+    else:
+        dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
     g = dot(rows, gate.astype(x.dtype)).astype(x.dtype)
     u = dot(rows, up.astype(x.dtype)).astype(x.dtype)
     # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
-    out = dot(h, down.astype(x.dtype))                              # [M, D] float32, sorted
+    out = dot(h, down.astype(x.dtype)).astype(jnp.float32)          # [M, D], sorted
     unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return unsorted.reshape(n, k, -1)
 
@@ -93,20 +98,30 @@ def local_dispatch(fn):
     queues), the tokens split, the experts' weights gathered whole to every shard (as FSDP gathers a dense layer's;
     "tensor" stays automatic: the experts' width split over it). Each shard then sorts its own N / S k slots:
     left to GSPMD, the sort of the slots gathered every token to every device (a v5p-64 prefill of 1024 prompts
-    needed 114.6 GiB). Without such axes, or tokens they do not divide, ``fn`` itself."""
+    needed 114.6 GiB). Without such axes, or tokens they do not divide, ``fn`` itself.
+
+    tokamax's GPU kernel (a Pallas call, which GSPMD cannot split) runs manual over the experts' width's axis too:
+    each device's slice of gate / up [E, D, I / t] and down [E, I / t, D], its partial sums added over the axis
+    (left automatic, the weights were gathered whole to every device and their gradients came back whole)."""
     rules = current_rules()
     mesh = rules.mesh
     manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
     axes = tuple(a for a in rules.batch_axes() if a not in manual)
     shards = math.prod(mesh.shape[a] for a in axes)
+    width = tuple(a for a in dict(rules.rules)["expert_mlp"] if a not in manual and mesh.shape[a] > 1)
 
     def run(x, experts, gate, up, down):
         kernels.moe_dispatch(x.shape[0], shards, axes)
-        if not axes or x.shape[0] % shards:
+        tokens = axes if axes and not x.shape[0] % shards else ()
+        split = kernels.moe_gemm(platform(), x.dtype).impl == "tokamax mosaic_gpu" and width
+        if not tokens and not split:
             return fn(x, experts, gate, up, down)
-        split, whole = PartitionSpec(axes), PartitionSpec()
-        return jax.shard_map(fn, mesh=mesh, in_specs=(split, split, whole, whole, whole), out_specs=split,
-                             axis_names=set(axes), check_vma=False)(x, experts, gate, up, down)
+        rows, t = PartitionSpec(tokens or None), (width or None) if split else None
+        body = (lambda *a: jax.lax.psum(fn(*a), t)) if split else fn
+        specs = (rows, rows, PartitionSpec(None, None, t), PartitionSpec(None, None, t), PartitionSpec(None, t, None))
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
+                             axis_names=set(tokens) | set(width if split else ()), check_vma=False)(
+            x, experts, gate, up, down)
 
     return run
 

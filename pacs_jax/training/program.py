@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import jax
 from jax.sharding import Mesh
 
+from pacs_jax import sharding
+
 if TYPE_CHECKING:
     from pacs_jax.sampling.engine import SamplerCompiled
 
@@ -32,4 +34,5 @@ class Program:
     def compile(self) -> jax.stages.Compiled | SamplerCompiled:
         """The program lowered and compiled ahead of time on its mesh (the sampler's: its programs read as one)."""
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            return self.lower().compile()
+            with sharding.tracing_device(sharding.current_mesh()):
+                return self.lower().compile()
