@@ -7,7 +7,6 @@ log-probs with them (R2); routing replay where it cannot serve is refused naming
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -108,21 +107,30 @@ def _fed(mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return fed
 
 
+@pytest.fixture(scope="module")
+def plain_sample(models):
+    """The static sampler's rows of ``_rollout``'s prompts without the record (key 0): the tokens every sampler
+    samples, recording or not (on a CPU the samplers' tokens are the same: tests/test_sampling_continuous.py)."""
+    _, ours = models
+    prompts, prompt_mask, *_ = _rollout(ours.cfg.vocab_size)
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0)
+    return sampling.sample(*nnx.split(ours), prompts, prompt_mask, settings, jax.random.key(0))
+
+
 @pytest.mark.parametrize("sampler", [dict(), dict(slots=4, tail_slots=2), dict(slots=4, page_size=4)],
                          ids=["static", "continuous-narrowing", "paged"])
-def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(models, sampler):
+def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(models, plain_sample, sampler):
     """R3's record: the prefill's experts of every prompt token and each decode step's of the token it fed, in the
     update rows' layout, equal pi_old's router's at every token the sampler fed (the same weights, float32); the
-    tokens are those of the sampler without the record."""
+    tokens are those of the static sampler without the record (one program for the three cases: a record that
+    moved one sampler's tokens differs from it)."""
     _, ours = models
     graphdef, params = nnx.split(ours)
     prompts, prompt_mask, *_ = _rollout(ours.cfg.vocab_size)
-    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, **sampler)
-    out = sampling.sample(graphdef, params, prompts, prompt_mask, dataclasses.replace(settings, record_routing=True),
-                          jax.random.key(0))
-    plain = sampling.sample(graphdef, params, prompts, prompt_mask, settings, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
-    assert plain.routing is None and out.routing.dtype == np.uint8
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, record_routing=True, **sampler)
+    out = sampling.sample(graphdef, params, prompts, prompt_mask, settings, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain_sample.tokens))
+    assert plain_sample.routing is None and out.routing.dtype == np.uint8
     record = call_routing(out.prompt_routing, out.routing, TP)
     ids, mask = update_rows(prompts, prompt_mask, out.tokens, out.response_mask)
     _, own = ours(ids, attention_mask=mask, with_routing=True)
