@@ -7,7 +7,6 @@ log-probs with them (R2); routing replay where it cannot serve is refused naming
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -31,14 +30,16 @@ from pacs_jax.training.learner.old_policy import old_policy_passes, update_rows
 from pacs_jax.training.learner.rollout_consistency import consistency_program, routing_consistency_program
 from qwen_reference import hf_logits, max_rel_err, padded_batch, save_random_hf_model
 from pacs_jax.rewards import RewardPool
+from pacs_jax.training.config_check import ConfigError, check_inputs
 from pacs_jax.training.records import PromptBatch
 from pacs_jax.training.rollout import RolloutCollector
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
+from test_configs import _parse
 from test_dynamic_sampling import _parity as parity_answer
 from test_rl_pacs import ref_pacs
 from test_train_config import load_config
-from train_helpers import RL_ONLY_FLAGS, tiny_model_on_mesh, train_env
+from train_helpers import REPO, RL_ONLY_FLAGS, tiny_model_on_mesh, train_env
 
 P, N_SAMPLES, TP, R = 2, 2, 5, 6  # prompts, samples a prompt, prompt and response widths
 
@@ -106,21 +107,30 @@ def _fed(mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return fed
 
 
+@pytest.fixture(scope="module")
+def plain_sample(models):
+    """The static sampler's rows of ``_rollout``'s prompts without the record (key 0): the tokens every sampler
+    samples, recording or not (on a CPU the samplers' tokens are the same: tests/test_sampling_continuous.py)."""
+    _, ours = models
+    prompts, prompt_mask, *_ = _rollout(ours.cfg.vocab_size)
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0)
+    return sampling.sample(*nnx.split(ours), prompts, prompt_mask, settings, jax.random.key(0))
+
+
 @pytest.mark.parametrize("sampler", [dict(), dict(slots=4, tail_slots=2), dict(slots=4, page_size=4)],
                          ids=["static", "continuous-narrowing", "paged"])
-def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(models, sampler):
+def test_the_sampler_records_the_experts_the_learner_recomputes_for_every_token(models, plain_sample, sampler):
     """R3's record: the prefill's experts of every prompt token and each decode step's of the token it fed, in the
     update rows' layout, equal pi_old's router's at every token the sampler fed (the same weights, float32); the
-    tokens are those of the sampler without the record."""
+    tokens are those of the static sampler without the record (one program for the three cases: a record that
+    moved one sampler's tokens differs from it)."""
     _, ours = models
     graphdef, params = nnx.split(ours)
     prompts, prompt_mask, *_ = _rollout(ours.cfg.vocab_size)
-    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, **sampler)
-    out = sampling.sample(graphdef, params, prompts, prompt_mask, dataclasses.replace(settings, record_routing=True),
-                          jax.random.key(0))
-    plain = sampling.sample(graphdef, params, prompts, prompt_mask, settings, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
-    assert plain.routing is None and out.routing.dtype == np.uint8
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, record_routing=True, **sampler)
+    out = sampling.sample(graphdef, params, prompts, prompt_mask, settings, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain_sample.tokens))
+    assert plain_sample.routing is None and out.routing.dtype == np.uint8
     record = call_routing(out.prompt_routing, out.routing, TP)
     ids, mask = update_rows(prompts, prompt_mask, out.tokens, out.response_mask)
     _, own = ours(ids, attention_mask=mask, with_routing=True)
@@ -271,21 +281,35 @@ MOE_FLAGS = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=
              "--config.model.num_experts_per_tok=2", "--config.model.moe_intermediate_size=64")
 
 
-@pytest.mark.parametrize("flags, field, says", [
-    (("--config.train.router_replay=R3",), "train.router_replay", "has none"),
-    (("--config.train.router_replay=R1",), "train.router_replay", "'disabled'"),
-    ((*MOE_FLAGS, "--config.train.router_replay=R2", "--config.algorithm.rollout_correction.bypass_mode=True",
-      "--config.rollout.max_logprob_diff=0"), "train.router_replay", "bypass mode"),
-    ((*MOE_FLAGS, "--config.train.router_replay=R3", "--config.rollout.carry_over=True"), "train.router_replay",
-     "not built yet"),
-])
-def test_routing_replay_where_it_cannot_serve_is_refused_before_anything_is_written(tmp_path, flags, field, says):
-    """A dense model, a name not a mode, pi_old skipped by bypass mode, the sampler's record with carry-over: one
-    line naming the field, status 78, no workdir."""
+def _refusal(flags: tuple[str, ...]) -> str:
+    """The trainer's one line for the shrunk demo with ``flags``: its config parsed as the CLI parses it and
+    checked as it checks it before the workdir exists (``check_inputs``)."""
+    with pytest.raises(ConfigError) as error:
+        check_inputs(_parse(f"--config={REPO / 'configs' / 'default.py'}", *RL_ONLY_FLAGS, *flags))
+    return str(error.value)
+
+
+def test_routing_replay_on_a_dense_model_is_refused_before_anything_is_written(tmp_path):
+    """The trainer CLI on a dense model with R3: one line naming the field, status 78, no workdir (the other
+    refusals below are the same check before the workdir, run in-process)."""
     workdir = tmp_path / "run"
-    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *RL_ONLY_FLAGS, *flags, f"--workdir={workdir}"],
-                         capture_output=True, text=True, timeout=300, env=train_env())
+    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *RL_ONLY_FLAGS, "--config.train.router_replay=R3",
+                          f"--workdir={workdir}"], capture_output=True, text=True, timeout=300, env=train_env())
     assert run.returncode == PERMANENT_ERROR_STATUS, run.stderr[-2000:]
     last = run.stderr.strip().splitlines()[-1]
-    assert field in last and says in last, run.stderr[-2000:]
+    assert "train.router_replay" in last and "has none" in last, run.stderr[-2000:]
+    assert last.endswith(f": error: {_refusal(('--config.train.router_replay=R3',))}")  # the in-process check's
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--config.train.router_replay=R1",), "'disabled'"),
+    ((*MOE_FLAGS, "--config.train.router_replay=R2", "--config.algorithm.rollout_correction.bypass_mode=True",
+      "--config.rollout.max_logprob_diff=0"), "bypass mode"),
+    ((*MOE_FLAGS, "--config.train.router_replay=R3", "--config.rollout.carry_over=True"), "not built yet"),
+])
+def test_routing_replay_where_it_cannot_serve_is_refused_naming_the_field(flags, says):
+    """A name not a mode, pi_old skipped by bypass mode, the sampler's record with carry-over: the trainer's
+    check before its workdir (the CLI's one line, status 78: the dense model's case above) names the field."""
+    line = _refusal(flags)
+    assert line.startswith("config.train.router_replay") and says in line, line
