@@ -39,7 +39,7 @@ def _scalars(folder: pathlib.Path) -> dict[str, dict[int, float]]:
     return out
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=70)
 def test_every_evaluation_is_in_tensorboard_and_the_export_logs_are_quiet(tmp_path_factory):
     env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("outputs") / "run"
