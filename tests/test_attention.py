@@ -119,8 +119,14 @@ def sees_a_key(valid):
     return np.cumsum(valid, axis=1) > 0  # [B, T]
 
 
-def grads_of(fn, q, k, v, dout):
-    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * dout), argnums=(0, 1, 2)))(q, k, v)
+def out_and_grads(fn, q, k, v, dout):
+    """(fn(q, k, v), the gradients of sum(fn(q, k, v) * dout) in q, k and v), from one compiled program."""
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out * dout), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
 
 
 # (B, T, H, K, Dh, block): T < block, T = block, T not a multiple of block, T = 4 blocks;
@@ -135,11 +141,12 @@ def test_xla_matches_reference(B, T, H, K, Dh, block):
     dout = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
     fn = lambda q, k, v: attention(q, k, v, valid, impl="xla", block_size=block)  # noqa: E731
 
-    out = np.asarray(jax.jit(fn)(q, k, v))
+    out, grads = out_and_grads(fn, q, k, v, dout)
+    out = np.asarray(out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, valid), atol=1e-5)
     assert np.all(out[~sees_a_key(valid)] == 0)  # queries that see no key: exactly 0
 
-    dq, dk, dv = (np.asarray(g) for g in grads_of(fn, q, k, v, dout))
+    dq, dk, dv = (np.asarray(g) for g in grads)
     for got, want in zip((dq, dk, dv), ref_attention_grads(q, k, v, valid, dout)):
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, want, atol=2e-5)
@@ -210,10 +217,9 @@ def test_bfloat16_runs_on_cpu_and_is_close_to_float32():
     fn = lambda q, k, v: attention(q, k, v, valid, impl="xla", block_size=block)  # noqa: E731
     bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
 
-    out = jax.jit(fn)(*bf16)
+    out, grads = out_and_grads(fn, *bf16, jnp.asarray(dout, jnp.bfloat16))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_attention(q, k, v, valid), atol=3e-2)
-    grads = grads_of(fn, *bf16, jnp.asarray(dout, jnp.bfloat16))
     for got, want in zip(grads, ref_attention_grads(q, k, v, valid, dout)):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=6e-2)
@@ -260,12 +266,11 @@ def ref_decode(q, k_cache, v_cache, valid, filled):
     return ref_masked_attention(q, clean(k_cache), clean(v_cache), mask)[0]
 
 
-@pytest.mark.parametrize("filled", [1, 8, 13, 16, 20])
-def test_decode_matches_reference_and_reads_only_filled_blocks(filled, monkeypatch):
+def test_decode_matches_reference_and_reads_only_filled_blocks(monkeypatch):
+    """Caches filled to 1, 8, 13, 16 and 20 of 20 slots (within the first block, one block exactly, within
+    the shifted last block, all of it), one compiled step: ``filled`` is an argument of the program."""
     B, S, H, K, Dh, block = 3, 20, 4, 2, 8, 8  # S not a multiple of the block: the last is shifted
-    q, k_cache, v_cache = random_qkv(B, 1, H, K, Dh, S=S)
-    k_cache[:, filled:] = np.nan  # not yet written
-    v_cache[:, filled:] = np.nan
+    q, k_full, v_full = random_qkv(B, 1, H, K, Dh, S=S)
     valid = np.ones((B, S), bool)
     valid[0, :3] = False  # a left-padded prompt
     valid[2] = False  # batch padding
@@ -280,14 +285,19 @@ def test_decode_matches_reference_and_reads_only_filled_blocks(filled, monkeypat
     monkeypatch.setattr(attention_module, "_read_cache_block", recording_read)
     step = jax.jit(lambda q, k, v, valid, filled: decode_attention(q, k, v, valid, filled, block_size=block))
     heads_first = lambda c: np.swapaxes(c, 1, 2)  # noqa: E731  the cache layout [B, K, S, Dh]
-    out = np.asarray(step(q, heads_first(k_cache), heads_first(v_cache), valid, jnp.int32(filled)))
-    jax.effects_barrier()
+    for filled in (1, 8, 13, 16, 20):
+        k_cache, v_cache = k_full.copy(), v_full.copy()
+        k_cache[:, filled:] = np.nan  # not yet written
+        v_cache[:, filled:] = np.nan
+        starts.clear()
+        out = np.asarray(step(q, heads_first(k_cache), heads_first(v_cache), valid, jnp.int32(filled)))
+        jax.effects_barrier()
 
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, ref_decode(q, k_cache, v_cache, valid, filled), atol=1e-5)
-    assert np.all(out[2] == 0)
-    blocks = -(-filled // block)  # both caches read once per block, blocks past `filled` never
-    assert sorted(starts) == sorted(2 * [min(j * block, S - block) for j in range(blocks)])
+        assert np.isfinite(out).all(), filled
+        np.testing.assert_allclose(out, ref_decode(q, k_cache, v_cache, valid, filled), atol=1e-5, err_msg=str(filled))
+        assert np.all(out[2] == 0), filled
+        blocks = -(-filled // block)  # both caches read once per block, blocks past `filled` never
+        assert sorted(starts) == sorted(2 * [min(j * block, S - block) for j in range(blocks)]), filled
 
 
 def test_decode_step_equals_last_row_of_attention():
@@ -327,10 +337,11 @@ def test_cudnn_roll_logic_matches_reference():
     def fn(q, k, v):
         return attention_module._rolled_attention(q, k, v, jnp.asarray(valid), core)
 
-    out = np.asarray(jax.jit(fn)(q, k, v))
+    out, grads = out_and_grads(fn, q, k, v, dout)
+    out = np.asarray(out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, valid), atol=1e-5)
     assert np.all(out[~sees_a_key(valid)] == 0)
-    for got, want in zip(grads_of(fn, q, k, v, dout), ref_attention_grads(q, k, v, valid, dout)):
+    for got, want in zip(grads, ref_attention_grads(q, k, v, valid, dout)):
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
@@ -343,10 +354,11 @@ def test_splash_wrapper_in_interpreter_matches_reference():
     def fn(q, k, v):
         return attention_module._splash_attention(q, k, v, jnp.asarray(valid), interpret=True)
 
-    out = np.asarray(jax.jit(fn)(q, k, v))
+    out, grads = out_and_grads(fn, q, k, v, dout)
+    out = np.asarray(out)
     np.testing.assert_allclose(out, ref_attention(q, k, v, valid), atol=1e-5)
     assert np.all(out[~sees_a_key(valid)] == 0)
-    for got, want in zip(grads_of(fn, q, k, v, dout), ref_attention_grads(q, k, v, valid, dout)):
+    for got, want in zip(grads, ref_attention_grads(q, k, v, valid, dout)):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
@@ -388,9 +400,11 @@ def test_cudnn_path_matches_xla(T, cudnn_kernel_on_cpu):
     cudnn = lambda q, k, v: attention(q, k, v, valid, impl="cudnn")  # noqa: E731
     xla = lambda q, k, v: attention(q, k, v, valid, impl="xla", block_size=64)  # noqa: E731
 
-    out = np.asarray(jax.jit(cudnn)(q, k, v), np.float32)
-    np.testing.assert_allclose(out, np.asarray(jax.jit(xla)(q, k, v), np.float32), rtol=1e-2, atol=2e-2)
+    out, grads = out_and_grads(cudnn, q, k, v, dout)
+    want_out, want_grads = out_and_grads(xla, q, k, v, dout)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_allclose(out, np.asarray(want_out, np.float32), rtol=1e-2, atol=2e-2)
     assert np.all(out[~sees_a_key(valid)] == 0)
-    for got, want in zip(grads_of(cudnn, q, k, v, dout), grads_of(xla, q, k, v, dout)):
+    for got, want in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=1e-2, atol=5e-2)

@@ -71,6 +71,12 @@ def tiny():
     return nnx.split(models.init_random(cfg, seed=0))
 
 
+def _logprobs(graphdef, params, batch) -> jax.Array:
+    """The policy's log-probs of ``batch``'s 6 response tokens [B, 6] (rl.response_logprobs), jitted."""
+    return jax.jit(lambda params, ids, attention: response_logprobs(nnx.merge(graphdef, params), ids, attention, 6))(
+        params, batch.input_ids, batch.attention_mask)
+
+
 def _update_batch(seed=0, B=8, P=4, R=6):
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 512, (B, P + R)).astype(np.int32)
@@ -88,16 +94,16 @@ def test_every_objectives_loss_gains_coef_times_its_aggregated_kl(tiny, objectiv
     loss_agg_mode, as verl's actor default (token-mean). Two micro-batches: normalised by the whole batch."""
     graphdef, params = tiny
     batch = _update_batch()
-    logp = np.asarray(response_logprobs(nnx.merge(graphdef, params), batch.input_ids, batch.attention_mask, 6),
-                      np.float64)
+    logp = np.asarray(_logprobs(graphdef, params, batch), np.float64)
     ref = logp + np.random.default_rng(2).normal(0, 0.3, logp.shape)
     batch = batch.replace(old_logp=jnp.asarray(logp, jnp.float32), ref_logp=jnp.asarray(ref, jnp.float32))
     mask = np.asarray(batch.response_mask, np.float64)
     coef = 0.05
     plain = loss_and_grad_fn(graphdef, objective, group_size=2, num_micro_batches=2)
     with_kl = loss_and_grad_fn(graphdef, objective, group_size=2, num_micro_batches=2, kl=KLLoss(kind, coef))
-    loss0, _, _ = plain(params, batch)
-    loss1, metrics, _ = with_kl(params, batch)
+    # both updates' losses in one program (the trainer jits its update; op by op, they compiled 120 programs)
+    (loss0, _, _), (loss1, metrics, _) = jax.jit(lambda params, batch: (plain(params, batch), with_kl(params, batch)))(
+        params, batch)
     kld = verl_kl_penalty(logp, ref, kind)
     if agg == "token-mean":
         want = np.sum(kld * mask) / mask.sum()
@@ -113,9 +119,10 @@ def test_the_kl_loss_is_zero_when_the_policy_is_the_reference(tiny):
     float32 round-off: the update's forward and the reference pass are two programs)."""
     graphdef, params = tiny
     batch = _update_batch(seed=3)
-    logp = response_logprobs(nnx.merge(graphdef, params), batch.input_ids, batch.attention_mask, 6)
+    logp = _logprobs(graphdef, params, batch)
     batch = batch.replace(old_logp=logp, ref_logp=logp)
-    _, metrics, _ = loss_and_grad_fn(graphdef, "grpo", group_size=2, kl=KLLoss("low_var_kl", 1.0))(params, batch)
+    update = jax.jit(loss_and_grad_fn(graphdef, "grpo", group_size=2, kl=KLLoss("low_var_kl", 1.0)))
+    _, metrics, _ = update(params, batch)
     assert abs(float(metrics["actor/kl_loss"])) < 1e-6  # through the update's loss (one program)
     for kind in KL_LOSS_TYPES:  # every estimator of the same log-probs: exactly 0
         assert not np.any(np.asarray(kl_penalty(logp, logp, kind))), kind

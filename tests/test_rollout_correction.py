@@ -192,11 +192,18 @@ def _check(got, want):
         np.testing.assert_allclose(float(metrics[key]), value, rtol=5e-5, atol=2e-6, err_msg=key)
 
 
+@pytest.fixture(scope="module")
+def jitted_cases():
+    """Every case of CASES on _batch(0.3) in float32, inside one jitted program (one compilation, not one a case)."""
+    old, rollout, mask = (jnp.asarray(x, jnp.float32) for x in _batch(0.3))
+    return jax.jit(lambda a, b, c: [rl.correction_and_rejection_mask(a, b, c, **options) for options in CASES])(
+        old, rollout, mask)
+
+
 @pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(str(v) for v in o.values()))
-def test_matches_float64_reference_in_jit(options):
+def test_matches_float64_reference_in_jit(jitted_cases, options):
     old, rollout, mask = _batch(0.3)
-    fn = jax.jit(lambda a, b, c: rl.correction_and_rejection_mask(a, b, c, **options))
-    got = fn(*(jnp.asarray(x, jnp.float32) for x in (old, rollout, mask)))
+    got = jitted_cases[CASES.index(options)]
     old32, rollout32 = (np.asarray(x, np.float32).astype(np.float64) for x in (old, rollout))
     _check(got, reference(old32, rollout32, mask, **options))
     if "rollout_rs" in options:  # the masks fire on this batch, and keep something

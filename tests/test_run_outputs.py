@@ -1,7 +1,8 @@
 """Issue 41 items 5 and 6: what a run leaves for a researcher, and the logs around it.
 
-One shrunk demo run (tests/train_helpers.py FAST_DEMO_FLAGS) with a periodic evaluation at each of its
-2 RL steps: TensorBoard holds every evaluation's pass@k and mean@n (as pass_at_k, mean_at_n: tags take
+One shrunk demo run (tests/train_helpers.py FAST_DEMO_FLAGS, without its warm-start: the outputs are RL's and
+the evaluations') with a periodic evaluation at each of its 2 RL steps: TensorBoard holds every evaluation's
+pass@k and mean@n (as pass_at_k, mean_at_n: tags take
 no "@"; the periodic ones under eval/, the
 final settings' under eval_final/ at step 0 and the last step), equal to the eval_metrics.json files
 the evaluations wrote; curves.png is written. The export of its workdir logs no Orbax warning and
@@ -19,7 +20,8 @@ import sys
 import pytest
 from tensorboardX.proto import event_pb2
 
-from train_helpers import FAST_DEMO_FLAGS, REPO, compile_cache_dir, finish, logs, start_train, train_env
+from train_helpers import (FAST_DEMO_FLAGS, NO_WARMSTART_FLAGS, REPO, compile_cache_dir, finish, logs, start_train,
+                           train_env)
 
 
 def _scalars(folder: pathlib.Path) -> dict[str, dict[int, float]]:
@@ -37,11 +39,12 @@ def _scalars(folder: pathlib.Path) -> dict[str, dict[int, float]]:
     return out
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=70)
 def test_every_evaluation_is_in_tensorboard_and_the_export_logs_are_quiet(tmp_path_factory):
     env = train_env(compile_cache_dir())
     workdir = tmp_path_factory.mktemp("outputs") / "run"
-    process = start_train(workdir, *FAST_DEMO_FLAGS, "--config.train.steps=2", "--config.eval.periodic.every=1",
+    process = start_train(workdir, *FAST_DEMO_FLAGS, *NO_WARMSTART_FLAGS, "--config.train.steps=2",
+                          "--config.eval.periodic.every=1",
                           "--config.eval.periodic.n=2", "--config.eval.periodic.temperature=1.0", env=env,
                           log_name="run")
     assert finish(process) == 0, logs(workdir, "run")[-3000:]

@@ -144,7 +144,9 @@ def in_repo(monkeypatch, shared_data):
 
 def _paper(model: str, algo: str, tokenizer) -> ml_collections.ConfigDict:
     """A paper setup on 8 devices, training on the subset in the repository (the configs point at the
-    full set, which tools/prepare_data.py downloads)."""
+    full set, which tools/prepare_data.py downloads). The tests pass conftest.py's small_tokenizer_dir (Qwen's
+    tokenizer cut to 4,096 entries, Qwen3's family as the repository's): they are about the config's fields, and
+    loading the real 151,669-entry one was most of each validation (0.35 s of CPU, against 0.01)."""
     config = load_config("paper.py", f"{model},{algo}")
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2  # the paper's slice, shrunk to 8 devices
     config.data.tokenizer = str(tokenizer)
@@ -158,11 +160,11 @@ PRESET_OF = {"qwen25_3b": "Qwen2.5-3B", "qwen25_7b": "Qwen2.5-7B", "qwen3_4b": "
 
 
 @pytest.mark.parametrize("model", sorted(PRESET_OF))
-def test_paper_config_without_model_path_is_refused_unless_random_init_is_asked_for(in_repo, qwen_tokenizer_dir,
+def test_paper_config_without_model_path_is_refused_unless_random_init_is_asked_for(in_repo, small_tokenizer_dir,
                                                                                     tmp_path, model):
     """Issue 28 item 3: a paper config whose model.path was forgotten would train its preset from random
     weights; validate_config refuses it naming model.path and how to ask for random weights by name."""
-    config = _paper(model, "pacs_beta1", qwen_tokenizer_dir)
+    config = _paper(model, "pacs_beta1", small_tokenizer_dir)
     config.model.random_init = False  # as configs/paper.py has it
     with pytest.raises(ConfigError, match=rf"^config\.model\.path: not set: the {re.escape(PRESET_OF[model])} "
                                           r"preset would train from random weights; .*--config\.model\.random_init=True"):
@@ -178,10 +180,10 @@ def test_paper_config_without_model_path_is_refused_unless_random_init_is_asked_
         validate_config(config)
 
 
-def test_architecture_fields_without_a_preset_still_initialise_at_random(in_repo, qwen_tokenizer_dir):
+def test_architecture_fields_without_a_preset_still_initialise_at_random(in_repo, small_tokenizer_dir):
     """The tests' shrunk paper configs (preset "", every architecture field named) and the demo are
     random initialisations asked for field by field: no model.path needed."""
-    config = _paper("qwen25_3b", "pacs_beta1", qwen_tokenizer_dir)
+    config = _paper("qwen25_3b", "pacs_beta1", small_tokenizer_dir)
     config.model.random_init = False
     config.model.preset = ""
     with pytest.raises(ConfigError, match=r"^config\.model\.model_type: '' is not one of .*or set model\.path or "
@@ -197,13 +199,13 @@ def test_architecture_fields_without_a_preset_still_initialise_at_random(in_repo
 
 
 @pytest.mark.parametrize("algo", ["pacs_beta1", "ppo"])
-def test_paper_config_trains_on_the_full_set_and_says_how_to_make_it(in_repo, qwen_tokenizer_dir, tmp_path, algo):
+def test_paper_config_trains_on_the_full_set_and_says_how_to_make_it(in_repo, small_tokenizer_dir, tmp_path, algo):
     """configs/paper.py reads tools/prepare_data.py's default output; while it is missing, validate_config
     names the field, the file and the command that makes it (here on a copy of the path under tmp_path, so
     that a downloaded set in the checkout does not hide the error)."""
     written = load_config("paper.py", f"qwen3_4b,{algo}").data.train_files
     assert tuple(written) == (deepscaler.DEFAULT_TRAIN_FILE,) == ("data/deepscaler/train.jsonl",)
-    config = _paper("qwen3_4b", algo, qwen_tokenizer_dir)
+    config = _paper("qwen3_4b", algo, small_tokenizer_dir)
     missing = tmp_path / deepscaler.DEFAULT_TRAIN_FILE
     config.data.train_files = (str(missing),)
     with pytest.raises(ConfigError) as error:
@@ -223,19 +225,19 @@ def test_paper_config_trains_on_the_full_set_and_says_how_to_make_it(in_repo, qw
 @pytest.mark.parametrize("field, value, index", [("data.train_files", ("data/nonexistent.json",), 0),
                                                  ("data.train_files", ("data/deepscaler_subset/math.json",
                                                                        "data/no_such_dir/aime.json"), 1)])
-def test_missing_dataset_path_names_the_entry(in_repo, qwen_tokenizer_dir, field, value, index):
-    config = _paper("qwen3_4b", "pacs_beta1", qwen_tokenizer_dir)
+def test_missing_dataset_path_names_the_entry(in_repo, small_tokenizer_dir, field, value, index):
+    config = _paper("qwen3_4b", "pacs_beta1", small_tokenizer_dir)
     _set(config, field, value)
     with pytest.raises(ConfigError, match=rf"^config\.data\.train_files\[{index}\]: .*{value[index].split('/')[-1]}"):
         validate_config(config)
 
 
-def test_missing_tokenizer_and_unknown_preset_name_their_fields(in_repo, qwen_tokenizer_dir):
-    config = _paper("qwen3_4b", "grpo", qwen_tokenizer_dir)
+def test_missing_tokenizer_and_unknown_preset_name_their_fields(in_repo, small_tokenizer_dir):
+    config = _paper("qwen3_4b", "grpo", small_tokenizer_dir)
     config.data.tokenizer = "/nonexistent/tokenizer"
     with pytest.raises(ConfigError, match=r"^config\.data\.tokenizer: "):
         validate_config(config)
-    config = _paper("qwen3_4b", "grpo", qwen_tokenizer_dir)
+    config = _paper("qwen3_4b", "grpo", small_tokenizer_dir)
     config.model.preset = "Qwen9-1T"
     with pytest.raises(ConfigError, match=r"^config\.model\.preset: 'Qwen9-1T'"):
         validate_config(config)
@@ -267,8 +269,8 @@ PAPER_CRITIC = dict(path="", lr=1e-5, b1=0.9, b2=0.999, weight_decay=0.01, grad_
 
 @pytest.mark.parametrize("algo", sorted(PAPER_ALGOS))
 @pytest.mark.parametrize("model", sorted(PAPER_MODELS))
-def test_paper_config_has_section_6_values_and_validates(in_repo, qwen_tokenizer_dir, model, algo):
-    config = _paper(model, algo, qwen_tokenizer_dir)
+def test_paper_config_has_section_6_values_and_validates(in_repo, small_tokenizer_dir, model, algo):
+    config = _paper(model, algo, small_tokenizer_dir)
     objective, options = PAPER_ALGOS[algo]
     assert (config.data.source, config.data.held_out_problems, config.warmstart.steps) == ("files", 0, 0)
     assert config.data.instruction == data.INSTRUCTION

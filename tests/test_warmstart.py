@@ -94,8 +94,9 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
     model = models.init_random(models.QwenConfig(
         model_type="qwen3", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True), seed=0)
+    program = sft_program(model, wc)  # both runs' step (its lr, weight decay and response length), compiled once
     with RewardPool(1, 5.0) as pool:
-        model, result = warmstart.warm_start(model, examples, tokenizer, wc, program=sft_program(model, wc), probe=probe,
+        model, result = warmstart.warm_start(model, examples, tokenizer, wc, program=program, probe=probe,
                                              prompt_length=64, seed=0,
                                              pool=pool, reward_name="math", probe_max_new_tokens=12,
                                              stop_token_ids=(1,))
@@ -107,7 +108,7 @@ def test_stops_once_the_probe_reaches_the_target(task, monkeypatch):
     monkeypatch.setattr(warmstart, "sft_batch", lambda ex, *a: seen.append(tuple(e.prompt_ids for e in ex))
                         or real_batch(ex, *a))
     with RewardPool(1, 5.0) as pool:
-        _, result = warmstart.warm_start(model, examples, tokenizer, wc, program=sft_program(model, wc), probe=probe,
+        _, result = warmstart.warm_start(model, examples, tokenizer, wc, program=program, probe=probe,
                                          prompt_length=64, seed=0,
                                          pool=pool, reward_name="math", probe_max_new_tokens=12, stop_token_ids=(1,))
     assert (result.steps, result.probe_accuracy, len(probed)) == (12, None, 3)

@@ -45,6 +45,8 @@ FAST_DEMO_FLAGS = (
 # The shrunk demo straight into RL: no warm-start and no evaluation (for tests that need only RL steps).
 RL_ONLY_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=0", "--config.data.warmstart_problems=0",
                  "--config.eval.sets=")
+# No warm-start (add to FAST_DEMO_FLAGS): for tests of what RL and the evaluations leave, not of the warm-start.
+NO_WARMSTART_FLAGS = ("--config.warmstart.steps=0", "--config.data.warmstart_problems=0")
 
 
 # The small Qwen tokenizer of the in-process trainings (``write_small_tokenizer``): a tiny model with the real
