@@ -1,4 +1,5 @@
-"""RL on adapters through the trainer CLI (the demo shrunk, LoRA rank 4 on every linear layer, the KL loss on):
+"""RL on adapters through the trainer CLI (the demo shrunk, LoRA rank 4 on every linear layer, every norm trained
+whole beside them (PEFT's modules_to_save), the KL loss on):
 the warm-start trains the base at full rank, as a run without LoRA does, and the run keeps it for its
 resume and export; the learner trains and checkpoints the adapters alone, a run stopped and resumed equals an uninterrupted
 one, the KL to the reference (the adapters off) starts at 0, the sampler samples the newest adapter, and
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow(seconds=60)  # two short runs and a resume of the 
 WARM_START_FLAGS = (*FAST_DEMO_FLAGS, "--config.warmstart.steps=2", "--config.warmstart.target_accuracy=0",
                     "--config.eval.sets=")
 FLAGS = (*WARM_START_FLAGS, "--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=3e-3",
+         "--config.model.modules_to_save=norm",  # the final norm and each layer's four (qwen3: q and k norms)
          "--config.algorithm.use_kl_loss=True", "--config.algorithm.kl_loss_coef=0.01",
          "--config.train.mini_batches=1", "--config.train.checkpoint_every=1", "--config.eval.sets=")
 
@@ -57,11 +59,16 @@ def _stored_shapes(step_dir, item: str) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in _stored_arrays(step_dir, item)]
 
 
+NORMS = ["final_norm.scale", "layers.attn.k_norm.scale", "layers.attn.q_norm.scale", "layers.input_norm.scale",
+         "layers.post_attn_norm.scale"]
+
+
 def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_alone(runs):
+    """The adapters and the modules trained whole (the norms), with their AdamW state: no other weight."""
     step = runs["a"] / "checkpoints" / "3"
     names = list(getattr(ocp.StandardCheckpointer().metadata(step / "params"), "item_metadata"))
-    assert names and all("_lora." in name for name in names), sorted(names)[:5]
-    assert len(names) == 2 * 7  # A and B of q, k, v, o, gate, up, down
+    assert sorted(n for n in names if "_lora." not in n) == NORMS, sorted(names)
+    assert len(names) == 2 * 7 + len(NORMS)  # A and B of q, k, v, o, gate, up, down
     params = _stored_shapes(step, "params")
     moments = [shape for shape in _stored_shapes(step, "opt_state") if shape]  # AdamW's mu and nu, not its count
     assert sorted(moments) == sorted(params * 2)  # over the adapters alone
@@ -103,7 +110,16 @@ def test_the_kl_starts_at_zero_and_the_sampler_samples_the_newest_adapter(runs):
         gap = rows[step]["rollout_logprob_diff_max"]
         assert gap < 1e-3 and gap < 0.1 * np.sqrt(moved), (step, gap, moved)
     config = json.loads((runs["a"] / "peft_adapter" / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["modules_to_save"]) == ("LORA", 4, 8.0,
+                                                                                                   ["norm"])
+    # the KL reference's one copy: the norms as RL started them, the warm-started base's, bit for bit
+    reference = ocp.StandardCheckpointer().restore(runs["a"] / "kl_reference")
+    base = ocp.StandardCheckpointer().restore(runs["a"] / "lora_base" / "params")
+    assert sorted(reference) == NORMS
+    for name in NORMS:
+        np.testing.assert_array_equal(reference[name], base[name], err_msg=name)
+    trained = ocp.StandardCheckpointer().restore(runs["a"] / "checkpoints" / "3" / "params")
+    assert not np.array_equal(trained["final_norm.scale"], base["final_norm.scale"])  # trained, apart from it
     assert (runs["a"] / "hf_export" / "model.safetensors").is_file()  # the merged model
 
 
@@ -149,14 +165,16 @@ def test_one_step_offs_weight_move_takes_the_adapters_alone_after_the_first(tmp_
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     engine_mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])  # the engine's own
     with jax.set_mesh(mesh):
-        model = lora.attach(models.init_random(cfg), rank=2, alpha=4.0, targets=("q_proj", "down_proj"), seed=0)
+        model = lora.attach(models.init_random(cfg), rank=2, alpha=4.0, targets=("q_proj", "down_proj"),
+                            modules_to_save=("model.norm",), seed=0)  # the final norm trained whole
     _, params = nnx.split(model)
     sync = WeightSync(params, engine_mesh, "bfloat16", adapters_only=True)
     first = sync(params)
     full = sum(x.size * 2 for x in jax.tree.leaves(params))  # bf16 copies of every parameter
     assert sync.moved_bytes == full
     adapters, base = lora.split(params)
-    trained = jax.tree.map(lambda x: x + 1.0, adapters)  # an update: the adapters alone move
+    assert [path for path, _ in nnx.to_flat_state(lora.saved(adapters))] == [("final_norm", "scale")]
+    trained = jax.tree.map(lambda x: x + 1.0, adapters)  # an update: the adapters (and the final norm) alone move
     second = sync(nnx.merge_state(trained, base), previous=first)
     assert sync.moved_bytes == sum(x.size * 2 for x in jax.tree.leaves(adapters))
     engine_adapters, engine_base = lora.split(second)

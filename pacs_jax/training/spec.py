@@ -511,9 +511,7 @@ class ModelSpec:
     modules_to_save: tuple[str, ...]
 
     def __post_init__(self):
-        names = self.modules_to_save
-        object.__setattr__(self, "modules_to_save", tuple(n for n in names.split(",") if n) if isinstance(names, str)
-                           else tuple(names))
+        object.__setattr__(self, "modules_to_save", module_names(self.modules_to_save))
         require(isinstance(self.lora_rank, int) and not isinstance(self.lora_rank, bool) and self.lora_rank >= 0,
                 "model.lora_rank", f"must be an integer >= 0 (0: full fine-tuning), got {self.lora_rank!r}")
         if self.lora_rank:
@@ -574,6 +572,12 @@ class ModelSpec:
                 f"not set: the {self.preset} preset would train from random weights; pass the released model's folder "
                 f"(--config.model.path=DIR with config.json and safetensors, or a pacs_jax checkpoint), or "
                 f"--config.model.random_init=True to train it from random weights on purpose")
+
+
+def module_names(value) -> tuple[str, ...]:
+    """``model.modules_to_save`` as the spec holds it: a list of names, or names with commas ("embed_tokens,norm",
+    as a command line gives them), as a tuple."""
+    return tuple(n for n in value.split(",") if n) if isinstance(value, str) else tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)

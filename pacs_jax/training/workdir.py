@@ -36,7 +36,7 @@ from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import NotAnExportError, check_export_target
 from pacs_jax.rl.objectives import options_for
 from pacs_jax.training.engine.carry_over import is_carry_over_state
-from pacs_jax.training.spec import ConfigError, RunSpec, rollout_tail_slots, run_algorithm
+from pacs_jax.training.spec import ConfigError, RunSpec, module_names, rollout_tail_slots, run_algorithm
 from pacs_jax.training.workdir_lock import agree
 
 CONFIG_FILE = "config.json"
@@ -171,6 +171,8 @@ def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | 
         old = _recorded(workdir / CONFIG_FILE, "model", field)
         if field != "lora_rank" and not (spec.model.lora_rank and old_lora_rank):
             continue
+        if field == "modules_to_save" and old is not None:
+            old = module_names(old)  # as written: a list, or names with commas
         if old is not None and _plain_value(old) != _plain_value(new):
             differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r}: "
                            + ("the checkpoints hold the adapters alone, trained on their run's base)"
