@@ -132,6 +132,8 @@ def test_each_step_trains_the_groups_the_engine_returns_driven_step_by_step(setu
     mesh, model, config, batches = setup
     if adapters:
         model, config = with_adapters(mesh, model, config)
+    config = config.copy_and_resolve_references()
+    config.train.checkpoint_every = 0  # the last step's checkpoint only (the resume tests read theirs)
     trained = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
         history, weights, _ = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run", 4, pool,
@@ -180,6 +182,7 @@ def test_dynamic_sampling_with_carry_over_keeps_the_first_groups_with_spread_the
     mesh, model, config, batches = setup
     config = config.copy_and_resolve_references()
     config.algorithm.filter_groups.update(enable=True, metric="acc", max_num_gen_batches=0)
+    config.train.checkpoint_every = 0  # the last step's checkpoint only
     trained = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
         history, weights, _ = _train(config, model, batches, tmp_path / "run", 3, pool, trained)
@@ -299,7 +302,7 @@ def test_a_run_stopped_after_step_2_and_resumed_trains_every_prompt_once_and_its
 def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_once(setup, tmp_path, monkeypatch,
                                                                                       phase, every):
     """A stop signal at the start of step 2's ``phase`` drops step 2 (its call abandoned in sampling); the resumed
-    session trains steps 2 to 4: over the sessions no prompt is trained twice, and every prompt drawn is
+    session trains steps 2 and 3: over the sessions no prompt is trained twice, and every prompt drawn is
     trained or still held. train.checkpoint_every 1: the engine's rows after step 1's call are in step 1's
     checkpoint; 2: step 1 wrote none, the stop writes it, the rows in flight read from the engine then
     (the only export of the session) when the stop came before step 2's call began, else (its insert took
@@ -324,7 +327,7 @@ def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_o
     monkeypatch.setattr(progress.StepWatch, "start", start_phase)
     sessions = []
     with jax.set_mesh(mesh), RewardPool(1) as pool:
-        for steps in (4, 4):
+        for steps in (3, 3):
             trained = []
             history, _, source = _train(config.copy_and_resolve_references(), model, batches, tmp_path / "run",
                                         steps, pool, trained)
@@ -337,7 +340,7 @@ def test_a_run_stopped_in_each_phase_of_step_2_and_resumed_trains_every_prompt_o
         assert first[0] == 1 and first[1]["in_flight"]["version"] == 1 and first[1]["in_flight"]["generations"]
     else:  # step 2's call had begun: no rows read, its prompts in flight queued first
         assert first[0] == 0 and first[1]["in_flight"] is None and len(first[1]["queued"]) >= PROMPTS
-    assert asked and [step for step, _ in sessions[0]] == [1] and [step for step, _ in sessions[1]] == [2, 3, 4]
+    assert asked and [step for step, _ in sessions[0]] == [1] and [step for step, _ in sessions[1]] == [2, 3]
     counts = collections.Counter()
     for step, batch in sessions[0] + sessions[1]:
         R = batch["response_mask"].shape[1]
