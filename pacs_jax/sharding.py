@@ -161,11 +161,11 @@ def current_mesh() -> Mesh:
 
 
 def tracing_device(mesh: Mesh):
-    """A context in which JAX's default device is ``mesh``'s first when this host's default backend is another
-    platform (compile-only devices: a v5p or an H200 planned from a CPU host), for the libraries that read the
-    target's generation from the default device while tracing (tokamax: models/moe_gemm_gpu.py); else nothing."""
+    """A context in which JAX's default device is ``mesh``'s first when it is a GPU this host does not have
+    (compile-only devices: an H200 planned from a CPU host), for tokamax, which reads the GPU's generation from the
+    default device while tracing (models/moe_gemm_gpu.py); else nothing."""
     device = mesh.devices.flat[0]
-    if device.platform == jax.default_backend():
+    if device.platform != "gpu" or jax.default_backend() == "gpu":
         return contextlib.nullcontext()
     return jax.default_device(device)
 

@@ -26,7 +26,8 @@ from pacs_jax.sharding import make_mesh
 from qwen_reference import MOE_ARCHS, hf_logits, load_tool, max_rel_err, padded_batch, save_random_hf_model
 from test_hf_roundtrip import assert_bit_identical, read_safetensors
 from test_sampling import hf_greedy
-from train_helpers import FAST_DEMO_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train, train_env
+from train_helpers import (FAST_DEMO_FLAGS, RL_ONLY_FLAGS, compile_cache_dir, finish, logs, metrics_rows, start_train,
+                           train_env)
 
 import_hf, export_hf = load_tool("import_hf"), load_tool("export_hf")
 
@@ -134,6 +135,22 @@ def test_the_demo_trains_a_mixture_of_experts_model_and_transformers_loads_its_e
     tokens, mask = padded_batch(model.cfg.vocab_size, [6, 3], 6, "left", seed=2)
     logits = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)))
     assert max_rel_err(logits, hf_logits(hf, tokens, mask), mask) < 1e-4
+
+
+def test_without_replay_the_routing_difference_is_still_measured_each_step(tmp_path):
+    """train.router_replay disabled (the default) on a mixture-of-experts model: nothing is replayed, and the
+    sampler still records its experts, so each step reports and prints how far the learner's routers differ
+    (RunSpec.measures_routing): none here (one set of float32 weights in both roles). One RL step, no warm-start."""
+    workdir = tmp_path / "run"
+    flags = (*RL_ONLY_FLAGS, "--config.train.steps=1", "--config.model.model_type=qwen3_moe",
+             "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
+             "--config.model.moe_intermediate_size=64")
+    process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="off")
+    assert finish(process) == 0, logs(tmp_path / "run", "off")[-3000:]
+    (row,) = metrics_rows(workdir)
+    assert row["routing_mismatch_tokens"] == row["routing_mismatch_decisions"] == 0
+    assert ("step 1: routing: the learner's routers sent 0% of the tokens (0% of their layers' decisions) to other "
+            "experts than the sampler's (train.router_replay disabled: nothing replayed)") in logs(workdir, "off")
 
 
 def _loss_and_grads(model, tokens, mask):
