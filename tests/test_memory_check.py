@@ -254,9 +254,9 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model
     (splash attention, the TPU paged-attention kernel), with nothing patched. Inside the sampler's decode
     loops: no parameter all-gather, no copy of the page pool (a [K, Dh] write window made XLA:TPU copy the
     whole pool to the kernel's layout at every layer of every step: 8 such copies here with Qwen3-4B's 8 KV
-    heads on one device), and no [slots, prompt + max_new] cache row. Its tail narrows to 3/4 of the slots
+    heads on one device), and no [slots, prompt + max_new] cache row. Its tail narrows to 2/3 of the slots
     rather than the config's 1/8 (each width one more loop to compile), enough to compile a narrowed
-    loop for the TPU. Qwen2.5-7B's tensor-parallel mesh is the carry-over plan's below (the same decode step,
+    loop for the TPU (a queue's 12 slots narrow to 8, a width of the ladder; 3/4, 9 a queue, narrowed to none). Qwen2.5-7B's tensor-parallel mesh is the carry-over plan's below (the same decode step,
     sampling/decode.py, under its (1, 8, 4) mesh: a plan of its own here was 30 of this file's CPU seconds)."""
     assert load_config("paper.py", f"{model},pacs_beta1").rollout.slots == slots  # the paper's, shrunk below
     slots, shard_slots = slots // SLOTS_SHRUNK, shard_slots // SLOTS_SHRUNK
@@ -266,7 +266,7 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model
               f"--config.model.num_key_value_heads={kv_heads}", f"--config.rollout.slots={slots}"]
     result = subprocess.run([sys.executable, "tools/plan_memory.py", f"--config=configs/paper.py:{model},pacs_beta1",
                              "--topology=v5p-64", "--programs=sampler", *shrink,
-                             f"--config.rollout.tail_slots={slots * 3 // 4}"],
+                             f"--config.rollout.tail_slots={slots * 2 // 3}"],
                             cwd=REPO, env=train_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -275,7 +275,7 @@ def test_tool_compiles_a_paper_config_for_v5p_64_with_the_tpus_own_kernels(model
     assert re.search(rf"attention splash; mesh {re.escape(mesh)} on 32 TPU v5 devices", out), out
     shards = slots // shard_slots  # one queue a batch shard; a prompt of 512 tokens is 32 pages
     assert re.search(rf"1024 prompts x 512 tokens, n=8: 8192 rows in {slots} decode slots \(narrowing to "
-                     rf"{slots * 3 // 4}\) over a page pool a batch shard of {1024 // shards * 32} prompt \+ "
+                     rf"{slots * 2 // 3}\) over a page pool a batch shard of {1024 // shards * 32} prompt \+ "
                      rf"{shard_slots * 257} response pages of 16 tokens \(4112 response tokens a slot\)", out), out
     assert "sampler: no parameter all-gather inside its loops" in out
     assert "sampler: no copy of the page pool inside its loops" in out
