@@ -19,10 +19,18 @@ Its import loads libtpu's Pallas modules, whose start-up lines are held back unl
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 
 from pacs_jax import native_stderr
+
+
+def _not_a_cache_miss(record: logging.LogRecord) -> bool:
+    """tokamax warns, at every call it traces, that its autotuning cache lacks the shape, and then uses its
+    heuristic configuration (a page of lines a program, each naming the whole op): dropped; the kernels line
+    names the kernel."""
+    return not str(record.msg).startswith("Autotuning cache miss")
 
 
 @functools.cache
@@ -30,6 +38,7 @@ def _kernel():
     """tokamax's Mosaic GPU ragged_dot implementation, imported once (quietly)."""
     with native_stderr.shown_only_on_error():
         from tokamax._src.ops.ragged_dot.api import IMPLEMENTATIONS
+    logging.getLogger("absl").addFilter(_not_a_cache_miss)  # tokamax logs through absl's logger
     return IMPLEMENTATIONS["mosaic_gpu"]
 
 
