@@ -137,7 +137,7 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
     interpreter) on 2 devices splitting the tokens x 2 splitting the experts' width: in bfloat16 its grouped
     matmuls are tokamax's Mosaic GPU kernel (a custom call; no dense [G, M, N] temporary: a tenth of float32's
     bytes or less), forward and backward, with the experts' width still split (their gradients 192 of 384 a
-    device); float32 takes XLA's ragged_dot and says why."""
+    device); float32 takes XLA's ragged_dot and says why. Qwen3-30B-A3B's block compiles too, 2 x 4 devices."""
     from gpu_compiler import REPO, gpu_python
 
     result = subprocess.run([str(gpu_python()), "tests/gpu/moe_gemm.py"], cwd=REPO, capture_output=True, text=True,
@@ -149,6 +149,9 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
     assert half["expert_grads"] == ["f32[16,192,512]", "f32[16,512,192]"] == full["expert_grads"]
     assert half["temp_bytes"] * 10 < full["temp_bytes"]
     assert not full["custom_calls"] and "float32 operands" in " ".join(full["choices"])
+    paper = out["qwen3_30b_a3b"]  # the paper model's own block: tokamax's tiles at its shapes, a quarter a device
+    assert "mosaic_gpu_v2" in paper["custom_calls"]
+    assert paper["expert_grads"] == ["f32[128,192,2048]", "f32[128,2048,192]"]
     assert "libtpu" not in result.stderr and "TPU_WORKER" not in result.stderr  # tokamax's import held quiet
     assert "Autotuning cache miss" not in result.stderr  # nor its page of warnings a program
 

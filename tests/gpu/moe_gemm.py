@@ -3,7 +3,8 @@ H200s (pacs_jax/topologies.py h200x8; run by tests/test_moe_block.py with the GP
 devices splitting the tokens ("data" 2: each shard dispatches its own, ``local_dispatch``) and two splitting the
 experts' width ("tensor" 2), in bfloat16 and in float32. Prints one JSON object a dtype: the kernel choices the
 trace recorded (kernels.moe_gemm), the compiled program's custom calls, its temporary bytes a device, and the
-shapes its experts' weight gradients come back in a device (the width split over "tensor": 192 of 384)."""
+shapes its experts' weight gradients come back in a device (the width split over "tensor": 192 of 384); and the
+same for Qwen3-30B-A3B's block in bfloat16 on 2 x 4 devices."""
 
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ from pacs_jax.models.loading import abstract_model  # noqa: E402
 from pacs_jax.models.moe import MoE  # noqa: E402
 
 N, D, E, K, I = 2048, 512, 16, 4, 384  # tokens, width, experts, experts a token, an expert's width
+# Qwen3-30B-A3B's block (2,048 wide, 128 experts of 768, 8 a token) on 2 x 4 devices: 192 of each expert's width a
+# device, tokamax's tiles at the paper model's own shapes
+QWEN3_30B = dict(N=1024, D=2048, E=128, K=8, I=768, tensor=4)
 
 
-def compiled(dtype: str) -> dict:
+def compiled(dtype: str, N=N, D=D, E=E, K=K, I=I, tensor=2) -> dict:
     cfg = QwenConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=D, intermediate_size=4 * D,
                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                      num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, dtype=dtype)
-    mesh = sharding.make_mesh(2, 1, 2, devices=DEVICES[:4])
+    mesh = sharding.make_mesh(2, 1, tensor, devices=DEVICES[:2 * tensor])
     kernels._CHOSEN.clear()
     with jax.set_mesh(mesh), sharding.tracing_device(mesh):
         graphdef, params = abstract_model(cfg, MoE)  # the experts' width split over "tensor"
@@ -50,4 +54,5 @@ def compiled(dtype: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({dtype: compiled(dtype) for dtype in ("bfloat16", "float32")}))
+    print(json.dumps({**{dtype: compiled(dtype) for dtype in ("bfloat16", "float32")},
+                      "qwen3_30b_a3b": compiled("bfloat16", **QWEN3_30B)}))
