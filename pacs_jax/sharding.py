@@ -15,7 +15,7 @@ outside ``jax.jit``) for constraints, ``platform()`` for kernel choices. Code ru
 (a notebook, a unit test) runs on a 1 x 1 x 1 mesh over the first device.
 
 Divisibility: a logical axis whose size the mesh axes do not divide is replicated instead, except
-for the axes in ``MUST_DIVIDE`` (query heads, MLP and expert widths), where a silent replication would waste a
+for the axes in ``MUST_DIVIDE`` (query heads, MLP and expert widths, the experts), where a silent replication would waste a
 factor of the tensor axis in memory; those raise. This is how K/V projections with fewer KV heads
 than the tensor axis (Qwen2.5-7B: 4 KV heads on tensor=8) end up replicated, as in vLLM and MaxText.
 """
@@ -44,7 +44,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "norm": (),
-    "experts": (),  # a mixture-of-experts layer's experts (models/moe.py): replicated, their width split
+    "experts": ("fsdp",),  # a mixture-of-experts layer's experts (models/moe.py ``local_dispatch``: expert parallelism)
     "expert_mlp": ("tensor",),
     "layers": (),  # the stacking axis of the scanned decoder (and of the KV cache)
     # activations
@@ -60,7 +60,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 
 # Logical axes that must be divisible by their mesh axes (otherwise: a clear error).
 MUST_DIVIDE = {"heads": "num_attention_heads", "mlp": "intermediate_size",
-               "expert_mlp": "moe_intermediate_size"}
+               "expert_mlp": "moe_intermediate_size", "experts": "num_experts"}
 
 
 def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
@@ -205,7 +205,7 @@ def partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], axi
             if name in MUST_DIVIDE:
                 raise ValueError(
                     f"{MUST_DIVIDE[name]}: size {size} is not divisible by mesh axes {axes} "
-                    f"(size {ways}); choose a mesh whose tensor axis divides it")
+                    f"(size {ways}); choose a mesh whose {' x '.join(axes)} axis divides it")
             axes = ()
         axes = tuple(a for a in axes if axis_sizes[a] > 1)
         used.update(axes)

@@ -5,6 +5,7 @@ replay (R3) against the same statement with the replayed experts; a config it ca
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import jax
@@ -137,7 +138,8 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
     interpreter) on 2 devices splitting the tokens x 2 splitting the experts' width: in bfloat16 its grouped
     matmuls are tokamax's Mosaic GPU kernel (a custom call; no dense [G, M, N] temporary: a tenth of float32's
     bytes or less), forward and backward, with the experts' width still split (their gradients 192 of 384 a
-    device); float32 takes XLA's ragged_dot and says why. Qwen3-30B-A3B's block compiles too, 2 x 4 devices."""
+    device); float32 takes XLA's ragged_dot and says why. Qwen3-30B-A3B's block compiles too, 2 x 4 devices, its
+    experts split over fsdp 2 (64 of 128 a device: expert parallelism, the kernel's rows past its groups dropped)."""
     from gpu_compiler import REPO, gpu_python
 
     result = subprocess.run([str(gpu_python()), "tests/gpu/moe_gemm.py"], cwd=REPO, capture_output=True, text=True,
@@ -151,29 +153,47 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
     assert not full["custom_calls"] and "float32 operands" in " ".join(full["choices"])
     paper = out["qwen3_30b_a3b"]  # the paper model's own block: tokamax's tiles at its shapes, a quarter a device
     assert "mosaic_gpu_v2" in paper["custom_calls"]
-    assert paper["expert_grads"] == ["f32[128,192,2048]", "f32[128,2048,192]"]
+    assert paper["expert_grads"] == ["f32[64,192,2048]", "f32[64,2048,192]"]
+    assert any(c.startswith("moe dispatch: per batch shard, experts over fsdp (64 a device") for c in paper["choices"])
     assert "libtpu" not in result.stderr and "TPU_WORKER" not in result.stderr  # tokamax's import held quiet
     assert "Autotuning cache miss" not in result.stderr  # nor its page of warnings a program
 
 
-def test_each_batch_shard_sorts_its_own_tokens_and_tokens_that_do_not_divide_are_named():
-    """On a 2x2x2 mesh (4 batch shards) the block dispatches each shard's tokens by itself (local_dispatch) and
-    gives the single device's output; a batch of tokens the 4 shards do not divide takes one global sort, named
-    on the kernels line with why (every slot gathered to every device), with the same output."""
+def test_each_batch_shard_sorts_its_own_tokens_its_experts_split_over_fsdp_and_tokens_that_do_not_divide_are_named():
+    """On a 2x2x2 mesh (4 batch shards) the block dispatches each shard's tokens by itself (local_dispatch), its
+    experts split over fsdp (expert parallelism: 4 of the 8 a device, the tokens of the fsdp pair all-gathered and
+    the sums reduce-scattered back; no expert's weights gathered), and gives the single device's output and
+    gradients; a batch of tokens the 4 shards do not divide takes one global sort, named on the kernels line with
+    why (every slot gathered to every device), with the same output."""
     from pacs_jax import sharding
 
     block = _block(_config())
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     run = nnx.jit(lambda b, x: b(x))
-    for rows, impl in ((8, "per batch shard"), (6, "one global sort")):
+    grad = nnx.jit(nnx.grad(lambda b, x: jnp.sum(jnp.sin(b(x)))))
+    for rows, impl in ((8, "per batch shard, experts over fsdp (4 a device: tokens all-gathered, sums "
+                            "reduce-scattered)"), (6, "one global sort")):
         x = jax.random.normal(jax.random.key(rows), (rows, 1, D), jnp.float32)  # [B, T, D]: B tokens of one
-        want = np.asarray(block(x))
+        want, want_grads = np.asarray(block(x)), nnx.to_flat_state(grad(block, x))
         kernels._CHOSEN.clear()  # the record keeps a process's first of each choice: this run's alone
         with jax.set_mesh(mesh):
+            sharded = nnx.state(block)
+            placed = jax.device_put(sharded, jax.tree.map(lambda v: sharding.placement(v.logical_axes, v.shape),
+                                                          sharded, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+            nnx.update(block, placed)
+            assert block.gate_kernel.get_value().sharding.spec[0] == "fsdp"  # 4 experts a device at rest
             got = np.asarray(run(block, x))
+            got_grads = nnx.to_flat_state(grad(block, x))
+            hlo = run.lower(block, x).compile().as_text() if rows == 8 else ""
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for (name, g), (_, w) in zip(got_grads, want_grads):
+            np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(w.get_value()), rtol=1e-4,
+                                       atol=1e-6, err_msg=str(name))
         (choice,) = [c for c in kernels.chosen() if c.op == "moe dispatch"]
         assert choice.impl == impl
+        if rows == 8:  # tokens move (2 shards' 2 tokens: f32[4,32]), weights do not (an expert's is [32,16])
+            assert re.search(r"f32\[4,32\]\{1,0\} all-gather\(", hlo) and " reduce-scatter(" in hlo, hlo
+            assert not re.search(r"f32\[8,(32,8|8,32)\]\{[\d,]+\} all-gather\(", hlo), hlo
     fallback = choice
     assert fallback.reason == ("6 tokens do not divide over the 4 batch shards (data x fsdp): every slot gathered "
                                "to every device")

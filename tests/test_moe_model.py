@@ -163,9 +163,9 @@ def _loss_and_grads(model, tokens, mask):
 
 
 def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_one_device(hf_moe):
-    """Experts' width over the tensor axis, their input (hidden) over fsdp; the experts themselves
-    replicated (no expert axis yet), each batch shard dispatching its own tokens (``moe.local_dispatch``): logits
-    and every parameter's gradient as on one device."""
+    """The experts split over fsdp (expert parallelism, ``moe.local_dispatch``: the fsdp pair's tokens gathered to
+    each half of the experts), their width over the tensor axis, each batch shard dispatching its own tokens:
+    logits and every parameter's gradient as on one device."""
     tokens, mask = (jnp.asarray(a) for a in padded_batch(MOE_ARCHS["qwen3_moe"]["vocab_size"], [8, 5, 3, 7], 8,
                                                           "left", seed=4))
     results = {}
@@ -174,13 +174,13 @@ def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_on
             model = checkpoints.from_pretrained(hf_moe[0], dtype="float32")
             if shape == (2, 2, 2):
                 layers = nnx.state(model, nnx.Param)["layers"]["mlp"]
-                assert tuple(layers["gate_kernel"].get_value().sharding.spec) == (None, None, "fsdp", "tensor")
-                assert tuple(layers["down_kernel"].get_value().sharding.spec) == (None, None, "tensor", "fsdp")
+                assert tuple(layers["gate_kernel"].get_value().sharding.spec) == (None, "fsdp", None, "tensor")
+                assert tuple(layers["down_kernel"].get_value().sharding.spec) == (None, "fsdp", "tensor", None)
             loss, grads = _loss_and_grads(model, tokens, mask)
-            if shape == (2, 2, 2):  # each of the 4 batch shards sorts its own 8 tokens' 16 slots, not all 64
+            if shape == (2, 2, 2):  # each device sorts its fsdp pair's 16 tokens' 32 slots, not all 32 tokens' 64
                 hlo = nnx.jit(lambda m: m(tokens, attention_mask=mask).sum()).lower(model).compile().as_text()
                 sorted_slots = set(re.findall(r"\(s32\[(\d+)\]\{0\}, s32\[\d+\]\{0\}\) sort\(", hlo))
-                assert sorted_slots == {str(tokens.size * 2 // 4)}, sorted_slots
+                assert sorted_slots == {str(tokens.size * 2 // 2)}, sorted_slots
             results[shape] = (float(loss), {".".join(map(str, p)): np.asarray(v.get_value())
                                             for p, v in nnx.to_flat_state(grads)})
     (loss1, grads1), (loss8, grads8) = results[(1, 1, 1)], results[(2, 2, 2)]

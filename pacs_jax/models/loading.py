@@ -30,14 +30,15 @@ from pacs_jax.sharding import MUST_DIVIDE, current_mesh, placement
 
 def check_mesh(cfg: QwenConfig) -> None:
     """Raise a ValueError naming the config field when the tensor axis of the mesh in context does
-    not divide it."""
-    tensor = current_mesh().shape["tensor"]
+    not divide it (or the fsdp axis the experts, which it splits)."""
+    mesh = current_mesh()
     sizes = {"heads": cfg.num_attention_heads, "mlp": cfg.intermediate_size}
     if cfg.num_experts:
-        sizes["expert_mlp"] = cfg.moe_intermediate_size
+        sizes |= {"expert_mlp": cfg.moe_intermediate_size, "experts": cfg.num_experts}
     for logical, size in sizes.items():
-        if size % tensor:
-            raise ValueError(f"{MUST_DIVIDE[logical]}={size} is not divisible by mesh.tensor={tensor}")
+        axis = "fsdp" if logical == "experts" else "tensor"
+        if size % mesh.shape[axis]:
+            raise ValueError(f"{MUST_DIVIDE[logical]}={size} is not divisible by mesh.{axis}={mesh.shape[axis]}")
 
 
 def abstract_model(cfg: QwenConfig, cls: type[nnx.Module] = Qwen) -> tuple[nnx.GraphDef, nnx.State]:

@@ -12,7 +12,8 @@ token, no noise.
 Dispatch: the M slots sorted by expert (stable), each expert's rows one group of a grouped matmul
 (models/kernels.py ``moe_gemm`` records the choice and its reason: ``jax.lax.ragged_dot``, XLA's grouped kernel on
 TPU, the reference on the CPU; tokamax's Mosaic GPU kernel on a GPU, models/moe_gemm_gpu.py), the outputs put back
-in slot order and summed over k in float32.
+in slot order and summed over k in float32. Expert parallelism (``local_dispatch``): the experts split over
+"fsdp", each device applies its own to its data shard's tokens, gathered, and hands the sums back to theirs.
 
 Routing replay (R3): given ``routed`` [N, k], the experts a token uses are those, not the top k of this
 router, with the weights read from this router's own probabilities at them (so gradients reach the
@@ -66,18 +67,25 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool,
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """Each slot's expert SwiGLU: x [N, D] (compute dtype), experts [N, k] int32, gate / up [E, D, I],
-    down [E, I, D] (cast to x's dtype) -> [N, k, D] float32, slot (n, j) being expert experts[n, j]
-    applied to x[n]. The slots are sorted by expert for the grouped matmul (``kernels.moe_gemm``: tokamax's on a
-    GPU, whose products come back in the compute dtype; ``jax.lax.ragged_dot`` in float32 elsewhere) and put back
-    after."""
+def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax.Array, up: jax.Array,
+                   down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """The gated sum of each token's expert SwiGLUs over the experts held here: x [N, D] (compute dtype),
+    experts [N, k] int32 (0 .. E - 1), gates [N, k] float32; gate / up [E_h, D, I], down [E_h, I, D] (cast to x's
+    dtype): the E_h experts ``first`` .. ``first`` + E_h - 1 (all E when E_h = E) -> [N, D] float32,
+    sum_j gates[n, j] down(silu(gate x[n]) * up x[n]) of expert experts[n, j] over the slots (n, j) whose expert
+    is held here (the others add 0: another device holds theirs, ``local_dispatch``).
+
+    The slots are sorted by expert for the grouped matmul (``kernels.moe_gemm``: tokamax's on a GPU, whose products
+    come back in the compute dtype; ``jax.lax.ragged_dot`` in float32 elsewhere), the slots of experts held
+    elsewhere after the last group, and put back in slot order after."""
     choice = kernels.moe_gemm(platform(), x.dtype)
     n, k = experts.shape
-    num_experts = gate.shape[0]
-    flat = experts.reshape(-1)
+    held = gate.shape[0]
+    local = experts - first
+    here = (local >= 0) & (local < held)                            # [N, k]
+    flat = jnp.where(here, local, held).reshape(-1)                 # held elsewhere: one bucket past the last
     order = jnp.argsort(flat, stable=True)                          # [M] slots grouped by expert
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=held + 1)[:held].astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)                          # [M, D]
     if choice.impl == "tokamax mosaic_gpu":
         dot = functools.partial(moe_gemm_gpu.ragged_dot, group_sizes=group_sizes)
@@ -88,40 +96,58 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Ar
     # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
     out = dot(h, down.astype(x.dtype)).astype(jnp.float32)          # [M, D], sorted
-    unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-    return unsorted.reshape(n, k, -1)
+    slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)
+    # rows past the last group are no group's: whatever a kernel leaves there is dropped, not weighted by 0
+    slots = jnp.where(here[..., None], slots, 0.0)
+    return jnp.einsum("nkd,nk->nd", slots, gates)
 
 
 def local_dispatch(fn):
-    """``fn(x [N, D], experts [N, k], gate, up, down) -> [N, k, D]`` run on each batch shard's own tokens: under
-    ``shard_map`` manual over the batch axes of the mesh in context (those not manual already: the sampler's
-    queues), the tokens split, the experts' weights gathered whole to every shard (as FSDP gathers a dense layer's;
-    "tensor" stays automatic: the experts' width split over it). Each shard then sorts its own N / S k slots:
-    left to GSPMD, the sort of the slots gathered every token to every device (a v5p-64 prefill of 1024 prompts
-    needed 114.6 GiB). Without such axes, or tokens they do not divide, ``fn`` itself.
+    """``fn(x [N, D], experts [N, k], gates [N, k], gate, up, down, first) -> [N, D]`` (``grouped_swiglu``) run on each
+    batch shard's own tokens: under ``shard_map`` manual over the batch axes of the mesh in context (those not manual
+    already: the sampler's queues), the tokens split. Left to GSPMD, the sort of the slots gathered every token to
+    every device (a v5p-64 prefill of 1024 prompts needed 114.6 GiB). Without such axes, or tokens they do not
+    divide, ``fn`` itself, every expert held.
 
-    tokamax's GPU kernel (a Pallas call, which GSPMD cannot split) runs manual over the experts' width's axis too:
-    each device's slice of gate / up [E, D, I / t] and down [E, I / t, D], its partial sums added over the axis
-    (left automatic, the weights were gathered whole to every device and their gradients came back whole)."""
+    The experts: split over the mesh axes of the "experts" rule (sharding.LOGICAL_RULES: "fsdp") when those split
+    the tokens too (expert parallelism): each device holds E / F experts whole, the tokens of the other shards of
+    those axes are all-gathered to it, it computes its experts' slots of all of them, and the partial sums are
+    reduce-scattered back to each token's shard. Otherwise every shard holds every expert (gathered, as FSDP
+    gathers a dense layer's weights). Their width is split over "tensor" and left automatic, except under
+    tokamax's GPU kernel (a Pallas call, which GSPMD cannot split): manual over that axis too, each device's slice
+    of gate / up [E, D, I / t] and down [E, I / t, D], its partial sums added over the axis (left automatic, the
+    weights were gathered whole to every device and their gradients came back whole)."""
     rules = current_rules()
     mesh = rules.mesh
     manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
     axes = tuple(a for a in rules.batch_axes() if a not in manual)
     shards = math.prod(mesh.shape[a] for a in axes)
     width = tuple(a for a in dict(rules.rules)["expert_mlp"] if a not in manual and mesh.shape[a] > 1)
+    over = tuple(a for a in dict(rules.rules)["experts"] if a not in manual and mesh.shape[a] > 1)
 
-    def run(x, experts, gate, up, down):
-        kernels.moe_dispatch(x.shape[0], shards, axes)
+    def run(x, experts, gates, gate, up, down):
         tokens = axes if axes and not x.shape[0] % shards else ()
+        ep = over if over and set(over) <= set(tokens) else ()
+        kernels.moe_dispatch(x.shape[0], shards, axes, ep, gate.shape[0] // math.prod(mesh.shape[a] for a in ep))
         split = kernels.moe_gemm(platform(), x.dtype).impl == "tokamax mosaic_gpu" and width
         if not tokens and not split:
-            return fn(x, experts, gate, up, down)
-        rows, t = PartitionSpec(tokens or None), (width or None) if split else None
-        body = (lambda *a: jax.lax.psum(fn(*a), t)) if split else fn
-        specs = (rows, rows, PartitionSpec(None, None, t), PartitionSpec(None, None, t), PartitionSpec(None, t, None))
+            return fn(x, experts, gates, gate, up, down)
+        rows, t, e = PartitionSpec(tokens or None), (width or None) if split else None, ep or None
+
+        def body(x, experts, gates, gate, up, down):
+            first = 0
+            if ep:  # the tokens of every shard over the experts' axes, each device's experts applied to them
+                x, experts, gates = (jax.lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, experts, gates))
+                first = jax.lax.axis_index(ep) * gate.shape[0]
+            out = fn(x, experts, gates, gate, up, down, first)
+            if split:
+                out = jax.lax.psum(out, t)
+            return jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True) if ep else out
+
+        specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None))
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
                              axis_names=set(tokens) | set(width if split else ()), check_vma=False)(
-            x, experts, gate, up, down)
+            x, experts, gates, gate, up, down)
 
     return run
 
@@ -154,9 +180,9 @@ class MoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
         replay = None if routed is None else routed.reshape(-1, k)
         weights, experts = route(logits, k, cfg.norm_topk_prob, replay)
-        slots = local_dispatch(grouped_swiglu)(flat, experts, self.gate_kernel[...], self.up_kernel[...],
-                                               self.down_kernel[...])
-        out = jnp.einsum("nkd,nk->nd", slots, weights).astype(x.dtype).reshape(*lead, -1)
+        out = local_dispatch(grouped_swiglu)(flat, experts, weights, self.gate_kernel[...], self.up_kernel[...],
+                                             self.down_kernel[...])
+        out = out.astype(x.dtype).reshape(*lead, -1)
         if not with_experts:
             return out
         chosen = experts if replay is None else route(logits, k, cfg.norm_topk_prob)[1]

@@ -1009,10 +1009,14 @@ class RunSpec:
 
     def check_tensor_axis(self, model_cfg) -> None:
         """Refuse a tensor axis that does not divide the model's (``model_cfg``, a QwenConfig) query heads,
-        MLP width or experts' width (the model would otherwise waste a factor of the axis in memory;
+        MLP width or experts' width, or an fsdp axis that does not divide its experts (the expert-parallel axis,
+        models/moe.py ``local_dispatch``) (the model would otherwise waste a factor of the axis in memory;
         sharding.MUST_DIVIDE). Memory itself is checked on the compiled programs before step 1
         (training/memory_check.py)."""
-        tensor = self.mesh_shape[2]
+        _, fsdp, tensor = self.mesh_shape
+        require(model_cfg.num_experts % fsdp == 0, "mesh.fsdp",
+                f"{fsdp} does not divide the model's num_experts ({model_cfg.num_experts}): the experts are split over "
+                "the fsdp axis (expert parallelism); choose an fsdp axis that divides them")
         for field in ("num_attention_heads", "intermediate_size") + (
                 ("moe_intermediate_size",) if model_cfg.num_experts else ()):
             require(getattr(model_cfg, field) % tensor == 0, "mesh.tensor",
