@@ -58,6 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
         dtype="bfloat16", param_dtype="float32", remat="none",
         attention="auto",         # auto | xla | cudnn | splash (auto: splash on TPU, cudnn on GPU, xla elsewhere)
         attention_block_size=512,
+        # a qwen3_moe model's experts split over mesh.fsdp, which must divide them (expert parallelism: each device
+        # holds num_experts / fsdp experts whole and the fsdp shards exchange tokens, not weights); False: every
+        # expert's weights gathered to each batch shard a layer, as FSDP gathers a dense layer's
+        expert_parallel=False,
         # LoRA (verl's names; pacs_jax/models/lora.py): lora_rank 0 = full fine-tuning; > 0 trains adapters A [in, r]
         # and B [r, out] (B = 0 at the start, scale lora_alpha / lora_rank) on target_modules and freezes the rest.
         # Peers' advice: every linear layer, rank >= 32 (rank 1 already matches full RL in "LoRA Without Regret"),

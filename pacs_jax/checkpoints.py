@@ -53,6 +53,8 @@ def model_config_dict(cfg: QwenConfig, base: LoraBase | None = None) -> dict:
     the base they were trained on (``base``: a training checkpoint holds the adapters alone)."""
     run = ("param_dtype", "dtype", "remat", "attention", "attention_block_size")
     ours = {k: getattr(cfg, k) for k in run}
+    if cfg.num_experts:
+        ours["expert_parallel"] = cfg.expert_parallel
     if cfg.lora_rank:
         ours["lora"] = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets),
                         "modules_to_save": list(cfg.lora_saved), **({} if base is None else base._asdict())}
@@ -184,7 +186,7 @@ def load_model(directory: str | os.PathLike, *, dtype: str | None = None,
     # a training checkpoint of LoRA adapters: the base loaded (or drawn) as the run built it, the adapters restored
     plain = cfg.without_adapters()
     run = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat, attention=cfg.attention,
-               attention_block_size=cfg.attention_block_size)
+               attention_block_size=cfg.attention_block_size, expert_parallel=cfg.expert_parallel)
     model = lora.attach(from_pretrained(base.model_path, **run) if base.model_path else init_random(plain, base.seed),
                         rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets, modules_to_save=cfg.lora_saved)
     graphdef, state = nnx.split(model)

@@ -44,7 +44,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "norm": (),
-    "experts": ("fsdp",),  # a mixture-of-experts layer's experts (models/moe.py ``local_dispatch``: expert parallelism)
+    "experts": ("fsdp",),  # a mixture-of-experts layer's experts, with model.expert_parallel (models/moe.py)
     "expert_mlp": ("tensor",),
     "layers": (),  # the stacking axis of the scanned decoder (and of the KV cache)
     # activations

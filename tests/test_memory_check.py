@@ -167,14 +167,22 @@ def test_validate_config_names_the_tensor_axis_when_heads_do_not_divide():
 
 
 def test_validate_config_names_the_fsdp_axis_when_it_does_not_divide_the_experts():
-    """The experts are split over fsdp (expert parallelism): 6 experts on fsdp 4 are refused naming the field."""
+    """model.expert_parallel splits the experts over fsdp: 6 experts on fsdp 4 are refused naming the field (and
+    taken without it), and on a dense model it is refused naming itself."""
     config = tiny_config()
     config.model.model_type, config.model.num_experts, config.model.num_experts_per_tok = "qwen3_moe", 6, 2
     config.model.moe_intermediate_size = 32
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 4, 1
-    with pytest.raises(ConfigError, match=r"^config\.mesh\.fsdp: 4 does not divide the model's num_experts \(6\): the "
-                                          r"experts are split over the fsdp axis"):
+    validate_config(config)
+    config.model.expert_parallel = True
+    with pytest.raises(ConfigError, match=r"^config\.mesh\.fsdp: 4 does not divide the model's num_experts \(6\): "
+                                          r"model\.expert_parallel splits the experts over the fsdp axis"):
         validate_config(config)
+    dense = tiny_config()
+    dense.model.expert_parallel = True
+    with pytest.raises(ConfigError, match=r"^config\.model\.expert_parallel: True splits a mixture-of-experts model's "
+                                          r"experts, and the model \(qwen3\) has none"):
+        validate_config(dense)
 
 
 def test_device_memory_limit_is_none_on_cpu():

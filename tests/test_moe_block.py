@@ -160,40 +160,44 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
 
 
 def test_each_batch_shard_sorts_its_own_tokens_its_experts_split_over_fsdp_and_tokens_that_do_not_divide_are_named():
-    """On a 2x2x2 mesh (4 batch shards) the block dispatches each shard's tokens by itself (local_dispatch), its
-    experts split over fsdp (expert parallelism: 4 of the 8 a device, the tokens of the fsdp pair all-gathered and
-    the sums reduce-scattered back; no expert's weights gathered), and gives the single device's output and
-    gradients; a batch of tokens the 4 shards do not divide takes one global sort, named on the kernels line with
-    why (every slot gathered to every device), with the same output."""
+    """On a 2x2x2 mesh (4 batch shards) the block dispatches each shard's tokens by itself (local_dispatch) and gives
+    the single device's output and gradients: every expert's weights gathered to each shard (the default), or with
+    ``expert_parallel`` its experts split over fsdp (4 of the 8 a device at rest and in the program: the tokens of
+    the fsdp pair all-gathered, the sums reduce-scattered back, no expert's weights gathered); a batch of tokens the 4
+    shards do not divide takes one global sort, named on the kernels line with why (every slot gathered to every
+    device), with the same output."""
     from pacs_jax import sharding
 
-    block = _block(_config())
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     run = nnx.jit(lambda b, x: b(x))
     grad = nnx.jit(nnx.grad(lambda b, x: jnp.sum(jnp.sin(b(x)))))
-    for rows, impl in ((8, "per batch shard, experts over fsdp (4 a device: tokens all-gathered, sums "
-                            "reduce-scattered)"), (6, "one global sort")):
+    gathered = re.compile(r"f32\[8,(32,8|8,32)\]\{[\d,]+\} all-gather\(")  # an expert's weights, all 8 experts
+    for rows, ep, impl in ((8, True, "per batch shard, experts over fsdp (4 a device: tokens all-gathered, sums "
+                                     "reduce-scattered)"), (8, False, "per batch shard"), (6, True, "one global sort")):
+        block = _block(_config(expert_parallel=ep))
         x = jax.random.normal(jax.random.key(rows), (rows, 1, D), jnp.float32)  # [B, T, D]: B tokens of one
         want, want_grads = np.asarray(block(x)), nnx.to_flat_state(grad(block, x))
         kernels._CHOSEN.clear()  # the record keeps a process's first of each choice: this run's alone
         with jax.set_mesh(mesh):
-            sharded = nnx.state(block)
-            placed = jax.device_put(sharded, jax.tree.map(lambda v: sharding.placement(v.logical_axes, v.shape),
-                                                          sharded, is_leaf=lambda v: isinstance(v, nnx.Variable)))
-            nnx.update(block, placed)
-            assert block.gate_kernel.get_value().sharding.spec[0] == "fsdp"  # 4 experts a device at rest
+            state = nnx.state(block)
+            nnx.update(block, jax.device_put(state, jax.tree.map(
+                lambda v: sharding.placement(v.logical_axes, v.shape), state,
+                is_leaf=lambda v: isinstance(v, nnx.Variable))))
+            assert (block.gate_kernel.get_value().sharding.spec[0] == "fsdp") == ep  # 4 experts a device at rest
             got = np.asarray(run(block, x))
             got_grads = nnx.to_flat_state(grad(block, x))
-            hlo = run.lower(block, x).compile().as_text() if rows == 8 else ""
+            hlo = run.lower(block, x).compile().as_text()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         for (name, g), (_, w) in zip(got_grads, want_grads):
             np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(w.get_value()), rtol=1e-4,
                                        atol=1e-6, err_msg=str(name))
         (choice,) = [c for c in kernels.chosen() if c.op == "moe dispatch"]
         assert choice.impl == impl
-        if rows == 8:  # tokens move (2 shards' 2 tokens: f32[4,32]), weights do not (an expert's is [32,16])
+        if rows == 8 and ep:  # tokens move (the pair's 2 + 2 tokens: f32[4,32]), weights do not
             assert re.search(r"f32\[4,32\]\{1,0\} all-gather\(", hlo) and " reduce-scatter(" in hlo, hlo
-            assert not re.search(r"f32\[8,(32,8|8,32)\]\{[\d,]+\} all-gather\(", hlo), hlo
+            assert not gathered.search(hlo), hlo
+        elif rows == 8:
+            assert gathered.search(hlo) and " reduce-scatter(" not in hlo, hlo
     fallback = choice
     assert fallback.reason == ("6 tokens do not divide over the 4 batch shards (data x fsdp): every slot gathered "
                                "to every device")

@@ -163,15 +163,15 @@ def _loss_and_grads(model, tokens, mask):
 
 
 def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_one_device(hf_moe):
-    """The experts split over fsdp (expert parallelism, ``moe.local_dispatch``: the fsdp pair's tokens gathered to
-    each half of the experts), their width over the tensor axis, each batch shard dispatching its own tokens:
+    """With ``expert_parallel``, the experts split over fsdp (``moe.local_dispatch``: the fsdp pair's tokens gathered
+    to each half of the experts; loaded from HF weights straight into that layout), their width over the tensor axis, each batch shard dispatching its own tokens:
     logits and every parameter's gradient as on one device."""
     tokens, mask = (jnp.asarray(a) for a in padded_batch(MOE_ARCHS["qwen3_moe"]["vocab_size"], [8, 5, 3, 7], 8,
                                                           "left", seed=4))
     results = {}
     for shape in ((1, 1, 1), (2, 2, 2)):
         with jax.set_mesh(make_mesh(*shape, devices=jax.devices()[:math.prod(shape)])):
-            model = checkpoints.from_pretrained(hf_moe[0], dtype="float32")
+            model = checkpoints.from_pretrained(hf_moe[0], dtype="float32", expert_parallel=True)
             if shape == (2, 2, 2):
                 layers = nnx.state(model, nnx.Param)["layers"]["mlp"]
                 assert tuple(layers["gate_kernel"].get_value().sharding.spec) == (None, "fsdp", None, "tensor")

@@ -82,6 +82,7 @@ class QwenConfig:
     remat: str = "none"  # one of REMAT_POLICIES; applies to the gradient path only
     attention: str = "auto"  # one of ATTENTION_IMPLS: auto = splash on TPU, cudnn on GPU, xla elsewhere
     attention_block_size: int = 512  # key/value block of the blockwise attention
+    expert_parallel: bool = False  # the experts split over "fsdp", tokens exchanged (models/moe.py local_dispatch)
     # LoRA adapters (models/lora.py): rank 0 = none; their scale is lora_alpha / lora_rank
     lora_rank: int = 0
     lora_alpha: float = 0.0

@@ -34,7 +34,9 @@ def check_mesh(cfg: QwenConfig) -> None:
     mesh = current_mesh()
     sizes = {"heads": cfg.num_attention_heads, "mlp": cfg.intermediate_size}
     if cfg.num_experts:
-        sizes |= {"expert_mlp": cfg.moe_intermediate_size, "experts": cfg.num_experts}
+        sizes["expert_mlp"] = cfg.moe_intermediate_size
+    if cfg.expert_parallel:
+        sizes["experts"] = cfg.num_experts
     for logical, size in sizes.items():
         axis = "fsdp" if logical == "experts" else "tensor"
         if size % mesh.shape[axis]:

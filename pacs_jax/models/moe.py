@@ -102,34 +102,39 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
     return jnp.einsum("nkd,nk->nd", slots, gates)
 
 
-def local_dispatch(fn):
+def local_dispatch(fn, expert_parallel: bool = False):
     """``fn(x [N, D], experts [N, k], gates [N, k], gate, up, down, first) -> [N, D]`` (``grouped_swiglu``) run on each
     batch shard's own tokens: under ``shard_map`` manual over the batch axes of the mesh in context (those not manual
     already: the sampler's queues), the tokens split. Left to GSPMD, the sort of the slots gathered every token to
     every device (a v5p-64 prefill of 1024 prompts needed 114.6 GiB). Without such axes, or tokens they do not
     divide, ``fn`` itself, every expert held.
 
-    The experts: split over the mesh axes of the "experts" rule (sharding.LOGICAL_RULES: "fsdp") when those split
-    the tokens too (expert parallelism): each device holds E / F experts whole, the tokens of the other shards of
-    those axes are all-gathered to it, it computes its experts' slots of all of them, and the partial sums are
-    reduce-scattered back to each token's shard. Otherwise every shard holds every expert (gathered, as FSDP
-    gathers a dense layer's weights). Their width is split over "tensor" and left automatic, except under
-    tokamax's GPU kernel (a Pallas call, which GSPMD cannot split): manual over that axis too, each device's slice
-    of gate / up [E, D, I / t] and down [E, I / t, D], its partial sums added over the axis (left automatic, the
-    weights were gathered whole to every device and their gradients came back whole)."""
+    The experts: with ``expert_parallel`` (``model.expert_parallel``), split over the mesh axes of the "experts" rule
+    (sharding.LOGICAL_RULES: "fsdp") when those split the tokens too: each device holds E / F experts whole, the
+    tokens of the other shards of those axes are all-gathered to it, it computes its experts' slots of all of them,
+    and the partial sums are reduce-scattered back to each token's shard. Its buffers are sized for the worst case
+    of a dropless layer, every gathered slot routed to this device's experts: [F N k, D] where the experts' own
+    rows are N k / F on average (the compiled FLOPs count them all, docs/design.md 4.8). Otherwise every shard holds
+    every expert (gathered, as FSDP gathers a dense layer's weights). Their width is split over "tensor": manual over that axis too with expert
+    parallelism or tokamax's GPU kernel, each device's slice of gate / up [E, D, I / t] and down [E, I / t, D], its
+    partial sums added over the axis once a token's k slots are summed and reduce-scattered (left to GSPMD, the
+    down projection's [slots, D] partials were all-reduced: Qwen3-30B-A3B's gradient on a v5p-64, 2.2 GiB a
+    device; under tokamax's Pallas call, which GSPMD cannot split, the weights were gathered whole to every device
+    and their gradients came back whole); left automatic otherwise."""
     rules = current_rules()
     mesh = rules.mesh
     manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
     axes = tuple(a for a in rules.batch_axes() if a not in manual)
     shards = math.prod(mesh.shape[a] for a in axes)
     width = tuple(a for a in dict(rules.rules)["expert_mlp"] if a not in manual and mesh.shape[a] > 1)
-    over = tuple(a for a in dict(rules.rules)["experts"] if a not in manual and mesh.shape[a] > 1)
+    over = tuple(a for a in dict(rules.rules)["experts"] if a not in manual and mesh.shape[a] > 1) \
+        if expert_parallel else ()
 
     def run(x, experts, gates, gate, up, down):
         tokens = axes if axes and not x.shape[0] % shards else ()
         ep = over if over and set(over) <= set(tokens) else ()
         kernels.moe_dispatch(x.shape[0], shards, axes, ep, gate.shape[0] // math.prod(mesh.shape[a] for a in ep))
-        split = kernels.moe_gemm(platform(), x.dtype).impl == "tokamax mosaic_gpu" and width
+        split = width if tokens or kernels.moe_gemm(platform(), x.dtype).impl == "tokamax mosaic_gpu" else ()
         if not tokens and not split:
             return fn(x, experts, gates, gate, up, down)
         rows, t, e = PartitionSpec(tokens or None), (width or None) if split else None, ep or None
@@ -139,10 +144,10 @@ def local_dispatch(fn):
             if ep:  # the tokens of every shard over the experts' axes, each device's experts applied to them
                 x, experts, gates = (jax.lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, experts, gates))
                 first = jax.lax.axis_index(ep) * gate.shape[0]
-            out = fn(x, experts, gates, gate, up, down, first)
-            if split:
-                out = jax.lax.psum(out, t)
-            return jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True) if ep else out
+            out = fn(x, experts, gates, gate, up, down, first)  # [N, D] (the gathered N), partial over its width
+            if ep:
+                out = jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True)  # each shard's own tokens
+            return jax.lax.psum(out, t) if split else out
 
         specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None))
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
@@ -163,10 +168,11 @@ class MoE(nnx.Module):
         D, E, I, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
         param = functools.partial(make_param, rngs, dtype=pd, layers=layers)
         self.cfg = cfg
-        self.router_kernel = param((D, E), ("embed", "experts"))
-        self.gate_kernel = param((E, D, I), ("experts", "embed", "expert_mlp"))
-        self.up_kernel = param((E, D, I), ("experts", "embed", "expert_mlp"))
-        self.down_kernel = param((E, I, D), ("experts", "expert_mlp", "embed"))
+        experts = "experts" if cfg.expert_parallel else None  # split over fsdp, or each expert's input over it
+        self.router_kernel = param((D, E), ("embed", None))
+        self.gate_kernel = param((E, D, I), (experts, "embed", "expert_mlp"))
+        self.up_kernel = param((E, D, I), (experts, "embed", "expert_mlp"))
+        self.down_kernel = param((E, I, D), (experts, "expert_mlp", "embed"))
 
     def __call__(self, x: jax.Array, routed: jax.Array | None = None,
                  with_experts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -180,7 +186,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
         replay = None if routed is None else routed.reshape(-1, k)
         weights, experts = route(logits, k, cfg.norm_topk_prob, replay)
-        out = local_dispatch(grouped_swiglu)(flat, experts, weights, self.gate_kernel[...], self.up_kernel[...],
+        out = local_dispatch(grouped_swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...], self.up_kernel[...],
                                              self.down_kernel[...])
         out = out.astype(x.dtype).reshape(*lead, -1)
         if not with_experts:

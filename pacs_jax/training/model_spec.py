@@ -24,7 +24,7 @@ def run_options(spec: RunSpec, **overrides) -> dict:
     """The QwenConfig fields of how to run the model (dtypes, remat, attention), from spec.model."""
     m = spec.model
     run = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
-               attention_block_size=m.attention_block_size)
+               attention_block_size=m.attention_block_size, expert_parallel=m.expert_parallel)
     run.update(overrides)
     return run
 

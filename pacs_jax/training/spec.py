@@ -505,6 +505,7 @@ class ModelSpec:
     remat: str
     attention: str
     attention_block_size: int
+    expert_parallel: bool
     lora_rank: int
     lora_alpha: float
     target_modules: str | tuple[str, ...]
@@ -537,6 +538,8 @@ class ModelSpec:
                            "or leave both empty for the architecture fields of config.model)")
         require_choice(self.attention, ATTENTION_IMPLS, "model.attention")
         _int_at_least(self.attention_block_size, 1, "model.attention_block_size")
+        require(isinstance(self.expert_parallel, bool), "model.expert_parallel",
+                f"must be True or False, got {self.expert_parallel!r}")
         if not (self.path or self.preset):  # a model of the config's own (configs/base.py): every architecture field
             require_choice(self.model_type, SUPPORTED_MODEL_TYPES, "model.model_type",
                            note=" (or set model.path or model.preset)")
@@ -1014,9 +1017,12 @@ class RunSpec:
         sharding.MUST_DIVIDE). Memory itself is checked on the compiled programs before step 1
         (training/memory_check.py)."""
         _, fsdp, tensor = self.mesh_shape
-        require(model_cfg.num_experts % fsdp == 0, "mesh.fsdp",
-                f"{fsdp} does not divide the model's num_experts ({model_cfg.num_experts}): the experts are split over "
-                "the fsdp axis (expert parallelism); choose an fsdp axis that divides them")
+        if self.model.expert_parallel:
+            require(model_cfg.num_experts > 0, "model.expert_parallel",
+                    f"True splits a mixture-of-experts model's experts, and the model ({model_cfg.model_type}) has none")
+            require(model_cfg.num_experts % fsdp == 0, "mesh.fsdp",
+                    f"{fsdp} does not divide the model's num_experts ({model_cfg.num_experts}): model.expert_parallel "
+                    "splits the experts over the fsdp axis; choose an fsdp axis that divides them")
         for field in ("num_attention_heads", "intermediate_size") + (
                 ("moe_intermediate_size",) if model_cfg.num_experts else ()):
             require(getattr(model_cfg, field) % tensor == 0, "mesh.tensor",

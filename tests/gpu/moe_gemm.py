@@ -4,7 +4,7 @@ devices splitting the tokens ("data" 2: each shard dispatches its own, ``local_d
 experts' width ("tensor" 2), in bfloat16 and in float32. Prints one JSON object a dtype: the kernel choices the
 trace recorded (kernels.moe_gemm), the compiled program's custom calls, its temporary bytes a device, and the
 shapes its experts' weight gradients come back in a device (the width split over "tensor": 192 of 384); and the
-same for Qwen3-30B-A3B's block in bfloat16 on 2 x 4 devices, its experts split over "fsdp" 2 (expert parallelism:
+same for Qwen3-30B-A3B's block in bfloat16 on 2 x 4 devices, its experts split over "fsdp" 2 (``expert_parallel``:
 64 of the 128 a device, each applied to the pair's tokens, gathered)."""
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from pacs_jax.models.moe import MoE  # noqa: E402
 N, D, E, K, I = 2048, 512, 16, 4, 384  # tokens, width, experts, experts a token, an expert's width
 # Qwen3-30B-A3B's block (2,048 wide, 128 experts of 768, 8 a token) on 2 x 4 devices: 64 experts and 192 of each
 # one's width a device, tokamax's tiles at the paper model's own shapes
-QWEN3_30B = dict(N=1024, D=2048, E=128, K=8, I=768, data=1, fsdp=2, tensor=4)
+QWEN3_30B = dict(N=1024, D=2048, E=128, K=8, I=768, data=1, fsdp=2, tensor=4, expert_parallel=True)
 
 
-def compiled(dtype: str, N=N, D=D, E=E, K=K, I=I, data=2, fsdp=1, tensor=2) -> dict:
+def compiled(dtype: str, N=N, D=D, E=E, K=K, I=I, data=2, fsdp=1, tensor=2, expert_parallel=False) -> dict:
     cfg = QwenConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=D, intermediate_size=4 * D,
                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                     num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, dtype=dtype)
+                     num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, dtype=dtype,
+                     expert_parallel=expert_parallel)
     mesh = sharding.make_mesh(data, fsdp, tensor, devices=DEVICES[:data * fsdp * tensor])
     kernels._CHOSEN.clear()
     with jax.set_mesh(mesh), sharding.tracing_device(mesh):
