@@ -1,5 +1,8 @@
 """One training step of the trainer (rollout batch -> pi_old -> two AdamW mini-batch updates) on the
-(2, 2, 2) mesh gives the same old log-probs, losses and updated parameters as on one device."""
+(2, 2, 2) mesh gives the same old log-probs, losses and updated parameters as on one device: a dense model, and a
+mixture of experts with its experts split over fsdp (model.expert_parallel)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -147,3 +150,27 @@ def test_training_step_on_the_2x2x2_mesh_equals_one_device(single_model, mesh_mo
         assert x.sharding.mesh.shape == mesh.shape, name
     up = [x for name, x in zip(on_mesh, jax.tree.leaves(mesh_params)) if "up" in name][0]
     assert up.addressable_shards[0].data.size * 4 == up.size
+
+
+def test_a_mixture_of_experts_step_with_its_experts_split_over_fsdp_equals_one_device(mesh, rollout_batch):
+    """The same step on a Qwen3-MoE model (4 experts, 2 a token) with ``expert_parallel``: on the 2x2x2 mesh its
+    experts are split over fsdp (2 a device), the fsdp pair exchanging tokens (models/moe.py ``local_dispatch``), and
+    pi_old, the losses, the grad norms and the updated parameters equal one device's."""
+    cfg = dataclasses.replace(CFG, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=16, expert_parallel=True)
+    one_logp, one_metrics, one_params = _train_step(models.init_random(cfg, seed=SEED), rollout_batch, np.asarray)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    with jax.set_mesh(mesh):
+        model = models.init_random(cfg, seed=SEED)
+        assert model.layers.mlp.gate_kernel.get_value().sharding.spec[:2] == (None, "fsdp")  # [L, E, D, I]
+        mesh_logp, mesh_metrics, mesh_params = _train_step(model, rollout_batch, lambda x: jax.device_put(x, rows))
+    np.testing.assert_allclose(mesh_logp, one_logp, rtol=1e-5, atol=1e-6)
+    for one, on_mesh in zip(one_metrics, mesh_metrics):
+        assert one["skipped"] == on_mesh["skipped"] == 0.0
+        np.testing.assert_allclose(on_mesh["loss"], one["loss"], rtol=1e-5)
+        np.testing.assert_allclose(on_mesh["grad_norm"], one["grad_norm"], rtol=1e-5)
+    one, on_mesh = _host(one_params), _host(mesh_params)
+    assert any("gate_kernel" in name for name in one)
+    for name in one:
+        rel = np.linalg.norm(on_mesh[name] - one[name]) / np.linalg.norm(one[name])
+        assert rel <= 1e-5, f"{name}: parameters differ by {rel:.2e} (relative)"
