@@ -89,8 +89,8 @@ def main(argv=None) -> None:
           + f" {'temp':>9s} {'TFLOP':>7s}  dispatch")
     for ep, row in rows.items():
         mib = {k: row["moved"][k] / 2**20 for k in kinds}
-        print(f"{str(ep):16s} {sum(mib.values()):11.1f} " + " ".join(f"{mib[k]:14.1f}" for k in kinds)
-              + f" {row['temp'] / 2**20:9.1f} {row['flops'] / 1e12:7.3f}  {row['dispatch']}")
+        print(f"{str(ep):16s} {sum(mib.values()):11.2f} " + " ".join(f"{mib[k]:14.2f}" for k in kinds)
+              + f" {row['temp'] / 2**20:9.2f} {row['flops'] / 1e12:7.3f}  {row['dispatch']}")
 
 
 if __name__ == "__main__":
