@@ -119,9 +119,15 @@ def test_routing_replay_says_whose_experts_ran_and_how_far_the_learners_routers_
                     "layers' decisions) to other experts than the sampler's, which they ran on")
     r2 = _spec(**moe, **{"train.router_replay": "R2"})
     assert "the update runs every token through the experts pi_old chose" in options_line(r2, 1)
-    assert step_line(r2, {}) == "routing replay: the update ran on the experts pi_old chose"
+    assert step_line(r2, {}) == "routing replay: the update ran on the experts pi_old chose"  # nothing measured
+    line = step_line(r2, {"routing_mismatch_tokens": 0.25, "routing_mismatch_decisions": 0.0625})
+    assert line == ("routing: the learner's routers sent 25% of the tokens (6.25% of their layers' decisions) to "
+                    "other experts than the sampler's (train.router_replay R2: the update ran on the experts pi_old "
+                    "chose)")
     disabled = _spec(**moe)  # no replay: the sampler still records, each step says how far the learner's differ
-    assert disabled.measures_routing(4) and not r2.measures_routing(4) and not disabled.measures_routing(0)
+    assert disabled.measures_routing(4) and r2.measures_routing(4) and not disabled.measures_routing(0)
+    carried = _spec(**moe, **{"train.router_replay": "R2", "rollout.carry_over": True})
+    assert not carried.measures_routing(4)  # carried rows have no record
     line = step_line(disabled, {"routing_mismatch_tokens": 0.5, "routing_mismatch_decisions": 0.125})
     assert line == ("routing: the learner's routers sent 50% of the tokens (12.5% of their layers' decisions) to "
                     "other experts than the sampler's (train.router_replay disabled: nothing replayed)")

@@ -18,7 +18,7 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pacs_jax import checkpoints, sampling
+from pacs_jax import checkpoints, rl, sampling
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.rl import packing
@@ -275,6 +275,45 @@ def test_dynamic_sampling_carries_each_kept_rows_record_to_the_update():
     fed = np.asarray(batch.attention_mask, bool).copy()
     fed[np.arange(len(lengths)), batch.input_ids.shape[1] - batch.response_mask.shape[1] + lengths - 1] = False
     np.testing.assert_array_equal(np.sort(batch.routing, -1)[fed], np.sort(own, -1)[fed])
+
+
+@pytest.mark.parametrize("mode", ["disabled", "R2"])
+def test_without_replaying_the_samplers_record_pi_old_routes_as_its_routers_choose(mode, monkeypatch):
+    """``train.router_replay`` disabled (the sampler's record only measured) or R2 (the update replays pi_old's own
+    choice): the sampler's record is measured against pi_old's routers, and pi_old's passes get no record to run on,
+    their log-probs are the model's own routing's; the update batch holds pi_old's record (R2) or none (disabled). (A stop-74 bug ran pi_old on the sampler's record in the
+    disabled mode, R3's pi_old, in a program the warm-up had not compiled.)"""
+    mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16)
+    config = load_config("default.py")
+    config.rollout.update(n=N_SAMPLES, max_new_tokens=R, temperature=1.0)
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.update(prompts_per_step=4, logprob_micro_batches=1, packing=False, router_replay=mode)
+    rs = np.random.RandomState(1)
+    prompts = PromptBatch([list(rs.randint(2, 96, size=rs.randint(3, 16))) for _ in range(4)], ["7"] * 4, ["b"] * 4)
+    replays = []
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        graphdef, params = nnx.split(model)
+        spec = RunSpec.unplaced(config)
+        programs = StepPrograms(spec, graphdef, params, (1,))
+        passes = type(programs.learner.pi_old)
+        calls = passes.__call__
+
+        def spy(self, *args, replay=None, **kwargs):
+            replays.append(replay)
+            return calls(self, *args, replay=replay, **kwargs)
+
+        monkeypatch.setattr(passes, "__call__", spy)
+        collector = RolloutCollector.from_spec(spec, programs, decode=parity_answer, reward_pool=pool)
+        rollout = collector(params, lambda: prompts, jax.random.key(3))
+        batch = jax.tree.map(np.asarray, rollout.batch)
+        want = np.asarray(rl.logprobs_of_pass(model, batch.input_ids, batch.attention_mask, R,
+                                              np.zeros(batch.response_mask.shape, np.float32), 0))
+    assert replays == [None]  # one pass, on no record
+    assert "routing_mismatch_tokens" in rollout.metrics  # the sampler's record measured, not replayed
+    np.testing.assert_allclose(batch.old_logp * batch.response_mask, want * batch.response_mask, rtol=1e-5,
+                               atol=1e-6)
+    assert (batch.routing is None) == (mode == "disabled")
 
 
 MOE_FLAGS = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4",

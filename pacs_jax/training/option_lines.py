@@ -112,9 +112,10 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
         parts.append(f"one step off: rows sampled with the weights {lag} step behind, during the previous step's "
                      "update" if lag else "one step off: rows sampled now, with the step's own weights (a "
                      "session's first step)")
-    if "routing_mismatch_tokens" in metrics:  # R3, or measured without replay (RunSpec.measures_routing)
-        would, ran = (("would have sent", ", which they ran on") if tc.router_replay == "R3" else
-                      ("sent", " (train.router_replay disabled: nothing replayed)"))
+    if "routing_mismatch_tokens" in metrics:  # R3, or measured without replaying it (RunSpec.measures_routing)
+        would, ran = {"R3": ("would have sent", ", which they ran on"),
+                      "R2": ("sent", " (train.router_replay R2: the update ran on the experts pi_old chose)"),
+                      "disabled": ("sent", " (train.router_replay disabled: nothing replayed)")}[tc.router_replay]
         parts.append(f"routing{' replay' if tc.router_replay == 'R3' else ''}: the learner's routers {would} "
                      f"{_percent(metrics['routing_mismatch_tokens'])} of the tokens "
                      f"({_percent(metrics['routing_mismatch_decisions'])} of their layers' decisions) to other experts "

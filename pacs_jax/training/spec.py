@@ -997,12 +997,13 @@ class RunSpec:
     def measures_routing(self, num_experts: int) -> bool:
         """Whether the sampler records each token's experts and each step reports how far the learner's routers
         differ from them (``routing_mismatch_tokens`` / ``_decisions``) on a model with ``num_experts``: with
-        ``train.router_replay`` R3, which replays the record, and "disabled", which measures it without (our metric:
-        verl 0.9.1 reports rollout load balance, rollout/moe/*_vio, not this difference); not with R2, which replays pi_old's own choice, and not with carry-over
-        or bypass mode (whose rows have no record or no pi_old)."""
+        ``train.router_replay`` R3, which replays the record, and "disabled" and R2, which measure it without (R2's
+        update replays pi_old's own choice; our metric: verl 0.9.1 reports rollout load balance, rollout/moe/*_vio,
+        not this difference); not with carry-over or bypass mode without R3 (whose rows have no record or no
+        pi_old)."""
         replay, rc = self.train.router_replay, self.rollout
-        return num_experts > 0 and (replay == "R3" or (replay == "disabled" and not rc.carry_over
-                                                        and not self.algorithm.rollout_correction.bypass_mode))
+        return num_experts > 0 and (replay == "R3" or (not rc.carry_over
+                                                       and not self.algorithm.rollout_correction.bypass_mode))
 
     def check_router_replay(self, model_cfg) -> None:
         """Refuse routing replay (``train.router_replay``) on a model (``model_cfg``, a QwenConfig) without experts."""

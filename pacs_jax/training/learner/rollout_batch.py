@@ -143,7 +143,9 @@ class RolloutBatcher:
         if bypass:
             batch, entropy = learner.sampler_as_old_policy(sampled.sampler_logprobs, *args), []
             passes -= 1
-        replay = sampled.routing  # R3: the sampler's routing record, which pi_old runs on (else None)
+        # R3: the sampler's routing record, which pi_old runs on; else None (a record measured without replay stays
+        # a measurement: pi_old routes as its routers choose)
+        replay = sampled.routing if learner.replays_sampler else None
         if not learner.packing:
             if not bypass:
                 batch, entropy = learner.pi_old(state, *args, replay=replay)
