@@ -217,6 +217,9 @@ def get_config() -> ml_collections.ConfigDict:
                                   # run every token through the experts the sampler chose; "R2", the update through
                                   # those pi_old's router chose (gate weights from the learner's own router either
                                   # way); "disabled": each pass routes afresh (models/moe.py)
+        router_aux_loss_coef=0.0,  # a mixture-of-experts model: > 0 adds that times its routers' load-balancing loss
+                                  # (transformers' load_balancing_loss_func, HF's config field of the same name) to
+                                  # the update's loss; metric actor/router_aux_loss
         checkpoint_every=50,
         keep_checkpoints=3,
         progress_seconds=30.0,    # a phase of a step (sampling, reward, pi_old, update) longer than this prints a line

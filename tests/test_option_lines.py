@@ -126,6 +126,12 @@ def test_routing_replay_says_whose_experts_ran_and_how_far_the_learners_routers_
                     "chose)")
     disabled = _spec(**moe)  # no replay: the sampler still records, each step says how far the learner's differ
     assert disabled.measures_routing(4) and r2.measures_routing(4) and not disabled.measures_routing(0)
+    balanced = _spec(**moe, **{"train.router_aux_loss_coef": 0.001})
+    assert "a load-balancing loss (0.001 x the routers' load_balancing_loss_func: train.router_aux_loss_coef)" in \
+        options_line(balanced, 1)
+    assert "load balance: the routers' load-balancing loss 2.042 (num_experts_per_tok when the experts share the " \
+        "tokens evenly; x 0.001 in the loss)" in step_line(balanced, {
+            "actor/router_aux_loss": 2.0417, "routing_mismatch_tokens": 0.0, "routing_mismatch_decisions": 0.0})
     carried = _spec(**moe, **{"train.router_replay": "R2", "rollout.carry_over": True})
     assert not carried.measures_routing(4)  # carried rows have no record
     line = step_line(disabled, {"routing_mismatch_tokens": 0.5, "routing_mismatch_decisions": 0.125})

@@ -352,3 +352,13 @@ def test_routing_replay_where_it_cannot_serve_is_refused_naming_the_field(flags,
     check before its workdir (the CLI's one line, status 78: the dense model's case above) names the field."""
     line = _refusal(flags)
     assert line.startswith("config.train.router_replay") and says in line, line
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--config.train.router_aux_loss_coef=0.01",), "the model (qwen3) has none; set it to 0"),
+    ((*MOE_FLAGS, "--config.train.router_aux_loss_coef=-1.0"), "must be a number >= 0"),
+])
+def test_a_load_balancing_loss_it_cannot_serve_is_refused_naming_the_field(flags, says):
+    """train.router_aux_loss_coef on a dense model, or below 0: the trainer's check before its workdir names it."""
+    line = _refusal(flags)
+    assert line.startswith("config.train.router_aux_loss_coef") and says in line, line

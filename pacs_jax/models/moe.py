@@ -67,6 +67,27 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool,
     return weights, experts.astype(jnp.int32)
 
 
+def load_balance_sums(logits: jax.Array, chosen: jax.Array, mask: jax.Array) -> jax.Array:
+    """A layer's share of transformers' ``load_balancing_loss_func``: router logits [N, E], the router's own top k
+    [N, k] int32 and mask [N] (1 on the real tokens) -> [2, E] float32: the real tokens routed to each expert (no
+    gradient) and their summed softmax probabilities (whose gradient reaches the router). ``load_balance_loss``
+    turns the layers' sums into the loss."""
+    mask = mask.astype(jnp.float32)
+    routed = jnp.sum(jax.nn.one_hot(chosen, logits.shape[-1], dtype=jnp.float32), axis=1)   # [N, E]: 0 or 1
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.stack([jax.lax.stop_gradient(mask @ routed), mask @ probs])
+
+
+def load_balance_loss(sums: jax.Array, tokens: jax.Array) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's, eqs. 4-6, pooled over the sparse layers as
+    HF pools them): sums [L, 2, E] (``load_balance_sums`` of L sparse layers), tokens [] the real tokens ->
+    E sum_e f_e P_e, f_e the share of the L x tokens (token, layer) pairs that routed to expert e (summing to k),
+    P_e the mean probability of e over them (k when the experts share the tokens evenly). float32 []."""
+    pairs = sums.shape[0] * jnp.maximum(tokens.astype(jnp.float32), 1.0)
+    total = jnp.sum(sums, axis=0) / pairs  # [2, E]
+    return sums.shape[-1] * jnp.sum(total[0] * total[1])
+
+
 def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax.Array, up: jax.Array,
                    down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     """The gated sum of each token's expert SwiGLUs over the experts held here: x [N, D] (compute dtype),
@@ -174,11 +195,13 @@ class MoE(nnx.Module):
         self.up_kernel = param((E, D, I), (experts, "embed", "expert_mlp"))
         self.down_kernel = param((E, I, D), (experts, "expert_mlp", "embed"))
 
-    def __call__(self, x: jax.Array, routed: jax.Array | None = None,
-                 with_experts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, routed: jax.Array | None = None, with_experts: bool = False,
+                 balance_mask: jax.Array | None = None):
         """x [..., D] in the compute dtype; ``routed`` None or [..., k] int (the experts to replay) -> the
         block's output [..., D] in x's dtype, and with ``with_experts`` the experts this router chooses, its
-        own top k [..., k] int32 (those it ran on unless ``routed``: a routing record is the router's choice)."""
+        own top k [..., k] int32 (those it ran on unless ``routed``: a routing record is the router's choice).
+        With ``balance_mask`` [...] (1 on the real tokens), also its router's load-balancing sums over them
+        (``load_balance_sums``), last."""
         cfg = self.cfg
         k = cfg.num_experts_per_tok
         lead = x.shape[:-1]
@@ -189,7 +212,8 @@ class MoE(nnx.Module):
         out = local_dispatch(grouped_swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...], self.up_kernel[...],
                                              self.down_kernel[...])
         out = out.astype(x.dtype).reshape(*lead, -1)
-        if not with_experts:
-            return out
         chosen = experts if replay is None else route(logits, k, cfg.norm_topk_prob)[1]
-        return out, jax.lax.stop_gradient(chosen).reshape(*lead, k)
+        outs = (out,) + ((jax.lax.stop_gradient(chosen).reshape(*lead, k),) if with_experts else ())
+        if balance_mask is not None:
+            outs += (load_balance_sums(logits, chosen, balance_mask.reshape(-1)),)
+        return outs if len(outs) > 1 else out

@@ -34,7 +34,7 @@ from flax import nnx
 from pacs_jax.models.attention import attention, decode_attention, resolve_impl
 from pacs_jax.models.config import QwenConfig, layer_stacks
 from pacs_jax.models import kernels
-from pacs_jax.models.moe import MoE
+from pacs_jax.models.moe import MoE, load_balance_loss
 from pacs_jax.models.params import SavedParam, make_param
 from pacs_jax.models.paged_attention import PageView, paged_decode_attention, write as write_pages
 from pacs_jax.sharding import constrain, platform
@@ -299,21 +299,27 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = norm(param_kind(cfg, "post_attn_norm"))
         self.mlp = MoE(cfg, rngs, layers) if sparse else MLP(cfg, rngs, layers)
 
-    def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None, routed=None):
+    def __call__(self, x, positions, kv_valid, cache, cache_index, segment_ids=None, routed=None, balance=False):
         """The layer on x [B, T, D] (the attention's arguments: ``Attention.__call__``); routed None or
         [B, T, k] int, the experts to replay (a sparse layer). Returns (x [B, T, D], the updated cache,
-        the experts its router chose for each token [B, T, k] int32, None in a dense layer)."""
+        the experts its router chose for each token [B, T, k] int32, None in a dense layer), and with ``balance``
+        (a sparse layer without a cache: kv_valid [B, T] marks the real tokens) its router's load-balancing sums
+        [2, E] (``moe.load_balance_sums``) last."""
         attn_out, cache = self.attn(self.input_norm(x), positions, kv_valid, cache, cache_index, segment_ids)
         x = x + attn_out
         if cache is not None and x.shape[1] == 1 and resolve_impl(self.attn.cfg.attention) == "cudnn":
             # a GPU decode step: the residual written once; XLA:GPU summed the o gemm's split-K partials
             # in both its readers (0.13 GB a step on issue 52's H200 run; XLA:TPU fuses it better without)
             x = jax.lax.optimization_barrier(x)
-        if isinstance(self.mlp, MoE):
+        sums = None
+        if isinstance(self.mlp, MoE) and balance:
+            mlp_out, experts, sums = self.mlp(self.post_attn_norm(x), routed, with_experts=True, balance_mask=kv_valid)
+        elif isinstance(self.mlp, MoE):
             mlp_out, experts = self.mlp(self.post_attn_norm(x), routed, with_experts=True)
         else:
             mlp_out, experts = self.mlp(self.post_attn_norm(x)), None
-        return constrain(x + mlp_out, ("batch", "length", "act_embed")), cache, experts
+        out = constrain(x + mlp_out, ("batch", "length", "act_embed")), cache, experts
+        return (*out, sums) if balance else out
 
 
 def _is_variable(x) -> bool:
@@ -387,10 +393,11 @@ class Qwen(nnx.Module):
         return constrain(out, ("batch", "length", "act_vocab"))
 
     def forward(self, tokens, positions, kv_valid, cache: KVCache | None = None, cache_index=0, segment_ids=None, *,
-                routed: jax.Array | None = None, with_routing: bool = False):
+                routed: jax.Array | None = None, with_routing: bool = False, with_balance: bool = False):
         """The decoder stack: tokens [B, T] int -> (final-normed hidden [B, T, D], updated cache), and with
         ``with_routing`` the experts its routers chose for every token in every sparse layer, [B, T, L, k] int32
-        (a model with experts).
+        (a model with experts), and with ``with_balance`` (no cache) the routers' load-balancing loss over the real
+        tokens (kv_valid), transformers' ``load_balancing_loss_func`` (``moe.load_balance_loss``), float32 [], last.
 
         positions [B, T] int; kv_valid [B, S] bool marks keys that may be attended to (S = T without
         a cache); segment_ids None or [B, T] int32: packed rows (without a cache), a token attends
@@ -409,30 +416,36 @@ class Qwen(nnx.Module):
         ``config.remat``.
         """
         cfg = self.cfg
-        if (routed is not None or with_routing) and not cfg.num_experts:
-            raise ValueError("routing replay and routing records need a model with experts (num_experts > 0)")
+        if (routed is not None or with_routing or with_balance) and not cfg.num_experts:
+            raise ValueError("routing replay, routing records and the load-balancing loss need a model with experts "
+                             "(num_experts > 0)")
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
         x = constrain(x, ("batch", "length", "act_embed"))
         by_layer = None if routed is None else jnp.moveaxis(routed, 2, 0)  # [L sparse, B, T, k]
         caches = None if cache is None else (cache.k, cache.v)
-        sparse_done, records = 0, []
+        sparse_done, records, sums = 0, [], []
         for name, sparse, first, count in layer_stacks(cfg):
             replay = None if by_layer is None or not sparse else by_layer[sparse_done:sparse_done + count]
-            x, caches, experts = self._stack(getattr(self, name), x, positions, kv_valid, caches, cache_index,
-                                             segment_ids, replay, with_routing and sparse, first, count)
+            x, caches, experts, balance = self._stack(getattr(self, name), x, positions, kv_valid, caches, cache_index,
+                                                      segment_ids, replay, with_routing and sparse, first, count,
+                                                      with_balance and sparse)
             if sparse:
                 sparse_done += count
                 records.append(experts)
+                sums.append(balance)
         out = (self.final_norm(x), None if cache is None else type(cache)(*caches))
-        if not with_routing:
-            return out
-        return (*out, jnp.moveaxis(jnp.concatenate(records, axis=0), 0, 2))  # [B, T, L sparse, k]
+        if with_routing:
+            out += (jnp.moveaxis(jnp.concatenate(records, axis=0), 0, 2),)  # [B, T, L sparse, k]
+        if with_balance:
+            out += (load_balance_loss(jnp.concatenate(sums, axis=0), jnp.sum(kv_valid.astype(jnp.float32))),)
+        return out
 
     def _stack(self, stack: DecoderLayer, x, positions, kv_valid, caches, cache_index, segment_ids, routed,
-               with_routing: bool, first: int, count: int):
+               with_routing: bool, first: int, count: int, with_balance: bool = False):
         """One stack of ``count`` layers (from layer ``first``) on x [B, T, D] -> (x, the updated (k, v) caches
-        [L, ...] or None, the experts its routers chose [count, B, T, k] with ``with_routing``, else None);
-        routed: None or [count, B, T, k], the experts to replay. A scan over the stacked parameters (unrolled
+        [L, ...] or None, the experts its routers chose [count, B, T, k] with ``with_routing``, else None, its
+        routers' load-balancing sums [count, 2, E] with ``with_balance`` (no cache), else None); routed: None or
+        [count, B, T, k], the experts to replay. A scan over the stacked parameters (unrolled
         over their per-layer buffers in the decode layout); without a cache, its body rematerialised per
         ``config.remat``."""
         cfg = self.cfg
@@ -440,14 +453,14 @@ class Qwen(nnx.Module):
         if caches is None:
             def body(x, xs):
                 params, replay = xs
-                x, _, experts = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index, segment_ids,
-                                                             replay)
-                return x, experts if with_routing else None
+                x, _, experts, *sums = nnx.merge(layer_def, params)(x, positions, kv_valid, None, cache_index,
+                                                                    segment_ids, replay, with_balance)
+                return x, (experts if with_routing else None, sums[0] if with_balance else None)
 
             if cfg.remat != "none":
                 body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-            x, experts = jax.lax.scan(body, x, (layer_params, routed))
-            return x, None, experts
+            x, (experts, sums) = jax.lax.scan(body, x, (layer_params, routed))
+            return x, None, experts, sums
 
         def cached_body(carry, xs):
             x, k_cache, v_cache = carry
@@ -467,11 +480,12 @@ class Qwen(nnx.Module):
         else:
             layers = first + jnp.arange(count, dtype=jnp.int32)
             carry, experts = jax.lax.scan(cached_body, carry, (layer_params, layers, routed))
-        return carry[0], carry[1:], experts
+        return carry[0], carry[1:], experts, None
 
     def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 return_hidden: bool = False, routed: jax.Array | None = None, with_routing: bool = False):
+                 return_hidden: bool = False, routed: jax.Array | None = None, with_routing: bool = False,
+                 with_balance: bool = False):
         """tokens [B, T] int, attention_mask [B, T] (1 = real token; left or right padding).
 
         Packed rows (several sequences in a row, rl/packing.py) give instead segment_ids [B, T]
@@ -480,9 +494,10 @@ class Qwen(nnx.Module):
         Returns logits [B, T, V] in float32, or the final-normed hidden states [B, T, D] in the
         compute dtype when ``return_hidden`` (for the fused log-prob loss); with ``with_routing``,
         (that, the experts used [B, T, L, k] int32). routed: None or [B, T, L, k], the experts to
-        replay (``forward``).
+        replay (``forward``). With ``with_balance``, the routers' load-balancing loss over the real tokens last
+        (``forward``).
         """
-        kwargs = dict(routed=routed, with_routing=with_routing)
+        kwargs = dict(routed=routed, with_routing=with_routing, with_balance=with_balance)
         if segment_ids is not None:
             out = self.forward(tokens, positions, segment_ids > 0, segment_ids=segment_ids, **kwargs)
         else:
@@ -490,7 +505,7 @@ class Qwen(nnx.Module):
                 attention_mask = jnp.ones(tokens.shape, jnp.int32)
             out = self.forward(tokens, positions_from_mask(attention_mask), attention_mask.astype(bool), **kwargs)
         hidden = out[0] if return_hidden else self.logits(out[0])
-        return (hidden, out[2]) if with_routing else hidden
+        return (hidden, *out[2:]) if with_routing or with_balance else hidden
 
     def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
         """Zeroed KV cache, [L, B, K, S, Dh] each, in the compute dtype (sharded on the mesh in context)."""

@@ -23,7 +23,7 @@ over the S shards once, after the loop (otherwise GSPMD all-reduces it in every 
 from __future__ import annotations
 
 import functools
-
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +72,7 @@ def _valid(valid, hidden) -> jax.Array | None:
 
 def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int, *,
                       temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                      routed: jax.Array | None = None, with_routing: bool = False):
+                      routed: jax.Array | None = None, with_routing: bool = False, with_balance: bool = False):
     """log pi(response token t | everything before it): input_ids, attention_mask [B, P + R] -> [B, R] float32.
 
     The one log-prob path of the trainer (pi_old after the rollout, pi_theta in the update, the
@@ -80,22 +80,24 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
     ``token_logprobs`` of hidden[:, P-1:L-1] against input_ids[:, P:]. With ``with_entropy``,
     returns (log-probs [B, R], entropy of each token's distribution [B, R]). A model with experts:
     ``routed`` [B, P + R, layers, k] replays those experts (routing replay, models/moe.py); with
-    ``with_routing`` the return is (the above, the experts its router chose [B, P + R, layers, k] int32).
+    ``with_routing`` the return is (the above, the experts its router chose [B, P + R, layers, k] int32). With
+    ``with_balance`` it is (the above, ``Balance``: the routers' load-balancing loss over the real tokens, and
+    their number), last.
     """
     prompt_length = input_ids.shape[1] - response_length
-    hidden = model(input_ids, attention_mask=attention_mask, return_hidden=True, routed=routed,
-                   with_routing=with_routing)  # [B, L, D]
-    hidden, routing = hidden if with_routing else (hidden, None)
+    hidden, *extra = _forward_hidden(model, input_ids, routed, with_routing, with_balance,
+                                     attention_mask=attention_mask)  # [B, L, D]
     args = (hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:])
     kwargs = dict(temperature=temperature, chunk_size=chunk_size)
     out = token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
-    return (out, routing) if with_routing else out
+    return _with_extra(out, extra, with_balance, jnp.sum(attention_mask.astype(jnp.float32)))
 
 
 def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
                              plan: PassPlan, *, temperature: float = 1.0,
                              chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
-                             routed: jax.Array | None = None, with_routing: bool = False):
+                             routed: jax.Array | None = None, with_routing: bool = False,
+                             with_balance: bool = False):
     """``response_logprobs`` of one pass's rows computed on its packed rows (rl/packing.py): input_ids,
     attention_mask [B_m, P + R] (the mini-batch's padded rows, read through ``plan.pack_index``
     [S N, Lp]) -> [B_m, R] float32 (and entropy [B_m, R]), the padded rows' numbers at every response
@@ -103,13 +105,13 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
     and only the response stream [S, Q] through the LM head. plan: one pass's arrays
     (``rl.packing.run_passes``). routed [B_m, P + R, layers, k]: the experts to replay, packed as the
     tokens; with ``with_routing`` the return is (the above, the router's own choice [S N, Lp, layers, k]
-    int32 on the packed rows: ``rl.packing.unpacked_routing`` puts it back in the rows).
+    int32 on the packed rows: ``rl.packing.unpacked_routing`` puts it back in the rows); with ``with_balance``,
+    the load-balancing loss of the pass's packed tokens last (``response_logprobs``).
     """
     tokens, segment_ids, positions, targets = packed_inputs(input_ids, attention_mask, plan.pack_index)
     replay = None if routed is None else packed_routing(routed, plan.pack_index)
-    hidden = model(tokens, segment_ids=segment_ids, positions=positions, return_hidden=True, routed=replay,
-                   with_routing=with_routing)  # [S N, Lp, D]
-    hidden, routing = hidden if with_routing else (hidden, None)
+    hidden, *extra = _forward_hidden(model, tokens, replay, with_routing, with_balance, segment_ids=segment_ids,
+                                     positions=positions)  # [S N, Lp, D]
     args = (response_stream(hidden, plan.stream_index), model.lm_head_kernel(),
             response_stream(targets, plan.stream_index))  # [S, Q, D], [D, V], [S, Q]
     # chunks of at most R stream positions: the [S, chunk, V] logits of a trip no larger than a padded row's
@@ -120,7 +122,30 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
     else:
         logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
         out = unpack(logp, plan.unpack_index), unpack(entropy, plan.unpack_index)
-    return (out, routing) if with_routing else out
+    return _with_extra(out, extra, with_balance, jnp.sum((segment_ids > 0).astype(jnp.float32)))
+
+
+class Balance(NamedTuple):
+    """A forward pass's load-balancing loss of its routers (models/moe.py ``load_balance_loss``, float32 []) and
+    the real tokens it is over (float32 [])."""
+
+    loss: jax.Array
+    tokens: jax.Array
+
+
+def _forward_hidden(model, tokens, routed, with_routing: bool, with_balance: bool, **inputs) -> list:
+    """[hidden [B, L, D], then the routing record with ``with_routing``, the balance loss with ``with_balance``]."""
+    out = model(tokens, return_hidden=True, routed=routed, with_routing=with_routing, with_balance=with_balance,
+                **inputs)
+    return list(out) if with_routing or with_balance else [out]
+
+
+def _with_extra(out, extra: list, with_balance: bool, tokens: jax.Array):
+    """``out`` alone, or (out, the routing record, ``Balance``) as asked (``extra``: the model's outputs after the
+    hidden states)."""
+    if with_balance:
+        extra = [*extra[:-1], Balance(extra[-1], tokens)]
+    return (out, *extra) if extra else out
 
 
 def logprobs_of_pass(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array, response_length: int,

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.rl.bypass import Bypass, bypass_objective
@@ -37,11 +38,14 @@ from pacs_jax.rl.packing import accumulate_passes
 from pacs_jax.rl.policy_gradient import aggregate
 from pacs_jax.rl.update_batch import UpdateBatch
 
+AUX_METRIC = "actor/router_aux_loss"  # the load-balancing loss, before its coefficient (router_aux_loss_coef)
+
 
 def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
                      objective_options: Mapping[str, Any] | None = None, num_micro_batches: int = 1,
                      temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                     bypass: Bypass | None = None, kl: KLLoss | None = None) -> Callable[..., tuple]:
+                     bypass: Bypass | None = None, kl: KLLoss | None = None,
+                     router_aux_loss_coef: float = 0.0) -> Callable[..., tuple]:
     """The pure (un-jitted) ``(params, batch, frozen=None) -> (loss, metrics, grads)``, to compose into a
     train step.
 
@@ -53,21 +57,32 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     (rl/bypass.py: the batch's old_logp are the sampler's, corrected in the loss); None: the objective.
     kl: the KL loss to the reference model (rl/kl.py; the batch then holds ``ref_logp``), aggregated as the
     objective aggregates its tokens. A batch with ``routing`` (routing replay) runs the model on those experts.
+    router_aux_loss_coef > 0 (a model with experts): plus that times the routers' load-balancing loss
+    (transformers' ``load_balancing_loss_func`` over a forward pass's real tokens, models/moe.py) of each micro-batch
+    or packed pass, weighted by its share of the mini-batch's real tokens (one pass: exactly HF's); metric
+    ``actor/router_aux_loss`` (the weighted mean, before the coefficient).
     """
     options = dict(objective_options or {})
     fn = get_objective(objective, **options) if bypass is None else bypass_objective(objective, bypass, **options)
     if kl is not None:
         fn = with_kl_loss(fn, kl.kind, kl.coef, kl_aggregate(objective, options))
     K = num_micro_batches
-    kwargs = dict(temperature=temperature, chunk_size=chunk_size)
+    balance = router_aux_loss_coef > 0
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, with_balance=balance)
 
     def forward(params, rows, plan=None, frozen=()):
-        """log pi_theta of the response tokens [b, R] (packed: of the pass ``plan``'s rows)."""
+        """log pi_theta of the response tokens [b, R] (packed: of the pass ``plan``'s rows), and with ``balance``
+        the pass's ``Balance``."""
         model = nnx.merge(graphdef, params, *frozen)
         replay = dict(kwargs, routed=rows.routing)  # routing replay (R2): pi_old's experts, None without
         if plan is not None:
             return packed_response_logprobs(model, rows.input_ids, rows.attention_mask, plan, **replay)
         return response_logprobs(model, rows.input_ids, rows.attention_mask, rows.response_mask.shape[1], **replay)
+
+    def aux_term(b, seen):
+        """A pass's share of the mini-batch's load-balancing loss: its loss weighted by its share of the ``seen``
+        real tokens."""
+        return b.loss * b.tokens / seen
 
     def loss(logp, rows, totals):
         extra = {} if kl is None else {"ref_logp": rows.ref_logp}
@@ -77,12 +92,28 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     def loss_and_grad(params: nnx.State, batch: UpdateBatch, frozen: nnx.State | None = None):
         held = () if frozen is None else (frozen,)
         run = functools.partial(forward, frozen=held)
+        seen = jnp.maximum(jnp.sum(batch.attention_mask.astype(jnp.float32)), 1.0)  # the mini-batch's real tokens
         if batch.packing is not None:
-            out = accumulate_passes(run, loss, params, batch.replace(packing=None), batch.packing, batch.old_logp,
-                                    unit=group_size, num_micro_batches=K)
+            def run_pass(params, rows, one):  # with ``balance``, each pass's term joins its loss
+                logp, b = run(params, rows, one)
+                return logp, router_aux_loss_coef * aux_term(b, seen)
+
+            out = accumulate_passes(run_pass if balance else run, loss, params, batch.replace(packing=None),
+                                    batch.packing, batch.old_logp, unit=group_size, num_micro_batches=K,
+                                    extra=AUX_METRIC if balance else None)
+            if balance:  # the metric before the coefficient
+                total, metrics, grads = out
+                out = total, {**metrics, AUX_METRIC: metrics[AUX_METRIC] / router_aux_loss_coef}, grads
         else:
-            grad_fn = jax.value_and_grad(lambda params, micro, totals: loss(run(params, micro), micro, totals),
-                                         has_aux=True)
+            def micro_loss(params, micro, totals):
+                if not balance:
+                    return loss(run(params, micro), micro, totals)
+                logp, b = run(params, micro)
+                value, metrics = loss(logp, micro, totals)
+                term = aux_term(b, seen)  # the micro-batches' metrics are averaged: K x its share sums to the loss
+                return value + router_aux_loss_coef * term, {**metrics, AUX_METRIC: term * K}
+
+            grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
             out = accumulate_micro_batches(grad_fn, params, batch, unit=group_size, num_micro_batches=K)
         if kl is None:
             return out

@@ -335,7 +335,7 @@ def unpack(stream: jax.Array, unpack_index: jax.Array) -> jax.Array:
 
 
 def accumulate_passes(forward: Callable, loss: Callable, params, rows, plan: PackedPlanArrays, held: jax.Array, *,
-                      unit: int, num_micro_batches: int) -> tuple[jax.Array, dict, object]:
+                      unit: int, num_micro_batches: int, extra: str | None = None) -> tuple[jax.Array, dict, object]:
     """Gradient accumulation over a packed mini-batch's passes (the packed ``accumulate_micro_batches``).
 
     forward(params, rows, pass_plan) -> [B_m, R] float32, per-token values of the pass's own rows
@@ -348,26 +348,30 @@ def accumulate_passes(forward: Callable, loss: Callable, params, rows, plan: Pac
     to the mini-batch's. The loss and metrics are then those of the padded micro-batches (K =
     ``num_micro_batches`` strided blocks of ``unit`` rows), at the values the passes computed.
 
+    With ``extra`` (a metric's name), forward returns (values, a scalar loss term of the pass's own): its gradient
+    joins the pass's, and its sum over the passes is added to the loss and reported as the metric ``extra``.
+
     Returns (summed loss, metrics averaged over micro-batches, summed float32 gradients).
     """
     totals = mini_batch_totals(rows)
     held = jax.lax.stop_gradient(held.astype(jnp.float32))
 
     def pass_loss(params, one, p):
-        out = forward(params, rows, one)
-        return loss(jnp.where(own_rows(one, p), out, held), rows, totals)[0], out
+        out, term = forward(params, rows, one) if extra else (forward(params, rows, one), jnp.zeros((), jnp.float32))
+        return loss(jnp.where(own_rows(one, p), out, held), rows, totals)[0] + term, (out, term)
 
     grad_fn = jax.value_and_grad(pass_loss, has_aux=True)
 
     def body(p, one, carry):
-        grads, values = carry
-        (_, out), pass_grads = grad_fn(params, one, p)
+        grads, values, terms = carry
+        (_, (out, term)), pass_grads = grad_fn(params, one, p)
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, pass_grads)
-        return grads, jnp.where(own_rows(one, p), out, values)
+        return grads, jnp.where(own_rows(one, p), out, values), terms + term
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
-    grads, values = run_passes(body, plan, (zeros, held))
+    grads, values, terms = run_passes(body, plan, (zeros, held, jnp.zeros((), jnp.float32)))
     micro = jax.tree.map(lambda v: constrain(split_micro_batches(v, unit, num_micro_batches),
                                              (None, "batch") + (None,) * (v.ndim - 1)), (rows, values))
     losses, metrics = jax.lax.map(lambda mb: loss(mb[1], mb[0], totals), micro)
-    return jnp.sum(losses), jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics), grads
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    return jnp.sum(losses) + terms, ({**metrics, extra: terms} if extra else metrics), grads

@@ -68,6 +68,9 @@ def options_line(spec: RunSpec, devices: int) -> str | None:
                   + ("pi_old and the update run every token through the experts the sampler chose" if
                      tc.router_replay == "R3" else "the update runs every token through the experts pi_old chose")
                   + ", gate weights from the learner's own routers)")
+    if tc.router_aux_loss_coef:
+        on.append(f"a load-balancing loss ({tc.router_aux_loss_coef:g} x the routers' load_balancing_loss_func: "
+                  "train.router_aux_loss_coef)")
     if correction.enabled or correction.bypass_mode:
         because = ""
         if algorithm.correction_by_default:
@@ -122,6 +125,9 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
                      f"than the sampler's{ran}")
     elif tc.router_replay == "R2":
         parts.append("routing replay: the update ran on the experts pi_old chose")
+    if tc.router_aux_loss_coef:
+        parts.append(f"load balance: the routers' load-balancing loss {metrics['actor/router_aux_loss']:.4g} "
+                     f"(num_experts_per_tok when the experts share the tokens evenly; x {tc.router_aux_loss_coef:g} in the loss)")
     if correction.enabled or correction.bypass_mode:
         parts.append("correction: " + _correction_stats(correction, metrics))
     return "; ".join(parts) or None

@@ -114,9 +114,13 @@ class TrainSpec:
     progress_seconds: float
     off_policy_steps: int
     router_replay: str
+    router_aux_loss_coef: float
 
     def __post_init__(self):
         require_choice(self.router_replay, ROUTER_REPLAY_MODES, "train.router_replay")
+        require(isinstance(self.router_aux_loss_coef, (int, float)) and not isinstance(self.router_aux_loss_coef, bool)
+                and self.router_aux_loss_coef >= 0, "train.router_aux_loss_coef",
+                f"must be a number >= 0 (0: no load-balancing loss), got {self.router_aux_loss_coef!r}")
         require(self.off_policy_steps in (0, 1) and isinstance(self.off_policy_steps, int), "train.off_policy_steps",
                 f"must be 0 (synchronous) or 1 (one step off), got {self.off_policy_steps!r}")
         for field in ("steps", "prompts_per_step", "mini_batches", "micro_batches"):
@@ -1006,10 +1010,14 @@ class RunSpec:
                                                        and not self.algorithm.rollout_correction.bypass_mode))
 
     def check_router_replay(self, model_cfg) -> None:
-        """Refuse routing replay (``train.router_replay``) on a model (``model_cfg``, a QwenConfig) without experts."""
+        """Refuse routing replay (``train.router_replay``) or a load-balancing loss (``train.router_aux_loss_coef``)
+        on a model (``model_cfg``, a QwenConfig) without experts."""
         require(self.train.router_replay == "disabled" or model_cfg.num_experts > 0, "train.router_replay",
                 f"{self.train.router_replay!r} replays the experts of a mixture-of-experts model, and the model "
                 f"({model_cfg.model_type}) has none; set it to 'disabled'")
+        require(not self.train.router_aux_loss_coef or model_cfg.num_experts > 0, "train.router_aux_loss_coef",
+                f"{self.train.router_aux_loss_coef} weighs the routers' load-balancing loss of a mixture-of-experts "
+                f"model, and the model ({model_cfg.model_type}) has none; set it to 0")
 
     def check_tensor_axis(self, model_cfg) -> None:
         """Refuse a tensor axis that does not divide the model's (``model_cfg``, a QwenConfig) query heads,

@@ -104,7 +104,7 @@ class LearnerPrograms:
             objective_options=spec.algorithm.options,
             num_mini_batches=tc.mini_batches, num_micro_batches=tc.micro_batches, temperature=rc.temperature,
             state_shardings=self.state_shardings, bypass=self.bypass, kl=self.kl_loss, trainable=self.trainable,
-            **extra)
+            router_aux_loss_coef=float(tc.router_aux_loss_coef), **extra)
         # routing replay: pi_old records each token's experts; R2: the update replays them; R3: pi_old and the
         # update run on the sampler's (``replays_sampler``); with R3, and without replay where the sampler records
         # (``RunSpec.measures_routing``), the record measures how far the learner's routers differ from the sampler's

@@ -96,18 +96,21 @@ def make_update_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransforma
                      num_mini_batches: int = 1, num_micro_batches: int = 1, temperature: float = 1.0,
                      chunk_size: int | None = None,
                      state_shardings: tuple | None = None, bypass: Bypass | None = None, kl: KLLoss | None = None,
-                     trainable: Trainable = Trainable(adapters_only=False)) -> MiniBatchUpdates:
+                     trainable: Trainable = Trainable(adapters_only=False),
+                     router_aux_loss_coef: float = 0.0) -> MiniBatchUpdates:
     """The actor's update: the ``MiniBatchUpdates`` of ``rl.loss_and_grad_fn`` (``objective``),
     ``(params, opt_state, batch) -> (params, opt_state, M mini-batches' metrics)``.
 
     batch: rl/update_batch.py ``UpdateBatch`` (objective "ppo": with advantages) holding whole groups of
     ``group_size``. bypass: the rollout correction's bypass mode (rl/bypass.py; old_logp
     are then the sampler's). kl: the KL loss (rl/kl.py; the batch then holds ref_logp). trainable: the
-    parameters it trains (LoRA: the adapters alone).
+    parameters it trains (LoRA: the adapters alone). router_aux_loss_coef: a mixture-of-experts model's
+    load-balancing loss's weight (``rl.loss_and_grad_fn``).
     """
     extra = {} if chunk_size is None else {"chunk_size": chunk_size}
     loss_and_grad = loss_and_grad_fn(graphdef, objective, group_size=group_size,
                                      objective_options=objective_options, num_micro_batches=num_micro_batches,
-                                     temperature=temperature, bypass=bypass, kl=kl, **extra)
+                                     temperature=temperature, bypass=bypass, kl=kl,
+                                     router_aux_loss_coef=router_aux_loss_coef, **extra)
     return mini_batch_updates(loss_and_grad, optimizer, num_mini_batches=num_mini_batches,
                               state_shardings=state_shardings, trainable=trainable)
