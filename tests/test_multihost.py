@@ -1,8 +1,8 @@
 """One run on several processes (issue: multi-host), proven with real processes on this machine.
 
 Two processes x 4 CPU devices (launch/local.sh, gloo collectives) train a shrunk paper config (tiny
-random Qwen, the Qwen tokenizer cut to 4,096 entries as its vocabulary, conftest.py's small_tokenizer_dir,
-and DeepScaleR prompts) with the continuous sampler exactly as one
+random Qwen, a mixture of experts with its experts split over fsdp, the Qwen tokenizer cut to 4,096 entries as
+its vocabulary, conftest.py's small_tokenizer_dir, and DeepScaleR prompts) with the continuous sampler exactly as one
 process x 8 devices does with the static one, on a
 mesh whose device order gives each process rows at two places of the batch axis; a checkpoint
 the 2 processes wrote restores in one; a process that never starts is named by the others; and
@@ -54,6 +54,13 @@ SHRUNK = [
     "--config.mesh.device_order=(0,1,4,5,2,3,6,7)",
 ]
 COMPARED = ("loss", "reward_mean", "sampled_tokens_checksum", "response_length_mean", "grad_norm")
+# The runs of ``runs`` train the same model with Qwen3-MoE's sparse blocks instead of its MLPs (4 experts, 2 a token)
+# and the experts split over fsdp (model.expert_parallel), on the mesh (data 2, fsdp 2, tensor 2) in the same device
+# order: batch shards (0, 0) and (1, 0) on process 0, (0, 1) and (1, 1) on process 1, so each fsdp pair exchanging
+# its tokens spans both processes. (LoRA's runs below keep the dense model: LoRA on the experts is not served.)
+MOE = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
+       "--config.model.moe_intermediate_size=64", "--config.model.expert_parallel=True", "--config.mesh.data=2",
+       "--config.mesh.fsdp=2")
 
 
 def _env(cache_dir=None, **extra) -> dict:
@@ -118,14 +125,16 @@ def runs(data_file, tmp_path_factory):
     run's step 1)."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
     padded = tmp_path_factory.mktemp("one_process_padded")
-    _train(two, data_file, processes=2)
-    _train(one, data_file, processes=1, flags=("--config.train.checkpoint_every=0",))
-    _train(padded, data_file, processes=1, flags=("--config.train.packing=False", "--config.train.steps=1"))
+    _train(two, data_file, processes=2, flags=MOE)
+    _train(one, data_file, processes=1, flags=(*MOE, "--config.train.checkpoint_every=0"))
+    _train(padded, data_file, processes=1, flags=(*MOE, "--config.train.packing=False", "--config.train.steps=1"))
     return two, one, padded
 
 
 @pytest.mark.slow(seconds=190)  # the three runs of the fixture
 def test_two_processes_train_exactly_like_one(runs):
+    """A mixture-of-experts model with its experts split over fsdp (MOE) on 2 processes x 4 devices: every metric,
+    the parameters and the experts' split as 1 process x 8 devices."""
     two, one, _ = runs
     m2, m1 = _metrics(two), _metrics(one)
     assert sorted(m2) == sorted(m1) == [1, 2]
@@ -138,6 +147,8 @@ def test_two_processes_train_exactly_like_one(runs):
     assert m2[2]["compilations"] == m2[1]["compilations"] and m1[2]["compilations"] == m1[1]["compilations"]
     final2, final1 = _params(two, 2), _params(one, 2)
     _assert_same_params(final2, final1)
+    assert "layers/mlp/gate_kernel" in final1 and json.loads((two / "config.json").read_text())["model"][
+        "expert_parallel"] is True
     moved = max(float(np.abs(final2[k] - v).max()) for k, v in _params(two, 1).items())
     assert moved > 5e-5  # the second update is visible at the 1e-6 tolerance
     assert (two / "hf_export" / "config.json").is_file()  # process 0 wrote the gathered export
@@ -170,7 +181,7 @@ def test_a_two_process_checkpoint_restores_in_one_process(runs, data_file, tmp_p
     shutil.copytree(two, workdir)
     shutil.rmtree(workdir / "checkpoints" / "2")
     shutil.rmtree(workdir / "hf_export")
-    _train(workdir, data_file, processes=1)
+    _train(workdir, data_file, processes=1, flags=MOE)
     _assert_same_params(_params(workdir, 2), _params(one, 2))
     resumed = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][-1]
     assert resumed["step"] == 2
