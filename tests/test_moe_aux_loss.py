@@ -107,7 +107,7 @@ def test_micro_batches_and_packed_passes_weigh_each_pass_by_its_real_tokens(mode
     groups = np.arange(GROUPS * N) // N
     micro = [groups % 2 == k for k in range(2)]  # micro-batch k holds groups k, k + 2 (rl/micro_batches.py)
     want = sum(mask[rows].sum() / seen * _reference(logits[:, rows], mask[rows]) for rows in micro)
-    loss0, _, _ = _update(ours, batch, 0.0, num_micro_batches=2)
+    loss0, _, _ = _update(ours, batch, 0.0)  # the policy loss, which micro-batches accumulate exactly
     loss1, metrics, _ = _update(ours, batch, COEF, num_micro_batches=2)
     np.testing.assert_allclose(metrics[AUX_METRIC], want, rtol=1e-5)
     np.testing.assert_allclose(loss1 - loss0, COEF * want, rtol=1e-4)
