@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax import checkpoints, rl, sampling
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
+from pacs_jax.models import kernels
 from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.rl import packing
 from pacs_jax.rl.loss_and_grad import loss_and_grad_fn
@@ -149,6 +150,7 @@ def test_on_a_mesh_each_batch_shards_queue_records_its_rows_in_the_calls_order(m
     settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, slots=8, page_size=4,
                                 record_routing=True)
     mesh = make_mesh(2, 2, 1, devices=jax.devices()[:4])
+    kernels._CHOSEN.clear()  # the record keeps a process's first of each choice: this call's alone
     with jax.set_mesh(mesh):
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))  # replicated (the model is tiny)
         out = sampling.sample(graphdef, params, jnp.asarray(prompts), jnp.asarray(prompt_mask), settings,
@@ -162,6 +164,8 @@ def test_on_a_mesh_each_batch_shards_queue_records_its_rows_in_the_calls_order(m
     real = np.repeat(prompt_mask.any(1), N_SAMPLES)
     assert fed[real].sum() > 20 and not fed[~real].any()
     np.testing.assert_array_equal(np.sort(record, -1)[fed], np.sort(np.asarray(own), -1)[fed])
+    # each queue's layers sort its own tokens, and the kernels line says so (not "one sort", the single device's)
+    assert "moe dispatch: per batch shard (its queue's)" in [str(c) for c in kernels.chosen()]
 
 
 def test_a_sampler_with_a_noisy_router_is_replayed_and_the_metrics_show_the_difference_it_removes(models):

@@ -152,17 +152,18 @@ def moe_gemm(platform: str, dtype) -> KernelChoice:
 
 
 def moe_dispatch(tokens: int, shards: int, axes: tuple[str, ...], ep: tuple[str, ...] = (),
-                 experts: int = 0) -> KernelChoice:
+                 experts: int = 0, queued: bool = False) -> KernelChoice:
     """Where a mixture-of-experts layer sorts its ``tokens`` token-expert slots (models/moe.py ``local_dispatch``):
     each of the ``shards`` batch shards (mesh ``axes``) its own, or, when the tokens do not divide over them, all
     of them in one sort, which GSPMD gathers to every device (a v5p-64 prefill of 1024 prompts: 114.6 GiB against
     27.0 per shard, docs/measurements.md 8c): that fallback is named with its reason. ``ep``: the mesh axes the
     ``experts`` a device holds are split over (expert parallelism: the shards of those axes exchange tokens, not
-    weights), named on the line."""
+    weights), named on the line. ``queued``: inside a program already split by batch shard (the sampler's queues,
+    one a shard), whose tokens are its shard's own."""
     if shards > 1 and tokens % shards:
         return _record(KernelChoice("moe dispatch", "one global sort", f"{tokens} tokens do not divide over the "
                                     f"{shards} batch shards ({' x '.join(axes)}): every slot gathered to every device"))
-    impl = "per batch shard" if shards > 1 else "one sort"
+    impl = "per batch shard" if shards > 1 else "per batch shard (its queue's)" if queued else "one sort"
     if ep:
         impl += f", experts over {' x '.join(ep)} ({experts} a device: tokens all-gathered, sums reduce-scattered)"
     return _record(KernelChoice("moe dispatch", impl))

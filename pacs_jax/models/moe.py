@@ -154,7 +154,8 @@ def local_dispatch(fn, expert_parallel: bool = False):
     def run(x, experts, gates, gate, up, down):
         tokens = axes if axes and not x.shape[0] % shards else ()
         ep = over if over and set(over) <= set(tokens) else ()
-        kernels.moe_dispatch(x.shape[0], shards, axes, ep, gate.shape[0] // math.prod(mesh.shape[a] for a in ep))
+        kernels.moe_dispatch(x.shape[0], shards, axes, ep, gate.shape[0] // math.prod(mesh.shape[a] for a in ep),
+                             queued=any(a in manual for a in rules.batch_axes()))
         split = width if tokens or kernels.moe_gemm(platform(), x.dtype).impl == "tokamax mosaic_gpu" else ()
         if not tokens and not split:
             return fn(x, experts, gates, gate, up, down)
