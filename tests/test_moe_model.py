@@ -141,8 +141,8 @@ def test_without_replay_the_routing_difference_is_still_measured_each_step(tmp_p
     """train.router_replay disabled (the default) on a mixture-of-experts model: nothing is replayed, and the
     sampler still records its experts, so each step reports and prints how far the learner's routers differ
     (RunSpec.measures_routing): none here (one set of float32 weights in both roles). One RL step, no warm-start,
-    with a load-balancing loss (train.router_aux_loss_coef): its metric, at least k (2, its value when the experts
-    share the tokens evenly), and its line."""
+    with a load-balancing loss (train.router_aux_loss_coef): its metric (E sum_e f_e P_e: above 0, at most E k = 8)
+    and its line."""
     workdir = tmp_path / "run"
     flags = (*RL_ONLY_FLAGS, "--config.train.steps=1", "--config.model.model_type=qwen3_moe",
              "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
@@ -151,7 +151,7 @@ def test_without_replay_the_routing_difference_is_still_measured_each_step(tmp_p
     assert finish(process) == 0, logs(tmp_path / "run", "off")[-3000:]
     (row,) = metrics_rows(workdir)
     assert row["routing_mismatch_tokens"] == row["routing_mismatch_decisions"] == 0
-    assert 2 <= row["actor/router_aux_loss"] < 4, row
+    assert 0 < row["actor/router_aux_loss"] <= 8, row
     assert "load balance: the routers' load-balancing loss " in logs(workdir, "off")
     assert ("step 1: routing: the learner's routers sent 0% of the tokens (0% of their layers' decisions) to other "
             "experts than the sampler's (train.router_replay disabled: nothing replayed)") in logs(workdir, "off")

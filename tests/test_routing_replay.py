@@ -168,6 +168,23 @@ def test_on_a_mesh_each_batch_shards_queue_records_its_rows_in_the_calls_order(m
     assert "moe dispatch: per batch shard (its queue's)" in [str(c) for c in kernels.chosen()]
 
 
+def test_the_sampler_holds_every_expert_whole_with_expert_parallel():
+    """model.expert_parallel splits the learner's experts over fsdp; the sampler's decode layout holds every expert on
+    every device, so its prefill and decode dispatch without the split (``seam.sampling_model``: the kernels line
+    names none, where the split would have gathered every fsdp pair's tokens for nothing)."""
+    mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16, expert_parallel=True)
+    graphdef, params = nnx.split(model)
+    prompts, prompt_mask = padded_batch(96, [5, 3, 4, 2], TP, "left", seed=14)
+    kernels._CHOSEN.clear()
+    with jax.set_mesh(mesh):
+        out = sampling.sample(graphdef, params, jnp.asarray(prompts), jnp.asarray(prompt_mask),
+                              SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0), jax.random.key(4))
+    dispatch = [str(c) for c in kernels.chosen() if c.op == "moe dispatch"]
+    assert int(np.asarray(out.lengths).sum()) > 0 and dispatch, dispatch
+    assert not any("experts over" in c for c in dispatch), dispatch
+
+
 def test_a_sampler_with_a_noisy_router_is_replayed_and_the_metrics_show_the_difference_it_removes(models):
     """A sampler whose routers are perturbed routes other experts; pi_old's own router differs from its record on
     many tokens (``routing_mismatch_tokens``), and running pi_old on the record (R3) brings its log-probs

@@ -92,13 +92,16 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
                    down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
     """The gated sum of each token's expert SwiGLUs over the experts held here: x [N, D] (compute dtype),
     experts [N, k] int32 (0 .. E - 1), gates [N, k] float32; gate / up [E_h, D, I], down [E_h, I, D] (cast to x's
-    dtype): the E_h experts ``first`` .. ``first`` + E_h - 1 (all E when E_h = E) -> [N, D] float32,
+    dtype): the E_h experts ``first`` .. ``first`` + E_h - 1 (``first`` the int 0 when all E are held here, an int32
+    [] array when this device holds a share) -> [N, D] float32,
     sum_j gates[n, j] down(silu(gate x[n]) * up x[n]) of expert experts[n, j] over the slots (n, j) whose expert
     is held here (the others add 0: another device holds theirs, ``local_dispatch``).
 
     The slots are sorted by expert for the grouped matmul (``kernels.moe_gemm``: tokamax's on a GPU, whose products
     come back in the compute dtype; ``jax.lax.ragged_dot`` in float32 elsewhere), the slots of experts held
-    elsewhere after the last group, and put back in slot order after."""
+    elsewhere after the last group, and put back in slot order after. With experts held elsewhere, the rows past the
+    last group (no group's: tokamax's kernel takes group sizes summing to M) are zeroed before each product, so that
+    nothing a kernel leaves there, forward or backward, reaches a token or its gradient."""
     choice = kernels.moe_gemm(platform(), x.dtype)
     n, k = experts.shape
     held = gate.shape[0]
@@ -108,6 +111,15 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
     order = jnp.argsort(flat, stable=True)                          # [M] slots grouped by expert
     group_sizes = jnp.bincount(flat, length=held + 1)[:held].astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)                          # [M, D]
+    if isinstance(first, int):  # every expert held here: the groups cover every row
+        def owned(a):
+            return a
+    else:
+        grouped = jnp.arange(flat.shape[0]) < jnp.sum(group_sizes)  # [M]: the rows of this device's experts
+
+        def owned(a):
+            return jnp.where(grouped[:, None], a, jnp.zeros((), a.dtype))
+    rows = owned(rows)
     if choice.impl == "tokamax mosaic_gpu":
         dot = functools.partial(moe_gemm_gpu.ragged_dot, group_sizes=group_sizes)
     else:
@@ -115,7 +127,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
     g = dot(rows, gate.astype(x.dtype)).astype(x.dtype)
     u = dot(rows, up.astype(x.dtype)).astype(x.dtype)
     # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
-    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+    h = owned((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype))
     out = dot(h, down.astype(x.dtype)).astype(jnp.float32)          # [M, D], sorted
     slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)
     # rows past the last group are no group's: whatever a kernel leaves there is dropped, not weighted by 0
@@ -136,12 +148,12 @@ def local_dispatch(fn, expert_parallel: bool = False):
     and the partial sums are reduce-scattered back to each token's shard. Its buffers are sized for the worst case
     of a dropless layer, every gathered slot routed to this device's experts: [F N k, D] where the experts' own
     rows are N k / F on average (the compiled FLOPs count them all, docs/design.md 4.8). Otherwise every shard holds
-    every expert (gathered, as FSDP gathers a dense layer's weights). Their width is split over "tensor": manual over that axis too with expert
-    parallelism or tokamax's GPU kernel, each device's slice of gate / up [E, D, I / t] and down [E, I / t, D], its
-    partial sums added over the axis once a token's k slots are summed and reduce-scattered (left to GSPMD, the
-    down projection's [slots, D] partials were all-reduced: Qwen3-30B-A3B's gradient on a v5p-64, 2.2 GiB a
-    device; under tokamax's Pallas call, which GSPMD cannot split, the weights were gathered whole to every device
-    and their gradients came back whole); left automatic otherwise."""
+    every expert (gathered, as FSDP gathers a dense layer's weights). Their width is split over "tensor": manual
+    over that axis too whenever the tokens are split (and under tokamax's GPU kernel always), each device's slice of
+    gate / up [E, D, I / t] and down [E, I / t, D], its partial sums added over the axis once a token's k slots are
+    summed (and reduce-scattered): left to GSPMD, the down projection's [slots, D] partials were all-reduced
+    (Qwen3-30B-A3B's gradient on a v5p-64: 833 against 609 MiB a device), and under tokamax's Pallas call, which
+    GSPMD cannot split, the weights were gathered whole to every device and their gradients came back whole."""
     rules = current_rules()
     mesh = rules.mesh
     manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
@@ -210,8 +222,8 @@ class MoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
         replay = None if routed is None else routed.reshape(-1, k)
         weights, experts = route(logits, k, cfg.norm_topk_prob, replay)
-        out = local_dispatch(grouped_swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...], self.up_kernel[...],
-                                             self.down_kernel[...])
+        out = local_dispatch(grouped_swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...],
+                                                                  self.up_kernel[...], self.down_kernel[...])
         out = out.astype(x.dtype).reshape(*lead, -1)
         chosen = experts if replay is None else route(logits, k, cfg.norm_topk_prob)[1]
         outs = (out,) + ((jax.lax.stop_gradient(chosen).reshape(*lead, k),) if with_experts else ())

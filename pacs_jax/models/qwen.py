@@ -416,6 +416,8 @@ class Qwen(nnx.Module):
         ``config.remat``.
         """
         cfg = self.cfg
+        if with_balance and cache is not None:
+            raise ValueError("the load-balancing loss (with_balance) is of a forward pass without a cache")
         if (routed is not None or with_routing or with_balance) and not cfg.num_experts:
             raise ValueError("routing replay, routing records and the load-balancing loss need a model with experts "
                              "(num_experts > 0)")

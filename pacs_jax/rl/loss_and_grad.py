@@ -92,7 +92,7 @@ def loss_and_grad_fn(graphdef: nnx.GraphDef, objective: str, *, group_size: int,
     def loss_and_grad(params: nnx.State, batch: UpdateBatch, frozen: nnx.State | None = None):
         held = () if frozen is None else (frozen,)
         run = functools.partial(forward, frozen=held)
-        seen = jnp.maximum(jnp.sum(batch.attention_mask.astype(jnp.float32)), 1.0)  # the mini-batch's real tokens
+        seen = jnp.maximum(jnp.sum(batch.attention_mask.astype(jnp.float32)), 1.0) if balance else None  # its tokens
         if batch.packing is not None:
             def run_pass(params, rows, one):  # with ``balance``, each pass's term joins its loss
                 logp, b = run(params, rows, one)

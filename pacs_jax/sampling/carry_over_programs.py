@@ -25,7 +25,7 @@ from pacs_jax.sampling.carry_over_records import CarryOverRows
 from pacs_jax.sampling.carry_over_state import CarryOverSpec, CarryState
 from pacs_jax.sampling.paged import prompt_pages, row_promise
 from pacs_jax.sampling.seam import (PAD_ID, decode_model, input_shares, on_queues, prefill, queue_shards,
-                                    queue_shares)
+                                    queue_shares, sampling_model)
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sharding import constrain
 
@@ -217,7 +217,7 @@ def chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState, 
     queue = spec.per_queue(queue_shards(axes))
 
     def per_queue(layout, selection, stop_ids, state):
-        return _chunk_queue(nnx.merge(graphdef, layout), state, selection, stop_ids, queue)
+        return _chunk_queue(sampling_model(graphdef, layout), state, selection, stop_ids, queue)
 
     state, progress = on_queues(per_queue, axes, (layout, selection, stop_ids), (state,))
     if axes:  # [S, 3] -> the call's

@@ -20,7 +20,8 @@ from pacs_jax.sampling import decode
 from pacs_jax.sampling.carry_over_programs import count_trace, put_generation
 from pacs_jax.sampling.carry_over_records import SavedRows
 from pacs_jax.sampling.carry_over_state import CarryOverSpec, CarryState
-from pacs_jax.sampling.seam import decode_model, input_shares, on_queues, prefill, queue_shards, queue_shares
+from pacs_jax.sampling.seam import (decode_model, input_shares, on_queues, prefill, queue_shards, queue_shares,
+                                    sampling_model)
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sharding import constrain
 
@@ -76,7 +77,7 @@ def reseat_program(graphdef: nnx.GraphDef, layout: nnx.State, state: CarryState,
     queue = spec.per_queue(shards)
 
     def per_queue(layout, state, slot_rows):
-        return _reseat_queue(nnx.merge(graphdef, layout), state, slot_rows, queue)
+        return _reseat_queue(sampling_model(graphdef, layout), state, slot_rows, queue)
 
     if axes:
         slot_rows = _queue_rows(slot_rows, spec, shards)

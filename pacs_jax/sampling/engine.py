@@ -75,7 +75,8 @@ from pacs_jax.sampling.contiguous import RowStore
 from pacs_jax.sampling.narrowing import WidthLoop, start_widths
 from pacs_jax.sampling.paged import PageStore, default_pages
 from pacs_jax.sampling.seam import (PAD_ID, EngineSpec, QueueInputs, abstract_results, decode_model, device_bytes,
-                                    on_queues, prefill, queue_shards, queues, run_chunks, stop_id_array)
+                                    on_queues, prefill, queue_shards, queues, run_chunks, sampling_model,
+                                    stop_id_array)
 from pacs_jax.sampling.selection import Selection
 from pacs_jax.sampling.settings import SamplingSettings, row_pages
 from pacs_jax.sharding import MeshRules, constrain, current_mesh, current_rules, decode_rules, replicated
@@ -223,7 +224,7 @@ def _start_program(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.
     queue_spec = _queue_spec(spec, axes)
 
     def per_queue(layout, inputs):
-        queue, store, decode_state = _queue_start(nnx.merge(graphdef, layout), inputs, queue_spec)
+        queue, store, decode_state = _queue_start(sampling_model(graphdef, layout), inputs, queue_spec)
         return queue, store.carried(), start_widths(decode_state)
 
     split, whole = PartitionSpec(axes), PartitionSpec()
@@ -249,7 +250,7 @@ def _chunk_program(graphdef: nnx.GraphDef, layout: nnx.State, queue: decode.Queu
     widths = narrowing_widths(queue_spec.slots, queue_spec.tail_slots)
 
     def per_queue(layout, selection, queue, store, loop):
-        loop = decode.decode_chunk(nnx.merge(graphdef, layout), queue, store, selection, loop, widths,
+        loop = decode.decode_chunk(sampling_model(graphdef, layout), queue, store, selection, loop, widths,
                                    spec.chunk_steps)
         return loop, decode.progress(queue, loop, widths)
 
@@ -506,7 +507,8 @@ def lower_decode_step(graphdef: nnx.GraphDef, state, prompt_tokens, prompt_mask,
     pre = jax.eval_shape(_preamble(graphdef, spec), state, *args)
 
     def step(layout, queue, store, selection, decode_state):
-        return decode.decode_step(nnx.merge(graphdef, layout), queue, store, selection, decode_state, refills=refills)
+        return decode.decode_step(sampling_model(graphdef, layout), queue, store, selection, decode_state,
+                                  refills=refills)
 
     return jax.jit(step, donate_argnums=4).lower(_placed_layout(pre.layout), pre.queue, pre.store, pre.selection,
                                                  pre.decode_state)

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from pacs_jax.models.moe import routing_dtype
+from pacs_jax.models.moe import MoE, routing_dtype
 from pacs_jax.models.qwen import KVCache, positions_from_mask, unstack_layers
 from pacs_jax.sampling.buckets import round_up
 from pacs_jax.sampling.selection import Selection
@@ -168,8 +168,20 @@ def decode_layout(state: nnx.State, dtype) -> nnx.State:
 
 
 def decode_model(graphdef: nnx.GraphDef, state: nnx.State) -> nnx.Module:
-    """The model with its parameters in the decode layout (``decode_layout``)."""
-    return nnx.merge(graphdef, decode_layout(state, jnp.dtype(nnx.merge(graphdef, state).cfg.dtype)))
+    """The model with its parameters in the decode layout (``decode_layout``), as the sampler runs it
+    (``sampling_model``)."""
+    return sampling_model(graphdef, decode_layout(state, jnp.dtype(nnx.merge(graphdef, state).cfg.dtype)))
+
+
+def sampling_model(graphdef: nnx.GraphDef, layout: nnx.State) -> nnx.Module:
+    """``nnx.merge(graphdef, layout)`` for the sampler's programs: a mixture of experts dispatches its tokens with every
+    expert on every device, as the decode layout holds them (``model.expert_parallel`` is the learner's: its
+    worst-case buffers would grow every prefill fsdp-fold for nothing)."""
+    model = nnx.merge(graphdef, layout)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, MoE) and node.cfg.expert_parallel:
+            node.cfg = dataclasses.replace(node.cfg, expert_parallel=False)
+    return model
 
 
 def spread_rows(real: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pacs_jax.rl.loss_and_grad import AUX_METRIC
 from pacs_jax.rl.rollout_correction import parse_is_threshold
 from pacs_jax.training.spec import RolloutCorrectionSpec, RunSpec
 
@@ -126,7 +127,7 @@ def step_line(spec: RunSpec, metrics: dict[str, float]) -> str | None:
     elif tc.router_replay == "R2":
         parts.append("routing replay: the update ran on the experts pi_old chose")
     if tc.router_aux_loss_coef:
-        parts.append(f"load balance: the routers' load-balancing loss {metrics['actor/router_aux_loss']:.4g} "
+        parts.append(f"load balance: the routers' load-balancing loss {metrics[AUX_METRIC]:.4g} "
                      f"(num_experts_per_tok when the experts share the tokens evenly; x {tc.router_aux_loss_coef:g} in the loss)")
     if correction.enabled or correction.bypass_mode:
         parts.append("correction: " + _correction_stats(correction, metrics))
