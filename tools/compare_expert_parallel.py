@@ -24,7 +24,22 @@ import sys
 
 from pacs_jax import topologies
 
-_COLLECTIVE = re.compile(r"= (\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?\(")
+# a collective's result: an array, or a tuple (combined collectives; an async "-start"'s (operands, result))
+_COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start)?\(")
+_ARRAY = re.compile(r"[a-z]+\d*\[[\d,]*\]")
+
+
+def _result_bytes(shape: str, started: bool) -> float:
+    """The bytes a collective delivers: its result array, every array of a combined collective's tuple, or the last
+    element of an async start's (operands, result) tuple."""
+    from pacs_jax.hlo_cost import array_bytes
+
+    arrays = _ARRAY.findall(shape)
+    if started and shape.startswith("(") and len(arrays) > 1:
+        inner = shape[1:-1]
+        last = inner[inner.rfind("(") + 1:] if inner.rstrip().endswith(")") else arrays[-1]
+        return sum(array_bytes(a) for a in _ARRAY.findall(last))
+    return sum(array_bytes(a) for a in arrays)
 
 
 def _args(argv):
@@ -46,7 +61,6 @@ def compiled(args, expert_parallel: bool, devices) -> dict:
     from flax import nnx
 
     from pacs_jax import sharding
-    from pacs_jax.hlo_cost import array_bytes
     from pacs_jax.models import kernels
     from pacs_jax.models.config import QwenConfig
     from pacs_jax.models.loading import abstract_model
@@ -71,7 +85,7 @@ def compiled(args, expert_parallel: bool, devices) -> dict:
         program = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
     moved = collections.Counter()
     for match in _COLLECTIVE.finditer(program.as_text()):
-        moved[match.group(2)] += array_bytes(match.group(1))
+        moved[match.group(2)] += _result_bytes(match.group(1), bool(match.group(3)))
     dispatch = [c.impl for c in kernels.chosen() if c.op == "moe dispatch"]
     return dict(dispatch=dispatch[0] if dispatch else "", moved=moved,
                 temp=program.memory_analysis().temp_size_in_bytes, flops=program.cost_analysis().get("flops", 0.0))
