@@ -23,6 +23,7 @@ over the S shards once, after the loop (otherwise GSPMD all-reduces it in every 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -90,7 +91,7 @@ def response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: j
     args = (hidden[:, prompt_length - 1:-1], model.lm_head_kernel(), input_ids[:, prompt_length:])
     kwargs = dict(temperature=temperature, chunk_size=chunk_size)
     out = token_logprobs_and_entropy(*args, **kwargs) if with_entropy else token_logprobs(*args, **kwargs)
-    return _with_extra(out, extra, with_balance, jnp.sum(attention_mask.astype(jnp.float32)))
+    return _with_extra(out, extra, with_balance, lambda: jnp.sum(attention_mask.astype(jnp.float32)))
 
 
 def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_mask: jax.Array,
@@ -122,7 +123,7 @@ def packed_response_logprobs(model: nnx.Module, input_ids: jax.Array, attention_
     else:
         logp, entropy = token_logprobs_and_entropy(*args, **kwargs)
         out = unpack(logp, plan.unpack_index), unpack(entropy, plan.unpack_index)
-    return _with_extra(out, extra, with_balance, jnp.sum((segment_ids > 0).astype(jnp.float32)))
+    return _with_extra(out, extra, with_balance, lambda: jnp.sum((segment_ids > 0).astype(jnp.float32)))
 
 
 class Balance(NamedTuple):
@@ -140,11 +141,11 @@ def _forward_hidden(model, tokens, routed, with_routing: bool, with_balance: boo
     return list(out) if with_routing or with_balance else [out]
 
 
-def _with_extra(out, extra: list, with_balance: bool, tokens: jax.Array):
+def _with_extra(out, extra: list, with_balance: bool, tokens: Callable[[], jax.Array]):
     """``out`` alone, or (out, the routing record, ``Balance``) as asked (``extra``: the model's outputs after the
-    hidden states)."""
+    hidden states; ``tokens()``: the pass's real tokens, counted only for the balance)."""
     if with_balance:
-        extra = [*extra[:-1], Balance(extra[-1], tokens)]
+        extra = [*extra[:-1], Balance(extra[-1], tokens())]
     return (out, *extra) if extra else out
 
 

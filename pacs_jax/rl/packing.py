@@ -357,21 +357,27 @@ def accumulate_passes(forward: Callable, loss: Callable, params, rows, plan: Pac
     held = jax.lax.stop_gradient(held.astype(jnp.float32))
 
     def pass_loss(params, one, p):
-        out, term = forward(params, rows, one) if extra else (forward(params, rows, one), jnp.zeros((), jnp.float32))
+        if not extra:  # no term: the program as before ``extra`` existed
+            out = forward(params, rows, one)
+            return loss(jnp.where(own_rows(one, p), out, held), rows, totals)[0], (out,)
+        out, term = forward(params, rows, one)
         return loss(jnp.where(own_rows(one, p), out, held), rows, totals)[0] + term, (out, term)
 
     grad_fn = jax.value_and_grad(pass_loss, has_aux=True)
 
     def body(p, one, carry):
-        grads, values, terms = carry
-        (_, (out, term)), pass_grads = grad_fn(params, one, p)
+        grads, values, *terms = carry
+        (_, (out, *term)), pass_grads = grad_fn(params, one, p)
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, pass_grads)
-        return grads, jnp.where(own_rows(one, p), out, values), terms + term
+        return grads, jnp.where(own_rows(one, p), out, values), *(a + b for a, b in zip(terms, term))
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
-    grads, values, terms = run_passes(body, plan, (zeros, held, jnp.zeros((), jnp.float32)))
+    grads, values, *terms = run_passes(body, plan, (zeros, held) + ((jnp.zeros((), jnp.float32),) if extra else ()))
     micro = jax.tree.map(lambda v: constrain(split_micro_batches(v, unit, num_micro_batches),
                                              (None, "batch") + (None,) * (v.ndim - 1)), (rows, values))
     losses, metrics = jax.lax.map(lambda mb: loss(mb[1], mb[0], totals), micro)
+    total = jnp.sum(losses)
     metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-    return jnp.sum(losses) + terms, ({**metrics, extra: terms} if extra else metrics), grads
+    if not extra:
+        return total, metrics, grads
+    return total + terms[0], {**metrics, extra: terms[0]}, grads
