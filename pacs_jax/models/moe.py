@@ -225,8 +225,10 @@ class MoE(nnx.Module):
         out = local_dispatch(grouped_swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...],
                                                                   self.up_kernel[...], self.down_kernel[...])
         out = out.astype(x.dtype).reshape(*lead, -1)
-        chosen = experts if replay is None else route(logits, k, cfg.norm_topk_prob)[1]
+        if not with_experts and balance_mask is None:
+            return out
+        chosen = experts if replay is None else route(logits, k, cfg.norm_topk_prob)[1]  # the router's own top k
         outs = (out,) + ((jax.lax.stop_gradient(chosen).reshape(*lead, k),) if with_experts else ())
         if balance_mask is not None:
             outs += (load_balance_sums(logits, chosen, balance_mask.reshape(-1)),)
-        return outs if len(outs) > 1 else out
+        return outs
