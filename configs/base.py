@@ -70,6 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
         lora_alpha=16.0,
         target_modules=ml_collections.FieldReference("all-linear", field_type=object),  # all-linear | a list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
                                   # down_proj | a regular expression searched in "self_attn.q_proj", "mlp.up_proj", ...
+        # PEFT's target_parameters (verl's model.target_parameters): a Qwen3-MoE model's experts, which are parameters
+        # [E, out, in] in transformers, not Linear modules: "mlp.experts.gate_up_proj" (the fused gate and up
+        # projections), "mlp.experts.down_proj", or the end of a name ("down_proj"); a list, or names with commas
+        target_parameters=ml_collections.FieldReference((), field_type=object),
         # PEFT's modules_to_save: modules LoRA trains whole beside the adapters, by PEFT's rule (an HF module whose
         # name ends with one: "embed_tokens" the embedding (a tied LM head with it), "lm_head", "norm" every norm,
         # "layernorm" a layer's two); their original copy is the KL reference's. A list, or names with commas.

@@ -18,6 +18,10 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")  # see pacs_jax/models/attention.py
 # The linear layers LoRA adapters may target, by PEFT's names for a Qwen (models/lora.py)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The experts' weights LoRA adapters may target on a Qwen3-MoE model, by PEFT's ``target_parameters`` names (their
+# path in a decoder layer of transformers' Qwen3MoeForCausalLM, whose experts are parameters [E, out, in], not Linear
+# modules): the fused gate and up projections [E, 2I, D], the down projection [E, D, I]
+LORA_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # The modules a LoRA run may train whole beside its adapters (PEFT's modules_to_save): our name -> the HF module
 # ("{}": each decoder layer's); PEFT's rule picks them: a module is saved when its HF name ends with a given name
 # ("norm": all five kinds of norm, "layernorm": a decoder layer's two, "embed_tokens": the embedding)
@@ -86,7 +90,7 @@ class QwenConfig:
     # LoRA adapters (models/lora.py): rank 0 = none; their scale is lora_alpha / lora_rank
     lora_rank: int = 0
     lora_alpha: float = 0.0
-    lora_targets: tuple[str, ...] = ()  # of LORA_MODULES
+    lora_targets: tuple[str, ...] = ()  # of LORA_MODULES and LORA_EXPERT_PARAMETERS
     lora_saved: tuple[str, ...] = ()    # PEFT's modules_to_save: names whose modules train whole (``saved_modules``)
 
     def __post_init__(self):
@@ -120,9 +124,13 @@ class QwenConfig:
             raise ValueError(f"lora_rank={self.lora_rank}: LoRA on a model with dense layers among its sparse ones "
                              "(decoder_sparse_step, mlp_only_layers) is not served yet")
         if self.lora_rank and self.num_experts and set(self.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
-            raise ValueError(f"lora_targets={self.lora_targets}: LoRA on a mixture-of-experts model's experts "
-                             f"(gate_proj, up_proj, down_proj) is not served yet; its attention's (q_proj, "
-                             f"k_proj, v_proj, o_proj) are: target_modules 'self_attn'")
+            raise ValueError(f"lora_targets={self.lora_targets}: a mixture-of-experts model has no gate_proj, up_proj "
+                             f"or down_proj Linear (its experts are parameters, as in transformers): target_modules "
+                             f"'self_attn' for its attention, and target_parameters {list(LORA_EXPERT_PARAMETERS)} "
+                             f"for its experts (PEFT's names)")
+        if self.lora_rank and not self.num_experts and set(self.lora_targets) & set(LORA_EXPERT_PARAMETERS):
+            raise ValueError(f"lora_targets={self.lora_targets}: target_parameters {list(LORA_EXPERT_PARAMETERS)} "
+                             f"name a mixture-of-experts model's experts, and this model has none (num_experts 0)")
         if self.num_experts < 0 or (self.num_experts > 0 and not (
                 1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0)):
             raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}, "
@@ -132,9 +140,9 @@ class QwenConfig:
         if self.lora_rank < 0 or (self.lora_rank > 0 and (self.lora_alpha <= 0 or not self.lora_targets)):
             raise ValueError(f"lora_rank={self.lora_rank}, lora_alpha={self.lora_alpha}, lora_targets="
                              f"{self.lora_targets}: a rank >= 0, and with a rank > 0 an alpha > 0 and targets")
-        unknown = set(self.lora_targets) - set(LORA_MODULES)
+        unknown = set(self.lora_targets) - set(LORA_MODULES + LORA_EXPERT_PARAMETERS)
         if unknown:
-            raise ValueError(f"lora_targets: {sorted(unknown)} are not among {LORA_MODULES}")
+            raise ValueError(f"lora_targets: {sorted(unknown)} are not among {LORA_MODULES + LORA_EXPERT_PARAMETERS}")
         object.__setattr__(self, "lora_saved", tuple(self.lora_saved))
         if self.lora_saved and not self.lora_rank:
             raise ValueError(f"modules_to_save={list(self.lora_saved)}: modules trained whole beside LoRA's adapters need "

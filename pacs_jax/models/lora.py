@@ -25,6 +25,7 @@ whole, and the KL reference puts back the values the run started from (``switche
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -32,18 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pacs_jax.models.config import SAVED_MODULES, QwenConfig
+from pacs_jax.models.config import LORA_EXPERT_PARAMETERS, SAVED_MODULES, QwenConfig
 from pacs_jax.models.lora_targets import PEFT_PARENTS
 from pacs_jax.models.loading import abstract_model, host_array, random_param
 from pacs_jax.models.params import SavedParam
 from pacs_jax.models.qwen import Qwen
 
-# PEFT's module name -> (our sub-module of a decoder layer, the adapter's attribute there)
+# PEFT's module (or experts' parameter) name -> (our sub-module of a decoder layer, the adapter's attribute there)
 _PLACES = {"q_proj": ("attn", "q_lora"), "k_proj": ("attn", "k_lora"), "v_proj": ("attn", "v_lora"),
            "o_proj": ("attn", "o_lora"), "gate_proj": ("mlp", "gate_lora"), "up_proj": ("mlp", "up_lora"),
-           "down_proj": ("mlp", "down_lora")}
-_KERNELS = {"q_proj": "q_kernel", "k_proj": "k_kernel", "v_proj": "v_kernel", "o_proj": "o_kernel",
-            "gate_proj": "gate_kernel", "up_proj": "up_kernel", "down_proj": "down_kernel"}
+           "down_proj": ("mlp", "down_lora"), "mlp.experts.gate_up_proj": ("mlp", "gate_up_lora"),
+           "mlp.experts.down_proj": ("mlp", "down_lora")}
+# the kernels an adapter adds to, by the index of its B's out dims ([2, I] for the experts' fused gate and up)
+_KERNELS = {"q_proj": ("q_kernel",), "k_proj": ("k_kernel",), "v_proj": ("v_kernel",), "o_proj": ("o_kernel",),
+            "gate_proj": ("gate_kernel",), "up_proj": ("up_kernel",), "down_proj": ("down_kernel",),
+            "mlp.experts.gate_up_proj": ("gate_kernel", "up_kernel"), "mlp.experts.down_proj": ("down_kernel",)}
 
 
 _ADAPTER = nnx.All(nnx.LoRAParam, nnx.Not(SavedParam))
@@ -95,31 +99,32 @@ def _is_b(var: nnx.Variable) -> bool:
 
 
 def _adapter_arrays(model: Qwen) -> Iterator[tuple[str, jax.Array, jax.Array]]:
-    """(PEFT module name, A [L, in..., r], B [L, r, out...]) of each adapted module of ``model``."""
+    """(PEFT module name, A [L, in..., r], B [L, r, out...]) of each adapted module of ``model``; of the experts'
+    parameters (config.LORA_EXPERT_PARAMETERS), A [L, E, in, r] and B [L, E, r, out...]."""
     for name in model.cfg.lora_targets:
         sub, attr = _PLACES[name]
         adapter = getattr(getattr(model.layers, sub), attr)
         yield name, adapter.a[...], adapter.b[...]
 
 
-def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+def delta(a: jax.Array, b: jax.Array, scale: float, experts: bool = False) -> jax.Array:
     """scale * A @ B of one module's stacked adapter, [L, in..., r] x [L, r, out...] -> [L, in..., out...]
-    in float32."""
-    L, r = a.shape[0], a.shape[-1]
-    flat = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32), b.reshape(L, r, -1).astype(jnp.float32))
-    return scale * flat.reshape(*a.shape[:-1], *b.shape[2:])
+    in float32; of the experts' (``experts``), each expert's own: [L, E, in, r] x [L, E, r, out...] ->
+    [L, E, in, out...]."""
+    lead, r = a.shape[:2 if experts else 1], a.shape[-1]
+    flat = jnp.einsum("nir,nro->nio", a.reshape(-1, math.prod(a.shape[len(lead):-1]), r).astype(jnp.float32),
+                      b.reshape(math.prod(lead), r, -1).astype(jnp.float32))
+    return scale * flat.reshape(*a.shape[:-1], *b.shape[len(lead) + 1:])
 
 
-def base(model: Qwen, kernels: dict[str, jax.Array] | None = None) -> Qwen:
+def base(model: Qwen, kernels: dict[tuple[str, str], jax.Array] | None = None) -> Qwen:
     """``model`` without its adapters: its base (the same arrays, the modules trained whole as they are now), or
-    with ``kernels`` ({PEFT module name: stacked kernel}) in place of those modules' kernels."""
+    with ``kernels`` ({(sub-module of the layers, kernel attribute): stacked kernel}) in place of those kernels."""
     trained, state = split(nnx.state(model))
     whole = [(path, nnx.Param(var.get_value(), **var.get_metadata())) for path, var in nnx.to_flat_state(saved(trained))]
     state = nnx.merge_state(state, nnx.from_flat_state(whole))
-    for name, kernel in (kernels or {}).items():
-        sub, _ = _PLACES[name]
-        variable = state["layers"][sub][_KERNELS[name]]
-        state["layers"][sub][_KERNELS[name]] = variable.replace(value=kernel)
+    for (sub, attr), kernel in (kernels or {}).items():
+        state["layers"][sub][attr] = state["layers"][sub][attr].replace(value=kernel)
     base_cfg = model.cfg.without_adapters()
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Qwen(base_cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, state)
@@ -127,14 +132,18 @@ def base(model: Qwen, kernels: dict[str, jax.Array] | None = None) -> Qwen:
 
 def merge(model: Qwen) -> Qwen:
     """A model without adapters whose target kernels are W + alpha / r * A @ B (in W's dtype): the model
-    the adapters make, for an HF export or a sampler that reads merged weights."""
+    the adapters make, for an HF export or a sampler that reads merged weights (each expert its own A @ B; the
+    experts' fused gate_up adapter's B split into the gate's and the up projection's columns)."""
     cfg = model.cfg
     scale = cfg.lora_alpha / cfg.lora_rank
     merged = {}
     for name, a, b in _adapter_arrays(model):
         sub, _ = _PLACES[name]
-        w = getattr(getattr(model.layers, sub), _KERNELS[name])[...]
-        merged[name] = (w.astype(jnp.float32) + delta(a, b, scale)).astype(w.dtype)
+        added = delta(a, b, scale, experts=name in LORA_EXPERT_PARAMETERS)
+        for i, attr in enumerate(_KERNELS[name]):
+            w = getattr(getattr(model.layers, sub), attr)[...]
+            part = added[..., i, :] if len(_KERNELS[name]) > 1 else added
+            merged[sub, attr] = (w.astype(jnp.float32) + part).astype(w.dtype)
     return base(model, merged)
 
 
@@ -142,16 +151,35 @@ def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
     """(PEFT tensor name, host array) of every adapter, one layer at a time, as PEFT saves a Qwen's LoRA, then
     of every module trained whole (``_peft_saved_tensors``):
     ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight``
-    [out, in] with in / out the HF Linear's features (heads flattened)."""
+    [out, r] with in / out the HF Linear's features (heads flattened); the experts' as ``_peft_expert_tensors``."""
     for name, a, b in _adapter_arrays(model):
-        parent = PEFT_PARENTS[name]
         a, b = host_array(a), host_array(b)  # every process takes part in the gather
+        if name in LORA_EXPERT_PARAMETERS:
+            yield from _peft_expert_tensors(name, a, b, model.cfg.lora_targets)
+            continue
+        parent = PEFT_PARENTS[name]
         r = a.shape[-1]
         for layer in range(a.shape[0]):
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{name}"
             yield f"{prefix}.lora_A.weight", np.ascontiguousarray(a[layer].reshape(-1, r).T)
             yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b[layer].reshape(r, -1).T)
     yield from _peft_saved_tensors(model)
+
+
+def _peft_expert_tensors(name: str, a: np.ndarray, b: np.ndarray, targets) -> Iterator[tuple[str, np.ndarray]]:
+    """(PEFT tensor name, array) of the experts' adapter on ``name`` (a LORA_EXPERT_PARAMETERS entry), A
+    [L, E, in, r] and B [L, E, r, out...], as PEFT's ParamWrapper holds it: ``lora_A.weight`` [E r, in] (expert e's
+    A^T in rows e r .. e r + r - 1) and ``lora_B.weight`` [out, r E] (rank-major: column j E + e is expert e's j-th
+    column of B^T), out the HF parameter's (gate_up_proj: the gate's I then the up projection's I). PEFT wraps the
+    experts module once a targeted parameter, gate_up_proj innermost: with both targeted, gate_up_proj's tensors
+    sit under ``mlp.experts.base_layer``, down_proj's under ``mlp.experts``."""
+    nested = name == "mlp.experts.gate_up_proj" and "mlp.experts.down_proj" in targets
+    L, E, r = a.shape[0], a.shape[1], a.shape[-1]
+    for layer in range(L):
+        prefix = f"base_model.model.model.layers.{layer}.mlp.experts" + (".base_layer" if nested else "")
+        yield f"{prefix}.lora_A.weight", np.ascontiguousarray(a[layer].transpose(0, 2, 1).reshape(E * r, -1))
+        yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b[layer].reshape(E, r, -1).transpose(2, 1, 0)
+                                                              .reshape(-1, r * E))
 
 
 def _saved_arrays(model: Qwen) -> Iterator[tuple[str, jax.Array]]:
@@ -187,8 +215,11 @@ def peft_config(cfg: QwenConfig, base_model: str) -> dict:
     modules trained whole are its ``modules_to_save``, a tied embedding's head kept tied
     (``ensure_weight_tying``)."""
     tied = "embedding" in cfg.saved_modules and cfg.tie_word_embeddings
+    modules = [t for t in cfg.lora_targets if t not in LORA_EXPERT_PARAMETERS]
+    parameters = [t for t in cfg.lora_targets if t in LORA_EXPERT_PARAMETERS]
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": list(cfg.lora_targets),
+            "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "target_modules": modules or None,
+            "target_parameters": parameters or None,
             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": list(cfg.lora_saved) or None,
             "ensure_weight_tying": tied, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},

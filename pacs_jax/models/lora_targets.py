@@ -4,6 +4,7 @@ the config check reads it).
     resolve_targets("all-linear")          # ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     resolve_targets(["q_proj", "v_proj"])  # ("q_proj", "v_proj")
     resolve_targets("self_attn")           # a regular expression: the attention's four
+    resolve_parameters(["mlp.experts.gate_up_proj", "down_proj"])   # a Qwen3-MoE's experts (PEFT's target_parameters)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from pacs_jax.models.config import LORA_MODULES
+from pacs_jax.models.config import LORA_EXPERT_PARAMETERS, LORA_MODULES
 
 ALL_LINEAR = "all-linear"
 
@@ -47,3 +48,20 @@ def resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
         what = f"names no module ({unknown[0]!r})" if unknown else "is empty"
         raise ValueError(f"the list {list(names)} {what}; the modules are {known} ({ALL_LINEAR!r}: all of them)")
     return tuple(m for m in LORA_MODULES if m in names)
+
+
+def resolve_parameters(target_parameters: str | Sequence[str]) -> tuple[str, ...]:
+    """The experts' parameters (LORA_EXPERT_PARAMETERS, in its order) that PEFT's ``target_parameters`` names: a
+    list of names (or names with commas, as a command line gives them), each matched by PEFT's rule: a parameter's
+    path in a decoder layer ("mlp.experts.gate_up_proj") equal to the name or ending with "." + the name
+    ("experts.down_proj", "gate_up_proj"). () for none. ValueError naming the one that matches no parameter."""
+    names = tuple(n for n in target_parameters.split(",") if n) if isinstance(target_parameters, str) \
+        else tuple(target_parameters)
+    found = set()
+    for name in names:
+        matched = {p for p in LORA_EXPERT_PARAMETERS if isinstance(name, str) and (p == name or p.endswith(f".{name}"))}
+        if not matched:
+            raise ValueError(f"{name!r} matches no parameter; the experts' are {', '.join(LORA_EXPERT_PARAMETERS)} "
+                             "(PEFT's target_parameters of a Qwen3-MoE model: a name or the end of one)")
+        found |= matched
+    return tuple(p for p in LORA_EXPERT_PARAMETERS if p in found)

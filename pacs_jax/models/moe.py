@@ -89,13 +89,18 @@ def load_balance_loss(sums: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+                   down: jax.Array, adapters: dict | None = None, first: jax.Array | int = 0,
+                   scale: float = 1.0) -> jax.Array:
     """The gated sum of each token's expert SwiGLUs over the experts held here: x [N, D] (compute dtype),
     experts [N, k] int32 (0 .. E - 1), gates [N, k] float32; gate / up [E_h, D, I], down [E_h, I, D] (cast to x's
     dtype): the E_h experts ``first`` .. ``first`` + E_h - 1 (``first`` the int 0 when all E are held here, an int32
     [] array when this device holds a share) -> [N, D] float32,
     sum_j gates[n, j] down(silu(gate x[n]) * up x[n]) of expert experts[n, j] over the slots (n, j) whose expert
     is held here (the others add 0: another device holds theirs, ``local_dispatch``).
+
+    ``adapters``: the experts' LoRA (``ExpertAdapters.arrays``), {"gate_up": (A [E_h, D, r], B [E_h, r, 2, I]),
+    "down": (A [E_h, I, r], B [E_h, r, D])}, either or both: a projection's output gains ``scale`` (h A) B of the
+    row's expert, two more grouped matmuls each (PEFT's ParamWrapper computes h (W + scale A B), the same sum).
 
     The slots are sorted by expert for the grouped matmul (``kernels.moe_gemm``: tokamax's on a GPU, whose products
     come back in the compute dtype; ``jax.lax.ragged_dot`` in float32 elsewhere), the slots of experts held
@@ -124,11 +129,25 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
         dot = functools.partial(moe_gemm_gpu.ragged_dot, group_sizes=group_sizes)
     else:
         dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
-    g = dot(rows, gate.astype(x.dtype)).astype(x.dtype)
-    u = dot(rows, up.astype(x.dtype)).astype(x.dtype)
+    adapters = adapters or {}
+
+    def low_rank(h, name):  # scale (h A) B of each row's expert, [M, ...out] in x's dtype
+        a, b = adapters[name]
+        narrow = owned(dot(h, a.astype(x.dtype)).astype(x.dtype))   # [M, r]
+        wide = dot(narrow, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype)).astype(jnp.float32)
+        return (scale * wide).reshape(h.shape[0], *b.shape[2:])
+
+    g = dot(rows, gate.astype(x.dtype))
+    u = dot(rows, up.astype(x.dtype))
+    if "gate_up" in adapters:  # added in float32 before the rounding
+        lora = low_rank(rows, "gate_up")                            # [M, 2, I]
+        g, u = g.astype(jnp.float32) + lora[:, 0], u.astype(jnp.float32) + lora[:, 1]
+    g, u = g.astype(x.dtype), u.astype(x.dtype)
     # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
     h = owned((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype))
     out = dot(h, down.astype(x.dtype)).astype(jnp.float32)          # [M, D], sorted
+    if "down" in adapters:
+        out = out + low_rank(h, "down")
     slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)
     # rows past the last group are no group's: whatever a kernel leaves there is dropped, not weighted by 0
     slots = jnp.where(here[..., None], slots, 0.0)
@@ -136,7 +155,8 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
 
 
 def local_dispatch(fn, expert_parallel: bool = False):
-    """``fn(x [N, D], experts [N, k], gates [N, k], gate, up, down, first) -> [N, D]`` (``grouped_swiglu``) run on each
+    """``fn(x [N, D], experts [N, k], gates [N, k], gate, up, down, adapters, first) -> [N, D]`` (``grouped_swiglu``,
+    ``adapters`` the experts' LoRA or None, split as their weights) run on each
     batch shard's own tokens: under ``shard_map`` manual over the batch axes of the mesh in context (those not manual
     already: the sampler's queues), the tokens split. Left to GSPMD, the sort of the slots gathered every token to
     every device (a v5p-64 prefill of 1024 prompts needed 114.6 GiB). Without such axes, or tokens they do not
@@ -163,32 +183,58 @@ def local_dispatch(fn, expert_parallel: bool = False):
     over = tuple(a for a in dict(rules.rules)["experts"] if a not in manual and mesh.shape[a] > 1) \
         if expert_parallel else ()
 
-    def run(x, experts, gates, gate, up, down):
+    def run(x, experts, gates, gate, up, down, adapters=None):
         tokens = axes if axes and not x.shape[0] % shards else ()
         ep = over if over and set(over) <= set(tokens) else ()
         kernels.moe_dispatch(x.shape[0], shards, axes, ep, gate.shape[0] // math.prod(mesh.shape[a] for a in ep),
                              queued=any(a in manual for a in rules.batch_axes()))
         split = width if tokens or kernels.moe_gemm(platform(), x.dtype).impl == "tokamax mosaic_gpu" else ()
         if not tokens and not split:
-            return fn(x, experts, gates, gate, up, down)
+            return fn(x, experts, gates, gate, up, down, adapters)
         rows, t, e = PartitionSpec(tokens or None), (width or None) if split else None, ep or None
 
-        def body(x, experts, gates, gate, up, down):
+        def body(x, experts, gates, gate, up, down, adapters):
             first = 0
             if ep:  # the tokens of every shard over the experts' axes, each device's experts applied to them
                 x, experts, gates = (jax.lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, experts, gates))
                 first = jax.lax.axis_index(ep) * gate.shape[0]
-            out = fn(x, experts, gates, gate, up, down, first)  # [N, D] (the gathered N), partial over its width
+            out = fn(x, experts, gates, gate, up, down, adapters, first)  # [N, D] (the gathered N), partial over its width
             if ep:
                 out = jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True)  # each shard's own tokens
             return jax.lax.psum(out, t) if split else out
 
-        specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None))
+        # the adapters as their weights: gate_up's B [E, r, 2, I] split on I, down's A [E, I, r] on I (its (h A)
+        # partial over the width, summed with the rest by the psum), the other factors whole
+        lora = {"gate_up": (PartitionSpec(e, None, None), PartitionSpec(e, None, None, t)),
+                "down": (PartitionSpec(e, t, None), PartitionSpec(e, None, None))}
+        specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None),
+                 {name: lora[name] for name in (adapters or {})})
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
                              axis_names=set(tokens) | set(width if split else ()), check_vma=False)(
-            x, experts, gates, gate, up, down)
+            x, experts, gates, gate, up, down, adapters or {})
 
     return run
+
+
+class ExpertAdapter(nnx.Module):
+    """A LoRA adapter of one of the experts' weights (models/lora.py; PEFT's ``target_parameters``): each expert's
+    own A [E, in, r] and B [E, r, out...] (stacked: [L, ...]), logical axes those of the weight on their shared
+    dims (r is not split), applied inside the grouped matmuls (``grouped_swiglu``'s ``adapters``); scale
+    alpha / r. A starts uniform in +-1 / sqrt(in) (PEFT's per-expert fan-in), B at 0."""
+
+    def __init__(self, cfg: QwenConfig, experts: str | None, in_dim: tuple[int, str], out_dims, rngs: nnx.Rngs,
+                 layers: int | None):
+        r, E = cfg.lora_rank, cfg.num_experts
+        out_shape, out_axes = zip(*out_dims)
+        param = functools.partial(make_param, rngs, dtype=cfg.param_dtype, layers=layers, kind=nnx.LoRAParam)
+        self.a = param((E, in_dim[0], r), (experts, in_dim[1], None), init="expert_lora_a", lora_factor="a")
+        self.b = param((E, r, *out_shape), (experts, None, *out_axes), init="zeros", lora_factor="b")
+
+
+def expert_adapter(cfg: QwenConfig, parameter: str, experts: str | None, in_dim, out_dims, rngs: nnx.Rngs,
+                   layers: int | None) -> ExpertAdapter | None:
+    """The adapter of the experts' ``parameter`` (config.LORA_EXPERT_PARAMETERS' name) when cfg targets it, else None."""
+    return ExpertAdapter(cfg, experts, in_dim, out_dims, rngs, layers) if parameter in cfg.lora_targets else None
 
 
 class MoE(nnx.Module):
@@ -196,7 +242,9 @@ class MoE(nnx.Module):
 
     Parameters (stacked [L, ...] when built with ``layers=L``): ``router_kernel`` [D, E],
     ``gate_kernel`` / ``up_kernel`` [E, D, I], ``down_kernel`` [E, I, D] (HF's ``mlp.gate.weight`` and
-    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, transposed)."""
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, transposed); with LoRA on the experts (``lora_targets``
+    "mlp.experts.gate_up_proj", "mlp.experts.down_proj"), ``gate_up_lora`` (A [E, D, r], B [E, r, 2, I]: the gate's
+    columns, then the up projection's, as transformers fuses them) and ``down_lora`` (A [E, I, r], B [E, r, D])."""
 
     def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
         D, E, I, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
@@ -207,6 +255,10 @@ class MoE(nnx.Module):
         self.gate_kernel = param((E, D, I), (experts, "embed", "expert_mlp"))
         self.up_kernel = param((E, D, I), (experts, "embed", "expert_mlp"))
         self.down_kernel = param((E, I, D), (experts, "expert_mlp", "embed"))
+        self.gate_up_lora = expert_adapter(cfg, "mlp.experts.gate_up_proj", experts, (D, "embed"),
+                                           ((2, None), (I, "expert_mlp")), rngs, layers)
+        self.down_lora = expert_adapter(cfg, "mlp.experts.down_proj", experts, (I, "expert_mlp"), ((D, "embed"),),
+                                        rngs, layers)
 
     def __call__(self, x: jax.Array, routed: jax.Array | None = None, with_experts: bool = False,
                  balance_mask: jax.Array | None = None):
@@ -222,8 +274,11 @@ class MoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
         replay = None if routed is None else routed.reshape(-1, k)
         weights, experts = route(logits, k, cfg.norm_topk_prob, replay)
-        out = local_dispatch(grouped_swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...],
-                                                                  self.up_kernel[...], self.down_kernel[...])
+        adapters = {name: (adapter.a[...], adapter.b[...]) for name, adapter in
+                    (("gate_up", self.gate_up_lora), ("down", self.down_lora)) if adapter is not None}
+        swiglu = functools.partial(grouped_swiglu, scale=cfg.lora_alpha / cfg.lora_rank) if adapters else grouped_swiglu
+        out = local_dispatch(swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...],
+                                                          self.up_kernel[...], self.down_kernel[...], adapters or None)
         out = out.astype(x.dtype).reshape(*lead, -1)
         if not with_experts and balance_mask is None:
             return out

@@ -18,14 +18,15 @@ class SavedParam(nnx.LoRAParam):
 
 
 def init_value(kind: str, key: jax.Array, shape, dtype) -> jax.Array:
-    """A parameter's initial value: "normal" (std 0.02), "ones", "zeros", or "lora_a": a stacked LoRA A
-    [L, in..., r] uniform in +-1 / sqrt(fan_in), fan_in the product of its input dims (PEFT's default)."""
+    """A parameter's initial value: "normal" (std 0.02), "ones", "zeros", "lora_a": a stacked LoRA A
+    [L, in..., r] uniform in +-1 / sqrt(fan_in), fan_in the product of its input dims (PEFT's default), or
+    "expert_lora_a": the experts' A [..., E, in, r], fan_in each expert's ``in`` (PEFT's ParamWrapper)."""
     if kind == "ones":
         return jnp.ones(shape, dtype)
     if kind == "zeros":
         return jnp.zeros(shape, dtype)
-    if kind == "lora_a":
-        bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))
+    if kind in ("lora_a", "expert_lora_a"):
+        bound = 1.0 / math.sqrt(shape[-2] if kind == "expert_lora_a" else math.prod(shape[1:-1]))
         return jax.random.uniform(key, shape, dtype, -bound, bound)
     return 0.02 * jax.random.normal(key, shape, dtype)
 
@@ -39,5 +40,5 @@ def make_param(rngs: nnx.Rngs, shape, logical_axes, dtype, init="normal", layers
     """
     if layers is not None:
         shape, logical_axes = (layers, *shape), ("layers", *logical_axes)
-    key = rngs.params() if init in ("normal", "lora_a") else None
+    key = rngs.params() if init in ("normal", "lora_a", "expert_lora_a") else None
     return kind(init_value(init, key, shape, dtype), logical_axes=tuple(logical_axes), init_kind=init, **metadata)

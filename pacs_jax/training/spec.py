@@ -27,6 +27,7 @@ from pacs_jax.data.prompts import CHAR_TOKENIZER
 from pacs_jax.data.sources import SOURCES
 from pacs_jax.errors import PermanentError, did_you_mean
 from pacs_jax.evaluation.runner import EvalSettings
+from pacs_jax.models.lora_targets import resolve_parameters as resolve_lora_parameters
 from pacs_jax.models.lora_targets import resolve_targets as resolve_lora_targets
 from pacs_jax.models.config import ATTENTION_IMPLS, PRESETS, REMAT_POLICIES, SUPPORTED_MODEL_TYPES, saved_kinds
 from pacs_jax.models.moe import ROUTER_REPLAY_MODES
@@ -513,6 +514,7 @@ class ModelSpec:
     lora_rank: int
     lora_alpha: float
     target_modules: str | tuple[str, ...]
+    target_parameters: str | tuple[str, ...]
     modules_to_save: tuple[str, ...]
 
     def __post_init__(self):
@@ -564,13 +566,18 @@ class ModelSpec:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """The modules LoRA adapts (models/lora.py ``resolve_targets`` of ``target_modules``); () without LoRA."""
+        """The modules LoRA adapts (models/lora_targets.py ``resolve_targets`` of ``target_modules``), then the
+        experts' parameters (``resolve_parameters`` of ``target_parameters``); () without LoRA."""
         if not self.lora_rank:
             return ()
         try:
-            return resolve_lora_targets(self.target_modules)
+            modules = resolve_lora_targets(self.target_modules)
         except ValueError as e:
             raise ConfigError(f"config.model.target_modules: {e}") from None
+        try:
+            return modules + resolve_lora_parameters(self.target_parameters)
+        except ValueError as e:
+            raise ConfigError(f"config.model.target_parameters: {e}") from None
 
     def check_source(self) -> None:
         """A preset trains from random weights only with ``random_init``: else ``model.path`` is missing

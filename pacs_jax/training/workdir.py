@@ -167,6 +167,7 @@ def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | 
     # LoRA: the checkpoints hold adapters of the recorded rank and targets (or every weight without them)
     for field, new in (("lora_rank", spec.model.lora_rank), ("lora_alpha", spec.model.lora_alpha),
                        ("target_modules", spec.model.target_modules),
+                       ("target_parameters", spec.model.target_parameters),
                        ("modules_to_save", spec.model.modules_to_save)):
         old = _recorded(workdir / CONFIG_FILE, "model", field)
         if field != "lora_rank" and not (spec.model.lora_rank and old_lora_rank):
