@@ -70,6 +70,6 @@ def test_a_non_integer_rank_is_refused_by_the_cli_before_its_workdir_exists(tmp_
 
 def test_lora_off_by_default_leaves_the_model_as_it_was():
     spec = RunSpec.unplaced(load_config("default.py"))
-    assert spec.model.lora_rank == 0 and lora_options(spec) == {} and not spec.algorithm.use_kl_loss
     cfg = model_config(spec, vocab_size=100)
+    assert spec.model.lora_rank == 0 and lora_options(spec, cfg) == {} and not spec.algorithm.use_kl_loss
     assert (cfg.lora_rank, cfg.lora_targets) == (0, ())

@@ -13,10 +13,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import torch
 import transformers
 from flax import nnx
+from safetensors.numpy import load_file
 
 from pacs_jax import checkpoints, sampling
 from pacs_jax.models.config import PRESETS, QwenConfig
@@ -196,17 +198,34 @@ def test_on_a_2x2x2_mesh_the_experts_are_split_and_logits_and_gradients_equal_on
         np.testing.assert_allclose(grads8[name], grad, rtol=1e-4, atol=1e-5 * np.abs(grad).max(), err_msg=name)
 
 
-def test_lora_on_a_mixture_of_experts_preset_is_refused_before_anything_is_written(tmp_path):
-    """all-linear (the default target_modules) reaches the experts, not served yet: one line naming
-    config.model and what is served, status 78, no workdir."""
-    from pacs_jax.errors import PERMANENT_ERROR_STATUS
-
-    flags = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4",
-             "--config.model.num_experts_per_tok=2", "--config.model.moe_intermediate_size=64",
-             "--config.model.lora_rank=8")
-    run = subprocess.run([sys.executable, "-m", "pacs_jax.train", *flags, f"--workdir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, timeout=300, env=train_env())
-    assert run.returncode == PERMANENT_ERROR_STATUS and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stderr.strip().startswith("pacs_jax.train: error: config.model: lora_targets=") \
-        and "target_modules 'self_attn'" in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
-    assert not (tmp_path / "run").exists()
+def test_rl_on_adapters_of_the_attention_and_the_experts_through_the_cli(tmp_path):
+    """LoRA on a mixture-of-experts model as verl's config asks for it: target_modules all-linear (PEFT's: the
+    attention's four Linear) and target_parameters the experts' two, the KL to the base (the adapters off) on,
+    routing replayed (R3). The KL starts at 0; the checkpoint holds the adapters alone; the experts' adapters train;
+    the PEFT folder names the experts' parameters; transformers reads the merged export."""
+    workdir = tmp_path / "run"
+    flags = (*RL_ONLY_FLAGS, "--config.train.steps=2", "--config.model.model_type=qwen3_moe",
+             "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
+             "--config.model.moe_intermediate_size=64", "--config.train.router_replay=R3",
+             "--config.model.lora_rank=4", "--config.model.lora_alpha=8", "--config.optim.lr=3e-3",
+             "--config.model.target_parameters=gate_up_proj,down_proj", "--config.algorithm.use_kl_loss=True",
+             "--config.algorithm.kl_loss_coef=0.01", "--config.train.mini_batches=1")
+    process = start_train(workdir, *flags, env=train_env(compile_cache_dir()), log_name="lora")
+    assert finish(process) == 0, logs(tmp_path / "run", "lora")[-3000:]
+    rows = metrics_rows(workdir)
+    assert [row["step"] for row in rows] == [1, 2] and abs(rows[0]["actor/kl_loss"]) < 1e-6
+    assert all(row["routing_mismatch_tokens"] == 0 for row in rows)
+    names = list(getattr(ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / "2" / "params"),
+                         "item_metadata"))
+    assert sorted(names) == sorted(f"layers.{sub}.{m}_lora.{f}" for sub, ms in
+                                   (("attn", "qkvo"), ("mlp", ("gate_up", "down"))) for m in ms for f in "ab")
+    config = json.loads((workdir / "peft_adapter" / "adapter_config.json").read_text())
+    assert (config["target_modules"], config["target_parameters"]) == (
+        ["q_proj", "k_proj", "v_proj", "o_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    tensors = load_file(workdir / "peft_adapter" / "adapter_model.safetensors")
+    # down_proj's B [D, r E] (from 0) and gate_up_proj's A [E r, D], PEFT's layouts for 4 experts at rank 4
+    trained = tensors["base_model.model.model.layers.0.mlp.experts.lora_B.weight"]
+    assert trained.shape[1] == 16 and np.abs(trained).max() > 0
+    assert tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape[0] == 16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(workdir / "hf_export", dtype=torch.float32)
+    assert hf.config.num_experts == 4

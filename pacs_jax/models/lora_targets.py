@@ -16,6 +16,8 @@ from pacs_jax.models.config import LORA_EXPERT_PARAMETERS, LORA_MODULES
 
 ALL_LINEAR = "all-linear"
 
+# a dense decoder layer's MLP (a mixture-of-experts layer has none: its experts are parameters, transformers')
+DENSE_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # PEFT's module name -> its parent in a Qwen decoder layer (model.layers.{i}.<parent>.<name>)
 PEFT_PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

@@ -1,7 +1,7 @@
 """The model a run's spec asks for, read from the spec alone (nothing loaded, no devices).
 
     run_options(spec)            the QwenConfig fields of how to run it (dtypes, remat, attention)
-    lora_options(spec)           the QwenConfig fields of its LoRA adapters (none without)
+    lora_options(spec, base)     the QwenConfig fields of its LoRA adapters on the model ``base`` (none without)
     model_config(spec)           the QwenConfig a run trains: model.path's config, a preset, or the fields,
                                  with its adapters
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 from pacs_jax.data import paths
+from pacs_jax.models.lora_targets import ALL_LINEAR, DENSE_MLP_MODULES
 from pacs_jax.training.spec import RunSpec
 
 QWEN_VOCAB = 151936  # the vocabulary assumed when config.model.vocab_size is 0 (taken from the tokenizer)
@@ -29,13 +30,19 @@ def run_options(spec: RunSpec, **overrides) -> dict:
     return run
 
 
-def lora_options(spec: RunSpec) -> dict:
-    """The QwenConfig fields of the run's LoRA adapters (models/lora.py; empty with model.lora_rank 0): a run
-    builds or loads the base model with ``run_options`` and attaches them."""
+def lora_options(spec: RunSpec, base) -> dict:
+    """The QwenConfig fields of the run's LoRA adapters on the model ``base`` (a QwenConfig; models/lora.py; empty
+    with model.lora_rank 0): a run builds or loads the base model with ``run_options`` and attaches them.
+    ``target_modules`` "all-linear" is PEFT's: every Linear of the decoder, which on a model whose every layer holds
+    experts is the attention's four (transformers holds the experts as parameters; ``target_parameters`` adapts
+    them)."""
     m = spec.model
     if not m.lora_rank:
         return {}
-    return dict(lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha), lora_targets=m.lora_targets,
+    targets = m.lora_targets
+    if m.target_modules == ALL_LINEAR and base.num_experts and len(base.layer_runs()) == 1:
+        targets = tuple(t for t in targets if t not in DENSE_MLP_MODULES)
+    return dict(lora_rank=m.lora_rank, lora_alpha=float(m.lora_alpha), lora_targets=targets,
                 lora_saved=m.modules_to_save)
 
 
@@ -48,10 +55,16 @@ def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
     model.preset; else the architecture fields of spec.model (vocab_size 0, "the tokenizer's",
     becomes ``vocab_size`` or a Qwen vocabulary). ``overrides``: QwenConfig fields to replace.
     """
+    base = _base_config(spec, vocab_size, overrides)
+    return base.replace(**lora_options(spec, base)) if base is not None else None
+
+
+def _base_config(spec: RunSpec, vocab_size: int | None, overrides: dict):
+    """``model_config`` without the run's adapters."""
     from pacs_jax import models
 
     m = spec.model
-    run = run_options(spec, **{**lora_options(spec), **overrides})
+    run = run_options(spec, **overrides)
     if m.path:
         folder = paths.path(m.path)
         try:

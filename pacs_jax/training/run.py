@@ -126,7 +126,7 @@ def build_model(spec: RunSpec, tokenizer) -> models.Qwen:
 
 def with_adapters(spec: RunSpec, base: models.Qwen) -> models.Qwen:
     """``base`` with the run's fresh LoRA adapters (drawn from the seed, B = 0), or ``base`` itself without LoRA."""
-    adapters = lora_options(spec)
+    adapters = lora_options(spec, base.cfg)
     if not adapters:
         return base
     return lora.attach(base, rank=adapters["lora_rank"], alpha=adapters["lora_alpha"],
