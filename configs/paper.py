@@ -10,6 +10,7 @@ MODEL: qwen25_3b | qwen25_7b | qwen3_4b | qwen3_8b   (sized for a TPU v5p-64 sli
        qwen25_7b_lora                               (Qwen2.5-7B with LoRA rank 32 on every linear layer, lr 1e-5,
                                                      sized for a TPU v5p-16 slice: 8 chips of 95 GiB)
        qwen3_30b_a3b                                (Qwen3-30B-A3B, the mixture of experts, sized for a v5p-64)
+       qwen3_30b_a3b_lora                           (the same with LoRA rank 32 on its attention and its experts)
 ALGO:  pacs_beta1 | pacs_beta1_noweight | grpo | ppo              (the rows of the tables: PACS, PACS w/o weight,
                                                                  GRPO, PPO)
        pacs_beta0p1 | pacs_beta0p5 | pacs_beta2 | pacs_beta10     (ablation, beta: v2 section 5.1, Figure 4)
@@ -95,6 +96,12 @@ MODELS = {
     # the decode layout's 14.2 GiB of bfloat16 weights) would peak at 98.5 GiB.
     "qwen3_30b_a3b": dict(preset="Qwen3-30B-A3B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
                           rollout_micro_batches=1, slots=2048, remat=_DOTS),
+    # Qwen3-30B-A3B with LoRA rank 32, alpha 64 on its attention (all-linear: PEFT's, the experts are no Linear)
+    # and on every expert's weights (PEFT's target_parameters, as verl's model.target_parameters passes them)
+    "qwen3_30b_a3b_lora": dict(preset="Qwen3-30B-A3B", mesh=(-1, 8, 4), micro_batches=32, logprob_micro_batches=64,
+                               rollout_micro_batches=1, slots=2048, remat=_DOTS,
+                               lora=dict(rank=32, alpha=64.0, target_parameters=("mlp.experts.gate_up_proj",
+                                                                                 "mlp.experts.down_proj"))),
 }
 LORA_LR_SCALE = 10  # a LoRA MODEL's optim.lr: this many times the paper's
 
@@ -192,6 +199,7 @@ def get_config(arg: str = "qwen25_7b,pacs_beta1") -> ml_collections.ConfigDict:
     c.optim.lr = 1e-6
     if "lora" in spec:
         c.model.lora_rank, c.model.lora_alpha = spec["lora"]["rank"], spec["lora"]["alpha"]
+        c.model.target_parameters = spec["lora"].get("target_parameters", ())
         c.optim.lr *= LORA_LR_SCALE
     c.optim.schedule = "constant"
     c.train.steps = 300

@@ -139,7 +139,8 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
     matmuls are tokamax's Mosaic GPU kernel (a custom call; no dense [G, M, N] temporary: a tenth of float32's
     bytes or less), forward and backward, with the experts' width still split (their gradients 192 of 384 a
     device); float32 takes XLA's ragged_dot and says why. Qwen3-30B-A3B's block compiles too, 2 x 4 devices, its
-    experts split over fsdp 2 (64 of 128 a device: expert parallelism, the kernel's rows past its groups dropped)."""
+    experts split over fsdp 2 (64 of 128 a device: expert parallelism, the kernel's rows past its groups dropped),
+    and with LoRA on its experts (their adapters' grouped products on the same kernel)."""
     from gpu_compiler import REPO, gpu_python
 
     result = subprocess.run([str(gpu_python()), "tests/gpu/moe_gemm.py"], cwd=REPO, capture_output=True, text=True,
@@ -155,6 +156,12 @@ def test_on_an_h200_a_bfloat16_block_runs_tokamaxs_grouped_kernel_its_width_spli
     assert "mosaic_gpu_v2" in paper["custom_calls"]
     assert paper["expert_grads"] == ["f32[64,192,2048]", "f32[64,2048,192]"]
     assert any(c.startswith("moe dispatch: per batch shard, experts over fsdp (64 a device") for c in paper["choices"])
+    # with LoRA rank 32 on its experts: each adapter's two grouped products on tokamax's kernel too (4 more forward,
+    # 8 more backward), each device's 64 experts' A and B beside their weights, B's width split as theirs
+    lora = out["qwen3_30b_a3b_lora"]
+    assert lora["kernel_calls"] == paper["kernel_calls"] + 12 and lora["custom_calls"] == ["mosaic_gpu_v2"]
+    assert lora["expert_grads"] == sorted(paper["expert_grads"] + ["f32[64,2048,32]", "f32[64,32,2,192]",
+                                                                   "f32[64,192,32]", "f32[64,32,2048]"])
     assert "libtpu" not in result.stderr and "TPU_WORKER" not in result.stderr  # tokamax's import held quiet
     assert "Autotuning cache miss" not in result.stderr  # nor its page of warnings a program
 
