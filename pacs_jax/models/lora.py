@@ -44,7 +44,7 @@ _PLACES = {"q_proj": ("attn", "q_lora"), "k_proj": ("attn", "k_lora"), "v_proj":
            "o_proj": ("attn", "o_lora"), "gate_proj": ("mlp", "gate_lora"), "up_proj": ("mlp", "up_lora"),
            "down_proj": ("mlp", "down_lora"), "mlp.experts.gate_up_proj": ("mlp", "gate_up_lora"),
            "mlp.experts.down_proj": ("mlp", "down_lora")}
-# the kernels an adapter adds to, by the index of its B's out dims ([2, I] for the experts' fused gate and up)
+# the kernels an adapter adds to, by the index of its B's last dim ([I, 2] for the experts' fused gate and up)
 _KERNELS = {"q_proj": ("q_kernel",), "k_proj": ("k_kernel",), "v_proj": ("v_kernel",), "o_proj": ("o_kernel",),
             "gate_proj": ("gate_kernel",), "up_proj": ("up_kernel",), "down_proj": ("down_kernel",),
             "mlp.experts.gate_up_proj": ("gate_kernel", "up_kernel"), "mlp.experts.down_proj": ("down_kernel",)}
@@ -142,7 +142,7 @@ def merge(model: Qwen) -> Qwen:
         added = delta(a, b, scale, experts=name in LORA_EXPERT_PARAMETERS)
         for i, attr in enumerate(_KERNELS[name]):
             w = getattr(getattr(model.layers, sub), attr)[...]
-            part = added[..., i, :] if len(_KERNELS[name]) > 1 else added
+            part = added[..., i] if len(_KERNELS[name]) > 1 else added
             merged[sub, attr] = (w.astype(jnp.float32) + part).astype(w.dtype)
     return base(model, merged)
 
@@ -168,7 +168,7 @@ def peft_tensors(model: Qwen) -> Iterator[tuple[str, np.ndarray]]:
 
 def _peft_expert_tensors(name: str, a: np.ndarray, b: np.ndarray, targets) -> Iterator[tuple[str, np.ndarray]]:
     """(PEFT tensor name, array) of the experts' adapter on ``name`` (a LORA_EXPERT_PARAMETERS entry), A
-    [L, E, in, r] and B [L, E, r, out...], as PEFT's ParamWrapper holds it: ``lora_A.weight`` [E r, in] (expert e's
+    [L, E, in, r] and B [L, E, r, out...] (gate_up's [L, E, r, I, 2]), as PEFT's ParamWrapper holds it: ``lora_A.weight`` [E r, in] (expert e's
     A^T in rows e r .. e r + r - 1) and ``lora_B.weight`` [out, r E] (rank-major: column j E + e is expert e's j-th
     column of B^T), out the HF parameter's (gate_up_proj: the gate's I then the up projection's I). PEFT wraps the
     experts module once a targeted parameter, gate_up_proj innermost: with both targeted, gate_up_proj's tensors
@@ -178,7 +178,8 @@ def _peft_expert_tensors(name: str, a: np.ndarray, b: np.ndarray, targets) -> It
     for layer in range(L):
         prefix = f"base_model.model.model.layers.{layer}.mlp.experts" + (".base_layer" if nested else "")
         yield f"{prefix}.lora_A.weight", np.ascontiguousarray(a[layer].transpose(0, 2, 1).reshape(E * r, -1))
-        yield f"{prefix}.lora_B.weight", np.ascontiguousarray(b[layer].reshape(E, r, -1).transpose(2, 1, 0)
+        out = b[layer] if b.ndim == 4 else b[layer].swapaxes(-1, -2)  # gate_up's [E, r, I, 2] as HF's [gate; up]
+        yield f"{prefix}.lora_B.weight", np.ascontiguousarray(out.reshape(E, r, -1).transpose(2, 1, 0)
                                                               .reshape(-1, r * E))
 
 

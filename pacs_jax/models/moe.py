@@ -98,7 +98,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
     sum_j gates[n, j] down(silu(gate x[n]) * up x[n]) of expert experts[n, j] over the slots (n, j) whose expert
     is held here (the others add 0: another device holds theirs, ``local_dispatch``).
 
-    ``adapters``: the experts' LoRA (``ExpertAdapters.arrays``), {"gate_up": (A [E_h, D, r], B [E_h, r, 2, I]),
+    ``adapters``: the experts' LoRA (``ExpertAdapter``'s), {"gate_up": (A [E_h, D, r], B [E_h, r, I, 2]),
     "down": (A [E_h, I, r], B [E_h, r, D])}, either or both: a projection's output gains ``scale`` (h A) B of the
     row's expert, two more grouped matmuls each (PEFT's ParamWrapper computes h (W + scale A B), the same sum).
 
@@ -140,8 +140,8 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
     g = dot(rows, gate.astype(x.dtype))
     u = dot(rows, up.astype(x.dtype))
     if "gate_up" in adapters:  # added in float32 before the rounding
-        lora = low_rank(rows, "gate_up")                            # [M, 2, I]
-        g, u = g.astype(jnp.float32) + lora[:, 0], u.astype(jnp.float32) + lora[:, 1]
+        lora = low_rank(rows, "gate_up")                            # [M, I, 2]
+        g, u = g.astype(jnp.float32) + lora[..., 0], u.astype(jnp.float32) + lora[..., 1]
     g, u = g.astype(x.dtype), u.astype(x.dtype)
     # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
     h = owned((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype))
@@ -203,9 +203,9 @@ def local_dispatch(fn, expert_parallel: bool = False):
                 out = jax.lax.psum_scatter(out, ep, scatter_dimension=0, tiled=True)  # each shard's own tokens
             return jax.lax.psum(out, t) if split else out
 
-        # the adapters as their weights: gate_up's B [E, r, 2, I] split on I, down's A [E, I, r] on I (its (h A)
+        # the adapters as their weights: gate_up's B [E, r, I, 2] split on I, down's A [E, I, r] on I (its (h A)
         # partial over the width, summed with the rest by the psum), the other factors whole
-        lora = {"gate_up": (PartitionSpec(e, None, None), PartitionSpec(e, None, None, t)),
+        lora = {"gate_up": (PartitionSpec(e, None, None), PartitionSpec(e, None, t, None)),
                 "down": (PartitionSpec(e, t, None), PartitionSpec(e, None, None))}
         specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None),
                  {name: lora[name] for name in (adapters or {})})
@@ -243,8 +243,10 @@ class MoE(nnx.Module):
     Parameters (stacked [L, ...] when built with ``layers=L``): ``router_kernel`` [D, E],
     ``gate_kernel`` / ``up_kernel`` [E, D, I], ``down_kernel`` [E, I, D] (HF's ``mlp.gate.weight`` and
     ``mlp.experts.{e}.{gate,up,down}_proj.weight``, transposed); with LoRA on the experts (``lora_targets``
-    "mlp.experts.gate_up_proj", "mlp.experts.down_proj"), ``gate_up_lora`` (A [E, D, r], B [E, r, 2, I]: the gate's
-    columns, then the up projection's, as transformers fuses them) and ``down_lora`` (A [E, I, r], B [E, r, D])."""
+    "mlp.experts.gate_up_proj", "mlp.experts.down_proj"), ``gate_up_lora`` (A [E, D, r], B [E, r, I, 2]: column i of
+    the gate's and of the up projection's side by side, so that B's [I, 2] flattens with I split over "tensor" as
+    the weights' and the decode layout's GSPMD program gathers none of it; transformers fuses them [gate; up]) and
+    ``down_lora`` (A [E, I, r], B [E, r, D])."""
 
     def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs, layers: int | None = None):
         D, E, I, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
@@ -256,7 +258,7 @@ class MoE(nnx.Module):
         self.up_kernel = param((E, D, I), (experts, "embed", "expert_mlp"))
         self.down_kernel = param((E, I, D), (experts, "expert_mlp", "embed"))
         self.gate_up_lora = expert_adapter(cfg, "mlp.experts.gate_up_proj", experts, (D, "embed"),
-                                           ((2, None), (I, "expert_mlp")), rngs, layers)
+                                           ((I, "expert_mlp"), (2, None)), rngs, layers)
         self.down_lora = expert_adapter(cfg, "mlp.experts.down_proj", experts, (I, "expert_mlp"), ((D, "embed"),),
                                         rngs, layers)
 
