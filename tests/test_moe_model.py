@@ -229,3 +229,8 @@ def test_rl_on_adapters_of_the_attention_and_the_experts_through_the_cli(tmp_pat
     assert tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape[0] == 16
     hf = transformers.AutoModelForCausalLM.from_pretrained(workdir / "hf_export", dtype=torch.float32)
     assert hf.config.num_experts == 4
+    # the line a PEFT user knows from print_trainable_parameters, counted against the checkpoint's arrays
+    meta = ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / "2" / "params")
+    stored = sum(math.prod(x.shape) for x in jax.tree.leaves(meta.item_metadata, is_leaf=lambda x: hasattr(x, "shape")))
+    assert (f"LoRA rank 4 (alpha 8) on q_proj, k_proj, v_proj, o_proj, mlp.experts.gate_up_proj, "
+            f"mlp.experts.down_proj: trainable params {stored:,} of all params ") in logs(workdir, "lora")

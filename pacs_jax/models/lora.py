@@ -7,6 +7,7 @@
     merged = merge(model)                               # a Qwen without adapters: W + alpha / r * A @ B
     plain = base(model)                                 # a Qwen without adapters: W (the same arrays)
     tensors = peft_tensors(model)                       # {PEFT name: array}: adapter_model.safetensors
+    print(summary(model))                               # "LoRA rank 32 (alpha 64) on ...: trainable params ..."
 
 A target module's kernel W [in..., out...] (models/qwen.py: q/k/v [D, N, Dh], o [H, Dh, D], gate/up
 [D, F], down [F, D]) gets A [in..., r] and B [r, out...], stacked over layers like W ([L, ...]) and
@@ -80,6 +81,20 @@ def attach(model: Qwen, *, rank: int, alpha: float, targets: Sequence[str], modu
     kinds = dict(nnx.to_flat_state(abstract))
     retyped = [(path, type(kinds[path])(var.get_value(), **var.get_metadata())) for path, var in base_state]
     return nnx.merge(graphdef, nnx.from_flat_state(retyped), nnx.from_flat_state(drawn))
+
+
+def summary(model: Qwen) -> str:
+    """One line of a model's adapters, as a PEFT user reads ``print_trainable_parameters``: "LoRA rank 4 (alpha
+    8) on q_proj, ..., mlp.experts.down_proj: trainable params 10,752 of all params 169,664 (6.34 %); the rest
+    frozen", the modules trained whole named and counted among the trainable."""
+    trained, frozen = split(nnx.state(model))
+    count = lambda state: sum(x.size for x in jax.tree.leaves(state))  # noqa: E731
+    trainable, everything = count(trained), count(trained) + count(frozen)
+    cfg = model.cfg
+    whole = f" and {', '.join(cfg.lora_saved)} trained whole" if cfg.lora_saved else ""
+    return (f"LoRA rank {cfg.lora_rank} (alpha {cfg.lora_alpha:g}) on {', '.join(cfg.lora_targets)}{whole}: "
+            f"trainable params {trainable:,} of all params {everything:,} ({100 * trainable / everything:.2f} %); "
+            f"the rest frozen")
 
 
 def switched_off(params: nnx.State, originals: nnx.State | None = None) -> nnx.State:

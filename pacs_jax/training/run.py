@@ -228,6 +228,8 @@ def _run(recorded: ml_collections.ConfigDict, spec: RunSpec, workdir: epath.Path
             print(f"skipped (data.allow_skips): {message}", flush=True)
         if not latest:  # a resume's with its session's record (rl_train's on_start)
             _record_skipped_rows(counts["skipped_rows"], workdir, say)
+        if model.cfg.lora_rank:
+            print(lora.summary(model), flush=True)
         options = options_line(spec, spec.devices or jax.device_count())
         if options is not None:
             print(options, flush=True)
