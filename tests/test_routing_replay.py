@@ -337,6 +337,55 @@ def test_without_replaying_the_samplers_record_pi_old_routes_as_its_routers_choo
     assert (batch.routing is None) == (mode == "disabled")
 
 
+@pytest.mark.parametrize("mode, adapters", [("R3", True), ("R3", False), ("R2", True)])
+def test_the_kl_references_pass_replays_the_samplers_experts_as_pi_old_does(mode, adapters, monkeypatch):
+    """With the KL loss on, its reference log-probs are pi_old's program again (LoRA's reference: the adapters off;
+    full fine-tuning's: the frozen copy RL started from). Under R3 that pass runs on the sampler's record as pi_old
+    does (the KL then measures the weights' change, not a routing the policy's passes never took; verl 0.9.1's
+    ``ref_in_actor`` replays too), and on R2 or without replay it routes as its routers choose: the passes' records,
+    spied, and the first step's KL, which is 0 where both routes agree (B = 0, or the copy itself)."""
+    from pacs_jax.models import lora
+
+    mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16)
+    config = load_config("default.py")
+    config.rollout.update(n=N_SAMPLES, max_new_tokens=R, temperature=1.0)
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.update(prompts_per_step=4, logprob_micro_batches=1, packing=False, router_replay=mode)
+    config.algorithm.update(use_kl_loss=True, kl_loss_coef=0.01)
+    if adapters:
+        config.model.update(lora_rank=2, lora_alpha=4.0, target_parameters="gate_up_proj,down_proj")
+    rs = np.random.RandomState(1)
+    prompts = PromptBatch([list(rs.randint(2, 96, size=rs.randint(3, 16))) for _ in range(4)], ["7"] * 4, ["b"] * 4)
+    replays = []
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        if adapters:
+            model = lora.attach(model, rank=2, alpha=4.0, targets=("q_proj", "mlp.experts.gate_up_proj",
+                                                                 "mlp.experts.down_proj"))
+        graphdef, params = nnx.split(model)
+        spec = RunSpec.unplaced(config)
+        programs = StepPrograms(spec, graphdef, params, (1,))
+        passes = type(programs.learner.pi_old)
+        calls = passes.__call__
+
+        def spy(self, *args, replay=None, **kwargs):
+            replays.append(replay)
+            return calls(self, *args, replay=replay, **kwargs)
+
+        monkeypatch.setattr(passes, "__call__", spy)
+        collector = RolloutCollector.from_spec(spec, programs, decode=parity_answer, reward_pool=pool)
+        if not adapters:
+            collector.batcher.hold_reference(params)
+        rollout = collector(params, lambda: prompts, jax.random.key(3))
+        batch = jax.tree.map(np.asarray, rollout.batch)
+    assert len(replays) == 2  # pi_old, then the reference
+    if mode == "R3":
+        assert replays[0] is not None and replays[1] is replays[0]
+    else:
+        assert replays == [None, None]
+    np.testing.assert_array_equal(batch.ref_logp * batch.response_mask, batch.old_logp * batch.response_mask)
+
+
 MOE_FLAGS = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4",
              "--config.model.num_experts_per_tok=2", "--config.model.moe_intermediate_size=64")
 

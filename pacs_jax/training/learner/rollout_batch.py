@@ -109,9 +109,13 @@ class RolloutBatcher:
         trains whole, or None when it trains none)."""
         self.reference = reference
 
-    def _reference_logprobs(self, state: nnx.State, args: list, **packed) -> jax.Array:
+    def _reference_logprobs(self, state: nnx.State, args: list, replay: jax.Array | None, **packed) -> jax.Array:
         """The KL loss's reference log-probs of the rows [B, R]: pi_old's program (``packed``: its packing plan
-        and passes) on the reference's weights."""
+        and passes) on the reference's weights. Under R3 it runs on the sampler's routing record ``replay`` as
+        pi_old and the update do, so that the KL measures the weights' change, not a routing the policy's passes
+        never took, and pi_old's compiled program serves it. verl 0.9.1 does so with LoRA (its reference in the
+        actor, ``ref_in_actor``, is ``compute_log_prob``, which replays); its reference worker of a full
+        fine-tuning run does not (``compute_ref_log_prob``: routing replay off), ours does (docs/design.md 4.8)."""
         learner = self.learner
         if learner.trainable.adapters_only:
             reference = lora.switched_off(state, self.reference)
@@ -119,7 +123,7 @@ class RolloutBatcher:
             raise ValueError("algorithm.use_kl_loss without LoRA: the run holds no reference (hold_reference)")
         else:
             reference = self.reference
-        batch, _ = learner.pi_old(reference, *args, **packed)
+        batch, _ = learner.pi_old(reference, *args, replay=replay, **packed)
         return batch.old_logp
 
     def _put(self, x: np.ndarray) -> jax.Array:
@@ -150,7 +154,7 @@ class RolloutBatcher:
             if not bypass:
                 batch, entropy = learner.pi_old(state, *args, replay=replay)
             if learner.kl_loss is not None:
-                batch = batch.replace(ref_logp=self._reference_logprobs(state, args))
+                batch = batch.replace(ref_logp=self._reference_logprobs(state, args, replay))
             passes += reference_pass
             return batch, entropy, None, packing_metrics(passes * real, passes * B * W)
         plans = learner.packing_plans(sampled.prompt_lengths, sampled.lengths)
@@ -159,7 +163,7 @@ class RolloutBatcher:
         if not bypass:
             batch, entropy = learner.pi_old(state, *args, on_device.logprob, passes=logprob_passes, replay=replay)
         if learner.kl_loss is not None:
-            batch = batch.replace(ref_logp=self._reference_logprobs(state, args, packing=on_device.logprob,
+            batch = batch.replace(ref_logp=self._reference_logprobs(state, args, replay, packing=on_device.logprob,
                                                                     passes=logprob_passes))
         batch = batch.replace(packing=on_device.update)
         computed = plans.logprob.tokens_computed * ((passes - bypass) // 2 + reference_pass) + plans.update.tokens_computed
