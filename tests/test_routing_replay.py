@@ -298,52 +298,10 @@ def test_dynamic_sampling_carries_each_kept_rows_record_to_the_update():
     np.testing.assert_array_equal(np.sort(batch.routing, -1)[fed], np.sort(own, -1)[fed])
 
 
-@pytest.mark.parametrize("mode", ["disabled", "R2"])
-def test_without_replaying_the_samplers_record_pi_old_routes_as_its_routers_choose(mode, monkeypatch):
-    """``train.router_replay`` disabled (the sampler's record only measured) or R2 (the update replays pi_old's own
-    choice): the sampler's record is measured against pi_old's routers, and pi_old's passes get no record to run on,
-    their log-probs are the model's own routing's; the update batch holds pi_old's record (R2) or none (disabled). (A stop-74 bug ran pi_old on the sampler's record in the
-    disabled mode, R3's pi_old, in a program the warm-up had not compiled.)"""
-    mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                                     moe_intermediate_size=16)
-    config = load_config("default.py")
-    config.rollout.update(n=N_SAMPLES, max_new_tokens=R, temperature=1.0)
-    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
-    config.train.update(prompts_per_step=4, logprob_micro_batches=1, packing=False, router_replay=mode)
-    rs = np.random.RandomState(1)
-    prompts = PromptBatch([list(rs.randint(2, 96, size=rs.randint(3, 16))) for _ in range(4)], ["7"] * 4, ["b"] * 4)
-    replays = []
-    with jax.set_mesh(mesh), RewardPool(1) as pool:
-        graphdef, params = nnx.split(model)
-        spec = RunSpec.unplaced(config)
-        programs = StepPrograms(spec, graphdef, params, (1,))
-        passes = type(programs.learner.pi_old)
-        calls = passes.__call__
-
-        def spy(self, *args, replay=None, **kwargs):
-            replays.append(replay)
-            return calls(self, *args, replay=replay, **kwargs)
-
-        monkeypatch.setattr(passes, "__call__", spy)
-        collector = RolloutCollector.from_spec(spec, programs, decode=parity_answer, reward_pool=pool)
-        rollout = collector(params, lambda: prompts, jax.random.key(3))
-        batch = jax.tree.map(np.asarray, rollout.batch)
-        want = np.asarray(rl.logprobs_of_pass(model, batch.input_ids, batch.attention_mask, R,
-                                              np.zeros(batch.response_mask.shape, np.float32), 0))
-    assert replays == [None]  # one pass, on no record
-    assert "routing_mismatch_tokens" in rollout.metrics  # the sampler's record measured, not replayed
-    np.testing.assert_allclose(batch.old_logp * batch.response_mask, want * batch.response_mask, rtol=1e-5,
-                               atol=1e-6)
-    assert (batch.routing is None) == (mode == "disabled")
-
-
-@pytest.mark.parametrize("mode, adapters", [("R3", True), ("R3", False), ("R2", True)])
-def test_the_kl_references_pass_replays_the_samplers_experts_as_pi_old_does(mode, adapters, monkeypatch):
-    """With the KL loss on, its reference log-probs are pi_old's program again (LoRA's reference: the adapters off;
-    full fine-tuning's: the frozen copy RL started from). Under R3 that pass runs on the sampler's record as pi_old
-    does (the KL then measures the weights' change, not a routing the policy's passes never took; verl 0.9.1's
-    ``ref_in_actor`` replays too), and on R2 or without replay it routes as its routers choose: the passes' records,
-    spied, and the first step's KL, which is 0 where both routes agree (B = 0, or the copy itself)."""
+def _spied_rollout(mode: str, monkeypatch, *, kl: bool = False, adapters: bool = False):
+    """One step's rollout of a tiny mixture of experts on the 2x2x2 mesh with ``train.router_replay`` ``mode`` (the KL
+    loss on with ``kl``; LoRA on its q_proj and experts with ``adapters``, else a frozen reference copy for the KL),
+    pi_old's passes spied: (model, rollout, its batch on the host, the record each pass got to run on)."""
     from pacs_jax.models import lora
 
     mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
@@ -352,7 +310,7 @@ def test_the_kl_references_pass_replays_the_samplers_experts_as_pi_old_does(mode
     config.rollout.update(n=N_SAMPLES, max_new_tokens=R, temperature=1.0)
     config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
     config.train.update(prompts_per_step=4, logprob_micro_batches=1, packing=False, router_replay=mode)
-    config.algorithm.update(use_kl_loss=True, kl_loss_coef=0.01)
+    config.algorithm.update(use_kl_loss=kl, kl_loss_coef=0.01)
     if adapters:
         config.model.update(lora_rank=2, lora_alpha=4.0, target_parameters="gate_up_proj,down_proj")
     rs = np.random.RandomState(1)
@@ -374,10 +332,37 @@ def test_the_kl_references_pass_replays_the_samplers_experts_as_pi_old_does(mode
 
         monkeypatch.setattr(passes, "__call__", spy)
         collector = RolloutCollector.from_spec(spec, programs, decode=parity_answer, reward_pool=pool)
-        if not adapters:
+        if kl and not adapters:
             collector.batcher.hold_reference(params)
         rollout = collector(params, lambda: prompts, jax.random.key(3))
         batch = jax.tree.map(np.asarray, rollout.batch)
+    return model, rollout, batch, replays
+
+
+@pytest.mark.parametrize("mode", ["disabled", "R2"])
+def test_without_replaying_the_samplers_record_pi_old_routes_as_its_routers_choose(mode, monkeypatch):
+    """``train.router_replay`` disabled (the sampler's record only measured) or R2 (the update replays pi_old's own
+    choice): the sampler's record is measured against pi_old's routers, and pi_old's passes get no record to run on,
+    their log-probs are the model's own routing's; the update batch holds pi_old's record (R2) or none (disabled). (A stop-74 bug ran pi_old on the sampler's record in the
+    disabled mode, R3's pi_old, in a program the warm-up had not compiled.)"""
+    model, rollout, batch, replays = _spied_rollout(mode, monkeypatch)
+    want = np.asarray(rl.logprobs_of_pass(model, batch.input_ids, batch.attention_mask, R,
+                                          np.zeros(batch.response_mask.shape, np.float32), 0))
+    assert replays == [None]  # one pass, on no record
+    assert "routing_mismatch_tokens" in rollout.metrics  # the sampler's record measured, not replayed
+    np.testing.assert_allclose(batch.old_logp * batch.response_mask, want * batch.response_mask, rtol=1e-5,
+                               atol=1e-6)
+    assert (batch.routing is None) == (mode == "disabled")
+
+
+@pytest.mark.parametrize("mode, adapters", [("R3", True), ("R3", False), ("R2", True)])
+def test_the_kl_references_pass_replays_the_samplers_experts_as_pi_old_does(mode, adapters, monkeypatch):
+    """With the KL loss on, its reference log-probs are pi_old's program again (LoRA's reference: the adapters off;
+    full fine-tuning's: the frozen copy RL started from). Under R3 that pass runs on the sampler's record as pi_old
+    does (the KL then measures the weights' change, not a routing the policy's passes never took; verl 0.9.1's
+    ``ref_in_actor`` replays too), and on R2 or without replay it routes as its routers choose: the passes' records,
+    spied, and the first step's KL, which is 0 where both routes agree (B = 0, or the copy itself)."""
+    _, _, batch, replays = _spied_rollout(mode, monkeypatch, kl=True, adapters=adapters)
     assert len(replays) == 2  # pi_old, then the reference
     if mode == "R3":
         assert replays[0] is not None and replays[1] is replays[0]
