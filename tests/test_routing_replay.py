@@ -301,7 +301,7 @@ def test_dynamic_sampling_carries_each_kept_rows_record_to_the_update():
 def _spied_rollout(mode: str, monkeypatch, *, kl: bool = False, adapters: bool = False):
     """One step's rollout of a tiny mixture of experts on the 2x2x2 mesh with ``train.router_replay`` ``mode`` (the KL
     loss on with ``kl``; LoRA on its q_proj and experts with ``adapters``, else a frozen reference copy for the KL),
-    pi_old's passes spied: (model, rollout, its batch on the host, the record each pass got to run on)."""
+    pi_old's passes spied: (mesh, model, rollout, its batch on the host, the record each pass got to run on)."""
     from pacs_jax.models import lora
 
     mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
@@ -336,7 +336,7 @@ def _spied_rollout(mode: str, monkeypatch, *, kl: bool = False, adapters: bool =
             collector.batcher.hold_reference(params)
         rollout = collector(params, lambda: prompts, jax.random.key(3))
         batch = jax.tree.map(np.asarray, rollout.batch)
-    return model, rollout, batch, replays
+    return mesh, model, rollout, batch, replays
 
 
 @pytest.mark.parametrize("mode", ["disabled", "R2"])
@@ -345,9 +345,10 @@ def test_without_replaying_the_samplers_record_pi_old_routes_as_its_routers_choo
     choice): the sampler's record is measured against pi_old's routers, and pi_old's passes get no record to run on,
     their log-probs are the model's own routing's; the update batch holds pi_old's record (R2) or none (disabled). (A stop-74 bug ran pi_old on the sampler's record in the
     disabled mode, R3's pi_old, in a program the warm-up had not compiled.)"""
-    model, rollout, batch, replays = _spied_rollout(mode, monkeypatch)
-    want = np.asarray(rl.logprobs_of_pass(model, batch.input_ids, batch.attention_mask, R,
-                                          np.zeros(batch.response_mask.shape, np.float32), 0))
+    mesh, model, rollout, batch, replays = _spied_rollout(mode, monkeypatch)
+    with jax.set_mesh(mesh):
+        want = np.asarray(rl.logprobs_of_pass(model, batch.input_ids, batch.attention_mask, R,
+                                              np.zeros(batch.response_mask.shape, np.float32), 0))
     assert replays == [None]  # one pass, on no record
     assert "routing_mismatch_tokens" in rollout.metrics  # the sampler's record measured, not replayed
     np.testing.assert_allclose(batch.old_logp * batch.response_mask, want * batch.response_mask, rtol=1e-5,
@@ -362,7 +363,7 @@ def test_the_kl_references_pass_replays_the_samplers_experts_as_pi_old_does(mode
     does (the KL then measures the weights' change, not a routing the policy's passes never took; verl 0.9.1's
     ``ref_in_actor`` replays too), and on R2 or without replay it routes as its routers choose: the passes' records,
     spied, and the first step's KL, which is 0 where both routes agree (B = 0, or the copy itself)."""
-    _, _, batch, replays = _spied_rollout(mode, monkeypatch, kl=True, adapters=adapters)
+    *_, batch, replays = _spied_rollout(mode, monkeypatch, kl=True, adapters=adapters)
     assert len(replays) == 2  # pi_old, then the reference
     if mode == "R3":
         assert replays[0] is not None and replays[1] is replays[0]
