@@ -131,11 +131,11 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
         dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
     adapters = adapters or {}
 
-    def low_rank(h, name):  # scale (h A) B of each row's expert, [M, ...out] in x's dtype
+    def low_rank(h, name):  # scale (h A) B of each row's expert, [M, ...out] in x's dtype, as the dense Adapter's
         a, b = adapters[name]
         narrow = owned(dot(h, a.astype(x.dtype)).astype(x.dtype))   # [M, r]
-        wide = dot(narrow, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype)).astype(jnp.float32)
-        return (scale * wide).reshape(h.shape[0], *b.shape[2:])
+        wide = dot(narrow, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype)).astype(x.dtype)
+        return (wide * jnp.asarray(scale, x.dtype)).reshape(h.shape[0], *b.shape[2:])
 
     g = dot(rows, gate.astype(x.dtype))
     u = dot(rows, up.astype(x.dtype))
