@@ -20,6 +20,7 @@ from pacs_jax import checkpoints
 from pacs_jax.errors import PermanentError
 from pacs_jax.models import lora
 from pacs_jax.models.config import LORA_EXPERT_PARAMETERS, PRESETS
+from pacs_jax.models.loading import abstract_model
 from pacs_jax.models.lora_targets import resolve_parameters
 from pacs_jax.models.peft_export import export_peft
 from pacs_jax.sharding import make_mesh
@@ -127,6 +128,10 @@ def test_on_a_2x2x2_mesh_the_adapters_split_with_their_experts_and_their_gradien
                 assert tuple(mlp["gate_up_lora"]["b"].get_value().sharding.spec) == (None, "fsdp", None, "tensor",
                                                                                       None), specs
                 assert tuple(mlp["down_lora"]["a"].get_value().sharding.spec) == (None, "fsdp", "tensor", None), specs
+                # the merge (the HF export's) adds each expert's A B where that expert is: nothing gathered
+                a, b = mlp["gate_up_lora"]["a"].get_value(), mlp["gate_up_lora"]["b"].get_value()
+                hlo = jax.jit(lora.delta, static_argnums=(2, 3)).lower(a, b, 2.0, True).compile().as_text()
+                assert "all-gather" not in hlo, hlo
             grads = _adapter_grads(model, tokens, mask)
             results[shape] = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
     one, eight = results[(1, 1, 1)], results[(2, 2, 2)]
@@ -173,6 +178,9 @@ def test_all_linear_on_a_model_of_experts_is_pefts_its_attention_and_the_experts
     ({"lora_rank": 8, "target_parameters": ["down_proj"]},  # the demo's model is dense
      "target_parameters ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] name a mixture-of-experts model's "
      "experts, and this model has none (num_experts 0)"),
+    ({"target_parameters": ["down_proj"]},  # without LoRA: refused, not silently full fine-tuning
+     "config.model.target_parameters: ['down_proj'] names the experts' weights LoRA's adapters train, and "
+     "model.lora_rank is 0"),
     ({"lora_rank": 8, "target_modules": ["q_proj", "up_proj"], "model_type": "qwen3_moe", "num_experts": 4,
       "num_experts_per_tok": 2, "moe_intermediate_size": 64},
      "a mixture-of-experts model has no gate_proj, up_proj or down_proj Linear"),
@@ -186,6 +194,34 @@ def test_target_parameters_it_cannot_serve_are_one_line_naming_the_field(fields,
     assert line in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_the_presets_take_lora_on_their_experts():
+def test_the_presets_experts_take_an_adapter_each_in_transformers_layout():
+    """Qwen3-30B-A3B at rank 32 (abstract: no array made): each of the 48 layers' 128 experts its own A and B, the
+    gate and up projections' B side by side on I (768), and the counts PEFT would print for it."""
     cfg = PRESETS["Qwen3-30B-A3B"].replace(lora_rank=32, lora_alpha=64.0, lora_targets=BOTH)
-    assert cfg.lora_targets == BOTH
+    _, state = abstract_model(cfg)
+    mlp = state["layers"]["mlp"]
+    shapes = {f"{m}.{f}": tuple(mlp[f"{m}_lora"][f].get_value().shape) for m in ("gate_up", "down") for f in "ab"}
+    assert shapes == {"gate_up.a": (48, 128, 2048, 32), "gate_up.b": (48, 128, 32, 768, 2),
+                      "down.a": (48, 128, 768, 32), "down.b": (48, 128, 32, 2048)}
+    # per layer and expert: r (D + 2I) + r (I + D), PEFT's lora_A / lora_B sizes of gate_up_proj and down_proj
+    experts = sum(math.prod(v) for v in shapes.values())
+    assert experts == 48 * 128 * 32 * (2048 + 2 * 768 + 768 + 2048)
+
+
+def test_the_experts_adapters_on_a_dense_model_path_are_refused_before_anything_runs(tmp_path):
+    """model.path a dense HF folder: its config is read, and target_parameters names weights it has none of."""
+    save_random_hf_model("qwen2_untied_bias", tmp_path / "hf", seed=3)
+    config = load_config("default.py")
+    config.model.update(path=str(tmp_path / "hf"), lora_rank=8, target_parameters="down_proj")
+    with pytest.raises(PermanentError) as refused:
+        validate_config(config)
+    assert str(refused.value).startswith("config.model: lora_targets=") and "num_experts 0" in str(refused.value)
+
+
+def test_a_resume_compares_the_experts_adapted_not_the_spelling():
+    """The resume check reads the recorded and the configured target_parameters as the weights they name."""
+    from pacs_jax.training.workdir import _experts_adapted
+
+    assert _experts_adapted("gate_up_proj,down_proj") == _experts_adapted(["mlp.experts.down_proj",
+                                                                          "experts.gate_up_proj"])
+    assert _experts_adapted(()) == [] != _experts_adapted("down_proj")  # a run before the field adapted none

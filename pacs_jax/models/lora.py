@@ -12,7 +12,10 @@
 A target module's kernel W [in..., out...] (models/qwen.py: q/k/v [D, N, Dh], o [H, Dh, D], gate/up
 [D, F], down [F, D]) gets A [in..., r] and B [r, out...], stacked over layers like W ([L, ...]) and
 sharded with W's logical axes on their shared dims (r is not sharded); the layer computes
-x W + (alpha / r) (x A) B (``models.qwen.Adapter``). A starts uniform in +-1 / sqrt(fan_in) (PEFT's
+x W + (alpha / r) (x A) B (``models.qwen.Adapter``). A Qwen3-MoE's experts (PEFT's ``target_parameters``,
+config.LORA_EXPERT_PARAMETERS) get each expert its own pair, A [E, in, r] and B [E, r, out...] (the fused gate and
+up projection's B [E, r, I, 2]; models/moe.py ``ExpertAdapter``, applied inside the grouped matmuls), A drawn with
+one expert's fan-in, exported in PEFT's ParamWrapper layout (``_peft_expert_tensors``). A starts uniform in +-1 / sqrt(fan_in) (PEFT's
 default, Kaiming-uniform with a = sqrt(5)), B at 0, so a fresh adapter changes nothing. The adapters
 are ``nnx.LoRAParam`` variables: the learner differentiates and optimises those leaves alone
 (training/learner/trainable.py), and the reference model of the KL loss is the same parameters with
@@ -26,7 +29,6 @@ whole, and the KL reference puts back the values the run started from (``switche
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -126,10 +128,13 @@ def delta(a: jax.Array, b: jax.Array, scale: float, experts: bool = False) -> ja
     """scale * A @ B of one module's stacked adapter, [L, in..., r] x [L, r, out...] -> [L, in..., out...]
     in float32; of the experts' (``experts``), each expert's own: [L, E, in, r] x [L, E, r, out...] ->
     [L, E, in, out...]."""
-    lead, r = a.shape[:2 if experts else 1], a.shape[-1]
-    flat = jnp.einsum("nir,nro->nio", a.reshape(-1, math.prod(a.shape[len(lead):-1]), r).astype(jnp.float32),
-                      b.reshape(math.prod(lead), r, -1).astype(jnp.float32))
-    return scale * flat.reshape(*a.shape[:-1], *b.shape[len(lead) + 1:])
+    if experts:  # L and E kept apart: E may be split over fsdp (expert_parallel), a split merging them would lose
+        flat = jnp.einsum("leir,lero->leio", a.astype(jnp.float32),
+                          b.reshape(*b.shape[:3], -1).astype(jnp.float32))
+        return scale * flat.reshape(*a.shape[:-1], *b.shape[3:])
+    L, r = a.shape[0], a.shape[-1]
+    flat = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32), b.reshape(L, r, -1).astype(jnp.float32))
+    return scale * flat.reshape(*a.shape[:-1], *b.shape[2:])
 
 
 def base(model: Qwen, kernels: dict[tuple[str, str], jax.Array] | None = None) -> Qwen:

@@ -28,7 +28,7 @@ from pacs_jax.data.readers import split_format
 from pacs_jax.data.records import DataError
 from pacs_jax.data.sources import training_problems
 from pacs_jax.evaluation.runner import load_eval_sets
-from pacs_jax.training.model_spec import model_config
+from pacs_jax.training.model_spec import base_model_config, lora_options
 from pacs_jax.training.spec import ConfigError, DataSpec, ModelSpec, RunSpec, require
 
 
@@ -197,12 +197,19 @@ def _check_model_folder(path: str, field: str) -> None:
 def _model_if_readable(spec: RunSpec):
     """The model's QwenConfig (``model_config``), or None when it has none yet or its source does not
     read: that source is checked, and named, by ``check_spec``. A preset's or the config's own fields that
-    make no model (LoRA on a mixture-of-experts model's experts) raise ConfigError naming config.model."""
+    make no model, and LoRA's adapters that a model (model.path's too) cannot take (the experts' on a dense
+    one), raise ConfigError naming config.model."""
     try:
-        return model_config(spec)
+        base = base_model_config(spec)
     except OSError:
         return None
     except ValueError as e:
         if spec.model.path:
             return None
+        raise ConfigError(f"config.model: {e}") from None
+    if base is None:
+        return None
+    try:
+        return base.replace(**lora_options(spec, base))
+    except ValueError as e:
         raise ConfigError(f"config.model: {e}") from None

@@ -4,6 +4,7 @@
     lora_options(spec, base)     the QwenConfig fields of its LoRA adapters on the model ``base`` (none without)
     model_config(spec)           the QwenConfig a run trains: model.path's config, a preset, or the fields,
                                  with its adapters
+    base_model_config(spec)      the same without its adapters
 
 Read by the run (training/run.py builds the model with them), the resume check, PPO's critic
 (``critic.path``) and tools/plan_memory.py. model.path is read through ``data.paths.path``: a local
@@ -55,12 +56,12 @@ def model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
     model.preset; else the architecture fields of spec.model (vocab_size 0, "the tokenizer's",
     becomes ``vocab_size`` or a Qwen vocabulary). ``overrides``: QwenConfig fields to replace.
     """
-    base = _base_config(spec, vocab_size, overrides)
+    base = base_model_config(spec, vocab_size=vocab_size, **overrides)
     return base.replace(**lora_options(spec, base)) if base is not None else None
 
 
-def _base_config(spec: RunSpec, vocab_size: int | None, overrides: dict):
-    """``model_config`` without the run's adapters."""
+def base_model_config(spec: RunSpec, *, vocab_size: int | None = None, **overrides):
+    """``model_config`` without the run's adapters (the model they attach to)."""
     from pacs_jax import models
 
     m = spec.model

@@ -525,6 +525,10 @@ class ModelSpec:
             require(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, "model.lora_alpha",
                     f"must be > 0 (the adapters' scale is lora_alpha / lora_rank), got {self.lora_alpha!r}")
             self.lora_targets  # noqa: B018 (the check)
+        if self.target_parameters:
+            require(bool(self.lora_rank), "model.target_parameters",
+                    f"{list(module_names(self.target_parameters))} names the experts' weights LoRA's adapters train, and model.lora_rank "
+                    "is 0 (full fine-tuning trains every weight): set model.lora_rank, or leave it empty")
         if self.modules_to_save:
             require(bool(self.lora_rank), "model.modules_to_save",
                     f"{list(self.modules_to_save)} trains modules whole beside LoRA's adapters, and model.lora_rank "

@@ -34,6 +34,7 @@ from pacs_jax.distributed import from_process_zero
 from pacs_jax.files import atomic_write_text, is_remote
 from pacs_jax.models.config import QwenConfig
 from pacs_jax.models.hf_weights import NotAnExportError, check_export_target
+from pacs_jax.models.lora_targets import resolve_parameters as resolve_lora_parameters
 from pacs_jax.rl.objectives import options_for
 from pacs_jax.training.engine.carry_over import is_carry_over_state
 from pacs_jax.training.spec import ConfigError, RunSpec, module_names, rollout_tail_slots, run_algorithm
@@ -61,6 +62,15 @@ def _recorded(config_json: epath.Path, section: str, field: str):
         return json.loads(config_json.read_text())[section][field]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _experts_adapted(target_parameters) -> list[str] | object:
+    """The experts' weights ``model.target_parameters`` names, PEFT's full names in their order (the spelling aside:
+    "down_proj" or "mlp.experts.down_proj", a list or names with commas); a value that names none, as it is."""
+    try:
+        return list(resolve_lora_parameters(target_parameters))
+    except (ValueError, TypeError):
+        return target_parameters
 
 
 def _plain_value(value):
@@ -174,6 +184,8 @@ def _resumable_step(spec: RunSpec, workdir: epath.Path, model_cfg: QwenConfig | 
             continue
         if field == "modules_to_save" and old is not None:
             old = module_names(old)  # as written: a list, or names with commas
+        if field == "target_parameters":  # the experts' weights they name (a run before the field named none)
+            old, new = _experts_adapted(old or ()), _experts_adapted(new)
         if old is not None and _plain_value(old) != _plain_value(new):
             differs.append(f"model.{field} (checkpoint {old!r}, this config {new!r}: "
                            + ("the checkpoints hold the adapters alone, trained on their run's base)"
