@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +89,23 @@ def load_balance_loss(sums: jax.Array, tokens: jax.Array) -> jax.Array:
     return sums.shape[-1] * jnp.sum(total[0] * total[1])
 
 
+class LowRank(NamedTuple):
+    """One experts' weight's LoRA pair: A [E, in, r], B [E, r, out...] (each expert's own)."""
+
+    a: jax.Array
+    b: jax.Array
+
+
+class ExpertLoRA(NamedTuple):
+    """The experts' adapters a sparse block runs with (``ExpertAdapter``'s arrays): the fused gate and up
+    projection's (B [E, r, I, 2]) and the down projection's (B [E, r, D]), None where not adapted."""
+
+    gate_up: LowRank | None = None
+    down: LowRank | None = None
+
+
 def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array, adapters: dict | None = None, first: jax.Array | int = 0,
+                   down: jax.Array, adapters: ExpertLoRA | None = None, first: jax.Array | int = 0,
                    scale: float = 1.0) -> jax.Array:
     """The gated sum of each token's expert SwiGLUs over the experts held here: x [N, D] (compute dtype),
     experts [N, k] int32 (0 .. E - 1), gates [N, k] float32; gate / up [E_h, D, I], down [E_h, I, D] (cast to x's
@@ -98,8 +114,8 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
     sum_j gates[n, j] down(silu(gate x[n]) * up x[n]) of expert experts[n, j] over the slots (n, j) whose expert
     is held here (the others add 0: another device holds theirs, ``local_dispatch``).
 
-    ``adapters``: the experts' LoRA (``ExpertAdapter``'s), {"gate_up": (A [E_h, D, r], B [E_h, r, I, 2]),
-    "down": (A [E_h, I, r], B [E_h, r, D])}, either or both: a projection's output gains ``scale`` (h A) B of the
+    ``adapters``: the experts' LoRA (``ExpertLoRA``: gate_up A [E_h, D, r], B [E_h, r, I, 2]; down A [E_h, I, r],
+    B [E_h, r, D]), either or both: a projection's output gains ``scale`` (h A) B of the
     row's expert, two more grouped matmuls each (PEFT's ParamWrapper computes h (W + scale A B), the same sum).
 
     The slots are sorted by expert for the grouped matmul (``kernels.moe_gemm``: tokamax's on a GPU, whose products
@@ -129,25 +145,25 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gates: jax.Array, gate: jax
         dot = functools.partial(moe_gemm_gpu.ragged_dot, group_sizes=group_sizes)
     else:
         dot = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, preferred_element_type=jnp.float32)
-    adapters = adapters or {}
+    adapters = adapters or ExpertLoRA()
 
-    def low_rank(h, name):  # scale (h A) B of each row's expert, [M, ...out] in x's dtype, as the dense Adapter's
-        a, b = adapters[name]
+    def low_rank(h, pair: LowRank):  # scale (h A) B of each row's expert, [M, ...out] in x's dtype, as the dense Adapter's
+        a, b = pair
         narrow = owned(dot(h, a.astype(x.dtype)).astype(x.dtype))   # [M, r]
         wide = dot(narrow, b.reshape(b.shape[0], b.shape[1], -1).astype(x.dtype)).astype(x.dtype)
         return (wide * jnp.asarray(scale, x.dtype)).reshape(h.shape[0], *b.shape[2:])
 
     g = dot(rows, gate.astype(x.dtype))
     u = dot(rows, up.astype(x.dtype))
-    if "gate_up" in adapters:  # added in float32 before the rounding
-        lora = low_rank(rows, "gate_up")                            # [M, I, 2]
+    if adapters.gate_up is not None:  # added in float32 before the rounding
+        lora = low_rank(rows, adapters.gate_up)                            # [M, I, 2]
         g, u = g.astype(jnp.float32) + lora[..., 0], u.astype(jnp.float32) + lora[..., 1]
     g, u = g.astype(x.dtype), u.astype(x.dtype)
     # SwiGLU in float32, rounded to the compute dtype (as the dense MLP)
     h = owned((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype))
     out = dot(h, down.astype(x.dtype)).astype(jnp.float32)          # [M, D], sorted
-    if "down" in adapters:
-        out = out + low_rank(h, "down")
+    if adapters.down is not None:
+        out = out + low_rank(h, adapters.down)
     slots = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)
     # rows past the last group are no group's: whatever a kernel leaves there is dropped, not weighted by 0
     slots = jnp.where(here[..., None], slots, 0.0)
@@ -205,13 +221,15 @@ def local_dispatch(fn, expert_parallel: bool = False):
 
         # the adapters as their weights: gate_up's B [E, r, I, 2] split on I, down's A [E, I, r] on I (its (h A)
         # partial over the width, summed with the rest by the psum), the other factors whole
-        lora = {"gate_up": (PartitionSpec(e, None, None), PartitionSpec(e, None, t, None)),
-                "down": (PartitionSpec(e, t, None), PartitionSpec(e, None, None))}
+        adapted = adapters or ExpertLoRA()
+        lora = ExpertLoRA(
+            gate_up=None if adapted.gate_up is None else LowRank(PartitionSpec(e, None, None), PartitionSpec(e, None, t, None)),
+            down=None if adapted.down is None else LowRank(PartitionSpec(e, t, None), PartitionSpec(e, None, None)))
         specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None),
-                 {name: lora[name] for name in (adapters or {})})
+                 lora)
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
                              axis_names=set(tokens) | set(width if split else ()), check_vma=False)(
-            x, experts, gates, gate, up, down, adapters or {})
+            x, experts, gates, gate, up, down, adapted)
 
     return run
 
@@ -276,11 +294,12 @@ class MoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", flat.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32))
         replay = None if routed is None else routed.reshape(-1, k)
         weights, experts = route(logits, k, cfg.norm_topk_prob, replay)
-        adapters = {name: (adapter.a[...], adapter.b[...]) for name, adapter in
-                    (("gate_up", self.gate_up_lora), ("down", self.down_lora)) if adapter is not None}
+        pair = lambda adapter: None if adapter is None else LowRank(adapter.a[...], adapter.b[...])  # noqa: E731
+        adapted = self.gate_up_lora is not None or self.down_lora is not None
+        adapters = ExpertLoRA(pair(self.gate_up_lora), pair(self.down_lora)) if adapted else None
         swiglu = functools.partial(grouped_swiglu, scale=cfg.lora_alpha / cfg.lora_rank) if adapters else grouped_swiglu
         out = local_dispatch(swiglu, cfg.expert_parallel)(flat, experts, weights, self.gate_kernel[...],
-                                                          self.up_kernel[...], self.down_kernel[...], adapters or None)
+                                                          self.up_kernel[...], self.down_kernel[...], adapters)
         out = out.astype(x.dtype).reshape(*lead, -1)
         if not with_experts and balance_mask is None:
             return out
