@@ -215,6 +215,9 @@ def test_rl_on_adapters_of_the_attention_and_the_experts_through_the_cli(tmp_pat
     rows = metrics_rows(workdir)
     assert [row["step"] for row in rows] == [1, 2] and abs(rows[0]["actor/kl_loss"]) < 1e-6
     assert all(row["routing_mismatch_tokens"] == 0 for row in rows)
+    # step 2 samples with the adapters step 1 trained (down's B moved off 0): a sampler left on the first ones, or
+    # on the base, would differ from pi_old's log-probs by about the KL it reports
+    assert rows[1]["actor/kl_loss"] > 1e-8 and rows[1]["rollout_logprob_diff_max"] < 1e-5, rows[1]
     names = list(getattr(ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / "2" / "params"),
                          "item_metadata"))
     assert sorted(names) == sorted(f"layers.{sub}.{m}_lora.{f}" for sub, ms in

@@ -67,11 +67,15 @@ def test_the_30b_setup_is_the_8b_setup_but_for_the_model_and_the_sampler_slots()
     assert slots[0] < slots[1] and differ == {}
 
 
-def test_the_30b_cpu_scale_is_a_tiny_moe_that_passes_the_check_on_one_device():
-    small = load_config("paper.py", "qwen3_30b_a3b,pacs_beta1,cpu")
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "qwen3_30b_a3b_lora"])
+def test_the_30b_cpu_scale_is_a_tiny_moe_that_passes_the_check_on_one_device(model):
+    small = load_config("paper.py", f"{model},pacs_beta1,cpu")
     validate_config(small, device_count=1)
     cfg = model_config(RunSpec.from_config(small, device_count=1))
     assert cfg.model_type == "qwen3_moe"
+    if model.endswith("_lora"):  # the attention (PEFT's all-linear on a model of experts) and both experts' weights
+        assert (cfg.lora_rank, cfg.lora_targets) == (32, ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                          "mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
     assert 2 <= cfg.num_experts_per_tok < cfg.num_experts <= 8 and cfg.num_hidden_layers <= 2  # tiny, top-k >= 2
     assert small.rollout.max_new_tokens == 64 and small.model.preset == ""
     dense = load_config("paper.py", "qwen3_8b,pacs_beta1,cpu")  # the dense family's scale has no experts
