@@ -15,6 +15,7 @@ import sysconfig
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VENV = REPO / ".venv-gpu"
 REQUIREMENTS = REPO / "requirements-gpu-compile.txt"
+ATTEMPTS = 3  # the CUDA wheels are ~1 GB together; a download cut or corrupted on the way fails its hash check
 
 
 def gpu_python() -> pathlib.Path:
@@ -30,6 +31,19 @@ def gpu_python() -> pathlib.Path:
     # install): its site-packages as a site directory, so that its own .pth files are read too.
     site = sysconfig.get_paths()["purelib"]
     (pathlib.Path(purelib) / "pacs_jax_test_env.pth").write_text(f"import site; site.addsitedir({site!r})\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(REQUIREMENTS)], check=True)
+    _pip_install(python)
     stamp.write_text(REQUIREMENTS.read_text())
     return python
+
+
+def _pip_install(python: pathlib.Path) -> None:
+    """Installs requirements-gpu-compile.txt, downloading afresh up to ATTEMPTS times: pip retries a refused
+    connection itself but not a wheel whose bytes arrived wrong ("do not match the hashes"), which CI saw once."""
+    command = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-cache-dir", "-r", str(REQUIREMENTS)]
+    for attempt in range(1, ATTEMPTS + 1):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        print(f"gpu_compiler: pip install, attempt {attempt} of {ATTEMPTS}, failed:\n{done.stderr[-2000:]}",
+              file=sys.stderr)
+    raise subprocess.CalledProcessError(done.returncode, command, output=done.stdout, stderr=done.stderr)
