@@ -115,23 +115,33 @@ def _evaluate_as_the_paper(config) -> None:
 
 
 @pytest.mark.slow(seconds=50)
-@pytest.mark.parametrize("arg", [EVALUATED, REWARD2, "qwen3_8b,pacs_beta1", "qwen25_3b,grpo", "qwen25_7b_lora,pacs_beta1"])
+@pytest.mark.parametrize("arg", [EVALUATED, REWARD2, "qwen3_8b,pacs_beta1", "qwen25_3b,grpo", "qwen25_7b_lora,pacs_beta1",
+                                 "qwen3_30b_a3b,pacs_beta1", "qwen3_30b_a3b_lora,pacs_beta1"])
 def test_every_paper_setup_takes_a_step_at_its_own_remat_dtype_and_tensor_axis(setup_runs, arg):
     """Each MODEL of configs/paper.py (and the GRPO baseline), shrunk: its remat, bf16 and its tensor
     axis (4 for the 7B / 8B meshes) kept, fsdp reduced to fill the 8 test devices (qwen25_7b_v6e is
     qwen25_7b then: see above; qwen25_3b with PACS trains in test_train_real_config.py, with PPO in
-    test_train_ppo.py); qwen25_7b_lora trains its rank-32 adapters alone (the checkpoint holds them)."""
+    test_train_ppo.py); qwen25_7b_lora trains its rank-32 adapters alone (the checkpoint holds them); the 30B's
+    two setups (issue 66) with configs/paper.py's CPU-scale experts, its LoRA twin's adapters on the experts too."""
     summary, rows, workdir, _ = setup_runs(arg)
     (row,) = rows
     assert summary["final_step"] == 1 and row["skipped"] == 0.0
     assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]) and row["generated_tokens"] > 0
     assert 0 <= row["rollout_logprob_diff_mean"] <= row["rollout_logprob_diff_max"] < 1  # bfloat16: round-off
+    moe = arg.startswith("qwen3_30b_a3b")
+    if moe:  # the model that ran has the experts of configs/paper.py's CPU scale, its routing measured
+        model = json.loads((workdir / "config.json").read_text())["model"]
+        assert (model["model_type"], model["num_experts"], model["num_experts_per_tok"]) == ("qwen3_moe", 4, 2)
+        assert 0 <= row["routing_mismatch_tokens"] <= 1, row
     if "lora" in arg:
         reference = load_config("paper.py", arg).model
         named = json.loads((workdir / "checkpoints" / "model_config.json").read_text())["pacs_jax"]["lora"]
         assert (named["rank"], named["alpha"]) == (reference.lora_rank, reference.lora_alpha) == (32, 64.0)
         stored = ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / "1" / "params").item_metadata
-        assert len(stored) == 2 * 7 and all("_lora." in name for name in stored), sorted(stored)[:4]
+        # the 7B: every linear layer (7); the 30B: its attention's four and each expert's gate_up and down
+        adapted = ("q", "k", "v", "o", "gate_up", "down") if moe else ("q", "k", "v", "o", "gate", "up", "down")
+        assert sorted(stored) == sorted(f"layers.{'mlp' if m in ('gate', 'up', 'down', 'gate_up') else 'attn'}."
+                                        f"{m}_lora.{f}" for m in adapted for f in "ab"), sorted(stored)
 
 
 @pytest.mark.slow(seconds=40)  # the evaluation of the qwen25_7b run

@@ -15,7 +15,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from pacs_jax.models.config import REMAT_POLICIES
+from configs.paper import CPU_TINY_EXPERTS
+from pacs_jax.models.config import REMAT_POLICIES, preset
 from pacs_jax.rl import options_for
 from pacs_jax.sharding import config_mesh
 from pacs_jax.training.learner import rollout_consistency
@@ -45,14 +46,16 @@ def deepscaler_rows(shared_data, tmp_path_factory):
 def shrunk_paper_config(data_file, tokenizer_dir, *, steps: int, arg: str = "qwen25_3b,pacs_beta1",
                         dtype: str | None = None, remat: str | None = None) -> ml_collections.ConfigDict:
     """configs/paper.py's setup ``arg`` with its remat and dtype (unless given) and its mesh kept, a tiny
-    model of its family, 4 prompts x 8 responses of at most 16 tokens, 2 mini-batches of 2
+    model of its family (a mixture of experts' with configs/paper.py's CPU_TINY_EXPERTS), 4 prompts x 8 responses of at most 16 tokens, 2 mini-batches of 2
     micro-batches (8 rows: one per batch shard)."""
     c = load_config("paper.py", arg)
-    family = "qwen3" if c.model.preset.startswith("Qwen3") else "qwen2"
+    family = preset(c.model.preset).model_type  # qwen2, qwen3 or qwen3_moe
     c.model.preset = ""
     for k, v in TINY.items():
         c.model[k] = v
     c.model.model_type = family
+    if family == "qwen3_moe":  # a mixture of experts' setup: its CPU scale's sparse block (4 experts, 2 a token)
+        c.model.update(CPU_TINY_EXPERTS)
     c.model.dtype, c.model.remat = dtype or c.model.dtype, remat or c.model.remat
     c.data.tokenizer = str(tokenizer_dir)
     c.data.train_files = (str(data_file),)

@@ -227,8 +227,12 @@ def local_dispatch(fn, expert_parallel: bool = False):
             down=None if adapted.down is None else LowRank(PartitionSpec(e, t, None), PartitionSpec(e, None, None)))
         specs = (rows, rows, rows, PartitionSpec(e, None, t), PartitionSpec(e, None, t), PartitionSpec(e, t, None),
                  lora)
+        # manual over the mesh's axes of size 1 too: left auto, JAX 0.12 put a sharding annotation inside the
+        # reduction of the input's cotangent psum over "tensor" (bfloat16), which XLA:CPU's all-reduce promotion
+        # aborts on ("Invalid binary instruction opcode copy"); a size-1 axis splits nothing either way
+        single = {a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in manual}
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
-                             axis_names=set(tokens) | set(width if split else ()), check_vma=False)(
+                             axis_names=set(tokens) | set(width if split else ()) | single, check_vma=False)(
             x, experts, gates, gate, up, down, adapted)
 
     return run
