@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax import checkpoints, rl, sampling
+from pacs_jax.sampling import carry_over
 from pacs_jax.errors import PERMANENT_ERROR_STATUS
 from pacs_jax.models import kernels
 from pacs_jax.models.moe import routing_dtype, routing_shape
@@ -33,14 +34,14 @@ from qwen_reference import hf_logits, max_rel_err, padded_batch, save_random_hf_
 from pacs_jax.rewards import RewardPool
 from pacs_jax.training.config_check import ConfigError, check_inputs
 from pacs_jax.training.records import PromptBatch
-from pacs_jax.training.rollout import RolloutCollector
+from pacs_jax.training.rollout import RolloutCollector, carry_over_source
 from pacs_jax.training.spec import RunSpec
 from pacs_jax.training.step_programs import StepPrograms
 from test_configs import _parse
 from test_dynamic_sampling import _parity as parity_answer
 from test_rl_pacs import ref_pacs
 from test_train_config import load_config
-from train_helpers import REPO, RL_ONLY_FLAGS, tiny_model_on_mesh, train_env
+from train_helpers import REPO, RL_ONLY_FLAGS, ListPromptSource, tiny_model_on_mesh, train_env
 
 P, N_SAMPLES, TP, R = 2, 2, 5, 6  # prompts, samples a prompt, prompt and response widths
 
@@ -397,15 +398,88 @@ def test_routing_replay_on_a_dense_model_is_refused_before_anything_is_written(t
     assert not workdir.exists()
 
 
+def test_carry_over_records_the_experts_the_learner_recomputes_through_carried_and_resumed_rows(models):
+    """Carry-over's engine with the record on (R3): 2 prompts a call, the oldest group returned, its rows' budgets 3
+    tokens and the other's 6, so the other's rows run on into the next call; after call 0 the rows in flight
+    (3 tokens, 2 of them fed) are exported and a fresh engine resumes them (their K/V, and their record, recomputed
+    by the reseat). Every returned group's record, in the update rows' layout, equals
+    pi_old's router's at every token the sampler fed (the same float32 weights in every call)."""
+    _, ours = models
+    graphdef, params = nnx.split(ours)
+    settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, slots=4, page_size=4, chunk_steps=1,
+                                record_routing=True)
+    make = lambda: carry_over.CarryOverSampler(graphdef, settings, prompts=P, prompt_length=TP, groups=1,
+                                               max_staleness=3, order="admission")  # the oldest group first: none dropped
+    batches = [padded_batch(ours.cfg.vocab_size, lengths, TP, "left", seed=20 + v)
+               for v, lengths in enumerate([[5, 3], [4, 2], [2, 5]])]
+    batches += [(np.zeros((P, TP), np.int32),) * 2] * 4  # batch padding: the engine drains
+    sampler, returned, carried, resumed = make(), [], 0, None
+    for v, (tokens, mask) in enumerate(batches):
+        out = sampler.step(params, v, tokens, mask, jax.random.key(v), np.array([3, 3, R, R], np.int32))
+        carried += int(out.carried_rows)
+        for k in np.flatnonzero(np.asarray(out.group_valid)):
+            rows = slice(k * N_SAMPLES, (k + 1) * N_SAMPLES)
+            prompt = int(out.group_prompt[k])
+            prompts = batches[int(out.group_version[k])]
+            returned.append(tuple(np.asarray(a) for a in (
+                prompts[0][prompt:prompt + 1], prompts[1][prompt:prompt + 1], out.tokens[rows], out.lengths[rows],
+                call_routing(out.prompt_routing[k:k + 1], out.routing[rows], TP))))
+        if v == 0:
+            resumed = sampler.export()
+            sampler = make()
+            sampler.resume(params, resumed, [batches[g] for g in resumed.generations])
+    assert len(returned) == 6 and carried > 0 and resumed.running == 2 and resumed.tokens == 6
+    assert returned[0][4].dtype == np.uint8
+    for prompts, prompt_mask, tokens, lengths, record in returned:
+        response_mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.int32)
+        ids, mask = update_rows(jnp.asarray(prompts), jnp.asarray(prompt_mask), jnp.asarray(tokens),
+                                jnp.asarray(response_mask))
+        _, own = ours(ids, attention_mask=mask, with_routing=True)
+        fed = _fed(np.asarray(mask), lengths)
+        np.testing.assert_array_equal(np.sort(record, -1)[fed], np.sort(np.asarray(own), -1)[fed])
+
+
+def test_carry_over_with_r3_trains_each_rows_own_record():
+    """R3 with carry-over on a 2x2x2 mesh (its queues one a batch shard), 3 steps of one set of weights: rows run
+    across the engine's calls, and each step's update batch holds each returned row's record, the learner's routing
+    at every fed token (float32: the metric says 0)."""
+    mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16)
+    config = load_config("default.py")
+    config.rollout.update(n=N_SAMPLES, max_new_tokens=R, temperature=1.0, carry_over=True, slots=8)
+    config.data.max_prompt_length, config.data.prompt_buckets = 16, (8, 16)
+    config.train.update(prompts_per_step=4, logprob_micro_batches=1, packing=False, router_replay="R3")
+    rs = np.random.RandomState(0)
+    batches = [PromptBatch([list(rs.randint(2, 96, size=rs.randint(3, 16))) for _ in range(4)], ["7"] * 4,
+                           [f"batch {b}"] * 4) for b in range(8)]
+    carried = 0
+    with jax.set_mesh(mesh), RewardPool(1) as pool:
+        graphdef, params = nnx.split(model)
+        spec = RunSpec.unplaced(config)
+        programs = StepPrograms(spec, graphdef, params, (1,))
+        carry = carry_over_source(programs, ListPromptSource(batches), 4)
+        collector = RolloutCollector.from_spec(spec, programs, decode=parity_answer, reward_pool=pool, carry=carry)
+        for step in range(3):
+            rollout = collector(params, carry.next_batch, jax.random.key(step))
+            _, own = model(rollout.batch.input_ids, attention_mask=rollout.batch.attention_mask, with_routing=True)
+            batch, own = jax.tree.map(np.asarray, (rollout.batch, own))
+            carried += rollout.metrics["carried_rows"]
+            assert rollout.metrics["routing_mismatch_tokens"] == 0, step
+            lengths = batch.response_mask.sum(1).astype(int)
+            fed = np.asarray(batch.attention_mask, bool).copy()
+            fed[np.arange(len(lengths)), batch.input_ids.shape[1] - batch.response_mask.shape[1] + lengths - 1] = False
+            np.testing.assert_array_equal(np.sort(batch.routing, -1)[fed], np.sort(own, -1)[fed], err_msg=str(step))
+    assert carried > 0
+
+
 @pytest.mark.parametrize("flags, says", [
     (("--config.train.router_replay=R1",), "'disabled'"),
     ((*MOE_FLAGS, "--config.train.router_replay=R2", "--config.algorithm.rollout_correction.bypass_mode=True",
       "--config.rollout.max_logprob_diff=0"), "bypass mode"),
-    ((*MOE_FLAGS, "--config.train.router_replay=R3", "--config.rollout.carry_over=True"), "not built yet"),
 ])
 def test_routing_replay_where_it_cannot_serve_is_refused_naming_the_field(flags, says):
-    """A name not a mode, pi_old skipped by bypass mode, the sampler's record with carry-over: the trainer's
-    check before its workdir (the CLI's one line, status 78: the dense model's case above) names the field."""
+    """A name not a mode, pi_old skipped by bypass mode: the trainer's check before its workdir (the CLI's one
+    line, status 78: the dense model's case above) names the field."""
     line = _refusal(flags)
     assert line.startswith("config.train.router_replay") and says in line, line
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pacs_jax.models.moe import routing_dtype, routing_shape
 from pacs_jax.models.paged_attention import POOL_AXES, PagedKVCache
 from pacs_jax.sampling import decode
 from pacs_jax.sampling.carry_over_records import CarryOverRows
@@ -63,15 +64,18 @@ def _empty_state(cfg, key: jax.Array, spec: CarryOverSpec) -> CarryState:
              spec.engine.page_size, cfg.head_dim)
     zeros = lambda: constrain(jnp.zeros(shape, jnp.dtype(cfg.dtype)), POOL_AXES)
     store = spec.store(jnp.zeros((R,), jnp.int32), jnp.zeros((G * P,), jnp.int32), PagedKVCache(zeros(), zeros()))
+    routing = (*routing_shape(cfg), routing_dtype(cfg.num_experts)) if spec.engine.routing else None
+    record = lambda rows, length: None if routing is None else jnp.zeros((rows, length, *routing[:2]), routing[2])
     outputs = decode.Outputs(jnp.zeros((R, N), jnp.int32), jnp.zeros((R, N), jnp.float32), jnp.zeros((R,), jnp.int32),
-                             jnp.zeros((R,), bool))
+                             jnp.zeros((R,), bool), record(R, N))
+    prompt_routing = record(G * P, spec.prompt_length)
     idle = jnp.zeros((C,), jnp.int32)
     state = decode.DecodeState(jnp.int32(0), decode.Slots(jnp.full((C,), R, jnp.int32), idle, idle),
                                store.init(None, C), jnp.int32(0), outputs)
     return CarryState(state, jnp.zeros((R, N), jnp.int32), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32),
                       jnp.ones((R,), jnp.int32), jax.random.key_data(jax.random.split(key, R)), store.promise,
                       store.prompt_lengths, jnp.arange(R, dtype=jnp.int32), jnp.int32(0), jnp.full((G,), -1, jnp.int32),
-                      jnp.zeros((G * P,), bool))
+                      jnp.zeros((G * P,), bool), prompt_routing)
 
 
 def _put_prompt_pages(kv, prompt_cache, prompt_real: jax.Array, spec: CarryOverSpec, g: jax.Array):
@@ -83,46 +87,61 @@ def _put_prompt_pages(kv, prompt_cache, prompt_real: jax.Array, spec: CarryOverS
                        v=jax.lax.dynamic_update_slice_in_dim(kv.v, pages.v.astype(kv.v.dtype), at, axis=2))
 
 
+def _put_prompt_routing(whole: jax.Array | None, part: jax.Array | None, spec: CarryOverSpec, g: jax.Array):
+    """The state's prompt routing record (``CarryState.prompt_routing`` [G P, T, L, k], or None: no record)
+    with region g's P prompts' from a prefill (part [P, T, L, k])."""
+    if whole is None:
+        return None
+    return jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), g * spec.prompts, axis=0)
+
+
 def _refreshed(model: nnx.Module, carried_prompts: tuple, key: jax.Array, selection: Selection,
                stop_ids: jax.Array, spec: CarryOverSpec) -> tuple:
     """The prompts of the G - 1 generations before this call prefilled again with ``model`` (the decode
     layout's; ``carried_prompts``: (tokens [P, T], mask [P, T]) a generation, the last call's first;
-    all-padding where no generation was inserted) -> (K/V [L, P, K, T, Dh], prompt_real [P, T]) a
-    generation, so that the rows still to decode in this call attend to the current weights' K/V of
-    their prompt, not to an earlier call's (``_refresh_prompts`` writes them)."""
+    all-padding where no generation was inserted) -> (K/V [L, P, K, T, Dh], prompt_real [P, T], and
+    recording routing their experts [P, T, L, k], else None) a generation, so that the rows still to
+    decode in this call attend to the current weights' K/V of their prompt, not to an earlier call's
+    (``_refresh_prompts`` writes them)."""
     budgets = jnp.ones((spec.prompts * spec.engine.n,), jnp.int32)  # token 0 of this prefill is not kept
-    inputs = (prefill(model, tokens, mask, budgets, key, selection, stop_ids, n=spec.engine.n, spread=False).inputs
-              for tokens, mask in carried_prompts)
-    return tuple((x.prompt_cache, x.prompt_real) for x in inputs)
+    done = (prefill(model, tokens, mask, budgets, key, selection, stop_ids, n=spec.engine.n, spread=False,
+                    record_routing=spec.engine.routing) for tokens, mask in carried_prompts)
+    return tuple((x.inputs.prompt_cache, x.inputs.prompt_real, x.prompt_routing) for x in done)
 
 
-def _refresh_prompts(kv, refreshed: tuple, version: jax.Array, spec: CarryOverSpec):
-    """The pool's state kv with ``_refreshed``'s K/V of the generations before ``version`` in their regions."""
-    for age, (prompt_cache, prompt_real) in enumerate(refreshed, start=1):
-        kv = _put_prompt_pages(kv, prompt_cache, prompt_real, spec, jnp.mod(version - age, spec.generations))
-    return kv
+def _refresh_prompts(kv, prompt_routing: jax.Array | None, refreshed: tuple, version: jax.Array,
+                     spec: CarryOverSpec) -> tuple:
+    """The pool's state kv and the prompt routing record with ``_refreshed``'s K/V and experts of the
+    generations before ``version`` in their regions -> (kv, prompt_routing)."""
+    for age, (prompt_cache, prompt_real, routing) in enumerate(refreshed, start=1):
+        g = jnp.mod(version - age, spec.generations)
+        kv = _put_prompt_pages(kv, prompt_cache, prompt_real, spec, g)
+        prompt_routing = _put_prompt_routing(prompt_routing, routing, spec, g)
+    return kv, prompt_routing
 
 
 def put_generation(state: CarryState, kv, outputs: decode.Outputs, spec: CarryOverSpec, g: jax.Array,
                    version: jax.Array, inputs, rows: decode.Outputs, versions: jax.Array, first_tokens: jax.Array,
-                   row_keys: jax.Array, live: jax.Array) -> tuple[CarryState, object, decode.Outputs]:
+                   row_keys: jax.Array, live: jax.Array, prompt_routing: jax.Array | None = None
+                   ) -> tuple[CarryState, object, decode.Outputs]:
     """Region g takes the generation inserted at ``version``: its prompts' pages from the prefill
-    (``inputs``, ``seam.QueueInputs``: its K/V [L, P, K, T, Dh], budgets [P n]), its rows' outputs
-    (``rows``: [P n, N] / [P n]), versions [P n, N], token 0 [P n], key data [P n, k], live prompts
+    (``inputs``, ``seam.QueueInputs``: its K/V [L, P, K, T, Dh], budgets [P n]; recording routing, its
+    experts ``prompt_routing`` [P, T, L, k]), its rows' outputs (``rows``: [P n, N] / [P n], their routing
+    [P n, N, L, k] with the state's), versions [P n, N], token 0 [P n], key data [P n, k], live prompts
     [P] -> (state, the pool's state kv, the outputs of all R rows)."""
     P, n = spec.prompts, spec.engine.n
     put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype),
                                                                   g * part.shape[0], axis=0)
     kv = _put_prompt_pages(kv, inputs.prompt_cache, inputs.prompt_real, spec, g)
     lengths = jnp.sum(inputs.prompt_real, axis=-1, dtype=jnp.int32)
-    outputs = jax.tree.map(put, outputs, rows)  # carry-over records no routing: a None stays None
+    outputs = jax.tree.map(put, outputs, rows)  # without a routing record its None stays None
     state = state._replace(
         versions=put(state.versions, versions), call_start=outputs.lengths,
         first_tokens=put(state.first_tokens, first_tokens), budgets=put(state.budgets, inputs.budgets),
         row_keys=put(state.row_keys, row_keys),
         promise=put(state.promise, row_promise(lengths, inputs.budgets, n, spec.engine.page_size)),
         prompt_lengths=put(state.prompt_lengths, lengths), inserted=state.inserted.at[g].set(version),
-        live=put(state.live, live))
+        live=put(state.live, live), prompt_routing=_put_prompt_routing(state.prompt_routing, prompt_routing, spec, g))
     return state, kv, outputs
 
 
@@ -151,27 +170,28 @@ def insert_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState,
     queue = spec.per_queue(queue_shards(axes))
     # the prefills of the whole call, GSPMD-split as engine.sample's (a kernel's own shard_map inside
     # a queue's would not lower): the rows' keys those of the call's prompts
-    inputs = prefill(model, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, n=spec.engine.n,
-                     spread=False).inputs
+    prefilled = prefill(model, prompt_tokens, prompt_mask, budgets, key, selection, stop_ids, n=spec.engine.n,
+                        spread=False, record_routing=spec.engine.routing)
     refreshed = _refreshed(model, carried_prompts, key, selection, stop_ids, spec)
 
-    def per_queue(stop_ids, version, state, inputs, refreshed):
-        return _insert_queue(state, inputs, stop_ids, version, refreshed, queue)
+    def per_queue(stop_ids, version, state, inputs, prompt_routing, refreshed):
+        return _insert_queue(state, inputs, prompt_routing, stop_ids, version, refreshed, queue)
 
     state, dropped, dropped_version, carried = on_queues(
         per_queue, axes, (stop_ids, version),
-        (state, input_shares(inputs, axes), tuple((queue_shares(cache, axes, axis=1), queue_shares(real, axes))
-                                                  for cache, real in refreshed)))
+        (state, input_shares(prefilled.inputs, axes), queue_shares(prefilled.prompt_routing, axes),
+         tuple((queue_shares(cache, axes, axis=1), queue_shares(real, axes), queue_shares(routing, axes))
+               for cache, real, routing in refreshed)))
     if axes:  # [S, P / S] -> [P]; the retired generation's version (the same in every queue that dropped one)
         dropped, dropped_version, carried = dropped.reshape(-1), jnp.max(dropped_version), jnp.sum(carried)
     return Inserted(nnx.state(model), state.pinned(shardings), dropped, dropped_version, carried)
 
 
-def _insert_queue(state: CarryState, inputs, stop_ids: jax.Array, version: jax.Array, refreshed: tuple,
-                  spec: CarryOverSpec) -> tuple:
+def _insert_queue(state: CarryState, inputs, prompt_routing: jax.Array | None, stop_ids: jax.Array,
+                  version: jax.Array, refreshed: tuple, spec: CarryOverSpec) -> tuple:
     """``insert_program`` in one queue (``spec`` its own) of its share of the prefills (``inputs``, the new
-    prompts' ``seam.QueueInputs`` of its P prompts; ``refreshed``, ``_refreshed``'s) -> (state, dropped
-    [P], dropped_version [], carried [])."""
+    prompts' ``seam.QueueInputs`` of its P prompts, ``prompt_routing`` their experts or None; ``refreshed``,
+    ``_refreshed``'s) -> (state, dropped [P], dropped_version [], carried [])."""
     G, P, n, N, R = spec.generations, spec.prompts, spec.engine.n, spec.engine.max_new_tokens, spec.rows
     g = jnp.mod(version, G)
     region = lambda index, size: index // size == g  # index in a [G size] array -> in region g
@@ -187,11 +207,15 @@ def _insert_queue(state: CarryState, inputs, stop_ids: jax.Array, version: jax.A
     carried = jnp.sum(jnp.repeat(state.live, n) & ~region(rows, P * n) & ~state.finished(old.outputs),
                       dtype=jnp.int32)
 
-    first = decode.first_outputs(inputs.real, inputs.first_tokens, inputs.first_logp, stop_ids, N, PAD_ID)
+    record = old.outputs.routing
+    first = decode.first_outputs(inputs.real, inputs.first_tokens, inputs.first_logp, stop_ids, N, PAD_ID,
+                                 None if record is None else (*record.shape[2:], record.dtype))
     state, kv, outputs = put_generation(
         state, kv, old.outputs, spec, g, version, inputs, first, jnp.zeros((P * n, N), jnp.int32).at[:, 0].set(version),
-        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(inputs.prompt_real, axis=-1))
-    kv = _refresh_prompts(kv, refreshed, version, spec)
+        inputs.first_tokens, jax.random.key_data(inputs.row_keys), jnp.any(inputs.prompt_real, axis=-1),
+        prompt_routing)
+    kv, refreshed_routing = _refresh_prompts(kv, state.prompt_routing, refreshed, version, spec)
+    state = state._replace(prompt_routing=refreshed_routing)
     busy = slots.row < R  # every row in a slot is a carried generation's: its copy of the partial page is redone
     kv = state.page_store(spec).recopy(kv, busy, jnp.minimum(slots.row, R - 1) // n)
 
@@ -285,10 +309,22 @@ def _harvest_queue(state: CarryState, version: jax.Array, spec: CarryOverSpec) -
         lengths, valid_rows & outputs.stopped[rows], jnp.where(valid, state.inserted[pick // P], -1),
         jnp.where(valid, pick % P, -1), valid, None, None, None, steps,
         jnp.sum(outputs.lengths - state.call_start, dtype=jnp.int32), steps * spec.engine.slots,
-        staleness_sum / jnp.maximum(tokens_returned, 1).astype(jnp.float32), jnp.max(staleness))
+        staleness_sum / jnp.maximum(tokens_returned, 1).astype(jnp.float32), jnp.max(staleness),
+        *_picked_routing(state, outputs, pick, valid, rows, mask))
     live = state.live.at[pick].set(state.live[pick] & ~valid)
     state = state._replace(versions=versions, call_start=outputs.lengths, live=live)
     return state, result, staleness_sum, tokens_returned
+
+
+def _picked_routing(state: CarryState, outputs: decode.Outputs, pick: jax.Array, valid: jax.Array, rows: jax.Array,
+                    mask: jax.Array) -> tuple:
+    """The routing records of the groups a harvest returns (``_harvest_queue``: their prompts pick [B], valid
+    [B], their rows [B n], the rows' generated tokens mask [B n, N]) -> (prompt_routing [B, T, L, k], routing
+    [B n, N, L, k]), 0 where nothing was returned; (None, None) without a record."""
+    if outputs.routing is None:
+        return None, None
+    prompts = jnp.where(valid[:, None, None, None], state.prompt_routing[pick], 0)
+    return prompts, jnp.where(mask[:, :, None, None], outputs.routing[rows], 0)
 
 
 def _joined_rows(rows: CarryOverRows, staleness: jax.Array, returned: jax.Array, spec: CarryOverSpec
@@ -300,7 +336,8 @@ def _joined_rows(rows: CarryOverRows, staleness: jax.Array, returned: jax.Array,
     [S] the tokens) and its max the max."""
     first = jnp.arange(rows.group_prompt.shape[0], dtype=jnp.int32)[:, None] * spec.prompts  # [S, 1]
     rows = rows._replace(group_prompt=jnp.where(rows.group_valid, rows.group_prompt + first, -1))
-    flat = {name: getattr(rows, name).reshape(-1, *getattr(rows, name).shape[2:]) for name in CarryOverRows._fields[:9]}
+    flat = {name: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), getattr(rows, name))
+            for name in (*CarryOverRows._fields[:9], "prompt_routing", "routing")}  # None: no routing record
     return rows._replace(
         **flat, decode_steps=jnp.max(rows.decode_steps), decoded_tokens=jnp.sum(rows.decoded_tokens),
         slot_steps=jnp.sum(rows.slot_steps),

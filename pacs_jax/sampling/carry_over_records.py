@@ -37,6 +37,10 @@ class CarryOverRows(NamedTuple):
     slot_steps:      [] int32, C x decode steps (a queue's slots x its steps, summed over the queues)
     staleness_mean:  [] float32, mean of (this version - token version) over the returned tokens
     staleness_max:   [] int32, its max
+    prompt_routing:  None, or (recording routing, ``EngineSpec.routing``) [B, T, L, k]: each group's prompt's
+                     experts as its last prefill routed them (this call's weights: the insert's or a refresh)
+    routing:         None, or [B n, N, L, k]: the experts of each response token as the decode step that fed
+                     it routed it (the weights of that call: a carried row's are of several), 0 past the end
     """
 
     tokens: jax.Array
@@ -56,6 +60,8 @@ class CarryOverRows(NamedTuple):
     slot_steps: jax.Array
     staleness_mean: jax.Array
     staleness_max: jax.Array
+    prompt_routing: jax.Array | None = None
+    routing: jax.Array | None = None
 
     @property
     def slot_utilisation(self) -> float:

@@ -40,21 +40,26 @@ def restore_program(graphdef: nnx.GraphDef, params: nnx.State, state: CarryState
     model = decode_model(graphdef, params)
     queue = spec.per_queue(queue_shards(axes))
     key = jax.random.wrap_key_data(saved.row_keys[0])  # the prefill's token 0 is not kept: any key
-    inputs = prefill(model, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids,
-                     n=spec.engine.n, spread=False).inputs  # the whole call's, GSPMD-split (as the insert's)
-    state = on_queues(lambda version, state, inputs, saved: _restore_queue(state, inputs, version, saved, queue), axes,
-                      (version,), (state, input_shares(inputs, axes), queue_shares(saved, axes)))
+    prefilled = prefill(model, prompt_tokens, prompt_mask, saved.budgets, key, selection, stop_ids, n=spec.engine.n,
+                        spread=False, record_routing=spec.engine.routing)  # the whole call's, GSPMD-split
+    state = on_queues(lambda version, state, inputs, routing, saved: _restore_queue(state, inputs, routing, version,
+                                                                                     saved, queue), axes,
+                      (version,), (state, input_shares(prefilled.inputs, axes),
+                                   queue_shares(prefilled.prompt_routing, axes), queue_shares(saved, axes)))
     return nnx.state(model), state.pinned(shardings)
 
 
-def _restore_queue(state: CarryState, inputs, version: jax.Array, saved: SavedRows, spec: CarryOverSpec
-                   ) -> CarryState:
-    """``restore_program`` in one queue (``spec`` its own) of its share of the prefill (``inputs``) and
-    of the rows (``saved``)."""
+def _restore_queue(state: CarryState, inputs, prompt_routing: jax.Array | None, version: jax.Array, saved: SavedRows,
+                   spec: CarryOverSpec) -> CarryState:
+    """``restore_program`` in one queue (``spec`` its own) of its share of the prefill (``inputs``, and its
+    experts ``prompt_routing`` or None) and of the rows (``saved``). An export holds no routing: the rows' record
+    is zeroed here and the reseat records the experts of the tokens it feeds, with the resume's weights."""
     g = jnp.mod(version, spec.generations)
-    rows = decode.Outputs(saved.tokens, saved.logprobs, saved.lengths, saved.stopped)
+    record = state.decode.outputs.routing
+    routing = None if record is None else jnp.zeros((saved.tokens.shape[0], *record.shape[1:]), record.dtype)
+    rows = decode.Outputs(saved.tokens, saved.logprobs, saved.lengths, saved.stopped, routing)
     state, kv, outputs = put_generation(state, state.decode.kv, state.decode.outputs, spec, g, version, inputs, rows,
-                                        saved.versions, saved.tokens[:, 0], saved.row_keys, saved.live)
+                                        saved.versions, saved.tokens[:, 0], saved.row_keys, saved.live, prompt_routing)
     return state._replace(decode=state.decode._replace(kv=kv, outputs=outputs))
 
 
@@ -112,15 +117,19 @@ def _reseat_queue(model: nnx.Module, state: CarryState, slot_rows: jax.Array, sp
     token = lambda t: jnp.take_along_axis(outputs.tokens[r], (t - 1)[:, None], axis=1)[:, 0]
 
     def feed(carry):
-        kv, t, steps = carry
+        kv, record, t, steps = carry
         busy = t < target
-        _, kv, _ = store.attend(model, kv, token(t), positions(t), t, busy)
-        return kv, jnp.where(busy, t + 1, t), steps + 1
+        _, kv, experts = store.attend(model, kv, token(t), positions(t), t, busy, with_routing=record is not None)
+        if record is not None:  # the fed token is the row's token t - 1, as a decode step records it
+            record = record.at[jnp.where(busy, r, R), t - 1].set(experts[:, 0].astype(record.dtype), mode="drop")
+        return kv, record, jnp.where(busy, t + 1, t), steps + 1
 
     t = jnp.where(take, 1, jnp.where(seated, state.decode.slots.t, 1))  # a seated slot's next position to feed
-    kv, t, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[1] < target) & (carry[2] < spec.engine.chunk_steps),
-                                  feed, (kv, t, jnp.int32(0)))
+    kv, record, t, _ = jax.lax.while_loop(
+        lambda carry: jnp.any(carry[2] < target) & (carry[3] < spec.engine.chunk_steps), feed,
+        (kv, outputs.routing, t, jnp.int32(0)))
     slots = decode.Slots(row, jnp.where(seated, t, 0), jnp.where(seated, token(t), 0))
     left = jnp.max(target - t)
     progress = jnp.stack([left, (left == 0).astype(jnp.int32)])
-    return state._replace(decode=state.decode._replace(slots=slots, kv=kv)), progress
+    outputs = outputs._replace(routing=record)
+    return state._replace(decode=state.decode._replace(slots=slots, kv=kv, outputs=outputs)), progress

@@ -94,7 +94,7 @@ def carry_over_spec(settings: SamplingSettings, *, prompts: int, prompt_length: 
         raise ValueError(f"pages={pages}: the pool must hold one row's response pages, {need} of "
                          f"{settings.page_size} tokens (max_new_tokens={settings.max_new_tokens})")
     engine = EngineSpec("paged", settings.n, settings.max_new_tokens, settings.slots, None, settings.page_size, pages,
-                        settings.chunk_steps)
+                        settings.chunk_steps, settings.record_routing)
     return CarryOverSpec(engine, prompts, prompt_length, max_staleness + 1, groups, order)
 
 
@@ -125,7 +125,8 @@ class CarryState(NamedTuple):
     decode:         decode.DecodeState: steps [] (this call's decode steps), slots [C] (row R: idle),
                     kv (paged.PageState: the pool [K, L, G P TP + F + 1, s, Dh], free pages, the
                     slots' tables), taken [] (rows of ``order`` taken this call), outputs (tokens,
-                    logprobs [R, N], lengths [R], stopped [R])
+                    logprobs [R, N], lengths [R], stopped [R]; recording routing, ``EngineSpec.routing``: the
+                    experts of each response token [R, N, L, k] as the decode step that fed it routed it)
     versions:       [R, N] int32, the policy version that sampled each token (0 past a row's end)
     call_start:     [R] int32, each row's length when this call's decode began
     first_tokens:   [R] int32, token 0 of each row
@@ -138,6 +139,8 @@ class CarryState(NamedTuple):
     queued:         [] int32, waiting rows in ``order``
     inserted:       [G] int32, the version that inserted each region's generation (-1: none yet)
     live:           [G P] bool, real prompts inserted and neither returned nor dropped
+    prompt_routing: None, or (recording routing) [G P, T, L, k]: each prompt's tokens' experts, as its last
+                    prefill (the insert's, or this call's refresh) routed them
 
     With queues per batch shard (``queue_axes``) each is a queue's (of its P / S prompts a generation and
     C / S slots), stacked on a leading queue axis [S, ...].
@@ -155,6 +158,7 @@ class CarryState(NamedTuple):
     queued: jax.Array
     inserted: jax.Array
     live: jax.Array
+    prompt_routing: jax.Array | None = None
 
     def queue(self, stop_ids: jax.Array) -> decode.Queue:
         """The rows as the decode steps take them (``decode.Queue``: the waiting rows in ``order``, each

@@ -944,9 +944,6 @@ class RunSpec:
         require(replay == "disabled" or not self.algorithm.rollout_correction.bypass_mode, "train.router_replay",
                 f"{replay!r} records pi_old's routing, and bypass mode (algorithm.rollout_correction.bypass_mode) "
                 "computes no pi_old; turn one of them off")
-        require(replay != "R3" or not rc.carry_over, "train.router_replay",
-                "'R3' with rollout.carry_over=True is not built yet (the sampler's routing record does not travel "
-                "with carry-over's rows); use 'R2', or turn carry-over off")
         self._check_warmstart_data()
         if self.devices is None:
             return
@@ -1014,11 +1011,9 @@ class RunSpec:
         differ from them (``routing_mismatch_tokens`` / ``_decisions``) on a model with ``num_experts``: with
         ``train.router_replay`` R3, which replays the record, and "disabled" and R2, which measure it without (R2's
         update replays pi_old's own choice; our metric: verl 0.9.1 reports rollout load balance, rollout/moe/*_vio,
-        not this difference); not with carry-over or bypass mode without R3 (whose rows have no record or no
-        pi_old)."""
-        replay, rc = self.train.router_replay, self.rollout
-        return num_experts > 0 and (replay == "R3" or (not rc.carry_over
-                                                       and not self.algorithm.rollout_correction.bypass_mode))
+        not this difference); not in bypass mode without R3 (which computes no pi_old). With carry-over a carried
+        row's record is of the calls that decoded it (sampling/carry_over.py)."""
+        return num_experts > 0 and (self.train.router_replay == "R3" or not self.algorithm.rollout_correction.bypass_mode)
 
     def check_router_replay(self, model_cfg) -> None:
         """Refuse routing replay (``train.router_replay``) or a load-balancing loss (``train.router_aux_loss_coef``)

@@ -137,8 +137,10 @@ class RowCollector:
         lengths, stopped = distributed.to_host((rows.lengths, rows.stopped))
         bucket = pick_bucket(max(len(p) for p in call.prompts.prompt_ids), self.sampler.prompt_buckets,
                              "a prompt")
-        sampled = self._rows(call.prompts, (CallRows(rows.tokens, rows.logprobs, rows.lengths),), bucket, lengths,
-                             stopped, call.decode_steps, call.slot_steps)
+        record = None if rows.routing is None else self.sampler.call_routing(rows.prompt_routing, rows.routing,
+                                                                              length)  # R3: the returned rows' experts
+        sampled = self._rows(call.prompts, (CallRows(rows.tokens, rows.logprobs, rows.lengths, record),), bucket,
+                             lengths, stopped, call.decode_steps, call.slot_steps)
         return dataclasses.replace(sampled, metrics=call.metrics)
 
     def _rows(self, prompts: PromptBatch, calls: tuple[CallRows, ...], prompt_bucket: int, lengths: np.ndarray,
