@@ -39,7 +39,10 @@ call returns, N = max_new_tokens, s page size, TP = ceil(T / s), F response page
 
 A prompt's K/V is that of the current call's weights (inserted or refreshed); a response token's K/V
 stays where it was written, computed by the weights of the call whose decode step fed it (the version
-of the token after it), and is not recomputed but on a resume:
+of the token after it), and is not recomputed but on a resume. With ``SamplingSettings.record_routing``
+(routing replay R3) the experts go as the K/V does: each prompt's as its last prefill routed them, each
+response token's as the decode step that fed it did, and a resume's reseat records the tokens it feeds
+again (an export holds no record):
 
     export   (host) the rows in flight after a call: each generation with a live prompt, its rows'
              tokens, log-probs, versions, lengths, stop flags, budgets and keys, and the row each slot
