@@ -17,6 +17,8 @@ first step on a GPU (issue 40: the library paged kernel failed to lower for most
    the layers' weights.
 5. A small bfloat16 model's gradient (tests/gpu/layer_dots.py): what its remat saves of the layers'
    gemms is bfloat16, and on two H200s splitting the batch its weight gradients are summed in float32.
+6. tools/plan_step.py's prefill phase of a mixture of experts on h200x8 (tokamax's grouped kernel traced with
+   the mesh's GPU as the default device).
 """
 
 from __future__ import annotations
@@ -192,3 +194,29 @@ def test_the_remat_saves_the_layers_gemm_outputs_in_bfloat16_for_an_h200():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"mlp": ["bf16"], "q/o": ["bf16"], "k/v": ["bf16"], "grad_sums": ["f32"]}, report
+
+
+# A Qwen3-MoE step of the paper's 8B setup shrunk to one sparse layer of 16 experts (4 a token), bfloat16: its
+# experts' grouped matmul is tokamax's Mosaic GPU kernel on an H200 (models/moe_gemm_gpu.py)
+H200_MOE = ("--config=configs/paper.py:qwen3_8b,pacs_beta1", "--topology=h200x8", "--config.model.preset=",
+            "--config.model.random_init=True", "--config.model.hidden_size=256", "--config.model.intermediate_size=512",
+            "--config.model.num_hidden_layers=1", "--config.model.head_dim=128", "--config.model.vocab_size=151936",
+            "--config.model.rope_theta=1000000.0", "--config.model.model_type=qwen3_moe", "--config.model.num_experts=16",
+            "--config.model.num_experts_per_tok=4", "--config.model.moe_intermediate_size=128",
+            "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2",
+            "--config.rollout.max_new_tokens=1024", "--config.rollout.response_buckets=(1024,)",
+            "--config.train.prompts_per_step=64", "--config.train.micro_batches=8", "--config.train.logprob_micro_batches=8",
+            "--config.rollout.slots=256", "--config.mesh.tensor=2",
+            "--config.mesh.fsdp=4")
+
+
+@pytest.mark.slow(seconds=40)
+def test_plan_step_costs_a_moe_prefill_for_an_h200_with_tokamaxs_kernel():
+    """tools/plan_step.py's prefill phase of a mixture of experts, compiled for an H200 from this CPU: tokamax reads
+    the GPU's generation from JAX's default device while tracing, so the phase is lowered with the mesh's first
+    device as the default (``sharding.tracing_device``), as the trainer's programs are. Without it tokamax raised
+    "Unsupported GPU architecture" (the 30B's h200x8 plan, issue 66)."""
+    result = _run(["tools/plan_step.py", "--phases=prefill", *H200_MOE], timeout=600)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert re.search(r"^prefill +[\d.]+ +[\d.]+ ", out, re.MULTILINE), out

@@ -454,6 +454,7 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
     phases for PPO only); the memory (memory_check.ProgramMemory) of the trainer's programs among
     ``memory_programs(names)`` (a learner phase is costed from that compile; one the compiler refuses for lack
     of memory is not costed); and the names of the step's other programs, not compiled here."""
+    from pacs_jax import sharding
     from pacs_jax.rl.logprobs import DEFAULT_CHUNK_SIZE
     from pacs_jax.sampling.engine import lower_prefill
     from pacs_jax.training.abstract_step import abstract_step
@@ -470,14 +471,15 @@ def plan_phases(spec, devices, prompts: np.ndarray, responses: np.ndarray, log,
                               on_compiled=lambda program, c: compiled.__setitem__(program.name, c))
         plans = step.learner.packing_plans(prompts, responses) if step.learner.packing else None
         chunk = min(DEFAULT_CHUNK_SIZE, step.learner.pass_widths[1])
-        if "prefill" in names:
-            log(f"compiling the sampler's prefill ({programs['sampler'].shape}) ...")
-            chunk_prompts = programs["sampler"].args[1]
-            cost, xla, _ = compile_cost(lower_prefill(step.sampler.graphdef, step.sampler.params, chunk_prompts, chunk_prompts,
-                                                      step.sampler.settings), lambda loop: 0.0, log)
-            phases.append(Phase("prefill", calls, cost.flops, cost.bytes, cost.collective_bytes, xla_seconds=xla))
-        if "decode" in names:
-            phases.append(decode_phase(spec, devices, step, prompts, responses, log))
+        with sharding.tracing_device(step.sampler.mesh):  # tokamax's GPU kernel reads the GPU from the default device
+            if "prefill" in names:
+                log(f"compiling the sampler's prefill ({programs['sampler'].shape}) ...")
+                chunk_prompts = programs["sampler"].args[1]
+                cost, xla, _ = compile_cost(lower_prefill(step.sampler.graphdef, step.sampler.params, chunk_prompts,
+                                                          chunk_prompts, step.sampler.settings), lambda loop: 0.0, log)
+                phases.append(Phase("prefill", calls, cost.flops, cost.bytes, cost.collective_bytes, xla_seconds=xla))
+            if "decode" in names:
+                phases.append(decode_phase(spec, devices, step, prompts, responses, log))
         passes = {"pi_old": ("logprob", 1), "critic_values": ("logprob", 1), "critic_update": ("critic", 3),
                   "update": ("update", 3)}
         for name, (plan_name, factor) in passes.items():
