@@ -133,7 +133,9 @@ def test_routing_replay_says_whose_experts_ran_and_how_far_the_learners_routers_
         "tokens evenly; x 0.001 in the loss)" in step_line(balanced, {
             "actor/router_aux_loss": 2.0417, "routing_mismatch_tokens": 0.0, "routing_mismatch_decisions": 0.0})
     carried = _spec(**moe, **{"train.router_replay": "R2", "rollout.carry_over": True})
-    assert not carried.measures_routing(4)  # carried rows have no record
+    assert carried.measures_routing(4)  # carried rows' record travels with them (the calls that decoded them)
+    bypass = _spec(**moe, **{"algorithm.rollout_correction.bypass_mode": True, "rollout.max_logprob_diff": 0})
+    assert not bypass.measures_routing(4)  # no pi_old to measure against
     line = step_line(disabled, {"routing_mismatch_tokens": 0.5, "routing_mismatch_decisions": 0.125})
     assert line == ("routing: the learner's routers sent 50% of the tokens (12.5% of their layers' decisions) to "
                     "other experts than the sampler's (train.router_replay disabled: nothing replayed)")
