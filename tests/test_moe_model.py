@@ -110,7 +110,9 @@ def test_a_config_json_it_does_not_serve_is_refused_naming_the_field(hf_moe, cha
         QwenConfig.from_hf_dict({k: v for k, v in written.items() if v is not None}, source="config.json")
 
 
-def test_lora_on_the_experts_is_refused_naming_the_field():
+def test_a_dense_mlps_adapter_names_on_a_mixture_of_experts_are_refused_naming_the_field():
+    """up_proj names a dense MLP's Linear, which a model of experts does not have (its experts' weights are
+    target_parameters: tests/test_moe_lora.py)."""
     with pytest.raises(ValueError, match="lora_targets"):
         PRESETS["Qwen3-30B-A3B"].replace(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj", "up_proj"))
     assert PRESETS["Qwen3-30B-A3B"].replace(lora_rank=8, lora_alpha=16.0, lora_targets=("q_proj",)).lora_rank == 8

@@ -57,7 +57,8 @@ COMPARED = ("loss", "reward_mean", "sampled_tokens_checksum", "response_length_m
 # The runs of ``runs`` train the same model with Qwen3-MoE's sparse blocks instead of its MLPs (4 experts, 2 a token)
 # and the experts split over fsdp (model.expert_parallel), on the mesh (data 2, fsdp 2, tensor 2) in the same device
 # order: batch shards (0, 0) and (1, 0) on process 0, (0, 1) and (1, 1) on process 1, so each fsdp pair exchanging
-# its tokens spans both processes. (LoRA's runs below keep the dense model: LoRA on the experts is not served.)
+# its tokens spans both processes. (LoRA's runs below keep the dense model; tests/test_moe_lora.py splits the experts'
+# adapters over 2x2x2 devices in one process.)
 MOE = ("--config.model.model_type=qwen3_moe", "--config.model.num_experts=4", "--config.model.num_experts_per_tok=2",
        "--config.model.moe_intermediate_size=64", "--config.model.expert_parallel=True", "--config.mesh.data=2",
        "--config.mesh.fsdp=2")
