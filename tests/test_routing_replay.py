@@ -404,7 +404,8 @@ def test_carry_over_records_the_experts_the_learner_recomputes_through_carried_a
     tokens and the other's 6, so the other's rows run on into the next call; after call 0 the rows in flight
     (3 tokens, 2 of them fed) are exported and a fresh engine resumes them (their K/V, and their record, recomputed
     by the reseat). Every returned group's record, in the update rows' layout, equals
-    pi_old's router's at every token the sampler fed (the same float32 weights in every call)."""
+    pi_old's router's at every token the sampler fed (the same float32 weights in every call). Rows that ended
+    before an export have no record to resume with: refused."""
     _, ours = models
     graphdef, params = nnx.split(ours)
     settings = SamplingSettings(max_new_tokens=R, n=N_SAMPLES, temperature=1.0, slots=4, page_size=4, chunk_steps=1,
@@ -430,6 +431,10 @@ def test_carry_over_records_the_experts_the_learner_recomputes_through_carried_a
             sampler = make()
             sampler.resume(params, resumed, [batches[g] for g in resumed.generations])
     assert len(returned) == 6 and carried > 0 and resumed.running == 2 and resumed.tokens == 6
+    # rows that fed tokens and held no slot (ended before the export) would come back without a record: refused
+    unseated = resumed._replace(slots=np.full_like(resumed.slots, -1))
+    with pytest.raises(ValueError, match="ended before the export and holds no routing record"):
+        make().resume(params, unseated, [batches[g] for g in unseated.generations])
     assert returned[0][4].dtype == np.uint8
     for prompts, prompt_mask, tokens, lengths, record in returned:
         response_mask = (np.arange(R)[None, :] < lengths[:, None]).astype(np.int32)
@@ -443,7 +448,8 @@ def test_carry_over_records_the_experts_the_learner_recomputes_through_carried_a
 def test_carry_over_with_r3_trains_each_rows_own_record():
     """R3 with carry-over on a 2x2x2 mesh (its queues one a batch shard), 3 steps of one set of weights: rows run
     across the engine's calls, and each step's update batch holds each returned row's record, the learner's routing
-    at every fed token (float32: the metric says 0); the steps after the first compile nothing."""
+    at every fed token (float32: the metric says 0); the steps after the first compile nothing. A checkpoint's state
+    queues the prompts in flight again rather than keep rows without a record."""
     mesh, model = tiny_model_on_mesh(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                                      moe_intermediate_size=16)
     config = load_config("default.py")
@@ -474,6 +480,10 @@ def test_carry_over_with_r3_trains_each_rows_own_record():
             fed[np.arange(len(lengths)), batch.input_ids.shape[1] - batch.response_mask.shape[1] + lengths - 1] = False
             np.testing.assert_array_equal(np.sort(batch.routing, -1)[fed], np.sort(own, -1)[fed], err_msg=str(step))
     assert carried > 0
+    # a checkpoint keeps no rows in flight under R3 (an export holds no record): their prompts are queued first
+    in_flight = sum(map(len, carry.live.values()))
+    state = carry.get_state()
+    assert in_flight > 0 and state["in_flight"] is None and len(state["queued"]) == in_flight + len(carry.queued)
 
 
 @pytest.mark.parametrize("flags, says", [

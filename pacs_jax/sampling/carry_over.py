@@ -150,6 +150,22 @@ def _check_seats(slots: np.ndarray, spec: CarryOverSpec, shards: int) -> None:
                          f"mesh's {shards} queues")
 
 
+def _check_recordable(rows: InFlightRows, spec: CarryOverSpec) -> None:
+    """A ValueError when a resume that records routing (``SamplingSettings.record_routing``) would leave a row of
+    ``rows`` without its experts: an export holds no record, and the reseat records those of the rows it seats
+    again only, so a row that fed a token (2 or more) and held no decode slot (it ended before the export, its
+    group not yet returned) would come back with an empty record. The trainer queues such prompts again instead
+    (training/engine/carry_over.py)."""
+    seated = set(np.asarray(rows.slots)[np.asarray(rows.slots) >= 0].tolist())
+    rows_a_generation = spec.prompts * spec.engine.n
+    for version, saved in zip(rows.generations, rows.rows):
+        first = version % spec.generations * rows_a_generation
+        fed = [k for k in np.flatnonzero(np.asarray(saved.lengths) > 1) if first + k not in seated]
+        if fed:
+            raise ValueError(f"in-flight rows: row {fed[0]} of generation {version} ended before the export and holds "
+                             "no routing record to resume with (record_routing): sample its prompt again")
+
+
 class CarryOverSampler:
     """The host side of carry-over rollouts: holds the ``CarryState`` between calls.
 
@@ -224,7 +240,8 @@ class CarryOverSampler:
         its generations (prompts: (tokens [P, T], mask [P, T]) a generation, as its call had them) the
         prompts prefilled again and the rows' outputs put back, then the rows that held slots back in
         them, the K/V of their tokens recomputed with ``params`` (``reseat_program``, a chunk of decode
-        steps' worth of positions a program). The next call is version ``rows.version`` + 1; its rows
+        steps' worth of positions a program); recording routing, the experts of the tokens it feeds too (a
+        row that ended before the export has none: refused, ``_check_recordable``). The next call is version ``rows.version`` + 1; its rows
         continue as the engine that exported them would (the same tokens where the recomputed K/V gives
         the same logits). wait(progress, last): called after each generation's program (last None) and
         each chunk (``ReseatProgress``), as ``step``'s; a resume it abandons (by raising) leaves an
@@ -232,6 +249,8 @@ class CarryOverSampler:
         of a call."""
         if len(prompts) != len(rows.generations):
             raise ValueError(f"{len(prompts)} prompt batches for {len(rows.generations)} generations in flight")
+        if self.settings.record_routing:
+            _check_recordable(rows, self.spec)
         self.reset()
         spec, settings = self.spec, self.settings
         key = jax.device_put(jax.random.key(0), replicated())  # the init program's: only the keys' shape is read

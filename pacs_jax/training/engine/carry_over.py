@@ -145,8 +145,24 @@ class CarryOverRollouts:
         """The source's state, the prompts queued, and the rows in flight after the last call (None before
         any): ``{"version", "slots", "generations": [{"version", "prompts", "rows"}]}``, each generation's
         prompts (ids, answer, source) and ``SavedRows`` as JSON. The rows are read from the device at most
-        once a call, when a checkpoint is written (the loop asks for the state only then)."""
+        once a call, when a checkpoint is written (the loop asks for the state only then). Recording routing
+        (R3, ``SamplingSettings.record_routing``) the rows are not kept: their prompts are queued first and a
+        resume samples them again from their start (``_requeued``)."""
+        if self.engine.settings.record_routing:
+            return self._requeued(self.source.get_state(), list(self.queued))
         return {"source": self.source.get_state(), "queued": _prompts_json(self.queued), "in_flight": self._rows()}
+
+    def _in_flight_prompts(self) -> list:
+        """The prompts the engine holds, neither returned nor dropped, oldest call first."""
+        return [self.inserted[v][p] for v in sorted(self.live) for p in sorted(self.live[v])]
+
+    def _requeued(self, source: dict, queued: list, in_flight: list | None = None) -> dict:
+        """A state whose prompts in flight (``in_flight``, else the engine's now) are queued before ``queued``
+        and whose engine is empty: a resume samples them again from their start, no prompt lost or trained
+        twice. An export holds no routing record, and a row that ended before it would come back without one
+        (sampling/carry_over.py ``_check_recordable``): under R3 a checkpoint's rows are not kept."""
+        in_flight = self._in_flight_prompts() if in_flight is None else in_flight
+        return {"source": source, "queued": _prompts_json(in_flight + queued), "in_flight": None}
 
     def state_before_call(self) -> Callable[[], dict]:
         """``get_state`` as of now, before the next call, as a function called only when a stop drops the
@@ -156,12 +172,12 @@ class CarryOverRollouts:
         queued first instead, oldest call first, and a resume samples them again from their start: no
         prompt lost or trained twice, their partial responses lost."""
         version, source, queued = self.version, self.source.get_state(), list(self.queued)
-        in_flight = [self.inserted[v][p] for v in sorted(self.live) for p in sorted(self.live[v])]
+        in_flight = self._in_flight_prompts()
 
         def state() -> dict:
-            if self.version == version:
+            if self.version == version and not self.engine.settings.record_routing:
                 return {"source": source, "queued": _prompts_json(queued), "in_flight": self._rows()}
-            return {"source": source, "queued": _prompts_json(in_flight + queued), "in_flight": None}
+            return self._requeued(source, queued, in_flight)
         return state
 
     def _rows(self) -> dict | None:
