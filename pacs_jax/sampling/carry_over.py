@@ -42,7 +42,7 @@ stays where it was written, computed by the weights of the call whose decode ste
 of the token after it), and is not recomputed but on a resume. With ``SamplingSettings.record_routing``
 (routing replay R3) the experts go as the K/V does: each prompt's as its last prefill routed them, each
 response token's as the decode step that fed it did, and a resume's reseat records the tokens it feeds
-again (an export holds no record):
+again (an export holds no record, so a resume refuses rows that ended before it, ``_check_recordable``):
 
     export   (host) the rows in flight after a call: each generation with a live prompt, its rows'
              tokens, log-probs, versions, lengths, stop flags, budgets and keys, and the row each slot
