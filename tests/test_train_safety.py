@@ -378,7 +378,8 @@ def test_a_resume_that_switches_carry_over_or_clipping_is_refused_naming_the_che
 
     config = load_config("default.py")
     plain = ListPromptSource([])
-    carried = CarryOverRollouts(ListPromptSource([]), SimpleNamespace(export=lambda: None), prompts_per_step=8)
+    engine = SimpleNamespace(export=lambda: None, settings=SimpleNamespace(record_routing=False))  # nothing in flight
+    carried = CarryOverRollouts(ListPromptSource([]), engine, prompts_per_step=8)
     for saved, data_state in ((True, carried.get_state()), (False, plain.get_state())):
         workdir = tmp_path / f"carry_over_{saved}"
         _save_meta(workdir, 3, data_state)
